@@ -11,7 +11,22 @@ import pathlib
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The dtype names config.json uses (`torch_dtype` or `dtype`).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_REQUIRED_KEYS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "intermediate_size", "moe_intermediate_size", "num_experts_per_tok",
+)
+
+
+def _rope_theta(raw: dict) -> float:
+    """rope_theta from either spelling; refuses scaled rotary (yarn, ...), which serving lacks."""
+    rope = raw.get("rope_parameters") or {}
+    for scaling in (raw.get("rope_scaling") or {}, rope):
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"config rope type {rope_type!r} is not supported (only 'default')")
+    return float(raw.get("rope_theta", rope.get("rope_theta", 1_000_000.0)))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,7 +63,8 @@ class ModelConfig:
         positive = (
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
-            "moe_intermediate_size", "decoder_sparse_step", "max_position_embeddings",
+            "intermediate_size", "moe_intermediate_size", "decoder_sparse_step",
+            "max_position_embeddings", "rms_norm_eps", "rope_theta",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -81,14 +97,15 @@ class ModelConfig:
         model_type = raw.get("model_type", "qwen3_moe")
         if model_type != "qwen3_moe":
             raise ValueError(f"config model_type {model_type!r} is not 'qwen3_moe'")
-        rope = raw.get("rope_parameters") or {}
-        rope_theta = raw.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
+        missing = [key for key in _REQUIRED_KEYS if key not in raw]
+        if missing:
+            raise ValueError(f"config lacks required key(s) {missing}")
         num_experts = raw.get("num_experts", raw.get("num_local_experts"))
         if num_experts is None:
             raise ValueError("config has neither num_experts nor num_local_experts")
         dtype_name = raw.get("torch_dtype", raw.get("dtype")) or "bfloat16"
-        if dtype_name not in _DTYPES:
-            raise ValueError(f"config dtype {dtype_name!r} is not one of {sorted(_DTYPES)}")
+        if dtype_name not in DTYPES:
+            raise ValueError(f"config dtype {dtype_name!r} is not one of {sorted(DTYPES)}")
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         heads = raw["num_attention_heads"]
@@ -107,10 +124,10 @@ class ModelConfig:
             decoder_sparse_step=raw.get("decoder_sparse_step", 1),
             mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
+            rope_theta=_rope_theta(raw),
             max_position_embeddings=raw.get("max_position_embeddings", 40960),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            dtype=_DTYPES[dtype_name],
+            dtype=DTYPES[dtype_name],
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
         )
@@ -125,7 +142,7 @@ class ModelConfig:
 
     def to_hub_dict(self) -> dict:
         """The config.json of a hub checkpoint (hub spellings), as make-model writes it."""
-        dtype_name = {v: k for k, v in _DTYPES.items()}[self.dtype]
+        dtype_name = {v: k for k, v in DTYPES.items()}[self.dtype]
         return {
             "architectures": ["Qwen3MoeForCausalLM"],
             "model_type": "qwen3_moe",

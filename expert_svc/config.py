@@ -1,0 +1,104 @@
+"""The expert service's configuration: one frozen dataclass, checked on construction.
+
+Every field is also a flag `--field-name` and an env var `MOEMESH_FIELD_NAME`
+(services/settings.py builds both from this dataclass).
+"""
+
+import dataclasses
+
+_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExpertConfig:
+    """One rank of a worker group: where it listens, what it loads, how it runs."""
+
+    # The id this process registers under in etcd (unique among experts).
+    member_id: str
+    # The checkpoint directory (hub layout: config.json + safetensors).
+    model: str
+    # The etcd endpoint, HOST:PORT.
+    etcd: str = "127.0.0.1:2379"
+    # The interface the gRPC server binds.
+    host: str = "127.0.0.1"
+    # The gRPC port; 0 picks a free one (see port_file).
+    port: int = 0
+    # If set, the bound gRPC port is written here once the server listens.
+    port_file: str = ""
+    # The host peers dial (registered address, rendezvous); empty means `host`.
+    advertise_host: str = ""
+    # The port this rank hosts the torch.distributed store on if it becomes
+    # rank 0; 0 picks a free one at start.
+    rendezvous_port: int = 0
+    # "cpu", "cuda" or "cuda:N": one rank per GPU.
+    device: str = "cpu"
+    # Compute dtype; empty means float32 on the CPU and bfloat16 on CUDA.
+    dtype: str = ""
+    # Tokens per KV block.
+    kv_block_size: int = 16
+    # Blocks of the KV pool; 0 sizes the pool from memory (the two fields below).
+    kv_blocks: int = 0
+    # KV pool memory on the CPU, in bytes.
+    kv_memory_bytes: int = 256 * 1024 * 1024
+    # Share of the free GPU memory (after the weights) the KV pool takes on CUDA.
+    kv_memory_fraction: float = 0.8
+    # torch intra-op threads; 0 keeps torch's default.
+    num_threads: int = 1
+    # How long a collective (and the rendezvous) may wait for the other ranks.
+    collective_timeout_s: float = 120.0
+    # Report expert hit counts to the router every this many steps; 0 disables.
+    stats_every_steps: int = 16
+    # Deadline of one hit-count report to the router.
+    stats_deadline_s: float = 2.0
+    # TTL of the etcd registration lease.
+    lease_ttl_s: int = 2
+    # Root of the mesh's keys in etcd.
+    key_prefix: str = "/moemesh"
+
+    def __post_init__(self) -> None:
+        if not self.member_id:
+            raise ValueError(f"member_id must be non-empty, got {self.member_id!r}")
+        if not self.model:
+            raise ValueError(f"model must be a checkpoint directory, got {self.model!r}")
+        host, sep, port = self.etcd.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"etcd must be HOST:PORT, got {self.etcd!r}")
+        for name in ("port", "rendezvous_port"):
+            value = getattr(self, name)
+            if not 0 <= value <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {value}")
+        if not (self.device == "cpu" or self.device == "cuda"
+                or (self.device.startswith("cuda:") and self.device[5:].isdigit())):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.dtype not in ("", *_DTYPES):
+            raise ValueError(f"dtype must be one of {_DTYPES} (or empty), got {self.dtype!r}")
+        for name in ("kv_block_size", "kv_memory_bytes", "lease_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("kv_blocks", "num_threads", "stats_every_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        for name in ("collective_timeout_s", "stats_deadline_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.key_prefix.startswith("/"):
+            raise ValueError(f"key_prefix must start with '/', got {self.key_prefix!r}")
+
+    @property
+    def is_cuda(self) -> bool:
+        """True if the rank runs on a GPU."""
+        return self.device.startswith("cuda")
+
+    @property
+    def dtype_name(self) -> str:
+        """The compute dtype, with the device's default filled in."""
+        return self.dtype or ("bfloat16" if self.is_cuda else "float32")
+
+    @property
+    def public_host(self) -> str:
+        """The host other processes reach this rank at."""
+        if self.advertise_host:
+            return self.advertise_host
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]") else self.host

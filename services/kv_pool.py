@@ -1,0 +1,58 @@
+"""The paged KV cache of one rank: fixed-size blocks of K and V per layer.
+
+A token at position p of a sequence lives in slot
+`block_table[p // block_size] * block_size + p % block_size`. The gateway owns
+which blocks belong to which sequence; the pool is only the storage.
+"""
+
+import torch
+from torch import Tensor
+
+from services.model.config import ModelConfig
+
+
+class KVPool:
+    """K and V caches, each [num_layers, num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+        for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks),
+                            ("block_size", block_size), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim)):
+            if value <= 0:
+                raise ValueError(f"KVPool {name} must be positive, got {value}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype, device) -> "KVPool":
+        """A pool shaped for the model's layers and KV heads."""
+        return cls(config.num_hidden_layers, num_blocks, block_size,
+                   config.num_key_value_heads, config.head_dim, dtype, device)
+
+    @staticmethod
+    def blocks_for_memory(config: ModelConfig, block_size: int, memory_bytes: int, dtype) -> int:
+        """How many blocks (K and V, all layers) fit in memory_bytes."""
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if memory_bytes < 0:
+            raise ValueError(f"memory_bytes must not be negative, got {memory_bytes}")
+        return memory_bytes // _bytes_per_block(config, block_size, dtype)
+
+    def layer(self, layer: int) -> tuple[Tensor, Tensor]:
+        """The layer's K and V caches, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+        return self.k_cache[layer], self.v_cache[layer]
+
+    @property
+    def num_bytes(self) -> int:
+        """Memory held by both caches."""
+        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+
+def _bytes_per_block(config: ModelConfig, block_size: int, dtype) -> int:
+    element_size = torch.empty((), dtype=dtype).element_size()
+    # 2: one K and one V entry per token, head and layer.
+    return (2 * config.num_hidden_layers * block_size * config.num_key_value_heads
+            * config.head_dim * element_size)

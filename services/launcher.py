@@ -1,0 +1,226 @@
+"""Starts a whole mesh on this machine: etcd, three schedulers, the router,
+N expert services and the gateway, each its own process.
+
+Used by `moemesh up` and by the end-to-end tests, so both start the mesh the
+same way. Every process binds port 0 (or the port asked for) and writes the
+bound port to a file that the launcher waits for.
+"""
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services import etcd_server
+
+log = logging.getLogger(__name__)
+
+NUM_SCHEDULERS = 3
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MeshSpec:
+    """What to start."""
+
+    model_dir: str
+    num_ranks: int = 1
+    device: str = "cpu"
+    # Gateway port; 0 picks a free one.
+    gateway_port: int = 0
+    # An existing etcd (host:port); empty starts a private one.
+    etcd: str = ""
+    # Where logs, port files and etcd's data go; empty makes a temporary dir.
+    work_dir: str = ""
+    # Extra flags per role, e.g. {"expert_svc": ["--kv-blocks", "64"]}.
+    extra_args: dict = dataclasses.field(default_factory=dict)
+    ready_timeout_s: float = 180.0
+
+    def __post_init__(self) -> None:
+        if self.num_ranks < 1:
+            raise ValueError(f"--ranks must be at least 1, got {self.num_ranks}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if not (pathlib.Path(self.model_dir) / "config.json").is_file():
+            raise ValueError(f"--model {self.model_dir!r} has no config.json")
+
+
+@dataclasses.dataclass(slots=True)
+class Role:
+    """One started process."""
+
+    name: str
+    proc: subprocess.Popen
+    port_file: pathlib.Path
+    log_path: pathlib.Path
+    port: int = 0
+
+
+class Mesh:
+    """A running mesh; use as a context manager or call start()/stop()."""
+
+    def __init__(self, spec: MeshSpec):
+        self.spec = spec
+        self.roles: list[Role] = []
+        self.etcd: etcd_server.EtcdProcess | None = None
+        self.etcd_endpoint = spec.etcd
+        self._tmp = None if spec.work_dir else tempfile.TemporaryDirectory(prefix="moemesh-")
+        self.work_dir = pathlib.Path(spec.work_dir or self._tmp.name)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def gateway(self) -> Role:
+        return next(r for r in self.roles if r.name == "gateway")
+
+    @property
+    def gateway_address(self) -> str:
+        return f"127.0.0.1:{self.gateway.port}"
+
+    @property
+    def scheduler_addresses(self) -> list[str]:
+        return [f"127.0.0.1:{r.port}" for r in self.roles if r.name.startswith("scheduler")]
+
+    def start(self) -> "Mesh":
+        """Starts every process and returns once the gateway serves."""
+        try:
+            self._start_all()
+            self._wait_serving(self.gateway_address, self.spec.ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self._write_state()
+        return self
+
+    def _start_all(self) -> None:
+        if not self.etcd_endpoint:
+            self.etcd = etcd_server.start_etcd(self.work_dir / "etcd")
+            self.etcd_endpoint = self.etcd.endpoint
+        common = ["--etcd", self.etcd_endpoint]
+        for i in range(NUM_SCHEDULERS):
+            self._spawn(f"scheduler-{i}", "scheduler_svc.main",
+                        [*common, "--member-id", f"scheduler-{i}", "--group-size", str(self.spec.num_ranks)])
+        self._spawn("router", "router_svc.main", [*common, "--member-id", "router-0"])
+        for r in range(self.spec.num_ranks):
+            self._spawn(f"expert-{r}", "expert_svc.main",
+                        [*common, "--member-id", f"expert-{r}", "--model", self.spec.model_dir,
+                         "--device", self.spec.device])
+        self._spawn("gateway", "gateway.main",
+                    [*common, "--member-id", "gateway-0", "--model", self.spec.model_dir],
+                    port=self.spec.gateway_port)
+        for role in self.roles:
+            role.port = self._wait_port(role, self.spec.ready_timeout_s)
+
+    def _spawn(self, name: str, module: str, args: list[str], port: int = 0) -> None:
+        port_file = self.work_dir / f"{name}.port"
+        port_file.unlink(missing_ok=True)
+        log_path = self.work_dir / f"{name}.log"
+        role_key = module.split(".")[0]
+        cmd = [sys.executable, "-m", module, *args, "--port", str(port), "--port-file", str(port_file),
+               *self.spec.extra_args.get(role_key, [])]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+        self.roles.append(Role(name=name, proc=proc, port_file=port_file, log_path=log_path))
+        log.info("started %s (pid %d): %s", name, proc.pid, " ".join(cmd))
+
+    def _wait_port(self, role: Role, timeout_s: float) -> int:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if role.proc.poll() is not None:
+                raise RuntimeError(f"{role.name} exited with {role.proc.returncode}; log:\n{tail(role.log_path)}")
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                return int(role.port_file.read_text())
+            time.sleep(0.05)
+        raise TimeoutError(f"{role.name} did not report its port in {timeout_s} s; log:\n{tail(role.log_path)}")
+
+    def _wait_serving(self, address: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while time.monotonic() < deadline:
+                self.check_alive()
+                with contextlib.suppress(grpc.RpcError):
+                    status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
+                    if status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                time.sleep(0.1)
+        raise TimeoutError(f"gateway at {address} not SERVING after {timeout_s} s; log:\n{tail(self.gateway.log_path)}")
+
+    def check_alive(self) -> None:
+        """Raises if any process has exited."""
+        for role in self.roles:
+            if role.proc.poll() is not None:
+                raise RuntimeError(f"{role.name} exited with {role.proc.returncode}; log:\n{tail(role.log_path)}")
+
+    def _write_state(self) -> None:
+        state = {
+            "gateway": self.gateway_address,
+            "schedulers": self.scheduler_addresses,
+            "etcd": self.etcd_endpoint,
+            "work_dir": str(self.work_dir),
+            "pids": {r.name: r.proc.pid for r in self.roles},
+        }
+        (self.work_dir / "mesh.json").write_text(json.dumps(state, indent=2))
+        STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
+        STATE_FILE.write_text(json.dumps(state, indent=2))
+
+    def stop(self, grace_s: float = 10.0) -> dict[str, int]:
+        """SIGTERM every process (gateway first), then SIGKILL stragglers.
+
+        Returns each role's exit code.
+        """
+        codes = {}
+        for role in reversed(self.roles):
+            if role.proc.poll() is None:
+                role.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for role in reversed(self.roles):
+            try:
+                codes[role.name] = role.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0f s; killing it", role.name, grace_s)
+                os.killpg(role.proc.pid, signal.SIGKILL)
+                codes[role.name] = role.proc.wait()
+        if self.etcd is not None:
+            self.etcd.stop()
+        self.roles.clear()
+        if STATE_FILE.exists():
+            with contextlib.suppress(ValueError, OSError):
+                if json.loads(STATE_FILE.read_text()).get("work_dir") == str(self.work_dir):
+                    STATE_FILE.unlink()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+        return codes
+
+    def __enter__(self) -> "Mesh":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def cache_dir() -> pathlib.Path:
+    """Where moemesh keeps built artefacts (tokenizer, default model)."""
+    return pathlib.Path(os.environ.get("MOEMESH_CACHE_DIR", pathlib.Path.home() / ".cache" / "moemesh"))
+
+
+# The addresses of the mesh that `moemesh up` runs, for `generate` and `status`.
+STATE_FILE = cache_dir() / "mesh.json"
+
+
+def tail(path: pathlib.Path, num_lines: int = 40) -> str:
+    """The last lines of a log file."""
+    with contextlib.suppress(FileNotFoundError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
+    return "(no log)"

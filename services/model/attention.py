@@ -1,0 +1,85 @@
+"""Paged attention behind a small interface, so a GPU kernel can replace the reference.
+
+A backend writes the step's new K/V into the pool's slots and attends each
+sequence's queries to its whole context: every cached token, plus the new
+ones causally. A sequence's chunk may start mid-sequence (chunked prefill, a
+prefix-cache hit), and one batch mixes prefill chunks and decode tokens.
+
+Legend: T tokens, H query heads, G KV heads, K head_dim, C context tokens of one
+sequence, Q new tokens of one sequence.
+"""
+
+import abc
+
+import torch
+from torch import Tensor
+
+from services.kv_pool import KVPool
+from services.model.batch import ForwardBatch
+
+
+class AttentionBackend(abc.ABC):
+    """Paged attention for one layer of one step."""
+
+    @abc.abstractmethod
+    def forward(self, layer: int, q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor,
+                batch: ForwardBatch, kv: KVPool, scale: float) -> Tensor:
+        """Stores k/v at batch.slot_mapping_T in layer `layer` of kv, returns o_THK."""
+
+
+class TorchReferenceAttention(AttentionBackend):
+    """Per-sequence gather of the context from the pool, then masked softmax attention.
+
+    Simple and exact, not fast: it loops over sequences on the host.
+    """
+
+    def forward(self, layer, q_THK, k_TGK, v_TGK, batch, kv, scale):
+        k_cache, v_cache = kv.layer(layer)
+        num_heads, head_dim = q_THK.shape[1:]
+        num_kv_heads = k_cache.shape[2]
+        # Slots flatten (block, offset): one index_copy_ writes every new token.
+        k_slots = k_cache.view(-1, num_kv_heads, head_dim)
+        v_slots = v_cache.view(-1, num_kv_heads, head_dim)
+        k_slots.index_copy_(0, batch.slot_mapping_T, k_TGK.to(k_slots.dtype))
+        v_slots.index_copy_(0, batch.slot_mapping_T, v_TGK.to(v_slots.dtype))
+
+        o_THK = torch.empty_like(q_THK)
+        starts = batch.cu_q_lens
+        for i, (q_len, context_len) in enumerate(zip(batch.q_lens, batch.context_lens)):
+            slots_C = _context_slots(batch.block_tables_BM[i], context_len, kv.block_size)
+            rows = slice(starts[i], starts[i] + q_len)
+            o_THK[rows] = _attend(q_THK[rows], k_slots[slots_C].to(q_THK.dtype),
+                                  v_slots[slots_C].to(q_THK.dtype), scale)
+        return o_THK
+
+
+def _context_slots(block_table_M: Tensor, context_len: int, block_size: int) -> Tensor:
+    positions_C = torch.arange(context_len, device=block_table_M.device)
+    return block_table_M.long()[positions_C // block_size] * block_size + positions_C % block_size
+
+
+def _attend(q_QHK: Tensor, k_CGK: Tensor, v_CGK: Tensor, scale: float) -> Tensor:
+    """Grouped-query attention of the last Q context tokens onto all C, causally."""
+    q_len, num_heads, _ = q_QHK.shape
+    context_len, num_kv_heads, _ = k_CGK.shape
+    group = num_heads // num_kv_heads
+    # Query head h reads KV head h // group.
+    k_HCK = k_CGK.repeat_interleave(group, dim=1).transpose(0, 1)
+    v_HCK = v_CGK.repeat_interleave(group, dim=1).transpose(0, 1)
+    scores_HQC = torch.matmul(q_QHK.transpose(0, 1), k_HCK.transpose(1, 2)) * scale
+    # The new tokens are the context's last Q: query j sits at position C - Q + j.
+    q_pos = torch.arange(context_len - q_len, context_len, device=q_QHK.device)
+    k_pos = torch.arange(context_len, device=q_QHK.device)
+    scores_HQC = scores_HQC.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    probs_HQC = torch.softmax(scores_HQC, dim=-1, dtype=torch.float32).to(q_QHK.dtype)
+    return torch.matmul(probs_HQC, v_HCK).transpose(0, 1)
+
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchReferenceAttention}
+
+
+def make_attention_backend(name: str = "torch") -> AttentionBackend:
+    """The registered backend called `name`."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {name!r} is not one of {sorted(ATTENTION_BACKENDS)}")
+    return ATTENTION_BACKENDS[name]()

@@ -1,0 +1,216 @@
+"""Configuration: a frozen dataclass -> argparse flags with env fallback.
+
+Every field `field_name` of a role's config dataclass becomes the flag
+`--field-name` and the environment variable `MOEMESH_FIELD_NAME`. The flag
+wins over the env var, the env var over the field's default; a field
+without a default must come from one of the two. The type comes from the
+annotation (str, int, float, bool, pathlib.Path, `X | None`, `tuple[X, ...]`
+as a comma-separated list); the help from the field's `metadata["help"]` or
+else from the `#` comment lines right above the field in the class body.
+The dataclass's `__post_init__` validates; its ValueError becomes a usage
+error (exit status 2) naming the bad value.
+
+`MemberConfig` holds the fields every registered process shares, and
+`write_port_file` is how a process started with `--port 0` tells its
+launcher which port it bound.
+"""
+
+import argparse
+import dataclasses
+import inspect
+import os
+import pathlib
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
+
+ENV_PREFIX = "MOEMESH_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+_FIELD_LINE = re.compile(r"^\s*(\w+)\s*:")
+_COMMENT_LINE = re.compile(r"^\s*#\s?(.*)$")
+
+T = typing.TypeVar("T")
+
+
+def env_var(field_name: str) -> str:
+    """The environment variable of a config field: MOEMESH_FIELD_NAME."""
+    return ENV_PREFIX + field_name.upper()
+
+
+def flag(field_name: str) -> str:
+    """The command-line flag of a config field: --field-name."""
+    return "--" + field_name.replace("_", "-")
+
+
+def parse_config(
+    cls: type[T],
+    argv: Sequence[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    prog: str | None = None,
+) -> T:
+    """Builds cls from argv (default sys.argv[1:]) and env (default os.environ)."""
+    parser = build_parser(cls, env=env, prog=prog)
+    namespace = parser.parse_args(argv)
+    try:
+        return cls(**vars(namespace))
+    except ValueError as error:
+        parser.error(str(error))
+        raise  # parser.error exits; this keeps type checkers honest
+
+
+def build_parser(
+    cls: type, *, env: Mapping[str, str] | None = None, prog: str | None = None
+) -> argparse.ArgumentParser:
+    """An ArgumentParser with one flag per field of the dataclass cls."""
+    env = os.environ if env is None else env
+    hints = typing.get_type_hints(cls)
+    comments = _field_comments(cls)
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=inspect.getdoc(cls),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for field in dataclasses.fields(cls):
+        if not field.init:
+            continue
+        _add_argument(parser, field, hints[field.name], comments.get(field.name, ""), env)
+    return parser
+
+
+def _add_argument(parser, field: dataclasses.Field, hint, comment: str, env) -> None:
+    convert = _converter(hint)
+    help_text = field.metadata.get("help", comment) or None
+    name = env_var(field.name)
+    help_text = f"{help_text + ' ' if help_text else ''}[env {name}]"
+    kwargs: dict = {"dest": field.name, "help": help_text}
+    if name in env:
+        try:
+            kwargs["default"] = convert(env[name])
+        except (ValueError, TypeError) as error:
+            parser.error(f"environment variable {name}={env[name]!r}: {error}")
+    elif field.default is not dataclasses.MISSING:
+        kwargs["default"] = field.default
+    elif field.default_factory is not dataclasses.MISSING:
+        kwargs["default"] = field.default_factory()
+    else:
+        kwargs["required"] = True
+    if hint is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    else:
+        kwargs["type"] = convert
+        kwargs["metavar"] = field.name.upper()
+    parser.add_argument(flag(field.name), **kwargs)
+
+
+def _converter(hint) -> typing.Callable[[str], typing.Any]:
+    """The str -> value conversion for a field annotation."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) != 1:
+            raise TypeError(f"unsupported config annotation {hint!r}")
+        convert_inner = _converter(inner[0])
+        return lambda text: None if text.strip().lower() in ("", "none") else convert_inner(text)
+    if origin is tuple:
+        if len(args) != 2 or args[1] is not Ellipsis:
+            raise TypeError(f"unsupported config annotation {hint!r}: use tuple[X, ...]")
+        convert_item = _converter(args[0])
+        return lambda text: tuple(convert_item(p.strip()) for p in text.split(",") if p.strip())
+    if hint is bool:
+        return _parse_bool
+    if hint in (str, int, float, pathlib.Path):
+        return hint
+    raise TypeError(f"unsupported config annotation {hint!r}")
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError(f"expected one of {sorted(_TRUE | _FALSE)}, got {text!r}")
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """Field name -> the `#` comment lines right above it in the class body."""
+    comments: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            lines = inspect.getsource(klass).splitlines()
+        except (OSError, TypeError):
+            continue
+        pending: list[str] = []
+        for line in lines:
+            comment = _COMMENT_LINE.match(line)
+            if comment:
+                pending.append(comment.group(1).strip())
+                continue
+            field = _FIELD_LINE.match(line)
+            if field and pending:
+                comments[field.group(1)] = " ".join(pending)
+            pending = []
+    return comments
+
+
+def write_port_file(path: str | os.PathLike, port: int) -> None:
+    """Writes the bound port (decimal and a newline) to path, atomically.
+
+    A launcher that starts a server with `--port 0 --port-file PATH` waits
+    until PATH exists and reads the port from it: the rename makes a
+    half-written file impossible.
+    """
+    target = pathlib.Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{port}\n")
+    os.replace(tmp, target)
+
+
+def read_port_file(path: str | os.PathLike) -> int | None:
+    """The port in a file written by write_port_file, None if not there yet."""
+    try:
+        return int(pathlib.Path(path).read_text().strip())
+    except FileNotFoundError:
+        return None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MemberConfig:
+    """Fields every process registered in etcd shares; roles subclass this
+    and call `MemberConfig.__post_init__(self)` from their own check."""
+
+    # Unique id of this process in the mesh (e.g. s0, r0, e3).
+    member_id: str
+    # etcd client endpoint, host:port.
+    etcd: str = "127.0.0.1:2379"
+    # Interface the gRPC server binds; also the host in the registered address.
+    host: str = "127.0.0.1"
+    # gRPC port; 0 picks a free one (see port_file).
+    port: int = 0
+    # If set, the bound port is written to this file once the server listens,
+    # so a launcher can find servers started with port 0.
+    port_file: str = ""
+    # TTL of this process's etcd lease: how long a crash goes unnoticed at most.
+    # etcd's minimum is 1 s with our raft flags.
+    lease_ttl_s: int = 2
+    # Root of every key this mesh writes in etcd.
+    key_prefix: str = "/moemesh"
+
+    def __post_init__(self) -> None:
+        if not self.member_id or "/" in self.member_id or self.member_id.strip() != self.member_id:
+            raise ValueError(f"member_id must be non-empty, without '/' or spaces, got {self.member_id!r}")
+        host, _, port = self.etcd.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"etcd must be host:port, got {self.etcd!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.lease_ttl_s < 1:
+            raise ValueError(f"lease_ttl_s must be >= 1 (etcd's minimum), got {self.lease_ttl_s}")
+        if not self.key_prefix.startswith("/") or self.key_prefix.endswith("/"):
+            raise ValueError(f"key_prefix must start and not end with '/', got {self.key_prefix!r}")

@@ -1,0 +1,68 @@
+"""Shared fixtures: a private cache dir, the tiny test model, one running mesh.
+
+The mesh is started once per test session and shared by every end-to-end
+test that can share it (starting one costs several seconds on 2 cores).
+"""
+
+import os
+import pathlib
+import tempfile
+
+# Before anything imports services.launcher: keep the tests' built tokenizer,
+# models and mesh state out of the user's ~/.cache.
+os.environ.setdefault("MOEMESH_CACHE_DIR", tempfile.mkdtemp(prefix="moemesh-test-cache-"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+TEST_MODEL_SEED = 1234
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ["MOEMESH_CACHE_DIR"])
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(cache_dir) -> pathlib.Path:
+    """The tiny preset with the real Qwen vocabulary and tokenizer files."""
+    from services.model import make_model
+
+    path = cache_dir / "models" / f"tiny-seed{TEST_MODEL_SEED}"
+    if not (path / "config.json").is_file():
+        make_model.make_random_checkpoint(path, make_model.PRESETS["tiny"], seed=TEST_MODEL_SEED)
+    return path
+
+
+@pytest.fixture(scope="session")
+def mesh(tiny_model_dir):
+    """One running mesh (1 rank, CPU) on the tiny model, shared by the session."""
+    from services import launcher
+
+    spec = launcher.MeshSpec(model_dir=str(tiny_model_dir), num_ranks=1, device="cpu")
+    with launcher.Mesh(spec) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_model_dir):
+    """transformers' Qwen3-MoE on the same weights: the correctness oracle."""
+    from transformers import Qwen3MoeForCausalLM
+
+    model = Qwen3MoeForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+    )
+    return model.eval()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The reference: greedy decoding with transformers' own forward and KV
+    cache, EOS ignored (generate() would mask EOS under min_new_tokens)."""
+    with torch.no_grad():
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        new_ids = []
+        for _ in range(max_new_tokens):
+            token = int(out.logits[0, -1].argmax())
+            new_ids.append(token)
+            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return new_ids
