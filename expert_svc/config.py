@@ -1,30 +1,24 @@
 """The expert service's configuration: one frozen dataclass, checked on construction.
 
 Every field is also a flag `--field-name` and an env var `MOEMESH_FIELD_NAME`
-(services/settings.py builds both from this dataclass).
+(services/settings.py builds both from this dataclass). The registration
+fields (member_id, etcd, host, port, port_file, lease_ttl_s, key_prefix) come
+from `MemberConfig`.
 """
 
 import dataclasses
+
+from services.settings import MemberConfig
 
 _DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ExpertConfig:
+class ExpertConfig(MemberConfig):
     """One rank of a worker group: where it listens, what it loads, how it runs."""
 
-    # The id this process registers under in etcd (unique among experts).
-    member_id: str
     # The checkpoint directory (hub layout: config.json + safetensors).
-    model: str
-    # The etcd endpoint, HOST:PORT.
-    etcd: str = "127.0.0.1:2379"
-    # The interface the gRPC server binds.
-    host: str = "127.0.0.1"
-    # The gRPC port; 0 picks a free one (see port_file).
-    port: int = 0
-    # If set, the bound gRPC port is written here once the server listens.
-    port_file: str = ""
+    model: str = ""
     # The host peers dial (registered address, rendezvous); empty means `host`.
     advertise_host: str = ""
     # The port this rank hosts the torch.distributed store on if it becomes
@@ -50,29 +44,19 @@ class ExpertConfig:
     stats_every_steps: int = 16
     # Deadline of one hit-count report to the router.
     stats_deadline_s: float = 2.0
-    # TTL of the etcd registration lease.
-    lease_ttl_s: int = 2
-    # Root of the mesh's keys in etcd.
-    key_prefix: str = "/moemesh"
 
     def __post_init__(self) -> None:
-        if not self.member_id:
-            raise ValueError(f"member_id must be non-empty, got {self.member_id!r}")
+        MemberConfig.__post_init__(self)
         if not self.model:
             raise ValueError(f"model must be a checkpoint directory, got {self.model!r}")
-        host, sep, port = self.etcd.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"etcd must be HOST:PORT, got {self.etcd!r}")
-        for name in ("port", "rendezvous_port"):
-            value = getattr(self, name)
-            if not 0 <= value <= 65535:
-                raise ValueError(f"{name} must be in [0, 65535], got {value}")
+        if not 0 <= self.rendezvous_port <= 65535:
+            raise ValueError(f"rendezvous_port must be in 0..65535, got {self.rendezvous_port}")
         if not (self.device == "cpu" or self.device == "cuda"
                 or (self.device.startswith("cuda:") and self.device[5:].isdigit())):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.dtype not in ("", *_DTYPES):
             raise ValueError(f"dtype must be one of {_DTYPES} (or empty), got {self.dtype!r}")
-        for name in ("kv_block_size", "kv_memory_bytes", "lease_ttl_s"):
+        for name in ("kv_block_size", "kv_memory_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("kv_blocks", "num_threads", "stats_every_steps"):
@@ -83,8 +67,6 @@ class ExpertConfig:
         for name in ("collective_timeout_s", "stats_deadline_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if not self.key_prefix.startswith("/"):
-            raise ValueError(f"key_prefix must start with '/', got {self.key_prefix!r}")
 
     @property
     def is_cuda(self) -> bool:

@@ -1,0 +1,196 @@
+"""Per-request state on the gateway: the sequence, its outputs and its errors.
+
+A `Sequence` is one generation request placed in the batcher: its prompt, the
+ids generated so far (its checkpoint), how much of it the rank has computed,
+and the text state (incremental detokenizer, stop-string matcher) that turns
+each sampled token into the `RequestOutput` streamed to the client.
+`RequestHandle` is the consumer side: an async iterator over those outputs.
+
+Domain types only: the servicer maps them to protobuf and gRPC status codes.
+"""
+
+import asyncio
+import dataclasses
+import enum
+import random
+from collections.abc import Collection
+
+from services.text import StopStringMatcher
+
+
+class FinishReason(enum.Enum):
+    """Why generation ended (the public API's FinishReason, minus UNSPECIFIED)."""
+
+    STOP = 1
+    LENGTH = 2
+    ABORT = 3
+
+
+class ErrorCode(enum.Enum):
+    """How a failed request maps to a status at the edge."""
+
+    INVALID_ARGUMENT = "invalid_argument"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    UNAVAILABLE = "unavailable"
+
+
+class GenerationError(Exception):
+    """A request failed; `code` says which status the client gets."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step added to a request: its new tokens and new text."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    # Set on the last output only.
+    finish_reason: FinishReason | None = None
+    matched_stop: str = ""
+
+    @property
+    def is_final(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request in the batcher: token state, KV progress and text state.
+
+    request: a validation.ValidatedRequest (request_id, prompt_ids,
+    max_new_tokens, temperature, top_p, top_k, seed, stops, ignore_eos).
+    detokenizer: an object with push(ids) -> str and flush() -> str
+    (services.text.IncrementalDetokenizer).
+    """
+
+    __slots__ = (
+        "seq_id", "request", "prompt_ids", "output_ids", "seed", "rank", "status",
+        "num_computed", "is_aborted", "finish_reason", "_detokenizer", "_stops",
+    )
+
+    def __init__(self, seq_id: int, request, detokenizer) -> None:
+        self.seq_id = seq_id
+        self.request = request
+        self.prompt_ids: list[int] = list(request.prompt_ids)
+        self.output_ids: list[int] = []
+        # "Unset" means random; the rank needs a concrete seed for its generator.
+        self.seed: int = request.seed if request.seed is not None else random.getrandbits(63)
+        self.rank: int | None = None
+        self.status = SeqStatus.WAITING
+        # Tokens whose KV the rank has computed (or will have, once the step in flight ends).
+        self.num_computed = 0
+        self.is_aborted = False
+        self.finish_reason: FinishReason | None = None
+        self._detokenizer = detokenizer
+        self._stops = StopStringMatcher(list(request.stops))
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def next_input_ids(self) -> list[int]:
+        """Input tokens of the next step: the uncomputed prompt, or [] for a decode
+        step (the rank feeds back the token it sampled)."""
+        if self.output_ids:
+            assert self.num_computed == self.num_tokens - 1, (self.num_computed, self.num_tokens)
+            return []
+        return self.prompt_ids[self.num_computed:]
+
+    def append_token(self, token_id: int, eos_token_ids: Collection[int], max_context: int) -> RequestOutput:
+        """Records a sampled token and returns the output it produces, final if it ends the request."""
+        assert not self.is_finished, self.seq_id
+        self.output_ids.append(token_id)
+        matched = None
+        if token_id in eos_token_ids and not self.request.ignore_eos:
+            # The EOS id is reported and counted, its text is not emitted.
+            text, matched = self._drain_text()
+            reason = FinishReason.STOP
+        else:
+            text, matched = self._stops.push(self._detokenizer.push([token_id]))
+            reason = FinishReason.STOP if matched is not None else None
+            if reason is None and (len(self.output_ids) >= self.request.max_new_tokens
+                                   or self.num_tokens >= max_context):
+                more, matched = self._drain_text()
+                text += more
+                reason = FinishReason.STOP if matched is not None else FinishReason.LENGTH
+        if reason is not None:
+            self.finish_reason = reason
+        return self._output((token_id,), text, reason, matched or "")
+
+    def abort_output(self) -> RequestOutput:
+        """The final output of an aborted request (no new tokens or text)."""
+        self.finish_reason = FinishReason.ABORT
+        return self._output((), "", FinishReason.ABORT, "")
+
+    def _drain_text(self) -> tuple[str, str | None]:
+        """Flushes held-back text at the end: the detokenizer's tail through the
+        stop matcher, then whatever the matcher still holds."""
+        text, matched = self._stops.push(self._detokenizer.flush())
+        if matched is None:
+            text += self._stops.flush()
+        return text, matched
+
+    def _output(self, token_ids, text, reason, matched_stop) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            token_ids=tuple(token_ids),
+            text=text,
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.output_ids),
+            finish_reason=reason,
+            matched_stop=matched_stop,
+        )
+
+
+class RequestHandle:
+    """The consumer side of a request: `async for output in handle` yields its
+    outputs until the final one, or raises the GenerationError that failed it."""
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
+        self._queue: asyncio.Queue[RequestOutput | GenerationError] = asyncio.Queue()
+        # True once the final output or an error has been queued.
+        self.is_done = False
+        # True once the consumer has taken the final output or the error.
+        self._is_consumed = False
+
+    def put(self, item: RequestOutput | GenerationError) -> None:
+        """Queues an output or an error; nothing after the final one."""
+        if self.is_done:
+            return
+        self.is_done = isinstance(item, GenerationError) or item.is_final
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> "RequestHandle":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._is_consumed:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        self._is_consumed = isinstance(item, GenerationError) or item.is_final
+        if isinstance(item, GenerationError):
+            raise item
+        return item
