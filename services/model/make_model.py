@@ -78,6 +78,8 @@ def make_random_checkpoint(
     """
     if dtype not in DTYPES.values():
         raise ValueError(f"checkpoint dtype {dtype} is not one of {sorted(DTYPES)}")
+    if init_std <= 0:
+        raise ValueError(f"init_std must be positive, got {init_std}")
     num_tensors = len(expected_tensors(config, range(config.num_experts)))
     if not 1 <= num_shards <= num_tensors:
         raise ValueError(f"num_shards {num_shards} outside [1, {num_tensors}]")

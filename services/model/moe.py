@@ -63,7 +63,8 @@ class DispatchMeta:
     offsets_L: Tensor  # int32 cumulative rows per local expert: the grouped-GEMM offsets
 
 
-def gate(x_TD: Tensor, w_gate_ED: Tensor, top_k: int, norm_topk_prob: bool):
+def gate(x_TD: Tensor, w_gate_ED: Tensor, top_k: int,
+         norm_topk_prob: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Softmax top-k routing: (ids_TK, weights_TK in x's dtype, int64 counts_E)."""
     probs_TE = torch.softmax(F.linear(x_TD, w_gate_ED), dim=-1, dtype=torch.float32)
     weights_TK, ids_TK = torch.topk(probs_TE, top_k, dim=-1)

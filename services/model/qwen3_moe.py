@@ -54,7 +54,12 @@ class _Converted(Mapping):
 
 
 class Qwen3MoeModel:
-    """The model of one rank: forward(batch, kv) -> fp32 logits of the sampled rows."""
+    """The model of one rank: forward(batch, kv) -> fp32 logits of the sampled rows.
+
+    `weights` holds this rank's experts only (`expert_ids` must be its slice for
+    `comm`); the experts are stacked into new tensors, so the caller may drop
+    the dict afterwards. `attention` names a registered attention backend.
+    """
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Tensor], *,
                  expert_ids: Sequence[int], comm: ExpertComm | None = None,
@@ -69,8 +74,8 @@ class Qwen3MoeModel:
             )
         w = _Converted(weights, dtype, self.device)
         self.embed_VD = w["model.embed_tokens.weight"]
-        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        self.lm_head_VD = self.embed_VD if config.tie_word_embeddings else w[head]
+        # Tied checkpoints have no lm_head.weight: the embedding doubles as the head.
+        self.lm_head_VD = self.embed_VD if config.tie_word_embeddings else w["lm_head.weight"]
         self.norm_D = w["model.norm.weight"]
         self.hit_counts_LE = torch.zeros(len(config.moe_layers), config.num_experts,
                                          dtype=torch.int64, device=self.device)
@@ -123,12 +128,14 @@ class Qwen3MoeModel:
 
     def _attention(self, i: int, layer: _DecoderLayer, h_TD: Tensor, cos_TK: Tensor,
                    sin_TK: Tensor, batch: ForwardBatch, kv: KVPool) -> Tensor:
-        num_tokens, head_dim, eps = h_TD.shape[0], self.config.head_dim, self.config.rms_norm_eps
+        c, num_tokens = self.config, h_TD.shape[0]
+        q_shape = (num_tokens, c.num_attention_heads, c.head_dim)
+        kv_shape = (num_tokens, c.num_key_value_heads, c.head_dim)
         # Qwen3 normalises each head of q and k before the rotation.
-        q_THK = rms_norm(F.linear(h_TD, layer.w_q_HKD).view(num_tokens, -1, head_dim), layer.q_norm_K, eps)
-        k_TGK = rms_norm(F.linear(h_TD, layer.w_k_GKD).view(num_tokens, -1, head_dim), layer.k_norm_K, eps)
-        v_TGK = F.linear(h_TD, layer.w_v_GKD).view(num_tokens, -1, head_dim)
+        q_THK = rms_norm(F.linear(h_TD, layer.w_q_HKD).view(q_shape), layer.q_norm_K, c.rms_norm_eps)
+        k_TGK = rms_norm(F.linear(h_TD, layer.w_k_GKD).view(kv_shape), layer.k_norm_K, c.rms_norm_eps)
+        v_TGK = F.linear(h_TD, layer.w_v_GKD).view(kv_shape)
         q_THK = apply_rotary(q_THK, cos_TK, sin_TK)
         k_TGK = apply_rotary(k_TGK, cos_TK, sin_TK)
-        o_THK = self.attention.forward(i, q_THK, k_TGK, v_TGK, batch, kv, head_dim ** -0.5)
-        return F.linear(o_THK.reshape(num_tokens, -1), layer.w_o_DHK)
+        o_THK = self.attention.forward(i, q_THK, k_TGK, v_TGK, batch, kv, c.head_dim ** -0.5)
+        return F.linear(o_THK.reshape(num_tokens, c.num_attention_heads * c.head_dim), layer.w_o_DHK)

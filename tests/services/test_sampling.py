@@ -1,0 +1,65 @@
+"""Sampling: greedy is argmax, seeded draws reproduce whatever shares the batch, filters."""
+
+import pytest
+import torch
+
+from services.model.sampling import SamplingSpec, sample
+
+VOCAB = 64
+
+
+def _logits(num_rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(num_rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _generators(specs):
+    return [torch.Generator().manual_seed(s.seed) for s in specs]
+
+
+def _draws(logits_V, spec, steps=20) -> list[int]:
+    """`steps` tokens drawn from the same logits by one sequence's generator."""
+    generator = torch.Generator().manual_seed(spec.seed)
+    return [sample(logits_V[None], [spec], [generator])[0] for _ in range(steps)]
+
+
+def test_greedy_is_argmax():
+    logits = _logits(5)
+    specs = [SamplingSpec(temperature=0.0)] * 5
+    assert sample(logits, specs, [None] * 5) == logits.argmax(dim=-1).tolist()
+
+
+def test_same_seed_same_tokens_different_seeds_differ():
+    logits_V = _logits(1)[0]
+    spec = SamplingSpec(temperature=1.5, seed=42)
+    assert _draws(logits_V, spec) == _draws(logits_V, spec)
+    assert _draws(logits_V, spec) != _draws(logits_V, SamplingSpec(temperature=1.5, seed=43))
+
+
+def test_seeded_tokens_do_not_depend_on_the_rest_of_the_batch():
+    logits = _logits(4, seed=1)
+    specs = [SamplingSpec(temperature=1.0, seed=s) for s in (7, 8, 9, 10)]
+    full = sample(logits, specs, _generators(specs))
+    alone = sample(logits[2:3], specs[2:3], _generators(specs[2:3]))
+    mixed = sample(logits[[0, 2]], [SamplingSpec(temperature=0.0), specs[2]], [None, *_generators(specs[2:3])])
+    assert full[2] == alone[0] == mixed[1]
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = _logits(6, seed=2)
+    greedy = logits.argmax(dim=-1).tolist()
+    for spec in (SamplingSpec(temperature=2.0, top_k=1, seed=3), SamplingSpec(temperature=2.0, top_p=1e-6, seed=3)):
+        specs = [spec] * 6
+        assert sample(logits, specs, _generators(specs)) == greedy
+
+
+def test_top_k_draws_only_from_the_k_most_likely():
+    logits_V = _logits(1, seed=4)[0]
+    allowed = set(logits_V.topk(3).indices.tolist())
+    draws = _draws(logits_V, SamplingSpec(temperature=5.0, top_k=3, seed=5), steps=50)
+    assert set(draws) <= allowed and len(set(draws)) > 1
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1}])
+def test_rejects_bad_specs(kwargs):
+    with pytest.raises(ValueError):
+        SamplingSpec(**kwargs)
