@@ -158,6 +158,7 @@ def qwen3_tokenizer_path(cache_dir: str | os.PathLike | None = None) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, 0o644)    # mkstemp's 0600 would keep a shared cache private
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -177,6 +178,11 @@ class Tokenizer:
             i for i in (hf_tokenizer.token_to_id(IM_END), hf_tokenizer.token_to_id(END_OF_TEXT))
             if i is not None)
 
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The underlying Hugging Face tokenizer (encode_special_tokens is set)."""
+        return self._tok
+
     @classmethod
     def qwen3(cls, cache_dir: str | os.PathLike | None = None) -> Tokenizer:
         """The built Qwen3 tokenizer (from the cache, built if missing)."""
@@ -185,7 +191,11 @@ class Tokenizer:
     @classmethod
     def from_model_dir(cls, model_dir: str | os.PathLike,
                        cache_dir: str | os.PathLike | None = None) -> Tokenizer:
-        """The model directory's own `tokenizer.json` if it has one, else Qwen3's."""
+        """The model directory's own `tokenizer.json` if it has one, else Qwen3's.
+
+        The chat template is always ours (ChatML), whatever the directory's
+        tokenizer_config.json says.
+        """
         own = Path(model_dir) / "tokenizer.json"
         if own.is_file():
             return cls(tokenizers.Tokenizer.from_file(str(own)))

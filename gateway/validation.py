@@ -1,0 +1,229 @@
+"""Checking a GenerateRequest against the server's limits, before it is queued.
+
+`validate_request` turns a `gateway_pb2.GenerateRequest` into a
+`ValidatedRequest` (the prompt tokenized, defaults applied) or raises
+`RequestError`, whose message names the field, the limit and the bad value;
+the servicer maps it to INVALID_ARGUMENT. Cheap checks run before the prompt
+is tokenized, so an oversized request costs no tokenization.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import secrets
+import struct
+import uuid
+from collections.abc import Sequence
+from typing import NoReturn, Protocol
+
+from moe.gateway.v1 import gateway_pb2
+from services.tokenizer import CHAT_ROLES
+
+MAX_TEMPERATURE = 2.0
+
+
+class PromptTokenizer(Protocol):
+    """What validation needs of a tokenizer (services.tokenizer.Tokenizer)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]: ...
+
+
+class RequestError(ValueError):
+    """A request breaks a limit; `message` names `field`, the limit and the value."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """The server's limits on one request."""
+
+    # Token ids must be below it; top_k at most it (the model's vocab_size).
+    vocab_size: int
+    # prompt + generated tokens (the model's max_position_embeddings).
+    max_context: int
+    # max_new_tokens when the request leaves it 0, cut to the room left in the context.
+    max_new_tokens_default: int = 256
+    # The most max_new_tokens a request may ask for.
+    max_new_tokens_limit: int = 32_768
+    # Characters of the prompt, or of all chat contents together.
+    max_prompt_chars: int = 1_000_000
+    max_stop_strings: int = 16
+    # Characters of one stop string.
+    max_stop_len: int = 256
+    # Characters of the request id.
+    max_request_id_len: int = 256
+    max_chat_messages: int = 1024
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"RequestLimits.{field.name} must be a positive int, got {value!r}")
+        if self.max_new_tokens_default > self.max_new_tokens_limit:
+            raise ValueError(
+                f"RequestLimits.max_new_tokens_default ({self.max_new_tokens_default}) must be at most "
+                f"max_new_tokens_limit ({self.max_new_tokens_limit})")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ValidatedRequest:
+    """A request that fits the limits, with its defaults applied."""
+
+    # The client's id, or a generated one if it sent none.
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    # 0 means greedy.
+    temperature: float
+    # In (0, 1]; 1.0 means disabled.
+    top_p: float
+    # 0 means disabled.
+    top_k: int
+    # The client's seed, or a random 63-bit one.
+    seed: int
+    stops: tuple[str, ...]
+    ignore_eos: bool
+
+
+def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
+                     tokenizer: PromptTokenizer) -> ValidatedRequest:
+    """Check `req` against `limits` and tokenize its prompt; raise RequestError."""
+    request_id = _check_request_id(req.request_id, limits)
+    sampling = req.sampling
+    temperature = _check_range("sampling.temperature", sampling.temperature, 0.0, MAX_TEMPERATURE)
+    top_p = _check_range("sampling.top_p", sampling.top_p, 0.0, 1.0) or 1.0
+    if not 0 <= sampling.top_k <= limits.vocab_size:
+        _fail("sampling.top_k", f"must be in [0, {limits.vocab_size}], got {sampling.top_k}")
+    if sampling.max_new_tokens > limits.max_new_tokens_limit:
+        _fail("sampling.max_new_tokens",
+              f"must be at most {limits.max_new_tokens_limit}, got {sampling.max_new_tokens}")
+    stops = _check_stops(sampling.stop, limits)
+    input_field, prompt_ids = _tokenize_input(req, limits, tokenizer)
+    max_new_tokens = _check_context(input_field, len(prompt_ids), sampling.max_new_tokens, limits)
+    return ValidatedRequest(
+        request_id=request_id,
+        prompt_ids=prompt_ids,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=sampling.top_k,
+        seed=sampling.seed if sampling.HasField("seed") else secrets.randbits(63),
+        stops=stops,
+        ignore_eos=sampling.ignore_eos,
+    )
+
+
+def _fail(field: str, detail: str) -> NoReturn:
+    raise RequestError(field, f"{field} {detail}")
+
+
+def _check_request_id(request_id: str, limits: RequestLimits) -> str:
+    if len(request_id) > limits.max_request_id_len:
+        _fail("request_id", f"must be at most {limits.max_request_id_len} characters, got {len(request_id)}")
+    return request_id or uuid.uuid4().hex
+
+
+def _check_range(field: str, value: float, low: float, high: float) -> float:
+    value = _shortest_float32(value)
+    if not low <= value <= high:    # also false for NaN
+        _fail(field, f"must be in [{low:g}, {high:g}], got {value!r}")
+    return value
+
+
+def _shortest_float32(value: float) -> float:
+    """The shortest decimal with the same float32 value: 0.7, not 0.699999988079071.
+
+    Proto floats are float32; this keeps messages and logs readable.
+    """
+    if not math.isfinite(value):
+        return value
+    for digits in range(1, 10):
+        candidate = float(f"{value:.{digits}g}")
+        try:
+            if struct.unpack("f", struct.pack("f", candidate))[0] == value:
+                return candidate
+        except OverflowError:
+            break
+    return value
+
+
+def _check_stops(stops: Sequence[str], limits: RequestLimits) -> tuple[str, ...]:
+    if len(stops) > limits.max_stop_strings:
+        _fail("sampling.stop", f"must have at most {limits.max_stop_strings} strings, got {len(stops)}")
+    for i, stop in enumerate(stops):
+        if not stop:
+            _fail(f"sampling.stop[{i}]", "must not be empty")
+        if len(stop) > limits.max_stop_len:
+            _fail(f"sampling.stop[{i}]", f"must be at most {limits.max_stop_len} characters, got {len(stop)}")
+    return tuple(stops)
+
+
+def _tokenize_input(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
+                    tokenizer: PromptTokenizer) -> tuple[str, list[int]]:
+    """(the input's field name, the prompt's token ids)."""
+    kind = req.WhichOneof("input")
+    if kind == "prompt":
+        _check_chars("prompt", len(req.prompt), limits)
+        return "prompt", tokenizer.encode(req.prompt)
+    if kind == "input_ids":
+        ids = list(req.input_ids.ids)
+        if not ids:
+            _fail("input_ids.ids", "must not be empty")
+        for i, token_id in enumerate(ids):
+            if not 0 <= token_id < limits.vocab_size:
+                _fail(f"input_ids.ids[{i}]", f"must be in [0, {limits.vocab_size}), got {token_id}")
+        return "input_ids.ids", ids
+    if kind == "messages":
+        return "messages.messages", tokenizer.encode_chat(_check_messages(req.messages.messages, limits))
+    _fail("input", "must be set to one of prompt, input_ids, messages")
+
+
+def _check_chars(field: str, num_chars: int, limits: RequestLimits) -> None:
+    if num_chars == 0:
+        _fail(field, "must not be empty")
+    if num_chars > limits.max_prompt_chars:
+        _fail(field, f"must be at most {limits.max_prompt_chars} characters, got {num_chars}")
+
+
+def _check_messages(messages: Sequence[gateway_pb2.ChatMessage],
+                    limits: RequestLimits) -> list[tuple[str, str]]:
+    field = "messages.messages"
+    if not messages:
+        _fail(field, "must not be empty")
+    if len(messages) > limits.max_chat_messages:
+        _fail(field, f"must have at most {limits.max_chat_messages} messages, got {len(messages)}")
+    for i, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            _fail(f"{field}[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}")
+    num_chars = sum(len(m.content) for m in messages)
+    if num_chars > limits.max_prompt_chars:
+        _fail(f"{field}[].content",
+              f"must be at most {limits.max_prompt_chars} characters in all, got {num_chars}")
+    return [(m.role, m.content) for m in messages]
+
+
+def _check_context(input_field: str, num_prompt_tokens: int, max_new_tokens: int,
+                   limits: RequestLimits) -> int:
+    """max_new_tokens with the default applied; the prompt and it must fit the context.
+
+    An explicit value that does not fit is an error; the default is cut to the
+    room left, since the client did not ask for that length.
+    """
+    room = limits.max_context - num_prompt_tokens
+    if room < 1:
+        _fail(input_field, f"has {num_prompt_tokens} tokens, which leaves no room to generate "
+                           f"within the context length {limits.max_context}")
+    if max_new_tokens == 0:
+        return min(limits.max_new_tokens_default, room)
+    if max_new_tokens > room:
+        _fail("sampling.max_new_tokens",
+              f"is too large: prompt_tokens {num_prompt_tokens} + max_new_tokens {max_new_tokens} = "
+              f"{num_prompt_tokens + max_new_tokens} exceeds the context length {limits.max_context}")
+    return max_new_tokens
