@@ -12,7 +12,6 @@ Domain types only: the servicer maps them to protobuf and gRPC status codes.
 import asyncio
 import dataclasses
 import enum
-import random
 from collections.abc import Collection
 
 from services.text import StopStringMatcher
@@ -77,7 +76,7 @@ class Sequence:
     """
 
     __slots__ = (
-        "seq_id", "request", "prompt_ids", "output_ids", "seed", "rank", "status",
+        "seq_id", "request", "prompt_ids", "output_ids", "rank", "status",
         "num_computed", "is_aborted", "finish_reason", "_detokenizer", "_stops",
     )
 
@@ -86,8 +85,6 @@ class Sequence:
         self.request = request
         self.prompt_ids: list[int] = list(request.prompt_ids)
         self.output_ids: list[int] = []
-        # "Unset" means random; the rank needs a concrete seed for its generator.
-        self.seed: int = request.seed if request.seed is not None else random.getrandbits(63)
         self.rank: int | None = None
         self.status = SeqStatus.WAITING
         # Tokens whose KV the rank has computed (or will have, once the step in flight ends).

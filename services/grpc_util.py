@@ -31,10 +31,14 @@ class Server:
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
+    # The role's own services (not health or reflection).
+    service_names: tuple[str, ...] = ()
 
-    def set_serving(self, is_serving: bool, service: str = "") -> None:
-        """Sets the health status of a service ("" is the overall status)."""
-        self.health.set(service, SERVING if is_serving else NOT_SERVING)
+    async def set_serving(self, is_serving: bool) -> None:
+        """Sets the overall health status ("") and that of every role service."""
+        status = SERVING if is_serving else NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stops accepting calls and lets running ones finish within grace_s."""
@@ -67,11 +71,10 @@ async def start_server(
     if bound == 0:
         raise ValueError(f"cannot bind gRPC server to {host}:{port}")
     await server.start()
-    health_servicer.set("", NOT_SERVING)
-    for name in service_names:
-        health_servicer.set(name, NOT_SERVING)
+    started = Server(server=server, port=bound, health=health_servicer, service_names=tuple(service_names))
+    await started.set_serving(False)
     log.info("gRPC server listening on %s:%d", host, bound)
-    return Server(server=server, port=bound, health=health_servicer)
+    return started
 
 
 def channel(target: str) -> grpc.aio.Channel:

@@ -10,17 +10,22 @@ else from the `#` comment lines right above the field in the class body.
 The dataclass's `__post_init__` validates; its ValueError becomes a usage
 error (exit status 2) naming the bad value.
 
-`MemberConfig` holds the fields every registered process shares, and
-`write_port_file` is how a process started with `--port 0` tells its
-launcher which port it bound.
+`MemberConfig` holds the fields every registered process shares; the few
+helpers at the end are what every role's main.py does the same way
+(logging, stop signals, announcing the bound port: a process started with
+`--port 0 --port-file PATH` writes the port it bound to PATH).
 """
 
 import argparse
+import asyncio
 import dataclasses
 import inspect
+import logging
 import os
 import pathlib
 import re
+import signal
+import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -71,7 +76,6 @@ def build_parser(
     parser = argparse.ArgumentParser(
         prog=prog,
         description=inspect.getdoc(cls),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     for field in dataclasses.fields(cls):
         if not field.init:
@@ -85,7 +89,7 @@ def _add_argument(parser, field: dataclasses.Field, hint, comment: str, env) -> 
     help_text = field.metadata.get("help", comment) or None
     name = env_var(field.name)
     help_text = f"{help_text + ' ' if help_text else ''}[env {name}]"
-    kwargs: dict = {"dest": field.name, "help": help_text}
+    kwargs: dict = {"dest": field.name}
     if name in env:
         try:
             kwargs["default"] = convert(env[name])
@@ -97,6 +101,8 @@ def _add_argument(parser, field: dataclasses.Field, hint, comment: str, env) -> 
         kwargs["default"] = field.default_factory()
     else:
         kwargs["required"] = True
+    shown = "required" if "required" in kwargs else f"default {kwargs['default']!r}"
+    kwargs["help"] = f"{help_text} ({shown})"
     if hint is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
     else:
@@ -189,8 +195,11 @@ class MemberConfig:
     member_id: str
     # etcd client endpoint, host:port.
     etcd: str = "127.0.0.1:2379"
-    # Interface the gRPC server binds; also the host in the registered address.
+    # Interface the gRPC server binds.
     host: str = "127.0.0.1"
+    # Host that peers use to reach this process (registered in etcd); empty
+    # means host (127.0.0.1 if host is a wildcard). In Kubernetes: the pod IP.
+    advertise_host: str = ""
     # gRPC port; 0 picks a free one (see port_file).
     port: int = 0
     # If set, the bound port is written to this file once the server listens,
@@ -201,6 +210,8 @@ class MemberConfig:
     lease_ttl_s: int = 2
     # Root of every key this mesh writes in etcd.
     key_prefix: str = "/moemesh"
+    # Python logging level: DEBUG, INFO, WARNING or ERROR.
+    log_level: str = "INFO"
 
     def __post_init__(self) -> None:
         if not self.member_id or "/" in self.member_id or self.member_id.strip() != self.member_id:
@@ -214,3 +225,56 @@ class MemberConfig:
             raise ValueError(f"lease_ttl_s must be >= 1 (etcd's minimum), got {self.lease_ttl_s}")
         if not self.key_prefix.startswith("/") or self.key_prefix.endswith("/"):
             raise ValueError(f"key_prefix must start and not end with '/', got {self.key_prefix!r}")
+        if self.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+
+    @property
+    def public_host(self) -> str:
+        """The host other processes reach this one at."""
+        if self.advertise_host:
+            return self.advertise_host
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]") else self.host
+
+    def address(self, port: int) -> str:
+        """The address registered in etcd for a server bound to port."""
+        return f"{self.public_host}:{port}"
+
+
+def run_role(role: str, cls: type[T], serve, argv: Sequence[str] | None = None, *,
+             prog: str | None = None) -> None:
+    """What a role's main() does: parse cls from argv and env, set up logging
+    (lines tagged with role), then run `await serve(config, stop)` until it
+    returns, stop being set on SIGTERM or SIGINT."""
+    config = parse_config(cls, argv, prog=prog)
+    configure_logging(role, config)
+
+    async def main() -> None:
+        await serve(config, stop_on_signals())
+
+    asyncio.run(main())
+
+
+def configure_logging(role: str, config: MemberConfig) -> None:
+    """Logs to stderr, each line naming the role and member."""
+    logging.basicConfig(
+        level=config.log_level,
+        format=f"%(asctime)s %(levelname)s {role}[{config.member_id}] %(name)s: %(message)s",
+    )
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT (call from within the running loop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    return stop
+
+
+def announce_port(role: str, config: MemberConfig, port: int) -> None:
+    """Tells the operator and the launcher where the server listens: a line
+    on stdout, a log line, and the port file if config.port_file is set."""
+    print(f"{role} {config.member_id} listening on {config.address(port)}", file=sys.stdout, flush=True)
+    logging.getLogger(role).info("listening on %s (bound %s:%d)", config.address(port), config.host, port)
+    if config.port_file:
+        write_port_file(config.port_file, port)

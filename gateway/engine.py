@@ -1,0 +1,226 @@
+"""The step loop of one worker group: schedule, execute on every rank, apply.
+
+`Engine` owns the batcher of its group and one ExecuteSteps stream per rank
+(anything with `async write(ExecuteStepsRequest)` and `async read()`, as a
+grpc.aio stream-stream call has; the tests use in-process fakes). Each step
+sends one plan to every rank (idle plans included, so that the ranks'
+collectives line up), waits for all their results, feeds the sampled tokens to
+the batcher and pushes the outputs to the requests' handles.
+
+A broken stream, a late or malformed result, or a step that exceeds
+step_timeout_s fails every request in flight with UNAVAILABLE and ends the
+loop with GroupFailure; recovery (re-prefill from checkpoints on a re-formed
+group) is a later issue.
+"""
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence as Seq
+from typing import Protocol
+
+import grpc
+
+from gateway.batcher import Batcher, RankPlan, SeqEvent
+from gateway.requests import ErrorCode, GenerationError, RequestHandle, Sequence
+from moe.expert.v1 import expert_pb2
+
+log = logging.getLogger("gateway.engine")
+
+
+class RankStream(Protocol):
+    """One rank's ExecuteSteps stream, as grpc.aio's StreamStreamCall exposes it."""
+
+    async def write(self, request: expert_pb2.ExecuteStepsRequest) -> None: ...
+
+    async def read(self) -> "expert_pb2.ExecuteStepsResponse | object": ...
+
+
+class GroupFailure(Exception):
+    """The worker group can no longer execute steps."""
+
+
+def plan_to_proto(plan: RankPlan, step_id: int, group_id: str, epoch: int) -> expert_pb2.ExecuteStepsRequest:
+    """The wire form of one rank's plan."""
+    return expert_pb2.ExecuteStepsRequest(plan=expert_pb2.StepPlan(
+        step_id=step_id,
+        group_id=group_id,
+        placement_epoch=epoch,
+        new_sequences=[
+            expert_pb2.NewSequence(
+                seq_id=s.seq_id,
+                sampling=expert_pb2.SequenceSampling(
+                    temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed),
+                block_ids=s.block_ids,
+                num_cached_tokens=s.num_cached_tokens,
+            )
+            for s in plan.new_sequences
+        ],
+        scheduled=[
+            expert_pb2.ScheduledSequence(
+                seq_id=s.seq_id, token_ids=s.token_ids, new_block_ids=s.new_block_ids,
+                is_sampled=s.is_sampled)
+            for s in plan.scheduled
+        ],
+        finished_seq_ids=plan.finished_seq_ids,
+    ))
+
+
+class Engine:
+    """Runs the steps of one worker group for every request submitted to it."""
+
+    def __init__(
+        self,
+        batcher: Batcher,
+        rank_streams: Seq[RankStream],
+        *,
+        make_detokenizer: Callable[[], object],
+        group_id: str = "",
+        placement_epoch: int = 0,
+        step_timeout_s: float = 120.0,
+    ) -> None:
+        if len(rank_streams) != batcher.num_ranks:
+            raise ValueError(f"{len(rank_streams)} rank streams for {batcher.num_ranks} ranks")
+        self.batcher = batcher
+        self.group_id = group_id
+        self.placement_epoch = placement_epoch
+        self._streams = list(rank_streams)
+        self._make_detokenizer = make_detokenizer
+        self._step_timeout_s = step_timeout_s
+        self._handles: dict[int, RequestHandle] = {}
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        # Set once the engine takes no new requests: why, as the error submit() raises.
+        self._closed: GenerationError | None = None
+        self.num_steps = 0
+
+    @property
+    def num_active(self) -> int:
+        """Requests submitted and not yet finished."""
+        return len(self._handles)
+
+    def submit(self, request) -> RequestHandle:
+        """Queues a validated request; raises GenerationError if it cannot run here."""
+        if self._closed is not None:
+            raise self._closed
+        seq = Sequence(self.batcher.new_seq_id(), request, self._make_detokenizer())
+        self.batcher.add(seq)
+        handle = RequestHandle(seq)
+        self._handles[seq.seq_id] = handle
+        self._idle.clear()
+        self._wake.set()
+        return handle
+
+    def abort(self, handle: RequestHandle) -> None:
+        """Aborts a request (its client went away); its blocks are freed at the next step."""
+        if not handle.is_done:
+            self.batcher.abort(handle.seq)
+            self._wake.set()
+
+    def stop_accepting(self, message: str = "the gateway is shutting down") -> None:
+        """New submits fail with UNAVAILABLE; requests in flight run to completion."""
+        if self._closed is None:
+            self._closed = GenerationError(ErrorCode.UNAVAILABLE, message)
+
+    async def wait_idle(self) -> None:
+        """Returns once no request is in flight."""
+        await self._idle.wait()
+
+    def fail_all(self, message: str) -> None:
+        """Fails every request in flight with UNAVAILABLE and takes no more."""
+        error = GenerationError(ErrorCode.UNAVAILABLE, message)
+        self._closed = error
+        self._deliver(self.batcher.fail_all(error))
+        for handle in self._handles.values():
+            handle.put(error)
+        self._handles.clear()
+        self._idle.set()
+
+    async def run(self) -> None:
+        """The step loop; runs until cancelled, or raises GroupFailure after
+        failing every request in flight."""
+        try:
+            while True:
+                if not self.batcher.has_work:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                await self.step()
+        except GroupFailure as failure:
+            log.error("worker group %s failed: %s", self.group_id, failure)
+            self.fail_all(f"worker group {self.group_id!r} failed: {failure}")
+            raise
+        except Exception:
+            # A bug: no request may hang on it.
+            log.exception("step loop of worker group %s crashed", self.group_id)
+            self.fail_all(f"the gateway's step loop for group {self.group_id!r} crashed")
+            raise
+
+    async def step(self) -> None:
+        """One step on every rank: plans out, results in, outputs delivered."""
+        batch = self.batcher.schedule()
+        self._deliver(batch.events)
+        requests = [plan_to_proto(p, batch.step_id, self.group_id, self.placement_epoch)
+                    for p in batch.plans]
+        responses = await self._exchange(requests)
+        tokens: dict[int, int] = {}
+        for rank, response in enumerate(responses):
+            if not isinstance(response, expert_pb2.ExecuteStepsResponse):
+                raise GroupFailure(f"rank {rank} closed its step stream")
+            if response.result.step_id != batch.step_id:
+                raise GroupFailure(
+                    f"rank {rank} answered step {response.result.step_id}, expected {batch.step_id}")
+            tokens.update((t.seq_id, t.token_id) for t in response.result.tokens)
+        try:
+            events = self.batcher.apply_results(tokens)
+        except ValueError as error:
+            raise GroupFailure(str(error)) from error
+        self._deliver(events)
+        self.num_steps += 1
+
+    async def _exchange(self, requests: list[expert_pb2.ExecuteStepsRequest]) -> list:
+        """Writes every rank's plan, then reads every rank's result."""
+        try:
+            async with asyncio.timeout(self._step_timeout_s):
+                await self._on_every_rank(lambda stream, i: stream.write(requests[i]))
+                return await self._on_every_rank(lambda stream, i: stream.read())
+        except TimeoutError as error:
+            raise GroupFailure(f"a step took longer than {self._step_timeout_s} s") from error
+
+    async def _on_every_rank(self, call) -> list:
+        """call(stream, rank) on every rank at once; GroupFailure naming the first rank that failed."""
+        results = await asyncio.gather(*(call(s, i) for i, s in enumerate(self._streams)),
+                                       return_exceptions=True)
+        for rank, result in enumerate(results):
+            if isinstance(result, Exception):
+                reason = await _stream_error(self._streams[rank], result)
+                raise GroupFailure(f"rank {rank} step stream broke: {reason}") from result
+            if isinstance(result, BaseException):
+                raise result
+        return results
+
+    def _deliver(self, events: list[SeqEvent]) -> None:
+        for seq, item in events:
+            handle = self._handles.get(seq.seq_id)
+            if handle is None:
+                continue
+            handle.put(item)
+            if handle.is_done:
+                del self._handles[seq.seq_id]
+        if not self._handles:
+            self._idle.set()
+
+
+async def _stream_error(stream, error: Exception) -> str:
+    """Why a stream failed: its gRPC status once the call has ended (a write
+    after the end only says "RPC already finished"), else the error."""
+    if isinstance(stream, grpc.aio.Call) and stream.done():
+        return f"{(await stream.code()).name}: {await stream.details()}"
+    return error_text(error)
+
+
+def error_text(error: BaseException) -> str:
+    """One line for a log or a status message; a gRPC error as CODE: details."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {error.details()}"
+    return str(error) or repr(error)

@@ -1,0 +1,143 @@
+"""The gateway process: `python -m gateway.main --member-id gw0 --model DIR --etcd HOST:PORT`.
+
+Wiring: the GenerationService servicer asks the GroupManager for the engine
+of the ready worker group; the manager registers the gateway in etcd, follows
+its assignment and builds that engine (a Batcher over one BlockAllocator per
+rank, the ranks' ExecuteSteps streams) with `engine_factory`. Health ("" and
+the GenerationService) is SERVING exactly while an engine runs.
+
+SIGTERM/SIGINT drain: health goes NOT_SERVING, new requests get UNAVAILABLE,
+requests in flight finish within shutdown_grace_s (then fail with
+UNAVAILABLE), the server stops and the etcd lease is revoked (deregistered).
+"""
+
+import asyncio
+import logging
+import sys
+
+from gateway.batcher import Batcher
+from gateway.config import GatewayConfig
+from gateway.engine import Engine
+from gateway.group import EngineFactory, GroupManager
+from gateway.kv_accounting import BlockAllocator
+from gateway.servicer import SERVICE_NAME, GenerationServicer
+from gateway.validation import RequestLimits
+from moe.gateway.v1 import gateway_pb2_grpc
+from services import grpc_util, settings
+from services.cluster import ClusterClient
+from services.model.config import ModelConfig
+from services.text import IncrementalDetokenizer
+from services.tokenizer import Tokenizer
+
+ROLE = "gateway"
+log = logging.getLogger(ROLE)
+
+
+def request_limits(config: GatewayConfig, model: ModelConfig) -> RequestLimits:
+    """The per-request limits from the gateway's flags and the model."""
+    max_context = model.max_position_embeddings
+    limit = config.max_new_tokens_limit or max_context
+    return RequestLimits(
+        vocab_size=model.vocab_size,
+        max_context=max_context,
+        max_new_tokens_default=min(config.max_new_tokens_default, limit),
+        max_new_tokens_limit=limit,
+    )
+
+
+def engine_factory(config: GatewayConfig, model: ModelConfig, tokenizer: Tokenizer) -> EngineFactory:
+    """Builds the engine of a ready group: one block allocator per rank's KV pool."""
+    eos_token_ids = set(model.eos_token_ids) | set(tokenizer.eos_token_ids)
+
+    def make(group, infos, streams) -> Engine:
+        batcher = Batcher(
+            [BlockAllocator(info.num_kv_blocks, info.kv_block_size) for info in infos],
+            max_running_requests=config.max_running_requests,
+            max_batch_tokens=config.max_batch_tokens,
+            max_context=model.max_position_embeddings,
+            eos_token_ids=eos_token_ids,
+        )
+        return Engine(batcher, streams, make_detokenizer=lambda: IncrementalDetokenizer(tokenizer),
+                      group_id=group.group_id, placement_epoch=group.epoch,
+                      step_timeout_s=config.step_timeout_s)
+
+    return make
+
+
+async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
+    """Runs the gateway until stop is set; raises if following the group fails for good."""
+    model = ModelConfig.from_model_dir(config.model)
+    tokenizer = Tokenizer.from_model_dir(config.model)
+    manager: GroupManager | None = None
+    is_stopping = False
+    draining: Engine | None = None
+
+    def get_engine() -> Engine | None:
+        # While stopping: only the draining engine, which refuses with "shutting down".
+        if is_stopping:
+            return draining
+        return None if manager is None else manager.engine
+
+    servicer = GenerationServicer(tokenizer=tokenizer, limits=request_limits(config, model),
+                                  get_engine=get_engine)
+    server = await grpc_util.start_server(
+        [lambda s: gateway_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, s)],
+        [SERVICE_NAME], host=config.host, port=config.port)
+
+    async def set_serving(is_serving: bool) -> None:
+        # Awaited here: health.aio's set() is a coroutine (grpc_util's set_serving drops it).
+        status = grpc_util.SERVING if is_serving and not is_stopping else grpc_util.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await server.health.set(name, status)
+
+    await set_serving(False)
+    settings.announce_port(ROLE, config, server.port)
+    cluster = ClusterClient(config.etcd, prefix=config.key_prefix)
+    manager = GroupManager(
+        cluster, member_id=config.member_id, address=config.address(server.port),
+        make_engine=engine_factory(config, model, tokenizer), set_serving=set_serving,
+        rank_call_timeout_s=config.rank_call_timeout_s, lease_ttl_s=config.lease_ttl_s)
+
+    async def follow_groups() -> None:
+        await cluster.connect(wait_s=None)
+        await manager.run()
+
+    manager_task = asyncio.create_task(follow_groups(), name="group-manager")
+    stop_task = asyncio.create_task(stop.wait(), name="stop-signal")
+    try:
+        await asyncio.wait([manager_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
+        if manager_task.done():
+            log.error("following the worker group failed: %r", manager_task.exception())
+        log.info("stopping: draining requests in flight (up to %.0f s)", config.shutdown_grace_s)
+        is_stopping, draining = True, manager.engine
+        await set_serving(False)
+        await drain(draining, config.shutdown_grace_s)
+    finally:
+        stop_task.cancel()
+        manager_task.cancel()
+        await asyncio.gather(manager_task, return_exceptions=True)
+        await server.stop(1.0)
+        await cluster.close()  # revokes the lease: deregistered at once
+        log.info("stopped")
+    if not manager_task.cancelled() and manager_task.exception() is not None:
+        raise manager_task.exception()
+
+
+async def drain(engine: Engine | None, grace_s: float) -> None:
+    """Lets the engine finish its requests within grace_s, then fails the rest."""
+    if engine is None:
+        return
+    engine.stop_accepting()
+    try:
+        await asyncio.wait_for(engine.wait_idle(), grace_s)
+    except TimeoutError:
+        log.warning("%d requests still running after %.0f s; failing them", engine.num_active, grace_s)
+        engine.fail_all("the gateway is shutting down")
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings.run_role(ROLE, GatewayConfig, serve, argv, prog="python -m gateway.main")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,100 @@
+"""moe.gateway.v1.GenerationService: protobuf <-> the gateway's domain objects.
+
+Generate validates the request, submits it to the engine of the ready worker
+group and streams its outputs; every gateway error becomes a gRPC status here
+and nowhere else. Generate is an async generator (not context.write: the
+OpenTelemetry interceptor breaks that). When the client goes away the
+generator is closed, and the request is aborted: its blocks are freed at the
+next step.
+"""
+
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from gateway.engine import Engine
+from gateway.requests import ErrorCode, FinishReason, GenerationError, RequestOutput
+from gateway.validation import RequestError, RequestLimits, validate_request
+from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+log = logging.getLogger("gateway.servicer")
+
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+NO_GROUP_MESSAGE = "no worker group is ready"
+
+_STATUS = {
+    ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+_FINISH_REASON = {
+    None: gateway_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: gateway_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: gateway_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: gateway_pb2.FINISH_REASON_ABORT,
+}
+
+
+def output_to_proto(output: RequestOutput) -> gateway_pb2.GenerateResponse:
+    """One stream message; the last one carries the finish reason and the usage."""
+    response = gateway_pb2.GenerateResponse(
+        request_id=output.request_id, token_ids=output.token_ids, text=output.text)
+    if output.is_final:
+        response.finish_reason = _FINISH_REASON[output.finish_reason]
+        response.usage.prompt_tokens = output.prompt_tokens
+        response.usage.completion_tokens = output.completion_tokens
+        response.matched_stop = output.matched_stop
+    return response
+
+
+class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
+    """The public API. get_engine returns the ready group's engine, or None."""
+
+    def __init__(self, *, tokenizer, limits: RequestLimits, get_engine: Callable[[], Engine | None]) -> None:
+        self._tokenizer = tokenizer
+        self._limits = limits
+        self._get_engine = get_engine
+
+    async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            validated = validate_request(request, self._limits, self._tokenizer)
+        except RequestError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error.message)
+        engine = self._get_engine()
+        if engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, NO_GROUP_MESSAGE)
+        try:
+            handle = engine.submit(validated)
+        except GenerationError as error:
+            await context.abort(_STATUS[error.code], error.message)
+        log.debug("request %s: %d prompt tokens, seq %d",
+                  validated.request_id, len(validated.prompt_ids), handle.seq.seq_id)
+        try:
+            async for output in handle:
+                yield output_to_proto(output)
+        except GenerationError as error:
+            await context.abort(_STATUS[error.code], error.message)
+        finally:
+            # A no-op once the request finished; otherwise the client went away.
+            engine.abort(handle)
+
+    async def Tokenize(self, request: gateway_pb2.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> gateway_pb2.TokenizeResponse:
+        kind = request.WhichOneof("input")
+        if kind is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "input must be set to one of text, messages")
+        messages = [(m.role, m.content) for m in request.messages.messages]
+        num_chars = len(request.text) if kind == "text" else sum(len(c) for _, c in messages)
+        if num_chars > self._limits.max_prompt_chars:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{kind} must be at most {self._limits.max_prompt_chars} characters, "
+                                f"got {num_chars}")
+        try:
+            if kind == "text":
+                token_ids = self._tokenizer.encode(request.text)
+            else:
+                token_ids = self._tokenizer.encode_chat(messages)
+        except ValueError as error:  # an unknown chat role
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"messages: {error}")
+        return gateway_pb2.TokenizeResponse(token_ids=token_ids)

@@ -1,0 +1,51 @@
+"""Entry point of the router service: python -m router_svc.main --member-id r0 ...
+
+Serves RouterService, registers in etcd as role `router` (health SERVING
+once registered); SIGTERM/SIGINT revokes the lease and stops the server.
+"""
+
+import asyncio
+import sys
+
+from moe.router.v1 import router_pb2, router_pb2_grpc
+from router_svc.config import RouterConfig
+from router_svc.servicer import RouterServicer
+from router_svc.stats import ExpertStats
+from services import cluster, settings
+from services.grpc_util import NOT_SERVING, SERVING, Server, start_server
+
+ROLE = "router"
+SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
+
+
+async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
+    """Runs the router until stop is set."""
+    servicer = RouterServicer(ExpertStats())
+    server = await start_server(
+        [lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, s)],
+        [SERVICE_NAME], host=config.host, port=config.port,
+    )
+    try:
+        async with cluster.registered(config.etcd, ROLE, config.member_id, config.address(server.port),
+                                      ttl=config.lease_ttl_s, prefix=config.key_prefix):
+            await set_health(server, True)
+            settings.announce_port(ROLE, config, server.port)
+            await stop.wait()
+            await set_health(server, False)
+    finally:
+        await server.stop(grace_s=1.0)
+
+
+async def set_health(server: Server, is_serving: bool) -> None:
+    """Overall and per-service health. (grpc_util.Server.set_serving calls the
+    aio HealthServicer.set without awaiting it, so it sets nothing.)"""
+    for name in ("", SERVICE_NAME):
+        await server.health.set(name, SERVING if is_serving else NOT_SERVING)
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings.run_role(ROLE, RouterConfig, serve, argv, prog="python -m router_svc.main")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,66 @@
+"""Entry point of a scheduler replica: python -m scheduler_svc.main --member-id s0 ...
+
+Connects to etcd, serves SchedulerService (health SERVING once etcd
+answered), registers as a scheduler member and campaigns for leadership;
+the leader forms worker groups. SIGTERM/SIGINT: revoke the lease first (the
+leader key goes with it, so another replica takes over within
+milliseconds), then stop the server.
+"""
+
+import asyncio
+import sys
+
+from moe.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.election import Election
+from scheduler_svc.servicer import SchedulerServicer
+from scheduler_svc.state import lead_groups
+from services import settings
+from services.cluster import ClusterClient
+from services.grpc_util import NOT_SERVING, SERVING, Server, start_server
+
+ROLE = "scheduler"
+SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
+
+
+async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
+    """Runs the replica until stop is set."""
+    client = ClusterClient(config.etcd, prefix=config.key_prefix)
+    servicer = SchedulerServicer(client, config.member_id)
+    server = await start_server(
+        [lambda s: scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, s)],
+        [SERVICE_NAME], host=config.host, port=config.port,
+    )
+    campaign = None
+    try:
+        await client.connect(wait_s=None)
+        address = config.address(server.port)
+        await client.register(ROLE, config.member_id, address, ttl=config.lease_ttl_s)
+        election = Election(client, config.member_id, address)
+        campaign = asyncio.create_task(election.run(
+            lambda leadership: lead_groups(client, leadership, config.group_size)))
+        await set_health(server, True)
+        settings.announce_port(ROLE, config, server.port)
+        await stop.wait()
+        await set_health(server, False)
+    finally:
+        if campaign is not None:
+            campaign.cancel()
+            await asyncio.gather(campaign, return_exceptions=True)
+        await client.close()  # revokes the lease: /leader and our member key go now
+        await server.stop(grace_s=1.0)
+
+
+async def set_health(server: Server, is_serving: bool) -> None:
+    """Overall and per-service health. (grpc_util.Server.set_serving calls the
+    aio HealthServicer.set without awaiting it, so it sets nothing.)"""
+    for name in ("", SERVICE_NAME):
+        await server.health.set(name, SERVING if is_serving else NOT_SERVING)
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings.run_role(ROLE, SchedulerConfig, serve, argv, prog="python -m scheduler_svc.main")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

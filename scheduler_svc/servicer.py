@@ -1,0 +1,53 @@
+"""SchedulerService over gRPC: the cluster state from etcd as protobuf."""
+
+import grpc
+
+from moe.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.cluster import ClusterClient, ClusterSnapshot, ClusterUnavailableError
+
+_ROLES = {
+    "scheduler": scheduler_pb2.MEMBER_ROLE_SCHEDULER,
+    "gateway": scheduler_pb2.MEMBER_ROLE_GATEWAY,
+    "expert": scheduler_pb2.MEMBER_ROLE_EXPERT,
+    "router": scheduler_pb2.MEMBER_ROLE_ROUTER,
+}
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
+    """Answers reads on every replica, from one etcd snapshot per call."""
+
+    def __init__(self, client: ClusterClient, replica_id: str):
+        self._client = client
+        self._replica_id = replica_id
+
+    async def GetClusterState(self, request, context):
+        try:
+            snapshot = await self._client.snapshot()
+        except ClusterUnavailableError as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unreachable: {error}")
+        return cluster_state_pb(snapshot, self._replica_id)
+
+
+def cluster_state_pb(snapshot: ClusterSnapshot, replica_id: str) -> scheduler_pb2.GetClusterStateResponse:
+    """The response for a snapshot as seen by replica_id."""
+    response = scheduler_pb2.GetClusterStateResponse(
+        replica_id=replica_id,
+        is_leader=snapshot.leader is not None and snapshot.leader.member_id == replica_id,
+    )
+    if snapshot.leader is not None:
+        response.leader.CopyFrom(scheduler_pb2.Leader(
+            member_id=snapshot.leader.member_id, address=snapshot.leader.address,
+            term=snapshot.leader.term, elected_at_unix=snapshot.leader.elected_at,
+        ))
+    for member in snapshot.members:
+        response.members.add(member_id=member.member_id, address=member.address,
+                             role=_ROLES.get(member.role, scheduler_pb2.MEMBER_ROLE_UNSPECIFIED))
+    for group in snapshot.groups:
+        group_pb = response.groups.add(
+            group_id=group.group_id, placement_epoch=group.epoch, term=group.term,
+            rendezvous_address=group.rendezvous_address, gateway_id=group.gateway_id or "",
+        )
+        for rank in group.ranks:
+            group_pb.ranks.add(rank=rank.rank, member_id=rank.member_id, address=rank.address,
+                               is_ready=snapshot.is_rank_ready(group, rank.rank))
+    return response

@@ -1,0 +1,556 @@
+"""ClusterClient: a process's view of the mesh's control-plane state in etcd.
+
+Every process registers itself under one lease (its session) and keeps it
+alive in the background; closing the client revokes the lease, so peers see
+the departure at once instead of after the TTL. The key layout and JSON
+values are those of docs/internals.md ("etcd layout"); `Keys` is the only
+place that spells them.
+
+etcd being unreachable is survivable: one-shot calls retry with backoff for
+up to `retry_s` and then raise ClusterUnavailableError; the keepalive and
+the watches retry until close(). A session whose keepalive has not succeeded
+for a whole TTL is declared lost (its `lost` event is set: a scheduler
+leader steps down on it), its lease is revoked once etcd answers again, and
+the member key is registered anew under a fresh lease.
+
+    client = ClusterClient("127.0.0.1:2379")
+    await client.connect()
+    await client.register("expert", "e0", "10.0.0.5:50051", {"rendezvous_port": 29500})
+    async for group in client.watch_group_for_member("e0"):
+        ...  # a GroupAssignment, or None once the member has lost its group
+    await client.close()
+"""
+
+import asyncio
+import collections.abc
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+import aetcd
+import grpc
+from aetcd import utils as etcd_utils
+
+log = logging.getLogger(__name__)
+
+ROLES = ("scheduler", "gateway", "expert", "router")
+# Errors that mean "etcd did not answer": retried, never fatal in loops.
+_UNREACHABLE = (
+    aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError, asyncio.TimeoutError, OSError,
+)
+_ETCD_ERRORS = (aetcd.ClientError, grpc.RpcError, *_UNREACHABLE)
+# Reconnect quickly after an etcd restart; the gRPC default backs off to 120 s.
+_CHANNEL_OPTIONS = {
+    "grpc.initial_reconnect_backoff_ms": 100,
+    "grpc.min_reconnect_backoff_ms": 100,
+    "grpc.max_reconnect_backoff_ms": 1000,
+    "grpc.keepalive_time_ms": 10_000,
+    "grpc.keepalive_timeout_ms": 3_000,
+}
+_UNSET = object()
+T = TypeVar("T")
+
+
+class ClusterUnavailableError(ConnectionError):
+    """etcd did not answer within the client's retry budget."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Member:
+    """A registered process: `/members/<role>/<member_id>`."""
+
+    member_id: str
+    role: str
+    address: str  # its gRPC address, host:port
+    info: dict = dataclasses.field(default_factory=dict)  # role-specific, e.g. rendezvous_port
+
+    @property
+    def host(self) -> str:
+        return self.address.rsplit(":", 1)[0]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankInfo:
+    """One expert service's place in a group."""
+
+    rank: int
+    member_id: str
+    address: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GroupAssignment:
+    """A worker group: `/groups/<group_id>`, written by the leader."""
+
+    group_id: str
+    epoch: int  # placement epoch: 1 when formed, bumped by placement changes
+    term: int  # the leader term that wrote it
+    world_size: int
+    rendezvous_address: str  # rank 0's host and rendezvous_port
+    ranks: list[RankInfo]  # by rank
+    gateway_id: str | None = None  # None while no gateway is assigned
+
+    def rank_of(self, member_id: str) -> int | None:
+        """The rank of an expert member in this group, None if it has none."""
+        return next((r.rank for r in self.ranks if r.member_id == member_id), None)
+
+    def has_member(self, member_id: str) -> bool:
+        """True if member_id is one of the ranks or the gateway."""
+        return member_id == self.gateway_id or self.rank_of(member_id) is not None
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "GroupAssignment":
+        value = json.loads(raw)
+        ranks = [RankInfo(int(r["rank"]), r["member_id"], r["address"]) for r in value["ranks"]]
+        return cls(
+            group_id=value["group_id"], epoch=int(value["epoch"]), term=int(value["term"]),
+            world_size=int(value["world_size"]), rendezvous_address=value["rendezvous_address"],
+            ranks=sorted(ranks, key=lambda r: r.rank), gateway_id=value.get("gateway_id") or None,
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeaderInfo:
+    """The scheduler leader: `/leader`. The term is the key's create revision."""
+
+    member_id: str
+    address: str
+    term: int
+    elected_at: float  # Unix time in seconds
+    lease_id: int = 0  # the leader's lease: a follower that finds it dead may revoke it
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClusterSnapshot:
+    """Everything under the prefix at one etcd revision."""
+
+    revision: int
+    leader: LeaderInfo | None
+    members: list[Member]
+    groups: list[GroupAssignment]
+    # (group_id, epoch) -> rank -> member id of the ready key
+    ready: dict[tuple[str, int], dict[int, str]]
+
+    def is_rank_ready(self, group: GroupAssignment, rank: int) -> bool:
+        """True if the rank's ready key exists and was written by its member."""
+        member_id = self.ready.get((group.group_id, group.epoch), {}).get(rank)
+        return member_id is not None and member_id == group.ranks[rank].member_id
+
+
+class Keys:
+    """The etcd key layout of docs/internals.md under a prefix."""
+
+    def __init__(self, prefix: str = "/moemesh"):
+        self.root = prefix.rstrip("/") + "/"
+        self.leader = self.root + "leader"
+        self.members = self.root + "members/"
+        self.groups = self.root + "groups/"
+        self.ready_root = self.root + "ready/"
+
+    def member(self, role: str, member_id: str) -> str:
+        return f"{self.members}{role}/{member_id}"
+
+    def group(self, group_id: str) -> str:
+        return self.groups + group_id
+
+    def ready_dir(self, group_id: str, epoch: int | None = None) -> str:
+        """The ready keys of a group (all epochs if epoch is None), as a prefix."""
+        return f"{self.ready_root}{group_id}/" + ("" if epoch is None else f"{epoch}/")
+
+    def ready(self, group_id: str, epoch: int, rank: int) -> str:
+        return f"{self.ready_dir(group_id, epoch)}{rank}"
+
+    def parse(self, revision: int, kvs: collections.abc.Iterable) -> ClusterSnapshot:
+        """A snapshot from the key-values under the root; bad values are logged and skipped."""
+        leader, members, groups, ready = None, [], [], {}
+        for kv in kvs:
+            key = kv.key.decode()
+            try:
+                if key == self.leader:
+                    leader = _leader_from_kv(kv)
+                elif key.startswith(self.members):
+                    value = json.loads(kv.value)
+                    members.append(Member(value["member_id"], value["role"], value["address"],
+                                          value.get("info") or {}))
+                elif key.startswith(self.groups):
+                    groups.append(GroupAssignment.from_json(kv.value))
+                elif key.startswith(self.ready_root):
+                    group_id, epoch, rank = key[len(self.ready_root):].split("/")
+                    ready.setdefault((group_id, int(epoch)), {})[int(rank)] = json.loads(kv.value)["member_id"]
+            except (ValueError, KeyError, TypeError) as error:
+                log.warning("skipping malformed etcd key %s: %r", key, error)
+        members.sort(key=lambda m: (m.role, m.member_id))
+        groups.sort(key=lambda g: g.group_id)
+        return ClusterSnapshot(revision, leader, members, groups, ready)
+
+
+def _leader_from_kv(kv) -> LeaderInfo:
+    value = json.loads(kv.value)
+    return LeaderInfo(value["member_id"], value["address"], kv.create_revision,
+                      float(value["elected_at"]), kv.lease)
+
+
+@dataclasses.dataclass(slots=True)
+class Session:
+    """One lease of this process. `lost` is set once its keys may be gone."""
+
+    lease_id: int
+    ttl: int
+    lost: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    last_renewed: float = dataclasses.field(default_factory=time.monotonic)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Registration:
+    role: str
+    member_id: str
+    address: str
+    info: dict
+    ttl: int
+
+
+@contextlib.asynccontextmanager
+async def registered(endpoint: str, role: str, member_id: str, address: str, *, info: dict | None = None,
+                     ttl: int = 2, prefix: str = "/moemesh") -> AsyncIterator["ClusterClient"]:
+    """A client connected (waiting for etcd as long as it takes) and registered
+    for the life of the block; leaving it revokes the lease."""
+    client = ClusterClient(endpoint, prefix=prefix)
+    try:
+        await client.connect(wait_s=None)
+        await client.register(role, member_id, address, info, ttl=ttl)
+        yield client
+    finally:
+        await client.close()
+
+
+class ClusterClient:
+    """The mesh's etcd client; one per process. See the module docstring."""
+
+    def __init__(self, endpoint: str, *, prefix: str = "/moemesh",
+                 call_timeout_s: float = 2.0, retry_s: float = 10.0):
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"etcd endpoint must be host:port, got {endpoint!r}")
+        self.endpoint = endpoint
+        self.keys = Keys(prefix)
+        self._etcd = aetcd.Client(host=host, port=int(port), timeout=call_timeout_s,
+                                  options=_CHANNEL_OPTIONS)
+        self._retry_s = retry_s
+        self._registration: _Registration | None = None
+        self._session: Session | None = None
+        self._session_changed = asyncio.Condition()
+        self._keepalive_task: asyncio.Task | None = None
+        self._closed = False
+
+    # ---- lifecycle ----------------------------------------------------
+
+    async def connect(self, wait_s: float | None = 30.0) -> None:
+        """Waits until etcd answers (None: forever); ClusterUnavailableError after wait_s."""
+        await self._etcd.connect()
+        await self._retry("connect", self._etcd.status, budget_s=wait_s)
+        log.info("connected to etcd at %s", self.endpoint)
+
+    async def register(self, role: str, member_id: str, address: str,
+                       info: dict | None = None, ttl: int = 2) -> None:
+        """Puts /members/<role>/<member_id> under a new lease kept alive in the background."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if self._registration is not None:
+            raise RuntimeError(f"already registered as {self._registration.member_id!r}")
+        self._registration = _Registration(role, member_id, address, dict(info or {}), ttl)
+        await self._new_session()
+        self._keepalive_task = asyncio.create_task(self._keepalive(), name=f"keepalive-{member_id}")
+
+    @property
+    def session(self) -> Session | None:
+        """The current session (None before register); check `session.lost`."""
+        return self._session
+
+    async def live_session(self) -> Session:
+        """The current session once it is not lost (waits for re-registration)."""
+        async with self._session_changed:
+            await self._session_changed.wait_for(
+                lambda: self._session is not None and not self._session.lost.is_set())
+            return self._session
+
+    async def close(self) -> None:
+        """Stops the keepalive, revokes the lease (peers see us leave), closes the channel."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._keepalive_task is not None:
+            self._keepalive_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keepalive_task
+        if self._session is not None:
+            self._session.lost.set()
+            await self.revoke_lease(self._session.lease_id)
+        await self._etcd.close()
+
+    async def __aenter__(self) -> "ClusterClient":
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    # ---- reads ----------------------------------------------------------
+
+    async def snapshot(self) -> ClusterSnapshot:
+        """Everything under the prefix, read at one revision."""
+        result = await self._retry("snapshot", self._etcd.get_prefix, self.keys.root.encode())
+        return self.keys.parse(result.header.revision, result)
+
+    async def list_members(self, role: str | None = None) -> list[Member]:
+        prefix = self.keys.members + (f"{role}/" if role else "")
+        return (await self._read_prefix(prefix))[1].members
+
+    async def list_groups(self) -> list[GroupAssignment]:
+        return (await self._read_prefix(self.keys.groups))[1].groups
+
+    async def get_group(self, group_id: str) -> GroupAssignment | None:
+        got = await self._retry("get_group", self._etcd.get, self.keys.group(group_id).encode())
+        return None if got is None else GroupAssignment.from_json(got.value)
+
+    async def get_leader(self) -> LeaderInfo | None:
+        return (await self._read_leader())[1]
+
+    async def ready_ranks(self, group_id: str, epoch: int) -> set[int]:
+        """Ranks whose ready key for (group_id, epoch) exists."""
+        snapshot = (await self._read_prefix(self.keys.ready_dir(group_id, epoch)))[1]
+        return set(snapshot.ready.get((group_id, epoch), {}))
+
+    # ---- watches --------------------------------------------------------
+
+    async def watch_members(self) -> AsyncIterator[list[Member]]:
+        """The member list now and after each change."""
+        async for members in self._watch_state(self.keys.members, lambda: self._read_prefix(self.keys.members),
+                                               key=lambda s: s.members):
+            yield members
+
+    async def watch_leader(self) -> AsyncIterator[LeaderInfo | None]:
+        """The leader now and after each change (None while there is none)."""
+        async for leader in self._watch_state(self.keys.leader, self._read_leader, is_prefix=False):
+            yield leader
+
+    async def watch_group_for_member(self, member_id: str) -> AsyncIterator[GroupAssignment | None]:
+        """The group holding member_id (as a rank or as the gateway): now if it
+        has one, then on every change; None once it has lost its group."""
+        def find(snapshot: ClusterSnapshot):
+            return next((g for g in snapshot.groups if g.has_member(member_id)), None)
+
+        is_first = True
+        async for group in self._watch_state(self.keys.groups, lambda: self._read_prefix(self.keys.groups),
+                                             key=find):
+            if group is not None or not is_first:
+                yield group
+            is_first = False
+
+    async def watch_ready(self, group_id: str, epoch: int) -> AsyncIterator[set[int]]:
+        """The ready ranks of (group_id, epoch) now and after each change."""
+        prefix = self.keys.ready_dir(group_id, epoch)
+        async for ready in self._watch_state(prefix, lambda: self._read_prefix(prefix),
+                                             key=lambda s: set(s.ready.get((group_id, epoch), {}))):
+            yield ready
+
+    async def wait_group_ready(self, group: GroupAssignment) -> None:
+        """Returns once every rank of the group has marked itself ready."""
+        async for ready in self.watch_ready(group.group_id, group.epoch):
+            if ready >= set(range(group.world_size)):
+                return
+
+    # ---- writes ---------------------------------------------------------
+
+    async def mark_rank_ready(self, group_id: str, epoch: int, rank: int, member_id: str) -> bool:
+        """Puts /ready/<group>/<epoch>/<rank> under this member's lease, only
+        while that exact assignment (epoch, rank -> member_id) is current.
+        Returns False if it is not (the group moved on; nothing written)."""
+        session = await self.live_session()
+        group_key = self.keys.group(group_id).encode()
+        value = json.dumps({"member_id": member_id}).encode()
+        while True:
+            got = await self._retry("mark_rank_ready", self._etcd.get, group_key)
+            group = None if got is None else GroupAssignment.from_json(got.value)
+            if group is None or group.epoch != epoch or group.rank_of(member_id) != rank:
+                return False
+            is_written, _ = await self._retry(
+                "mark_rank_ready", self._etcd.transaction,
+                compare=[self._etcd.transactions.mod(group_key) == got.mod_revision],
+                success=[self._etcd.transactions.put(
+                    self.keys.ready(group_id, epoch, rank).encode(), value, lease=session.lease_id)],
+                failure=[],
+            )
+            if is_written:
+                return True  # else the group key changed under us: check it again
+
+    async def campaign(self, member_id: str, address: str) -> LeaderInfo:
+        """One election attempt: creates /leader under this session's lease if
+        absent. Returns the leader after the attempt; we won iff its lease_id
+        is our session's (true also when an earlier attempt's reply was lost)."""
+        session = await self.live_session()
+        key = self.keys.leader.encode()
+        value = json.dumps({"member_id": member_id, "address": address, "elected_at": time.time()})
+        txn = self._etcd.transactions
+        _, responses = await self._retry(
+            "campaign", self._etcd.transaction,
+            compare=[txn.create(key) == 0],
+            success=[txn.put(key, value.encode(), lease=session.lease_id), txn.get(key)],
+            failure=[txn.get(key)],
+        )
+        (_, kv), = responses[-1]
+        return _leader_from_kv(kv)
+
+    async def resign(self, term: int) -> None:
+        """Deletes /leader if it is still the one created at `term`."""
+        key = self.keys.leader.encode()
+        txn = self._etcd.transactions
+        await self._retry("resign", self._etcd.transaction, compare=[txn.create(key) == term],
+                          success=[txn.delete(key)], failure=[])
+
+    async def write_groups(self, term: int, put: collections.abc.Sequence[GroupAssignment] = (),
+                           delete: collections.abc.Sequence[str] = ()) -> bool:
+        """Puts and deletes groups in one transaction fenced on
+        create_revision(/leader) == term; a deleted group's ready keys go with
+        it. Returns False (nothing written) if the term is no longer current."""
+        leader_key = self.keys.leader.encode()
+        txn = self._etcd.transactions
+        ops = [txn.put(self.keys.group(g.group_id).encode(), g.to_json()) for g in put]
+        for group_id in delete:
+            ready = self.keys.ready_dir(group_id).encode()
+            ops += [txn.delete(self.keys.group(group_id).encode()),
+                    txn.delete(ready, range_end=etcd_utils.prefix_range_end(ready))]
+        is_written, _ = await self._retry("write_groups", self._etcd.transaction,
+                                          compare=[txn.create(leader_key) == term], success=ops, failure=[])
+        return is_written
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        """Revokes a lease (ours on close, or a dead leader's); absent leases are fine."""
+        try:
+            await asyncio.wait_for(self._etcd.revoke_lease(lease_id), 2.0)
+        except _ETCD_ERRORS as error:
+            log.warning("could not revoke lease %x: %r", lease_id, error)
+
+    # ---- internals ------------------------------------------------------
+
+    async def _retry(self, what: str, fn: Callable[..., Awaitable[T]], *args,
+                     budget_s: float | None = _UNSET, **kwargs) -> T:
+        """Calls fn, retrying while etcd is unreachable, for up to budget_s."""
+        budget_s = self._retry_s if budget_s is _UNSET else budget_s
+        loop = asyncio.get_running_loop()
+        deadline = None if budget_s is None else loop.time() + budget_s
+        delay = 0.05
+        while True:
+            try:
+                return await fn(*args, **kwargs)
+            except _UNREACHABLE as error:
+                if self._closed or (deadline is not None and loop.time() + delay > deadline):
+                    raise ClusterUnavailableError(f"etcd at {self.endpoint}: {what}: {error!r}") from error
+                log.warning("etcd at %s unreachable (%s: %r); retrying in %.2fs",
+                            self.endpoint, what, error, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    async def _read_prefix(self, prefix: str) -> tuple[int, ClusterSnapshot]:
+        result = await self._retry("read", self._etcd.get_prefix, prefix.encode())
+        return result.header.revision, self.keys.parse(result.header.revision, result)
+
+    async def _read_leader(self) -> tuple[int, LeaderInfo | None]:
+        revision, snapshot = await self._read_prefix(self.keys.leader)
+        return revision, snapshot.leader
+
+    async def _watch_state(self, watch_key: str, read: Callable[[], Awaitable[tuple[int, Any]]], *,
+                           is_prefix: bool = True, key: Callable[[Any], Any] = lambda s: s
+                           ) -> AsyncIterator[Any]:
+        """Yields key(state) now and whenever it changes, state being read()
+        again after each event on watch_key; survives etcd outages until close()."""
+        last = _UNSET
+        delay = 0.05
+        while not self._closed:
+            watch = None
+            try:
+                revision, state = await read()
+                if key(state) != last:
+                    last = key(state)
+                    yield last
+                watch_bytes = watch_key.encode()
+                watch = await self._etcd.watch(
+                    watch_bytes, range_end=etcd_utils.prefix_range_end(watch_bytes) if is_prefix else None,
+                    start_revision=revision + 1)
+                async for _event in watch:
+                    _, state = await read()
+                    delay = 0.05
+                    if key(state) != last:
+                        last = key(state)
+                        yield last
+            except (*_ETCD_ERRORS, ClusterUnavailableError) as error:
+                if self._closed:
+                    return
+                log.warning("watch on %s failed (%r); retrying in %.2fs", watch_key, error, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+            finally:
+                if watch is not None and not self._closed:
+                    with contextlib.suppress(*_ETCD_ERRORS):
+                        await watch.cancel()
+
+    async def _new_session(self) -> None:
+        """Grants a lease and registers the member key under it (retries until it works)."""
+        reg = self._registration
+        lease = await self._retry("lease", self._etcd.lease, reg.ttl, budget_s=None)
+        value = json.dumps({"member_id": reg.member_id, "role": reg.role,
+                            "address": reg.address, "info": reg.info}).encode()
+        await self._retry("register", self._etcd.put, self.keys.member(reg.role, reg.member_id).encode(),
+                          value, lease=lease.id, budget_s=None)
+        async with self._session_changed:
+            self._session = Session(lease.id, reg.ttl)
+            self._session_changed.notify_all()
+        log.info("registered %s %s at %s (lease %x, ttl %ds)", reg.role, reg.member_id,
+                 reg.address, lease.id, reg.ttl)
+
+    async def _keepalive(self) -> None:
+        """Refreshes the lease every ttl/3; replaces the session once it is lost."""
+        delay = 0.05
+        while True:
+            session = self._session
+            interval = session.ttl / 3
+            try:
+                reply = await asyncio.wait_for(self._etcd.refresh_lease(session.lease_id), interval)
+                if reply is None or reply.TTL <= 0:
+                    log.warning("lease %x expired", session.lease_id)
+                    session.lost.set()
+                else:
+                    session.last_renewed = time.monotonic()
+                    delay = 0.05
+            except _ETCD_ERRORS as error:
+                # Warn once per outage; the retries that follow log at debug.
+                log.log(logging.WARNING if delay == 0.05 else logging.DEBUG,
+                        "keepalive of lease %x failed: %r", session.lease_id, error)
+                if time.monotonic() - session.last_renewed > session.ttl:
+                    session.lost.set()
+            if session.lost.is_set():
+                await self._replace_session(session)
+                continue
+            until_due = session.last_renewed + interval - time.monotonic()
+            if until_due <= 0:  # the refresh failed: back off, but stay within the TTL
+                until_due, delay = min(delay, interval), min(delay * 2, interval)
+            await asyncio.sleep(until_due)
+
+    async def _replace_session(self, session: Session) -> None:
+        """Revokes a lost session's lease and registers again, until it works."""
+        log.warning("session %x lost; registering again", session.lease_id)
+        await self.revoke_lease(session.lease_id)
+        delay = 0.05
+        while True:
+            try:
+                await self._new_session()
+                return
+            except _ETCD_ERRORS as error:
+                log.warning("re-registration failed: %r; retrying in %.2fs", error, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)

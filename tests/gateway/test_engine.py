@@ -1,0 +1,474 @@
+"""The step loop against in-process fake ranks, and the servicer over real gRPC."""
+
+import asyncio
+import dataclasses
+
+import grpc
+import pytest
+
+from gateway.batcher import Batcher
+from gateway.engine import Engine, GroupFailure
+from gateway.group import GroupManager, GroupSetupError, check_rank_info
+from gateway.kv_accounting import BlockAllocator
+from gateway.requests import ErrorCode, FinishReason, GenerationError
+from gateway.servicer import SERVICE_NAME, GenerationServicer
+from gateway.validation import RequestLimits
+from moe.expert.v1 import expert_pb2, expert_pb2_grpc
+from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from services import grpc_util
+from services.cluster import GroupAssignment, RankInfo
+from services.text import IncrementalDetokenizer
+from tests.gateway.test_batcher import EOS, FakeTokenizer, make_request
+
+
+def next_token(token_id: int) -> int:
+    """What the fake ranks "sample" after a token: the next letter (ids 26..51)."""
+    return 26 + (token_id + 1) % 26
+
+
+def expected_tokens(last_prompt_id: int, n: int) -> list[int]:
+    ids = [next_token(last_prompt_id)]
+    while len(ids) < n:
+        ids.append(next_token(ids[-1]))
+    return ids
+
+
+@dataclasses.dataclass
+class FakeSeq:
+    block_ids: list[int]
+    num_computed: int = 0
+    last_sampled: int | None = None
+
+
+class FakeRank:
+    """One rank on the step protocol: checks each plan against its own state
+    (known sequences, block tables that cover the KV, no block shared by two
+    sequences) and samples next_token(last input token)."""
+
+    def __init__(self, block_size: int, *, fail_at_step: int = 0, skew_step_ids: bool = False):
+        self.block_size = block_size
+        self.seqs: dict[int, FakeSeq] = {}
+        self.plans: list[expert_pb2.StepPlan] = []
+        self.fail_at_step = fail_at_step
+        self.skew_step_ids = skew_step_ids
+        self._results: asyncio.Queue = asyncio.Queue()
+
+    async def write(self, request: expert_pb2.ExecuteStepsRequest) -> None:
+        plan = request.plan
+        assert plan.step_id == len(self.plans) + 1
+        self.plans.append(plan)
+        if plan.step_id == self.fail_at_step:
+            self._results.put_nowait(ConnectionResetError("rank crashed"))
+            return
+        for seq_id in plan.finished_seq_ids:
+            del self.seqs[seq_id]
+        for new in plan.new_sequences:
+            assert new.seq_id not in self.seqs
+            self.seqs[new.seq_id] = FakeSeq(list(new.block_ids), new.num_cached_tokens)
+        tokens = []
+        for item in plan.scheduled:
+            seq = self.seqs[item.seq_id]
+            seq.block_ids += item.new_block_ids
+            inputs = list(item.token_ids) or [seq.last_sampled]
+            assert inputs[-1] is not None, "decode step before any token was sampled"
+            seq.num_computed += len(inputs)
+            assert len(seq.block_ids) * self.block_size >= seq.num_computed
+            if item.is_sampled:
+                seq.last_sampled = next_token(inputs[-1])
+                tokens.append(expert_pb2.SampledToken(seq_id=item.seq_id, token_id=seq.last_sampled))
+        all_blocks = [b for s in self.seqs.values() for b in s.block_ids]
+        assert len(all_blocks) == len(set(all_blocks)), "a block is shared by two sequences"
+        step_id = plan.step_id + (1 if self.skew_step_ids else 0)
+        self._results.put_nowait(expert_pb2.ExecuteStepsResponse(
+            result=expert_pb2.StepResult(step_id=step_id, tokens=tokens)))
+
+    async def read(self):
+        result = await self._results.get()
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+
+def make_engine(num_ranks=1, *, num_blocks=64, block_size=4, max_running_requests=8,
+                max_batch_tokens=256, ranks=None) -> tuple[Engine, list[FakeRank]]:
+    ranks = ranks or [FakeRank(block_size) for _ in range(num_ranks)]
+    batcher = Batcher([BlockAllocator(num_blocks, block_size) for _ in ranks],
+                      max_running_requests=max_running_requests, max_batch_tokens=max_batch_tokens,
+                      max_context=1000, eos_token_ids=[EOS])
+    engine = Engine(batcher, ranks, make_detokenizer=lambda: IncrementalDetokenizer(FakeTokenizer()),
+                    group_id="g1", placement_epoch=1, step_timeout_s=5.0)
+    return engine, ranks
+
+
+async def collect(handle):
+    outputs = []
+    async for output in handle:
+        outputs.append(output)
+    return outputs
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_concurrent_requests_share_steps_and_get_every_token_once():
+    async def scenario():
+        engine, (rank,) = make_engine()
+        loop_task = asyncio.create_task(engine.run())
+        prompts = [[30, 31], [40, 41, 42, 43, 44], [27]]
+        lengths = [5, 7, 3]
+        handles = [engine.submit(make_request(prompt_ids=p, max_new_tokens=n, request_id=f"r{i}"))
+                   for i, (p, n) in enumerate(zip(prompts, lengths))]
+        results = await asyncio.gather(*(collect(h) for h in handles))
+        await asyncio.sleep(0.05)        # the step that forgets the last one
+        loop_task.cancel()
+        return engine, rank, prompts, lengths, results
+
+    engine, rank, prompts, lengths, results = run(scenario())
+    for prompt, n, outputs in zip(prompts, lengths, results):
+        token_ids = [t for o in outputs for t in o.token_ids]
+        assert token_ids == expected_tokens(prompt[-1], n)
+        assert "".join(o.text for o in outputs) == FakeTokenizer().decode(token_ids)
+        assert [o.finish_reason for o in outputs] == [None] * (n - 1) + [FinishReason.LENGTH]
+        assert (outputs[-1].prompt_tokens, outputs[-1].completion_tokens) == (len(prompt), n)
+    # One prefill step for all three, then decodes: the longest request sets the step count.
+    assert len(rank.plans[0].scheduled) == 3
+    assert engine.num_steps == max(lengths) + 1
+    assert rank.seqs == {} and engine.batcher.allocators[0].num_free == 64 and engine.num_active == 0
+
+
+def test_every_rank_gets_every_step_and_requests_spread_over_ranks():
+    async def scenario():
+        engine, ranks = make_engine(num_ranks=2)
+        loop_task = asyncio.create_task(engine.run())
+        handles = [engine.submit(make_request(prompt_ids=[30 + i] * (3 + i), max_new_tokens=4 + i,
+                                              request_id=f"r{i}")) for i in range(3)]
+        results = await asyncio.gather(*(collect(h) for h in handles))
+        await asyncio.sleep(0.05)
+        loop_task.cancel()
+        return ranks, handles, results
+
+    ranks, handles, results = run(scenario())
+    assert sorted(h.seq.rank for h in handles) == [0, 0, 1]
+    assert [p.step_id for p in ranks[0].plans] == [p.step_id for p in ranks[1].plans]
+    assert all(p.group_id == "g1" and p.placement_epoch == 1 for r in ranks for p in r.plans)
+    assert any(not p.scheduled for r in ranks for p in r.plans)    # idle steps were sent
+    for i, outputs in enumerate(results):
+        assert [t for o in outputs for t in o.token_ids] == expected_tokens(30 + i, 4 + i)
+
+
+def test_a_broken_rank_stream_fails_requests_with_unavailable():
+    async def scenario():
+        block_size = 4
+        engine, ranks = make_engine(ranks=[FakeRank(block_size), FakeRank(block_size, fail_at_step=3)])
+        loop_task = asyncio.create_task(engine.run())
+        handles = [engine.submit(make_request(2, max_new_tokens=50, request_id=f"r{i}")) for i in range(2)]
+        outcomes = await asyncio.gather(*(collect(h) for h in handles), return_exceptions=True)
+        with pytest.raises(GroupFailure, match="rank 1"):
+            await loop_task
+        with pytest.raises(GenerationError) as late:
+            engine.submit(make_request(2))
+        return outcomes, late.value
+
+    outcomes, late = run(scenario())
+    for outcome in outcomes:
+        assert isinstance(outcome, GenerationError) and outcome.code is ErrorCode.UNAVAILABLE
+        assert "rank crashed" in outcome.message
+    assert late.code is ErrorCode.UNAVAILABLE
+
+
+def test_a_result_for_the_wrong_step_fails_the_group():
+    async def scenario():
+        engine, _ = make_engine(ranks=[FakeRank(4, skew_step_ids=True)])
+        loop_task = asyncio.create_task(engine.run())
+        handle = engine.submit(make_request(2))
+        with pytest.raises(GenerationError) as err:
+            await collect(handle)
+        with pytest.raises(GroupFailure, match="answered step 2, expected 1"):
+            await loop_task
+        return err.value
+
+    assert run(scenario()).code is ErrorCode.UNAVAILABLE
+
+
+def test_an_aborted_request_is_forgotten_by_the_rank_and_its_blocks_freed():
+    async def scenario():
+        engine, (rank,) = make_engine()
+        loop_task = asyncio.create_task(engine.run())
+        cancelled = engine.submit(make_request(6, max_new_tokens=500, request_id="gone"))
+        other = engine.submit(make_request(2, max_new_tokens=20, request_id="stays"))
+        async for _ in cancelled:
+            break
+        engine.abort(cancelled)
+        outputs = await collect(other)
+        await asyncio.sleep(0.05)
+        loop_task.cancel()
+        return engine, rank, cancelled, outputs
+
+    engine, rank, cancelled, outputs = run(scenario())
+    forgotten = [sid for p in rank.plans for sid in p.finished_seq_ids]
+    assert forgotten.count(cancelled.seq.seq_id) == 1
+    assert len(outputs[-1].token_ids) == 1 and outputs[-1].completion_tokens == 20
+    assert rank.seqs == {} and engine.batcher.allocators[0].num_free == 64
+
+
+def test_drain_waits_for_requests_in_flight_and_refuses_new_ones():
+    async def scenario():
+        engine, _ = make_engine()
+        loop_task = asyncio.create_task(engine.run())
+        handle = engine.submit(make_request(2, max_new_tokens=10))
+        engine.stop_accepting()
+        with pytest.raises(GenerationError) as refused:
+            engine.submit(make_request(2))
+        await asyncio.wait_for(engine.wait_idle(), 5)
+        outputs = await collect(handle)
+        loop_task.cancel()
+        return refused.value, outputs
+
+    refused, outputs = run(scenario())
+    assert refused.code is ErrorCode.UNAVAILABLE and "shutting down" in refused.message
+    assert outputs[-1].completion_tokens == 10
+
+
+# The servicer over real gRPC, with a fake group (get_engine) and fake ranks.
+
+LIMITS = RequestLimits(vocab_size=100, max_context=1000, max_new_tokens_default=16,
+                       max_new_tokens_limit=500)
+
+
+class Gateway:
+    """A GenerationService on port 0 whose engine the test swaps in and out."""
+
+    def __init__(self):
+        self.engine: Engine | None = None
+        self.loop_task: asyncio.Task | None = None
+
+    async def __aenter__(self):
+        servicer = GenerationServicer(tokenizer=FakeTokenizer(), limits=LIMITS, get_engine=lambda: self.engine)
+        self.server = await grpc_util.start_server(
+            [lambda s: gateway_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, s)], [SERVICE_NAME])
+        self.channel = grpc_util.channel(f"127.0.0.1:{self.server.port}")
+        self.stub = gateway_pb2_grpc.GenerationServiceStub(self.channel)
+        return self
+
+    def attach(self, **kwargs) -> Engine:
+        self.engine, _ = make_engine(**kwargs)
+        self.loop_task = asyncio.create_task(self.engine.run())
+        return self.engine
+
+    async def __aexit__(self, *exc):
+        if self.loop_task:
+            self.loop_task.cancel()
+        await self.channel.close()
+        await self.server.stop(0)
+
+    async def generate(self, **kwargs):
+        request = gateway_pb2.GenerateRequest(**kwargs)
+        return [r async for r in self.stub.Generate(request, timeout=10)]
+
+
+def test_servicer_is_unavailable_without_a_ready_group():
+    async def scenario():
+        async with Gateway() as gw:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await gw.generate(request_id="u", prompt="hello")
+            return err.value
+
+    err = run(scenario())
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and err.details() == "no worker group is ready"
+
+
+def test_servicer_streams_tokens_and_text_and_refuses_bad_input():
+    async def scenario():
+        async with Gateway() as gw:
+            gw.attach(num_blocks=8, block_size=4, max_batch_tokens=64)
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await gw.generate(request_id="bad", prompt="x",
+                                  sampling=gateway_pb2.SamplingParams(temperature=7.5))
+            with pytest.raises(grpc.aio.AioRpcError) as too_big:
+                await gw.generate(request_id="big", input_ids=gateway_pb2.TokenIds(ids=[30] * 40))
+            good = await gw.generate(request_id="good", prompt="abc",
+                                     sampling=gateway_pb2.SamplingParams(max_new_tokens=4))
+            stopped = await gw.generate(request_id="stop", prompt="abc",
+                                        sampling=gateway_pb2.SamplingParams(max_new_tokens=10, stop=["fg"]))
+            tokenized = await gw.stub.Tokenize(gateway_pb2.TokenizeRequest(text="abc"), timeout=5)
+            return bad.value, too_big.value, good, stopped, tokenized
+
+    bad, too_big, good, stopped, tokenized = run(scenario())
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in bad.details()
+    assert too_big.code() == grpc.StatusCode.INVALID_ARGUMENT and "KV cache" in too_big.details()
+    assert [r.request_id for r in good] == ["good"] * 4
+    assert [list(r.token_ids) for r in good] == [[t] for t in expected_tokens(28, 4)]   # after "c"
+    assert "".join(r.text for r in good) == "defg"
+    assert [r.finish_reason for r in good] == [gateway_pb2.FINISH_REASON_UNSPECIFIED] * 3 + [
+        gateway_pb2.FINISH_REASON_LENGTH]
+    assert (good[-1].usage.prompt_tokens, good[-1].usage.completion_tokens) == (3, 4)
+    assert not good[0].HasField("usage")
+    assert "".join(r.text for r in stopped) == "de"
+    assert stopped[-1].finish_reason == gateway_pb2.FINISH_REASON_STOP and stopped[-1].matched_stop == "fg"
+    assert list(tokenized.token_ids) == [26, 27, 28]
+
+
+def test_servicer_aborts_the_request_of_a_client_that_goes_away():
+    async def scenario():
+        async with Gateway() as gw:
+            engine = gw.attach()
+            call = gw.stub.Generate(gateway_pb2.GenerateRequest(
+                request_id="c", prompt="abcdef", sampling=gateway_pb2.SamplingParams(max_new_tokens=400)),
+                timeout=10)
+            await call.read()
+            call.cancel()
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if engine.num_active == 0 and not engine.batcher.has_work:
+                    break
+            return engine
+
+    engine = run(scenario())
+    assert engine.num_active == 0 and engine.batcher.allocators[0].num_free == 64
+    assert engine.num_steps < 100     # aborted, not run to its 400 tokens
+
+
+# The group manager: a fake etcd view, a fake rank over real gRPC.
+
+class FakeCluster:
+    """The ClusterClient calls GroupManager makes; the test pushes assignments."""
+
+    def __init__(self):
+        self.assignments: asyncio.Queue = asyncio.Queue()
+        self.registered: list[tuple] = []
+
+    async def register(self, role, member_id, address, info=None, ttl=2):
+        self.registered.append((role, member_id, address))
+
+    async def watch_group_for_member(self, member_id):
+        while True:
+            yield await self.assignments.get()
+
+    async def wait_group_ready(self, group):
+        return None
+
+
+class FakeExpertService(expert_pb2_grpc.ExpertServiceServicer):
+    """A rank that runs group g1, epoch 1, with FakeRank's step logic."""
+
+    def __init__(self, num_broken_streams: int = 0):
+        self.num_broken_streams = num_broken_streams
+        self.info = expert_pb2.GetRankInfoResponse(
+            member_id="e0", group_id="g1", rank=0, world_size=1, placement_epoch=1,
+            num_kv_blocks=32, kv_block_size=4, is_ready=True)
+
+    async def GetRankInfo(self, request, context):
+        return self.info
+
+    async def ExecuteSteps(self, request_iterator, context):
+        rank = FakeRank(self.info.kv_block_size)
+        if self.num_broken_streams:
+            self.num_broken_streams -= 1
+            await context.abort(grpc.StatusCode.INTERNAL, "a peer rank timed out")
+        async for request in request_iterator:
+            await rank.write(request)
+            yield await rank.read()
+
+
+def assignment(address: str, epoch: int = 1) -> GroupAssignment:
+    return GroupAssignment(group_id="g1", epoch=epoch, term=7, world_size=1, rendezvous_address="",
+                           ranks=[RankInfo(0, "e0", address)], gateway_id="gw0")
+
+
+async def wait_for(predicate, timeout_s=5.0):
+    for _ in range(int(timeout_s / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+def test_group_manager_serves_a_ready_group_and_drops_it_when_it_goes():
+    async def scenario():
+        expert = await grpc_util.start_server(
+            [lambda s: expert_pb2_grpc.add_ExpertServiceServicer_to_server(FakeExpertService(), s)], [])
+        address = f"127.0.0.1:{expert.port}"
+        cluster, serving = FakeCluster(), []
+
+        async def set_serving(is_serving):
+            serving.append(is_serving)
+
+        def make(group, infos, streams):
+            engine, _ = make_engine(ranks=streams, num_blocks=infos[0].num_kv_blocks,
+                                    block_size=infos[0].kv_block_size)
+            return engine
+
+        manager = GroupManager(cluster, member_id="gw0", address="127.0.0.1:1", make_engine=make,
+                               set_serving=set_serving, rank_call_timeout_s=5)
+        task = asyncio.create_task(manager.run())
+        try:
+            await cluster.assignments.put(assignment(address))
+            await wait_for(lambda: manager.engine is not None)
+            engine = manager.engine
+            outputs = await collect(engine.submit(make_request(prompt_ids=[30], max_new_tokens=3)))
+            long_running = engine.submit(make_request(2, max_new_tokens=10_000))
+            await long_running.__anext__()
+            await cluster.assignments.put(None)                 # the group is removed
+            with pytest.raises(GenerationError) as gone:
+                await collect(long_running)
+            await wait_for(lambda: manager.engine is None and serving[-1] is False)
+            await cluster.assignments.put(assignment(address, epoch=2))   # the rank still runs epoch 1
+            await asyncio.sleep(0.3)
+            return cluster, serving, outputs, gone.value, manager.engine
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await expert.stop(0)
+
+    cluster, serving, outputs, gone, engine_after = run(scenario())
+    assert cluster.registered == [("gateway", "gw0", "127.0.0.1:1")]
+    assert [t for o in outputs for t in o.token_ids] == expected_tokens(30, 3)
+    assert gone.code is ErrorCode.UNAVAILABLE and "no worker group is ready" in gone.message
+    assert serving[:2] == [True, False] and True not in serving[2:]
+    assert engine_after is None
+
+
+def test_a_group_whose_stream_broke_is_served_again_on_fresh_streams():
+    async def scenario():
+        expert = await grpc_util.start_server(
+            [lambda s: expert_pb2_grpc.add_ExpertServiceServicer_to_server(FakeExpertService(1), s)], [])
+        cluster = FakeCluster()
+
+        async def set_serving(is_serving):
+            pass
+
+        def make(group, infos, streams):
+            return make_engine(ranks=streams)[0]
+
+        manager = GroupManager(cluster, member_id="gw0", address="127.0.0.1:1", make_engine=make,
+                               set_serving=set_serving)
+        task = asyncio.create_task(manager.run())
+        try:
+            await cluster.assignments.put(assignment(f"127.0.0.1:{expert.port}"))
+            await wait_for(lambda: manager.engine is not None)
+            first = manager.engine
+            with pytest.raises(GenerationError) as broken:
+                await collect(first.submit(make_request(2)))
+            await wait_for(lambda: manager.engine not in (None, first))
+            outputs = await collect(manager.engine.submit(make_request(prompt_ids=[30], max_new_tokens=2)))
+            return broken.value, outputs
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await expert.stop(0)
+
+    broken, outputs = run(scenario())
+    assert broken.code is ErrorCode.UNAVAILABLE and "INTERNAL: a peer rank timed out" in broken.message
+    assert [t for o in outputs for t in o.token_ids] == expected_tokens(30, 2)
+
+
+def test_a_rank_of_another_epoch_is_rejected():
+    info = expert_pb2.GetRankInfoResponse(group_id="g1", rank=0, world_size=1, placement_epoch=1,
+                                          num_kv_blocks=8, kv_block_size=4, is_ready=True)
+    check_rank_info(assignment("x:1"), 0, info)
+    with pytest.raises(GroupSetupError, match="epoch"):
+        check_rank_info(assignment("x:1", epoch=2), 0, info)
+    info.is_ready = False
+    with pytest.raises(GroupSetupError, match="not ready"):
+        check_rank_info(assignment("x:1"), 0, info)

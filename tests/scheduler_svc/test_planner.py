@@ -1,0 +1,114 @@
+"""The group planner: pure, no etcd."""
+
+import pytest
+
+from scheduler_svc.planner import plan_groups
+from services.cluster import GroupAssignment, Member, RankInfo
+
+
+def expert(member_id: str, port: int = 9000, rendezvous_port: int | None = 29500) -> Member:
+    info = {} if rendezvous_port is None else {"rendezvous_port": rendezvous_port}
+    return Member(member_id, "expert", f"10.0.0.{member_id[-1]}:{port}", info)
+
+
+def gateway(member_id: str) -> Member:
+    return Member(member_id, "gateway", f"10.0.1.{member_id[-1]}:8000")
+
+
+def group_of(group_id: str, experts: list[Member], gateway_id: str | None, term: int = 5) -> GroupAssignment:
+    return GroupAssignment(
+        group_id=group_id, epoch=1, term=term, world_size=len(experts),
+        rendezvous_address=f"{experts[0].host}:29500",
+        ranks=[RankInfo(i, m.member_id, m.address) for i, m in enumerate(experts)],
+        gateway_id=gateway_id,
+    )
+
+
+def test_forms_group_of_first_experts_by_id_with_rank0_rendezvous():
+    members = [expert("e2"), expert("e0", rendezvous_port=29600), expert("e1"), gateway("w0")]
+    plan = plan_groups(members, [], group_size=2, term=7)
+    assert plan.delete == []
+    [group] = plan.put
+    assert group.group_id == "g0"
+    assert group.epoch == 1 and group.term == 7 and group.world_size == 2
+    assert [(r.rank, r.member_id, r.address) for r in group.ranks] == [
+        (0, "e0", "10.0.0.0:9000"), (1, "e1", "10.0.0.1:9000")]
+    assert group.rendezvous_address == "10.0.0.0:29600"
+    assert group.gateway_id == "w0"
+
+
+def test_no_group_without_enough_experts_or_without_gateway():
+    assert plan_groups([expert("e0"), gateway("w0")], [], group_size=2, term=1).is_empty
+    assert plan_groups([expert("e0"), expert("e1")], [], group_size=2, term=1).is_empty
+
+
+def test_forms_as_many_groups_as_gateways_allow():
+    members = [expert(f"e{i}") for i in range(5)] + [gateway("w1"), gateway("w0")]
+    plan = plan_groups(members, [], group_size=2, term=3)
+    assert [(g.group_id, g.gateway_id, [r.member_id for r in g.ranks]) for g in plan.put] == [
+        ("g0", "w0", ["e0", "e1"]), ("g1", "w1", ["e2", "e3"])]
+
+
+def test_stable_state_plans_nothing():
+    e0, e1 = expert("e0"), expert("e1")
+    existing = [group_of("g0", [e0, e1], "w0")]
+    assert plan_groups([e0, e1, gateway("w0")], existing, group_size=2, term=9).is_empty
+
+
+def test_rank_gone_deletes_group_and_frees_the_rest():
+    e0, e1, e2 = expert("e0"), expert("e1"), expert("e2")
+    existing = [group_of("g0", [e0, e1], "w0")]
+    plan = plan_groups([e0, gateway("w0")], existing, group_size=2, term=9)
+    assert plan.delete == ["g0"] and plan.put == []
+    # Once enough experts are back, a new group forms; the id is not reused in
+    # the same plan (one transaction cannot both delete and put a key).
+    plan = plan_groups([e0, e2, gateway("w0")], existing, group_size=2, term=9)
+    assert plan.delete == ["g0"]
+    [group] = plan.put
+    assert group.group_id == "g1" and [r.member_id for r in group.ranks] == ["e0", "e2"]
+    assert group.gateway_id == "w0"
+
+
+def test_deleted_id_is_reused_in_a_later_plan():
+    members = [expert("e0"), expert("e2"), gateway("w0")]
+    [group] = plan_groups(members, [], group_size=2, term=9).put
+    assert group.group_id == "g0"
+
+
+def test_restarted_rank_at_new_address_counts_as_gone():
+    e0, e1 = expert("e0"), expert("e1")
+    existing = [group_of("g0", [e0, e1], "w0")]
+    plan = plan_groups([e0, expert("e1", port=9999), gateway("w0")], existing, group_size=2, term=9)
+    assert plan.delete == ["g0"]
+
+
+def test_gateway_gone_keeps_ranks_and_a_free_gateway_takes_over():
+    e0, e1 = expert("e0"), expert("e1")
+    existing = [group_of("g0", [e0, e1], "w0", term=5)]
+    plan = plan_groups([e0, e1], existing, group_size=2, term=9)
+    [group] = plan.put
+    assert group.gateway_id is None and group.ranks == existing[0].ranks
+    assert group.epoch == 1 and group.term == 9
+
+    plan = plan_groups([e0, e1, gateway("w1")], existing, group_size=2, term=9)
+    [group] = plan.put
+    assert group.gateway_id == "w1" and group.term == 9 and plan.delete == []
+
+
+def test_unassigned_gateway_goes_to_group_without_one():
+    e0, e1 = expert("e0"), expert("e1")
+    existing = [group_of("g0", [e0, e1], None)]
+    [group] = plan_groups([e0, e1, gateway("w3")], existing, group_size=2, term=9).put
+    assert group.group_id == "g0" and group.gateway_id == "w3"
+
+
+def test_expert_without_rendezvous_port_is_not_placed():
+    members = [expert("e0", rendezvous_port=None), expert("e1"), expert("e2"), gateway("w0")]
+    plan = plan_groups(members, [], group_size=2, term=1)
+    assert plan.unplaceable_ids == ["e0"]
+    assert [r.member_id for r in plan.put[0].ranks] == ["e1", "e2"]
+
+
+def test_bad_group_size_rejected():
+    with pytest.raises(ValueError, match="group_size must be >= 1, got 0"):
+        plan_groups([], [], group_size=0, term=1)

@@ -1,0 +1,149 @@
+"""ClusterClient against a real etcd."""
+
+import asyncio
+import inspect
+
+import pytest
+
+from services.cluster import ClusterClient, ClusterUnavailableError, GroupAssignment, RankInfo
+from services.etcd_server import free_port, start_etcd
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    with start_etcd(tmp_path_factory.mktemp("etcd")) as running:
+        yield running
+
+
+async def eventually(predicate, timeout_s: float = 5.0):
+    """Polls a predicate (plain or async) until it returns a truthy value."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value or asyncio.get_running_loop().time() > deadline:
+            return value
+        await asyncio.sleep(0.05)
+
+
+def group(term: int, gateway_id: str | None = "w0", epoch: int = 1) -> GroupAssignment:
+    return GroupAssignment("g0", epoch, term, 2, "127.0.0.1:29500",
+                           [RankInfo(0, "e0", "127.0.0.1:1"), RankInfo(1, "e1", "127.0.0.1:2")], gateway_id)
+
+
+def test_register_list_and_close_removes_member_at_once(etcd):
+    async def body():
+        watcher = ClusterClient(etcd.endpoint, prefix="/t-register")
+        await watcher.connect()
+        member = ClusterClient(etcd.endpoint, prefix="/t-register")
+        await member.connect()
+        await member.register("expert", "e0", "127.0.0.1:1", {"rendezvous_port": 29500}, ttl=1)
+        await asyncio.sleep(1.5)  # past the TTL: the keepalive holds the key
+        [listed] = await watcher.list_members("expert")
+        assert (listed.member_id, listed.role, listed.address, listed.info) == (
+            "e0", "expert", "127.0.0.1:1", {"rendezvous_port": 29500})
+        assert await watcher.list_members("gateway") == []
+        await member.close()
+        assert await watcher.list_members() == []  # revoked: no TTL wait
+        await watcher.close()
+
+    asyncio.run(body())
+
+
+def test_watch_group_for_member_follows_changes(etcd):
+    async def body():
+        prefix = "/t-watch"
+        leader = ClusterClient(etcd.endpoint, prefix=prefix)
+        await leader.connect()
+        await leader.register("scheduler", "s0", "127.0.0.1:3", ttl=1)
+        term = (await leader.campaign("s0", "127.0.0.1:3")).term
+        assert await leader.write_groups(term, [group(term, gateway_id=None)])
+        seen: list = []
+
+        async def follow():
+            async for assignment in leader.watch_group_for_member("w0"):
+                seen.append(assignment)
+
+        task = asyncio.create_task(follow())
+        await asyncio.sleep(0.3)
+        assert seen == []  # w0 is in no group yet: nothing yielded
+        assert await leader.write_groups(term, [group(term)])
+        assert await eventually(lambda: len(seen) == 1)
+        assert seen[0] == group(term)
+        assert await leader.write_groups(term, delete=["g0"])
+        assert await eventually(lambda: len(seen) == 2)
+        assert seen[1] is None
+        task.cancel()
+        await leader.close()
+
+    asyncio.run(body())
+
+
+def test_ready_marks_follow_the_assignment(etcd):
+    async def body():
+        prefix = "/t-ready"
+        leader = ClusterClient(etcd.endpoint, prefix=prefix)
+        rank0, rank1 = ClusterClient(etcd.endpoint, prefix=prefix), ClusterClient(etcd.endpoint, prefix=prefix)
+        for client, (role, member_id) in [(leader, ("scheduler", "s0")), (rank0, ("expert", "e0")),
+                                          (rank1, ("expert", "e1"))]:
+            await client.connect()
+            await client.register(role, member_id, "127.0.0.1:1", ttl=1)
+        term = (await leader.campaign("s0", "127.0.0.1:1")).term
+        assert not await rank0.mark_rank_ready("g0", 1, 0, "e0")  # no such group yet
+        assert await leader.write_groups(term, [group(term)])
+        assert not await rank0.mark_rank_ready("g0", 1, 1, "e0")  # not its rank
+        assert not await rank0.mark_rank_ready("g0", 2, 0, "e0")  # not the epoch
+        waiter = asyncio.create_task(leader.wait_group_ready(group(term)))
+        assert await rank0.mark_rank_ready("g0", 1, 0, "e0")
+        assert await leader.ready_ranks("g0", 1) == {0}
+        await asyncio.sleep(0.2)
+        assert not waiter.done()
+        assert await rank1.mark_rank_ready("g0", 1, 1, "e1")
+        await asyncio.wait_for(waiter, 5)
+        snapshot = await leader.snapshot()
+        assert [snapshot.is_rank_ready(snapshot.groups[0], r) for r in (0, 1)] == [True, True]
+        await rank1.close()  # its ready key goes with its lease
+        assert await leader.ready_ranks("g0", 1) == {0}
+        assert await leader.write_groups(term, delete=["g0"])  # ready keys go with the group
+        assert await leader.ready_ranks("g0", 1) == set()
+        await rank0.close()
+        await leader.close()
+
+    asyncio.run(body())
+
+
+def test_connect_gives_up_after_budget_when_etcd_is_down():
+    async def body():
+        client = ClusterClient(f"127.0.0.1:{free_port()}")
+        with pytest.raises(ClusterUnavailableError):
+            await client.connect(wait_s=0.5)
+        await client.close()
+
+    asyncio.run(body())
+
+
+def test_session_survives_an_etcd_restart(tmp_path):
+    """etcd down for longer than the TTL: the session is declared lost and
+    the member registers again once etcd is back; nothing crashes."""
+    client_port, peer_port = free_port(), free_port()
+    etcd = start_etcd(tmp_path, client_port=client_port, peer_port=peer_port)
+
+    async def body():
+        nonlocal etcd
+        client = ClusterClient(etcd.endpoint, prefix="/t-restart")
+        await client.connect()
+        await client.register("router", "r0", "127.0.0.1:1", ttl=1)
+        first = client.session
+        etcd.stop()
+        await asyncio.wait_for(first.lost.wait(), 5)
+        etcd = start_etcd(tmp_path, client_port=client_port, peer_port=peer_port)
+        session = await asyncio.wait_for(client.live_session(), 10)
+        assert session.lease_id != first.lease_id
+        assert [m.member_id for m in await client.list_members("router")] == ["r0"]
+        await client.close()
+
+    try:
+        asyncio.run(body())
+    finally:
+        etcd.stop()
