@@ -2,8 +2,8 @@
 
 Every field is also a flag `--field-name` and an env var `MOEMESH_FIELD_NAME`
 (services/settings.py builds both from this dataclass). The registration
-fields (member_id, etcd, host, port, port_file, lease_ttl_s, key_prefix) come
-from `MemberConfig`.
+fields (member_id, etcd, host, advertise_host, port, port_file, lease_ttl_s,
+key_prefix, log_level) come from `MemberConfig`.
 """
 
 import dataclasses
@@ -19,8 +19,6 @@ class ExpertConfig(MemberConfig):
 
     # The checkpoint directory (hub layout: config.json + safetensors).
     model: str = ""
-    # The host peers dial (registered address, rendezvous); empty means `host`.
-    advertise_host: str = ""
     # The port this rank hosts the torch.distributed store on if it becomes
     # rank 0; 0 picks a free one at start.
     rendezvous_port: int = 0
@@ -77,10 +75,3 @@ class ExpertConfig(MemberConfig):
     def dtype_name(self) -> str:
         """The compute dtype, with the device's default filled in."""
         return self.dtype or ("bfloat16" if self.is_cuda else "float32")
-
-    @property
-    def public_host(self) -> str:
-        """The host other processes reach this rank at."""
-        if self.advertise_host:
-            return self.advertise_host
-        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]") else self.host

@@ -1,0 +1,232 @@
+"""The life of one expert service: listen, register, wait for a group, load, join, serve.
+
+1. Start the gRPC server (GetRankInfo answers from here on, is_ready false)
+   and write the port file.
+2. Register in etcd as role "expert" with info {"rendezvous_port", "device"}.
+3. Watch for the group assignment. Once assigned rank r of N: load only the
+   experts [r*E/N, (r+1)*E/N) plus the trunk and gates, join the group's
+   torch.distributed process group (gloo on the CPU, NCCL on CUDA) at the
+   rendezvous, build the model and the KV pool, mark the rank ready in etcd
+   and turn health SERVING.
+4. Serve step plans until stopped. Re-forming a group is not implemented: if
+   the assignment this rank joined is deleted or changes (group, epoch,
+   rank, size, rendezvous), `run` returns EXIT_ASSIGNMENT_LOST so that the
+   supervisor restarts the process clean.
+
+All model work (loading, the rendezvous, steps, teardown) runs on one
+dedicated thread, so the event loop keeps answering RPCs and etcd.
+"""
+
+import asyncio
+import concurrent.futures
+import contextlib
+import datetime
+import logging
+import pathlib
+import socket
+
+import torch
+import torch.distributed as dist
+
+from expert_svc.config import ExpertConfig
+from expert_svc.runner import RankState, StepExecutor, StepRunner
+from expert_svc.servicer import ExpertServicer
+from expert_svc.stats_reporter import StatsReporter
+from moe.expert.v1 import expert_pb2, expert_pb2_grpc
+from services import grpc_util
+from services.cluster import ClusterClient, GroupAssignment
+from services.kv_pool import KVPool
+from services.model.checkpoint import load_weights
+from services.model.config import DTYPES, ModelConfig
+from services.model.moe import ExpertComm, local_expert_ids
+from services.model.qwen3_moe import Qwen3MoeModel
+from services.settings import announce_port
+
+log = logging.getLogger("expert_svc")
+
+SERVICE_NAME = expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name
+EXIT_ASSIGNMENT_LOST = 3
+
+
+class AssignmentLostError(RuntimeError):
+    """The group this rank joined was deleted or changed under it."""
+
+
+def _placement(group: GroupAssignment, member_id: str) -> tuple:
+    """What a joined rank depends on; term and gateway changes do not matter."""
+    return (group.group_id, group.epoch, group.world_size, group.rendezvous_address,
+            group.rank_of(member_id))
+
+
+class ExpertRank:
+    """One expert service process. `start`, then `run` until stopped, then `stop`."""
+
+    def __init__(self, config: ExpertConfig):
+        self.config = config
+        self.model_config = ModelConfig.from_model_dir(config.model)
+        self.state = RankState(member_id=config.member_id, model_name=pathlib.Path(config.model).name)
+        self._dtype = DTYPES[config.dtype_name]
+        self._thread = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="model", initializer=self._init_model_thread)
+        self._server: grpc_util.Server | None = None
+        self._cluster: ClusterClient | None = None
+        self._reporter: StatsReporter | None = None
+        self._joined: tuple | None = None
+        self._watch_task: asyncio.Task | None = None
+
+    def _init_model_thread(self) -> None:
+        if self.config.is_cuda:
+            torch.cuda.set_device(torch.device(self.config.device))
+
+    async def _on_model_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    @property
+    def port(self) -> int:
+        """The bound gRPC port (after start)."""
+        return self._server.port
+
+    async def start(self) -> None:
+        """Listens, writes the port file, registers, and starts following the assignment."""
+        cfg = self.config
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        servicer = ExpertServicer(self.state)
+        self._server = await grpc_util.start_server(
+            [lambda s: expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, s)],
+            [SERVICE_NAME], host=cfg.host, port=cfg.port)
+        await self._set_serving(False)
+        announce_port("expert", cfg, self._server.port)
+        self._cluster = ClusterClient(cfg.etcd, prefix=cfg.key_prefix)
+        await self._cluster.connect()
+        rendezvous_port = cfg.rendezvous_port or _free_port(cfg.host)
+        await self._cluster.register("expert", cfg.member_id, cfg.address(self._server.port),
+                                     {"rendezvous_port": rendezvous_port, "device": cfg.device},
+                                     ttl=cfg.lease_ttl_s)
+        self._watch_task = asyncio.create_task(self._follow_assignment(), name="follow-assignment")
+
+    async def run(self, stop: asyncio.Event) -> int:
+        """Serves until `stop` is set (0) or the assignment fails or is lost (non-zero)."""
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait([stopped, self._watch_task], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not self._watch_task.done():
+            return 0
+        error = self._watch_task.exception()
+        if error is None:
+            log.error("the assignment watch ended (etcd client closed)")
+            return 1
+        if isinstance(error, AssignmentLostError):
+            log.error("%s; exiting so that the rank restarts clean", error)
+            return EXIT_ASSIGNMENT_LOST
+        log.error("cannot join the group", exc_info=error)
+        return 1
+
+    async def _follow_assignment(self) -> None:
+        member_id = self.config.member_id
+        async for group in self._cluster.watch_group_for_member(member_id):
+            if self._joined is None:
+                if group is not None and group.rank_of(member_id) is not None:
+                    await self._join(group)
+            elif group is None or _placement(group, member_id) != self._joined:
+                raise AssignmentLostError(f"the assignment {self._joined} was deleted or changed to {group}")
+
+    async def _join(self, group: GroupAssignment) -> None:
+        cfg, mc, member_id = self.config, self.model_config, self.config.member_id
+        rank = group.rank_of(member_id)
+        if mc.num_experts % group.world_size:
+            raise ValueError(f"group {group.group_id!r} has {group.world_size} ranks, which does not divide "
+                             f"the model's {mc.num_experts} experts; use a group size that divides it")
+        expert_ids = local_expert_ids(mc.num_experts, rank, group.world_size)
+        s = self.state
+        s.group_id, s.rank, s.world_size, s.placement_epoch = group.group_id, rank, group.world_size, group.epoch
+        s.expert_ids = tuple(expert_ids)
+        log.info("assigned rank %d of %d in group %s epoch %d (experts %d..%d); loading", rank,
+                 group.world_size, group.group_id, group.epoch, expert_ids.start, expert_ids.stop - 1)
+        model, kv_pool = await self._on_model_thread(self._load_and_connect, group, rank, expert_ids)
+        runner = StepRunner(model, kv_pool, cfg.kv_block_size, vocab_size=mc.vocab_size,
+                            group_id=group.group_id, placement_epoch=group.epoch, device=cfg.device)
+        self._reporter = StatsReporter(
+            model.hit_counts_LE, mc.moe_layers, group_id=group.group_id, rank=rank,
+            every_steps=cfg.stats_every_steps, deadline_s=cfg.stats_deadline_s,
+            resolve_router=self._router_address, loop=asyncio.get_running_loop())
+        s.num_kv_blocks, s.kv_block_size = kv_pool.num_blocks, cfg.kv_block_size
+        s.executor = StepExecutor(runner, self._thread, self._reporter.after_step)
+        self._joined = _placement(group, member_id)
+        if not await self._cluster.mark_rank_ready(group.group_id, group.epoch, rank, member_id):
+            raise AssignmentLostError(f"group {group.group_id!r} epoch {group.epoch} changed while loading")
+        await self._set_serving(True)
+        log.info("rank %d of group %s ready: %d KV blocks of %d tokens", rank, group.group_id,
+                 kv_pool.num_blocks, cfg.kv_block_size)
+
+    async def _set_serving(self, is_serving: bool) -> None:
+        # grpc_util.Server.set_serving calls the aio HealthServicer.set without awaiting it.
+        status = grpc_util.SERVING if is_serving else grpc_util.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self._server.health.set(name, status)
+
+    def _load_and_connect(self, group: GroupAssignment, rank: int, expert_ids: range):
+        """Model thread: weights, then the rendezvous, then the model and the KV pool."""
+        cfg, mc = self.config, self.model_config
+        weights = load_weights(cfg.model, mc, expert_ids, dtype=self._dtype, device=cfg.device)
+        dist.init_process_group(
+            "nccl" if cfg.is_cuda else "gloo", init_method=f"tcp://{group.rendezvous_address}",
+            world_size=group.world_size, rank=rank,
+            timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
+        model = Qwen3MoeModel(mc, weights, expert_ids=expert_ids, comm=ExpertComm(dist.group.WORLD),
+                              dtype=self._dtype, device=cfg.device)
+        del weights
+        num_blocks = cfg.kv_blocks or KVPool.blocks_for_memory(
+            mc, cfg.kv_block_size, self._kv_memory_bytes(), self._dtype)
+        if num_blocks <= 0:
+            raise ValueError(f"the KV memory ({self._kv_memory_bytes()} bytes) holds no block; "
+                             f"raise kv_memory_bytes/kv_memory_fraction or set kv_blocks")
+        return model, KVPool.for_model(mc, num_blocks, cfg.kv_block_size, self._dtype, cfg.device)
+
+    def _kv_memory_bytes(self) -> int:
+        if not self.config.is_cuda:
+            return self.config.kv_memory_bytes
+        free_bytes, _ = torch.cuda.mem_get_info(torch.device(self.config.device))
+        return int(free_bytes * self.config.kv_memory_fraction)
+
+    async def _router_address(self) -> str | None:
+        routers = await self._cluster.list_members("router")
+        return routers[0].address if routers else None
+
+    async def stop(self, grace_s: float = 5.0) -> bool:
+        """Leaves the mesh: NOT_SERVING, deregister, drain the stream, leave the process group.
+
+        Returns False if the model thread did not finish in time (a step stuck
+        in a collective); the caller should then exit without joining it.
+        """
+        if self._server is not None:
+            await self._set_serving(False)
+        if self._watch_task is not None and not self._watch_task.done():
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
+        if self._cluster is not None:
+            await self._cluster.close()  # revokes the lease: peers see us leave at once
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        if self._reporter is not None:
+            await self._reporter.close()
+        try:
+            await asyncio.wait_for(self._on_model_thread(_destroy_process_group), grace_s)
+        except TimeoutError:
+            log.warning("the model thread is still busy after %.1fs (a step stuck in a collective?)", grace_s)
+            return False
+        self._thread.shutdown(wait=False)
+        return True
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port(host: str) -> int:
+    """A port free now on host (the rendezvous store binds it later, if this becomes rank 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

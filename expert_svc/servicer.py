@@ -1,0 +1,113 @@
+"""ExpertService over gRPC: protobuf <-> the runner's domain objects, errors -> status codes.
+
+One ExecuteSteps stream at a time: a second stream while one is open gets
+FAILED_PRECONDITION (the rank's sequences belong to the open stream, and two
+gateways interleaving plans would break the group's lockstep). When a stream
+ends, for whatever reason, the rank drops all sequence state, so the next
+gateway starts clean; a stream opened while the last one is still dropping
+its state waits for that instead of failing.
+"""
+
+import asyncio
+import logging
+
+import grpc
+
+from expert_svc.runner import (NewSequence, RankState, ScheduledSequence, StalePlanError,
+                               StepPlan, StepResult)
+from moe.expert.v1 import expert_pb2, expert_pb2_grpc
+from services.model.sampling import SamplingSpec
+
+log = logging.getLogger("expert_svc")
+
+
+def plan_from_pb(plan: expert_pb2.StepPlan) -> StepPlan:
+    """The domain StepPlan of a protobuf plan."""
+    return StepPlan(
+        step_id=plan.step_id,
+        group_id=plan.group_id,
+        placement_epoch=plan.placement_epoch,
+        new_sequences=tuple(
+            NewSequence(
+                seq_id=s.seq_id,
+                sampling=SamplingSpec(temperature=s.sampling.temperature, top_p=s.sampling.top_p,
+                                      top_k=s.sampling.top_k, seed=s.sampling.seed),
+                block_ids=tuple(s.block_ids),
+                num_cached_tokens=s.num_cached_tokens,
+            )
+            for s in plan.new_sequences
+        ),
+        scheduled=tuple(
+            ScheduledSequence(seq_id=s.seq_id, token_ids=tuple(s.token_ids),
+                              new_block_ids=tuple(s.new_block_ids), is_sampled=s.is_sampled)
+            for s in plan.scheduled
+        ),
+        finished_seq_ids=tuple(plan.finished_seq_ids),
+    )
+
+
+def result_to_pb(result: StepResult) -> expert_pb2.ExecuteStepsResponse:
+    """The protobuf response of a step result."""
+    return expert_pb2.ExecuteStepsResponse(result=expert_pb2.StepResult(
+        step_id=result.step_id,
+        tokens=[expert_pb2.SampledToken(seq_id=s, token_id=t) for s, t in result.tokens],
+        execute_seconds=result.execute_seconds,
+    ))
+
+
+class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
+    """The gRPC face of one rank; `state.executor` runs the steps once the rank is ready."""
+
+    def __init__(self, state: RankState):
+        self._state = state
+        # Set while a stream owns the rank; the event fires once its state is dropped.
+        self._stream_closed: asyncio.Event | None = None
+        self._is_stream_closing = False
+
+    async def ExecuteSteps(self, request_iterator, context):
+        executor = self._state.executor
+        if executor is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"rank {self._state.member_id} is not ready (no group or still loading)")
+        while self._stream_closed is not None:
+            if not self._is_stream_closing:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    "another ExecuteSteps stream is open on this rank; one gateway at a time")
+            # The last stream has ended (its client may already know) but is still dropping its state.
+            await self._stream_closed.wait()
+        closed = self._stream_closed = asyncio.Event()
+        self._is_stream_closing = False
+        log.info("ExecuteSteps stream opened by %s", context.peer())
+        try:
+            async for request in request_iterator:
+                yield result_to_pb(await self._execute(executor, plan_from_pb(request.plan), context))
+        finally:
+            self._is_stream_closing = True
+            try:
+                await executor.reset()
+            finally:
+                self._stream_closed = None
+                closed.set()
+                log.info("ExecuteSteps stream closed; sequence state dropped")
+
+    @staticmethod
+    async def _execute(executor, plan: StepPlan, context) -> StepResult:
+        """Runs one step; a bad plan or a failed step ends the stream with its status."""
+        try:
+            return await executor.execute(plan)
+        except StalePlanError as error:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {error}")
+        except RuntimeError as error:  # the model or a collective failed (e.g. a peer timed out)
+            log.exception("step %d failed", plan.step_id)
+            await context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {error}")
+
+    async def GetRankInfo(self, request, context):
+        s = self._state
+        return expert_pb2.GetRankInfoResponse(
+            member_id=s.member_id, group_id=s.group_id, rank=s.rank, world_size=s.world_size,
+            placement_epoch=s.placement_epoch, expert_ids=list(s.expert_ids),
+            num_kv_blocks=s.num_kv_blocks, kv_block_size=s.kv_block_size,
+            is_ready=s.is_ready, model_name=s.model_name,
+        )

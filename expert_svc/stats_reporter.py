@@ -1,0 +1,157 @@
+"""Expert hit counts, from the model's device counters to the router.
+
+Every `every_steps` steps the model thread copies `hit_counts_LE` to the host
+(one transfer for all layers) and takes the delta since the last report. The
+event loop sends it with a deadline in a background task. A slow or absent
+router never stalls the steps: while a send is in flight, or after one
+failed, new deltas merge into the one pending report, which goes with the
+next send (counts are never dropped, only delayed; merging bounds memory).
+"""
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+
+import grpc
+import torch
+
+from moe.router.v1 import router_pb2, router_pb2_grpc
+from services import grpc_util
+
+log = logging.getLogger("expert_svc.stats")
+
+
+@dataclasses.dataclass(slots=True)
+class HitReport:
+    """Tokens this rank routed to each expert over a range of steps."""
+
+    first_step_id: int
+    last_step_id: int
+    counts_LE: torch.Tensor  # int64 on the host, [num_moe_layers, num_experts]
+
+    def merge(self, later: "HitReport") -> None:
+        """Adds a later report's counts into this one."""
+        self.last_step_id = later.last_step_id
+        self.counts_LE += later.counts_LE
+
+
+class StatsReporter:
+    """Turns the model's hit counters into ReportExpertHits calls to the router."""
+
+    def __init__(self, hit_counts_LE: torch.Tensor, moe_layers: Sequence[int], *, group_id: str,
+                 rank: int, every_steps: int, deadline_s: float,
+                 resolve_router: Callable[[], Awaitable[str | None]],
+                 loop: asyncio.AbstractEventLoop):
+        assert hit_counts_LE.shape[0] == len(moe_layers)
+        self._device_counts_LE = hit_counts_LE
+        self._moe_layers = list(moe_layers)
+        self._group_id, self._rank = group_id, rank
+        self._every_steps, self._deadline_s = every_steps, deadline_s
+        self._resolve_router = resolve_router
+        self._loop = loop
+        self._last_counts_LE = hit_counts_LE.to("cpu", copy=True)
+        self._first_step_id: int | None = None
+        self._steps_since_report = 0
+        self._pending: HitReport | None = None
+        self._sender: asyncio.Task | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._router_address: str | None = None
+        self.num_sent = 0
+
+    # --- model thread ---
+
+    def after_step(self, step_id: int) -> None:
+        """Counts a step; every `every_steps` steps hands a delta to the event loop."""
+        if self._every_steps <= 0:
+            return
+        if self._first_step_id is None:
+            self._first_step_id = step_id
+        self._steps_since_report += 1
+        if self._steps_since_report >= self._every_steps:
+            report = self.take_delta(step_id)
+            self._loop.call_soon_threadsafe(self._enqueue, report)
+
+    def take_delta(self, last_step_id: int) -> HitReport:
+        """The counts routed since the last delta (one device-to-host copy)."""
+        counts_LE = self._device_counts_LE.to("cpu", copy=True)
+        delta_LE = counts_LE - self._last_counts_LE
+        self._last_counts_LE = counts_LE
+        first = last_step_id if self._first_step_id is None else self._first_step_id
+        self._first_step_id, self._steps_since_report = None, 0
+        return HitReport(first, last_step_id, delta_LE)
+
+    # --- event loop ---
+
+    def _enqueue(self, report: HitReport) -> None:
+        if self._pending is None:
+            self._pending = report
+        else:
+            self._pending.merge(report)
+            log.debug("router busy or away: merged hit counts up to step %d", report.last_step_id)
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.create_task(self._send_pending())
+
+    async def _send_pending(self) -> None:
+        while self._pending is not None:
+            report, self._pending = self._pending, None
+            if not await self._send(report):
+                # Keep the counts; the next delta retries them.
+                if self._pending is not None:
+                    report.merge(self._pending)
+                self._pending = report
+                return
+
+    async def _send(self, report: HitReport) -> bool:
+        stub = await self._router_stub()
+        if stub is None:
+            log.debug("no router registered; holding hit counts")
+            return False
+        try:
+            await stub.ReportExpertHits(self.to_request(report), timeout=self._deadline_s)
+        except grpc.aio.AioRpcError as error:
+            log.warning("ReportExpertHits to %s failed: %s %s", self._router_address,
+                        error.code().name, error.details())
+            await self._drop_channel()
+            return False
+        self.num_sent += 1
+        return True
+
+    def to_request(self, report: HitReport) -> router_pb2.ReportExpertHitsRequest:
+        """The protobuf of a report; layers are the model's MoE layer indices."""
+        return router_pb2.ReportExpertHitsRequest(
+            group_id=self._group_id,
+            rank=self._rank,
+            first_step_id=report.first_step_id,
+            last_step_id=report.last_step_id,
+            layers=[router_pb2.LayerHits(layer=layer, counts=row)
+                    for layer, row in zip(self._moe_layers, report.counts_LE.tolist())],
+        )
+
+    async def _router_stub(self) -> router_pb2_grpc.RouterServiceStub | None:
+        if self._channel is None:
+            try:
+                self._router_address = await asyncio.wait_for(self._resolve_router(), self._deadline_s)
+            except (TimeoutError, OSError) as error:
+                log.warning("cannot look up the router: %r", error)
+                return None
+            if self._router_address is None:
+                return None
+            self._channel = grpc_util.channel(self._router_address)
+        return router_pb2_grpc.RouterServiceStub(self._channel)
+
+    async def _drop_channel(self) -> None:
+        """Forgets the router, so the next send looks it up again (it may have moved)."""
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close()
+
+    async def close(self) -> None:
+        """Stops sending; counts not yet sent are dropped."""
+        if self._sender is not None:
+            self._sender.cancel()
+            try:
+                await self._sender
+            except asyncio.CancelledError:
+                pass
+        await self._drop_channel()

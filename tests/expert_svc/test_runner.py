@@ -1,0 +1,201 @@
+"""StepRunner against transformers: step plans of a small mixed batch give HF's greedy tokens.
+
+The model runs with a real (world size 1, gloo) process group, so the expert
+collectives are the ones a group runs.
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.conftest import hf_greedy
+from expert_svc.runner import (NewSequence, ScheduledSequence, StalePlanError, StepPlan,
+                               StepRunner)
+from services.kv_pool import KVPool
+from services.model.checkpoint import load_weights
+from services.model.make_model import PRESETS, make_random_checkpoint
+from services.model.moe import ExpertComm
+from services.model.qwen3_moe import Qwen3MoeModel
+from services.model.sampling import SamplingSpec
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 128
+NUM_NEW_TOKENS = 16
+GROUP, EPOCH = "g1", 3
+GREEDY = SamplingSpec(temperature=0.0)
+SMALL = dataclasses.replace(PRESETS["tiny"], vocab_size=512, eos_token_ids=())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread, as the service runs on the CPU (the test machines are shared)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("small-vocab")
+    make_random_checkpoint(path, SMALL, seed=11, with_tokenizer=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    init_file = tmp_path_factory.mktemp("pg") / "init"
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", world_size=1, rank=0)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def model(model_dir, process_group):
+    weights = load_weights(model_dir, SMALL, range(SMALL.num_experts))
+    return Qwen3MoeModel(SMALL, weights, expert_ids=range(SMALL.num_experts),
+                         comm=ExpertComm(process_group))
+
+
+@pytest.fixture()
+def runner(model):
+    kv = KVPool.for_model(SMALL, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
+    return StepRunner(model, kv, BLOCK_SIZE, vocab_size=SMALL.vocab_size, group_id=GROUP,
+                      placement_epoch=EPOCH)
+
+
+@pytest.fixture(scope="module")
+def hf_small(model_dir):
+    from transformers import Qwen3MoeForCausalLM
+
+    hf = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
+                                             experts_implementation="eager")
+    return hf.eval()
+
+
+@dataclasses.dataclass
+class Req:
+    """One sequence as a tiny gateway drives it."""
+
+    prompt: list[int]
+    join_step: int = 1
+    chunk: int = 1000  # prompt tokens per step
+    sampling: SamplingSpec = GREEDY
+    share_prefix_of: int | None = None  # reuse this request's first full blocks (prefix cache)
+    num_cached: int = 0
+    generated: list[int] = dataclasses.field(default_factory=list)
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    num_sent: int = 0  # prompt tokens sent so far
+    is_started: bool = False
+
+
+def drive(runner: StepRunner, reqs: list[Req], num_new: int = NUM_NEW_TOKENS) -> list[list[int]]:
+    """Runs plans until every request has num_new tokens; checks the protocol's bookkeeping."""
+    next_block, finished, step_id = 0, [], 0
+    while any(len(r.generated) < num_new for r in reqs) or finished:
+        step_id += 1
+        new, scheduled = [], []
+        for seq_id, r in enumerate(reqs):
+            if len(r.generated) >= num_new or r.join_step > step_id:
+                continue
+            if not r.is_started:
+                if r.share_prefix_of is not None:
+                    r.blocks = reqs[r.share_prefix_of].blocks[:r.num_cached // BLOCK_SIZE]
+                r.num_sent = r.num_cached
+            tokens = r.prompt[r.num_sent:r.num_sent + r.chunk]
+            num_after = r.num_sent + len(tokens) if tokens else len(r.prompt) + len(r.generated)
+            new_blocks = list(range(next_block, next_block + math.ceil(num_after / BLOCK_SIZE) - len(r.blocks)))
+            next_block += len(new_blocks)
+            if not r.is_started:
+                new.append(NewSequence(seq_id, r.sampling, tuple(r.blocks), r.num_cached))
+                r.is_started = True
+            r.blocks = r.blocks + new_blocks
+            r.num_sent += len(tokens)
+            is_sampled = r.num_sent == len(r.prompt)
+            scheduled.append(ScheduledSequence(seq_id, tuple(tokens), tuple(new_blocks), is_sampled))
+        result = runner.run_step(StepPlan(step_id, GROUP, EPOCH, tuple(new), tuple(scheduled), tuple(finished)))
+        assert result.step_id == step_id and result.execute_seconds > 0
+        assert [s for s, _ in result.tokens] == [s.seq_id for s in scheduled if s.is_sampled]
+        finished = []
+        for seq_id, token_id in result.tokens:
+            reqs[seq_id].generated.append(token_id)
+            if len(reqs[seq_id].generated) == num_new:
+                finished.append(seq_id)
+        assert next_block <= NUM_BLOCKS
+    return [r.generated for r in reqs]
+
+
+def test_greedy_tokens_equal_transformers(runner, hf_small):
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, SMALL.vocab_size, (n,), generator=g).tolist() for n in (11, 5, 23, 9)]
+    # The last request shares the first 8 tokens (2 full blocks) of the first one.
+    prompts.append(prompts[0][:8] + torch.randint(0, SMALL.vocab_size, (6,), generator=g).tolist())
+    reqs = [
+        Req(prompts[0]),
+        Req(prompts[1]),
+        Req(prompts[2], chunk=16),  # chunked prefill: the first chunk samples nothing
+        Req(prompts[3], join_step=3),  # joins while the others decode
+        Req(prompts[4], join_step=2, share_prefix_of=0, num_cached=8),
+    ]
+    outputs = drive(runner, reqs)
+    for prompt, output in zip(prompts, outputs):
+        assert output == hf_greedy(hf_small, prompt, NUM_NEW_TOKENS)
+    assert runner.seq_ids == []  # every finished sequence was forgotten
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(runner):
+    spec = SamplingSpec(temperature=0.9, top_k=50, top_p=0.95, seed=1234)
+    prompt = list(range(100, 110))
+    alone = drive(runner, [Req(prompt, sampling=spec)])[0]
+    runner.reset()
+    beside = drive(runner, [Req(list(range(7)), sampling=GREEDY), Req(prompt, sampling=spec)])[1]
+    runner.reset()
+    other_seed = drive(runner, [Req(prompt, sampling=dataclasses.replace(spec, seed=99))])[0]
+    assert alone == beside
+    assert alone != other_seed
+
+
+def _plan(step_id, new=(), scheduled=(), finished=(), epoch=EPOCH):
+    return StepPlan(step_id, GROUP, epoch, tuple(new), tuple(scheduled), tuple(finished))
+
+
+def test_idle_step_runs_the_model_with_no_tokens(runner, model):
+    before = model.hit_counts_LE.clone()
+    result = runner.run_step(_plan(1))
+    assert result.tokens == () and runner.num_steps == 1
+    assert torch.equal(model.hit_counts_LE, before)
+
+
+@pytest.mark.parametrize(("plan", "message"), [
+    (_plan(1, scheduled=[ScheduledSequence(7, (1, 2))]), "scheduled sequence 7 is unknown"),
+    (_plan(1, finished=[8]), "finished sequence 8 is unknown"),
+    (_plan(1, new=[NewSequence(3, GREEDY, (0,))], scheduled=[ScheduledSequence(3, tuple(range(5)))]),
+     "sequence 3 has 1 blocks of 4, too few for 5 tokens"),
+    (_plan(1, new=[NewSequence(3, GREEDY, (0,))], scheduled=[ScheduledSequence(3)]),
+     "sequence 3 has no token_ids and no sampled token"),
+    (_plan(1, new=[NewSequence(3, GREEDY, (NUM_BLOCKS,))]), f"block id {NUM_BLOCKS} outside"),
+    (_plan(1, new=[NewSequence(3, GREEDY, (0,))], scheduled=[ScheduledSequence(3, (512,))]),
+     "token id 512 outside"),
+    (_plan(2), "step_id 2 does not follow step 0"),
+])
+def test_bad_plan_raises_naming_the_sequence_and_changes_nothing(runner, plan, message):
+    with pytest.raises(ValueError, match=message):
+        runner.run_step(plan)
+    assert runner.seq_ids == []
+    assert runner.num_steps == 1  # the idle step that keeps the group in lockstep
+    runner.run_step(_plan(1))  # the rank still accepts the step it was due
+
+
+def test_plan_of_another_epoch_is_stale(runner):
+    with pytest.raises(StalePlanError, match="epoch 4"):
+        runner.run_step(_plan(1, epoch=EPOCH + 1))
+
+
+def test_known_sequence_cannot_be_new_again(runner):
+    runner.run_step(_plan(1, new=[NewSequence(3, GREEDY, (0,))], scheduled=[ScheduledSequence(3, (1, 2))]))
+    with pytest.raises(ValueError, match="new sequence 3 is already known"):
+        runner.run_step(_plan(2, new=[NewSequence(3, GREEDY, (1,))]))
+    assert runner.seq_ids == [3]

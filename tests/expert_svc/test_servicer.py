@@ -1,0 +1,236 @@
+"""ExpertService over real gRPC (port 0, no etcd): streams of step plans, status codes,
+GetRankInfo, and the hit counts that reach a (fake) router."""
+
+import asyncio
+import concurrent.futures
+import dataclasses
+
+import grpc
+import pytest
+import torch
+
+from tests.conftest import hf_greedy
+from expert_svc.runner import RankState, StepExecutor, StepRunner
+from expert_svc.servicer import ExpertServicer
+from expert_svc.stats_reporter import StatsReporter
+from moe.expert.v1 import expert_pb2 as pb
+from moe.expert.v1 import expert_pb2_grpc
+from moe.router.v1 import router_pb2, router_pb2_grpc
+from services import grpc_util
+from services.kv_pool import KVPool
+from services.model.checkpoint import load_weights
+from services.model.make_model import PRESETS, make_random_checkpoint
+from services.model.qwen3_moe import Qwen3MoeModel
+
+SMALL = dataclasses.replace(PRESETS["tiny"], vocab_size=512, eos_token_ids=())
+BLOCK_SIZE, NUM_BLOCKS = 16, 32
+GROUP, EPOCH = "g7", 2
+GREEDY = pb.SequenceSampling(temperature=0.0, top_p=1.0)
+PROMPTS = {10: [5, 17, 300, 42, 7, 9, 511, 0, 64], 11: [100, 200, 300]}
+NUM_DECODE_STEPS = 5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread, as the service runs on the CPU (the test machines are shared)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("small-vocab")
+    make_random_checkpoint(path, SMALL, seed=21, with_tokenizer=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    experts = range(SMALL.num_experts)
+    return Qwen3MoeModel(SMALL, load_weights(model_dir, SMALL, experts), expert_ids=experts)
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    from transformers import Qwen3MoeForCausalLM
+
+    hf = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
+                                             experts_implementation="eager").eval()
+    return {seq_id: hf_greedy(hf, prompt, 1 + NUM_DECODE_STEPS) for seq_id, prompt in PROMPTS.items()}
+
+
+@pytest.fixture()
+def thread():
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+    yield pool
+    pool.shutdown()
+
+
+def make_state(model, thread, after_step=None) -> RankState:
+    kv = KVPool.for_model(SMALL, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
+    runner = StepRunner(model, kv, BLOCK_SIZE, vocab_size=SMALL.vocab_size, group_id=GROUP,
+                        placement_epoch=EPOCH)
+    return RankState(member_id="e0", model_name="small", group_id=GROUP, rank=0, world_size=1,
+                     placement_epoch=EPOCH, expert_ids=tuple(range(SMALL.num_experts)),
+                     num_kv_blocks=NUM_BLOCKS, kv_block_size=BLOCK_SIZE,
+                     executor=StepExecutor(runner, thread, after_step))
+
+
+async def serve(state: RankState, fn):
+    """Runs fn(stub) against the servicer on a port-0 server."""
+    server = await grpc_util.start_server(
+        [lambda s: expert_pb2_grpc.add_ExpertServiceServicer_to_server(ExpertServicer(state), s)],
+        ["moe.expert.v1.ExpertService"])
+    try:
+        async with grpc_util.channel(f"127.0.0.1:{server.port}") as channel:
+            return await fn(expert_pb2_grpc.ExpertServiceStub(channel))
+    finally:
+        await server.stop(0)
+
+
+def plans(epoch=EPOCH):
+    """Prefill both prompts (one block each), decode NUM_DECODE_STEPS steps, an idle step, finish."""
+    yield pb.StepPlan(
+        step_id=1, group_id=GROUP, placement_epoch=epoch,
+        new_sequences=[pb.NewSequence(seq_id=i, sampling=GREEDY, block_ids=[i]) for i in PROMPTS],
+        scheduled=[pb.ScheduledSequence(seq_id=i, token_ids=p, is_sampled=True) for i, p in PROMPTS.items()])
+    for step_id in range(2, 2 + NUM_DECODE_STEPS):
+        yield pb.StepPlan(step_id=step_id, group_id=GROUP, placement_epoch=epoch,
+                          scheduled=[pb.ScheduledSequence(seq_id=i, is_sampled=True) for i in PROMPTS])
+    yield pb.StepPlan(step_id=2 + NUM_DECODE_STEPS, group_id=GROUP, placement_epoch=epoch)
+    yield pb.StepPlan(step_id=3 + NUM_DECODE_STEPS, group_id=GROUP, placement_epoch=epoch,
+                      finished_seq_ids=list(PROMPTS))
+
+
+async def run_stream(stub, step_plans) -> list[pb.StepResult]:
+    """Plan, wait for the result, plan again: as the gateway drives a rank."""
+    call = stub.ExecuteSteps(timeout=30)
+    results = []
+    for plan in step_plans:
+        await call.write(pb.ExecuteStepsRequest(plan=plan))
+        results.append((await call.read()).result)
+    await call.done_writing()
+    assert await call.read() is grpc.aio.EOF
+    return results
+
+
+def test_stream_of_plans_gives_the_reference_tokens(model, thread, expected):
+    state = make_state(model, thread)
+    results = asyncio.run(serve(state, lambda stub: run_stream(stub, plans())))
+    assert [r.step_id for r in results] == list(range(1, 4 + NUM_DECODE_STEPS))
+    got = {seq_id: [] for seq_id in PROMPTS}
+    for r in results:
+        assert r.execute_seconds > 0
+        for token in r.tokens:
+            got[token.seq_id].append(token.token_id)
+    assert got == expected
+    assert results[-2].tokens == [] and results[-1].tokens == []  # the idle step, the finish
+    assert state.executor.runner.seq_ids == []
+
+
+def test_plan_of_another_epoch_fails_the_stream_and_the_next_stream_starts_clean(model, thread, expected):
+    state = make_state(model, thread)
+
+    async def scenario(stub):
+        with pytest.raises(grpc.aio.AioRpcError) as stale:
+            await run_stream(stub, [*list(plans())[:2], pb.StepPlan(step_id=3, group_id=GROUP,
+                                                                     placement_epoch=EPOCH + 1)])
+        # The failed stream's sequences are gone: the same plans from step 1 work again.
+        return stale.value, await run_stream(stub, plans())
+
+    error, results = asyncio.run(serve(state, scenario))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"epoch {EPOCH + 1}" in error.details()
+    assert [t.token_id for r in results for t in r.tokens if t.seq_id == 10] == expected[10]
+
+
+def test_bad_plan_is_invalid_argument_naming_the_sequence(model, thread):
+    state = make_state(model, thread)
+    bad = pb.StepPlan(step_id=1, group_id=GROUP, placement_epoch=EPOCH,
+                      scheduled=[pb.ScheduledSequence(seq_id=99, token_ids=[1], is_sampled=True)])
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        asyncio.run(serve(state, lambda stub: run_stream(stub, [bad])))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sequence 99" in error.value.details()
+
+
+def test_second_stream_is_refused_while_one_is_open(model, thread):
+    state = make_state(model, thread)
+
+    async def scenario(stub):
+        first = stub.ExecuteSteps(timeout=30)
+        await first.write(pb.ExecuteStepsRequest(plan=next(plans())))
+        assert len((await first.read()).result.tokens) == len(PROMPTS)
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stub.ExecuteSteps(timeout=30).read()
+        await first.done_writing()
+        assert await first.read() is grpc.aio.EOF
+        return error.value
+
+    error = asyncio.run(serve(state, scenario))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_rank_info_before_and_after_ready(model, thread):
+    state = RankState(member_id="e3", model_name="small")
+
+    async def scenario(stub):
+        before = await stub.GetRankInfo(pb.GetRankInfoRequest(), timeout=5)
+        with pytest.raises(grpc.aio.AioRpcError) as not_ready:
+            await run_stream(stub, plans())
+        ready = make_state(model, thread)
+        for field in dataclasses.fields(RankState):
+            setattr(state, field.name, getattr(ready, field.name))
+        return before, not_ready.value, await stub.GetRankInfo(pb.GetRankInfoRequest(), timeout=5)
+
+    before, not_ready, after = asyncio.run(serve(state, scenario))
+    assert (before.member_id, before.is_ready, before.group_id, before.model_name) == ("e3", False, "", "small")
+    assert not_ready.code() == grpc.StatusCode.UNAVAILABLE
+    assert after.is_ready and after.member_id == "e0"
+    assert (after.group_id, after.rank, after.world_size, after.placement_epoch) == (GROUP, 0, 1, EPOCH)
+    assert list(after.expert_ids) == list(range(SMALL.num_experts))
+    assert (after.num_kv_blocks, after.kv_block_size) == (NUM_BLOCKS, BLOCK_SIZE)
+
+
+class FakeRouter(router_pb2_grpc.RouterServiceServicer):
+    def __init__(self):
+        self.reports: list[router_pb2.ReportExpertHitsRequest] = []
+
+    async def ReportExpertHits(self, request, context):
+        self.reports.append(request)
+        return router_pb2.ReportExpertHitsResponse()
+
+
+def test_hit_counts_reach_the_router_every_n_steps(model, thread):
+    router = FakeRouter()
+
+    async def scenario():
+        router_server = await grpc_util.start_server(
+            [lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(router, s)], [])
+
+        async def resolve():
+            return f"127.0.0.1:{router_server.port}"
+
+        reporter = StatsReporter(model.hit_counts_LE, SMALL.moe_layers, group_id=GROUP, rank=0,
+                                 every_steps=3, deadline_s=5, resolve_router=resolve,
+                                 loop=asyncio.get_running_loop())
+        state = make_state(model, thread, reporter.after_step)
+        await serve(state, lambda stub: run_stream(stub, plans()))
+        for _ in range(100):
+            if reporter.num_sent == 2:
+                break
+            await asyncio.sleep(0.02)
+        await reporter.close()
+        await router_server.stop(0)
+
+    asyncio.run(scenario())
+    # 8 steps, a report every 3: steps 1-3 (prefill + 2 decodes) and 4-6 (3 decodes).
+    assert [(r.first_step_id, r.last_step_id) for r in router.reports] == [(1, 3), (4, 6)]
+    tokens = [sum(map(len, PROMPTS.values())) + 2 * len(PROMPTS), 3 * len(PROMPTS)]
+    for report, num_tokens in zip(router.reports, tokens):
+        assert (report.group_id, report.rank) == (GROUP, 0)
+        assert [layer.layer for layer in report.layers] == SMALL.moe_layers
+        assert all(sum(layer.counts) == num_tokens * SMALL.num_experts_per_tok for layer in report.layers)
+        assert all(len(layer.counts) == SMALL.num_experts for layer in report.layers)
