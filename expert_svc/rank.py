@@ -160,10 +160,7 @@ class ExpertRank:
                  kv_pool.num_blocks, cfg.kv_block_size)
 
     async def _set_serving(self, is_serving: bool) -> None:
-        # grpc_util.Server.set_serving calls the aio HealthServicer.set without awaiting it.
-        status = grpc_util.SERVING if is_serving else grpc_util.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            await self._server.health.set(name, status)
+        await self._server.set_serving(is_serving)
 
     def _load_and_connect(self, group: GroupAssignment, rank: int, expert_ids: range):
         """Model thread: weights, then the rendezvous, then the model and the KV pool."""

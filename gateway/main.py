@@ -85,10 +85,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         [SERVICE_NAME], host=config.host, port=config.port)
 
     async def set_serving(is_serving: bool) -> None:
-        # Awaited here: health.aio's set() is a coroutine (grpc_util's set_serving drops it).
-        status = grpc_util.SERVING if is_serving and not is_stopping else grpc_util.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            await server.health.set(name, status)
+        await server.set_serving(is_serving and not is_stopping)
 
     await set_serving(False)
     settings.announce_port(ROLE, config, server.port)

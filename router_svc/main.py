@@ -12,7 +12,7 @@ from router_svc.config import RouterConfig
 from router_svc.servicer import RouterServicer
 from router_svc.stats import ExpertStats
 from services import cluster, settings
-from services.grpc_util import NOT_SERVING, SERVING, Server, start_server
+from services.grpc_util import start_server
 
 ROLE = "router"
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
@@ -28,19 +28,12 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
     try:
         async with cluster.registered(config.etcd, ROLE, config.member_id, config.address(server.port),
                                       ttl=config.lease_ttl_s, prefix=config.key_prefix):
-            await set_health(server, True)
+            await server.set_serving(True)
             settings.announce_port(ROLE, config, server.port)
             await stop.wait()
-            await set_health(server, False)
+            await server.set_serving(False)
     finally:
         await server.stop(grace_s=1.0)
-
-
-async def set_health(server: Server, is_serving: bool) -> None:
-    """Overall and per-service health. (grpc_util.Server.set_serving calls the
-    aio HealthServicer.set without awaiting it, so it sets nothing.)"""
-    for name in ("", SERVICE_NAME):
-        await server.health.set(name, SERVING if is_serving else NOT_SERVING)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,7 +17,7 @@ from scheduler_svc.servicer import SchedulerServicer
 from scheduler_svc.state import lead_groups
 from services import settings
 from services.cluster import ClusterClient
-from services.grpc_util import NOT_SERVING, SERVING, Server, start_server
+from services.grpc_util import start_server
 
 ROLE = "scheduler"
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
@@ -39,23 +39,16 @@ async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
         election = Election(client, config.member_id, address)
         campaign = asyncio.create_task(election.run(
             lambda leadership: lead_groups(client, leadership, config.group_size)))
-        await set_health(server, True)
+        await server.set_serving(True)
         settings.announce_port(ROLE, config, server.port)
         await stop.wait()
-        await set_health(server, False)
+        await server.set_serving(False)
     finally:
         if campaign is not None:
             campaign.cancel()
             await asyncio.gather(campaign, return_exceptions=True)
         await client.close()  # revokes the lease: /leader and our member key go now
         await server.stop(grace_s=1.0)
-
-
-async def set_health(server: Server, is_serving: bool) -> None:
-    """Overall and per-service health. (grpc_util.Server.set_serving calls the
-    aio HealthServicer.set without awaiting it, so it sets nothing.)"""
-    for name in ("", SERVICE_NAME):
-        await server.health.set(name, SERVING if is_serving else NOT_SERVING)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,6 +15,10 @@ os.environ.setdefault("MOEMESH_CACHE_DIR", tempfile.mkdtemp(prefix="moemesh-test
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# One intra-op thread, as the expert services run on the CPU: the test
+# machines have 2 cores, and torch's default thread pool makes small ops slower.
+torch.set_num_threads(1)
+
 TEST_MODEL_SEED = 1234
 
 

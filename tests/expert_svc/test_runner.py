@@ -16,7 +16,7 @@ from expert_svc.runner import (NewSequence, ScheduledSequence, StalePlanError, S
                                StepRunner)
 from services.kv_pool import KVPool
 from services.model.checkpoint import load_weights
-from services.model.make_model import PRESETS, make_random_checkpoint
+from tests.expert_svc.conftest import SMALL
 from services.model.moe import ExpertComm
 from services.model.qwen3_moe import Qwen3MoeModel
 from services.model.sampling import SamplingSpec
@@ -26,23 +26,10 @@ NUM_BLOCKS = 128
 NUM_NEW_TOKENS = 16
 GROUP, EPOCH = "g1", 3
 GREEDY = SamplingSpec(temperature=0.0)
-SMALL = dataclasses.replace(PRESETS["tiny"], vocab_size=512, eos_token_ids=())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread, as the service runs on the CPU (the test machines are shared)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("small-vocab")
-    make_random_checkpoint(path, SMALL, seed=11, with_tokenizer=False)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +41,8 @@ def process_group(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def model(model_dir, process_group):
-    weights = load_weights(model_dir, SMALL, range(SMALL.num_experts))
+def model(small_model_dir, process_group):
+    weights = load_weights(small_model_dir, SMALL, range(SMALL.num_experts))
     return Qwen3MoeModel(SMALL, weights, expert_ids=range(SMALL.num_experts),
                          comm=ExpertComm(process_group))
 
@@ -67,13 +54,6 @@ def runner(model):
                       placement_epoch=EPOCH)
 
 
-@pytest.fixture(scope="module")
-def hf_small(model_dir):
-    from transformers import Qwen3MoeForCausalLM
-
-    hf = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
-                                             experts_implementation="eager")
-    return hf.eval()
 
 
 @dataclasses.dataclass

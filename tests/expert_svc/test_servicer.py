@@ -19,10 +19,9 @@ from moe.router.v1 import router_pb2, router_pb2_grpc
 from services import grpc_util
 from services.kv_pool import KVPool
 from services.model.checkpoint import load_weights
-from services.model.make_model import PRESETS, make_random_checkpoint
+from tests.expert_svc.conftest import SMALL
 from services.model.qwen3_moe import Qwen3MoeModel
 
-SMALL = dataclasses.replace(PRESETS["tiny"], vocab_size=512, eos_token_ids=())
 BLOCK_SIZE, NUM_BLOCKS = 16, 32
 GROUP, EPOCH = "g7", 2
 GREEDY = pb.SequenceSampling(temperature=0.0, top_p=1.0)
@@ -30,35 +29,19 @@ PROMPTS = {10: [5, 17, 300, 42, 7, 9, 511, 0, 64], 11: [100, 200, 300]}
 NUM_DECODE_STEPS = 5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread, as the service runs on the CPU (the test machines are shared)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+
+
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("small-vocab")
-    make_random_checkpoint(path, SMALL, seed=21, with_tokenizer=False)
-    return path
-
-
-@pytest.fixture(scope="module")
-def model(model_dir):
+def model(small_model_dir):
     experts = range(SMALL.num_experts)
-    return Qwen3MoeModel(SMALL, load_weights(model_dir, SMALL, experts), expert_ids=experts)
+    return Qwen3MoeModel(SMALL, load_weights(small_model_dir, SMALL, experts), expert_ids=experts)
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir):
-    from transformers import Qwen3MoeForCausalLM
-
-    hf = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
-                                             experts_implementation="eager").eval()
-    return {seq_id: hf_greedy(hf, prompt, 1 + NUM_DECODE_STEPS) for seq_id, prompt in PROMPTS.items()}
+def expected(hf_small):
+    return {seq_id: hf_greedy(hf_small, prompt, 1 + NUM_DECODE_STEPS) for seq_id, prompt in PROMPTS.items()}
 
 
 @pytest.fixture()
