@@ -1,91 +1,51 @@
 """The continuous batcher: which sequences run on which rank in each step.
 
-Pure scheduling (no gRPC, no asyncio): `schedule()` returns one `RankPlan`
-per rank for the next step, `apply_results()` feeds the sampled tokens back.
+Pure scheduling (no gRPC, no asyncio): `schedule()` returns one `RankPlan` per
+rank for the next step, `apply_results()` feeds a step's sampled tokens back.
+Up to two steps may be in flight (the engine plans step k+1 while step k
+runs); a sequence's state counts what the steps already sent will compute.
 
-Policy of the walking skeleton:
-- Admission is first come, first served: the head of the waiting queue is
-  admitted while some rank has room for it (fewer than max_running_requests
-  running, max_batch_tokens not used up this step, free KV blocks for the
-  prompt plus the first generated token); otherwise everyone behind it waits
-  too, so a long prompt is never starved by short ones.
-- Both limits are per rank: each rank runs its own batch (data-parallel
-  attention), and the step's buffers on a rank are sized by its tokens.
-- Placement: the rank with the fewest running tokens, then the most free blocks.
-- Every running sequence decodes one token per step (decodes are scheduled
-  before admissions, and max_running_requests <= max_batch_tokens, so they
-  always fit the budget). A sequence whose rank has no free block for its next
-  token sits the step out; if no running sequence of a rank can move, the
-  newest one is failed with RESOURCE_EXHAUSTED so the others continue
-  (preemption by recompute will replace this).
-- The whole prompt is prefilled in one step; the plan's fields (token_ids,
-  is_sampled) already carry chunks, for chunked prefill later.
-- A finished or aborted sequence is sent in the next plan's
-  finished_seq_ids, and its blocks are freed at that moment.
+Each rank runs its own batch (data-parallel attention), so the limits are per
+rank. Per step and rank, in this order:
+1. Decodes: every running sequence past its prefill decodes one token (the
+   rank feeds back the token it sampled), oldest first. max_running_requests
+   <= max_batch_tokens, so decodes always fit the token budget.
+2. Prefill chunks: sequences still prefilling get up to prefill_chunk_size
+   tokens each, oldest first, while the token budget lasts: a long prompt is
+   spread over several steps and never stalls the decodes.
+3. Admission (admission.py): waiting requests in the policy's order start on
+   the rank that fits them, reusing their longest cached prefix.
+
+KV exhaustion: a sequence that needs a block when none is available (free or
+evictable from the prefix cache) preempts the newest running sequence of its
+rank not yet scheduled in this step, possibly itself: its blocks are freed
+(full ones stay in the prefix cache), the rank forgets it, and it waits at the
+front of the queue to be re-prefilled later from its checkpoint (prompt plus
+generated tokens); no token reaches the client twice. A rank that preempted
+admits nothing in that step. Only a sequence alone on its rank that still
+does not fit fails (RESOURCE_EXHAUSTED): the request is larger than the pool.
+
+A finished, aborted or expired sequence is sent in the next plan's
+finished_seq_ids, and its blocks are released at that moment.
 """
 
+import bisect
 import collections
-import dataclasses
-from collections.abc import Collection, Mapping
+import heapq
+import time
+from collections.abc import Callable, Collection, Mapping
 
-from gateway.kv_accounting import BlockAllocator
-from gateway.requests import ErrorCode, GenerationError, RequestOutput, Sequence, SeqStatus
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class NewSequencePlan:
-    """A sequence a rank sees for the first time, in full."""
-
-    seq_id: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
-    block_ids: tuple[int, ...]
-    num_cached_tokens: int = 0
+from gateway import admission
+from gateway.kv_accounting import RankKV
+from gateway.plan import RankPlan, ScheduledSequencePlan, SeqEvent, StepBatch
+from gateway.policy import SchedulePolicy, make_policy
+from gateway.prefix_cache import extend_block_hashes
+from gateway.requests import ErrorCode, GenerationError, Sequence, SeqStatus
+from gateway.stats import GatewayStats
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ScheduledSequencePlan:
-    """One sequence's work in a step: new input tokens ([] = decode) and appended blocks."""
-
-    seq_id: int
-    token_ids: tuple[int, ...]
-    new_block_ids: tuple[int, ...]
-    is_sampled: bool
-
-
-@dataclasses.dataclass(slots=True)
-class RankPlan:
-    """One rank's step: diffs against the rank's state. Empty = an idle step."""
-
-    rank: int
-    new_sequences: list[NewSequencePlan] = dataclasses.field(default_factory=list)
-    scheduled: list[ScheduledSequencePlan] = dataclasses.field(default_factory=list)
-    finished_seq_ids: list[int] = dataclasses.field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        """Input tokens of the step (a decode counts one)."""
-        return sum(max(1, len(s.token_ids)) for s in self.scheduled)
-
-
-# What a step produced for one request: an output or the error that failed it.
-SeqEvent = tuple[Sequence, RequestOutput | GenerationError]
-
-
-@dataclasses.dataclass(slots=True)
-class StepBatch:
-    """The plans of one step, one per rank, and the events scheduling produced
-    (aborted requests' final outputs, requests failed for lack of KV blocks)."""
-
-    step_id: int
-    plans: list[RankPlan]
-    events: list[SeqEvent] = dataclasses.field(default_factory=list)
-
-    @property
-    def num_sampled(self) -> int:
-        return sum(s.is_sampled for p in self.plans for s in p.scheduled)
+def _arrival(seq: Sequence) -> int:
+    return seq.seq_id
 
 
 class Batcher:
@@ -93,38 +53,69 @@ class Batcher:
 
     def __init__(
         self,
-        allocators: list[BlockAllocator],
+        ranks: list[RankKV],
         *,
         max_running_requests: int,
         max_batch_tokens: int,
         max_context: int,
         eos_token_ids: Collection[int],
+        prefill_chunk_size: int = 512,
+        max_waiting_requests: int = 1024,
+        policy: str | SchedulePolicy = "fcfs",
+        stats: GatewayStats | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not allocators:
+        if not ranks:
             raise ValueError("a batcher needs at least one rank")
         if not 0 < max_running_requests <= max_batch_tokens:
-            raise ValueError(
-                f"need 0 < max_running_requests ({max_running_requests}) <= "
-                f"max_batch_tokens ({max_batch_tokens})")
-        self.allocators = allocators
+            raise ValueError(f"need 0 < max_running_requests ({max_running_requests}) <= "
+                             f"max_batch_tokens ({max_batch_tokens})")
+        if prefill_chunk_size <= 0 or max_waiting_requests <= 0:
+            raise ValueError(f"prefill_chunk_size ({prefill_chunk_size}) and max_waiting_requests "
+                             f"({max_waiting_requests}) must be positive")
+        self.ranks = ranks
         self.max_running_requests = max_running_requests
         self.max_batch_tokens = max_batch_tokens
         self.max_context = max_context
+        self.prefill_chunk_size = prefill_chunk_size
+        self.max_waiting_requests = max_waiting_requests
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: collections.deque[Sequence] = collections.deque()
-        self.running: list[list[Sequence]] = [[] for _ in allocators]
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.stats = stats or GatewayStats()
+        self._clock = clock
+        # Per rank, oldest (lowest seq_id) first.
+        self.running: list[list[Sequence]] = [[] for _ in ranks]
+        # Waiting: preempted sequences (oldest first), then new ones in arrival order.
+        self._preempted: list[Sequence] = []
+        self._queued: dict[int, Sequence] = {}
         # Per rank: sequences to send in the next plan's finished_seq_ids.
-        self._to_forget: list[list[Sequence]] = [[] for _ in allocators]
-        # Sequences sampled in the step in flight, by id.
-        self._in_flight: dict[int, Sequence] = {}
-        # Aborted since the last schedule(), waiting or running.
-        self._aborted: list[Sequence] = []
+        self._to_forget: list[list[Sequence]] = [[] for _ in ranks]
+        # Steps sent and not applied, oldest first: (step_id, sampled sequences by id).
+        self._in_flight: collections.deque[tuple[int, dict[int, Sequence]]] = collections.deque()
+        # Aborted or expired since the last schedule(): (sequence, error or None for an abort).
+        self._aborted: list[tuple[Sequence, GenerationError | None]] = []
+        self._deadlines: list[tuple[float, int, Sequence]] = []
         self._next_seq_id = 1
         self._next_step_id = 1
 
     @property
     def num_ranks(self) -> int:
-        return len(self.allocators)
+        return len(self.ranks)
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        """Sequences waiting for a rank, in the order fcfs admits them."""
+        return [*self._preempted, *self._queued.values()]
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._preempted) + len(self._queued)
+
+    @property
+    def has_work(self) -> bool:
+        """True while a step is needed: something waits, runs, or must be forgotten."""
+        return bool(self._queued or self._preempted or self._aborted) or any(self.running) \
+            or any(self._to_forget)
 
     def new_seq_id(self) -> int:
         """A fresh sequence id, unique within this batcher's group."""
@@ -133,68 +124,83 @@ class Batcher:
         return seq_id
 
     def check_fits(self, num_prompt_tokens: int) -> None:
-        """Raises GenerationError(INVALID_ARGUMENT) for a prompt no step could ever admit."""
-        if num_prompt_tokens > self.max_batch_tokens:
-            raise GenerationError(
-                ErrorCode.INVALID_ARGUMENT,
-                f"prompt has {num_prompt_tokens} tokens, more than the gateway's "
-                f"max_batch_tokens {self.max_batch_tokens}")
-        largest = max(self.allocators, key=lambda a: a.num_blocks)
+        """Raises GenerationError(INVALID_ARGUMENT) for a prompt no rank's KV pool can hold."""
+        largest = max(self.ranks, key=lambda kv: kv.num_blocks)
         if largest.blocks_needed(num_prompt_tokens + 1) > largest.num_blocks:
-            capacity = largest.num_blocks * largest.block_size - 1
             raise GenerationError(
                 ErrorCode.INVALID_ARGUMENT,
                 f"prompt has {num_prompt_tokens} tokens, more than the KV cache of a rank holds "
-                f"({capacity} tokens plus the first generated one)")
+                f"({largest.num_blocks * largest.block_size - 1} tokens plus the first generated one)")
 
     def add(self, seq: Sequence) -> None:
-        """Queues a new sequence; raises GenerationError if it can never be admitted."""
+        """Queues a new sequence; raises GenerationError if it can never run or the queue is full."""
         assert seq.status is SeqStatus.WAITING and seq.rank is None
         self.check_fits(len(seq.prompt_ids))
-        self.waiting.append(seq)
+        if self.num_waiting >= self.max_waiting_requests:
+            self.stats.num_rejected_queue_full += 1
+            raise GenerationError(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"the gateway's waiting queue is full ({self.num_waiting} requests wait, "
+                f"max_waiting_requests {self.max_waiting_requests}); retry later")
+        self._queued[seq.seq_id] = seq
+        self.stats.num_requests += 1
+        if seq.deadline is not None:
+            heapq.heappush(self._deadlines, (seq.deadline, seq.seq_id, seq))
 
-    def abort(self, seq: Sequence) -> None:
-        """Marks a sequence aborted; the next schedule() drops it and frees its blocks."""
+    def abort(self, seq: Sequence, error: GenerationError | None = None) -> None:
+        """Ends a sequence at the next schedule(), which frees its blocks; its last
+        event is `error`, or an ABORT output if None."""
         if not seq.is_finished and not seq.is_aborted:
             seq.is_aborted = True
-            self._aborted.append(seq)
-
-    @property
-    def has_work(self) -> bool:
-        """True while a step is needed: something waits, runs, or must be forgotten."""
-        return bool(self.waiting or self._aborted) or any(self.running) or any(self._to_forget)
+            self._aborted.append((seq, error))
 
     def schedule(self) -> StepBatch:
-        """Plans the next step for every rank (idle plans included)."""
-        assert not self._in_flight, "schedule() called before apply_results()"
-        batch = StepBatch(self._next_step_id, [RankPlan(r) for r in range(self.num_ranks)])
-        self._next_step_id += 1
+        """Plans the next step for every rank; step_id 0 if there is nothing to send."""
+        assert len(self._in_flight) < 2, "schedule() with two steps in flight"
+        batch = StepBatch(0, [RankPlan(r) for r in range(self.num_ranks)])
+        self._expire_deadlines()
         self._drop_aborted(batch)
+        step = admission.StepState(self.num_ranks)
         for plan in batch.plans:
-            self._forget(plan)
-        for plan in batch.plans:
-            self._schedule_running(plan, batch)
-        self._admit(batch)
+            for seq in self._to_forget[plan.rank]:
+                self._release(plan, seq)
+            self._to_forget[plan.rank].clear()
+            self._schedule_decodes(plan, step, batch)
+            self._schedule_prefills(plan, step, batch)
+        admission.admit(self, batch, step)
+        self._publish(step)
+        if not batch.is_empty:
+            batch.step_id = self._next_step_id
+            self._next_step_id += 1
+            self._in_flight.append((batch.step_id, step.sampled))
+        elif self.num_waiting and not self._in_flight and not any(self.running):
+            # Unreachable while add() checks fits; keeps the loop from spinning on nothing.
+            seq = self.waiting[0]
+            self._remove_waiting(seq)
+            seq.status = SeqStatus.FINISHED
+            batch.events.append((seq, GenerationError(
+                ErrorCode.RESOURCE_EXHAUSTED, "the request cannot be scheduled on any rank")))
         return batch
 
-    def apply_results(self, tokens: Mapping[int, int]) -> list[SeqEvent]:
-        """Appends the step's sampled tokens (seq_id -> token id) and returns the outputs.
-
-        Raises ValueError if the ranks did not answer exactly the sampled sequences.
-        """
-        in_flight, self._in_flight = self._in_flight, {}
-        if tokens.keys() != in_flight.keys():
-            missing = sorted(in_flight.keys() - tokens.keys())
-            extra = sorted(tokens.keys() - in_flight.keys())
+    def apply_results(self, step_id: int, tokens: Mapping[int, int]) -> list[SeqEvent]:
+        """Appends the oldest in-flight step's sampled tokens (seq_id -> token id) and
+        returns the outputs. Raises ValueError if they do not answer that step's plan."""
+        expected_step, sampled = self._in_flight.popleft() if self._in_flight else (None, {})
+        if step_id != expected_step:
+            raise ValueError(f"results of step {step_id}, but the oldest step in flight is {expected_step}")
+        if tokens.keys() != sampled.keys():
+            missing = sorted(sampled.keys() - tokens.keys())
+            extra = sorted(tokens.keys() - sampled.keys())
             raise ValueError(f"step results do not match the plan: missing {missing}, unexpected {extra}")
         events: list[SeqEvent] = []
         for seq_id, token_id in tokens.items():
-            seq = in_flight[seq_id]
+            seq = sampled[seq_id]
+            seq.num_in_flight -= 1
             if seq.is_aborted or seq.is_finished:
-                continue  # aborted while the step ran; the next schedule() drops it
+                continue  # a slot planned before the sequence ended: the token is dropped
             output = seq.append_token(token_id, self.eos_token_ids, self.max_context)
             if output.is_final:
-                self._retire(seq)
+                self._finish(seq)
             events.append((seq, output))
         return events
 
@@ -202,7 +208,8 @@ class Batcher:
         """Fails every waiting and running sequence (the group is gone); the
         batcher is unusable afterwards."""
         seqs = [*self.waiting, *(s for rank in self.running for s in rank)]
-        self.waiting.clear()
+        self._preempted.clear()
+        self._queued.clear()
         self._aborted.clear()
         self._in_flight.clear()
         for rank in (*self.running, *self._to_forget):
@@ -211,104 +218,173 @@ class Batcher:
             seq.status = SeqStatus.FINISHED
         return [(seq, error) for seq in seqs]
 
-    # Internals.
+    # Internals: sequence state changes.
+
+    def can_sample(self, seq: Sequence) -> bool:
+        """True if one more sampled token stays within max_new_tokens and the context."""
+        return (len(seq.output_ids) + seq.num_in_flight < seq.request.max_new_tokens
+                and seq.num_tokens + seq.num_in_flight < self.max_context)
+
+    def schedule_seq(self, plan: RankPlan, step: "admission.StepState", seq: Sequence, num_tokens: int) -> None:
+        """Adds num_tokens prompt tokens of seq (0: a decode) to the plan; its KV counts
+        as computed from here on. The caller made room for its blocks."""
+        kv = self.ranks[plan.rank]
+        start = seq.num_computed
+        num_after = start + max(1, num_tokens)
+        new_block_ids = kv.grow(seq.seq_id, num_after)
+        is_sampled = not num_tokens or num_after == seq.num_tokens
+        token_ids = tuple(seq.token_ids[start:num_after]) if num_tokens else ()
+        plan.scheduled.append(ScheduledSequencePlan(seq.seq_id, token_ids, tuple(new_block_ids), is_sampled))
+        plan.num_tokens += max(1, num_tokens)
+        seq.num_computed = num_after
+        step.scheduled.append(seq)
+        step.scheduled_ids.add(seq.seq_id)
+        if num_tokens and kv.cache is not None:
+            # Full blocks this chunk writes: admission defers requests waiting for them.
+            bs = kv.block_size
+            last = min(-(-num_after // bs), seq.num_tokens // bs)
+            extend_block_hashes(seq.block_hashes, seq.token_ids, bs, last)
+            step.computing[plan.rank].update(seq.block_hashes[start // bs:last])
+        if is_sampled:
+            seq.is_prefilled = True
+            seq.num_in_flight += 1
+            step.sampled[seq.seq_id] = seq
+
+    def start(self, plan: RankPlan, seq: Sequence) -> None:
+        """Moves a waiting sequence to the running list of the plan's rank."""
+        self._remove_waiting(seq)
+        seq.rank = plan.rank
+        seq.status = SeqStatus.RUNNING
+        bisect.insort(self.running[plan.rank], seq, key=_arrival)
+
+    def _release(self, plan: RankPlan, seq: Sequence) -> None:
+        """Caches the sequence's full blocks, frees the rest, tells the rank to forget it."""
+        kv = self.ranks[plan.rank]
+        kv.publish(seq.seq_id, seq.token_ids, seq.block_hashes, min(seq.num_computed, seq.num_tokens))
+        kv.release(seq.seq_id)
+        plan.finished_seq_ids.append(seq.seq_id)
+
+    def _retire(self, seq: Sequence) -> None:
+        """Moves a running sequence to its rank's forget list."""
+        self.running[seq.rank].remove(seq)
+        seq.status = SeqStatus.FINISHED
+        self._to_forget[seq.rank].append(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        if seq.status is SeqStatus.RUNNING:
+            self._retire(seq)
+        else:  # preempted with its last token in flight: the rank forgot it already
+            self._remove_waiting(seq)
+            seq.status = SeqStatus.FINISHED
+
+    def _remove_waiting(self, seq: Sequence) -> None:
+        if self._queued.pop(seq.seq_id, None) is None:
+            self._preempted.remove(seq)
+
+    def _preempt(self, plan: RankPlan, step: "admission.StepState", seq: Sequence) -> None:
+        self._release(plan, seq)
+        self.running[plan.rank].remove(seq)
+        seq.status = SeqStatus.WAITING
+        seq.rank = None
+        seq.num_computed = 0
+        seq.is_prefilled = False
+        seq.num_preemptions += 1
+        bisect.insort(self._preempted, seq, key=_arrival)
+        self.stats.num_preemptions += 1
+        step.is_preempting[plan.rank] = True
+
+    def _fail(self, plan: RankPlan, batch: StepBatch, seq: Sequence) -> None:
+        kv = self.ranks[plan.rank]
+        self._release(plan, seq)
+        self.running[plan.rank].remove(seq)
+        seq.status = SeqStatus.FINISHED
+        batch.events.append((seq, GenerationError(
+            ErrorCode.RESOURCE_EXHAUSTED,
+            f"the request alone needs more than the KV cache of rank {plan.rank} holds "
+            f"({kv.num_blocks} blocks of {kv.block_size} tokens) after {seq.num_tokens} tokens")))
+
+    def _expire_deadlines(self) -> None:
+        num_live = self.num_waiting + sum(len(seqs) for seqs in self.running)
+        if len(self._deadlines) > 64 + 2 * num_live:
+            # Most entries belong to finished requests: drop them rather than hold their tokens.
+            self._deadlines = [entry for entry in self._deadlines if not entry[2].is_finished]
+            heapq.heapify(self._deadlines)
+        now = self._clock()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, seq = heapq.heappop(self._deadlines)
+            if not seq.is_finished and not seq.is_aborted:
+                self.stats.num_deadline_exceeded += 1
+                self.abort(seq, GenerationError(
+                    ErrorCode.DEADLINE_EXCEEDED,
+                    f"the request's deadline passed after {len(seq.output_ids)} generated tokens"))
 
     def _drop_aborted(self, batch: StepBatch) -> None:
-        for seq in self._aborted:
+        for seq, error in self._aborted:
             if seq.status is SeqStatus.WAITING:
-                self.waiting.remove(seq)
+                self._remove_waiting(seq)
                 seq.status = SeqStatus.FINISHED
             elif seq.status is SeqStatus.RUNNING:
                 self._retire(seq)
             else:
                 continue  # finished meanwhile (its last token, or failed)
-            batch.events.append((seq, seq.abort_output()))
+            if error is None:
+                self.stats.num_aborted += 1
+            batch.events.append((seq, error or seq.abort_output()))
         self._aborted.clear()
 
-    def _retire(self, seq: Sequence) -> None:
-        """Moves a running sequence to the rank's forget list."""
-        self.running[seq.rank].remove(seq)
-        seq.status = SeqStatus.FINISHED
-        self._to_forget[seq.rank].append(seq)
+    # Internals: the running sequences of one rank.
 
-    def _forget(self, plan: RankPlan) -> None:
-        allocator = self.allocators[plan.rank]
-        for seq in self._to_forget[plan.rank]:
-            if allocator.has_sequence(seq.seq_id):
-                allocator.release(seq.seq_id)
-            plan.finished_seq_ids.append(seq.seq_id)
-        self._to_forget[plan.rank].clear()
-
-    def _schedule_running(self, plan: RankPlan, batch: StepBatch) -> None:
-        allocator = self.allocators[plan.rank]
+    def _schedule_decodes(self, plan: RankPlan, step: "admission.StepState", batch: StepBatch) -> None:
         seqs = self.running[plan.rank]
-        num_stalled = 0
-        for seq in seqs:
-            input_ids = seq.next_input_ids()
-            num_after = seq.num_computed + max(1, len(input_ids))
-            if not allocator.can_grow(seq.seq_id, num_after):
-                num_stalled += 1
-                continue
-            new_block_ids = allocator.grow(seq.seq_id, num_after)
-            self._schedule(plan, seq, input_ids, new_block_ids, num_after)
-        if seqs and num_stalled == len(seqs):
-            victim = seqs[-1]
-            self._retire(victim)
-            self._forget(plan)
-            batch.events.append((victim, GenerationError(
-                ErrorCode.RESOURCE_EXHAUSTED,
-                f"the KV cache of rank {plan.rank} is full ({allocator.num_blocks} blocks of "
-                f"{allocator.block_size} tokens) after {victim.num_tokens} tokens of this request")))
+        i = 0
+        while i < len(seqs):
+            seq = seqs[i]
+            if seq.is_prefilled and self.can_sample(seq):
+                if not self._make_room(plan, step, batch, seq, seq.num_computed + 1):
+                    continue  # seq left the list: seqs[i] is the next one
+                self.schedule_seq(plan, step, seq, 0)
+            i += 1
 
-    def _admit(self, batch: StepBatch) -> None:
-        used_tokens = [plan.num_tokens for plan in batch.plans]
-        running_tokens = [sum(s.num_tokens for s in seqs) for seqs in self.running]
-        while self.waiting:
-            seq = self.waiting[0]
-            rank = self._place(seq, used_tokens, running_tokens)
-            if rank is None:
+    def _schedule_prefills(self, plan: RankPlan, step: "admission.StepState", batch: StepBatch) -> None:
+        kv = self.ranks[plan.rank]
+        for seq in list(self.running[plan.rank]):
+            budget = self.max_batch_tokens - plan.num_tokens
+            if budget <= 0:
                 break
-            self.waiting.popleft()
-            self._start(seq, batch.plans[rank])
-            used_tokens[rank] += len(seq.prompt_ids)
-            running_tokens[rank] += len(seq.prompt_ids)
-        if self.waiting and not any(self.running) and not any(p.scheduled for p in batch.plans):
-            # Unreachable while add() checks fits; guards the loop against spinning on idle steps.
-            seq = self.waiting.popleft()
-            seq.status = SeqStatus.FINISHED
-            batch.events.append((seq, GenerationError(
-                ErrorCode.RESOURCE_EXHAUSTED, "the request cannot be scheduled on any rank")))
+            if seq.is_prefilled or seq.status is not SeqStatus.RUNNING:
+                continue
+            num_tokens = min(self.prefill_chunk_size, seq.num_tokens - seq.num_computed, budget)
+            # Leave a few blocks for the decodes of the next steps, so a chunk does not
+            # force their preemption right away.
+            reserve = admission.watermark(kv) if len(self.running[plan.rank]) > 1 else 0
+            num_fitting = kv.capacity(seq.seq_id, reserve) - seq.num_computed
+            if num_fitting < 1:
+                if not self._make_room(plan, step, batch, seq, seq.num_computed + 1):
+                    continue
+                num_fitting = kv.capacity(seq.seq_id, 0) - seq.num_computed
+            self.schedule_seq(plan, step, seq, min(num_tokens, num_fitting))
 
-    def _place(self, seq: Sequence, used_tokens: list[int], running_tokens: list[int]) -> int | None:
-        """The least-loaded rank with room for the sequence's prefill, or None."""
-        num_prompt = len(seq.prompt_ids)
-        fitting = [
-            r for r, allocator in enumerate(self.allocators)
-            if len(self.running[r]) < self.max_running_requests
-            and used_tokens[r] + num_prompt <= self.max_batch_tokens
-            and allocator.blocks_needed(num_prompt + 1) <= allocator.num_free
-        ]
-        if not fitting:
-            return None
-        return min(fitting, key=lambda r: (running_tokens[r], -self.allocators[r].num_free, r))
+    def _make_room(self, plan: RankPlan, step: "admission.StepState", batch: StepBatch,
+                   seq: Sequence, num_tokens: int) -> bool:
+        """Preempts the newest unscheduled sequences of the rank until seq's table can
+        cover num_tokens; False if seq itself had to go (preempted, or failed if alone)."""
+        kv = self.ranks[plan.rank]
+        seqs = self.running[plan.rank]
+        while not kv.can_grow(seq.seq_id, num_tokens):
+            victim = next(s for s in reversed(seqs) if s.seq_id not in step.scheduled_ids)
+            if victim is not seq:
+                self._preempt(plan, step, victim)
+            elif len(seqs) > 1:
+                self._preempt(plan, step, seq)
+                return False
+            else:
+                self._fail(plan, batch, seq)
+                return False
+        return True
 
-    def _start(self, seq: Sequence, plan: RankPlan) -> None:
-        seq.rank = plan.rank
-        seq.status = SeqStatus.RUNNING
-        self.running[plan.rank].append(seq)
-        input_ids = seq.next_input_ids()
-        block_ids = self.allocators[plan.rank].grow(seq.seq_id, len(input_ids))
-        request = seq.request
-        plan.new_sequences.append(NewSequencePlan(
-            seq.seq_id, request.temperature, request.top_p, request.top_k, request.seed, tuple(block_ids)))
-        self._schedule(plan, seq, input_ids, [], len(input_ids))
-
-    def _schedule(self, plan: RankPlan, seq: Sequence, input_ids: list[int],
-                  new_block_ids: list[int], num_after: int) -> None:
-        """Adds the sequence's work to the plan; its KV counts as computed from here on."""
-        is_sampled = num_after == seq.num_tokens
-        plan.scheduled.append(ScheduledSequencePlan(
-            seq.seq_id, tuple(input_ids), tuple(new_block_ids), is_sampled))
-        seq.num_computed = num_after
-        if is_sampled:
-            self._in_flight[seq.seq_id] = seq
+    def _publish(self, step: "admission.StepState") -> None:
+        """Caches the full blocks the step's sequences have computed (once the step is sent)."""
+        for seq in step.scheduled:
+            kv = self.ranks[seq.rank]
+            if kv.cache is not None:
+                kv.publish(seq.seq_id, seq.token_ids, seq.block_hashes, min(seq.num_computed, seq.num_tokens))

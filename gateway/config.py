@@ -8,6 +8,7 @@ from `MemberConfig`.
 
 import dataclasses
 
+from gateway.policy import POLICIES
 from services.settings import MemberConfig
 
 
@@ -17,11 +18,29 @@ class GatewayConfig(MemberConfig):
 
     # The checkpoint directory: config.json and the tokenizer (required).
     model: str = ""
-    # Sequences one rank runs at once (its batch).
+    # Sequences one rank runs at once (its batch); at most max_batch_tokens.
     max_running_requests: int = 64
-    # Input tokens one rank processes in one step (prefill plus decode). A
-    # prompt longer than this is rejected until chunked prefill lands.
+    # Input tokens one rank processes in one step: one per decoding sequence
+    # plus prefill chunks. Longer prompts are prefilled over several steps.
     max_batch_tokens: int = 4096
+    # The most prompt tokens of one sequence prefilled in one step; longer
+    # prompts are prefilled in chunks, interleaved with the decodes of others.
+    prefill_chunk_size: int = 512
+    # The order waiting requests are admitted in: fcfs (first come, first
+    # served) or lpm (longest cached prefix first).
+    policy: str = "fcfs"
+    # Requests that may wait for a rank; beyond it new requests get
+    # RESOURCE_EXHAUSTED at once.
+    max_waiting_requests: int = 1024
+    # Reuse the KV blocks of cached prompt prefixes (a radix tree per rank).
+    enable_prefix_cache: bool = True
+    # Plan step k+1 while step k runs on the ranks.
+    overlap_steps: bool = True
+    # If set, the gateway's counters (prefix-cache hit rate, preemptions, host
+    # time per step) are written to this JSON file every stats_interval_s and at exit.
+    stats_file: str = ""
+    # Seconds between writes of stats_file; 0 writes it only at exit.
+    stats_interval_s: float = 5.0
     # Tokens generated when a request leaves max_new_tokens at 0.
     max_new_tokens_default: int = 256
     # The most tokens a request may ask for; 0 means up to the model's context length.
@@ -37,7 +56,8 @@ class GatewayConfig(MemberConfig):
         MemberConfig.__post_init__(self)
         if not self.model:
             raise ValueError(f"model must be a checkpoint directory, got {self.model!r}")
-        for name in ("max_running_requests", "max_batch_tokens", "max_new_tokens_default"):
+        for name in ("max_running_requests", "max_batch_tokens", "max_new_tokens_default",
+                     "prefill_chunk_size", "max_waiting_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_running_requests > self.max_batch_tokens:
@@ -53,5 +73,9 @@ class GatewayConfig(MemberConfig):
         for name in ("step_timeout_s", "rank_call_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(sorted(POLICIES))}, got {self.policy!r}")
+        if self.stats_interval_s < 0:
+            raise ValueError(f"stats_interval_s must be >= 0, got {self.stats_interval_s}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")

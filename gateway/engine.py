@@ -4,8 +4,16 @@
 (anything with `async write(ExecuteStepsRequest)` and `async read()`, as a
 grpc.aio stream-stream call has; the tests use in-process fakes). Each step
 sends one plan to every rank (idle plans included, so that the ranks'
-collectives line up), waits for all their results, feeds the sampled tokens to
+collectives line up), reads all their results, feeds the sampled tokens to
 the batcher and pushes the outputs to the requests' handles.
+
+Overlap (on by default): the plan of step k+1 is made and sent before the
+results of step k are read, so the ranks find the next plan waiting when they
+finish a step and the gateway's host work hides behind the ranks' compute.
+This is safe because a rank runs its plans in order and feeds back its own
+sampled tokens; the price is that a sequence ending in step k (EOS or a stop
+string) occupies one wasted slot in step k+1. The host time of each step
+(planning, applying results) is recorded in GatewayStats.
 
 A broken stream, a late or malformed result, or a step that exceeds
 step_timeout_s fails every request in flight with UNAVAILABLE and ends the
@@ -14,17 +22,23 @@ group) is a later issue.
 """
 
 import asyncio
+import collections
+import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence as Seq
 from typing import Protocol
 
 import grpc
 
-from gateway.batcher import Batcher, RankPlan, SeqEvent
+from gateway.batcher import Batcher
+from gateway.plan import RankPlan, SeqEvent, StepBatch
 from gateway.requests import ErrorCode, GenerationError, RequestHandle, Sequence
 from moe.expert.v1 import expert_pb2
 
 log = logging.getLogger("gateway.engine")
+
+_RETRY_PLAN_S = 0.05
 
 
 class RankStream(Protocol):
@@ -77,15 +91,19 @@ class Engine:
         group_id: str = "",
         placement_epoch: int = 0,
         step_timeout_s: float = 120.0,
+        overlap: bool = True,
     ) -> None:
         if len(rank_streams) != batcher.num_ranks:
             raise ValueError(f"{len(rank_streams)} rank streams for {batcher.num_ranks} ranks")
         self.batcher = batcher
+        self.stats = batcher.stats
         self.group_id = group_id
         self.placement_epoch = placement_epoch
         self._streams = list(rank_streams)
         self._make_detokenizer = make_detokenizer
         self._step_timeout_s = step_timeout_s
+        # Steps on the wire at once: 2 plans step k+1 while step k runs.
+        self._max_in_flight = 2 if overlap else 1
         self._handles: dict[int, RequestHandle] = {}
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -99,11 +117,12 @@ class Engine:
         """Requests submitted and not yet finished."""
         return len(self._handles)
 
-    def submit(self, request) -> RequestHandle:
-        """Queues a validated request; raises GenerationError if it cannot run here."""
+    def submit(self, request, deadline: float | None = None) -> RequestHandle:
+        """Queues a validated request (deadline: time.monotonic() by which it must be
+        done, or None); raises GenerationError if it cannot run here."""
         if self._closed is not None:
             raise self._closed
-        seq = Sequence(self.batcher.new_seq_id(), request, self._make_detokenizer())
+        seq = Sequence(self.batcher.new_seq_id(), request, self._make_detokenizer(), deadline=deadline)
         self.batcher.add(seq)
         handle = RequestHandle(seq)
         self._handles[seq.seq_id] = handle
@@ -139,13 +158,23 @@ class Engine:
     async def run(self) -> None:
         """The step loop; runs until cancelled, or raises GroupFailure after
         failing every request in flight."""
+        in_flight: collections.deque[StepBatch] = collections.deque()
         try:
             while True:
-                if not self.batcher.has_work:
-                    self._wake.clear()
-                    await self._wake.wait()
+                if len(in_flight) < self._max_in_flight and self.batcher.has_work:
+                    batch = self._plan()
+                    if batch is not None:
+                        await self._send(batch)
+                        in_flight.append(batch)
+                        continue
+                if in_flight:
+                    await self._receive(in_flight.popleft())
                     continue
-                await self.step()
+                self._wake.clear()
+                # Work that could not be planned (never expected) is looked at again soon.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(_RETRY_PLAN_S if self.batcher.has_work else None):
+                        await self._wake.wait()
         except GroupFailure as failure:
             log.error("worker group %s failed: %s", self.group_id, failure)
             self.fail_all(f"worker group {self.group_id!r} failed: {failure}")
@@ -156,13 +185,27 @@ class Engine:
             self.fail_all(f"the gateway's step loop for group {self.group_id!r} crashed")
             raise
 
-    async def step(self) -> None:
-        """One step on every rank: plans out, results in, outputs delivered."""
+    def _plan(self) -> tuple[StepBatch, list] | None:
+        """Schedules the next step: (batch, its protobuf per rank), None if nothing to send."""
+        start = time.perf_counter()
         batch = self.batcher.schedule()
         self._deliver(batch.events)
+        if batch.is_empty:
+            return None
         requests = [plan_to_proto(p, batch.step_id, self.group_id, self.placement_epoch)
                     for p in batch.plans]
-        responses = await self._exchange(requests)
+        self.stats.record_step(sum(p.num_tokens for p in batch.plans), time.perf_counter() - start)
+        return batch, requests
+
+    async def _send(self, planned: tuple[StepBatch, list]) -> None:
+        _, requests = planned
+        await self._on_every_rank(lambda stream, i: stream.write(requests[i]), "write its plan")
+
+    async def _receive(self, planned: tuple[StepBatch, list]) -> None:
+        """Reads one result per rank for the step, applies them, delivers the outputs."""
+        batch, _ = planned
+        responses = await self._on_every_rank(lambda stream, i: stream.read(), "answer")
+        start = time.perf_counter()
         tokens: dict[int, int] = {}
         for rank, response in enumerate(responses):
             if not isinstance(response, expert_pb2.ExecuteStepsResponse):
@@ -172,25 +215,22 @@ class Engine:
                     f"rank {rank} answered step {response.result.step_id}, expected {batch.step_id}")
             tokens.update((t.seq_id, t.token_id) for t in response.result.tokens)
         try:
-            events = self.batcher.apply_results(tokens)
+            events = self.batcher.apply_results(batch.step_id, tokens)
         except ValueError as error:
             raise GroupFailure(str(error)) from error
         self._deliver(events)
         self.num_steps += 1
+        self.stats.apply_s.append(time.perf_counter() - start)
 
-    async def _exchange(self, requests: list[expert_pb2.ExecuteStepsRequest]) -> list:
-        """Writes every rank's plan, then reads every rank's result."""
+    async def _on_every_rank(self, call, what: str) -> list:
+        """call(stream, rank) on every rank at once, within step_timeout_s;
+        GroupFailure naming the first rank that failed."""
         try:
             async with asyncio.timeout(self._step_timeout_s):
-                await self._on_every_rank(lambda stream, i: stream.write(requests[i]))
-                return await self._on_every_rank(lambda stream, i: stream.read())
+                results = await asyncio.gather(*(call(s, i) for i, s in enumerate(self._streams)),
+                                               return_exceptions=True)
         except TimeoutError as error:
-            raise GroupFailure(f"a step took longer than {self._step_timeout_s} s") from error
-
-    async def _on_every_rank(self, call) -> list:
-        """call(stream, rank) on every rank at once; GroupFailure naming the first rank that failed."""
-        results = await asyncio.gather(*(call(s, i) for i, s in enumerate(self._streams)),
-                                       return_exceptions=True)
+            raise GroupFailure(f"a rank did not {what} within {self._step_timeout_s} s") from error
         for rank, result in enumerate(results):
             if isinstance(result, Exception):
                 reason = await _stream_error(self._streams[rank], result)

@@ -1,19 +1,34 @@
 """KV block accounting of one rank: the gateway's view of the rank's paged KV pool.
 
 The rank owns the KV tensors; the gateway owns which block ids are in use.
-`BlockAllocator` hands out block ids of one rank's pool and keeps the block
-table of every sequence placed on that rank, grown as the sequence grows.
-Blocks come back when the sequence is released (the gateway releases a
-sequence in the same step plan that tells the rank to forget it).
+`BlockAllocator` is the free list of one pool. `RankKV` adds the prefix cache
+(prefix_cache.PrefixCache) and the block table of every sequence on the rank:
+
+- `open` starts a sequence on the blocks of its longest cached prefix
+  (referenced, not copied) and `grow` appends fresh blocks as it advances,
+  evicting unreferenced cached blocks (LRU) when the free list runs dry;
+- `publish` puts the sequence's full, computed blocks into the prefix cache,
+  so that later sequences with the same prefix reuse them;
+- `release` drops the sequence: cached blocks lose a reference and stay
+  cached, its other blocks go back to the free list.
+
+Every block is in exactly one place: the free list, the prefix cache (with or
+without references), or the private tail of one sequence's table. So
+`num_free + cache.num_blocks + private blocks == num_blocks` always
+(`check_invariants`), which the tests use to show that nothing leaks.
 
 No gRPC here: the batcher drives it and the tests call it directly.
 """
 
 import collections
+import dataclasses
+from collections.abc import Sequence
+
+from gateway.prefix_cache import Node, PrefixCache, extend_block_hashes
 
 
 class BlockAllocator:
-    """Block ids [0, num_blocks) of one rank's KV pool and the block tables using them."""
+    """The free list of block ids [0, num_blocks) of one rank's KV pool."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks <= 0:
@@ -22,15 +37,13 @@ class BlockAllocator:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # FIFO reuse: a freed block is handed out last, which spreads writes and
-        # keeps a just-freed block's stale KV around longest (useful for a later prefix cache).
+        # FIFO reuse: a freed block is handed out last, which spreads writes.
         self._free_ids: collections.deque[int] = collections.deque(range(num_blocks))
         self._is_used = [False] * num_blocks
-        self._tables: dict[int, list[int]] = {}
 
     @property
     def num_free(self) -> int:
-        """Blocks not held by any sequence."""
+        """Blocks on the free list."""
         return len(self._free_ids)
 
     def blocks_needed(self, num_tokens: int) -> int:
@@ -46,12 +59,112 @@ class BlockAllocator:
             self._is_used[block_id] = True
         return block_ids
 
-    def free(self, block_ids: list[int]) -> None:
+    def free(self, block_ids: Sequence[int]) -> None:
         """Returns block ids to the pool; freeing a block twice is a bug."""
         for block_id in block_ids:
             assert self._is_used[block_id], f"double free of block {block_id}"
             self._is_used[block_id] = False
             self._free_ids.append(block_id)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """The cached prefix a sequence would start from on one rank."""
+
+    nodes: list[Node]
+    num_cached_tokens: int
+    # Nodes of the match no sequence holds: they count as available until acquired.
+    num_unreferenced: int
+
+
+_NO_MATCH = PrefixMatch([], 0, 0)
+
+
+@dataclasses.dataclass(slots=True)
+class _Table:
+    block_ids: list[int]
+    # Cache nodes this sequence holds a reference on, one per leading block. Where
+    # path[i].block_id != block_ids[i] the sequence computed a block that was already
+    # cached: its own copy stays private and is freed on release.
+    path: list[Node]
+    is_publishing: bool = True
+
+
+class RankKV:
+    """Block ids of one rank's KV pool: free list, prefix cache, per-sequence tables."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_cache: bool = True) -> None:
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.cache = PrefixCache(block_size) if enable_prefix_cache else None
+        self._tables: dict[int, _Table] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.allocator.block_size
+
+    @property
+    def num_free(self) -> int:
+        """Blocks on the free list."""
+        return self.allocator.num_free
+
+    @property
+    def num_available(self) -> int:
+        """Blocks a sequence could get now: free ones plus unreferenced cached ones."""
+        return self.allocator.num_free + (self.cache.num_unreferenced if self.cache else 0)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return self.allocator.blocks_needed(num_tokens)
+
+    # The prefix cache.
+
+    def match(self, token_ids: list[int], hashes: list[int], *, is_estimate: bool = False) -> PrefixMatch:
+        """The longest cached prefix of token_ids, leaving at least one token to compute.
+
+        hashes is the sequence's list of block hashes, extended here as needed.
+        An estimate skips comparing the tokens (see PrefixCache.match): never open() one.
+        """
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        if self.cache is None or max_blocks <= 0:
+            return _NO_MATCH
+        if len(hashes) < max_blocks:
+            extend_block_hashes(hashes, token_ids, self.block_size, max_blocks)
+        nodes = self.cache.match(token_ids, hashes, max_blocks, is_verified=not is_estimate)
+        return PrefixMatch(nodes, len(nodes) * self.block_size, sum(n.ref_count == 0 for n in nodes))
+
+    def open(self, seq_id: int, match: PrefixMatch) -> list[int]:
+        """Starts the sequence's table on the matched cached blocks; returns their ids."""
+        assert seq_id not in self._tables, seq_id
+        if match.nodes:
+            self.cache.acquire(match.nodes)
+        self._tables[seq_id] = _Table([n.block_id for n in match.nodes], list(match.nodes))
+        return list(self._tables[seq_id].block_ids)
+
+    def publish(self, seq_id: int, token_ids: list[int], hashes: list[int], num_tokens: int) -> None:
+        """Caches the sequence's full blocks among its first num_tokens tokens.
+
+        num_tokens must be computed (or in a step already sent: the rank runs
+        steps in order, so a later step that reuses a block finds its KV).
+        """
+        table = self._tables[seq_id]
+        num_full = min(num_tokens // self.block_size, len(table.block_ids))
+        if num_full <= len(table.path) or self.cache is None or not table.is_publishing:
+            return  # the common case (a decode inside a block): nothing new is full
+        if len(hashes) < num_full:
+            extend_block_hashes(hashes, token_ids, self.block_size, num_full)
+        bs = self.block_size
+        parent = table.path[-1] if table.path else self.cache.root
+        for i in range(len(table.path), num_full):
+            node = self.cache.insert(parent, hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]),
+                                     table.block_ids[i])
+            if node is None:  # a hash collision: this sequence stops sharing
+                table.is_publishing = False
+                return
+            table.path.append(node)
+            parent = node
 
     # Per-sequence block tables.
 
@@ -61,25 +174,44 @@ class BlockAllocator:
 
     def block_table(self, seq_id: int) -> list[int]:
         """The sequence's blocks, in order (a copy)."""
-        return list(self._tables[seq_id])
+        return list(self._tables[seq_id].block_ids)
 
     def num_new_blocks(self, seq_id: int, num_tokens: int) -> int:
         """Blocks the sequence must add so that its table covers num_tokens tokens."""
-        num_held = len(self._tables.get(seq_id, ()))
-        return max(0, self.blocks_needed(num_tokens) - num_held)
+        return max(0, self.blocks_needed(num_tokens) - len(self._tables[seq_id].block_ids))
+
+    def capacity(self, seq_id: int, reserve: int = 0) -> int:
+        """Tokens the sequence's table could cover using the available blocks but `reserve`."""
+        num_usable = max(0, self.num_available - reserve)
+        return (len(self._tables[seq_id].block_ids) + num_usable) * self.block_size
 
     def can_grow(self, seq_id: int, num_tokens: int) -> bool:
-        """True if the free blocks suffice to cover num_tokens tokens of the sequence."""
-        return self.num_new_blocks(seq_id, num_tokens) <= self.num_free
+        """True if the available blocks suffice to cover num_tokens tokens of the sequence."""
+        return self.num_new_blocks(seq_id, num_tokens) <= self.num_available
 
     def grow(self, seq_id: int, num_tokens: int) -> list[int]:
-        """Extends (or creates) the sequence's table to cover num_tokens; returns the new ids."""
-        new_ids = self.allocate(self.num_new_blocks(seq_id, num_tokens))
-        self._tables.setdefault(seq_id, []).extend(new_ids)
+        """Extends the sequence's table to cover num_tokens (evicting cached blocks
+        if needed); returns the new ids. The caller checks can_grow first."""
+        num_new = self.num_new_blocks(seq_id, num_tokens)
+        if not num_new:
+            return []
+        if num_new > self.allocator.num_free:
+            self.allocator.free(self.cache.evict(num_new - self.allocator.num_free))
+        new_ids = self.allocator.allocate(num_new)
+        self._tables[seq_id].block_ids.extend(new_ids)
         return new_ids
 
-    def release(self, seq_id: int) -> int:
-        """Frees all blocks of the sequence and forgets it; returns how many were freed."""
-        block_ids = self._tables.pop(seq_id)
-        self.free(block_ids)
-        return len(block_ids)
+    def release(self, seq_id: int) -> None:
+        """Drops the sequence: its cached blocks lose a reference, the rest are freed."""
+        table = self._tables.pop(seq_id)
+        self.allocator.free(table.block_ids[len(table.path):])
+        self.allocator.free([b for n, b in zip(table.path, table.block_ids) if n.block_id != b])
+        if table.path:
+            self.cache.release(table.path)
+
+    def check_invariants(self) -> None:
+        """Asserts that every block is in exactly one place (free, cached, or one table)."""
+        cached = self.cache.num_blocks if self.cache else 0
+        private = sum(len(t.block_ids) - sum(n.block_id == b for n, b in zip(t.path, t.block_ids))
+                      for t in self._tables.values())
+        assert self.num_free + cached + private == self.num_blocks, (self.num_free, cached, private)

@@ -31,6 +31,7 @@ class ErrorCode(enum.Enum):
     INVALID_ARGUMENT = "invalid_argument"
     RESOURCE_EXHAUSTED = "resource_exhausted"
     UNAVAILABLE = "unavailable"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
 
 
 class GenerationError(Exception):
@@ -73,24 +74,41 @@ class Sequence:
     max_new_tokens, temperature, top_p, top_k, seed, stops, ignore_eos).
     detokenizer: an object with push(ids) -> str and flush() -> str
     (services.text.IncrementalDetokenizer).
+    deadline: time.monotonic() by which the request must be done, or None.
+
+    The checkpoint of a request is token_ids (prompt plus every token sampled
+    so far): a preempted or interrupted sequence is re-prefilled from it and
+    continues without emitting any token twice.
     """
 
     __slots__ = (
-        "seq_id", "request", "prompt_ids", "output_ids", "rank", "status",
-        "num_computed", "is_aborted", "finish_reason", "_detokenizer", "_stops",
+        "seq_id", "request", "prompt_ids", "output_ids", "token_ids", "rank", "status",
+        "num_computed", "num_in_flight", "is_prefilled", "is_aborted", "finish_reason", "deadline",
+        "block_hashes", "num_preemptions", "_detokenizer", "_stops",
     )
 
-    def __init__(self, seq_id: int, request, detokenizer) -> None:
+    def __init__(self, seq_id: int, request, detokenizer, *, deadline: float | None = None) -> None:
         self.seq_id = seq_id
         self.request = request
         self.prompt_ids: list[int] = list(request.prompt_ids)
         self.output_ids: list[int] = []
+        # Prompt plus generated tokens: the checkpoint.
+        self.token_ids: list[int] = list(self.prompt_ids)
         self.rank: int | None = None
         self.status = SeqStatus.WAITING
-        # Tokens whose KV the rank has computed (or will have, once the step in flight ends).
+        # Tokens whose KV the rank has computed, or will have once the steps in flight ran.
         self.num_computed = 0
+        # Steps in flight that sample a token of this sequence (results not applied yet).
+        self.num_in_flight = 0
+        # True once the step that samples after the (re-)prefill is planned: from then on the
+        # rank feeds back its own sampled token (decode steps with no input tokens).
+        self.is_prefilled = False
         self.is_aborted = False
         self.finish_reason: FinishReason | None = None
+        self.deadline = deadline
+        # Chained hashes of the full blocks of token_ids (prefix_cache.extend_block_hashes).
+        self.block_hashes: list[int] = []
+        self.num_preemptions = 0
         self._detokenizer = detokenizer
         self._stops = StopStringMatcher(list(request.stops))
 
@@ -100,25 +118,18 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus generated tokens."""
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Prompt plus generated tokens (known to the gateway)."""
+        return len(self.token_ids)
 
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
-    def next_input_ids(self) -> list[int]:
-        """Input tokens of the next step: the uncomputed prompt, or [] for a decode
-        step (the rank feeds back the token it sampled)."""
-        if self.output_ids:
-            assert self.num_computed == self.num_tokens - 1, (self.num_computed, self.num_tokens)
-            return []
-        return self.prompt_ids[self.num_computed:]
-
     def append_token(self, token_id: int, eos_token_ids: Collection[int], max_context: int) -> RequestOutput:
         """Records a sampled token and returns the output it produces, final if it ends the request."""
         assert not self.is_finished, self.seq_id
         self.output_ids.append(token_id)
+        self.token_ids.append(token_id)
         matched = None
         if token_id in eos_token_ids and not self.request.ignore_eos:
             # The EOS id is reported and counted, its text is not emitted.

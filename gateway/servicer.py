@@ -5,10 +5,13 @@ group and streams its outputs; every gateway error becomes a gRPC status here
 and nowhere else. Generate is an async generator (not context.write: the
 OpenTelemetry interceptor breaks that). When the client goes away the
 generator is closed, and the request is aborted: its blocks are freed at the
-next step.
+next step. The call's gRPC deadline becomes the request's deadline in the
+batcher, which ends it with DEADLINE_EXCEEDED and frees its blocks even if the
+cancellation never reached the gateway.
 """
 
 import logging
+import time
 from collections.abc import Callable
 
 import grpc
@@ -27,6 +30,7 @@ _STATUS = {
     ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
     ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 _FINISH_REASON = {
     None: gateway_pb2.FINISH_REASON_UNSPECIFIED,
@@ -64,8 +68,10 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         engine = self._get_engine()
         if engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, NO_GROUP_MESSAGE)
+        remaining_s = context.time_remaining()
+        deadline = None if remaining_s is None else time.monotonic() + remaining_s
         try:
-            handle = engine.submit(validated)
+            handle = engine.submit(validated, deadline=deadline)
         except GenerationError as error:
             await context.abort(_STATUS[error.code], error.message)
         log.debug("request %s: %d prompt tokens, seq %d",

@@ -1,48 +1,27 @@
-"""The batcher: admission, placement, idle plans, finish reasons, block freeing."""
+"""The batcher: admission, placement, idle plans, finish reasons, block freeing.
+
+Chunked prefill, the prefix cache, preemption, overlap and deadlines are in
+test_scheduling.py.
+"""
 
 import pytest
 
 from gateway.batcher import Batcher
-from gateway.kv_accounting import BlockAllocator
+from gateway.kv_accounting import RankKV
 from gateway.requests import ErrorCode, FinishReason, GenerationError, RequestOutput, Sequence
-from gateway.validation import ValidatedRequest
 from services.text import IncrementalDetokenizer
-
-EOS = 1
-
-
-class FakeTokenizer:
-    """Ids 26..51 are the letters a..z (any id decodes to a letter by id % 26); EOS is 1."""
-
-    eos_token_ids = (EOS,)
-    vocab_size = 100
-
-    def decode(self, ids, skip_special_tokens=False) -> str:
-        return "".join("<eos>" if i == EOS else chr(ord("a") + i % 26) for i in ids)
-
-    def encode(self, text: str) -> list[int]:
-        return [26 + (ord(c) - ord("a")) % 26 for c in text]
-
-    def encode_chat(self, messages) -> list[int]:
-        return self.encode("".join(role + content for role, content in messages))
-
-
-def make_request(num_prompt=4, *, max_new_tokens=8, stops=(), ignore_eos=False, request_id="r",
-                 prompt_ids=None) -> ValidatedRequest:
-    return ValidatedRequest(
-        request_id=request_id, prompt_ids=prompt_ids or [30] * num_prompt, max_new_tokens=max_new_tokens,
-        temperature=0.0, top_p=1.0, top_k=0, seed=5, stops=tuple(stops), ignore_eos=ignore_eos)
-
+from tests.gateway.fakes import EOS, FakeTokenizer, make_request
 
 def make_batcher(num_ranks=1, *, num_blocks=64, block_size=4, max_running_requests=8,
-                 max_batch_tokens=64, max_context=1000) -> Batcher:
-    return Batcher([BlockAllocator(num_blocks, block_size) for _ in range(num_ranks)],
+                 max_batch_tokens=64, max_context=1000, is_prefix_cached=True, **kwargs) -> Batcher:
+    return Batcher([RankKV(num_blocks, block_size, enable_prefix_cache=is_prefix_cached)
+                    for _ in range(num_ranks)],
                    max_running_requests=max_running_requests, max_batch_tokens=max_batch_tokens,
-                   max_context=max_context, eos_token_ids=[EOS])
+                   max_context=max_context, eos_token_ids=[EOS], **kwargs)
 
 
-def add(batcher: Batcher, request: ValidatedRequest) -> Sequence:
-    seq = Sequence(batcher.new_seq_id(), request, IncrementalDetokenizer(FakeTokenizer()))
+def add(batcher: Batcher, request, deadline=None) -> Sequence:
+    seq = Sequence(batcher.new_seq_id(), request, IncrementalDetokenizer(FakeTokenizer()), deadline=deadline)
     batcher.add(seq)
     return seq
 
@@ -51,7 +30,18 @@ def step(batcher: Batcher, sample=lambda seq_id: 30):
     """One step with every sampled sequence drawing sample(seq_id): (batch, events)."""
     batch = batcher.schedule()
     tokens = {s.seq_id: sample(s.seq_id) for p in batch.plans for s in p.scheduled if s.is_sampled}
-    return batch, batch.events + batcher.apply_results(tokens)
+    events = batch.events
+    if not batch.is_empty:
+        events = events + batcher.apply_results(batch.step_id, tokens)
+    return batch, events
+
+
+def assert_all_blocks_back(batcher: Batcher) -> None:
+    """The pools' own accounting: no table left, every block free or cached unreferenced."""
+    for kv in batcher.ranks:
+        kv.check_invariants()
+        assert kv.num_available == kv.num_blocks
+        assert not any(kv.has_sequence(i) for i in range(1, batcher.new_seq_id()))
 
 
 def scheduled_ids(batch, rank=0) -> list[int]:
@@ -64,23 +54,27 @@ def outputs_of(events, seq) -> list[RequestOutput]:
 
 def test_admission_respects_the_token_budget_fcfs():
     batcher = make_batcher(max_batch_tokens=10)
-    a, b, c = (add(batcher, make_request(4, request_id=x)) for x in "abc")
+    a, b, c, d = (add(batcher, make_request(4, request_id=x, prompt_ids=[30 + i] * 4))
+                  for i, x in enumerate("abcd"))
     batch, _ = step(batcher)
-    assert scheduled_ids(batch) == [a.seq_id, b.seq_id]  # 8 tokens; c's 4 would make 12
-    assert [n.seq_id for n in batch.plans[0].new_sequences] == [a.seq_id, b.seq_id]
-    assert batch.plans[0].num_tokens == 8 and list(batcher.waiting) == [c]
-    batch, _ = step(batcher)
-    # Decodes first (1 token each), then c's prompt: 2 + 4 <= 10.
+    # 4 + 4, then the 2 tokens left of the budget start c's prompt (chunked); d waits.
     assert scheduled_ids(batch) == [a.seq_id, b.seq_id, c.seq_id]
-    assert [len(s.token_ids) for s in batch.plans[0].scheduled] == [0, 0, 4]
-    assert all(s.is_sampled for s in batch.plans[0].scheduled)
+    assert [n.seq_id for n in batch.plans[0].new_sequences] == [a.seq_id, b.seq_id, c.seq_id]
+    assert [(len(s.token_ids), s.is_sampled) for s in batch.plans[0].scheduled] == [
+        (4, True), (4, True), (2, False)]
+    assert batch.plans[0].num_tokens == 10 and list(batcher.waiting) == [d]
+    batch, _ = step(batcher)
+    # Decodes first (1 token each), then the rest of c's prompt, then d's first 6 tokens... of 4.
+    assert scheduled_ids(batch) == [a.seq_id, b.seq_id, c.seq_id, d.seq_id]
+    assert [(len(s.token_ids), s.is_sampled) for s in batch.plans[0].scheduled] == [
+        (0, True), (0, True), (2, True), (4, True)]
 
 
 def test_head_of_line_waits_rather_than_being_overtaken():
-    batcher = make_batcher(max_batch_tokens=10)
-    add(batcher, make_request(4, request_id="a"))
-    big = add(batcher, make_request(9, request_id="big"))
-    small = add(batcher, make_request(1, request_id="small"))
+    batcher = make_batcher(num_blocks=6, block_size=4, max_batch_tokens=64)
+    add(batcher, make_request(12, request_id="a", max_new_tokens=50))      # 3 blocks
+    big = add(batcher, make_request(request_id="big", prompt_ids=[31] * 12))  # 3 more + the watermark
+    small = add(batcher, make_request(1, request_id="small"))               # would fit
     batch, _ = step(batcher)
     assert len(batch.plans[0].scheduled) == 1
     assert list(batcher.waiting) == [big, small]
@@ -200,8 +194,8 @@ def test_held_back_text_is_released_at_length():
 
 
 def test_finished_sequences_are_forgotten_and_their_blocks_freed():
-    batcher = make_batcher(num_blocks=16, block_size=4)
-    allocator = batcher.allocators[0]
+    batcher = make_batcher(num_blocks=16, block_size=4, is_prefix_cached=False)
+    allocator = batcher.ranks[0]
     a = add(batcher, make_request(6, max_new_tokens=1, request_id="a"))
     b = add(batcher, make_request(3, max_new_tokens=4, request_id="b"))
     batch, _ = step(batcher)
@@ -216,6 +210,7 @@ def test_finished_sequences_are_forgotten_and_their_blocks_freed():
     while batcher.has_work:
         step(batcher)
     assert allocator.num_free == 16
+    assert_all_blocks_back(batcher)
 
 
 def test_decode_appends_a_block_exactly_at_the_boundary():
@@ -235,32 +230,10 @@ def test_a_prompt_that_never_fits_is_refused():
     with pytest.raises(GenerationError) as err:
         add(batcher, make_request(16))     # 16 + 1 tokens need 5 blocks of 4
     assert err.value.code is ErrorCode.INVALID_ARGUMENT and "KV cache" in err.value.message
-    with pytest.raises(GenerationError) as err:
-        make_batcher(max_batch_tokens=8).check_fits(9)
-    assert err.value.code is ErrorCode.INVALID_ARGUMENT and "max_batch_tokens 8" in err.value.message
+    make_batcher(max_batch_tokens=8).check_fits(9)     # longer than a step: chunked, accepted
     fits = add(batcher, make_request(15))        # exactly fits: 15 + 1 tokens in 4 blocks
     batch, _ = step(batcher)
-    assert scheduled_ids(batch) == [fits.seq_id] and batcher.allocators[0].num_free == 0
-
-
-def test_full_kv_cache_stalls_then_fails_the_newest_and_the_rest_continue():
-    batcher = make_batcher(num_blocks=4, block_size=4)
-    old = add(batcher, make_request(4, max_new_tokens=100, request_id="old"))
-    new = add(batcher, make_request(4, max_new_tokens=100, request_id="new"))
-    events = []
-    failed = []
-    for _ in range(12):
-        _, step_events = step(batcher)
-        events += step_events
-        failed += [s for s, item in step_events if isinstance(item, GenerationError)]
-        if failed:
-            break
-    assert failed == [new]
-    error = next(item for s, item in events if s is new and isinstance(item, GenerationError))
-    assert error.code is ErrorCode.RESOURCE_EXHAUSTED and "rank 0" in error.message
-    batch, _ = step(batcher)
-    assert scheduled_ids(batch) == [old.seq_id]     # old got new's freed blocks
-    assert new.seq_id not in [s.seq_id for s in batch.plans[0].scheduled]
+    assert scheduled_ids(batch) == [fits.seq_id] and batcher.ranks[0].num_available == 0
 
 
 def test_abort_of_a_waiting_request_never_reaches_a_rank():
@@ -276,26 +249,32 @@ def test_abort_of_a_waiting_request_never_reaches_a_rank():
 
 def test_abort_of_a_running_request_frees_its_blocks_at_the_next_step():
     batcher = make_batcher()
-    allocator = batcher.allocators[0]
     seq = add(batcher, make_request(8))
     batch = batcher.schedule()
     batcher.abort(seq)                   # while the step is in flight
-    events = batcher.apply_results({seq.seq_id: 30})
+    events = batcher.apply_results(batch.step_id, {seq.seq_id: 30})
     assert events == [] and seq.output_ids == []
     batch, events = step(batcher)
     assert batch.plans[0].finished_seq_ids == [seq.seq_id] and not batch.plans[0].scheduled
     assert outputs_of(events, seq)[0].finish_reason is FinishReason.ABORT
-    assert allocator.num_free == allocator.num_blocks and not batcher.has_work
+    assert_all_blocks_back(batcher)
+    assert not batcher.has_work
 
 
 def test_results_that_do_not_match_the_plan_are_rejected():
     batcher = make_batcher()
     seq = add(batcher, make_request(2))
-    batcher.schedule()
+    batch = batcher.schedule()
     with pytest.raises(ValueError, match=rf"missing \[{seq.seq_id}\], unexpected \[99\]"):
-        batcher.apply_results({99: 30})
+        batcher.apply_results(batch.step_id, {99: 30})
+    with pytest.raises(ValueError, match="oldest step in flight is None"):
+        batcher.apply_results(batch.step_id + 1, {})
 
 
 def test_bad_limits_are_rejected():
     with pytest.raises(ValueError, match="100"):
         make_batcher(max_running_requests=100, max_batch_tokens=10)
+    with pytest.raises(ValueError, match="prefill_chunk_size"):
+        make_batcher(prefill_chunk_size=0)
+    with pytest.raises(ValueError, match="policy must be one of fcfs, lpm, got 'random'"):
+        make_batcher(policy="random")

@@ -1,7 +1,6 @@
 """The step loop against in-process fake ranks, and the servicer over real gRPC."""
 
 import asyncio
-import dataclasses
 
 import grpc
 import pytest
@@ -9,7 +8,7 @@ import pytest
 from gateway.batcher import Batcher
 from gateway.engine import Engine, GroupFailure
 from gateway.group import GroupManager, GroupSetupError, check_rank_info
-from gateway.kv_accounting import BlockAllocator
+from gateway.kv_accounting import RankKV
 from gateway.requests import ErrorCode, FinishReason, GenerationError
 from gateway.servicer import SERVICE_NAME, GenerationServicer
 from gateway.validation import RequestLimits
@@ -18,85 +17,26 @@ from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services import grpc_util
 from services.cluster import GroupAssignment, RankInfo
 from services.text import IncrementalDetokenizer
-from tests.gateway.test_batcher import EOS, FakeTokenizer, make_request
+from tests.gateway.fakes import EOS, FakeTokenizer, SimRank, make_request, reference_tokens
 
 
-def next_token(token_id: int) -> int:
-    """What the fake ranks "sample" after a token: the next letter (ids 26..51)."""
-    return 26 + (token_id + 1) % 26
-
-
-def expected_tokens(last_prompt_id: int, n: int) -> list[int]:
-    ids = [next_token(last_prompt_id)]
-    while len(ids) < n:
-        ids.append(next_token(ids[-1]))
-    return ids
-
-
-@dataclasses.dataclass
-class FakeSeq:
-    block_ids: list[int]
-    num_computed: int = 0
-    last_sampled: int | None = None
-
-
-class FakeRank:
-    """One rank on the step protocol: checks each plan against its own state
-    (known sequences, block tables that cover the KV, no block shared by two
-    sequences) and samples next_token(last input token)."""
-
-    def __init__(self, block_size: int, *, fail_at_step: int = 0, skew_step_ids: bool = False):
-        self.block_size = block_size
-        self.seqs: dict[int, FakeSeq] = {}
-        self.plans: list[expert_pb2.StepPlan] = []
-        self.fail_at_step = fail_at_step
-        self.skew_step_ids = skew_step_ids
-        self._results: asyncio.Queue = asyncio.Queue()
-
-    async def write(self, request: expert_pb2.ExecuteStepsRequest) -> None:
-        plan = request.plan
-        assert plan.step_id == len(self.plans) + 1
-        self.plans.append(plan)
-        if plan.step_id == self.fail_at_step:
-            self._results.put_nowait(ConnectionResetError("rank crashed"))
-            return
-        for seq_id in plan.finished_seq_ids:
-            del self.seqs[seq_id]
-        for new in plan.new_sequences:
-            assert new.seq_id not in self.seqs
-            self.seqs[new.seq_id] = FakeSeq(list(new.block_ids), new.num_cached_tokens)
-        tokens = []
-        for item in plan.scheduled:
-            seq = self.seqs[item.seq_id]
-            seq.block_ids += item.new_block_ids
-            inputs = list(item.token_ids) or [seq.last_sampled]
-            assert inputs[-1] is not None, "decode step before any token was sampled"
-            seq.num_computed += len(inputs)
-            assert len(seq.block_ids) * self.block_size >= seq.num_computed
-            if item.is_sampled:
-                seq.last_sampled = next_token(inputs[-1])
-                tokens.append(expert_pb2.SampledToken(seq_id=item.seq_id, token_id=seq.last_sampled))
-        all_blocks = [b for s in self.seqs.values() for b in s.block_ids]
-        assert len(all_blocks) == len(set(all_blocks)), "a block is shared by two sequences"
-        step_id = plan.step_id + (1 if self.skew_step_ids else 0)
-        self._results.put_nowait(expert_pb2.ExecuteStepsResponse(
-            result=expert_pb2.StepResult(step_id=step_id, tokens=tokens)))
-
-    async def read(self):
-        result = await self._results.get()
-        if isinstance(result, Exception):
-            raise result
-        return result
+def assert_pool_clean(engine: Engine, ranks=()) -> None:
+    """Every block back (free or cached without references), no sequence left anywhere."""
+    for kv in engine.batcher.ranks:
+        kv.check_invariants()
+        assert kv.num_available == kv.num_blocks
+    assert all(rank.seqs == {} for rank in ranks)
+    assert engine.num_active == 0 and not engine.batcher.has_work
 
 
 def make_engine(num_ranks=1, *, num_blocks=64, block_size=4, max_running_requests=8,
-                max_batch_tokens=256, ranks=None) -> tuple[Engine, list[FakeRank]]:
-    ranks = ranks or [FakeRank(block_size) for _ in range(num_ranks)]
-    batcher = Batcher([BlockAllocator(num_blocks, block_size) for _ in ranks],
+                max_batch_tokens=256, ranks=None, overlap=True, **kwargs) -> tuple[Engine, list[SimRank]]:
+    ranks = ranks or [SimRank(num_blocks, block_size) for _ in range(num_ranks)]
+    batcher = Batcher([RankKV(num_blocks, block_size) for _ in ranks],
                       max_running_requests=max_running_requests, max_batch_tokens=max_batch_tokens,
-                      max_context=1000, eos_token_ids=[EOS])
+                      max_context=1000, eos_token_ids=[EOS], **kwargs)
     engine = Engine(batcher, ranks, make_detokenizer=lambda: IncrementalDetokenizer(FakeTokenizer()),
-                    group_id="g1", placement_epoch=1, step_timeout_s=5.0)
+                    group_id="g1", placement_epoch=1, step_timeout_s=5.0, overlap=overlap)
     return engine, ranks
 
 
@@ -111,9 +51,10 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 
 
-def test_concurrent_requests_share_steps_and_get_every_token_once():
+@pytest.mark.parametrize("overlap", [True, False])
+def test_concurrent_requests_share_steps_and_get_every_token_once(overlap):
     async def scenario():
-        engine, (rank,) = make_engine()
+        engine, (rank,) = make_engine(overlap=overlap)
         loop_task = asyncio.create_task(engine.run())
         prompts = [[30, 31], [40, 41, 42, 43, 44], [27]]
         lengths = [5, 7, 3]
@@ -127,14 +68,17 @@ def test_concurrent_requests_share_steps_and_get_every_token_once():
     engine, rank, prompts, lengths, results = run(scenario())
     for prompt, n, outputs in zip(prompts, lengths, results):
         token_ids = [t for o in outputs for t in o.token_ids]
-        assert token_ids == expected_tokens(prompt[-1], n)
+        assert token_ids == reference_tokens(prompt, n)
         assert "".join(o.text for o in outputs) == FakeTokenizer().decode(token_ids)
         assert [o.finish_reason for o in outputs] == [None] * (n - 1) + [FinishReason.LENGTH]
         assert (outputs[-1].prompt_tokens, outputs[-1].completion_tokens) == (len(prompt), n)
-    # One prefill step for all three, then decodes: the longest request sets the step count.
+    # One prefill step for all three, then decodes: the longest request sets the step count
+    # (plus the step that forgets the last one).
     assert len(rank.plans[0].scheduled) == 3
     assert engine.num_steps == max(lengths) + 1
-    assert rank.seqs == {} and engine.batcher.allocators[0].num_free == 64 and engine.num_active == 0
+    assert_pool_clean(engine, [rank])
+    stats = engine.stats.snapshot()
+    assert stats["num_steps"] == engine.num_steps and stats["plan_ms_p99"] > 0
 
 
 def test_every_rank_gets_every_step_and_requests_spread_over_ranks():
@@ -154,13 +98,13 @@ def test_every_rank_gets_every_step_and_requests_spread_over_ranks():
     assert all(p.group_id == "g1" and p.placement_epoch == 1 for r in ranks for p in r.plans)
     assert any(not p.scheduled for r in ranks for p in r.plans)    # idle steps were sent
     for i, outputs in enumerate(results):
-        assert [t for o in outputs for t in o.token_ids] == expected_tokens(30 + i, 4 + i)
+        assert [t for o in outputs for t in o.token_ids] == reference_tokens([30 + i] * (3 + i), 4 + i)
 
 
 def test_a_broken_rank_stream_fails_requests_with_unavailable():
     async def scenario():
         block_size = 4
-        engine, ranks = make_engine(ranks=[FakeRank(block_size), FakeRank(block_size, fail_at_step=3)])
+        engine, ranks = make_engine(ranks=[SimRank(64, block_size), SimRank(64, block_size, fail_at_step=3)])
         loop_task = asyncio.create_task(engine.run())
         handles = [engine.submit(make_request(2, max_new_tokens=50, request_id=f"r{i}")) for i in range(2)]
         outcomes = await asyncio.gather(*(collect(h) for h in handles), return_exceptions=True)
@@ -179,7 +123,7 @@ def test_a_broken_rank_stream_fails_requests_with_unavailable():
 
 def test_a_result_for_the_wrong_step_fails_the_group():
     async def scenario():
-        engine, _ = make_engine(ranks=[FakeRank(4, skew_step_ids=True)])
+        engine, _ = make_engine(ranks=[SimRank(64, 4, skew_step_ids=True)])
         loop_task = asyncio.create_task(engine.run())
         handle = engine.submit(make_request(2))
         with pytest.raises(GenerationError) as err:
@@ -209,7 +153,7 @@ def test_an_aborted_request_is_forgotten_by_the_rank_and_its_blocks_freed():
     forgotten = [sid for p in rank.plans for sid in p.finished_seq_ids]
     assert forgotten.count(cancelled.seq.seq_id) == 1
     assert len(outputs[-1].token_ids) == 1 and outputs[-1].completion_tokens == 20
-    assert rank.seqs == {} and engine.batcher.allocators[0].num_free == 64
+    assert_pool_clean(engine, [rank])
 
 
 def test_drain_waits_for_requests_in_flight_and_refuses_new_ones():
@@ -278,6 +222,11 @@ def test_servicer_is_unavailable_without_a_ready_group():
     assert err.code() == grpc.StatusCode.UNAVAILABLE and err.details() == "no worker group is ready"
 
 
+ABC_TOKENS = reference_tokens([26, 27, 28], 10)        # after "abc"
+ABC_TEXT = FakeTokenizer().decode(ABC_TOKENS)
+STOP = ABC_TEXT[3:5]
+
+
 def test_servicer_streams_tokens_and_text_and_refuses_bad_input():
     async def scenario():
         async with Gateway() as gw:
@@ -290,7 +239,7 @@ def test_servicer_streams_tokens_and_text_and_refuses_bad_input():
             good = await gw.generate(request_id="good", prompt="abc",
                                      sampling=gateway_pb2.SamplingParams(max_new_tokens=4))
             stopped = await gw.generate(request_id="stop", prompt="abc",
-                                        sampling=gateway_pb2.SamplingParams(max_new_tokens=10, stop=["fg"]))
+                                        sampling=gateway_pb2.SamplingParams(max_new_tokens=10, stop=[STOP]))
             tokenized = await gw.stub.Tokenize(gateway_pb2.TokenizeRequest(text="abc"), timeout=5)
             return bad.value, too_big.value, good, stopped, tokenized
 
@@ -298,14 +247,14 @@ def test_servicer_streams_tokens_and_text_and_refuses_bad_input():
     assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in bad.details()
     assert too_big.code() == grpc.StatusCode.INVALID_ARGUMENT and "KV cache" in too_big.details()
     assert [r.request_id for r in good] == ["good"] * 4
-    assert [list(r.token_ids) for r in good] == [[t] for t in expected_tokens(28, 4)]   # after "c"
-    assert "".join(r.text for r in good) == "defg"
+    assert [list(r.token_ids) for r in good] == [[t] for t in ABC_TOKENS[:4]]
+    assert "".join(r.text for r in good) == ABC_TEXT[:4]
     assert [r.finish_reason for r in good] == [gateway_pb2.FINISH_REASON_UNSPECIFIED] * 3 + [
         gateway_pb2.FINISH_REASON_LENGTH]
     assert (good[-1].usage.prompt_tokens, good[-1].usage.completion_tokens) == (3, 4)
     assert not good[0].HasField("usage")
-    assert "".join(r.text for r in stopped) == "de"
-    assert stopped[-1].finish_reason == gateway_pb2.FINISH_REASON_STOP and stopped[-1].matched_stop == "fg"
+    assert "".join(r.text for r in stopped) == ABC_TEXT[:ABC_TEXT.index(STOP)]
+    assert stopped[-1].finish_reason == gateway_pb2.FINISH_REASON_STOP and stopped[-1].matched_stop == STOP
     assert list(tokenized.token_ids) == [26, 27, 28]
 
 
@@ -325,8 +274,80 @@ def test_servicer_aborts_the_request_of_a_client_that_goes_away():
             return engine
 
     engine = run(scenario())
-    assert engine.num_active == 0 and engine.batcher.allocators[0].num_free == 64
+    assert_pool_clean(engine)
     assert engine.num_steps < 100     # aborted, not run to its 400 tokens
+    assert engine.stats.num_aborted == 1
+
+
+class SlowRank(SimRank):
+    """A SimRank whose steps take delay_s each."""
+
+    def __init__(self, *args, delay_s: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.delay_s = delay_s
+
+    async def read(self):
+        await asyncio.sleep(self.delay_s)
+        return await super().read()
+
+
+def test_the_grpc_deadline_ends_the_request_and_frees_its_blocks():
+    async def scenario():
+        async with Gateway() as gw:
+            gw.engine, ranks = make_engine(ranks=[SlowRank(64, 4, delay_s=0.01)])
+            gw.loop_task = asyncio.create_task(gw.engine.run())
+            call = gw.stub.Generate(gateway_pb2.GenerateRequest(
+                request_id="d", prompt="abcdef", sampling=gateway_pb2.SamplingParams(max_new_tokens=450)),
+                timeout=0.3)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in call:
+                    pass
+            await wait_for(lambda: gw.engine.num_active == 0 and not gw.engine.batcher.has_work
+                           and ranks[0].seqs == {})
+            return err.value, gw.engine, ranks
+
+    err, engine, ranks = run(scenario())
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_pool_clean(engine, ranks)
+    assert engine.num_steps < 100
+
+
+def test_a_deadline_the_gateway_sees_first_ends_the_request_with_deadline_exceeded():
+    async def scenario():
+        engine, ranks = make_engine(ranks=[SlowRank(64, 4, delay_s=0.01)])
+        loop_task = asyncio.create_task(engine.run())
+        loop = asyncio.get_running_loop()
+        handle = engine.submit(make_request(4, max_new_tokens=900), deadline=loop.time() + 0.2)
+        with pytest.raises(GenerationError) as err:
+            await collect(handle)
+        await wait_for(lambda: not engine.batcher.has_work and ranks[0].seqs == {})
+        loop_task.cancel()
+        return err.value, engine, ranks
+
+    err, engine, ranks = run(scenario())
+    assert err.code is ErrorCode.DEADLINE_EXCEEDED and "deadline" in err.message
+    assert_pool_clean(engine, ranks)
+
+
+def test_a_full_waiting_queue_answers_resource_exhausted_with_the_limit():
+    async def scenario():
+        async with Gateway() as gw:
+            gw.attach(max_running_requests=1, max_waiting_requests=1)
+            first = gw.stub.Generate(gateway_pb2.GenerateRequest(
+                request_id="a", prompt="abc", sampling=gateway_pb2.SamplingParams(max_new_tokens=200)), timeout=10)
+            await first.read()                  # running
+            second = gw.stub.Generate(gateway_pb2.GenerateRequest(
+                request_id="b", prompt="abc", sampling=gateway_pb2.SamplingParams(max_new_tokens=2)), timeout=10)
+            await wait_for(lambda: gw.engine.batcher.num_waiting == 1)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await gw.generate(request_id="c", prompt="abc")
+            first.cancel()
+            rest = [r async for r in second]
+            return err.value, rest
+
+    err, rest = run(scenario())
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_waiting_requests 1" in err.details()
+    assert rest[-1].usage.completion_tokens == 2
 
 
 # The group manager: a fake etcd view, a fake rank over real gRPC.
@@ -350,7 +371,7 @@ class FakeCluster:
 
 
 class FakeExpertService(expert_pb2_grpc.ExpertServiceServicer):
-    """A rank that runs group g1, epoch 1, with FakeRank's step logic."""
+    """A rank that runs group g1, epoch 1, with SimRank's step logic."""
 
     def __init__(self, num_broken_streams: int = 0):
         self.num_broken_streams = num_broken_streams
@@ -362,7 +383,7 @@ class FakeExpertService(expert_pb2_grpc.ExpertServiceServicer):
         return self.info
 
     async def ExecuteSteps(self, request_iterator, context):
-        rank = FakeRank(self.info.kv_block_size)
+        rank = SimRank(self.info.num_kv_blocks, self.info.kv_block_size)
         if self.num_broken_streams:
             self.num_broken_streams -= 1
             await context.abort(grpc.StatusCode.INTERNAL, "a peer rank timed out")
@@ -423,7 +444,7 @@ def test_group_manager_serves_a_ready_group_and_drops_it_when_it_goes():
 
     cluster, serving, outputs, gone, engine_after = run(scenario())
     assert cluster.registered == [("gateway", "gw0", "127.0.0.1:1")]
-    assert [t for o in outputs for t in o.token_ids] == expected_tokens(30, 3)
+    assert [t for o in outputs for t in o.token_ids] == reference_tokens([30], 3)
     assert gone.code is ErrorCode.UNAVAILABLE and "no worker group is ready" in gone.message
     assert serving[:2] == [True, False] and True not in serving[2:]
     assert engine_after is None
@@ -460,7 +481,7 @@ def test_a_group_whose_stream_broke_is_served_again_on_fresh_streams():
 
     broken, outputs = run(scenario())
     assert broken.code is ErrorCode.UNAVAILABLE and "INTERNAL: a peer rank timed out" in broken.message
-    assert [t for o in outputs for t in o.token_ids] == expected_tokens(30, 2)
+    assert [t for o in outputs for t in o.token_ids] == reference_tokens([30], 2)
 
 
 def test_a_rank_of_another_epoch_is_rejected():

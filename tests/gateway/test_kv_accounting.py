@@ -1,8 +1,8 @@
-"""BlockAllocator: block ids of one rank's KV pool and the per-sequence tables."""
+"""BlockAllocator and RankKV: free list, per-sequence tables, prefix sharing, eviction."""
 
 import pytest
 
-from gateway.kv_accounting import BlockAllocator
+from gateway.kv_accounting import BlockAllocator, RankKV
 
 
 def test_blocks_needed_rounds_up():
@@ -38,31 +38,123 @@ def test_overallocation_is_a_bug():
         allocator.allocate(3)
 
 
+def open_seq(kv: RankKV, seq_id: int, token_ids: list[int], hashes=None) -> tuple[list[int], int]:
+    """Starts a sequence on its cached prefix: (block ids, cached tokens)."""
+    match = kv.match(token_ids, [] if hashes is None else hashes)
+    return kv.open(seq_id, match), match.num_cached_tokens
+
+
 def test_block_table_grows_with_the_sequence():
-    allocator = BlockAllocator(num_blocks=8, block_size=4)
-    assert allocator.grow(7, 5) == allocator.block_table(7) and len(allocator.block_table(7)) == 2
-    assert allocator.num_new_blocks(7, 8) == 0 and allocator.grow(7, 8) == []
-    added = allocator.grow(7, 9)
-    assert len(added) == 1 and allocator.block_table(7)[-1] == added[0]
-    other = allocator.grow(8, 4)
-    assert not set(other) & set(allocator.block_table(7))
-    assert allocator.num_free == 8 - 4
+    kv = RankKV(num_blocks=8, block_size=4)
+    open_seq(kv, 7, [1] * 5)
+    assert kv.grow(7, 5) == kv.block_table(7) and len(kv.block_table(7)) == 2
+    assert kv.num_new_blocks(7, 8) == 0 and kv.grow(7, 8) == []
+    added = kv.grow(7, 9)
+    assert len(added) == 1 and kv.block_table(7)[-1] == added[0]
+    open_seq(kv, 8, [2] * 4)
+    other = kv.grow(8, 4)
+    assert not set(other) & set(kv.block_table(7))
+    assert kv.num_free == 8 - 4
+    kv.check_invariants()
 
 
 def test_can_grow_counts_only_missing_blocks():
-    allocator = BlockAllocator(num_blocks=3, block_size=4)
-    allocator.grow(1, 8)
-    assert allocator.can_grow(1, 12) and not allocator.can_grow(1, 13)
-    assert allocator.can_grow(2, 4) and not allocator.can_grow(2, 5)
+    kv = RankKV(num_blocks=3, block_size=4)
+    open_seq(kv, 1, [1] * 8)
+    kv.grow(1, 8)
+    open_seq(kv, 2, [2] * 4)
+    assert kv.can_grow(1, 12) and not kv.can_grow(1, 13)
+    assert kv.can_grow(2, 4) and not kv.can_grow(2, 5)
+    assert kv.capacity(1) == 12 and kv.capacity(1, reserve=1) == 8
 
 
-def test_release_frees_the_whole_table():
-    allocator = BlockAllocator(num_blocks=4, block_size=4)
-    allocator.grow(1, 10)
-    assert allocator.release(1) == 3
-    assert allocator.num_free == 4 and not allocator.has_sequence(1)
+def test_release_frees_the_private_blocks_and_keeps_the_published_ones_cached():
+    kv = RankKV(num_blocks=4, block_size=4)
+    tokens = list(range(10))
+    open_seq(kv, 1, tokens)
+    kv.grow(1, 10)
+    kv.publish(1, tokens, [], 10)           # blocks 0 and 1 are full: cached
+    kv.release(1)
+    assert kv.num_free == 2 and kv.cache.num_blocks == 2 and kv.num_available == 4
+    assert not kv.has_sequence(1)
+    kv.check_invariants()
     with pytest.raises(KeyError):
-        allocator.release(1)
+        kv.release(1)
+
+
+def test_a_later_sequence_reuses_the_cached_blocks_of_its_prefix():
+    kv = RankKV(num_blocks=8, block_size=4)
+    first = list(range(12)) + [99]
+    open_seq(kv, 1, first)
+    table = kv.grow(1, 13)
+    kv.publish(1, first, [], 13)
+    second = list(range(10)) + [50, 51, 52]
+    block_ids, num_cached = open_seq(kv, 2, second)
+    # Blocks 0 and 1 (tokens 0..7) are shared; block 2 differs at token 10.
+    assert num_cached == 8 and block_ids == table[:2]
+    assert kv.grow(2, 13) and kv.block_table(2)[:2] == table[:2]
+    assert kv.cache.root.children and kv.num_available == 8 - 4 - 2
+    kv.release(1)
+    kv.release(2)
+    assert kv.num_available == 8
+    kv.check_invariants()
+
+
+def test_only_full_blocks_are_shared_and_a_whole_prompt_match_leaves_a_token_to_compute():
+    kv = RankKV(num_blocks=8, block_size=4)
+    tokens = list(range(8))
+    open_seq(kv, 1, tokens)
+    kv.grow(1, 8)
+    kv.publish(1, tokens, [], 7)            # the 8th token's KV not computed yet: one full block
+    assert kv.cache.num_blocks == 1
+    kv.publish(1, tokens, [], 8)
+    assert kv.cache.num_blocks == 2
+    assert open_seq(kv, 2, tokens)[1] == 4      # 8 cached, but one token must be computed
+    assert open_seq(kv, 3, tokens + [8])[1] == 8
+
+
+def test_without_the_prefix_cache_nothing_is_shared():
+    kv = RankKV(num_blocks=8, block_size=4, enable_prefix_cache=False)
+    tokens = list(range(9))
+    open_seq(kv, 1, tokens)
+    kv.grow(1, 9)
+    kv.publish(1, tokens, [], 9)
+    assert open_seq(kv, 2, tokens) == ([], 0)
+    kv.release(1)
+    assert kv.num_free == 8
+
+
+def test_a_block_computed_twice_is_cached_once_and_the_copy_freed():
+    kv = RankKV(num_blocks=8, block_size=4)
+    tokens = list(range(9))
+    for seq_id in (1, 2):                   # both start before either published
+        open_seq(kv, seq_id, tokens)
+        kv.grow(seq_id, 9)
+    kv.publish(1, tokens, [], 9)
+    kv.publish(2, tokens, [], 9)
+    assert kv.cache.num_blocks == 2 and kv.num_free == 8 - 6
+    kv.check_invariants()
+    kv.release(2)                           # its two duplicate blocks and its tail go back
+    assert kv.num_free == 8 - 3
+    kv.release(1)
+    assert kv.num_available == 8
+    kv.check_invariants()
+
+
+def test_growing_evicts_unreferenced_cached_blocks_least_recently_used_first():
+    kv = RankKV(num_blocks=4, block_size=2)
+    for seq_id, tokens in ((1, [1, 2, 3]), (2, [5, 6, 7])):
+        open_seq(kv, seq_id, tokens)
+        kv.grow(seq_id, 3)
+        kv.publish(seq_id, tokens, [], 3)
+        kv.release(seq_id)
+    assert kv.num_free == 2 and kv.cache.num_blocks == 2
+    open_seq(kv, 3, [9] * 6)
+    kv.grow(3, 6)                           # needs 3: the free 2 and the older cached block
+    assert kv.match([1, 2, 3], []).num_cached_tokens == 0
+    assert kv.match([5, 6, 7], []).num_cached_tokens == 2
+    assert not kv.can_grow(3, 9)
+    kv.check_invariants()
 
 
 @pytest.mark.parametrize("num_blocks,block_size", [(0, 16), (4, 0), (-1, 16)])

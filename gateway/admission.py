@@ -1,0 +1,150 @@
+"""Admission: which waiting requests start in this step, and on which rank.
+
+Part of the batcher (batcher.Batcher calls `admit` after scheduling the
+running sequences). The policy orders the waiting requests; each is started
+on a rank that has room for its first prefill chunk: a free running slot,
+token budget left in the step, and KV blocks for the chunk beyond its cached
+prefix, keeping `watermark` blocks spare for the decodes of the running
+sequences. The first request that fits nowhere stops admission (so the
+policy's order is kept, and a long prompt is never starved by short ones).
+
+Prefix affinity: the rank whose cache holds the longest prefix of the request
+wins, unless it runs more than `AFFINITY_SLACK` of max_running_requests more
+sequences than the least loaded fitting rank; otherwise the rank with the
+fewest running tokens. A request whose next uncached block another request is
+prefilling on that rank in this very step waits one step (it is skipped, not
+blocking the queue), and then reuses the block instead of computing it again:
+this is what makes a burst of requests with one system prompt prefill it once.
+"""
+
+import dataclasses
+
+from gateway.kv_accounting import PrefixMatch, RankKV
+from gateway.plan import NewSequencePlan, StepBatch
+from gateway.requests import Sequence
+
+AFFINITY_SLACK = 0.125
+# Requests skipped for a block being prefilled, per step, before admission stops looking.
+MAX_DEFERRED = 64
+
+
+@dataclasses.dataclass(slots=True)
+class StepState:
+    """Scratch state of one schedule() call."""
+
+    num_ranks: dataclasses.InitVar[int]
+    scheduled: list[Sequence] = dataclasses.field(default_factory=list)
+    scheduled_ids: set[int] = dataclasses.field(default_factory=set)
+    # The sequences that sample in this step, by id.
+    sampled: dict[int, Sequence] = dataclasses.field(default_factory=dict)
+    # Per rank: hashes of the full blocks prefilled in this step.
+    computing: list[set[int]] = dataclasses.field(default_factory=list)
+    # Per rank: True once it preempted a sequence in this step (then it admits none).
+    is_preempting: list[bool] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self, num_ranks: int) -> None:
+        self.computing = [set() for _ in range(num_ranks)]
+        self.is_preempting = [False] * num_ranks
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Placement:
+    rank: int
+    match: PrefixMatch
+    num_tokens: int
+
+
+# _place's answer for a request that should wait for a block being prefilled now.
+_DEFER = object()
+
+
+def watermark(kv: RankKV) -> int:
+    """Blocks kept free at admission for the running sequences' next decode blocks."""
+    return max(1, kv.num_blocks // 100)
+
+
+def admit(batcher, batch: StepBatch, step: StepState) -> None:
+    """Starts waiting sequences while they fit, in the policy's order."""
+    if not batcher.num_waiting:
+        return
+    running_tokens = [sum(s.num_tokens for s in seqs) for seqs in batcher.running]
+
+    def cached_tokens(seq: Sequence) -> int:
+        """The policy's estimate: the longest cached prefix on any rank."""
+        return max(kv.match(seq.token_ids, seq.block_hashes, is_estimate=True).num_cached_tokens
+                   for kv in batcher.ranks)
+
+    num_deferred = 0
+    for seq in batcher.policy.order(batcher.waiting, cached_tokens):
+        if not any(_is_open(batcher, batch, step, r) for r in range(batcher.num_ranks)):
+            return
+        if seq.num_in_flight:
+            continue  # preempted with a token in flight: back once it has arrived
+        placement = _place(batcher, batch, step, seq, running_tokens)
+        if placement is _DEFER:
+            num_deferred += 1
+            if num_deferred >= MAX_DEFERRED:
+                return  # a burst behind one prefix: looking further costs more than it gains
+            continue
+        if placement is None:
+            return
+        _start(batcher, batch, step, seq, placement)
+        running_tokens[placement.rank] += seq.num_tokens
+
+
+def _is_open(batcher, batch: StepBatch, step: StepState, rank: int) -> bool:
+    return (not step.is_preempting[rank]
+            and len(batcher.running[rank]) < batcher.max_running_requests
+            and batch.plans[rank].num_tokens < batcher.max_batch_tokens)
+
+
+def _place(batcher, batch: StepBatch, step: StepState, seq: Sequence, running_tokens: list[int]):
+    """The rank to start seq on (a _Placement), _DEFER, or None if it fits nowhere."""
+    fitting: list[_Placement] = []
+    is_deferred = False
+    for rank, kv in enumerate(batcher.ranks):
+        if not _is_open(batcher, batch, step, rank):
+            continue
+        # Looked up afresh: admitting the previous request may have evicted blocks.
+        match = kv.match(seq.token_ids, seq.block_hashes)
+        first_uncached = match.num_cached_tokens // kv.block_size
+        if first_uncached < len(seq.block_hashes) and seq.block_hashes[first_uncached] in step.computing[rank]:
+            is_deferred = True
+            continue
+        budget = batcher.max_batch_tokens - batch.plans[rank].num_tokens
+        num_tokens = min(batcher.prefill_chunk_size, seq.num_tokens - match.num_cached_tokens, budget)
+        num_new_blocks = kv.blocks_needed(match.num_cached_tokens + num_tokens) - len(match.nodes)
+        reserve = watermark(kv) if batcher.running[rank] else 0
+        if num_new_blocks + reserve <= kv.num_available - match.num_unreferenced:
+            fitting.append(_Placement(rank, match, num_tokens))
+    if not fitting:
+        return _DEFER if is_deferred else None
+    best = max(p.match.num_cached_tokens for p in fitting)
+    if best:
+        least = min(len(batcher.running[p.rank]) for p in fitting)
+        slack = max(1, int(AFFINITY_SLACK * batcher.max_running_requests))
+        affine = [p for p in fitting if p.match.num_cached_tokens == best
+                  and len(batcher.running[p.rank]) <= least + slack]
+        fitting = affine or fitting
+    return min(fitting, key=lambda p: (running_tokens[p.rank], -batcher.ranks[p.rank].num_available, p.rank))
+
+
+def _start(batcher, batch: StepBatch, step: StepState, seq: Sequence, placement: _Placement) -> None:
+    plan = batch.plans[placement.rank]
+    kv = batcher.ranks[placement.rank]
+    match = placement.match
+    batcher.start(plan, seq)
+    block_ids = kv.open(seq.seq_id, match)
+    block_ids += kv.grow(seq.seq_id, match.num_cached_tokens + placement.num_tokens)
+    seq.num_computed = match.num_cached_tokens
+    request = seq.request
+    plan.new_sequences.append(NewSequencePlan(
+        seq.seq_id, request.temperature, request.top_p, request.top_k, request.seed, tuple(block_ids),
+        match.num_cached_tokens))
+    stats = batcher.stats
+    if seq.num_preemptions == 0:
+        stats.num_prompt_tokens += seq.num_tokens
+        stats.num_cached_prompt_tokens += match.num_cached_tokens
+    else:
+        stats.num_recomputed_tokens += seq.num_tokens - match.num_cached_tokens
+    batcher.schedule_seq(plan, step, seq, placement.num_tokens)

@@ -1,0 +1,151 @@
+"""The prefix cache of one rank: a radix tree over token ids whose nodes are full KV blocks.
+
+A path from the root spells a cached prefix, one node per full block: the
+node's edge label is the block's `block_size` token ids and its value is the
+id of the KV block holding their keys and values. A block's KV depends on
+every token before it, so a node is valid only under its own parent; that is
+why the tree is keyed by paths and not by single blocks. A partly filled block
+is never in the tree: blocks are shared only when full (the rank appends to a
+sequence's last block in place).
+
+Children are found by a chained hash of the block's tokens and its parent's
+hash (`extend_block_hashes`, computed once per sequence); a hit also compares
+the tokens themselves, so a hash collision is a miss, never a wrong block.
+
+Reference counts: a running sequence holds one reference on every node of the
+path it uses, so a referenced node's ancestors are referenced too. Nodes without
+references stay cached until `evict` frees them, least recently used leaf
+first; a parent whose last child goes becomes a leaf in turn.
+
+No gRPC and no block allocation here: kv_accounting.RankKV owns the free
+list and the per-sequence block tables, and drives this tree.
+"""
+
+import heapq
+import itertools
+from collections.abc import Sequence
+
+_ROOT_HASH = 0x6D6F656D657368  # any constant: the chain's starting value
+
+
+def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int, num_blocks: int) -> None:
+    """Appends the chained hashes of blocks len(hashes)..num_blocks-1 of token_ids (in place)."""
+    assert num_blocks * block_size <= len(token_ids), (num_blocks, block_size, len(token_ids))
+    parent = hashes[-1] if hashes else _ROOT_HASH
+    for i in range(len(hashes), num_blocks):
+        parent = hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size])))
+        hashes.append(parent)
+
+
+class Node:
+    """One full block of a cached prefix."""
+
+    __slots__ = ("parent", "children", "key", "token_ids", "block_id", "ref_count", "last_used")
+
+    def __init__(self, parent: "Node | None", key: int, token_ids: tuple[int, ...], block_id: int) -> None:
+        self.parent = parent
+        self.children: dict[int, Node] = {}
+        self.key = key
+        self.token_ids = token_ids
+        self.block_id = block_id
+        self.ref_count = 0
+        self.last_used = 0
+
+
+class PrefixCache:
+    """Cached prefixes of one rank's KV pool: match, reference, insert, evict."""
+
+    def __init__(self, block_size: int) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.root = Node(None, _ROOT_HASH, (), -1)
+        self.root.ref_count = 1  # never evicted
+        self.num_blocks = 0  # nodes in the tree, the root excluded
+        self.num_unreferenced = 0  # of those, the ones no sequence uses: evictable
+        self._clock = itertools.count(1)
+        # Candidate leaves for eviction: (last_used, tie-break, node); stale entries are skipped.
+        self._lru: list[tuple[int, int, Node]] = []
+        self._tie = itertools.count()
+
+    def match(self, token_ids: Sequence[int], hashes: Sequence[int], max_blocks: int, *,
+              is_verified: bool = True) -> list[Node]:
+        """The nodes of the longest cached prefix of token_ids, at most max_blocks.
+
+        A lookup only: no reference is taken and no LRU time changes. With
+        is_verified false the tokens are not compared (twice as fast): only
+        for estimates, where a hash collision would do no harm.
+        """
+        bs = self.block_size
+        nodes: list[Node] = []
+        node = self.root
+        for i in range(min(max_blocks, len(hashes))):
+            child = node.children.get(hashes[i])
+            if child is None or (is_verified and child.token_ids != tuple(token_ids[i * bs:(i + 1) * bs])):
+                break
+            nodes.append(child)
+            node = child
+        return nodes
+
+    def acquire(self, nodes: Sequence[Node]) -> None:
+        """Takes one reference on each node (a path from the root, in order)."""
+        now = next(self._clock)
+        for node in nodes:
+            if node.ref_count == 0:
+                self.num_unreferenced -= 1
+            node.ref_count += 1
+            node.last_used = now
+
+    def release(self, nodes: Sequence[Node]) -> None:
+        """Drops one reference from each node; unreferenced ones become evictable."""
+        now = next(self._clock)
+        for node in reversed(nodes):
+            assert node.ref_count > 0, "released a node more often than acquired"
+            node.ref_count -= 1
+            node.last_used = now
+            if node.ref_count == 0:
+                self.num_unreferenced += 1
+                if not node.children:
+                    self._push_lru(node)
+
+    def insert(self, parent: Node, key: int, token_ids: tuple[int, ...], block_id: int) -> Node | None:
+        """The child of parent for this block, referenced once more by the caller.
+
+        If the block is already cached (another sequence computed the same
+        tokens), the existing node is returned and block_id stays the
+        caller's; otherwise a new node takes block_id over. None if the key
+        belongs to other tokens (a hash collision): the block stays uncached.
+        """
+        assert len(token_ids) == self.block_size, len(token_ids)
+        assert parent is self.root or parent.ref_count > 0, "insert under an unreferenced node"
+        child = parent.children.get(key)
+        if child is not None and child.token_ids != token_ids:
+            return None
+        if child is None:
+            child = Node(parent, key, token_ids, block_id)
+            parent.children[key] = child
+            self.num_blocks += 1
+            self.num_unreferenced += 1  # acquire() takes it back
+        self.acquire([child])
+        return child
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Frees up to num_blocks unreferenced blocks, least recently used first; returns their ids."""
+        freed: list[int] = []
+        while len(freed) < num_blocks and self._lru:
+            last_used, _, node = heapq.heappop(self._lru)
+            if node.ref_count or node.children or node.last_used != last_used or node.parent is None:
+                continue  # stale: used, grown or evicted since it was pushed
+            parent = node.parent
+            del parent.children[node.key]
+            node.parent = None
+            self.num_blocks -= 1
+            self.num_unreferenced -= 1
+            freed.append(node.block_id)
+            if parent is not self.root and parent.ref_count == 0 and not parent.children:
+                self._push_lru(parent)
+        return freed
+
+    def _push_lru(self, node: Node) -> None:
+        heapq.heappush(self._lru, (node.last_used, next(self._tie), node))
+

@@ -1,0 +1,42 @@
+"""The serving benchmark end to end on the tiny model: a few requests, closed and open loop."""
+
+import json
+
+from bench import serve
+from bench.workloads import make_workload
+
+
+def test_workloads_are_seeded_and_scaled():
+    mix = make_workload("mix", 50, scale=0.01, seed=3)
+    assert mix == make_workload("mix", 50, scale=0.01, seed=3)
+    assert {len(s.prompt_ids) for s in mix} <= {41, 20, 82} and {s.kind for s in mix} == {"4k/32", "2k/128", "8k/16"}
+    shared = make_workload("shared-prefix", 3, scale=0.01, output_scale=0.5)
+    assert len({s.prompt_ids[:20] for s in shared}) == 1 and len({s.prompt_ids for s in shared}) == 3
+    assert [s.max_new_tokens for s in make_workload("1k1k", 2, output_scale=0.001)] == [1, 1]
+
+
+def read_report(out_dir):
+    (path,) = out_dir.glob("*.json")
+    assert path.with_suffix(".md").read_text().count("\n|") == 3   # header, rule, one row
+    return json.loads(path.read_text())
+
+
+def test_closed_loop_on_its_own_mesh_reports_the_gateway_stats(tiny_model_dir, tmp_path):
+    assert serve.main(["--model", str(tiny_model_dir), "--workload", "shared-prefix", "--scale", "0.02",
+                       "--output-scale", "0.05", "--num-requests", "6", "--concurrency", "3", "--warmup", "1",
+                       "--out", str(tmp_path)]) == 0
+    report = read_report(tmp_path)
+    client, gateway = report["client"], report["gateway"]
+    assert client["num_ok"] == 6 and client["errors"] == {}
+    assert client["output_tokens_per_s"] > 0 and 0 < client["ttft_ms_p50"] <= client["e2e_ms_p99"]
+    assert gateway["num_requests"] == 6 and gateway["prefix_hit_rate"] > 0
+    assert gateway["plan_ms_mean"] > 0 and gateway["num_steps"] > 0
+
+
+def test_open_loop_against_a_running_gateway(mesh, tmp_path):
+    assert serve.main(["--target", mesh.gateway_address, "--workload", "mix", "--scale", "0.005",
+                       "--output-scale", "0.1", "--num-requests", "5", "--rate", "20", "--warmup", "0",
+                       "--out", str(tmp_path)]) == 0
+    report = read_report(tmp_path)
+    assert report["client"]["num_ok"] == 5 and report["client"]["itl_ms_p50"] > 0
+    assert report["gateway"] is None

@@ -1,0 +1,44 @@
+"""The gateway's configuration: flags, env vars, validation, and docs/configuration.md."""
+
+import dataclasses
+import pathlib
+
+import pytest
+
+from expert_svc.config import ExpertConfig
+from gateway.config import GatewayConfig
+from services import settings
+
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+
+
+@pytest.mark.parametrize("cls", [GatewayConfig, ExpertConfig])
+def test_every_knob_is_documented_with_its_flag_and_env_var(cls):
+    text = DOC.read_text()
+    for field in dataclasses.fields(cls):
+        row = next((line for line in text.splitlines() if f"`{settings.flag(field.name)}`" in line), None)
+        assert row is not None, f"{field.name} is missing from {DOC.name}"
+        assert f"`{settings.env_var(field.name)}`" in row, field.name
+
+
+def test_scheduler_knobs_come_from_flags_and_env():
+    config = settings.parse_config(
+        GatewayConfig, ["--member-id", "gw", "--model", "m", "--prefill-chunk-size", "64", "--policy", "lpm",
+                        "--no-enable-prefix-cache"],
+        env={"MOEMESH_MAX_WAITING_REQUESTS": "7", "MOEMESH_PREFILL_CHUNK_SIZE": "9",
+             "MOEMESH_OVERLAP_STEPS": "off"})
+    assert (config.prefill_chunk_size, config.policy, config.max_waiting_requests) == (64, "lpm", 7)
+    assert config.enable_prefix_cache is False and config.overlap_steps is False
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("prefill_chunk_size", 0, "prefill_chunk_size must be positive, got 0"),
+    ("max_waiting_requests", -1, "max_waiting_requests must be positive, got -1"),
+    ("policy", "sjf", "policy must be one of fcfs, lpm, got 'sjf'"),
+    ("stats_interval_s", -1.0, "stats_interval_s must be >= 0, got -1.0"),
+    ("max_running_requests", 5000, "max_running_requests (5000) must not exceed max_batch_tokens (4096)"),
+])
+def test_bad_values_are_refused_naming_the_value(field, value, needle):
+    with pytest.raises(ValueError) as err:
+        GatewayConfig(member_id="gw", model="m", **{field: value})
+    assert needle in str(err.value)

@@ -1,0 +1,89 @@
+"""The radix tree of full KV blocks: lookup, references, LRU eviction, hash collisions."""
+
+import pytest
+
+from gateway.prefix_cache import PrefixCache, extend_block_hashes
+
+
+def hashes_of(token_ids, block_size=2):
+    hashes = []
+    extend_block_hashes(hashes, token_ids, block_size, len(token_ids) // block_size)
+    return hashes
+
+
+def insert_path(cache: PrefixCache, token_ids, block_ids):
+    """Inserts the blocks of token_ids (referenced once each), returns the nodes."""
+    bs = cache.block_size
+    hashes = hashes_of(token_ids, bs)
+    nodes, parent = [], cache.root
+    for i, block_id in enumerate(block_ids):
+        parent = cache.insert(parent, hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]), block_id)
+        nodes.append(parent)
+    return nodes
+
+
+def test_block_hashes_chain_over_the_whole_prefix():
+    assert hashes_of([1, 2, 3, 4])[1] != hashes_of([9, 9, 3, 4])[1]   # same block, other prefix
+    assert hashes_of([1, 2, 3, 4]) == hashes_of([1, 2, 3, 4, 5])
+    partial = hashes_of([1, 2])
+    extend_block_hashes(partial, [1, 2, 3, 4], 2, 2)
+    assert partial == hashes_of([1, 2, 3, 4])
+
+
+def test_match_finds_the_longest_cached_prefix_of_full_blocks():
+    cache = PrefixCache(2)
+    insert_path(cache, [1, 2, 3, 4, 5, 6], [10, 11, 12])
+    tokens = [1, 2, 3, 4, 7, 8, 9]
+    assert [n.block_id for n in cache.match(tokens, hashes_of(tokens), 9)] == [10, 11]
+    assert [n.block_id for n in cache.match(tokens, hashes_of(tokens), 1)] == [10]
+    assert cache.match([2, 1, 3, 4], hashes_of([2, 1, 3, 4]), 9) == []
+    assert cache.num_blocks == 3 and cache.num_unreferenced == 0
+
+
+def test_referenced_blocks_are_never_evicted():
+    cache = PrefixCache(2)
+    nodes = insert_path(cache, [1, 2, 3, 4], [10, 11])
+    assert cache.evict(5) == []
+    cache.release(nodes)
+    assert cache.num_unreferenced == 2
+    cache.acquire(nodes[:1])
+    assert cache.evict(5) == [11]          # the leaf only; its parent is held
+    cache.release(nodes[:1])
+    assert cache.evict(5) == [10] and cache.num_blocks == 0
+
+
+def test_eviction_takes_the_least_recently_used_leaf_and_then_its_parent():
+    cache = PrefixCache(2)
+    a = insert_path(cache, [1, 2, 3, 4], [10, 11])
+    b = insert_path(cache, [1, 2, 5, 6], [10, 12])       # shares block 10 with a
+    assert b[0] is a[0] and a[0].ref_count == 2
+    cache.release(a)
+    cache.release(b)
+    assert cache.evict(1) == [11]          # a's leaf was released first
+    assert cache.evict(1) == [12]
+    assert cache.evict(1) == [10]          # now a leaf itself
+
+
+def test_a_used_block_moves_to_the_back_of_the_eviction_order():
+    cache = PrefixCache(2)
+    a = insert_path(cache, [1, 2], [10])
+    b = insert_path(cache, [3, 4], [11])
+    cache.release(a)
+    cache.release(b)
+    cache.acquire(a)                       # a is used again, after b
+    cache.release(a)
+    assert cache.evict(1) == [11]
+
+
+def test_an_existing_block_is_returned_and_a_hash_collision_is_not_cached():
+    cache = PrefixCache(2)
+    (node,) = insert_path(cache, [1, 2], [10])
+    again = cache.insert(cache.root, node.key, (1, 2), 99)
+    assert again is node and node.block_id == 10 and node.ref_count == 2
+    assert cache.insert(cache.root, node.key, (7, 7), 98) is None
+    assert cache.match([7, 7, 0], [node.key], 1) == []     # same hash, other tokens: a miss
+
+
+def test_bad_block_size_is_rejected():
+    with pytest.raises(ValueError, match="0"):
+        PrefixCache(0)
