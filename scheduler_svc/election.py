@@ -13,18 +13,24 @@ work, then campaigns again) when its session is lost (keepalive failed for
 a whole TTL) or when `/leader` no longer carries its term; a fenced write
 that fails also ends its work. Safety never depends on this detection: the
 fence does.
+
+Cancelling run() ends it promptly: every etcd call it makes has a deadline,
+and stepping down waits a bounded time for the term's tasks to end.
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 
-from services.cluster import ClusterClient, ClusterUnavailableError, LeaderInfo, Session
+from services.cluster import ClusterClient, ClusterUnavailableError, LeaderInfo, Session, cancel_and_wait
 
 log = logging.getLogger(__name__)
 
 _RETRY_S = 0.5
+# Stepping down: how long the term's work and watchers may take to end once cancelled.
+_STEP_DOWN_S = 5.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,8 +70,9 @@ class Election:
         return self.leadership is not None
 
     async def run(self, lead: LeadFn) -> None:
-        """Campaigns until cancelled; runs lead(leadership) during each term held."""
-        while True:
+        """Campaigns until cancelled (or the client is closed); runs
+        lead(leadership) during each term held."""
+        while not self._client.is_closed:
             try:
                 session = await self._client.live_session()
                 leader = await self._client.campaign(self._member_id, self._address)
@@ -75,8 +82,11 @@ class Election:
                     await self._wait_term_end(leader.term)
                 else:
                     await self._hold(leadership, session, lead)
-            except ClusterUnavailableError as error:
-                log.warning("election: %s; retrying", error)
+            except Exception as error:  # noqa: BLE001 - never stop campaigning on an etcd error
+                if self._client.is_closed:
+                    return
+                log.warning("election: %r; retrying", error,
+                            exc_info=not isinstance(error, ClusterUnavailableError))
                 await asyncio.sleep(_RETRY_S)
 
     async def _hold(self, leadership: Leadership, session: Session, lead: LeadFn) -> None:
@@ -92,9 +102,7 @@ class Election:
             done, _ = await asyncio.wait([work, *watchers], return_when=asyncio.FIRST_COMPLETED)
         finally:
             self.leadership = None
-            for task in [work, *watchers]:
-                task.cancel()
-            await asyncio.gather(work, *watchers, return_exceptions=True)
+            await cancel_and_wait([work, *watchers], _STEP_DOWN_S, what=f"term {leadership.term}'s tasks")
         reason = next(t.get_name() for t in [work, *watchers] if t in done)
         log.warning("stepping down from term %d (%s)", leadership.term, reason)
         if work in done and not work.cancelled() and work.exception() is not None:
@@ -104,7 +112,9 @@ class Election:
             await asyncio.sleep(_RETRY_S)  # let another replica take the term
 
     async def _wait_term_end(self, term: int) -> None:
-        """Returns once /leader no longer holds the key created at term."""
-        async for leader in self._client.watch_leader():
-            if leader is None or leader.term != term:
-                return
+        """Returns once /leader no longer holds the key created at term (or
+        the client is closed); the watch is cancelled on the way out."""
+        async with contextlib.aclosing(self._client.watch_leader()) as leaders:
+            async for leader in leaders:
+                if leader is None or leader.term != term:
+                    return

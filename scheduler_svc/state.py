@@ -6,15 +6,18 @@ one transaction fenced on its term. A rejected write means a newer leader
 exists: the loop raises LeadershipLost and the election steps down.
 """
 
+import contextlib
 import logging
 
 from scheduler_svc.election import Leadership, LeadershipLost
 from scheduler_svc.planner import plan_groups
+from services import telemetry
 from services.cluster import ClusterClient
 
 log = logging.getLogger(__name__)
 
 
+@telemetry.traced("scheduler.reconcile")
 async def reconcile_once(client: ClusterClient, term: int, group_size: int) -> bool:
     """Plans from the current state and writes the plan; False if nothing to do.
 
@@ -39,5 +42,6 @@ async def reconcile_once(client: ClusterClient, term: int, group_size: int) -> b
 
 async def lead_groups(client: ClusterClient, leadership: Leadership, group_size: int) -> None:
     """Reconciles the groups on every membership change until cancelled."""
-    async for _members in client.watch_members():
-        await reconcile_once(client, leadership.term, group_size)
+    async with contextlib.aclosing(client.watch_members()) as changes:
+        async for _members in changes:
+            await reconcile_once(client, leadership.term, group_size)

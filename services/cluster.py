@@ -13,6 +13,18 @@ for a whole TTL is declared lost (its `lost` event is set: a scheduler
 leader steps down on it), its lease is revoked once etcd answers again, and
 the member key is registered anew under a fresh lease.
 
+Nothing here waits on etcd without a deadline, and no cancellation is lost:
+every etcd call runs in a task of its own that the caller waits for with
+asyncio.wait (at most `call_timeout_s` plus a grace; a call that misses it
+is cancelled and abandoned, and counts as etcd being unreachable). Never
+asyncio.wait_for: on Python 3.11 it swallows a cancellation that arrives as
+the awaited call completes (CPython gh-86296), which once left the
+keepalive running after close() had cancelled it, and close() waiting for
+it forever. Each watch is a gRPC stream of its own, cancelled
+synchronously, rather than aetcd's shared Watcher (whose locks and bounded
+request queue can block cancel and close for good). close() finishes in
+bounded time even if etcd never answers.
+
     client = ClusterClient("127.0.0.1:2379")
     await client.connect()
     await client.register("expert", "e0", "10.0.0.5:50051", {"rendezvous_port": 29500})
@@ -32,7 +44,10 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import aetcd
 import grpc
+from aetcd import rpc as etcd_rpc
 from aetcd import utils as etcd_utils
+
+from services import metrics, telemetry
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +65,48 @@ _CHANNEL_OPTIONS = {
     "grpc.keepalive_time_ms": 10_000,
     "grpc.keepalive_timeout_ms": 3_000,
 }
+# How long past the gRPC deadline (call_timeout_s) a call may take before it
+# is abandoned: the gRPC deadline should fire first and give a proper error.
+_DEADLINE_GRACE_S = 1.0
+# close(): how long the keepalive may take to stop, and abandoned calls to end.
+_CLOSE_TASKS_S = 2.0
 _UNSET = object()
 T = TypeVar("T")
 
 
 class ClusterUnavailableError(ConnectionError):
-    """etcd did not answer within the client's retry budget."""
+    """etcd did not answer within the client's retry budget (or the client is closed)."""
+
+
+class _WatchEnded(ConnectionError):
+    """A watch stream ended or was cancelled by etcd: read again and re-watch."""
+
+
+async def cancel_and_wait(tasks: collections.abc.Iterable[asyncio.Task | None], timeout_s: float = 5.0,
+                          *, what: str = "tasks") -> bool:
+    """Cancels the tasks and waits until all have ended, but for at most
+    timeout_s. A task still running after a grace of a second is cancelled
+    again every half second (a cancellation can be lost, see the module
+    docstring). Returns False, logging the stragglers, if some still run."""
+    loop = asyncio.get_running_loop()
+    tasks = [t for t in tasks if t is not None]
+    deadline = loop.time() + timeout_s
+    pending = {t for t in tasks if not t.done()}
+    wait_s = 1.0
+    while pending:
+        for task in pending:
+            task.cancel()
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            log.error("%s still running %.1fs after being cancelled: %s", what, timeout_s,
+                      ", ".join(t.get_name() for t in pending))
+            return False
+        _, pending = await asyncio.wait(pending, timeout=min(wait_s, remaining))
+        wait_s = 0.5
+    for task in tasks:  # their outcome is the caller's to inspect; never "never retrieved"
+        if not task.cancelled():
+            task.exception()
+    return True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -166,6 +217,10 @@ class Keys:
     def ready(self, group_id: str, epoch: int, rank: int) -> str:
         return f"{self.ready_dir(group_id, epoch)}{rank}"
 
+    def failure(self, group_id: str, epoch: int, rank: int) -> str:
+        """A rank's report that its group failed under it (no lease: it outlives the rank)."""
+        return f"{self.root}failures/{group_id}/{epoch}/{rank}"
+
     def parse(self, revision: int, kvs: collections.abc.Iterable) -> ClusterSnapshot:
         """A snapshot from the key-values under the root; bad values are logged and skipped."""
         leader, members, groups, ready = None, [], [], {}
@@ -194,6 +249,28 @@ def _leader_from_kv(kv) -> LeaderInfo:
     value = json.loads(kv.value)
     return LeaderInfo(value["member_id"], value["address"], kv.create_revision,
                       float(value["elected_at"]), kv.lease)
+
+
+async def _on_stream(stream: grpc.aio.StreamStreamCall, operation: Awaitable[T]) -> T:
+    """Awaits a read or write of stream. gRPC raises CancelledError when the
+    call was cancelled under us (its channel closed): that is _WatchEnded,
+    not a cancellation of this task, which is re-raised as is."""
+    try:
+        return await operation
+    except asyncio.CancelledError:
+        if stream.cancelled() and not asyncio.current_task().cancelling():
+            raise _WatchEnded("watch stream cancelled (channel closed)") from None
+        raise
+
+
+def _checked_watch_response(response):
+    """A WatchResponse; raises _WatchEnded if the stream ended or etcd cancelled the watch."""
+    if response is grpc.aio.EOF:
+        raise _WatchEnded("watch stream ended")
+    if response.canceled or response.compact_revision:
+        raise _WatchEnded(f"watch cancelled by etcd (compact revision {response.compact_revision}): "
+                          f"{response.cancel_reason!r}")
+    return response
 
 
 @dataclasses.dataclass(slots=True)
@@ -241,7 +318,9 @@ class ClusterClient:
         self.keys = Keys(prefix)
         self._etcd = aetcd.Client(host=host, port=int(port), timeout=call_timeout_s,
                                   options=_CHANNEL_OPTIONS)
+        self._call_timeout_s = call_timeout_s
         self._retry_s = retry_s
+        self._abandoned: set[asyncio.Task] = set()  # calls past their deadline, cancelled
         self._registration: _Registration | None = None
         self._session: Session | None = None
         self._session_changed = asyncio.Condition()
@@ -250,12 +329,17 @@ class ClusterClient:
 
     # ---- lifecycle ----------------------------------------------------
 
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
     async def connect(self, wait_s: float | None = 30.0) -> None:
         """Waits until etcd answers (None: forever); ClusterUnavailableError after wait_s."""
-        await self._etcd.connect()
+        await self._retry("connect", self._etcd.connect, budget_s=wait_s)
         await self._retry("connect", self._etcd.status, budget_s=wait_s)
         log.info("connected to etcd at %s", self.endpoint)
 
+    @telemetry.traced("etcd.register")
     async def register(self, role: str, member_id: str, address: str,
                        info: dict | None = None, ttl: int = 2) -> None:
         """Puts /members/<role>/<member_id> under a new lease kept alive in the background."""
@@ -273,25 +357,36 @@ class ClusterClient:
         return self._session
 
     async def live_session(self) -> Session:
-        """The current session once it is not lost (waits for re-registration)."""
+        """The current session once it is not lost (waits for re-registration).
+        Raises ClusterUnavailableError once the client is closed."""
         async with self._session_changed:
             await self._session_changed.wait_for(
-                lambda: self._session is not None and not self._session.lost.is_set())
+                lambda: self._closed or (self._session is not None and not self._session.lost.is_set()))
+            if self._closed:
+                raise ClusterUnavailableError(f"etcd at {self.endpoint}: client closed")
             return self._session
 
     async def close(self) -> None:
-        """Stops the keepalive, revokes the lease (peers see us leave), closes the channel."""
+        """Stops the keepalive, revokes the lease (peers see us leave), closes the
+        channel. Takes a few seconds at most, even if etcd does not answer."""
         if self._closed:
             return
         self._closed = True
-        if self._keepalive_task is not None:
-            self._keepalive_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._keepalive_task
+        async with self._session_changed:
+            self._session_changed.notify_all()  # live_session() waiters raise
+        await cancel_and_wait([self._keepalive_task], _CLOSE_TASKS_S, what="keepalive")
         if self._session is not None:
             self._session.lost.set()
             await self.revoke_lease(self._session.lease_id)
-        await self._etcd.close()
+        await cancel_and_wait(list(self._abandoned), _CLOSE_TASKS_S, what="abandoned etcd calls")
+        try:
+            await self._call("close", self._etcd.close)
+        except _ETCD_ERRORS as error:
+            log.warning("closing the etcd client failed (%r); closing its channel", error)
+            channel = self._etcd.channel
+            if channel is not None:
+                with contextlib.suppress(*_ETCD_ERRORS):
+                    await self._call("close", channel.close, 0)
 
     async def __aenter__(self) -> "ClusterClient":
         await self.connect()
@@ -330,14 +425,17 @@ class ClusterClient:
 
     async def watch_members(self) -> AsyncIterator[list[Member]]:
         """The member list now and after each change."""
-        async for members in self._watch_state(self.keys.members, lambda: self._read_prefix(self.keys.members),
-                                               key=lambda s: s.members):
-            yield members
+        async with contextlib.aclosing(self._watch_state(
+                self.keys.members, lambda: self._read_prefix(self.keys.members), key=lambda s: s.members)) as states:
+            async for members in states:
+                yield members
 
     async def watch_leader(self) -> AsyncIterator[LeaderInfo | None]:
         """The leader now and after each change (None while there is none)."""
-        async for leader in self._watch_state(self.keys.leader, self._read_leader, is_prefix=False):
-            yield leader
+        async with contextlib.aclosing(self._watch_state(self.keys.leader, self._read_leader,
+                                                         is_prefix=False)) as states:
+            async for leader in states:
+                yield leader
 
     async def watch_group_for_member(self, member_id: str) -> AsyncIterator[GroupAssignment | None]:
         """The group holding member_id (as a rank or as the gateway): now if it
@@ -346,27 +444,32 @@ class ClusterClient:
             return next((g for g in snapshot.groups if g.has_member(member_id)), None)
 
         is_first = True
-        async for group in self._watch_state(self.keys.groups, lambda: self._read_prefix(self.keys.groups),
-                                             key=find):
-            if group is not None or not is_first:
-                yield group
-            is_first = False
+        async with contextlib.aclosing(self._watch_state(
+                self.keys.groups, lambda: self._read_prefix(self.keys.groups), key=find)) as states:
+            async for group in states:
+                if group is not None or not is_first:
+                    yield group
+                is_first = False
 
     async def watch_ready(self, group_id: str, epoch: int) -> AsyncIterator[set[int]]:
         """The ready ranks of (group_id, epoch) now and after each change."""
         prefix = self.keys.ready_dir(group_id, epoch)
-        async for ready in self._watch_state(prefix, lambda: self._read_prefix(prefix),
-                                             key=lambda s: set(s.ready.get((group_id, epoch), {}))):
-            yield ready
+        async with contextlib.aclosing(self._watch_state(
+                prefix, lambda: self._read_prefix(prefix),
+                key=lambda s: set(s.ready.get((group_id, epoch), {})))) as states:
+            async for ready in states:
+                yield ready
 
     async def wait_group_ready(self, group: GroupAssignment) -> None:
         """Returns once every rank of the group has marked itself ready."""
-        async for ready in self.watch_ready(group.group_id, group.epoch):
-            if ready >= set(range(group.world_size)):
-                return
+        async with contextlib.aclosing(self.watch_ready(group.group_id, group.epoch)) as states:
+            async for ready in states:
+                if ready >= set(range(group.world_size)):
+                    return
 
     # ---- writes ---------------------------------------------------------
 
+    @telemetry.traced("etcd.mark_rank_ready")
     async def mark_rank_ready(self, group_id: str, epoch: int, rank: int, member_id: str) -> bool:
         """Puts /ready/<group>/<epoch>/<rank> under this member's lease, only
         while that exact assignment (epoch, rank -> member_id) is current.
@@ -389,6 +492,7 @@ class ClusterClient:
             if is_written:
                 return True  # else the group key changed under us: check it again
 
+    @telemetry.traced("etcd.campaign")
     async def campaign(self, member_id: str, address: str) -> LeaderInfo:
         """One election attempt: creates /leader under this session's lease if
         absent. Returns the leader after the attempt; we won iff its lease_id
@@ -406,6 +510,7 @@ class ClusterClient:
         (_, kv), = responses[-1]
         return _leader_from_kv(kv)
 
+    @telemetry.traced("etcd.resign")
     async def resign(self, term: int) -> None:
         """Deletes /leader if it is still the one created at `term`."""
         key = self.keys.leader.encode()
@@ -413,6 +518,7 @@ class ClusterClient:
         await self._retry("resign", self._etcd.transaction, compare=[txn.create(key) == term],
                           success=[txn.delete(key)], failure=[])
 
+    @telemetry.traced("etcd.write_groups")
     async def write_groups(self, term: int, put: collections.abc.Sequence[GroupAssignment] = (),
                            delete: collections.abc.Sequence[str] = ()) -> bool:
         """Puts and deletes groups in one transaction fenced on
@@ -430,25 +536,64 @@ class ClusterClient:
         return is_written
 
     async def revoke_lease(self, lease_id: int) -> None:
-        """Revokes a lease (ours on close, or a dead leader's); absent leases are fine."""
+        """Revokes a lease (ours on close, or a dead leader's); absent leases are
+        fine. One attempt, bounded by the call deadline; failures are logged."""
         try:
-            await asyncio.wait_for(self._etcd.revoke_lease(lease_id), 2.0)
+            await self._call("revoke_lease", self._etcd.revoke_lease, lease_id)
         except _ETCD_ERRORS as error:
             log.warning("could not revoke lease %x: %r", lease_id, error)
 
     # ---- internals ------------------------------------------------------
 
+    async def _call(self, what: str, fn: Callable[..., Awaitable[T]], *args,
+                    timeout_s: float | None = None, **kwargs) -> T:
+        """Awaits fn(*args, **kwargs), run as a task of its own, for at most
+        timeout_s (default: the call deadline plus a grace). Past it the task is
+        cancelled and abandoned and TimeoutError (etcd unreachable) is raised.
+        If the caller is cancelled it is at once: whatever the callee does with
+        its own cancellation cannot keep the caller waiting or swallow it."""
+        if timeout_s is None:
+            timeout_s = self._call_timeout_s + _DEADLINE_GRACE_S
+        task = asyncio.get_running_loop().create_task(fn(*args, **kwargs), name=f"etcd-{what}")
+        try:
+            done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        except BaseException:
+            self._abandon(task)
+            raise
+        if not done:
+            self._abandon(task)
+            raise TimeoutError(f"{what}: no answer within {timeout_s:.2f}s")
+        if task.cancelled():  # not by us: e.g. its channel was closed under it
+            raise TimeoutError(f"{what}: call cancelled")
+        return task.result()
+
+    def _abandon(self, task: asyncio.Task) -> None:
+        """Cancels a call nobody waits for any more; close() waits for the stragglers."""
+        task.cancel()
+        if not task.done():
+            self._abandoned.add(task)
+            task.add_done_callback(self._forget_abandoned)
+
+    def _forget_abandoned(self, task: asyncio.Task) -> None:
+        self._abandoned.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("abandoned etcd call %s failed: %r", task.get_name(), task.exception())
+
     async def _retry(self, what: str, fn: Callable[..., Awaitable[T]], *args,
                      budget_s: float | None = _UNSET, **kwargs) -> T:
-        """Calls fn, retrying while etcd is unreachable, for up to budget_s."""
+        """Calls fn (each attempt under the call deadline), retrying while etcd
+        is unreachable, for up to budget_s (None: until close())."""
         budget_s = self._retry_s if budget_s is _UNSET else budget_s
         loop = asyncio.get_running_loop()
         deadline = None if budget_s is None else loop.time() + budget_s
         delay = 0.05
         while True:
+            if self._closed:
+                raise ClusterUnavailableError(f"etcd at {self.endpoint}: {what}: client closed")
             try:
-                return await fn(*args, **kwargs)
+                return await self._call(what, fn, *args, **kwargs)
             except _UNREACHABLE as error:
+                metrics.count_etcd_error(what)
                 if self._closed or (deadline is not None and loop.time() + delay > deadline):
                     raise ClusterUnavailableError(f"etcd at {self.endpoint}: {what}: {error!r}") from error
                 log.warning("etcd at %s unreachable (%s: %r); retrying in %.2fs",
@@ -468,21 +613,24 @@ class ClusterClient:
                            is_prefix: bool = True, key: Callable[[Any], Any] = lambda s: s
                            ) -> AsyncIterator[Any]:
         """Yields key(state) now and whenever it changes, state being read()
-        again after each event on watch_key; survives etcd outages until close()."""
+        again after each event on watch_key; survives etcd outages until close(),
+        then ends. Closing it (or cancelling its consumer) cancels the watch at once."""
+        watch_bytes = watch_key.encode()
+        range_end = etcd_utils.prefix_range_end(watch_bytes) if is_prefix else b""
         last = _UNSET
         delay = 0.05
         while not self._closed:
-            watch = None
+            stream = None
             try:
                 revision, state = await read()
                 if key(state) != last:
                     last = key(state)
                     yield last
-                watch_bytes = watch_key.encode()
-                watch = await self._etcd.watch(
-                    watch_bytes, range_end=etcd_utils.prefix_range_end(watch_bytes) if is_prefix else None,
-                    start_revision=revision + 1)
-                async for _event in watch:
+                stream = await self._open_watch(watch_bytes, range_end, revision + 1)
+                while True:
+                    response = _checked_watch_response(await _on_stream(stream, stream.read()))
+                    if not response.events:
+                        continue  # a progress notification
                     _, state = await read()
                     delay = 0.05
                     if key(state) != last:
@@ -491,13 +639,35 @@ class ClusterClient:
             except (*_ETCD_ERRORS, ClusterUnavailableError) as error:
                 if self._closed:
                     return
+                metrics.count_etcd_error("watch")
                 log.warning("watch on %s failed (%r); retrying in %.2fs", watch_key, error, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
             finally:
-                if watch is not None and not self._closed:
-                    with contextlib.suppress(*_ETCD_ERRORS):
-                        await watch.cancel()
+                if stream is not None:
+                    stream.cancel()  # synchronous: cannot block, even during cancellation
+
+    async def _open_watch(self, key: bytes, range_end: bytes, start_revision: int) -> grpc.aio.StreamStreamCall:
+        """A Watch stream of its own on [key, range_end) from start_revision,
+        once etcd has confirmed it (within the call deadline)."""
+        channel = self._etcd.channel
+        if self._closed or channel is None:
+            raise ClusterUnavailableError(f"etcd at {self.endpoint}: watch: client closed")
+        stream = etcd_rpc.WatchStub(channel).Watch(metadata=self._etcd.metadata)
+        create = etcd_rpc.WatchCreateRequest(key=key, range_end=range_end, start_revision=start_revision)
+        try:
+            async with asyncio.timeout(self._call_timeout_s):
+                await _on_stream(stream, stream.write(etcd_rpc.WatchRequest(create_request=create)))
+                response = _checked_watch_response(await _on_stream(stream, stream.read()))
+            if not response.created:
+                raise _WatchEnded(f"watch on {key!r}: expected a created response, got {response}")
+        except asyncio.InvalidStateError as error:  # the stream finished before the write
+            stream.cancel()
+            raise _WatchEnded(f"watch on {key!r}: stream finished: {error}") from error
+        except BaseException:
+            stream.cancel()
+            raise
+        return stream
 
     async def _new_session(self) -> None:
         """Grants a lease and registers the member key under it (retries until it works)."""
@@ -516,11 +686,12 @@ class ClusterClient:
     async def _keepalive(self) -> None:
         """Refreshes the lease every ttl/3; replaces the session once it is lost."""
         delay = 0.05
-        while True:
+        while not self._closed:
             session = self._session
             interval = session.ttl / 3
             try:
-                reply = await asyncio.wait_for(self._etcd.refresh_lease(session.lease_id), interval)
+                reply = await self._call("keepalive", self._etcd.refresh_lease, session.lease_id,
+                                         timeout_s=interval)
                 if reply is None or reply.TTL <= 0:
                     log.warning("lease %x expired", session.lease_id)
                     session.lost.set()
@@ -528,11 +699,14 @@ class ClusterClient:
                     session.last_renewed = time.monotonic()
                     delay = 0.05
             except _ETCD_ERRORS as error:
+                metrics.count_etcd_error("keepalive")
                 # Warn once per outage; the retries that follow log at debug.
                 log.log(logging.WARNING if delay == 0.05 else logging.DEBUG,
                         "keepalive of lease %x failed: %r", session.lease_id, error)
                 if time.monotonic() - session.last_renewed > session.ttl:
                     session.lost.set()
+            if self._closed:  # close() revokes the lease and sets lost itself
+                return
             if session.lost.is_set():
                 await self._replace_session(session)
                 continue
@@ -546,11 +720,24 @@ class ClusterClient:
         log.warning("session %x lost; registering again", session.lease_id)
         await self.revoke_lease(session.lease_id)
         delay = 0.05
-        while True:
+        while not self._closed:
             try:
                 await self._new_session()
                 return
-            except _ETCD_ERRORS as error:
+            except (*_ETCD_ERRORS, ClusterUnavailableError) as error:
+                if self._closed:
+                    return
                 log.warning("re-registration failed: %r; retrying in %.2fs", error, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+    @telemetry.traced("etcd.report_rank_failure")
+    async def report_rank_failure(self, group_id: str, epoch: int, rank: int, member_id: str,
+                                  reason: str) -> None:
+        """Puts /failures/<group>/<epoch>/<rank>: this rank's group failed under it (a
+        collective timed out or errored) and the rank is about to exit. Written
+        without a lease, so it survives the rank; retried like every one-shot call."""
+        value = json.dumps({"group_id": group_id, "epoch": epoch, "rank": rank, "member_id": member_id,
+                            "reason": reason, "reported_at": time.time()}).encode()
+        await self._retry("report_rank_failure", self._etcd.put,
+                          self.keys.failure(group_id, epoch, rank).encode(), value)

@@ -1,10 +1,14 @@
-"""Leader election and fencing among candidates in one process, on a real etcd."""
+"""Leader election and fencing among candidates in one process, on a real etcd.
+
+Every body runs under a deadline (tests.scheduler_svc.bounded.run): a hang
+fails the test with the stack of every task instead of stalling the run."""
 
 import asyncio
 import inspect
 
 from scheduler_svc.election import Election, Leadership
-from services.cluster import ClusterClient, GroupAssignment, RankInfo
+from services.cluster import ClusterClient, GroupAssignment, RankInfo, cancel_and_wait
+from tests.bounded import run
 
 
 class Candidate:
@@ -33,9 +37,10 @@ class Candidate:
             self.stepped_down.append(leadership.term)
 
     async def stop(self) -> None:
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
+        """What a replica does on SIGTERM: ends its election, then closes (revokes) its client."""
+        assert await cancel_and_wait([self.task], 5.0), f"{self.member_id}'s election ignored its cancellation"
         await self.client.close()
+        assert self.client.is_closed and not self.election.is_leader
 
 
 async def eventually(predicate, timeout_s: float = 5.0):
@@ -75,7 +80,7 @@ def test_exactly_one_leader_and_term_is_create_revision(etcd, key_prefix):
         for c in candidates:
             await c.stop()
 
-    asyncio.run(body())
+    run(body())
 
 
 def test_leader_close_hands_over_to_larger_term_and_fences_the_old(etcd, key_prefix):
@@ -101,7 +106,7 @@ def test_leader_close_hands_over_to_larger_term_and_fences_the_old(etcd, key_pre
         for c in rest:
             await c.stop()
 
-    asyncio.run(body())
+    run(body())
 
 
 def test_leader_steps_down_when_its_lease_is_revoked(etcd, key_prefix):
@@ -125,4 +130,4 @@ def test_leader_steps_down_when_its_lease_is_revoked(etcd, key_prefix):
         for c in candidates:
             await c.stop()
 
-    asyncio.run(body())
+    run(body())

@@ -16,6 +16,7 @@ from scheduler_svc.main import SERVICE_NAME
 from services.cluster import ClusterClient
 from services.grpc_util import SERVING, channel
 from services.settings import read_port_file
+from tests.bounded import run
 
 
 @pytest.fixture
@@ -25,12 +26,12 @@ def schedulers(etcd, tmp_path, key_prefix):
     for i in range(3):
         member_id = f"s{i}"
         port_file = tmp_path / f"{member_id}.port"
-        log = open(tmp_path / f"{member_id}.log", "wb")
-        procs[member_id] = (subprocess.Popen(
-            [sys.executable, "-m", "scheduler_svc.main", "--member-id", member_id, "--etcd", etcd.endpoint,
-             "--port", "0", "--port-file", str(port_file), "--group-size", "2", "--lease-ttl-s", "1",
-             "--key-prefix", key_prefix],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}), port_file)
+        with open(tmp_path / f"{member_id}.log", "wb") as log:  # the child keeps its own descriptor
+            procs[member_id] = (subprocess.Popen(
+                [sys.executable, "-m", "scheduler_svc.main", "--member-id", member_id, "--etcd", etcd.endpoint,
+                 "--port", "0", "--port-file", str(port_file), "--group-size", "2", "--lease-ttl-s", "1",
+                 "--key-prefix", key_prefix],
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}), port_file)
     running = {}
     try:
         deadline = time.monotonic() + 30
@@ -138,7 +139,7 @@ def test_group_forms_and_survives_leader_kill(etcd, schedulers, key_prefix):
         for client in (e0, e2, w0):
             await client.close()
 
-    asyncio.run(body())
+    run(body())
 
 
 async def _is_none(awaitable) -> bool:
@@ -167,7 +168,7 @@ def test_sigterm_resigns_at_once(etcd, schedulers, key_prefix):
         assert await asyncio.to_thread(proc.wait, 10) == 0
         await client.close()
 
-    asyncio.run(body())
+    run(body())
 
 
 def test_config_from_flags_then_env_then_defaults():

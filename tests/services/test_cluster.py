@@ -1,12 +1,17 @@
-"""ClusterClient against a real etcd."""
+"""ClusterClient against a real etcd.
+
+Every body runs under a deadline (tests.scheduler_svc.bounded.run): a hang
+fails the test with the stack of every task instead of stalling the run."""
 
 import asyncio
 import inspect
+import signal
 
 import pytest
 
-from services.cluster import ClusterClient, ClusterUnavailableError, GroupAssignment, RankInfo
+from services.cluster import ClusterClient, ClusterUnavailableError, GroupAssignment, RankInfo, cancel_and_wait
 from services.etcd_server import free_port, start_etcd
+from tests.bounded import run
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +53,7 @@ def test_register_list_and_close_removes_member_at_once(etcd):
         assert await watcher.list_members() == []  # revoked: no TTL wait
         await watcher.close()
 
-    asyncio.run(body())
+    run(body())
 
 
 def test_watch_group_for_member_follows_changes(etcd):
@@ -74,10 +79,10 @@ def test_watch_group_for_member_follows_changes(etcd):
         assert await leader.write_groups(term, delete=["g0"])
         assert await eventually(lambda: len(seen) == 2)
         assert seen[1] is None
-        task.cancel()
+        assert await cancel_and_wait([task], 2.0)  # cancelling a watch's consumer ends it at once
         await leader.close()
 
-    asyncio.run(body())
+    run(body())
 
 
 def test_ready_marks_follow_the_assignment(etcd):
@@ -110,7 +115,7 @@ def test_ready_marks_follow_the_assignment(etcd):
         await rank0.close()
         await leader.close()
 
-    asyncio.run(body())
+    run(body())
 
 
 def test_connect_gives_up_after_budget_when_etcd_is_down():
@@ -120,7 +125,7 @@ def test_connect_gives_up_after_budget_when_etcd_is_down():
             await client.connect(wait_s=0.5)
         await client.close()
 
-    asyncio.run(body())
+    run(body())
 
 
 def test_session_survives_an_etcd_restart(tmp_path):
@@ -144,6 +149,81 @@ def test_session_survives_an_etcd_restart(tmp_path):
         await client.close()
 
     try:
-        asyncio.run(body())
+        run(body())
+    finally:
+        etcd.stop()
+
+
+def test_close_right_as_a_keepalive_reply_arrives(etcd):
+    """The reply to a lease refresh and close()'s cancellation of the keepalive
+    land in one loop iteration. asyncio.wait_for (Python 3.11) returned the
+    reply and dropped the cancellation: the keepalive ran on, close() waited
+    for it forever (the scheduler election tests hung about 1 run in 10)."""
+    async def body():
+        client = ClusterClient(etcd.endpoint, prefix="/t-close-race")
+        await client.connect()
+        await client.register("router", "r0", "127.0.0.1:1", ttl=3)
+        refresh = client._etcd.refresh_lease
+        reply = asyncio.get_running_loop().create_future()
+        asked = asyncio.Event()
+
+        async def held_refresh(lease_id):
+            asked.set()
+            return await reply
+
+        client._etcd.refresh_lease = held_refresh
+        await asyncio.wait_for(asked.wait(), 5)  # the keepalive is waiting for held_refresh
+        reply.set_result(await refresh(client.session.lease_id))
+        closing = asyncio.create_task(client.close())  # cancels it as the reply is delivered
+        done, _ = await asyncio.wait([closing], timeout=10)
+        assert done, "close() hung: the keepalive lost its cancellation"
+        closing.result()
+        async with ClusterClient(etcd.endpoint, prefix="/t-close-race") as other:
+            assert await other.list_members() == []  # and the lease was revoked
+
+    run(body())
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of /proc/<pid>/stat: R, S, T (stopped), ..."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_calls_watches_and_close_are_bounded_when_etcd_hangs(tmp_path):
+    """etcd stops answering but keeps its connections open (SIGSTOP): one-shot
+    calls give up after retry_s, a watch's consumer ends when cancelled, and
+    close() returns within a few call deadlines, instead of waiting forever."""
+    etcd = start_etcd(tmp_path)
+
+    async def body():
+        loop = asyncio.get_running_loop()
+        client = ClusterClient(etcd.endpoint, prefix="/t-hang", call_timeout_s=0.5, retry_s=1.0)
+        await client.connect()
+        await client.register("router", "r0", "127.0.0.1:1", ttl=1)
+        seen = []
+
+        async def follow():
+            async for leader in client.watch_leader():
+                seen.append(leader)
+
+        follower = asyncio.create_task(follow())
+        assert await eventually(lambda: seen == [None])
+        etcd.process.send_signal(signal.SIGSTOP)
+        try:
+            assert await eventually(lambda: _process_state(etcd.process.pid) == "T")  # stopped, not stopping
+            started = loop.time()
+            with pytest.raises(ClusterUnavailableError):
+                await client.get_leader()
+            assert loop.time() - started < 5
+            assert await cancel_and_wait([follower], 1.0)
+            started = loop.time()
+            await client.close()
+            assert loop.time() - started < 5
+        finally:
+            etcd.process.send_signal(signal.SIGCONT)
+
+    try:
+        run(body())
     finally:
         etcd.stop()
