@@ -3,6 +3,7 @@
 import argparse
 import json
 import logging
+import pathlib
 import signal
 import sys
 import threading
@@ -15,10 +16,18 @@ DEFAULT_GATEWAY_PORT = 50051
 DEFAULT_MODEL_NAME = "tiny-seed0"
 
 
-def default_model_dir() -> str:
-    """The bundled default model, generated on first use (a tiny random Qwen3-MoE)."""
+def default_model_dir(demo: pathlib.Path | None = None) -> str:
+    """The model `moemesh up` serves without --model.
+
+    The bundled demo model (`demo`, by default services/model/demo/, trained by
+    bench/demo_model; see docs/demo_model.md) when it is there, else a tiny
+    random Qwen3-MoE generated on first use.
+    """
     from services.model import make_model
 
+    demo = demo or pathlib.Path(make_model.__file__).parent / "demo"
+    if (demo / "config.json").is_file():
+        return str(demo)
     path = launcher.cache_dir() / "models" / DEFAULT_MODEL_NAME
     if not (path / "config.json").is_file():
         print(f"writing the default model to {path} ...", flush=True)
