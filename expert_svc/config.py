@@ -37,7 +37,17 @@ class ExpertConfig(MemberConfig):
     # torch intra-op threads; 0 keeps torch's default.
     num_threads: int = 1
     # How long a collective (and the rendezvous) may wait for the other ranks.
+    # A step that fails (or runs twice this long) is reported in etcd and the
+    # rank exits with status 4.
     collective_timeout_s: float = 120.0
+    # Steps whose largest rank batch has at most this many tokens dispatch the
+    # MoE tokens through fixed-capacity buffers (no host sync: decode), bigger
+    # ones with host-side split sizes (prefill); 0 always uses split sizes.
+    # Must be the same on every rank of a group.
+    max_fixed_capacity_tokens: int = 256
+    # Time the MoE all-to-alls on CUDA too (a synchronize around each call:
+    # slower; for debugging). On the CPU they are always timed.
+    debug_collective_timing: bool = False
     # Report expert hit counts to the router every this many steps; 0 disables.
     stats_every_steps: int = 16
     # Deadline of one hit-count report to the router.
@@ -57,7 +67,7 @@ class ExpertConfig(MemberConfig):
         for name in ("kv_block_size", "kv_memory_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("kv_blocks", "num_threads", "stats_every_steps"):
+        for name in ("kv_blocks", "num_threads", "stats_every_steps", "max_fixed_capacity_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 < self.kv_memory_fraction <= 1.0:

@@ -3,7 +3,9 @@
 Flags and env (MOEMESH_*) only; see expert_svc/config.py for every field.
 SIGTERM or SIGINT stops gracefully: NOT_SERVING, deregister, drain, leave the
 process group. Exit status: 0 after a stop, 1 if the rank could not start or
-join its group, 3 if its group assignment was lost (restart it clean).
+join its group (e.g. a group size that does not divide the model's experts),
+3 if its group assignment was lost (restart it clean), 4 if a step failed (a
+collective timed out or errored; reported under /failures/ in etcd first).
 """
 
 import asyncio
@@ -11,27 +13,35 @@ import logging
 import os
 import sys
 
+from expert_svc import observability
 from expert_svc.config import ExpertConfig
 from expert_svc.rank import ExpertRank
-from services.settings import configure_logging, parse_config, stop_on_signals
+from services import http_probes, telemetry
+from services.settings import configure_telemetry, parse_config, stop_on_signals
 
 
 async def _serve(config: ExpertConfig) -> tuple[int, bool]:
     stop = stop_on_signals()
     rank = ExpertRank(config)
+    probes = await http_probes.start_probes("expert", config, observability.readiness(rank.state))
+    probes.add_collector(observability.ExpertStateCollector(rank.state, lambda: rank.reporter))
     try:
         await rank.start()
         code = await rank.run(stop)
     finally:
         is_clean = await rank.stop()
+        await probes.close()
     return code, is_clean
 
 
 def main(argv: list[str] | None = None) -> int:
     """Runs one expert service; returns its exit status."""
     config = parse_config(ExpertConfig, argv, prog="expert_svc")
-    configure_logging("expert", config)
-    code, is_clean = asyncio.run(_serve(config))
+    configure_telemetry("expert", config)
+    try:
+        code, is_clean = asyncio.run(_serve(config))
+    finally:
+        telemetry.shutdown_tracing()
     if not is_clean:
         # The model thread is stuck in a collective: do not wait for it at exit.
         logging.shutdown()

@@ -12,6 +12,15 @@
    the assignment this rank joined is deleted or changes (group, epoch,
    rank, size, rendezvous), `run` returns EXIT_ASSIGNMENT_LOST so that the
    supervisor restarts the process clean.
+5. If a step fails (a collective timed out after `collective_timeout_s` or
+   errored, or a step overran twice that), the rank writes
+   /failures/<group>/<epoch>/<rank> in etcd and `run` returns
+   EXIT_RANK_FAILED: its member key goes with it, and the scheduler deletes
+   the group (re-forming it is a later issue). gloo raises at the timeout;
+   NCCL's timeout does not free a host thread waiting on a stuck collective
+   (seen on H200s with torch 2.11: still blocked 40 s past a 5 s timeout,
+   whatever TORCH_NCCL_ASYNC_ERROR_HANDLING said), so there the step
+   deadline is what fires, and main exits without joining the model thread.
 
 All model work (loading, the rendezvous, steps, teardown) runs on one
 dedicated thread, so the event loop keeps answering RPCs and etcd.
@@ -29,16 +38,17 @@ import torch
 import torch.distributed as dist
 
 from expert_svc.config import ExpertConfig
+from expert_svc.observability import MeteredExpertComm, step_hook
 from expert_svc.runner import RankState, StepExecutor, StepRunner
 from expert_svc.servicer import ExpertServicer
 from expert_svc.stats_reporter import StatsReporter
 from moe.expert.v1 import expert_pb2, expert_pb2_grpc
-from services import grpc_util
+from services import grpc_util, telemetry
 from services.cluster import ClusterClient, GroupAssignment
 from services.kv_pool import KVPool
 from services.model.checkpoint import load_weights
 from services.model.config import DTYPES, ModelConfig
-from services.model.moe import ExpertComm, local_expert_ids
+from services.model.moe import local_expert_ids
 from services.model.qwen3_moe import Qwen3MoeModel
 from services.settings import announce_port
 
@@ -46,6 +56,9 @@ log = logging.getLogger("expert_svc")
 
 SERVICE_NAME = expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name
 EXIT_ASSIGNMENT_LOST = 3
+EXIT_RANK_FAILED = 4
+# How long a failing rank tries to write its failure report before it exits anyway.
+FAILURE_REPORT_TIMEOUT_S = 5.0
 
 
 class AssignmentLostError(RuntimeError):
@@ -73,6 +86,8 @@ class ExpertRank:
         self._reporter: StatsReporter | None = None
         self._joined: tuple | None = None
         self._watch_task: asyncio.Task | None = None
+        self._step_failed = asyncio.Event()
+        self._failure_reason = ""
 
     def _init_model_thread(self) -> None:
         if self.config.is_cuda:
@@ -80,6 +95,11 @@ class ExpertRank:
 
     async def _on_model_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    @property
+    def reporter(self) -> StatsReporter | None:
+        """The hit-count reporter, once the rank has joined its group."""
+        return self._reporter
 
     @property
     def port(self) -> int:
@@ -106,10 +126,16 @@ class ExpertRank:
         self._watch_task = asyncio.create_task(self._follow_assignment(), name="follow-assignment")
 
     async def run(self, stop: asyncio.Event) -> int:
-        """Serves until `stop` is set (0) or the assignment fails or is lost (non-zero)."""
+        """Serves until `stop` is set (0), the assignment fails or is lost, or a
+        step fails (reported in etcd first): non-zero."""
         stopped = asyncio.create_task(stop.wait())
-        await asyncio.wait([stopped, self._watch_task], return_when=asyncio.FIRST_COMPLETED)
+        failed = asyncio.create_task(self._step_failed.wait())
+        await asyncio.wait([stopped, failed, self._watch_task], return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
+        failed.cancel()
+        if self._step_failed.is_set():
+            await self._report_failure()
+            return EXIT_RANK_FAILED
         if not self._watch_task.done():
             return 0
         error = self._watch_task.exception()
@@ -119,7 +145,7 @@ class ExpertRank:
         if isinstance(error, AssignmentLostError):
             log.error("%s; exiting so that the rank restarts clean", error)
             return EXIT_ASSIGNMENT_LOST
-        log.error("cannot join the group", exc_info=error)
+        log.error("cannot join the group: %s", error, exc_info=error)
         return 1
 
     async def _follow_assignment(self) -> None:
@@ -131,6 +157,7 @@ class ExpertRank:
             elif group is None or _placement(group, member_id) != self._joined:
                 raise AssignmentLostError(f"the assignment {self._joined} was deleted or changed to {group}")
 
+    @telemetry.traced("expert.join")
     async def _join(self, group: GroupAssignment) -> None:
         cfg, mc, member_id = self.config, self.model_config, self.config.member_id
         rank = group.rank_of(member_id)
@@ -151,13 +178,28 @@ class ExpertRank:
             every_steps=cfg.stats_every_steps, deadline_s=cfg.stats_deadline_s,
             resolve_router=self._router_address, loop=asyncio.get_running_loop())
         s.num_kv_blocks, s.kv_block_size = kv_pool.num_blocks, cfg.kv_block_size
-        s.executor = StepExecutor(runner, self._thread, self._reporter.after_step)
+        s.executor = StepExecutor(runner, self._thread, step_hook(self._reporter.after_step, model.comm),
+                                  on_failure=self._on_step_failure, deadline_s=2 * cfg.collective_timeout_s)
         self._joined = _placement(group, member_id)
         if not await self._cluster.mark_rank_ready(group.group_id, group.epoch, rank, member_id):
             raise AssignmentLostError(f"group {group.group_id!r} epoch {group.epoch} changed while loading")
         await self._set_serving(True)
         log.info("rank %d of group %s ready: %d KV blocks of %d tokens", rank, group.group_id,
                  kv_pool.num_blocks, cfg.kv_block_size)
+
+    def _on_step_failure(self, reason: str) -> None:
+        self._failure_reason = reason
+        self._step_failed.set()
+
+    async def _report_failure(self) -> None:
+        s = self.state
+        log.error("rank %d of group %s epoch %d failed: %s; reporting it and exiting", s.rank, s.group_id,
+                  s.placement_epoch, self._failure_reason)
+        try:
+            await asyncio.wait_for(self._cluster.report_rank_failure(
+                s.group_id, s.placement_epoch, s.rank, s.member_id, self._failure_reason), FAILURE_REPORT_TIMEOUT_S)
+        except (TimeoutError, ConnectionError) as error:
+            log.error("could not report the failure to etcd: %r", error)
 
     async def _set_serving(self, is_serving: bool) -> None:
         await self._server.set_serving(is_serving)
@@ -170,8 +212,11 @@ class ExpertRank:
             "nccl" if cfg.is_cuda else "gloo", init_method=f"tcp://{group.rendezvous_address}",
             world_size=group.world_size, rank=rank,
             timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
-        model = Qwen3MoeModel(mc, weights, expert_ids=expert_ids, comm=ExpertComm(dist.group.WORLD),
-                              dtype=self._dtype, device=cfg.device)
+        comm = MeteredExpertComm(dist.group.WORLD, is_timed=not cfg.is_cuda or cfg.debug_collective_timing,
+                                 is_cuda=cfg.is_cuda)
+        model = Qwen3MoeModel(mc, weights, expert_ids=expert_ids, comm=comm,
+                              dtype=self._dtype, device=cfg.device,
+                              max_fixed_capacity_tokens=cfg.max_fixed_capacity_tokens)
         del weights
         num_blocks = cfg.kv_blocks or KVPool.blocks_for_memory(
             mc, cfg.kv_block_size, self._kv_memory_bytes(), self._dtype)

@@ -209,18 +209,32 @@ class StepRunner:
                              f"{self.kv_pool.num_blocks} blocks")
 
 
+class StepFailedError(RuntimeError):
+    """A step failed in the model or a collective, or overran its deadline: the
+    rank is out of lockstep with its group and can run no further step."""
+
+
 class StepExecutor:
     """Runs a StepRunner on the rank's one model thread, then an optional hook.
 
     `after_step(step_id)` runs on the model thread after every successful
     step (the stats reporter reads the device counters there, in order).
+    A bad plan raises ValueError and the rank carries on. Any other error, or
+    a step still running after `deadline_s` (a collective that never
+    returns, e.g. NCCL without a host-side timeout), fails the executor for
+    good: `on_failure(reason)` is called once on the event loop, and this
+    and every later step raise StepFailedError.
     """
 
     def __init__(self, runner: StepRunner, thread: concurrent.futures.ThreadPoolExecutor,
-                 after_step: Callable[[int], None] | None = None):
+                 after_step: Callable[[int], None] | None = None, *,
+                 on_failure: Callable[[str], None] | None = None, deadline_s: float | None = None):
         self.runner = runner
         self._thread = thread
         self._after_step = after_step
+        self._on_failure = on_failure
+        self._deadline_s = deadline_s
+        self.failure: str | None = None  # why the executor failed, once it has
 
     def _run(self, plan: StepPlan) -> StepResult:
         result = self.runner.run_step(plan)
@@ -229,8 +243,27 @@ class StepExecutor:
         return result
 
     async def execute(self, plan: StepPlan) -> StepResult:
-        """Runs one step; raises ValueError (StalePlanError) for a bad plan."""
-        return await asyncio.get_running_loop().run_in_executor(self._thread, self._run, plan)
+        """Runs one step; raises ValueError (StalePlanError) for a bad plan,
+        StepFailedError once a step has failed."""
+        if self.failure is not None:
+            raise StepFailedError(f"step {plan.step_id} refused: {self.failure}")
+        step = asyncio.get_running_loop().run_in_executor(self._thread, self._run, plan)
+        try:
+            return await asyncio.wait_for(step, self._deadline_s)
+        except ValueError:
+            raise
+        except TimeoutError as error:
+            raise self._fail(f"step {plan.step_id} did not finish within {self._deadline_s:g} s "
+                             f"(stuck in a collective?)") from error
+        except Exception as error:  # anything else leaves the group's collectives out of step
+            raise self._fail(f"step {plan.step_id} failed: {error}") from error
+
+    def _fail(self, reason: str) -> StepFailedError:
+        if self.failure is None:
+            self.failure = reason
+            if self._on_failure is not None:
+                self._on_failure(reason)
+        return StepFailedError(reason)
 
     async def reset(self) -> None:
         """Drops all sequence state, after any step still running."""

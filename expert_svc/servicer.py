@@ -13,8 +13,9 @@ import logging
 
 import grpc
 
+from expert_svc.observability import SequenceTracer, observe_step
 from expert_svc.runner import (NewSequence, RankState, ScheduledSequence, StalePlanError,
-                               StepPlan, StepResult)
+                               StepFailedError, StepPlan, StepResult)
 from moe.expert.v1 import expert_pb2, expert_pb2_grpc
 from services.model.sampling import SamplingSpec
 
@@ -78,10 +79,17 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         closed = self._stream_closed = asyncio.Event()
         self._is_stream_closing = False
         log.info("ExecuteSteps stream opened by %s", context.peer())
+        tracer = SequenceTracer.create(self._state)  # None while tracing is off
         try:
             async for request in request_iterator:
-                yield result_to_pb(await self._execute(executor, plan_from_pb(request.plan), context))
+                if tracer is not None:
+                    tracer.on_plan(request.plan)
+                result = await self._execute(executor, plan_from_pb(request.plan), context)
+                observe_step(result.execute_seconds)
+                yield result_to_pb(result)
         finally:
+            if tracer is not None:
+                tracer.end_all()
             self._is_stream_closing = True
             try:
                 await executor.reset()
@@ -99,9 +107,9 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {error}")
-        except RuntimeError as error:  # the model or a collective failed (e.g. a peer timed out)
-            log.exception("step %d failed", plan.step_id)
-            await context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {error}")
+        except StepFailedError as error:  # the model or a collective failed (e.g. a peer timed out)
+            log.exception("%s", error)
+            await context.abort(grpc.StatusCode.INTERNAL, str(error))
 
     async def GetRankInfo(self, request, context):
         s = self._state

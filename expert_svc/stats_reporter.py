@@ -59,6 +59,16 @@ class StatsReporter:
         self._router_address: str | None = None
         self.num_sent = 0
 
+    @property
+    def counts_LE(self) -> torch.Tensor:
+        """Host copy of the hit counts as of the last delta (cumulative; for /metrics)."""
+        return self._last_counts_LE
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The model's MoE layer indices, one per row of counts_LE."""
+        return list(self._moe_layers)
+
     # --- model thread ---
 
     def after_step(self, step_id: int) -> None:

@@ -39,8 +39,12 @@ def default_model_dir(demo: pathlib.Path | None = None) -> str:
 
 def cmd_up(args: argparse.Namespace) -> int:
     model_dir = args.model or default_model_dir()
-    spec = launcher.MeshSpec(model_dir=model_dir, num_ranks=args.ranks, device=args.device,
-                             gateway_port=args.port, etcd=args.etcd or "", work_dir=args.work_dir or "")
+    try:
+        spec = launcher.MeshSpec(model_dir=model_dir, num_ranks=args.ranks, device=args.device,
+                                 gateway_port=args.port, etcd=args.etcd or "", work_dir=args.work_dir or "")
+    except ValueError as err:
+        print(f"moemesh up: {err}", file=sys.stderr)
+        return 2
     mesh = launcher.Mesh(spec)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

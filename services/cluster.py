@@ -8,10 +8,20 @@ place that spells them.
 
 etcd being unreachable is survivable: one-shot calls retry with backoff for
 up to `retry_s` and then raise ClusterUnavailableError; the keepalive and
-the watches retry until close(). A session whose keepalive has not succeeded
-for a whole TTL is declared lost (its `lost` event is set: a scheduler
-leader steps down on it), its lease is revoked once etcd answers again, and
-the member key is registered anew under a fresh lease.
+the watches retry until close(). A session is declared lost (its `lost`
+event is set: a scheduler leader steps down on it) at the first keepalive
+that fails, since the lease may then expire before the next one gets
+through. The keepalive goes on refreshing the same lease: once etcd answers
+that it is alive (an etcd restart keeps leases and restarts their TTLs), a
+new session on that lease replaces the lost one and the member's keys never
+left; only if etcd says the lease is gone is a new one granted and the
+member key put again. So an etcd blip costs no process its membership.
+
+Watches yield a state only when it changes: a watch that breaks and is
+re-established (an etcd restart) reads the state again and yields nothing
+if it is unchanged. The group watch also ignores (and logs) a record of a
+group that carries an older leader term than one already seen for that
+group: no deposed leader's assignment is ever acted on.
 
 Nothing here waits on etcd without a deadline, and no cancellation is lost:
 every etcd call runs in a task of its own that the caller waits for with
@@ -71,6 +81,7 @@ _DEADLINE_GRACE_S = 1.0
 # close(): how long the keepalive may take to stop, and abandoned calls to end.
 _CLOSE_TASKS_S = 2.0
 _UNSET = object()
+_STALE = object()  # a group record older than the newest seen for its group
 T = TypeVar("T")
 
 
@@ -251,6 +262,12 @@ def _leader_from_kv(kv) -> LeaderInfo:
                       float(value["elected_at"]), kv.lease)
 
 
+def _leader_after(events: list) -> LeaderInfo | None:
+    """The leader after a watch response's events on /leader (the last one counts)."""
+    event = events[-1]
+    return None if event.type == etcd_rpc.Event.DELETE else _leader_from_kv(event.kv)
+
+
 async def _on_stream(stream: grpc.aio.StreamStreamCall, operation: Awaitable[T]) -> T:
     """Awaits a read or write of stream. gRPC raises CancelledError when the
     call was cancelled under us (its channel closed): that is _WatchEnded,
@@ -273,13 +290,45 @@ def _checked_watch_response(response):
     return response
 
 
+class _GroupTerms:
+    """The newest term seen per group id by one member's group watch."""
+
+    def __init__(self, member_id: str):
+        self.member_id = member_id
+        self._latest: dict[str, int] = {}
+        self._warned: set[tuple[str, int]] = set()
+
+    def current(self, groups: collections.abc.Iterable[GroupAssignment]) -> Any:
+        """The member's group in `groups` (None if it has none), or _STALE if
+        its only record there is stale."""
+        mine = [g for g in groups if g.has_member(self.member_id)]
+        fresh = []
+        for group in mine:
+            latest = self._latest.get(group.group_id, 0)
+            if group.term >= latest:
+                fresh.append(group)
+                self._latest[group.group_id] = group.term
+            elif (group.group_id, group.term) not in self._warned:
+                self._warned.add((group.group_id, group.term))
+                log.warning("ignoring a stale record of group %s for %s: written in term %d, but term %d "
+                            "was already seen for it", group.group_id, self.member_id, group.term, latest)
+        if fresh:
+            return fresh[0]
+        return _STALE if mine else None
+
+
 @dataclasses.dataclass(slots=True)
 class Session:
-    """One lease of this process. `lost` is set once its keys may be gone."""
+    """One lease of this process, for as long as its keepalive vouches for it.
+
+    `lost` is set at the first refresh that fails, or once etcd says the
+    lease is gone, and is never cleared: a lease that turns out alive goes
+    on in a new Session with the same lease_id (see the module docstring)."""
 
     lease_id: int
     ttl: int
     lost: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    # When the last successful refresh was sent (time.monotonic()).
     last_renewed: float = dataclasses.field(default_factory=time.monotonic)
 
 
@@ -367,15 +416,20 @@ class ClusterClient:
             return self._session
 
     async def close(self) -> None:
-        """Stops the keepalive, revokes the lease (peers see us leave), closes the
-        channel. Takes a few seconds at most, even if etcd does not answer."""
+        """Revokes the lease first (peers see us leave, and a leader's term ends,
+        at once), then stops the keepalive and closes the channel. Takes a few
+        seconds at most, even if etcd does not answer."""
         if self._closed:
             return
-        self._closed = True
+        self._closed = True  # from here on the keepalive neither refreshes nor registers again
+        session = self._session
+        if session is not None:
+            session.lost.set()
+            await self.revoke_lease(session.lease_id)
         async with self._session_changed:
             self._session_changed.notify_all()  # live_session() waiters raise
         await cancel_and_wait([self._keepalive_task], _CLOSE_TASKS_S, what="keepalive")
-        if self._session is not None:
+        if self._session is not session:  # registered again meanwhile: that lease goes too
             self._session.lost.set()
             await self.revoke_lease(self._session.lease_id)
         await cancel_and_wait(list(self._abandoned), _CLOSE_TASKS_S, what="abandoned etcd calls")
@@ -432,24 +486,31 @@ class ClusterClient:
 
     async def watch_leader(self) -> AsyncIterator[LeaderInfo | None]:
         """The leader now and after each change (None while there is none)."""
-        async with contextlib.aclosing(self._watch_state(self.keys.leader, self._read_leader,
-                                                         is_prefix=False)) as states:
+        async with contextlib.aclosing(self._watch_state(self.keys.leader, self._read_leader, is_prefix=False,
+                                                         from_events=_leader_after)) as states:
             async for leader in states:
                 yield leader
 
     async def watch_group_for_member(self, member_id: str) -> AsyncIterator[GroupAssignment | None]:
         """The group holding member_id (as a rank or as the gateway): now if it
-        has one, then on every change; None once it has lost its group."""
-        def find(snapshot: ClusterSnapshot):
-            return next((g for g in snapshot.groups if g.has_member(member_id)), None)
+        has one, then on every change; None once it has lost its group.
 
-        is_first = True
+        A record of a group whose term is older than one this watch has
+        already seen for that group id is stale (a deposed leader's, or etcd
+        restored from an old backup): it is logged and ignored, as if that
+        change had not happened. Expert services and gateways follow their
+        assignment through this watch, so none of them acts on one."""
+        terms = _GroupTerms(member_id)
+        last = _UNSET
         async with contextlib.aclosing(self._watch_state(
-                self.keys.groups, lambda: self._read_prefix(self.keys.groups), key=find)) as states:
-            async for group in states:
-                if group is not None or not is_first:
+                self.keys.groups, lambda: self._read_prefix(self.keys.groups), key=lambda s: s.groups)) as states:
+            async for groups in states:
+                group = terms.current(groups)
+                if group is _STALE or group == last:
+                    continue
+                if group is not None or last is not _UNSET:
                     yield group
-                is_first = False
+                last = group
 
     async def watch_ready(self, group_id: str, epoch: int) -> AsyncIterator[set[int]]:
         """The ready ranks of (group_id, epoch) now and after each change."""
@@ -535,6 +596,22 @@ class ClusterClient:
                                           compare=[txn.create(leader_key) == term], success=ops, failure=[])
         return is_written
 
+    async def depose_leader(self, leader: LeaderInfo) -> bool:
+        """Revokes the lease of a leader found dead, so that its term ends now,
+        but only if etcd answers us and `/leader` still holds that term under
+        that lease: a follower cut off from etcd, or one that saw an old
+        leader, deposes nobody. One attempt of each call, each bounded by the
+        call deadline. Returns True if the lease was revoked by this call."""
+        try:
+            got = await self._call("depose", self._etcd.get, self.keys.leader.encode())
+            if got is None or (got.create_revision, got.lease) != (leader.term, leader.lease_id):
+                return False
+            await self._call("depose", self._etcd.revoke_lease, leader.lease_id)
+        except _ETCD_ERRORS as error:  # etcd unreachable, or another follower revoked it first
+            log.info("did not depose leader %s (term %d): %r", leader.member_id, leader.term, error)
+            return False
+        return True
+
     async def revoke_lease(self, lease_id: int) -> None:
         """Revokes a lease (ours on close, or a dead leader's); absent leases are
         fine. One attempt, bounded by the call deadline; failures are logged."""
@@ -610,11 +687,13 @@ class ClusterClient:
         return revision, snapshot.leader
 
     async def _watch_state(self, watch_key: str, read: Callable[[], Awaitable[tuple[int, Any]]], *,
-                           is_prefix: bool = True, key: Callable[[Any], Any] = lambda s: s
-                           ) -> AsyncIterator[Any]:
+                           is_prefix: bool = True, key: Callable[[Any], Any] = lambda s: s,
+                           from_events: Callable[[list], Any] | None = None) -> AsyncIterator[Any]:
         """Yields key(state) now and whenever it changes, state being read()
-        again after each event on watch_key; survives etcd outages until close(),
-        then ends. Closing it (or cancelling its consumer) cancels the watch at once."""
+        again after each event on watch_key (or, given from_events, the state
+        that the events of one response leave: one round trip less); survives
+        etcd outages until close(), then ends. Closing it (or cancelling its
+        consumer) cancels the watch at once."""
         watch_bytes = watch_key.encode()
         range_end = etcd_utils.prefix_range_end(watch_bytes) if is_prefix else b""
         last = _UNSET
@@ -631,7 +710,7 @@ class ClusterClient:
                     response = _checked_watch_response(await _on_stream(stream, stream.read()))
                     if not response.events:
                         continue  # a progress notification
-                    _, state = await read()
+                    state = from_events(response.events) if from_events else (await read())[1]
                     delay = 0.05
                     if key(state) != last:
                         last = key(state)
@@ -677,48 +756,56 @@ class ClusterClient:
                             "address": reg.address, "info": reg.info}).encode()
         await self._retry("register", self._etcd.put, self.keys.member(reg.role, reg.member_id).encode(),
                           value, lease=lease.id, budget_s=None)
-        async with self._session_changed:
-            self._session = Session(lease.id, reg.ttl)
-            self._session_changed.notify_all()
+        await self._publish_session(Session(lease.id, reg.ttl))
         log.info("registered %s %s at %s (lease %x, ttl %ds)", reg.role, reg.member_id,
                  reg.address, lease.id, reg.ttl)
 
     async def _keepalive(self) -> None:
-        """Refreshes the lease every ttl/3; replaces the session once it is lost."""
+        """Refreshes the lease every ttl/3. A failed refresh marks the session
+        lost at once and is retried with backoff; see the module docstring."""
         delay = 0.05
         while not self._closed:
             session = self._session
             interval = session.ttl / 3
+            sent = time.monotonic()
             try:
                 reply = await self._call("keepalive", self._etcd.refresh_lease, session.lease_id,
                                          timeout_s=interval)
-                if reply is None or reply.TTL <= 0:
-                    log.warning("lease %x expired", session.lease_id)
-                    session.lost.set()
-                else:
-                    session.last_renewed = time.monotonic()
-                    delay = 0.05
+                if reply is None:
+                    raise ConnectionError("the keepalive stream ended without a reply")
             except _ETCD_ERRORS as error:
                 metrics.count_etcd_error("keepalive")
                 # Warn once per outage; the retries that follow log at debug.
-                log.log(logging.WARNING if delay == 0.05 else logging.DEBUG,
-                        "keepalive of lease %x failed: %r", session.lease_id, error)
-                if time.monotonic() - session.last_renewed > session.ttl:
-                    session.lost.set()
+                log.log(logging.DEBUG if session.lost.is_set() else logging.WARNING,
+                        "keepalive of lease %x failed: %r; session lost until etcd confirms the lease",
+                        session.lease_id, error)
+                session.lost.set()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, interval)
+                continue
             if self._closed:  # close() revokes the lease and sets lost itself
                 return
-            if session.lost.is_set():
-                await self._replace_session(session)
+            delay = 0.05
+            if reply.TTL <= 0:
+                log.warning("lease %x expired; registering again", session.lease_id)
+                session.lost.set()
+                await self._replace_session()
                 continue
-            until_due = session.last_renewed + interval - time.monotonic()
-            if until_due <= 0:  # the refresh failed: back off, but stay within the TTL
-                until_due, delay = min(delay, interval), min(delay * 2, interval)
-            await asyncio.sleep(until_due)
+            if session.lost.is_set():
+                await self.revoke_lease(session.lease_id); await self._replace_session(); continue
+                await self._publish_session(Session(session.lease_id, session.ttl, last_renewed=sent))
+                log.info("lease %x confirmed alive again: session resumed", session.lease_id)
+            else:
+                session.last_renewed = sent
+            await asyncio.sleep(max(0.0, sent + interval - time.monotonic()))
 
-    async def _replace_session(self, session: Session) -> None:
-        """Revokes a lost session's lease and registers again, until it works."""
-        log.warning("session %x lost; registering again", session.lease_id)
-        await self.revoke_lease(session.lease_id)
+    async def _publish_session(self, session: Session) -> None:
+        async with self._session_changed:
+            self._session = session
+            self._session_changed.notify_all()
+
+    async def _replace_session(self) -> None:
+        """Registers again under a new lease (the old one is gone), until it works."""
         delay = 0.05
         while not self._closed:
             try:

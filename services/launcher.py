@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import etcd_server
+from services.settings import metrics_port_file, read_port_file
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ class MeshSpec:
     work_dir: str = ""
     # Extra flags per role, e.g. {"expert_svc": ["--kv-blocks", "64"]}.
     extra_args: dict = dataclasses.field(default_factory=dict)
+    # Extra environment variables of every process, e.g. the OTEL_* of tracing.
+    env: dict = dataclasses.field(default_factory=dict)
     ready_timeout_s: float = 180.0
 
     def __post_init__(self) -> None:
@@ -52,6 +55,13 @@ class MeshSpec:
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if not (pathlib.Path(self.model_dir) / "config.json").is_file():
             raise ValueError(f"--model {self.model_dir!r} has no config.json")
+        from services.model.config import ModelConfig  # torch: only once a mesh is started
+
+        num_experts = ModelConfig.from_model_dir(self.model_dir).num_experts
+        if num_experts % self.num_ranks:
+            divisors = [n for n in range(1, num_experts + 1) if num_experts % n == 0]
+            raise ValueError(f"--ranks {self.num_ranks} does not divide the {num_experts} experts of "
+                             f"{self.model_dir!r} (each rank holds experts/ranks of them); use one of {divisors}")
 
 
 @dataclasses.dataclass(slots=True)
@@ -63,6 +73,12 @@ class Role:
     port_file: pathlib.Path
     log_path: pathlib.Path
     port: int = 0
+    cmd: list[str] = dataclasses.field(default_factory=list)  # what started it (restart() reuses it)
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port of its /metrics, /healthz and /readyz (None until written)."""
+        return read_port_file(metrics_port_file(str(self.port_file)))
 
 
 class Mesh:
@@ -125,13 +141,32 @@ class Mesh:
         log_path = self.work_dir / f"{name}.log"
         role_key = module.split(".")[0]
         cmd = [sys.executable, "-m", module, *args, "--port", str(port), "--port-file", str(port_file),
-               *self.spec.extra_args.get(role_key, [])]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+               "--metrics-port", "0", *self.spec.extra_args.get(role_key, [])]
+        self.roles.append(self._launch(name, cmd, port_file, log_path))
+
+    def _launch(self, name: str, cmd: list[str], port_file: pathlib.Path, log_path: pathlib.Path) -> Role:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env}
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
-        self.roles.append(Role(name=name, proc=proc, port_file=port_file, log_path=log_path))
         log.info("started %s (pid %d): %s", name, proc.pid, " ".join(cmd))
+        return Role(name=name, proc=proc, port_file=port_file, log_path=log_path, cmd=cmd)
+
+    def restart(self, name: str) -> Role:
+        """Starts the role `name` again with the command it was first started
+        with (SIGKILLing it first if it still runs, even stopped); returns the
+        new Role once it reported its port. Its log goes on in the same file."""
+        index = next(i for i, r in enumerate(self.roles) if r.name == name)
+        old = self.roles[index]
+        if old.proc.poll() is None:
+            os.killpg(old.proc.pid, signal.SIGKILL)
+        old.proc.wait()
+        for stale in (old.port_file, pathlib.Path(metrics_port_file(str(old.port_file)))):
+            stale.unlink(missing_ok=True)
+        role = self.roles[index] = self._launch(name, old.cmd, old.port_file, old.log_path)
+        role.port = self._wait_port(role, self.spec.ready_timeout_s)
+        self._write_state()
+        return role
 
     def _wait_port(self, role: Role, timeout_s: float) -> int:
         deadline = time.monotonic() + timeout_s
@@ -169,6 +204,7 @@ class Mesh:
             "etcd": self.etcd_endpoint,
             "work_dir": str(self.work_dir),
             "pids": {r.name: r.proc.pid for r in self.roles},
+            "metrics": {r.name: f"127.0.0.1:{r.metrics_port}" for r in self.roles if r.metrics_port},
         }
         (self.work_dir / "mesh.json").write_text(json.dumps(state, indent=2))
         STATE_FILE.parent.mkdir(parents=True, exist_ok=True)

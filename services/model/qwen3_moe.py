@@ -19,7 +19,11 @@ from services.model.attention import AttentionBackend, make_attention_backend
 from services.model.batch import ForwardBatch
 from services.model.config import ModelConfig
 from services.model.layers import RotaryEmbedding, apply_rotary, rms_norm, swiglu_mlp
-from services.model.moe import ExpertComm, MoELayer, local_expert_ids
+from services.model.moe import ExpertComm, MoELayer, local_expert_ids, step_capacity
+
+# Steps whose largest rank batch has at most this many tokens dispatch with
+# fixed-capacity buffers (decode); bigger ones with host splits (prefill).
+DEFAULT_MAX_FIXED_CAPACITY_TOKENS = 256
 
 
 @dataclasses.dataclass(slots=True)
@@ -32,7 +36,8 @@ class _DecoderLayer:
     q_norm_K: Tensor
     k_norm_K: Tensor
     post_attention_norm_D: Tensor
-    feed_forward: Callable[[Tensor], Tensor]  # an MoELayer or a dense SwiGLU MLP
+    # (x_TD, dispatch capacity) -> y_TD: an MoELayer, or a dense SwiGLU MLP ignoring the capacity
+    feed_forward: Callable[[Tensor, int | None], Tensor]
 
 
 class _Converted(Mapping):
@@ -59,13 +64,17 @@ class Qwen3MoeModel:
     `weights` holds this rank's experts only (`expert_ids` must be its slice for
     `comm`); the experts are stacked into new tensors, so the caller may drop
     the dict afterwards. `attention` names a registered attention backend.
+    `max_fixed_capacity_tokens` is the `max_fixed_tokens` of moe.step_capacity
+    (0: always host splits); it must be the same on every rank of a group.
     """
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Tensor], *,
                  expert_ids: Sequence[int], comm: ExpertComm | None = None,
-                 dtype=torch.float32, device="cpu", attention: str = "torch"):
+                 dtype=torch.float32, device="cpu", attention: str = "torch",
+                 max_fixed_capacity_tokens: int = DEFAULT_MAX_FIXED_CAPACITY_TOKENS):
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.comm = comm or ExpertComm.local()
+        self.max_fixed_capacity_tokens = max_fixed_capacity_tokens
         expected = local_expert_ids(config.num_experts, self.comm.rank, self.comm.world_size)
         if list(expert_ids) != list(expected):
             raise ValueError(
@@ -93,7 +102,7 @@ class Qwen3MoeModel:
             )
         else:
             feed_forward = functools.partial(
-                swiglu_mlp,
+                _dense_mlp,
                 w_gate_FD=w[prefix + "mlp.gate_proj.weight"],
                 w_up_FD=w[prefix + "mlp.up_proj.weight"],
                 w_down_DF=w[prefix + "mlp.down_proj.weight"],
@@ -111,18 +120,24 @@ class Qwen3MoeModel:
         )
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVPool) -> Tensor:
+    def forward(self, batch: ForwardBatch, kv: KVPool, *, max_tokens_per_rank: int | None = None) -> Tensor:
         """Runs one step, writing its K/V into kv; returns [S, V] fp32 logits.
 
         Runs (and joins the expert collectives) even for an empty batch.
+        `max_tokens_per_rank`, the largest token count of any rank in this
+        step, picks the dispatch mode; None finds it with one all_reduce.
         """
+        if max_tokens_per_rank is None:
+            max_tokens_per_rank = self.comm.max_over_ranks(batch.input_ids_T.shape[0], self.device)
+        capacity = step_capacity(max_tokens_per_rank, self.config.num_experts_per_tok,
+                                 self.config.num_experts // self.comm.world_size, self.max_fixed_capacity_tokens)
         x_TD = self.embed_VD[batch.input_ids_T]
         cos_TK, sin_TK = self.rotary.cos_sin(batch.positions_T, self.dtype)
         for i, layer in enumerate(self.layers):
             h_TD = rms_norm(x_TD, layer.input_norm_D, self.config.rms_norm_eps)
             x_TD = x_TD + self._attention(i, layer, h_TD, cos_TK, sin_TK, batch, kv)
             h_TD = rms_norm(x_TD, layer.post_attention_norm_D, self.config.rms_norm_eps)
-            x_TD = x_TD + layer.feed_forward(h_TD)
+            x_TD = x_TD + layer.feed_forward(h_TD, capacity)
         x_SD = rms_norm(x_TD[batch.sample_indices_S], self.norm_D, self.config.rms_norm_eps)
         return F.linear(x_SD, self.lm_head_VD).float()
 
@@ -139,3 +154,8 @@ class Qwen3MoeModel:
         k_TGK = apply_rotary(k_TGK, cos_TK, sin_TK)
         o_THK = self.attention.forward(i, q_THK, k_TGK, v_TGK, batch, kv, c.head_dim ** -0.5)
         return F.linear(o_THK.reshape(num_tokens, c.num_attention_heads * c.head_dim), layer.w_o_DHK)
+
+
+def _dense_mlp(x_TD: Tensor, _capacity: int | None, **weights: Tensor) -> Tensor:
+    """A dense layer's feed-forward, called like an MoELayer (it has nothing to dispatch)."""
+    return swiglu_mlp(x_TD, **weights)

@@ -1,5 +1,6 @@
-"""gate -> dispatch -> experts -> combine against a per-token loop over all experts,
-on one rank and over 2 and 4 gloo processes (ranks sending, receiving or holding nothing)."""
+"""gate -> dispatch -> experts -> combine against a per-token loop over all experts, in both
+dispatch modes (host splits and fixed capacity), on one rank and over 2 and 4 gloo processes
+(ranks sending, receiving or holding nothing; every token routed to one rank's experts)."""
 
 import datetime
 
@@ -9,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from services.model.moe import (
-    ExpertComm, MoELayer, combine, dispatch, experts, grouped_mm, local_expert_ids,
+    ExpertComm, MoELayer, combine, dispatch, experts, gate, grouped_mm, local_expert_ids, step_capacity,
 )
 
 HIDDEN, WIDTH, NUM_EXPERTS, TOP_K = 16, 8, 8, 2
@@ -45,32 +46,49 @@ def _routing(num_tokens: int, allowed_experts: list[int], seed: int):
     return ids_TK, weights_TK, counts_E
 
 
-def _check_rank(comm: ExpertComm, num_tokens: int, allowed_experts: list[int]) -> None:
-    """One rank's checks: the explicit routing, then the whole layer with its own gate."""
+def _capacities(comm: ExpertComm, max_tokens: int) -> list[int | None]:
+    """Host splits, the tightest safe capacity, and the bucketed one of step_capacity."""
+    num_local = NUM_EXPERTS // comm.world_size
+    return [None, max(1, max_tokens * min(TOP_K, num_local)),
+            step_capacity(max_tokens, TOP_K, num_local, max_fixed_tokens=256)]
+
+
+def _check_rank(comm: ExpertComm, num_tokens: int, allowed_experts: list[int], max_tokens: int) -> None:
+    """One rank's checks in every mode: the explicit routing, then the whole layer with its own gate.
+
+    `max_tokens` is the largest num_tokens of any rank (what every rank sizes the capacity by).
+    """
     w_gate_ED, w_gate_up_EGD, w_down_EDF = _all_experts()
     local = list(local_expert_ids(NUM_EXPERTS, comm.rank, comm.world_size))
     x_TD = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(100 + comm.rank))
-
     ids_TK, weights_TK, counts_E = _routing(num_tokens, allowed_experts, seed=comm.rank)
-    x_PD, meta = dispatch(x_TD, ids_TK, weights_TK, counts_E, comm)
-    out_TD = combine(experts(x_PD, meta.offsets_L, w_gate_up_EGD[local], w_down_EDF[local]), meta, comm)
-    torch.testing.assert_close(out_TD, _reference(x_TD, ids_TK, weights_TK, w_gate_up_EGD, w_down_EDF))
+    expected_TD = _reference(x_TD, ids_TK, weights_TK, w_gate_up_EGD, w_down_EDF)
 
-    hit_counts_E = torch.zeros(NUM_EXPERTS, dtype=torch.int64)
-    layer = MoELayer(w_gate_ED, w_gate_up_EGD[local], w_down_EDF[local], top_k=TOP_K,
-                     norm_topk_prob=True, comm=comm, hit_counts_E=hit_counts_E)
-    out_TD = layer(x_TD)
+    outputs = []
+    for capacity in _capacities(comm, max_tokens):
+        x_PD, meta = dispatch(x_TD, ids_TK, weights_TK, counts_E, comm, capacity)
+        assert meta.capacity == capacity
+        y_PD = experts(x_PD, meta.offsets_L, w_gate_up_EGD[local], w_down_EDF[local])
+        outputs.append(combine(y_PD, meta, comm))
+        torch.testing.assert_close(outputs[-1], expected_TD)
+    assert all(torch.equal(out, outputs[0]) for out in outputs), "the modes must agree bit for bit"
+
     probs_TE = torch.softmax(x_TD @ w_gate_ED.T, dim=-1)
     top_TK, ids_TK = probs_TE.topk(TOP_K, dim=-1)
-    weights_TK = top_TK / top_TK.sum(dim=-1, keepdim=True)
-    torch.testing.assert_close(out_TD, _reference(x_TD, ids_TK, weights_TK, w_gate_up_EGD, w_down_EDF))
-    assert torch.equal(hit_counts_E, torch.bincount(ids_TK.flatten(), minlength=NUM_EXPERTS))
+    expected_TD = _reference(x_TD, ids_TK, top_TK / top_TK.sum(dim=-1, keepdim=True), w_gate_up_EGD, w_down_EDF)
+    for capacity in _capacities(comm, max_tokens):
+        hit_counts_E = torch.zeros(NUM_EXPERTS, dtype=torch.int64)
+        layer = MoELayer(w_gate_ED, w_gate_up_EGD[local], w_down_EDF[local], top_k=TOP_K,
+                         norm_topk_prob=True, comm=comm, hit_counts_E=hit_counts_E)
+        torch.testing.assert_close(layer(x_TD, capacity), expected_TD)
+        assert torch.equal(hit_counts_E, torch.bincount(ids_TK.flatten(), minlength=NUM_EXPERTS))
 
 
 def test_world_size_one_matches_per_token_loop():
     comm = ExpertComm.local()
-    _check_rank(comm, num_tokens=11, allowed_experts=list(range(NUM_EXPERTS)))
-    _check_rank(comm, num_tokens=0, allowed_experts=list(range(NUM_EXPERTS)))
+    _check_rank(comm, num_tokens=11, allowed_experts=list(range(NUM_EXPERTS)), max_tokens=11)
+    _check_rank(comm, num_tokens=0, allowed_experts=list(range(NUM_EXPERTS)), max_tokens=0)
+    _check_rank(comm, num_tokens=5, allowed_experts=[6, 7], max_tokens=5)
 
 
 def test_grouped_mm_equals_per_expert_matmuls_bit_exactly():
@@ -82,12 +100,44 @@ def test_grouped_mm_equals_per_expert_matmuls_bit_exactly():
     assert torch.equal(grouped_mm(x_PI, w_LOI, offsets_L), expected)
 
 
-# Per world size: (tokens, experts the tokens may pick) per rank. E=8 over 4
-# ranks: rank 0 sends nothing to ranks 2 and 3, rank 1 has no tokens, nobody
-# picks experts 6 and 7 so rank 3 receives nothing.
+def test_step_capacity_buckets_decode_steps_and_leaves_big_steps_to_host_splits():
+    # Power-of-two buckets of the largest rank batch, times min(top_k, local experts).
+    assert [step_capacity(t, 8, 32, 256) for t in (0, 1, 2, 3, 32, 33, 256)] == [8, 8, 16, 32, 256, 512, 2048]
+    assert step_capacity(5, 8, 4, 256) == 8 * 4  # a token sends at most 4 rows to a peer with 4 experts
+    assert step_capacity(257, 8, 32, 256) is None
+    assert step_capacity(1, 8, 32, 0) is None  # 0 turns the mode off
+
+
+def test_fixed_capacity_that_could_overflow_is_refused():
+    x_TD = torch.randn(4, HIDDEN)
+    ids_TK, weights_TK, counts_E = _routing(4, list(range(NUM_EXPERTS)), seed=0)
+    with pytest.raises(ValueError, match="capacity of 7 slots"):
+        dispatch(x_TD, ids_TK, weights_TK, counts_E, ExpertComm.local(), capacity=4 * TOP_K - 1)
+
+
+def test_fixed_capacity_mode_reads_nothing_back_to_the_host():
+    """On the meta device every host read raises: the fixed-capacity layer has none
+    (it can be captured in a CUDA graph), the host-split dispatch has some."""
+    w_gate_ED, w_gate_up_EGD, w_down_EDF = (w.to("meta", torch.bfloat16) for w in _all_experts())
+    x_TD = torch.empty(6, HIDDEN, device="meta", dtype=torch.bfloat16)
+    ids_TK, weights_TK, counts_E = gate(x_TD, w_gate_ED, TOP_K, norm_topk_prob=True)
+    comm = ExpertComm.local()
+    x_PD, meta = dispatch(x_TD, ids_TK, weights_TK, counts_E, comm, capacity=6 * TOP_K)
+    y_PD = experts(x_PD, meta.offsets_L, w_gate_up_EGD, w_down_EDF)
+    assert combine(y_PD, meta, comm).shape == (6, HIDDEN)
+    with pytest.raises(NotImplementedError):
+        dispatch(x_TD, ids_TK, weights_TK, counts_E, comm)
+
+
+# Per world size, scenarios of (tokens, experts the tokens may pick) per rank.
+# E=8 over 4 ranks, first scenario: rank 0 sends nothing to ranks 2 and 3, rank 1
+# has no tokens, nobody picks experts 6 and 7 so rank 3 receives nothing. The
+# second: every token goes to rank 0's experts, filling the capacity exactly.
 SCENARIOS = {
-    2: [(6, [0, 1, 2, 3]), (0, list(range(NUM_EXPERTS)))],
-    4: [(5, [0, 1, 2, 3]), (0, list(range(NUM_EXPERTS))), (3, list(range(6))), (4, list(range(6)))],
+    2: [[(6, [0, 1, 2, 3]), (0, list(range(NUM_EXPERTS)))],
+        [(5, [0, 1, 2, 3]), (3, [0, 1, 2, 3])]],
+    4: [[(5, [0, 1, 2, 3]), (0, list(range(NUM_EXPERTS))), (3, list(range(6))), (4, list(range(6)))],
+        [(2, [0, 1]), (4, [0, 1]), (0, [0, 1]), (1, [0, 1])]],
 }
 
 
@@ -96,8 +146,11 @@ def _worker(rank: int, world_size: int, init_file: str) -> None:
                             timeout=datetime.timedelta(seconds=60))
     try:
         torch.set_num_threads(1)
-        num_tokens, allowed = SCENARIOS[world_size][rank]
-        _check_rank(ExpertComm(dist.group.WORLD), num_tokens, allowed)
+        comm = ExpertComm(dist.group.WORLD)
+        for scenario in SCENARIOS[world_size]:
+            max_tokens = max(num_tokens for num_tokens, _ in scenario)
+            assert comm.max_over_ranks(scenario[rank][0], "cpu") == max_tokens
+            _check_rank(comm, *scenario[rank], max_tokens=max_tokens)
     finally:
         dist.destroy_process_group()
 
