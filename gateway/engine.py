@@ -32,6 +32,7 @@ from typing import Protocol
 import grpc
 
 from gateway.batcher import Batcher
+from gateway.observability import EngineObserver
 from gateway.plan import RankPlan, SeqEvent, StepBatch
 from gateway.requests import ErrorCode, GenerationError, RequestHandle, Sequence
 from moe.expert.v1 import expert_pb2
@@ -92,6 +93,7 @@ class Engine:
         placement_epoch: int = 0,
         step_timeout_s: float = 120.0,
         overlap: bool = True,
+        observer: "EngineObserver | None" = None,
     ) -> None:
         if len(rank_streams) != batcher.num_ranks:
             raise ValueError(f"{len(rank_streams)} rank streams for {batcher.num_ranks} ranks")
@@ -111,6 +113,8 @@ class Engine:
         # Set once the engine takes no new requests: why, as the error submit() raises.
         self._closed: GenerationError | None = None
         self.num_steps = 0
+        # Metrics and traces of steps and requests (gateway/observability.py); None in unit tests.
+        self._observer = observer
 
     @property
     def num_active(self) -> int:
@@ -126,6 +130,8 @@ class Engine:
         self.batcher.add(seq)
         handle = RequestHandle(seq)
         self._handles[seq.seq_id] = handle
+        if self._observer is not None:
+            self._observer.on_submit(seq)
         self._idle.clear()
         self._wake.set()
         return handle
@@ -195,6 +201,8 @@ class Engine:
         requests = [plan_to_proto(p, batch.step_id, self.group_id, self.placement_epoch)
                     for p in batch.plans]
         self.stats.record_step(sum(p.num_tokens for p in batch.plans), time.perf_counter() - start)
+        if self._observer is not None:
+            self._observer.on_step_planned(batch, requests)
         return batch, requests
 
     async def _send(self, planned: tuple[StepBatch, list]) -> None:
@@ -204,7 +212,8 @@ class Engine:
     async def _receive(self, planned: tuple[StepBatch, list]) -> None:
         """Reads one result per rank for the step, applies them, delivers the outputs."""
         batch, _ = planned
-        responses = await self._on_every_rank(lambda stream, i: stream.read(), "answer")
+        read = self._observer.read if self._observer is not None else (lambda stream, i: stream.read())
+        responses = await self._on_every_rank(read, "answer")
         start = time.perf_counter()
         tokens: dict[int, int] = {}
         for rank, response in enumerate(responses):
@@ -221,6 +230,8 @@ class Engine:
         self._deliver(events)
         self.num_steps += 1
         self.stats.apply_s.append(time.perf_counter() - start)
+        if self._observer is not None:
+            self._observer.on_step_done(batch, responses)
 
     async def _on_every_rank(self, call, what: str) -> list:
         """call(stream, rank) on every rank at once, within step_timeout_s;

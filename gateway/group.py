@@ -22,7 +22,7 @@ import grpc
 
 from gateway.engine import Engine, GroupFailure, error_text
 from moe.expert.v1 import expert_pb2, expert_pb2_grpc
-from services import grpc_util
+from services import grpc_util, telemetry
 from services.cluster import ClusterClient, GroupAssignment
 
 log = logging.getLogger("gateway.group")
@@ -90,6 +90,11 @@ class GroupManager:
     def engine(self) -> Engine | None:
         """The engine of the ready group, None while no group is ready."""
         return self._engine
+
+    @property
+    def group(self) -> GroupAssignment | None:
+        """The current assignment of this gateway, None while it has none."""
+        return self._group
 
     async def run(self) -> None:
         """Registers the gateway and follows its assignment until cancelled."""
@@ -161,6 +166,7 @@ class GroupManager:
                 stream.cancel()
             await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
 
+    @telemetry.traced("gateway.connect_group")
     async def _connect(self, group: GroupAssignment, channels) -> list[expert_pb2.GetRankInfoResponse]:
         """GetRankInfo on every rank, checked against the assignment."""
         calls = [

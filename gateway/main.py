@@ -23,11 +23,12 @@ from gateway.config import GatewayConfig
 from gateway.engine import Engine
 from gateway.group import EngineFactory, GroupManager
 from gateway.kv_accounting import RankKV
+from gateway.observability import EngineObserver, GatewayReadiness, GatewayStateCollector
 from gateway.servicer import SERVICE_NAME, GenerationServicer
 from gateway.stats import GatewayStats
 from gateway.validation import RequestLimits
 from moe.gateway.v1 import gateway_pb2_grpc
-from services import grpc_util, settings
+from services import grpc_util, http_probes, settings
 from services.cluster import ClusterClient
 from services.model.config import ModelConfig
 from services.text import IncrementalDetokenizer
@@ -69,7 +70,8 @@ def engine_factory(config: GatewayConfig, model: ModelConfig, tokenizer: Tokeniz
         )
         return Engine(batcher, streams, make_detokenizer=lambda: IncrementalDetokenizer(tokenizer),
                       group_id=group.group_id, placement_epoch=group.epoch,
-                      step_timeout_s=config.step_timeout_s, overlap=config.overlap_steps)
+                      step_timeout_s=config.step_timeout_s, overlap=config.overlap_steps,
+                      observer=EngineObserver(len(infos)))
 
     return make
 
@@ -89,6 +91,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
             return draining
         return None if manager is None else manager.engine
 
+    probes = await http_probes.start_probes(ROLE, config)
+    probes.add_collector(GatewayStateCollector(get_engine, stats))
     servicer = GenerationServicer(tokenizer=tokenizer, limits=request_limits(config, model),
                                   get_engine=get_engine)
     server = await grpc_util.start_server(
@@ -105,6 +109,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         cluster, member_id=config.member_id, address=config.address(server.port),
         make_engine=engine_factory(config, model, tokenizer, stats), set_serving=set_serving,
         rank_call_timeout_s=config.rank_call_timeout_s, lease_ttl_s=config.lease_ttl_s)
+    probes.set_readiness(GatewayReadiness(manager, model.num_experts, cluster))
 
     async def follow_groups() -> None:
         await cluster.connect(wait_s=None)
@@ -128,6 +133,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         await asyncio.gather(manager_task, stats_task, return_exceptions=True)
         await server.stop(1.0)
         await cluster.close()  # revokes the lease: deregistered at once
+        await probes.close()
         write_stats(config, stats)
         log.info("stopped; %s", summary(stats))
     if not manager_task.cancelled() and manager_task.exception() is not None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import grpc
 
 from gateway.engine import Engine
+from gateway.observability import observe_generate
 from gateway.requests import ErrorCode, FinishReason, GenerationError, RequestOutput
 from gateway.validation import RequestError, RequestLimits, validate_request
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -60,6 +61,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         self._limits = limits
         self._get_engine = get_engine
 
+    @observe_generate
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
             validated = validate_request(request, self._limits, self._tokenizer)

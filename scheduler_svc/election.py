@@ -4,18 +4,33 @@ A candidate creates `/leader` in a transaction that succeeds only if the
 key is absent (create_revision == 0), attached to its session lease. The
 term is the key's create revision: strictly larger for every new leader, so
 fencing writes on `create_revision(/leader) == term` rejects a deposed one.
-Losers watch the key and campaign again when it disappears (the leader's
-lease was revoked on shutdown, expired after a crash, or was revoked by a
-follower that found it dead).
+Losers follow the leader: they watch the key and campaign again when it
+disappears (the leader's lease was revoked on shutdown, expired, or was
+revoked by a follower that found the leader dead).
+
+Fast failure detection: a lease alone cannot replace a crashed leader
+within a second (etcd's minimum TTL is 1 s and it checks expiry every
+500 ms). So each follower also probes the leader directly (`LeaderProbe`:
+a health check of its address every `interval_s`) and after `misses`
+consecutive failures revokes the leader's lease, which ends the term at
+once (`ClusterClient.depose_leader`). Guards against a follower's own
+trouble: a probe answered later than `max_answer_s` (our event loop was
+starved) does not count, a follower whose own session is lost deposes
+nobody, and the lease is revoked only if etcd answers us and `/leader`
+still holds that term under that lease. A leader key left by an earlier
+run of this very replica (same member id, another lease) counts as dead
+whatever answers at its address.
 
 The leader acts only while it holds the term: it steps down (cancels its
-work, then campaigns again) when its session is lost (keepalive failed for
-a whole TTL) or when `/leader` no longer carries its term; a fenced write
-that fails also ends its work. Safety never depends on this detection: the
-fence does.
+work, then campaigns again) at once when its session is lost (a keepalive
+failed: it cannot know its lease outlives the next TTL) or when `/leader`
+no longer carries its term; a fenced write that fails also ends its work.
+If the lease turns out alive (an etcd blip), it wins the same term back.
+Safety never depends on this detection: the fence does.
 
 Cancelling run() ends it promptly: every etcd call it makes has a deadline,
-and stepping down waits a bounded time for the term's tasks to end.
+and stepping down waits a bounded time for the term's tasks to end. This
+module imports no gRPC: the probe's transport is passed in.
 """
 
 import asyncio
@@ -31,6 +46,26 @@ log = logging.getLogger(__name__)
 _RETRY_S = 0.5
 # Stepping down: how long the term's work and watchers may take to end once cancelled.
 _STEP_DOWN_S = 5.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeaderProbe:
+    """How followers watch the leader directly."""
+
+    # One health check of a leader's address, bounded by its own deadline:
+    # True if it answered that it serves.
+    check: Callable[[str], Awaitable[bool]]
+    interval_s: float = 0.1
+    # Consecutive failed checks after which a follower deposes the leader.
+    misses: int = 2
+    # A check that took longer than this to fail says more about this
+    # replica's own event loop than about the leader: it does not count.
+    max_answer_s: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or self.misses < 1 or self.max_answer_s <= 0:
+            raise ValueError(f"a leader probe needs interval_s > 0, misses >= 1 and max_answer_s > 0, got "
+                             f"{self.interval_s}, {self.misses}, {self.max_answer_s}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,10 +94,12 @@ LeadFn = Callable[[Leadership], Awaitable[None]]
 class Election:
     """Campaigns for one replica and runs `lead` while it is the leader."""
 
-    def __init__(self, client: ClusterClient, member_id: str, address: str):
+    def __init__(self, client: ClusterClient, member_id: str, address: str, *,
+                 probe: LeaderProbe | None = None):
         self._client = client
         self._member_id = member_id
         self._address = address
+        self._probe = probe  # None: a dead leader is replaced when its lease expires
         self.leadership: Leadership | None = None
 
     @property
@@ -79,7 +116,7 @@ class Election:
                 leadership = leadership_of(leader, session)
                 if leadership is None:
                     log.info("following %s (term %d)", leader.member_id, leader.term)
-                    await self._wait_term_end(leader.term)
+                    await self._follow(leader)
                 else:
                     await self._hold(leadership, session, lead)
             except Exception as error:  # noqa: BLE001 - never stop campaigning on an etcd error
@@ -106,10 +143,47 @@ class Election:
         reason = next(t.get_name() for t in [work, *watchers] if t in done)
         log.warning("stepping down from term %d (%s)", leadership.term, reason)
         if work in done and not work.cancelled() and work.exception() is not None:
-            if not isinstance(work.exception(), LeadershipLost):
+            if isinstance(work.exception(), LeadershipLost):
+                log.warning("%s", work.exception())
+            else:
                 log.error("leader work failed", exc_info=work.exception())
             await self._client.resign(leadership.term)
             await asyncio.sleep(_RETRY_S)  # let another replica take the term
+
+    async def _follow(self, leader: LeaderInfo) -> None:
+        """Returns once the leader's term has ended; meanwhile probes the
+        leader and deposes it if it stops answering."""
+        if self._probe is None:
+            return await self._wait_term_end(leader.term)
+        probing = asyncio.create_task(self._probe_leader(leader), name=f"probe-term-{leader.term}")
+        try:
+            await self._wait_term_end(leader.term)
+        finally:
+            await cancel_and_wait([probing], _STEP_DOWN_S, what="the leader probe")
+
+    async def _probe_leader(self, leader: LeaderInfo) -> None:
+        """Checks the leader every interval; deposes it after `misses`
+        consecutive failed checks (see the module docstring's guards)."""
+        probe, loop = self._probe, asyncio.get_running_loop()
+        # Under our member id but not our lease: an earlier run of this
+        # replica, dead by definition even if our own server answers there.
+        is_earlier_self = leader.member_id == self._member_id
+        misses = 0
+        while True:
+            started = loop.time()
+            is_alive = not is_earlier_self and await probe.check(leader.address)
+            if is_alive:
+                misses = 0
+            elif loop.time() - started <= probe.max_answer_s:
+                misses += 1
+            if misses >= probe.misses:
+                misses = 0
+                session = self._client.session
+                if session is not None and not session.lost.is_set() and await self._client.depose_leader(leader):
+                    log.warning("leader %s (term %d) at %s failed %d health checks: revoked its lease",
+                                leader.member_id, leader.term, leader.address, probe.misses)
+                    return
+            await asyncio.sleep(max(0.0, started + probe.interval_s - loop.time()))
 
     async def _wait_term_end(self, term: int) -> None:
         """Returns once /leader no longer holds the key created at term (or

@@ -2,9 +2,10 @@
 
 Connects to etcd, serves SchedulerService (health SERVING once etcd
 answered), registers as a scheduler member and campaigns for leadership;
-the leader forms worker groups. SIGTERM/SIGINT: revoke the lease first (the
-leader key goes with it, so another replica takes over within
-milliseconds), then stop the server.
+the leader forms worker groups, the followers health-check the leader and
+depose it when it stops answering (scheduler_svc/election.py).
+SIGTERM/SIGINT: revoke the lease first (the leader key goes with it, so
+another replica takes over within milliseconds), then stop the server.
 """
 
 import asyncio
@@ -12,7 +13,8 @@ import sys
 
 from moe.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.election import Election
+from scheduler_svc.election import Election, LeaderProbe
+from scheduler_svc.leader_probe import HealthCheck
 from scheduler_svc.observability import LeaderWatch
 from scheduler_svc.servicer import SchedulerServicer
 from scheduler_svc.state import lead_groups
@@ -35,26 +37,37 @@ async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
         [SERVICE_NAME], host=config.host, port=config.port,
     )
     campaign = watch = None
+    health_check = HealthCheck(config.leader_probe_timeout_s)
     try:
         await client.connect(wait_s=None)
         address = config.address(server.port)
         await client.register(ROLE, config.member_id, address, ttl=config.lease_ttl_s)
         watch = asyncio.create_task(leader_watch.run(), name="leader-metrics")
-        election = Election(client, config.member_id, address)
+        election = Election(client, config.member_id, address, probe=leader_probe(config, health_check))
         campaign = asyncio.create_task(election.run(
             lambda leadership: lead_groups(client, leadership, config.group_size)))
         await server.set_serving(True)
         settings.announce_port(ROLE, config, server.port)
         await stop.wait()
-        await server.set_serving(False)
     finally:
-        if campaign is not None:
-            campaign.cancel()
-            await asyncio.gather(campaign, return_exceptions=True)
-        await cancel_and_wait([watch], what="the leader metrics watch")
-        await client.close()  # revokes the lease: /leader and our member key go now
+        # First of all: revoking the lease deletes /leader (if ours) and our
+        # member key, so a follower takes over now. The election and the
+        # watch then end on the closed client; a write of ours still in
+        # flight is fenced off.
+        await client.close()
+        await server.set_serving(False)
+        await cancel_and_wait([campaign, watch], what="the election and the leader metrics watch")
+        await health_check.close()
         await server.stop(grace_s=1.0)
         await probes.close()
+
+
+def leader_probe(config: SchedulerConfig, check: HealthCheck) -> LeaderProbe | None:
+    """How this replica probes the leader while it follows; None if probing is off."""
+    if config.leader_probe_interval_s == 0:
+        return None
+    return LeaderProbe(check, interval_s=config.leader_probe_interval_s, misses=config.leader_probe_misses,
+                       max_answer_s=3 * config.leader_probe_timeout_s)
 
 
 def main(argv: list[str] | None = None) -> None:

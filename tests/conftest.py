@@ -11,6 +11,8 @@ import tempfile
 # Before anything imports services.launcher: keep the tests' built tokenizer,
 # models and mesh state out of the user's ~/.cache.
 os.environ.setdefault("MOEMESH_CACHE_DIR", tempfile.mkdtemp(prefix="moemesh-test-cache-"))
+# Role processes the tests start themselves bind a free metrics port, not 9090.
+os.environ.setdefault("MOEMESH_METRICS_PORT", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

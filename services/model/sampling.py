@@ -10,12 +10,17 @@ import dataclasses
 import torch
 from torch import Tensor
 
+# Temperatures below it sample greedily (as vLLM does): dividing the logits by
+# a subnormal temperature overflows them to inf and the softmax to NaN, and at
+# such a temperature every token but the argmax has a probability of ~0 anyway.
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SamplingSpec:
     """How one sequence samples."""
 
-    # 0 means greedy (argmax); otherwise the logits are divided by it.
+    # 0 (or below MIN_TEMPERATURE) means greedy (argmax); otherwise the logits are divided by it.
     temperature: float = 1.0
     # Keep the smallest set of most likely tokens whose probability reaches top_p.
     top_p: float = 1.0
@@ -35,7 +40,7 @@ class SamplingSpec:
     @property
     def is_greedy(self) -> bool:
         """True if sampling is argmax."""
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
 
 def sample(logits_SV: Tensor, specs: list[SamplingSpec],

@@ -33,7 +33,7 @@ def hits(group_id: str, rank: int, layers: dict[int, list[int]]) -> router_pb2.R
 
 def test_reports_accumulate_and_stats_filter_by_group(etcd, tmp_path):
     config = RouterConfig(member_id="r0", etcd=etcd.endpoint, key_prefix="/t-router",
-                          port_file=str(tmp_path / "router.port"), lease_ttl_s=1)
+                          port_file=str(tmp_path / "router.port"), lease_ttl_s=1, metrics_port=0)
 
     async def body():
         stop = asyncio.Event()

@@ -1,70 +1,13 @@
 """Leader election and fencing among candidates in one process, on a real etcd.
 
-Every body runs under a deadline (tests.scheduler_svc.bounded.run): a hang
+Every body runs under a deadline (tests.bounded.run): a hang
 fails the test with the stack of every task instead of stalling the run."""
 
 import asyncio
-import inspect
 
-from scheduler_svc.election import Election, Leadership
-from services.cluster import ClusterClient, GroupAssignment, RankInfo, cancel_and_wait
+from services.cluster import GroupAssignment, RankInfo
 from tests.bounded import run
-
-
-class Candidate:
-    """A scheduler replica without gRPC: a client, an election, a lead loop
-    that records its terms and runs until cancelled."""
-
-    def __init__(self, endpoint: str, prefix: str, member_id: str):
-        self.member_id = member_id
-        self.client = ClusterClient(endpoint, prefix=prefix)
-        self.election = Election(self.client, member_id, f"127.0.0.1:{member_id}")
-        self.terms: list[int] = []
-        self.stepped_down: list[int] = []
-        self.task: asyncio.Task | None = None
-
-    async def start(self) -> "Candidate":
-        await self.client.connect()
-        await self.client.register("scheduler", self.member_id, f"127.0.0.1:{self.member_id}", ttl=1)
-        self.task = asyncio.create_task(self.election.run(self._lead))
-        return self
-
-    async def _lead(self, leadership: Leadership) -> None:
-        self.terms.append(leadership.term)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            self.stepped_down.append(leadership.term)
-
-    async def stop(self) -> None:
-        """What a replica does on SIGTERM: ends its election, then closes (revokes) its client."""
-        assert await cancel_and_wait([self.task], 5.0), f"{self.member_id}'s election ignored its cancellation"
-        await self.client.close()
-        assert self.client.is_closed and not self.election.is_leader
-
-
-async def eventually(predicate, timeout_s: float = 5.0):
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        value = predicate()
-        if inspect.isawaitable(value):
-            value = await value
-        if value or asyncio.get_running_loop().time() > deadline:
-            return value
-        await asyncio.sleep(0.02)
-
-
-def leaders(candidates: list[Candidate]) -> list[Candidate]:
-    return [c for c in candidates if c.election.is_leader]
-
-
-async def start_three(etcd, prefix: str) -> list[Candidate]:
-    candidates = [Candidate(etcd.endpoint, prefix, f"s{i}") for i in range(3)]
-    await asyncio.gather(*(c.start() for c in candidates))
-    assert await eventually(lambda: len(leaders(candidates)) == 1)
-    await asyncio.sleep(0.3)  # and it stays at exactly one
-    assert len(leaders(candidates)) == 1
-    return candidates
+from tests.scheduler_svc.candidates import eventually, leaders, start_three
 
 
 def test_exactly_one_leader_and_term_is_create_revision(etcd, key_prefix):
@@ -119,7 +62,7 @@ def test_leader_steps_down_when_its_lease_is_revoked(etcd, key_prefix):
         info = await old.client.get_leader()
         probe = next(c for c in candidates if c is not old)
         await probe.client.revoke_lease(info.lease_id)
-        assert await eventually(lambda: old.stepped_down == [old_term])
+        assert await eventually(lambda: [t for t, _ in old.stepped_down] == [old_term])
         assert await eventually(
             lambda: len(leaders(candidates)) == 1 and leaders(candidates)[0].election.leadership.term > old_term)
         # The deposed replica registered again under a fresh lease and is a candidate once more.

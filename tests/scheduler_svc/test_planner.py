@@ -112,3 +112,30 @@ def test_expert_without_rendezvous_port_is_not_placed():
 def test_bad_group_size_rejected():
     with pytest.raises(ValueError, match="group_size must be >= 1, got 0"):
         plan_groups([], [], group_size=0, term=1)
+
+
+def _applied(groups: list[GroupAssignment], plan) -> list[GroupAssignment]:
+    """The groups after the plan's transaction."""
+    by_id = {g.group_id: g for g in groups if g.group_id not in plan.delete}
+    by_id.update((g.group_id, g) for g in plan.put)
+    return [by_id[i] for i in sorted(by_id)]
+
+
+E = [expert(f"e{i}") for i in range(5)]
+W = [gateway(f"w{i}") for i in range(3)]
+
+
+@pytest.mark.parametrize("members, groups", [
+    ([*E[:4], *W[:2]], []),                                    # two groups form
+    ([*E, W[0]], []),                                          # one group, spare experts
+    ([*E[:3], expert("e9", rendezvous_port=None), *W], []),   # an unplaceable expert, spare gateways
+    ([*E[:4], W[1]], [group_of("g0", E[:2], "w0"), group_of("g1", E[2:4], None)]),  # a gateway left
+    ([E[0], E[2], E[3], W[0]], [group_of("g0", E[:2], "w0")]),  # a rank left
+])
+def test_a_new_leader_replans_nothing_once_the_old_one_converged(members, groups):
+    """Failover must not touch a healthy group: after the old leader's plan
+    (term 5) is written, a new leader (term 9) on the same membership plans
+    nothing, so no group is deleted, re-epoched or even rewritten."""
+    groups = _applied(groups, plan_groups(members, groups, group_size=2, term=5))
+    assert groups, "the scenario should leave at least one group"
+    assert plan_groups(members, groups, group_size=2, term=9).is_empty

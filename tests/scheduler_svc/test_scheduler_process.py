@@ -173,6 +173,7 @@ def test_sigterm_resigns_at_once(etcd, schedulers, key_prefix):
 
 def test_config_from_flags_then_env_then_defaults():
     from scheduler_svc.config import SchedulerConfig
+    from scheduler_svc.main import leader_probe
     from services.settings import parse_config
 
     env = {"MOEMESH_GROUP_SIZE": "4", "MOEMESH_ETCD": "10.0.0.1:2379", "MOEMESH_MEMBER_ID": "s9"}
@@ -185,3 +186,11 @@ def test_config_from_flags_then_env_then_defaults():
         parse_config(SchedulerConfig, [], env={})
     with pytest.raises(ValueError, match="lease_ttl_s must be >= 1"):
         SchedulerConfig(member_id="s0", lease_ttl_s=0)
+    assert (config.leader_probe_interval_s, config.leader_probe_timeout_s, config.leader_probe_misses) == (0.1, 0.1, 2)
+    probe = parse_config(SchedulerConfig, ["--leader-probe-misses", "3", "--leader-probe-interval-s", "0"],
+                         env={"MOEMESH_MEMBER_ID": "s1", "MOEMESH_LEADER_PROBE_TIMEOUT_S": "0.25"})
+    assert (probe.leader_probe_interval_s, probe.leader_probe_timeout_s, probe.leader_probe_misses) == (0.0, 0.25, 3)
+    assert leader_probe(probe, None) is None  # interval 0: probing off
+    for bad in ({"leader_probe_misses": 0}, {"leader_probe_timeout_s": 0.0}, {"leader_probe_interval_s": -1.0}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be"):
+            SchedulerConfig(member_id="s0", **bad)

@@ -4,6 +4,7 @@ Every body runs under a deadline (tests.scheduler_svc.bounded.run): a hang
 fails the test with the stack of every task instead of stalling the run."""
 
 import asyncio
+import dataclasses
 import inspect
 import signal
 
@@ -118,6 +119,28 @@ def test_ready_marks_follow_the_assignment(etcd):
     run(body())
 
 
+def test_depose_leader_only_revokes_the_lease_the_leader_key_holds(etcd):
+    """A follower's view of the leader may be stale: deposing acts only if
+    /leader still holds that term under that lease."""
+    async def body():
+        leader, follower = ClusterClient(etcd.endpoint, prefix="/t-depose"), ClusterClient(etcd.endpoint, prefix="/t-depose")
+        for client, member_id in [(leader, "s0"), (follower, "s1")]:
+            await client.connect()
+            await client.register("scheduler", member_id, "127.0.0.1:1", ttl=1)
+        info = await leader.campaign("s0", "127.0.0.1:1")
+        assert info.lease_id == leader.session.lease_id
+        assert not await follower.depose_leader(dataclasses.replace(info, term=info.term - 1))
+        assert not await follower.depose_leader(dataclasses.replace(info, lease_id=follower.session.lease_id))
+        assert await follower.get_leader() == info
+        assert await follower.depose_leader(info)
+        assert await follower.get_leader() is None
+        assert not await follower.depose_leader(info)  # gone already: nothing to do
+        await leader.close()
+        await follower.close()
+
+    run(body())
+
+
 def test_connect_gives_up_after_budget_when_etcd_is_down():
     async def body():
         client = ClusterClient(f"127.0.0.1:{free_port()}")
@@ -128,9 +151,11 @@ def test_connect_gives_up_after_budget_when_etcd_is_down():
     run(body())
 
 
-def test_session_survives_an_etcd_restart(tmp_path):
-    """etcd down for longer than the TTL: the session is declared lost and
-    the member registers again once etcd is back; nothing crashes."""
+def test_session_resumes_on_its_lease_across_an_etcd_restart(tmp_path):
+    """etcd down for longer than the TTL: the session is lost at the first
+    failed keepalive, but etcd keeps leases across a restart (and restarts
+    their TTL), so once it is back the same lease goes on in a new session:
+    the member key was never deleted nor rewritten."""
     client_port, peer_port = free_port(), free_port()
     etcd = start_etcd(tmp_path, client_port=client_port, peer_port=peer_port)
 
@@ -140,18 +165,73 @@ def test_session_survives_an_etcd_restart(tmp_path):
         await client.connect()
         await client.register("router", "r0", "127.0.0.1:1", ttl=1)
         first = client.session
+        key = client.keys.member("router", "r0").encode()
+        written = (await client._etcd.get(key)).mod_revision
         etcd.stop()
-        await asyncio.wait_for(first.lost.wait(), 5)
+        await asyncio.wait_for(first.lost.wait(), 1.0)  # at the first failed refresh
+        await asyncio.sleep(1.2)
         etcd = start_etcd(tmp_path, client_port=client_port, peer_port=peer_port)
         session = await asyncio.wait_for(client.live_session(), 10)
-        assert session.lease_id != first.lease_id
-        assert [m.member_id for m in await client.list_members("router")] == ["r0"]
+        assert session is not first and session.lease_id == first.lease_id
+        assert (await client._etcd.get(key)).mod_revision == written
         await client.close()
 
     try:
         run(body())
     finally:
         etcd.stop()
+
+
+def test_session_whose_lease_is_gone_registers_again(etcd):
+    async def body():
+        client = ClusterClient(etcd.endpoint, prefix="/t-gone")
+        other = ClusterClient(etcd.endpoint, prefix="/t-gone")
+        await client.connect()
+        await other.connect()
+        await client.register("router", "r0", "127.0.0.1:1", ttl=1)
+        first = client.session
+        await other.revoke_lease(first.lease_id)
+        assert await other.list_members() == []
+        await asyncio.wait_for(first.lost.wait(), 2.0)
+        session = await asyncio.wait_for(client.live_session(), 5)
+        assert session.lease_id != first.lease_id
+        assert [m.member_id for m in await other.list_members()] == ["r0"]
+        await client.close()
+        await other.close()
+
+    run(body())
+
+
+def test_group_watch_ignores_a_record_older_than_a_term_seen(etcd):
+    """A record of the member's group written in an older term than one
+    already seen (a deposed leader's, or etcd restored from an old backup)
+    is logged and ignored; newer records are followed again."""
+    async def body():
+        prefix = "/t-stale"
+        leader = ClusterClient(etcd.endpoint, prefix=prefix)
+        await leader.connect()
+        key = leader.keys.group("g0").encode()
+        seen: list = []
+
+        async def follow():
+            async for assignment in leader.watch_group_for_member("w0"):
+                seen.append(assignment)
+
+        await leader._etcd.put(key, group(10).to_json())
+        task = asyncio.create_task(follow())
+        assert await eventually(lambda: seen == [group(10)])
+        await leader._etcd.put(key, group(7, gateway_id="w0", epoch=2).to_json())  # stale: bypasses the fence
+        await leader._etcd.put(leader.keys.group("g1").encode(), group(7, gateway_id="w1").to_json())
+        await asyncio.sleep(0.3)
+        assert seen == [group(10)]
+        await leader._etcd.put(key, group(11, epoch=2).to_json())
+        assert await eventually(lambda: seen == [group(10), group(11, epoch=2)])
+        await leader._etcd.delete(key)
+        assert await eventually(lambda: seen == [group(10), group(11, epoch=2), None])
+        assert await cancel_and_wait([task], 2.0)
+        await leader.close()
+
+    run(body())
 
 
 def test_close_right_as_a_keepalive_reply_arrives(etcd):

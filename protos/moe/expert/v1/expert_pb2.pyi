@@ -19,16 +19,18 @@ class SequenceSampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "sampling", "block_ids", "num_cached_tokens")
+    __slots__ = ("seq_id", "sampling", "block_ids", "num_cached_tokens", "traceparent")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     sampling: SequenceSampling
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SequenceSampling, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SequenceSampling, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class ScheduledSequence(_message.Message):
     __slots__ = ("seq_id", "token_ids", "new_block_ids", "is_sampled")
