@@ -2,11 +2,15 @@
 
 A hit is one token routed to one expert (a token counts top-k times). The
 hit rate of an expert is its count over the layer's total, so the rates of
-a layer sum to 1 (all zeros while the layer has no hits).
+a layer sum to 1 (all zeros while the layer has no hits). The counts of
+`layer_stats` saturate at MAX_COUNT, the wire's uint64: real traffic never
+gets there, but reports with absurd counts must not break the replies.
 """
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
+
+MAX_COUNT = 2**64 - 1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -65,7 +69,7 @@ class ExpertStats:
             totals.extend([0] * (len(counts) - len(totals)))
             for expert, count in enumerate(counts):
                 totals[expert] += count
-        return [LayerStats(layer, per_layer[layer], hit_rates(per_layer[layer]))
+        return [LayerStats(layer, [min(c, MAX_COUNT) for c in per_layer[layer]], hit_rates(per_layer[layer]))
                 for layer in sorted(per_layer)]
 
     def num_reports(self, group_id: str = "") -> int:

@@ -2,7 +2,8 @@
 
 import pytest
 
-from router_svc.stats import ExpertStats, hit_rates
+from moe.router.v1 import router_pb2
+from router_svc.stats import MAX_COUNT, ExpertStats, hit_rates
 
 
 def test_hit_rates_are_shares_of_the_layer_total():
@@ -38,3 +39,15 @@ def test_bad_reports_are_rejected_whole():
         stats.add_report("g0", [(1, [5, 5]), (0, [1, 1, 1])])
     assert [(s.layer, s.counts) for s in stats.layer_stats("g0")] == [(0, [1, 1])]
     assert stats.num_reports("g0") == 1
+
+
+def test_counts_saturate_at_the_wire_uint64():
+    # Found by tests/test_fuzz_e2e.py: two groups' counts summed past 2**64 - 1, and
+    # GetExpertStats failed with UNKNOWN ("Value out of range") for every client after.
+    stats = ExpertStats()
+    stats.add_report("g0", [(0, [MAX_COUNT, 1])])
+    stats.add_report("g1", [(0, [5, 1])])
+    [layer] = stats.layer_stats()
+    assert layer.counts == [MAX_COUNT, 2]
+    assert layer.hit_rates == hit_rates([MAX_COUNT + 5, 2])
+    router_pb2.LayerStats(layer=0, counts=layer.counts)  # fits the wire
