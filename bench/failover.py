@@ -145,6 +145,7 @@ class Bench:
         self.num_restarted_after_hang = 0
         self.num_group_changes = 0
         self.started_at = time.perf_counter()
+        self.load_avg_at_start = os.getloadavg()
 
     def role(self, name: str):
         return next(r for r in self.mesh.roles if r.name == name)
@@ -234,7 +235,8 @@ class Bench:
                         await self.settle()
             finally:
                 stop.set()
-                await asyncio.wait(clients, timeout=90)
+                if clients:
+                    await asyncio.wait(clients, timeout=90)
                 watch.cancel()
                 await self.schedulers.close()
         return load
@@ -259,7 +261,8 @@ def summarize(bench: Bench, load: Load, args, argv: list[str]) -> dict:
     return {
         "command": "python -m bench.failover " + shlex.join(argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        "machine": {"cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()},
+        "machine": {"cpus": os.cpu_count(), "load_avg_at_start": bench.load_avg_at_start,
+                    "load_avg_at_end": os.getloadavg()},
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "cases": cases,
         "requests": {"ok": load.num_ok, "failed": dict(load.failed), "first_errors": load.first_errors},
@@ -340,9 +343,13 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(report)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "failover.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    load = report["machine"]["load_avg_at_start"][0], report["machine"]["load_avg_at_end"][0]
     (args.out / "failover.md").write_text(
-        f"# Scheduler failover\n\n`{report['command']}` on {report['date']}, {os.cpu_count()} CPUs "
-        f"(shared), tiny model on the CPU, {args.clients} client streams.\n\n{table}\n")
+        f"# Scheduler failover\n\n`{report['command']}` on {report['date']}: {os.cpu_count()} CPUs shared "
+        f"with other work (1-minute load average {load[0]:.1f} at the start, {load[1]:.1f} at the end), the "
+        f"tiny model on the CPU, {args.clients} client streams in flight throughout. Times from the signal; "
+        f"`key`: a new leader holds /leader; p50/p99/max: it also answers GetClusterState as the leader "
+        f"(nearest-rank percentiles: with 20 samples p99 is the maximum).\n\n{table}\n")
     print(table)
     print(f"\nwrote {args.out / 'failover.json'} and {args.out / 'failover.md'}")
     return 0 if all(c["is_met"] for c in report["cases"].values()) and not load.failed else 1

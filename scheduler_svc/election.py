@@ -179,10 +179,12 @@ class Election:
             if misses >= probe.misses:
                 misses = 0
                 session = self._client.session
-                if session is not None and not session.lost.is_set() and await self._client.depose_leader(leader):
-                    log.warning("leader %s (term %d) at %s failed %d health checks: revoked its lease",
+                if session is not None and not session.lost.is_set():
+                    # Logged first: once the lease is revoked our own term watch may end this task.
+                    log.warning("leader %s (term %d) at %s failed %d health checks in a row: deposing it",
                                 leader.member_id, leader.term, leader.address, probe.misses)
-                    return
+                    if await self._client.depose_leader(leader):
+                        return
             await asyncio.sleep(max(0.0, started + probe.interval_s - loop.time()))
 
     async def _wait_term_end(self, term: int) -> None:

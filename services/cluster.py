@@ -262,6 +262,16 @@ def _leader_from_kv(kv) -> LeaderInfo:
                       float(value["elected_at"]), kv.lease)
 
 
+def _raise_unless_lease_gone(error: Exception, session: "Session") -> None:
+    """A write under session's lease failed: if because etcd no longer has the
+    lease (revoked or expired before the keepalive noticed), marks the session
+    lost (the keepalive then registers anew) and returns; else re-raises."""
+    if "lease not found" not in str(error):
+        raise error
+    log.warning("lease %x is gone (%s); waiting for a new session", session.lease_id, error)
+    session.lost.set()
+
+
 def _leader_after(events: list) -> LeaderInfo | None:
     """The leader after a watch response's events on /leader (the last one counts)."""
     event = events[-1]
@@ -536,21 +546,25 @@ class ClusterClient:
         """Puts /ready/<group>/<epoch>/<rank> under this member's lease, only
         while that exact assignment (epoch, rank -> member_id) is current.
         Returns False if it is not (the group moved on; nothing written)."""
-        session = await self.live_session()
         group_key = self.keys.group(group_id).encode()
         value = json.dumps({"member_id": member_id}).encode()
         while True:
+            session = await self.live_session()
             got = await self._retry("mark_rank_ready", self._etcd.get, group_key)
             group = None if got is None else GroupAssignment.from_json(got.value)
             if group is None or group.epoch != epoch or group.rank_of(member_id) != rank:
                 return False
-            is_written, _ = await self._retry(
-                "mark_rank_ready", self._etcd.transaction,
-                compare=[self._etcd.transactions.mod(group_key) == got.mod_revision],
-                success=[self._etcd.transactions.put(
-                    self.keys.ready(group_id, epoch, rank).encode(), value, lease=session.lease_id)],
-                failure=[],
-            )
+            try:
+                is_written, _ = await self._retry(
+                    "mark_rank_ready", self._etcd.transaction,
+                    compare=[self._etcd.transactions.mod(group_key) == got.mod_revision],
+                    success=[self._etcd.transactions.put(
+                        self.keys.ready(group_id, epoch, rank).encode(), value, lease=session.lease_id)],
+                    failure=[],
+                )
+            except aetcd.ClientError as error:
+                _raise_unless_lease_gone(error, session)
+                continue  # under the next session's lease
             if is_written:
                 return True  # else the group key changed under us: check it again
 
@@ -563,12 +577,16 @@ class ClusterClient:
         key = self.keys.leader.encode()
         value = json.dumps({"member_id": member_id, "address": address, "elected_at": time.time()})
         txn = self._etcd.transactions
-        _, responses = await self._retry(
-            "campaign", self._etcd.transaction,
-            compare=[txn.create(key) == 0],
-            success=[txn.put(key, value.encode(), lease=session.lease_id), txn.get(key)],
-            failure=[txn.get(key)],
-        )
+        try:
+            _, responses = await self._retry(
+                "campaign", self._etcd.transaction,
+                compare=[txn.create(key) == 0],
+                success=[txn.put(key, value.encode(), lease=session.lease_id), txn.get(key)],
+                failure=[txn.get(key)],
+            )
+        except aetcd.ClientError as error:
+            _raise_unless_lease_gone(error, session)
+            raise ClusterUnavailableError(f"etcd at {self.endpoint}: campaign: our lease is gone") from error
         (_, kv), = responses[-1]
         return _leader_from_kv(kv)
 
@@ -606,8 +624,10 @@ class ClusterClient:
         try:
             got = await self._call("depose", self._etcd.get, self.keys.leader.encode())
             if got is None or (got.create_revision, got.lease) != (leader.term, leader.lease_id):
+                log.info("not deposing leader %s (term %d): /leader has changed", leader.member_id, leader.term)
                 return False
             await self._call("depose", self._etcd.revoke_lease, leader.lease_id)
+            log.warning("revoked the lease of leader %s (term %d)", leader.member_id, leader.term)
         except _ETCD_ERRORS as error:  # etcd unreachable, or another follower revoked it first
             log.info("did not depose leader %s (term %d): %r", leader.member_id, leader.term, error)
             return False

@@ -129,8 +129,9 @@ def test_kill9_of_the_leader_a_follower_takes_over_and_the_killed_one_rejoins(ow
             assert groups_of(after) == groups_of(before)  # same group, epoch and term: not rewritten
             await asyncio.to_thread(mesh.restart, old.member_id)
             assert await poll(lambda: all_agree_on(mesh, after.leader))
+            assert await poll(lambda: _is_member(mesh, old.member_id))
             rejoined = await cluster_state(f"127.0.0.1:{role(mesh, old.member_id).port}")
-            assert not rejoined.is_leader and old.member_id in {m.member_id for m in rejoined.members}
+            assert not rejoined.is_leader and rejoined.leader.member_id == after.leader.member_id
             await asyncio.sleep(0.5)
         assert traffic.errors == [] and traffic.num_ok > 0
 
@@ -165,9 +166,10 @@ def test_a_paused_leader_wakes_up_deposed_fenced_off_and_follows(own_mesh):
             finally:
                 os.kill(paused.proc.pid, signal.SIGCONT)
             assert await poll(lambda: all_agree_on(mesh, after.leader))
+            assert await poll(lambda: _logged(paused, f"stepping down from term {old.term}"))
+            assert await poll(lambda: _is_member(mesh, old.member_id))  # registered again, under a new lease
             woken = await cluster_state(f"127.0.0.1:{paused.port}")
-            assert not woken.is_leader and old.member_id in {m.member_id for m in woken.members}
-            assert f"stepping down from term {old.term}" in paused.log_path.read_text()
+            assert not woken.is_leader and woken.leader.member_id == after.leader.member_id
             assert [g for g in groups_of(woken) if g[0] != formed.group_id] == groups_of(before)
             observer = extra.pop()
             await extra[0].close()
@@ -176,6 +178,15 @@ def test_a_paused_leader_wakes_up_deposed_fenced_off_and_follows(own_mesh):
         assert traffic.errors == [] and traffic.num_ok > 0
 
     run(body(), timeout_s=120)
+
+
+async def _logged(role_: launcher.Role, text: str) -> bool:
+    return text in role_.log_path.read_text(errors="replace")
+
+
+async def _is_member(mesh, member_id: str) -> bool:
+    state = await cluster_state(mesh.scheduler_addresses[0])
+    return state is not None and member_id in {m.member_id for m in state.members}
 
 
 async def _group_with(client: ClusterClient, member_id: str):

@@ -38,7 +38,7 @@ def test_followers_depose_a_leader_that_stops_answering(etcd, key_prefix):
         assert await eventually(lambda: any(c.terms and c.terms[-1] > old_term for c in candidates))
         [new] = [c for c in candidates if c.terms and c.terms[-1] > old_term]
         assert new is not old
-        assert new.elected[-1][1] - started < 0.6
+        assert new.elected[-1][1] - started < 0.8  # the probes: the 1 s lease alone takes longer
         assert await eventually(lambda: [t for t, _ in old.stepped_down] == [old_term])
         assert await eventually(lambda: old.client.session.lease_id != old_lease
                                 and not old.client.session.lost.is_set())
@@ -118,7 +118,7 @@ def test_a_leader_cut_off_from_etcd_steps_down_before_its_lease_can_expire(etcd,
         assert await eventually(lambda: old.stepped_down, timeout_s=2.0)
         assert not old.election.is_leader
         stepped_down_at = old.stepped_down[0][1]
-        assert stepped_down_at - cut_at < 0.8  # keepalive every ttl/3 = 0.33 s, each with a 0.33 s deadline
+        assert stepped_down_at - cut_at < 0.95  # keepalive every ttl/3 = 0.33 s, each with a 0.33 s deadline
         assert await eventually(lambda: len(leaders(others)) == 1, timeout_s=5.0)
         [new] = leaders(others)
         assert new.terms[0] > old_term and new.elected[0][1] > stepped_down_at

@@ -123,7 +123,7 @@ def test_depose_leader_only_revokes_the_lease_the_leader_key_holds(etcd):
     """A follower's view of the leader may be stale: deposing acts only if
     /leader still holds that term under that lease."""
     async def body():
-        leader, follower = ClusterClient(etcd.endpoint, prefix="/t-depose"), ClusterClient(etcd.endpoint, prefix="/t-depose")
+        leader, follower = (ClusterClient(etcd.endpoint, prefix="/t-depose") for _ in range(2))
         for client, member_id in [(leader, "s0"), (follower, "s1")]:
             await client.connect()
             await client.register("scheduler", member_id, "127.0.0.1:1", ttl=1)
@@ -190,16 +190,57 @@ def test_session_whose_lease_is_gone_registers_again(etcd):
         await other.connect()
         await client.register("router", "r0", "127.0.0.1:1", ttl=1)
         first = client.session
-        await other.revoke_lease(first.lease_id)
-        assert await other.list_members() == []
+        await other.revoke_lease(first.lease_id)  # the member key goes with it
         await asyncio.wait_for(first.lost.wait(), 2.0)
         session = await asyncio.wait_for(client.live_session(), 5)
         assert session.lease_id != first.lease_id
-        assert [m.member_id for m in await other.list_members()] == ["r0"]
+        assert await eventually(lambda: _member_lease(other, "router", "r0"))
+        assert await _member_lease(other, "router", "r0") == session.lease_id  # put again, under the new lease
         await client.close()
         await other.close()
 
     run(body())
+
+
+def test_writes_under_a_lease_that_is_gone_wait_for_the_next_session(etcd):
+    """A lease revoked before the keepalive noticed: a campaign fails as etcd
+    being unavailable (the election retries; no traceback), and marking a
+    rank ready writes under the member's next lease."""
+    async def body():
+        prefix = "/t-lease-gone"
+        leader, rank = ClusterClient(etcd.endpoint, prefix=prefix), ClusterClient(etcd.endpoint, prefix=prefix)
+        for client, (role, member_id) in [(leader, ("scheduler", "s0")), (rank, ("expert", "e0"))]:
+            await client.connect()
+            await client.register(role, member_id, "127.0.0.1:1", ttl=2)
+        term = (await leader.campaign("s0", "127.0.0.1:1")).term
+        assert await leader.write_groups(term, [group(term)])
+        first = rank.session
+        await leader.revoke_lease(first.lease_id)
+        assert await rank.mark_rank_ready("g0", 1, 0, "e0")
+        got = await leader._etcd.get(leader.keys.ready("g0", 1, 0).encode())
+        assert got.lease == rank.session.lease_id != first.lease_id
+        refresh, may_refresh = leader._etcd.refresh_lease, asyncio.Event()
+
+        async def held_refresh(lease_id):  # the keepalive must not notice first
+            await may_refresh.wait()
+            return await refresh(lease_id)
+
+        leader._etcd.refresh_lease = held_refresh
+        await rank.revoke_lease(leader.session.lease_id)  # and the leader's: /leader goes too
+        with pytest.raises(ClusterUnavailableError, match="our lease is gone"):
+            await leader.campaign("s0", "127.0.0.1:1")
+        assert leader.session.lost.is_set()
+        may_refresh.set()
+        assert (await leader.campaign("s0", "127.0.0.1:1")).lease_id == leader.session.lease_id
+        await rank.close()
+        await leader.close()
+
+    run(body())
+
+
+async def _member_lease(client: ClusterClient, role: str, member_id: str) -> int | None:
+    got = await client._etcd.get(client.keys.member(role, member_id).encode())
+    return None if got is None else got.lease
 
 
 def test_group_watch_ignores_a_record_older_than_a_term_seen(etcd):
