@@ -8,6 +8,7 @@ is left behind (and listed) rather than waited for.
 """
 
 import asyncio
+import inspect
 import io
 import sys
 
@@ -66,3 +67,15 @@ def _shutdown(loop: asyncio.AbstractEventLoop) -> None:
     finally:
         asyncio.set_event_loop(None)
         loop.close()
+
+
+async def eventually(predicate, timeout_s: float = 5.0):
+    """Polls a predicate (plain or async) until it returns a truthy value; returns the last value."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value or asyncio.get_running_loop().time() > deadline:
+            return value
+        await asyncio.sleep(0.02)

@@ -6,11 +6,11 @@ answers from a dict instead of a health check.
 """
 
 import asyncio
-import inspect
 import time
 
 from scheduler_svc.election import Election, LeaderProbe, Leadership
 from services.cluster import ClusterClient, cancel_and_wait
+from tests.bounded import eventually
 
 
 class FakeProbe:
@@ -64,17 +64,6 @@ class Candidate:
         await self.client.close()
         assert self.client.is_closed and not self.election.is_leader
 
-
-async def eventually(predicate, timeout_s: float = 5.0):
-    """Polls a predicate (plain or async) until it returns a truthy value; returns the last value."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        value = predicate()
-        if inspect.isawaitable(value):
-            value = await value
-        if value or asyncio.get_running_loop().time() > deadline:
-            return value
-        await asyncio.sleep(0.02)
 
 
 def leaders(candidates: list[Candidate]) -> list[Candidate]:

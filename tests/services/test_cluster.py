@@ -1,18 +1,17 @@
 """ClusterClient against a real etcd.
 
-Every body runs under a deadline (tests.scheduler_svc.bounded.run): a hang
+Every body runs under a deadline (tests.bounded.run): a hang
 fails the test with the stack of every task instead of stalling the run."""
 
 import asyncio
 import dataclasses
-import inspect
 import signal
 
 import pytest
 
 from services.cluster import ClusterClient, ClusterUnavailableError, GroupAssignment, RankInfo, cancel_and_wait
 from services.etcd_server import free_port, start_etcd
-from tests.bounded import run
+from tests.bounded import eventually, run
 
 
 @pytest.fixture(scope="module")
@@ -20,17 +19,6 @@ def etcd(tmp_path_factory):
     with start_etcd(tmp_path_factory.mktemp("etcd")) as running:
         yield running
 
-
-async def eventually(predicate, timeout_s: float = 5.0):
-    """Polls a predicate (plain or async) until it returns a truthy value."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        value = predicate()
-        if inspect.isawaitable(value):
-            value = await value
-        if value or asyncio.get_running_loop().time() > deadline:
-            return value
-        await asyncio.sleep(0.05)
 
 
 def group(term: int, gateway_id: str | None = "w0", epoch: int = 1) -> GroupAssignment:
