@@ -258,6 +258,25 @@ def _checked_messages(messages: Sequence[tuple[str, str]]) -> Sequence[tuple[str
     return messages
 
 
+def tokenizer_config(tokenizer_class: str, model_max_length: int, **extra) -> dict:
+    """The `tokenizer_config.json` of a ChatML model: the template, <|im_end|> as
+    EOS, <|endoftext|> as padding, no BOS; `extra` adds class-specific keys."""
+    return {
+        "tokenizer_class": tokenizer_class,
+        "chat_template": CHATML_JINJA,
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": END_OF_TEXT,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "model_max_length": model_max_length,
+        **extra,
+    }
+
+
 def write_tokenizer_files(out_dir: str | os.PathLike, *,
                           model_max_length: int = DEFAULT_MODEL_MAX_LENGTH,
                           cache_dir: str | os.PathLike | None = None) -> None:
@@ -269,18 +288,5 @@ def write_tokenizer_files(out_dir: str | os.PathLike, *,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(qwen3_tokenizer_path(cache_dir), out / "tokenizer.json")
-    config = {
-        "tokenizer_class": "Qwen2Tokenizer",
-        "chat_template": CHATML_JINJA,
-        "bos_token": None,
-        "eos_token": IM_END,
-        "pad_token": END_OF_TEXT,
-        "unk_token": None,
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "clean_up_tokenization_spaces": False,
-        "errors": "replace",
-        "split_special_tokens": False,
-        "model_max_length": model_max_length,
-    }
+    config = tokenizer_config("Qwen2Tokenizer", model_max_length, errors="replace")
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

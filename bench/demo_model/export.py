@@ -21,7 +21,7 @@ from bench.demo_model.model import DemoMoE, expert_counts, hub_weights, load_hub
 from services.model.checkpoint import load_weights
 from services.model.config import ModelConfig
 from services.model.make_model import _write_weights
-from services.tokenizer import CHATML_JINJA, END_OF_TEXT, IM_END
+from services.tokenizer import tokenizer_config
 
 # Each file must come back from the GPU machine on its own (at most 16 MB).
 MAX_SHARD_BYTES = 12_000_000
@@ -41,20 +41,8 @@ def save_checkpoint(model: DemoMoE, out_dir: pathlib.Path, tokenizer_json: pathl
     generation = {"bos_token_id": hub["bos_token_id"], "eos_token_id": hub["eos_token_id"]}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     shutil.copyfile(tokenizer_json, out_dir / "tokenizer.json")
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": CHATML_JINJA,
-        "bos_token": None,
-        "eos_token": IM_END,
-        "pad_token": END_OF_TEXT,
-        "unk_token": None,
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "clean_up_tokenization_spaces": False,
-        "split_special_tokens": False,
-        "model_max_length": c.max_position_embeddings,
-    }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    config = tokenizer_config("PreTrainedTokenizerFast", c.max_position_embeddings)
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     if SOURCES_MD.is_file():
         shutil.copyfile(SOURCES_MD, out_dir / "SOURCES.md")
     for path in out_dir.iterdir():
