@@ -108,6 +108,18 @@ def _merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return [(left, right) for *_, left, right in merges]
 
 
+def set_qwen_pipeline(tok: tokenizers.Tokenizer) -> None:
+    """Qwen's byte-level pipeline around a BPE model: NFC, the Qwen split
+    regex, byte-level pre-tokenizer, post-processor and decoder."""
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False)
+    tok.decoder = decoders.ByteLevel()
+
+
 def build_qwen3_tokenizer() -> tokenizers.Tokenizer:
     """Build the Qwen3 tokenizer (as in Qwen3's tokenizer.json) from the ranks."""
     ranks = load_qwen_ranks()
@@ -119,13 +131,7 @@ def build_qwen3_tokenizer() -> tokenizers.Tokenizer:
     vocab = {to_str(token): rank for token, rank in ranks.items()}
     merges = [(to_str(a), to_str(b)) for a, b in _merges_from_ranks(ranks)]
     tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False)
-    tok.decoder = decoders.ByteLevel()
+    set_qwen_pipeline(tok)
     # Added one by one so that ids follow the table's order from 151643.
     for content, is_special in QWEN3_ADDED_TOKENS:
         token = AddedToken(content, normalized=False, special=is_special)

@@ -22,12 +22,12 @@ import pathlib
 import sys
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, models, pre_tokenizers, trainers
 
 from bench.demo_model.data import META_FILE, PREPARED, PROMPTS_FILE, TRAIN_FILE, VAL_FILE
 from bench.demo_model.fetch_corpus import read_records
 from bench.demo_model.prompts import all_prompts
-from services.tokenizer import END_OF_TEXT, IM_END, IM_START, QWEN_PATTERN
+from services.tokenizer import END_OF_TEXT, IM_END, IM_START, set_qwen_pipeline
 
 SPECIAL_TOKENS = (END_OF_TEXT, IM_START, IM_END)
 
@@ -35,13 +35,7 @@ SPECIAL_TOKENS = (END_OF_TEXT, IM_START, IM_END)
 def train_tokenizer(texts: list[str], vocab_size: int) -> tokenizers.Tokenizer:
     """A byte-level BPE of vocab_size ids (specials first) trained on texts."""
     tok = tokenizers.Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False)
-    tok.decoder = decoders.ByteLevel()
+    set_qwen_pipeline(tok)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, min_frequency=2, show_progress=False,
         special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
