@@ -176,6 +176,7 @@ class Bench:
         state = await self.current()
         name, old_term, groups = state.leader.member_id, state.leader.term, group_view(state)
         proc = self.role(name).proc
+        signalled_at = time.time()  # to find the failover in the processes' logs
         started = time.perf_counter()
         os.kill(proc.pid, CASES[case])
         key_at, leader = await self.leaders.wait_term_above(old_term, 10.0)
@@ -187,23 +188,29 @@ class Bench:
         serving_at = time.perf_counter()
         if group_view(new_state) != groups:
             self.num_group_changes += 1
-        await self.restore(case, name)
-        return {"old": name, "new": leader.member_id, "term": leader.term,
+        exited_at = await self.restore(case, name)
+        return {"old": name, "new": leader.member_id, "term": leader.term, "signalled_at": signalled_at,
+                "exit_ms": None if exited_at is None else 1000 * (exited_at - started),
                 "key_ms": 1000 * (key_at - started), "serving_ms": 1000 * (serving_at - started)}
 
-    async def restore(self, case: str, name: str) -> None:
-        """Brings the disrupted replica back as a follower."""
-        role = self.role(name)
+    async def restore(self, case: str, name: str) -> float | None:
+        """Brings the disrupted replica back as a follower; returns when a
+        replica stopped with SIGTERM had exited (perf_counter), else None."""
+        role, exited_at = self.role(name), None
         if case == "hung":
             os.kill(role.proc.pid, signal.SIGCONT)
             if await self.rejoined(name):
-                return
+                return None
             self.num_restarted_after_hang += 1
         elif case == "graceful":
-            code = await asyncio.to_thread(role.proc.wait, 10)
-            if code != 0:
-                raise RuntimeError(f"{name} exited with {code} after SIGTERM")
+            deadline = time.perf_counter() + 60
+            while role.proc.poll() is None and time.perf_counter() < deadline:
+                await asyncio.sleep(0.01)
+            exited_at = time.perf_counter()
+            if role.proc.returncode != 0:
+                raise RuntimeError(f"{name} exited with {role.proc.returncode} after SIGTERM")
         await asyncio.to_thread(self.mesh.restart, name)
+        return exited_at
 
     async def rejoined(self, name: str) -> bool:
         """True once name is registered again and says it follows."""
@@ -250,6 +257,7 @@ def summarize(bench: Bench, load: Load, args, argv: list[str]) -> dict:
         cases[case] = {
             "n": len(samples), "p50_ms": percentile(serving, 50), "p99_ms": percentile(serving, 99),
             "max_ms": max(serving, default=0.0), "key_p50_ms": percentile(key, 50),
+            "exit_max_ms": max((s["exit_ms"] for s in samples if s["exit_ms"] is not None), default=None),
             "key_p99_ms": percentile(key, 99), "target_p99_ms": TARGETS_MS[case],
             "is_met": bool(samples) and percentile(serving, 99) < TARGETS_MS[case], "samples": samples,
         }

@@ -11,6 +11,8 @@ import dataclasses
 from services.settings import MemberConfig
 
 _DTYPES = ("float32", "bfloat16")
+# services.model.attention.ATTENTION_BACKEND_NAMES (not imported: it pulls in torch).
+_ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -19,6 +21,13 @@ class ExpertConfig(MemberConfig):
 
     # The checkpoint directory (hub layout: config.json + safetensors).
     model: str = ""
+    # Benchmarks only: a model shape preset (services/model/random_weights.py,
+    # e.g. "qwen3-30b-a3b") whose weights are drawn at random on the device
+    # instead of read from `model` (then optional; its config.json, if given,
+    # must match the preset).
+    random_weights: str = ""
+    # Seed of the random weights; the same on every rank of a group.
+    random_weights_seed: int = 0
     # The port this rank hosts the torch.distributed store on if it becomes
     # rank 0; 0 picks a free one at start.
     rendezvous_port: int = 0
@@ -26,6 +35,9 @@ class ExpertConfig(MemberConfig):
     device: str = "cpu"
     # Compute dtype; empty means float32 on the CPU and bfloat16 on CUDA.
     dtype: str = ""
+    # Paged attention kernels: "triton" (GPU only), "torch" (the reference,
+    # host loops) or "auto" (triton on CUDA, torch on the CPU).
+    attention_backend: str = "auto"
     # Tokens per KV block.
     kv_block_size: int = 16
     # Blocks of the KV pool; 0 sizes the pool from memory (the two fields below).
@@ -37,17 +49,35 @@ class ExpertConfig(MemberConfig):
     # torch intra-op threads; 0 keeps torch's default.
     num_threads: int = 1
     # How long a collective (and the rendezvous) may wait for the other ranks.
-    # A step that fails (or runs twice this long) is reported in etcd and the
-    # rank exits with status 4.
+    # A step that fails (or runs twice this long) is reported in etcd; on the
+    # CPU the rank then rejoins the re-formed group, on CUDA it exits with status 4.
     collective_timeout_s: float = 120.0
     # Steps whose largest rank batch has at most this many tokens dispatch the
     # MoE tokens through fixed-capacity buffers (no host sync: decode), bigger
     # ones with host-side split sizes (prefill); 0 always uses split sizes.
     # Must be the same on every rank of a group.
     max_fixed_capacity_tokens: int = 256
+    # Decode steps of up to this many sequences per rank run as CUDA graphs
+    # (expert_svc/graph_runner.py), captured on first use per batch bucket;
+    # 0 = always eager. Only on CUDA with a capturable attention backend
+    # (triton), and never with debug_collective_timing. Steps above
+    # max_fixed_capacity_tokens always run eagerly.
+    cuda_graph_max_batch: int = 256
+    # The batch buckets of the graphs, comma-separated (e.g. "1,2,4,8");
+    # empty = the powers of two up to cuda_graph_max_batch. A step runs the
+    # smallest bucket that holds it, padded.
+    cuda_graph_buckets: str = ""
+    # The longest context (tokens) a graphed decode step takes: it fixes the
+    # graphs' block-table width; longer sequences decode eagerly. 0 = the
+    # model's max_position_embeddings.
+    cuda_graph_max_context: int = 0
     # Time the MoE all-to-alls on CUDA too (a synchronize around each call:
     # slower; for debugging). On the CPU they are always timed.
     debug_collective_timing: bool = False
+    # Spare expert slots per MoE layer that can hold replicas of hot experts
+    # (placed by the router's scaling policy); 0 disables replicas. Must be
+    # the same on every rank of a group.
+    num_spare_expert_slots: int = 0
     # Report expert hit counts to the router every this many steps; 0 disables.
     stats_every_steps: int = 16
     # Deadline of one hit-count report to the router.
@@ -55,8 +85,12 @@ class ExpertConfig(MemberConfig):
 
     def __post_init__(self) -> None:
         MemberConfig.__post_init__(self)
-        if not self.model:
+        if not self.model and not self.random_weights:
             raise ValueError(f"model must be a checkpoint directory, got {self.model!r}")
+        if self.random_weights:
+            from services.model.random_weights import preset  # torch: only when asked for
+
+            preset(self.random_weights)
         if not 0 <= self.rendezvous_port <= 65535:
             raise ValueError(f"rendezvous_port must be in 0..65535, got {self.rendezvous_port}")
         if not (self.device == "cpu" or self.device == "cuda"
@@ -64,12 +98,21 @@ class ExpertConfig(MemberConfig):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.dtype not in ("", *_DTYPES):
             raise ValueError(f"dtype must be one of {_DTYPES} (or empty), got {self.dtype!r}")
+        if self.attention_backend not in _ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.attention_backend == "triton" and not self.is_cuda:
+            raise ValueError(f"attention_backend 'triton' needs a CUDA device, got device {self.device!r}")
         for name in ("kv_block_size", "kv_memory_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("kv_blocks", "num_threads", "stats_every_steps", "max_fixed_capacity_tokens"):
+        for name in ("kv_blocks", "num_threads", "stats_every_steps", "max_fixed_capacity_tokens",
+                     "num_spare_expert_slots",
+                     "cuda_graph_max_batch", "cuda_graph_max_context",
+                     "random_weights_seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.cuda_graph_buckets.strip():
+            _parse_buckets(self.cuda_graph_buckets)
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         for name in ("collective_timeout_s", "stats_deadline_s"):
@@ -82,6 +125,25 @@ class ExpertConfig(MemberConfig):
         return self.device.startswith("cuda")
 
     @property
+    def cuda_graph_bucket_sizes(self) -> tuple[int, ...]:
+        """The batch buckets of the decode graphs, ascending; () when graphs are off."""
+        limit = self.cuda_graph_max_batch
+        if self.cuda_graph_buckets.strip():
+            return tuple(b for b in _parse_buckets(self.cuda_graph_buckets) if b <= limit)
+        return tuple(1 << i for i in range(limit.bit_length()) if 1 << i < limit) + ((limit,) if limit else ())
+
+    @property
     def dtype_name(self) -> str:
         """The compute dtype, with the device's default filled in."""
         return self.dtype or ("bfloat16" if self.is_cuda else "float32")
+
+
+
+def _parse_buckets(text: str) -> list[int]:
+    try:
+        buckets = sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        raise ValueError(f"cuda_graph_buckets must be comma-separated integers, got {text!r}") from None
+    if buckets[0] <= 0:
+        raise ValueError(f"cuda_graph_buckets must be positive, got {text!r}")
+    return buckets

@@ -8,19 +8,29 @@
    torch.distributed process group (gloo on the CPU, NCCL on CUDA) at the
    rendezvous, build the model and the KV pool, mark the rank ready in etcd
    and turn health SERVING.
-4. Serve step plans until stopped. Re-forming a group is not implemented: if
-   the assignment this rank joined is deleted or changes (group, epoch,
-   rank, size, rendezvous), `run` returns EXIT_ASSIGNMENT_LOST so that the
-   supervisor restarts the process clean.
+4. Serve step plans until stopped.
 5. If a step fails (a collective timed out after `collective_timeout_s` or
-   errored, or a step overran twice that), the rank writes
-   /failures/<group>/<epoch>/<rank> in etcd and `run` returns
-   EXIT_RANK_FAILED: its member key goes with it, and the scheduler deletes
-   the group (re-forming it is a later issue). gloo raises at the timeout;
-   NCCL's timeout does not free a host thread waiting on a stuck collective
-   (seen on H200s with torch 2.11: still blocked 40 s past a 5 s timeout,
-   whatever TORCH_NCCL_ASYNC_ERROR_HANDLING said), so there the step
-   deadline is what fires, and main exits without joining the model thread.
+   errored, e.g. a peer was killed, or a step overran twice that), the rank
+   writes /failures/<group>/<epoch>/<rank> in etcd, goes NOT_SERVING and
+   leaves its process group, but keeps its weights and waits: the scheduler
+   re-forms the group in a new epoch (docs/internals.md, "Rank failures").
+6. When the assignment moves to a new epoch with this member at the same
+   rank (and the same group and size), the rank joins the new epoch's
+   process group (expert_svc/rendezvous.py) WITHOUT reloading its weights,
+   drops every sequence, marks itself ready for the new epoch and serves
+   again; a failed rendezvous is reported like a failed step. If the
+   assignment is deleted or gives this member another rank, group or size
+   (or none: a standby took its place while it hung), `run` returns
+   EXIT_ASSIGNMENT_LOST so that the supervisor restarts it clean (it then
+   registers again as a standby).
+
+On CUDA, steps 5 and 6 are not taken: NCCL's timeout does not free a host
+thread waiting on a stuck collective (seen on H200s with torch 2.11: still
+blocked 40 s past a 5 s timeout, whatever TORCH_NCCL_ASYNC_ERROR_HANDLING
+said), and tearing down a communicator whose peer died is not verified, so
+a failed step there still makes `run` return EXIT_RANK_FAILED (the step
+deadline is what fires; main exits without joining the model thread) and a
+new epoch EXIT_ASSIGNMENT_LOST: the restarted process is the new member.
 
 All model work (loading, the rendezvous, steps, teardown) runs on one
 dedicated thread, so the event loop keeps answering RPCs and etcd.
@@ -29,16 +39,17 @@ dedicated thread, so the event loop keeps answering RPCs and etcd.
 import asyncio
 import concurrent.futures
 import contextlib
-import datetime
 import logging
 import pathlib
 import socket
 
 import torch
-import torch.distributed as dist
 
 from expert_svc.config import ExpertConfig
 from expert_svc.observability import MeteredExpertComm, step_hook
+from expert_svc.rendezvous import ProcessGroupLink, RendezvousError
+from expert_svc import placement
+from expert_svc.graph_runner import make_graph_runner
 from expert_svc.runner import RankState, StepExecutor, StepRunner
 from expert_svc.servicer import ExpertServicer
 from expert_svc.stats_reporter import StatsReporter
@@ -47,9 +58,10 @@ from services import grpc_util, telemetry
 from services.cluster import ClusterClient, GroupAssignment
 from services.kv_pool import KVPool
 from services.model.checkpoint import load_weights
-from services.model.config import DTYPES, ModelConfig
+from services.model.config import DTYPES
 from services.model.moe import local_expert_ids
 from services.model.qwen3_moe import Qwen3MoeModel
+from services.model.random_weights import RandomWeights, serving_model_config
 from services.settings import announce_port
 
 log = logging.getLogger("expert_svc")
@@ -62,7 +74,7 @@ FAILURE_REPORT_TIMEOUT_S = 5.0
 
 
 class AssignmentLostError(RuntimeError):
-    """The group this rank joined was deleted or changed under it."""
+    """The group this rank joined was deleted or changed under it (not just re-formed)."""
 
 
 def _placement(group: GroupAssignment, member_id: str) -> tuple:
@@ -76,8 +88,9 @@ class ExpertRank:
 
     def __init__(self, config: ExpertConfig):
         self.config = config
-        self.model_config = ModelConfig.from_model_dir(config.model)
-        self.state = RankState(member_id=config.member_id, model_name=pathlib.Path(config.model).name)
+        self.model_config = serving_model_config(config.model, config.random_weights)
+        self.state = RankState(member_id=config.member_id,
+                               model_name=pathlib.Path(config.model).name or config.random_weights)
         self._dtype = DTYPES[config.dtype_name]
         self._thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="model", initializer=self._init_model_thread)
@@ -85,6 +98,14 @@ class ExpertRank:
         self._cluster: ClusterClient | None = None
         self._reporter: StatsReporter | None = None
         self._joined: tuple | None = None
+        self._address = ""  # registered gRPC address, once started
+        # (group_id, rank, world_size) whose weights are loaded; kept across epochs.
+        self._loaded: tuple | None = None
+        self._link = ProcessGroupLink("nccl" if config.is_cuda else "gloo", config.collective_timeout_s)
+        self._model = None
+        self._runner: StepRunner | None = None
+        self._failure_tasks: set[asyncio.Task] = set()
+        self._placement_task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
         self._step_failed = asyncio.Event()
         self._failure_reason = ""
@@ -121,8 +142,10 @@ class ExpertRank:
         await self._cluster.connect()
         rendezvous_port = cfg.rendezvous_port or _free_port(cfg.host)
         await self._cluster.register("expert", cfg.member_id, cfg.address(self._server.port),
-                                     {"rendezvous_port": rendezvous_port, "device": cfg.device},
+                                     {"rendezvous_port": rendezvous_port, "device": cfg.device,
+                                      "num_spare_expert_slots": cfg.num_spare_expert_slots},
                                      ttl=cfg.lease_ttl_s)
+        self._address = cfg.address(self._server.port)
         self._watch_task = asyncio.create_task(self._follow_assignment(), name="follow-assignment")
 
     async def run(self, stop: asyncio.Event) -> int:
@@ -134,7 +157,7 @@ class ExpertRank:
         stopped.cancel()
         failed.cancel()
         if self._step_failed.is_set():
-            await self._report_failure()
+            await self._report_failure_and_exit()
             return EXIT_RANK_FAILED
         if not self._watch_task.done():
             return 0
@@ -151,53 +174,140 @@ class ExpertRank:
     async def _follow_assignment(self) -> None:
         member_id = self.config.member_id
         async for group in self._cluster.watch_group_for_member(member_id):
-            if self._joined is None:
-                if group is not None and group.rank_of(member_id) is not None:
+            rank = None if group is None else group.rank_of(member_id)
+            if rank is not None:
+                self._check_group_size(group)
+            if rank is not None and group.ranks[rank].address != self._address:
+                rank = None  # placed as an earlier process of this member id: not yet re-formed with us
+            if self._loaded is None:
+                if rank is not None and _placement(group, member_id) != self._joined:
                     await self._join(group)
-            elif group is None or _placement(group, member_id) != self._joined:
+                continue
+            if group is not None and _placement(group, member_id) == self._joined:
+                continue  # a new term or gateway: nothing to do
+            if rank is None or (group.group_id, rank, group.world_size) != self._loaded or self.config.is_cuda:
                 raise AssignmentLostError(f"the assignment {self._joined} was deleted or changed to {group}")
+            await self._rejoin(group)
+
+    def _check_group_size(self, group: GroupAssignment) -> None:
+        num_experts = self.model_config.num_experts
+        if num_experts % group.world_size:
+            raise ValueError(f"group {group.group_id!r} has {group.world_size} ranks, which does not divide "
+                             f"the model's {num_experts} experts; use a group size that divides it")
 
     @telemetry.traced("expert.join")
     async def _join(self, group: GroupAssignment) -> None:
         cfg, mc, member_id = self.config, self.model_config, self.config.member_id
         rank = group.rank_of(member_id)
-        if mc.num_experts % group.world_size:
-            raise ValueError(f"group {group.group_id!r} has {group.world_size} ranks, which does not divide "
-                             f"the model's {mc.num_experts} experts; use a group size that divides it")
         expert_ids = local_expert_ids(mc.num_experts, rank, group.world_size)
         s = self.state
         s.group_id, s.rank, s.world_size, s.placement_epoch = group.group_id, rank, group.world_size, group.epoch
         s.expert_ids = tuple(expert_ids)
         log.info("assigned rank %d of %d in group %s epoch %d (experts %d..%d); loading", rank,
                  group.world_size, group.group_id, group.epoch, expert_ids.start, expert_ids.stop - 1)
-        model, kv_pool = await self._on_model_thread(self._load_and_connect, group, rank, expert_ids)
+        self._joined = _placement(group, member_id)
+        try:
+            model, kv_pool = await self._on_model_thread(self._load_and_connect, group, rank, expert_ids)
+        except RendezvousError as error:  # the weights go; the next epoch loads them again
+            self._report_failure(group.epoch, str(error))
+            return
+        self._model, self._loaded = model, (group.group_id, rank, group.world_size)
+        graphs = make_graph_runner(model, kv_pool, cfg.kv_block_size, () if cfg.debug_collective_timing
+                                   else cfg.cuda_graph_bucket_sizes, cfg.cuda_graph_max_context)
         runner = StepRunner(model, kv_pool, cfg.kv_block_size, vocab_size=mc.vocab_size,
-                            group_id=group.group_id, placement_epoch=group.epoch, device=cfg.device)
+                            group_id=group.group_id, placement_epoch=group.epoch, device=cfg.device, graphs=graphs)
         self._reporter = StatsReporter(
             model.hit_counts_LE, mc.moe_layers, group_id=group.group_id, rank=rank,
             every_steps=cfg.stats_every_steps, deadline_s=cfg.stats_deadline_s,
             resolve_router=self._router_address, loop=asyncio.get_running_loop())
         s.num_kv_blocks, s.kv_block_size = kv_pool.num_blocks, cfg.kv_block_size
-        s.executor = StepExecutor(runner, self._thread, step_hook(self._reporter.after_step, model.comm),
-                                  on_failure=self._on_step_failure, deadline_s=2 * cfg.collective_timeout_s)
-        self._joined = _placement(group, member_id)
-        if not await self._cluster.mark_rank_ready(group.group_id, group.epoch, rank, member_id):
-            raise AssignmentLostError(f"group {group.group_id!r} epoch {group.epoch} changed while loading")
-        await self._set_serving(True)
+        self._runner = runner
+        if cfg.num_spare_expert_slots:  # expert replicas: stage and install placements
+            self._placement_task = placement.start_following(
+                model, runner, self._cluster, group_id=group.group_id, rank=rank, member_id=member_id,
+                load_experts=placement.expert_loader(cfg, mc, self._dtype))
+        self._new_executor(runner)
+        await self._mark_ready(group)
         log.info("rank %d of group %s ready: %d KV blocks of %d tokens", rank, group.group_id,
                  kv_pool.num_blocks, cfg.kv_block_size)
 
-    def _on_step_failure(self, reason: str) -> None:
-        self._failure_reason = reason
-        self._step_failed.set()
+    def _new_executor(self, runner: StepRunner) -> None:
+        """A fresh executor (a failed one stays failed) on the runner: the rank is ready."""
+        self.state.executor = StepExecutor(
+            runner, self._thread, step_hook(self._reporter.after_step, self._model.comm),
+            on_failure=self._on_step_failure, deadline_s=2 * self.config.collective_timeout_s)
 
-    async def _report_failure(self) -> None:
+    async def _mark_ready(self, group: GroupAssignment) -> None:
+        """Marks (group, epoch, rank) ready in etcd and turns SERVING, unless the group moved on."""
+        rank = group.rank_of(self.config.member_id)
+        if await self._cluster.mark_rank_ready(group.group_id, group.epoch, rank, self.config.member_id):
+            await self._set_serving(True)
+        else:  # the watch brings the newer assignment next
+            log.warning("group %s epoch %d changed before rank %d was ready", group.group_id, group.epoch, rank)
+
+    @telemetry.traced("expert.rejoin")
+    async def _rejoin(self, group: GroupAssignment) -> None:
+        """Joins the new epoch of the group at the same rank, keeping the weights."""
+        s, rank = self.state, group.rank_of(self.config.member_id)
+        old, s.executor = s.executor, None
+        if old is not None and old.failure is None:
+            # Plans of the old epoch that are still queued must not run on the new process group.
+            old.failure = f"superseded by epoch {group.epoch}"
+        await self._set_serving(False)
+        self._joined = _placement(group, self.config.member_id)
+        s.placement_epoch = group.epoch
+        log.info("group %s re-formed: joining epoch %d as rank %d (weights kept) at %s", group.group_id,
+                 group.epoch, rank, group.rendezvous_address)
+        try:
+            await self._on_model_thread(self._reconnect, group, rank, self._runner)
+        except RendezvousError as error:
+            self._report_failure(group.epoch, str(error))
+            return
+        self._new_executor(self._runner)
+        await self._mark_ready(group)
+        log.info("rank %d of group %s ready again in epoch %d", rank, group.group_id, group.epoch)
+
+    def _reconnect(self, group: GroupAssignment, rank: int, runner: StepRunner) -> None:
+        """Model thread: the new epoch's process group under the same model; no sequence survives."""
+        runner.reset()
+        runner.placement_epoch = group.epoch
+        self._model.comm.group = self._link.connect(group, rank)
+
+    def _on_step_failure(self, reason: str) -> None:
+        if self.config.is_cuda:  # see the module docstring: exit, the restarted process rejoins
+            self._failure_reason = reason
+            self._step_failed.set()
+            return
+        self._report_failure(self.state.placement_epoch, reason)
+
+    def _report_failure(self, epoch: int, reason: str) -> None:
+        """The group failed under this rank in `epoch`: NOT_SERVING, report it in
+        etcd, leave the process group, and wait for the next epoch."""
+        task = asyncio.create_task(self._fail_epoch(epoch, reason), name=f"report-failure-{epoch}")
+        self._failure_tasks.add(task)
+        task.add_done_callback(self._failure_tasks.discard)
+
+    async def _fail_epoch(self, epoch: int, reason: str) -> None:
+        s = self.state
+        if s.placement_epoch == epoch:
+            s.executor = None
+            await self._set_serving(False)
+        log.error("rank %d of group %s epoch %d failed: %s; reporting it and waiting for the group to be "
+                  "re-formed", s.rank, s.group_id, epoch, reason)
+        await self._write_failure(epoch, reason)
+        await self._on_model_thread(self._link.close, epoch)
+
+    async def _report_failure_and_exit(self) -> None:
         s = self.state
         log.error("rank %d of group %s epoch %d failed: %s; reporting it and exiting", s.rank, s.group_id,
                   s.placement_epoch, self._failure_reason)
+        await self._write_failure(s.placement_epoch, self._failure_reason)
+
+    async def _write_failure(self, epoch: int, reason: str) -> None:
+        s = self.state
         try:
             await asyncio.wait_for(self._cluster.report_rank_failure(
-                s.group_id, s.placement_epoch, s.rank, s.member_id, self._failure_reason), FAILURE_REPORT_TIMEOUT_S)
+                s.group_id, epoch, s.rank, s.member_id, reason), FAILURE_REPORT_TIMEOUT_S)
         except (TimeoutError, ConnectionError) as error:
             log.error("could not report the failure to etcd: %r", error)
 
@@ -207,16 +317,17 @@ class ExpertRank:
     def _load_and_connect(self, group: GroupAssignment, rank: int, expert_ids: range):
         """Model thread: weights, then the rendezvous, then the model and the KV pool."""
         cfg, mc = self.config, self.model_config
-        weights = load_weights(cfg.model, mc, expert_ids, dtype=self._dtype, device=cfg.device)
-        dist.init_process_group(
-            "nccl" if cfg.is_cuda else "gloo", init_method=f"tcp://{group.rendezvous_address}",
-            world_size=group.world_size, rank=rank,
-            timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
-        comm = MeteredExpertComm(dist.group.WORLD, is_timed=not cfg.is_cuda or cfg.debug_collective_timing,
+        if cfg.random_weights:  # benchmarks: drawn on the device as the model reads them
+            weights = RandomWeights(mc, expert_ids, cfg.random_weights_seed, dtype=self._dtype, device=cfg.device)
+        else:
+            weights = load_weights(cfg.model, mc, expert_ids, dtype=self._dtype, device=cfg.device)
+        comm = MeteredExpertComm(self._link.connect(group, rank),
+                                 is_timed=not cfg.is_cuda or cfg.debug_collective_timing,
                                  is_cuda=cfg.is_cuda)
         model = Qwen3MoeModel(mc, weights, expert_ids=expert_ids, comm=comm,
-                              dtype=self._dtype, device=cfg.device,
-                              max_fixed_capacity_tokens=cfg.max_fixed_capacity_tokens)
+                              dtype=self._dtype, device=cfg.device, attention=cfg.attention_backend,
+                              max_fixed_capacity_tokens=cfg.max_fixed_capacity_tokens,
+                              num_spare_expert_slots=cfg.num_spare_expert_slots)
         del weights
         num_blocks = cfg.kv_blocks or KVPool.blocks_for_memory(
             mc, cfg.kv_block_size, self._kv_memory_bytes(), self._dtype)
@@ -253,18 +364,17 @@ class ExpertRank:
             await self._server.stop(grace_s)
         if self._reporter is not None:
             await self._reporter.close()
+        if self._placement_task is not None:
+            self._placement_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._placement_task
         try:
-            await asyncio.wait_for(self._on_model_thread(_destroy_process_group), grace_s)
+            await asyncio.wait_for(self._on_model_thread(self._link.close), grace_s)
         except TimeoutError:
             log.warning("the model thread is still busy after %.1fs (a step stuck in a collective?)", grace_s)
             return False
         self._thread.shutdown(wait=False)
         return True
-
-
-def _destroy_process_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _free_port(host: str) -> int:

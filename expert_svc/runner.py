@@ -5,6 +5,12 @@ table, tokens whose KV is computed, the last sampled token, the sampling spec
 and its generator), applies a plan's diffs, runs one forward and samples.
 `StepExecutor` runs those steps on the rank's single model thread so the
 event loop stays responsive. See docs/internals.md, "The step protocol".
+
+Decode steps (every sequence one new token, a fixed dispatch capacity) run
+through CUDA graphs when a `DecodeGraphRunner` is given (graph_runner.py);
+other steps run eagerly. Either way a step reads the device once: the
+sampled tokens, at the end (the plan's max_tokens_per_rank spares the
+all_reduce that would otherwise pick the dispatch mode).
 """
 
 import asyncio
@@ -15,9 +21,10 @@ from collections.abc import Callable
 
 import torch
 
+from expert_svc.graph_runner import DecodeGraphRunner
 from services.kv_pool import KVPool
-from services.model.batch import SeqInput, build_forward_batch
-from services.model.sampling import SamplingSpec, sample
+from services.model.batch import ForwardBatch, SeqInput, build_forward_batch
+from services.model.sampling import SamplingSpec, sample_on_device
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,6 +60,11 @@ class StepPlan:
     new_sequences: tuple[NewSequence, ...] = ()
     scheduled: tuple[ScheduledSequence, ...] = ()
     finished_seq_ids: tuple[int, ...] = ()
+    # The largest token count of any rank of the group in this step (the same
+    # in every rank's plan); 0 = unknown, found with an all_reduce.
+    max_tokens_per_rank: int = 0
+    # The expert placement to run the step with (expert_svc/placement.py).
+    expert_placement_epoch: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -62,6 +74,9 @@ class StepResult:
     step_id: int
     tokens: tuple[tuple[int, int], ...]
     execute_seconds: float
+
+
+_GREEDY = SamplingSpec(temperature=0.0)
 
 
 class StalePlanError(ValueError):
@@ -82,7 +97,8 @@ class StepRunner:
     """Executes step plans against a model and its KV pool (one rank, one thread)."""
 
     def __init__(self, model, kv_pool: KVPool, block_size: int, *, vocab_size: int,
-                 group_id: str = "", placement_epoch: int = 0, device="cpu"):
+                 group_id: str = "", placement_epoch: int = 0, device="cpu",
+                 graphs: DecodeGraphRunner | None = None):
         if block_size != kv_pool.block_size:
             raise ValueError(f"block_size {block_size} differs from the KV pool's {kv_pool.block_size}")
         self.model = model
@@ -95,6 +111,9 @@ class StepRunner:
         self.num_steps = 0  # steps run since construction, idle and rejected ones included
         self._last_step_id = 0
         self._seqs: dict[int, _Sequence] = {}
+        self.graphs = graphs  # None: every step runs eagerly
+        # Installs a plan's expert placement epoch when it differs (expert_svc/placement.py).
+        self.install_placement: Callable[[int], None] | None = None
 
     @property
     def seq_ids(self) -> list[int]:
@@ -115,32 +134,51 @@ class StepRunner:
         start = time.perf_counter()
         try:
             self._check_plan(plan)
+            if self.install_placement is not None:  # a no-op unless the epoch changes
+                self.install_placement(plan.expert_placement_epoch)
         except ValueError:
-            self._forward([])
+            self._forward([], plan.max_tokens_per_rank)
             raise
         self._last_step_id = plan.step_id
         self._apply_diffs(plan)
         seqs = [self._seq_input(s) for s in plan.scheduled]
-        logits_SV = self._forward(seqs)
-        tokens = self._sample(plan.scheduled, logits_SV)
+        tokens = self._sample(plan.scheduled, *self._forward(seqs, plan.max_tokens_per_rank))
         for seq in seqs:
             self._seqs[seq.seq_id].num_computed += len(seq.token_ids)
         return StepResult(plan.step_id, tokens, time.perf_counter() - start)
 
-    def _forward(self, seqs: list[SeqInput]) -> torch.Tensor:
-        batch = build_forward_batch(seqs, self.block_size, self.device)
+    def _forward(self, seqs: list[SeqInput], max_tokens_per_rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits, greedy): eagerly, logits of the sampled sequences and no greedy
+        tokens; through a graph, logits and argmax of every sequence."""
         self.num_steps += 1
-        return self.model.forward(batch, self.kv_pool)
+        num_tokens = sum(len(s.token_ids) for s in seqs)
+        if not max_tokens_per_rank:
+            max_tokens_per_rank = self.model.comm.max_over_ranks(num_tokens, self.device)
+        capacity = self.model.dispatch_capacity(max_tokens_per_rank)
+        if self.graphs is not None and self.graphs.fits(seqs, capacity):
+            out = self.graphs.run(seqs, capacity)
+            return out.logits_SV, out.greedy_S
+        batch = _upload(build_forward_batch(seqs, self.block_size, "cpu"), self.device)
+        return self.model.forward_at_capacity(batch, self.kv_pool, capacity), None
 
-    def _sample(self, scheduled, logits_SV: torch.Tensor) -> tuple[tuple[int, int], ...]:
-        sampled = [self._seqs[s.seq_id] for s in scheduled if s.is_sampled]
-        if not sampled:
+    def _sample(self, scheduled, logits_SV: torch.Tensor, greedy_S: torch.Tensor | None) -> tuple[tuple[int, int], ...]:
+        """Samples on the device, then reads the tokens back: the step's one host sync.
+
+        greedy_S None: logits_SV holds the sampled sequences' rows; otherwise
+        every scheduled sequence's row (an unsampled one takes the argmax, no draw).
+        """
+        rows = [s for s in scheduled if s.is_sampled or greedy_S is not None]
+        if not rows:
             return ()
-        token_ids = sample(logits_SV, [s.sampling for s in sampled], [s.generator for s in sampled])
-        for seq, token_id in zip(sampled, token_ids):
-            seq.pending_token = token_id
-        seq_ids = [s.seq_id for s in scheduled if s.is_sampled]
-        return tuple(zip(seq_ids, token_ids))
+        seqs = [self._seqs[s.seq_id] for s in rows]
+        specs = [seq.sampling if s.is_sampled else _GREEDY for s, seq in zip(rows, seqs)]
+        token_ids = sample_on_device(logits_SV, specs, [seq.generator for seq in seqs], greedy_S).tolist()
+        tokens = []
+        for sched, seq, token_id in zip(rows, seqs, token_ids):
+            if sched.is_sampled:
+                seq.pending_token = token_id
+                tokens.append((sched.seq_id, token_id))
+        return tuple(tokens)
 
     def _apply_diffs(self, plan: StepPlan) -> None:
         for seq_id in plan.finished_seq_ids:
@@ -183,6 +221,10 @@ class StepRunner:
         scheduled_ids = set()
         for sched in plan.scheduled:
             self._check_scheduled(sched, live, scheduled_ids)
+        num_tokens = sum(len(s.token_ids) or 1 for s in plan.scheduled)
+        if plan.max_tokens_per_rank and num_tokens > plan.max_tokens_per_rank:
+            raise ValueError(f"the plan has {num_tokens} tokens, more than its max_tokens_per_rank "
+                             f"{plan.max_tokens_per_rank}")
 
     def _check_scheduled(self, sched: ScheduledSequence, live: dict, scheduled_ids: set) -> None:
         seq_id = sched.seq_id
@@ -207,6 +249,18 @@ class StepRunner:
         if bad := [b for b in block_ids if not 0 <= b < self.kv_pool.num_blocks]:
             raise ValueError(f"sequence {seq_id} has block id {bad[0]} outside the pool's "
                              f"{self.kv_pool.num_blocks} blocks")
+
+
+def _upload(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
+    """A batch built on the CPU, on `device`: pinned, non-blocking copies on CUDA (a plain
+    copy from pageable memory would wait for the device, once per tensor)."""
+    if device.type == "cpu":
+        return batch
+    pin = device.type == "cuda"
+    return dataclasses.replace(batch, **{
+        field.name: value.pin_memory().to(device, non_blocking=True) if pin else value.to(device)
+        for field in dataclasses.fields(batch)
+        if isinstance(value := getattr(batch, field.name), torch.Tensor)})
 
 
 class StepFailedError(RuntimeError):
@@ -266,8 +320,13 @@ class StepExecutor:
         return StepFailedError(reason)
 
     async def reset(self) -> None:
-        """Drops all sequence state, after any step still running."""
-        await asyncio.get_running_loop().run_in_executor(self._thread, self.runner.reset)
+        """Drops all sequence state, after any step still running.
+
+        Cancelling the caller does not cancel the reset: it is queued on the model
+        thread and still runs there before any later step (the thread runs jobs in
+        order), so a new stream never sees the last stream's sequences.
+        """
+        await asyncio.shield(asyncio.wrap_future(self._thread.submit(self.runner.reset)))
 
 
 @dataclasses.dataclass(slots=True)

@@ -44,6 +44,8 @@ def plan_from_pb(plan: expert_pb2.StepPlan) -> StepPlan:
             for s in plan.scheduled
         ),
         finished_seq_ids=tuple(plan.finished_seq_ids),
+        max_tokens_per_rank=plan.max_tokens_per_rank,
+        expert_placement_epoch=plan.expert_placement_epoch,
     )
 
 

@@ -27,6 +27,11 @@ does not fit fails (RESOURCE_EXHAUSTED): the request is larger than the pool.
 
 A finished, aborted or expired sequence is sent in the next plan's
 finished_seq_ids, and its blocks are released at that moment.
+
+Group failure: `detach_live()` hands every live sequence of a batcher whose
+group failed, rewound to its checkpoint, to the batcher of the re-formed
+group, which `resume()`s each like a preempted one: first in the queue, to
+be re-prefilled (prompt plus generated tokens) and continue.
 """
 
 import bisect
@@ -217,6 +222,32 @@ class Batcher:
         for seq in seqs:
             seq.status = SeqStatus.FINISHED
         return [(seq, error) for seq in seqs]
+
+    def detach_live(self) -> tuple[list[Sequence], list[SeqEvent]]:
+        """Takes every live sequence out (the group failed; the batcher is unusable
+        afterwards): the waiting and running ones, oldest first, rewound to their
+        checkpoints for resume(), and the events of those aborted meanwhile."""
+        events: list[SeqEvent] = []
+        for seq, error in self._aborted:
+            if not seq.is_finished:
+                seq.status = SeqStatus.FINISHED
+                events.append((seq, error or seq.abort_output()))
+        self._aborted.clear()
+        seqs = sorted((s for s in [*self.waiting, *(s for rank in self.running for s in rank)]
+                       if not s.is_finished), key=_arrival)
+        self.fail_all(GenerationError(ErrorCode.UNAVAILABLE, "detached"))
+        for seq in seqs:
+            seq.rewind()
+        return seqs, events
+
+    def resume(self, seq: Sequence) -> None:
+        """Queues a sequence detached from a failed group's batcher (its seq_id
+        is this batcher's): it waits first in line to be re-prefilled from its
+        checkpoint, whatever the bound on waiting requests."""
+        assert seq.status is SeqStatus.WAITING and seq.rank is None and not seq.num_computed
+        bisect.insort(self._preempted, seq, key=_arrival)
+        if seq.deadline is not None:
+            heapq.heappush(self._deadlines, (seq.deadline, seq.seq_id, seq))
 
     # Internals: sequence state changes.
 

@@ -51,6 +51,11 @@ class GatewayConfig(MemberConfig):
     rank_call_timeout_s: float = 10.0
     # On SIGTERM, how long requests in flight may run before they are cut off.
     shutdown_grace_s: float = 30.0
+    # When the worker group fails, how long its requests (and new ones, queued)
+    # wait for it to be re-formed and resume from their checkpoints before they
+    # fail with UNAVAILABLE. Longer than the scheduler's reform_wait_s plus a
+    # rank's rejoin, so a group that waits for a restarted rank keeps them.
+    resume_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         MemberConfig.__post_init__(self)
@@ -70,7 +75,7 @@ class GatewayConfig(MemberConfig):
             raise ValueError(
                 f"max_new_tokens_default ({self.max_new_tokens_default}) exceeds "
                 f"max_new_tokens_limit ({self.max_new_tokens_limit})")
-        for name in ("step_timeout_s", "rank_call_timeout_s"):
+        for name in ("step_timeout_s", "rank_call_timeout_s", "resume_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.policy not in POLICIES:

@@ -15,10 +15,16 @@ sampled tokens; the price is that a sequence ending in step k (EOS or a stop
 string) occupies one wasted slot in step k+1. The host time of each step
 (planning, applying results) is recorded in GatewayStats.
 
-A broken stream, a late or malformed result, or a step that exceeds
-step_timeout_s fails every request in flight with UNAVAILABLE and ends the
-loop with GroupFailure; recovery (re-prefill from checkpoints on a re-formed
-group) is a later issue.
+A broken stream (the first rank that fails is enough: the others are not
+waited for), a late or malformed result, or a step that exceeds
+step_timeout_s ends the loop with GroupFailure, but fails no request: each
+one keeps its checkpoint (prompt plus the ids already streamed) and waits.
+The GroupManager then builds an engine on the re-formed group, which
+`adopt`s every live request of the failed one: each is re-prefilled from its
+checkpoint (chunked like any prompt) and goes on with the rest of its budget,
+its detokenizer and stop-string state intact; no token reaches its client
+twice. Requests submitted to the failed engine meanwhile wait in its bounded
+queue and move too.
 """
 
 import asyncio
@@ -54,8 +60,9 @@ class GroupFailure(Exception):
     """The worker group can no longer execute steps."""
 
 
-def plan_to_proto(plan: RankPlan, step_id: int, group_id: str, epoch: int) -> expert_pb2.ExecuteStepsRequest:
-    """The wire form of one rank's plan."""
+def plan_to_proto(plan: RankPlan, step_id: int, group_id: str, epoch: int, *,
+                  max_tokens_per_rank: int = 0, expert_placement_epoch: int = 0) -> expert_pb2.ExecuteStepsRequest:
+    """The wire form of one rank's plan; max_tokens_per_rank is the step's (StepBatch's), 0 = unknown."""
     return expert_pb2.ExecuteStepsRequest(plan=expert_pb2.StepPlan(
         step_id=step_id,
         group_id=group_id,
@@ -77,6 +84,8 @@ def plan_to_proto(plan: RankPlan, step_id: int, group_id: str, epoch: int) -> ex
             for s in plan.scheduled
         ],
         finished_seq_ids=plan.finished_seq_ids,
+        max_tokens_per_rank=max_tokens_per_rank,
+        expert_placement_epoch=expert_placement_epoch,
     ))
 
 
@@ -101,6 +110,8 @@ class Engine:
         self.stats = batcher.stats
         self.group_id = group_id
         self.placement_epoch = placement_epoch
+        # The expert placement the ranks run (gateway/placement_watch.py sets it once all staged it).
+        self.expert_placement_epoch = 0
         self._streams = list(rank_streams)
         self._make_detokenizer = make_detokenizer
         self._step_timeout_s = step_timeout_s
@@ -113,6 +124,8 @@ class Engine:
         # Set once the engine takes no new requests: why, as the error submit() raises.
         self._closed: GenerationError | None = None
         self.num_steps = 0
+        # Once adopt()ed by the engine of a re-formed group: where this one's requests went.
+        self._moved_to: Engine | None = None
         # Metrics and traces of steps and requests (gateway/observability.py); None in unit tests.
         self._observer = observer
 
@@ -137,10 +150,36 @@ class Engine:
         return handle
 
     def abort(self, handle: RequestHandle) -> None:
-        """Aborts a request (its client went away); its blocks are freed at the next step."""
+        """Aborts a request (its client went away); its blocks are freed at the next step.
+        A request that moved to another engine (see adopt) is aborted there."""
+        engine = self
+        while engine._moved_to is not None:
+            engine = engine._moved_to
         if not handle.is_done:
-            self.batcher.abort(handle.seq)
+            engine.batcher.abort(handle.seq)
+            engine._wake.set()
+
+    def adopt(self, failed: "Engine") -> int:
+        """Takes over every live request of a failed engine (this one is new and
+        has run no step): each is resumed from its checkpoint, oldest first,
+        ahead of anything submitted here. Returns how many were taken."""
+        seqs, events = failed.batcher.detach_live()
+        failed._deliver(events)
+        failed._closed = GenerationError(ErrorCode.UNAVAILABLE, "the worker group was re-formed")
+        failed._moved_to = self
+        for seq in seqs:
+            handle = failed._handles.pop(seq.seq_id, None)
+            if handle is None:  # never expected: nobody would read its outputs
+                continue
+            seq.seq_id = self.batcher.new_seq_id()
+            self.batcher.resume(seq)
+            self._handles[seq.seq_id] = handle
+        failed._handles.clear()
+        failed._idle.set()
+        if seqs:
+            self._idle.clear()
             self._wake.set()
+        return len(seqs)
 
     def stop_accepting(self, message: str = "the gateway is shutting down") -> None:
         """New submits fail with UNAVAILABLE; requests in flight run to completion."""
@@ -162,8 +201,8 @@ class Engine:
         self._idle.set()
 
     async def run(self) -> None:
-        """The step loop; runs until cancelled, or raises GroupFailure after
-        failing every request in flight."""
+        """The step loop; runs until cancelled, or raises GroupFailure (the
+        requests in flight stay, for adopt())."""
         in_flight: collections.deque[StepBatch] = collections.deque()
         try:
             while True:
@@ -182,8 +221,8 @@ class Engine:
                     async with asyncio.timeout(_RETRY_PLAN_S if self.batcher.has_work else None):
                         await self._wake.wait()
         except GroupFailure as failure:
-            log.error("worker group %s failed: %s", self.group_id, failure)
-            self.fail_all(f"worker group {self.group_id!r} failed: {failure}")
+            log.error("worker group %s epoch %d failed: %s; %d requests wait to resume", self.group_id,
+                      self.placement_epoch, failure, len(self._handles))
             raise
         except Exception:
             # A bug: no request may hang on it.
@@ -198,7 +237,9 @@ class Engine:
         self._deliver(batch.events)
         if batch.is_empty:
             return None
-        requests = [plan_to_proto(p, batch.step_id, self.group_id, self.placement_epoch)
+        requests = [plan_to_proto(p, batch.step_id, self.group_id, self.placement_epoch,
+                                  max_tokens_per_rank=batch.max_tokens_per_rank,
+                                  expert_placement_epoch=self.expert_placement_epoch)
                     for p in batch.plans]
         self.stats.record_step(sum(p.num_tokens for p in batch.plans), time.perf_counter() - start)
         if self._observer is not None:
@@ -235,20 +276,29 @@ class Engine:
 
     async def _on_every_rank(self, call, what: str) -> list:
         """call(stream, rank) on every rank at once, within step_timeout_s;
-        GroupFailure naming the first rank that failed."""
+        GroupFailure naming the first rank that failed, as soon as one has
+        (a hung rank must not keep the failure of another one waiting)."""
+        tasks = [asyncio.ensure_future(call(s, i)) for i, s in enumerate(self._streams)]
         try:
             async with asyncio.timeout(self._step_timeout_s):
-                results = await asyncio.gather(*(call(s, i) for i, s in enumerate(self._streams)),
-                                               return_exceptions=True)
+                pending = set(tasks)
+                while pending:
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+                    for task in done:
+                        if task.exception() is not None:
+                            await self._raise_failure(tasks.index(task), task.exception())
         except TimeoutError as error:
             raise GroupFailure(f"a rank did not {what} within {self._step_timeout_s} s") from error
-        for rank, result in enumerate(results):
-            if isinstance(result, Exception):
-                reason = await _stream_error(self._streams[rank], result)
-                raise GroupFailure(f"rank {rank} step stream broke: {reason}") from result
-            if isinstance(result, BaseException):
-                raise result
-        return results
+        finally:
+            for task in tasks:
+                task.cancel()
+        return [task.result() for task in tasks]
+
+    async def _raise_failure(self, rank: int, error: BaseException) -> None:
+        if not isinstance(error, Exception):
+            raise error
+        reason = await _stream_error(self._streams[rank], error)
+        raise GroupFailure(f"rank {rank} step stream broke: {reason}") from error
 
     def _deliver(self, events: list[SeqEvent]) -> None:
         for seq, item in events:

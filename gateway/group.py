@@ -5,12 +5,19 @@ assignment, and for each assignment: waits until every rank of the group's
 epoch is ready, asks each rank for its KV pool (GetRankInfo, rejecting a rank
 that runs another group, epoch or rank), opens one ExecuteSteps stream per
 rank and starts an Engine on them. The gateway is SERVING exactly while that
-engine runs. When the assignment goes away or changes, or a stream breaks,
-the engine fails its requests with UNAVAILABLE (resuming them from their
-checkpoints is a later issue) and health goes NOT_SERVING. A changed
-assignment is followed at once; a group that broke under the same assignment
-is tried again, with backoff, once all its ranks are ready again (re-forming a
-group after a rank's death is the scheduler's job).
+engine runs.
+
+When the assignment changes (the scheduler re-formed the group after a
+rank's failure: same group id, a new epoch) or a stream breaks, health goes
+NOT_SERVING but no request fails: the stopped engine is parked, its requests
+keep their checkpoints, and new requests still queue in it (bounded by
+max_waiting_requests). The next engine that starts, on the re-formed group
+or on the same one once its ranks are ready again, adopts them all and
+resumes each from its checkpoint (Engine.adopt). If none starts within
+`resume_timeout_s` of the failure, the parked requests fail with
+UNAVAILABLE. A changed assignment is followed at once; a group that broke
+under the same assignment is tried again, with backoff, once all its ranks
+are ready again.
 """
 
 import asyncio
@@ -20,6 +27,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
+from gateway import placement_watch
 from gateway.engine import Engine, GroupFailure, error_text
 from moe.expert.v1 import expert_pb2, expert_pb2_grpc
 from services import grpc_util, telemetry
@@ -74,6 +82,7 @@ class GroupManager:
         set_serving: Callable[[bool], Awaitable[None]],
         rank_call_timeout_s: float = 10.0,
         lease_ttl_s: int = 2,
+        resume_timeout_s: float = 60.0,
     ) -> None:
         self._cluster = cluster
         self._member_id = member_id
@@ -82,13 +91,23 @@ class GroupManager:
         self._set_serving = set_serving
         self._rank_call_timeout_s = rank_call_timeout_s
         self._lease_ttl_s = lease_ttl_s
+        self._resume_timeout_s = resume_timeout_s
+        # The engine that takes requests: the running one, or the parked one of a
+        # failed group whose requests wait for the next engine.
         self._engine: Engine | None = None
         self._group: GroupAssignment | None = None
         self._task: asyncio.Task | None = None
+        self._expiry: asyncio.Task | None = None  # fails the parked requests at the resume timeout
+        # Metrics of resumption: failures survived, requests resumed, seconds from failure to resume.
+        self.num_resumed_groups = 0
+        self.num_resumed_requests = 0
+        self.resume_seconds: list[float] = []
+        self._parked_at: float | None = None
 
     @property
     def engine(self) -> Engine | None:
-        """The engine of the ready group, None while no group is ready."""
+        """The engine taking requests: the ready group's, or while a failed group is
+        re-formed the parked one (its requests wait); None when there is neither."""
         return self._engine
 
     @property
@@ -109,16 +128,60 @@ class GroupManager:
                     self._task = asyncio.create_task(self._serve(group), name=f"group-{group.group_id}")
         finally:
             await self._stop_group("the gateway is stopping")
+            self._fail_parked("the gateway is stopping")
 
     async def _stop_group(self, reason: str) -> None:
+        """Stops serving the current group; its engine's requests stay parked."""
         task, self._task = self._task, None
         if task is not None:
+            log.info("stopping %s: %s", _describe(self._group), reason)
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+    def _park(self, engine: Engine, name: str) -> None:
+        """The engine stopped: keep it taking (queueing) requests until the next
+        engine adopts them, or the resume timeout fails them."""
+        if self._engine is not engine:
+            return
+        if self._expiry is None:
+            self._parked_at = asyncio.get_running_loop().time()
+            self._expiry = asyncio.create_task(self._expire(name), name="resume-timeout")
+        if engine.num_active:
+            log.warning("%d requests wait for %s to be re-formed (up to %.0f s)", engine.num_active, name,
+                        self._resume_timeout_s)
+
+    async def _expire(self, name: str) -> None:
+        await asyncio.sleep(self._resume_timeout_s)
+        self._expiry = None
+        self._fail_parked(f"{name} failed and no worker group was ready again within "
+                          f"{self._resume_timeout_s:g} s (resume_timeout_s)")
+
+    def _fail_parked(self, message: str) -> None:
         engine, self._engine = self._engine, None
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
         if engine is not None:
-            engine.fail_all(f"no worker group is ready: {reason}")
+            if engine.num_active:
+                log.error("failing %d requests: %s", engine.num_active, message)
+            engine.fail_all(f"no worker group is ready: {message}")
+
+    def _adopt_parked(self, engine: Engine) -> None:
+        """The new engine takes the parked requests; it is the one taking requests now."""
+        parked, self._engine = self._engine, engine
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        if parked is None:
+            return
+        num_resumed = engine.adopt(parked)
+        self.num_resumed_groups += 1
+        self.num_resumed_requests += num_resumed
+        if self._parked_at is not None:
+            self.resume_seconds.append(asyncio.get_running_loop().time() - self._parked_at)
+            self._parked_at = None
+        log.info("resuming %d requests on %s", num_resumed, _describe(self._group))
 
     async def _serve(self, group: GroupAssignment) -> None:
         """Serves the group until the assignment changes (this task is cancelled).
@@ -150,18 +213,18 @@ class GroupManager:
             infos = await self._connect(group, channels)
             streams = [expert_pb2_grpc.ExpertServiceStub(c).ExecuteSteps() for c in channels]
             engine = self._make_engine(group, infos, streams)
-            self._engine = engine
+            self._adopt_parked(engine)
             await self._set_serving(True)
             log.info("serving %s: %s", name, ", ".join(
                 f"rank {i.rank}: {i.num_kv_blocks} KV blocks of {i.kv_block_size}" for i in infos))
-            await engine.run()
+            async with placement_watch.following(self._cluster, group, engine):
+                await engine.run()
         except GroupFailure:
             return engine.num_steps
         finally:
             await self._set_serving(False)
-            self._engine = None
             if engine is not None:
-                engine.fail_all(f"no worker group is ready: {name} is gone")
+                self._park(engine, name)
             for stream in streams:
                 stream.cancel()
             await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)

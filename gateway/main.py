@@ -26,7 +26,7 @@ from gateway.kv_accounting import RankKV
 from gateway.observability import EngineObserver, GatewayReadiness, GatewayStateCollector
 from gateway.servicer import SERVICE_NAME, GenerationServicer
 from gateway.stats import GatewayStats
-from gateway.validation import RequestLimits
+from gateway.validation import GilFreeTokenizer, RequestLimits
 from moe.gateway.v1 import gateway_pb2_grpc
 from services import grpc_util, http_probes, settings
 from services.cluster import ClusterClient
@@ -79,7 +79,7 @@ def engine_factory(config: GatewayConfig, model: ModelConfig, tokenizer: Tokeniz
 async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     """Runs the gateway until stop is set; raises if following the group fails for good."""
     model = ModelConfig.from_model_dir(config.model)
-    tokenizer = Tokenizer.from_model_dir(config.model)
+    tokenizer = GilFreeTokenizer(Tokenizer.from_model_dir(config.model).backend)
     manager: GroupManager | None = None
     stats = GatewayStats()
     is_stopping = False
@@ -108,7 +108,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     manager = GroupManager(
         cluster, member_id=config.member_id, address=config.address(server.port),
         make_engine=engine_factory(config, model, tokenizer, stats), set_serving=set_serving,
-        rank_call_timeout_s=config.rank_call_timeout_s, lease_ttl_s=config.lease_ttl_s)
+        rank_call_timeout_s=config.rank_call_timeout_s, lease_ttl_s=config.lease_ttl_s,
+        resume_timeout_s=config.resume_timeout_s)
     probes.set_readiness(GatewayReadiness(manager, model.num_experts, cluster))
 
     async def follow_groups() -> None:
@@ -173,7 +174,8 @@ async def drain(engine: Engine | None, grace_s: float) -> None:
         return
     engine.stop_accepting()
     try:
-        await asyncio.wait_for(engine.wait_idle(), grace_s)
+        async with asyncio.timeout(grace_s):
+            await engine.wait_idle()
     except TimeoutError:
         log.warning("%d requests still running after %.0f s; failing them", engine.num_active, grace_s)
         engine.fail_all("the gateway is shutting down")

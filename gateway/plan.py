@@ -68,3 +68,8 @@ class StepBatch:
     @property
     def is_empty(self) -> bool:
         return all(p.is_empty for p in self.plans)
+
+    @property
+    def max_tokens_per_rank(self) -> int:
+        """The most input tokens any rank runs in this step (StepPlan.max_tokens_per_rank)."""
+        return max((p.num_tokens for p in self.plans), default=0)

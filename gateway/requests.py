@@ -147,6 +147,16 @@ class Sequence:
             self.finish_reason = reason
         return self._output((token_id,), text, reason, matched or "")
 
+    def rewind(self) -> None:
+        """Back to waiting with nothing computed, keeping the checkpoint (token_ids)
+        and the text state: a resumed sequence is re-prefilled and continues."""
+        self.status = SeqStatus.WAITING
+        self.rank = None
+        self.num_computed = 0
+        self.num_in_flight = 0
+        self.is_prefilled = False
+        self.block_hashes = []  # the next group's block size may differ
+
     def abort_output(self) -> RequestOutput:
         """The final output of an aborted request (no new tokens or text)."""
         self.finish_reason = FinishReason.ABORT

@@ -1,8 +1,9 @@
 """moe.gateway.v1.GenerationService: protobuf <-> the gateway's domain objects.
 
-Generate validates the request, submits it to the engine of the ready worker
-group and streams its outputs; every gateway error becomes a gRPC status here
-and nowhere else. Generate is an async generator (not context.write: the
+Generate validates the request (a large input in a thread, so that a huge
+prompt being tokenized does not stall the other streams), submits it to the
+engine of the ready worker group and streams its outputs; every gateway
+error becomes a gRPC status here and nowhere else. Generate is an async generator (not context.write: the
 OpenTelemetry interceptor breaks that). When the client goes away the
 generator is closed, and the request is aborted: its blocks are freed at the
 next step. The call's gRPC deadline becomes the request's deadline in the
@@ -10,6 +11,8 @@ batcher, which ends it with DEADLINE_EXCEEDED and frees its blocks even if the
 cancellation never reached the gateway.
 """
 
+import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -19,7 +22,8 @@ import grpc
 from gateway.engine import Engine
 from gateway.observability import observe_generate
 from gateway.requests import ErrorCode, FinishReason, GenerationError, RequestOutput
-from gateway.validation import RequestError, RequestLimits, validate_request
+from gateway.validation import (LARGE_INPUT_SIZE, RequestError, RequestLimits, ValidatedRequest, input_size,
+                                validate_request)
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger("gateway.servicer")
@@ -64,7 +68,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
     @observe_generate
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            validated = validate_request(request, self._limits, self._tokenizer)
+            validated = await self._validate(request)
         except RequestError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error.message)
         engine = self._get_engine()
@@ -87,6 +91,13 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             # A no-op once the request finished; otherwise the client went away.
             engine.abort(handle)
 
+    async def _validate(self, request: gateway_pb2.GenerateRequest) -> ValidatedRequest:
+        """validate_request, in a thread for a large input (tokenizing one takes
+        seconds; with a GilFreeTokenizer the event loop runs on meanwhile)."""
+        if input_size(request) < LARGE_INPUT_SIZE:
+            return validate_request(request, self._limits, self._tokenizer)
+        return await asyncio.to_thread(validate_request, request, self._limits, self._tokenizer)
+
     async def Tokenize(self, request: gateway_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> gateway_pb2.TokenizeResponse:
         kind = request.WhichOneof("input")
@@ -98,11 +109,12 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{kind} must be at most {self._limits.max_prompt_chars} characters, "
                                 f"got {num_chars}")
+        if kind == "text":
+            encode = functools.partial(self._tokenizer.encode, request.text)
+        else:
+            encode = functools.partial(self._tokenizer.encode_chat, messages)
         try:
-            if kind == "text":
-                token_ids = self._tokenizer.encode(request.text)
-            else:
-                token_ids = self._tokenizer.encode_chat(messages)
+            token_ids = encode() if num_chars < LARGE_INPUT_SIZE else await asyncio.to_thread(encode)
         except ValueError as error:  # an unknown chat role
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"messages: {error}")
         return gateway_pb2.TokenizeResponse(token_ids=token_ids)

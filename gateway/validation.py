@@ -4,7 +4,9 @@
 `ValidatedRequest` (the prompt tokenized, defaults applied) or raises
 `RequestError`, whose message names the field, the limit and the bad value;
 the servicer maps it to INVALID_ARGUMENT. Cheap checks run before the prompt
-is tokenized, so an oversized request costs no tokenization.
+is tokenized, so an oversized request costs no tokenization. Inputs of
+LARGE_INPUT_SIZE or more are validated in a thread by the servicer, with a
+GilFreeTokenizer, so that other streams keep flowing meanwhile.
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ from collections.abc import Sequence
 from typing import NoReturn, Protocol
 
 from moe.gateway.v1 import gateway_pb2
-from services.tokenizer import CHAT_ROLES
+from services.tokenizer import CHAT_ROLES, Tokenizer
 
 MAX_TEMPERATURE = 2.0
+# Inputs at least this long (characters, or token ids) are validated off the
+# event loop (the servicer runs validate_request in a thread): tokenizing a
+# 1M-character prompt takes seconds.
+LARGE_INPUT_SIZE = 16_384
 
 
 class PromptTokenizer(Protocol):
@@ -29,6 +35,30 @@ class PromptTokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]: ...
+
+
+class GilFreeTokenizer(Tokenizer):
+    """The gateway's tokenizer: encodes a long text through the Rust backend's
+    encode_batch, which releases the GIL while it works (encode holds it for
+    the whole text), so the event loop keeps streaming while a thread
+    tokenizes a huge prompt. Same ids as Tokenizer.encode."""
+
+    def encode(self, text: str) -> list[int]:
+        if len(text) < LARGE_INPUT_SIZE:
+            return Tokenizer.encode(self, text)
+        return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+
+def input_size(req: gateway_pb2.GenerateRequest) -> int:
+    """How big the request's input is: characters of text, or token ids."""
+    kind = req.WhichOneof("input")
+    if kind == "prompt":
+        return len(req.prompt)
+    if kind == "input_ids":
+        return len(req.input_ids.ids)
+    if kind == "messages":
+        return sum(len(m.content) for m in req.messages.messages)
+    return 0
 
 
 class RequestError(ValueError):

@@ -20,6 +20,24 @@ class SchedulerConfig(MemberConfig):
     # leader's lease (only if etcd answers it and the leader key still holds
     # that lease).
     leader_probe_misses: int = 2
+    # A leader whose health checks go unanswered (deadline exceeded, rather
+    # than refused) is deposed only once they have for this many seconds: one
+    # starved of CPU for a moment is not dead. A refused check is definite.
+    leader_probe_silent_s: float = 0.5
+    # How often the leader health-checks every gateway; one refused
+    # leader_probe_misses times in a row (its process is gone) loses its lease
+    # at once, so a standby takes its group over without waiting for the
+    # TTL. 0 turns it off. Late answers and NOT_SERVING never count.
+    gateway_probe_interval_s: float = 0.1
+    # How long a group that lost a rank waits for a member to fill it (a
+    # standby expert, or the same member registering again) before it is
+    # deleted and its requests fail.
+    reform_wait_s: float = 30.0
+    # How long a group whose ranks are all registered but one of which
+    # reported a failure waits before it is re-formed with the same members:
+    # longer than the experts' lease TTL, so that a rank that died without a
+    # word is seen gone (and replaced) first.
+    reform_settle_s: float = 3.0
 
     def __post_init__(self) -> None:
         MemberConfig.__post_init__(self)
@@ -29,5 +47,12 @@ class SchedulerConfig(MemberConfig):
             raise ValueError(f"leader_probe_interval_s must be >= 0, got {self.leader_probe_interval_s}")
         if self.leader_probe_timeout_s <= 0:
             raise ValueError(f"leader_probe_timeout_s must be > 0, got {self.leader_probe_timeout_s}")
+        for name in ("reform_wait_s", "reform_settle_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.gateway_probe_interval_s < 0:
+            raise ValueError(f"gateway_probe_interval_s must be >= 0, got {self.gateway_probe_interval_s}")
+        if self.leader_probe_silent_s < 0:
+            raise ValueError(f"leader_probe_silent_s must be >= 0, got {self.leader_probe_silent_s}")
         if self.leader_probe_misses < 1:
             raise ValueError(f"leader_probe_misses must be >= 1, got {self.leader_probe_misses}")

@@ -13,7 +13,9 @@ within a second (etcd's minimum TTL is 1 s and it checks expiry every
 500 ms). So each follower also probes the leader directly (`LeaderProbe`:
 a health check of its address every `interval_s`) and after `misses`
 consecutive failures revokes the leader's lease, which ends the term at
-once (`ClusterClient.depose_leader`). Guards against a follower's own
+once (`ClusterClient.depose_leader`); checks that merely go unanswered
+(rather than refused) must also span `silent_s`, so a leader starved of CPU
+for a moment on a loaded machine keeps its term. Guards against a follower's own
 trouble: a probe answered later than `max_answer_s` (our event loop was
 starved) does not count, a follower whose own session is lost deposes
 nobody, and the lease is revoked only if etcd answers us and `/leader`
@@ -28,6 +30,14 @@ no longer carries its term; a fenced write that fails also ends its work.
 If the lease turns out alive (an etcd blip), it wins the same term back.
 Safety never depends on this detection: the fence does.
 
+Graceful stop (`hand_over`): the leader ends its work, then hands its term
+to a live follower through etcd (ClusterClient.handover: fenced on its term,
+/leader recreated under the follower's lease, so the new term is a new create
+revision); the follower's watch sees itself named and leads without an
+election, in a few milliseconds. While a handover is pending no campaign
+wins; a follower that finds one pending to another replica for longer than
+_HANDOVER_WAIT_S cancels it. With no follower, the leader resigns as before.
+
 Cancelling run() ends it promptly: every etcd call it makes has a deadline,
 and stepping down waits a bounded time for the term's tasks to end. This
 module imports no gRPC: the probe's transport is passed in.
@@ -39,13 +49,18 @@ import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 
-from services.cluster import ClusterClient, ClusterUnavailableError, LeaderInfo, Session, cancel_and_wait
+from services.cluster import (ClusterClient, ClusterUnavailableError, LeaderInfo, PendingHandover, Session,
+                              cancel_and_wait)
 
 log = logging.getLogger(__name__)
 
 _RETRY_S = 0.5
+# What LeaderProbe.check returns for a leader that did not answer in time.
+SILENT = object()
 # Stepping down: how long the term's work and watchers may take to end once cancelled.
 _STEP_DOWN_S = 5.0
+# How long a follower waits for a handover to another replica before cancelling it.
+_HANDOVER_WAIT_S = 0.5
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,19 +68,26 @@ class LeaderProbe:
     """How followers watch the leader directly."""
 
     # One health check of a leader's address, bounded by its own deadline:
-    # True if it answered that it serves.
-    check: Callable[[str], Awaitable[bool]]
+    # True if it answered that it serves, False if it refused (nothing
+    # listens: a crash) or answered NOT_SERVING, SILENT if it did not answer
+    # within the deadline (hung, or only starved of CPU for a moment).
+    check: Callable[[str], Awaitable["bool | object"]]
     interval_s: float = 0.1
     # Consecutive failed checks after which a follower deposes the leader.
     misses: int = 2
     # A check that took longer than this to fail says more about this
     # replica's own event loop than about the leader: it does not count.
     max_answer_s: float = 0.3
+    # A leader whose checks only go unanswered (SILENT) is deposed once they
+    # have for this long, not after `misses` alone: a leader starved of CPU
+    # for 300 ms on a loaded machine is not dead. A refusal is definite.
+    silent_s: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.interval_s <= 0 or self.misses < 1 or self.max_answer_s <= 0:
-            raise ValueError(f"a leader probe needs interval_s > 0, misses >= 1 and max_answer_s > 0, got "
-                             f"{self.interval_s}, {self.misses}, {self.max_answer_s}")
+        if self.interval_s <= 0 or self.misses < 1 or self.max_answer_s <= 0 or self.silent_s < 0:
+            raise ValueError(f"a leader probe needs interval_s > 0, misses >= 1, max_answer_s > 0 and "
+                             f"silent_s >= 0, got {self.interval_s}, {self.misses}, {self.max_answer_s}, "
+                             f"{self.silent_s}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -109,22 +131,72 @@ class Election:
     async def run(self, lead: LeadFn) -> None:
         """Campaigns until cancelled (or the client is closed); runs
         lead(leadership) during each term held."""
+        leader: LeaderInfo | PendingHandover | None = None  # what ended the last term, if known
         while not self._client.is_closed:
             try:
                 session = await self._client.live_session()
-                leader = await self._client.campaign(self._member_id, self._address)
+                if leader is None or isinstance(leader, PendingHandover):
+                    leader = await self._client.campaign(self._member_id, self._address)
+                if isinstance(leader, PendingHandover):
+                    await self._await_handover(leader)
+                    leader = None
+                    continue
                 leadership = leadership_of(leader, session)
                 if leadership is None:
                     log.info("following %s (term %d)", leader.member_id, leader.term)
-                    await self._follow(leader)
+                    leader = await self._follow(leader)  # a leader handed the term to us: no campaign
                 else:
+                    leader = None
                     await self._hold(leadership, session, lead)
             except Exception as error:  # noqa: BLE001 - never stop campaigning on an etcd error
+                leader = None
                 if self._client.is_closed:
                     return
                 log.warning("election: %r; retrying", error,
                             exc_info=not isinstance(error, ClusterUnavailableError))
                 await asyncio.sleep(_RETRY_S)
+
+    async def hand_over(self, campaign: asyncio.Task) -> LeaderInfo | None:
+        """Graceful stop of the replica running `campaign` (this election's
+        run()): ends it and, if it held a term, meanwhile hands the term to a
+        live follower in etcd (ClusterClient.handover; late writes of the
+        ending work are fenced off): the follower's watch sees itself named
+        and it leads without an election. Returns the new leader; None if
+        this replica did not lead or no follower took the term (then closing
+        the client ends the term as before: the lease and /leader go, the
+        followers campaign)."""
+        leadership = self.leadership
+        campaign.cancel()  # at its next await: it campaigns no more, and T1 fences off its late writes
+        if leadership is None or self._client.is_closed:
+            await cancel_and_wait([campaign], _STEP_DOWN_S, what="the election")
+            return None
+        # The handover and the end of the term's work overlap: a few ms sooner on a busy machine.
+        handing = asyncio.create_task(self._client.handover(leadership.term, self._member_id), name="handover")
+        try:
+            await cancel_and_wait([campaign], _STEP_DOWN_S, what="the election")
+            leader = await handing
+            if leader is not None:
+                log.info("handed term %d over to %s (term %d)", leadership.term, leader.member_id, leader.term)
+            return leader
+        except Exception as error:  # noqa: BLE001 - etcd trouble: closing the client still ends the term
+            log.warning("handing term %d over failed: %r; resigning", leadership.term, error)
+        finally:
+            handing.cancel()  # a no-op once done; cancelled with us otherwise
+        return None
+
+    async def _await_handover(self, pending: PendingHandover) -> None:
+        """Another replica is being handed the term: waits until a leader
+        appears, at most _HANDOVER_WAIT_S; then cancels the stale handover
+        (its follower never took it) so that campaigns can win again."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_HANDOVER_WAIT_S):
+                async with contextlib.aclosing(self._client.watch_leader()) as leaders:
+                    async for leader in leaders:
+                        if leader is not None:
+                            return
+        log.warning("handover of term %d to %s did not complete in %.1f s; cancelling it",
+                    pending.from_term, pending.member_id, _HANDOVER_WAIT_S)
+        await self._client.cancel_handover(pending)
 
     async def _hold(self, leadership: Leadership, session: Session, lead: LeadFn) -> None:
         """Runs lead until it ends, the session is lost or the term ends."""
@@ -150,47 +222,52 @@ class Election:
             await self._client.resign(leadership.term)
             await asyncio.sleep(_RETRY_S)  # let another replica take the term
 
-    async def _follow(self, leader: LeaderInfo) -> None:
-        """Returns once the leader's term has ended; meanwhile probes the
-        leader and deposes it if it stops answering."""
+    async def _follow(self, leader: LeaderInfo) -> LeaderInfo | None:
+        """Returns the next leader (None: none yet) once the leader's term has
+        ended; meanwhile probes the leader and deposes it if it stops answering."""
         if self._probe is None:
             return await self._wait_term_end(leader.term)
         probing = asyncio.create_task(self._probe_leader(leader), name=f"probe-term-{leader.term}")
         try:
-            await self._wait_term_end(leader.term)
+            return await self._wait_term_end(leader.term)
         finally:
             await cancel_and_wait([probing], _STEP_DOWN_S, what="the leader probe")
 
     async def _probe_leader(self, leader: LeaderInfo) -> None:
         """Checks the leader every interval; deposes it after `misses`
-        consecutive failed checks (see the module docstring's guards)."""
+        consecutive failed checks, the last a refusal or all of them silent
+        for `silent_s` (see the module docstring's guards)."""
         probe, loop = self._probe, asyncio.get_running_loop()
         # Under our member id but not our lease: an earlier run of this
         # replica, dead by definition even if our own server answers there.
         is_earlier_self = leader.member_id == self._member_id
-        misses = 0
+        misses, failing_since = 0, None
         while True:
             started = loop.time()
-            is_alive = not is_earlier_self and await probe.check(leader.address)
-            if is_alive:
-                misses = 0
+            answer = False if is_earlier_self else await probe.check(leader.address)
+            if answer is True:
+                misses, failing_since = 0, None
             elif loop.time() - started <= probe.max_answer_s:
                 misses += 1
-            if misses >= probe.misses:
-                misses = 0
+                failing_since = started if failing_since is None else failing_since
+            if misses >= probe.misses and (answer is not SILENT or loop.time() - failing_since >= probe.silent_s):
+                misses, failing_since = 0, None
                 session = self._client.session
                 if session is not None and not session.lost.is_set():
                     # Logged first: once the lease is revoked our own term watch may end this task.
-                    log.warning("leader %s (term %d) at %s failed %d health checks in a row: deposing it",
-                                leader.member_id, leader.term, leader.address, probe.misses)
+                    log.warning("leader %s (term %d) at %s failed %d health checks in a row (%s): deposing it",
+                                leader.member_id, leader.term, leader.address, probe.misses,
+                                "silent" if answer is SILENT else "refused")
                     if await self._client.depose_leader(leader):
                         return
             await asyncio.sleep(max(0.0, started + probe.interval_s - loop.time()))
 
-    async def _wait_term_end(self, term: int) -> None:
-        """Returns once /leader no longer holds the key created at term (or
-        the client is closed); the watch is cancelled on the way out."""
+    async def _wait_term_end(self, term: int) -> LeaderInfo | None:
+        """Returns the leader after it (None: none) once /leader no longer
+        holds the key created at term, or None once the client is closed; the
+        watch is cancelled on the way out."""
         async with contextlib.aclosing(self._client.watch_leader()) as leaders:
             async for leader in leaders:
                 if leader is None or leader.term != term:
-                    return
+                    return leader
+        return None

@@ -3,8 +3,9 @@
 `HealthCheck(timeout_s)` is the `check` of election.LeaderProbe: one
 grpc.health.v1 Check of the leader's address with a deadline. It keeps one
 channel, to the address it last checked, and answers False on any error:
-a crashed leader's port refuses at once, a hung one (SIGSTOP, a stuck
-event loop) runs into the deadline. The channel has no tracing
+a crashed leader's port refuses at once (False), a hung one (SIGSTOP, a
+stuck event loop) runs into the deadline (SILENT: the election waits
+`silent_s` before it believes that). The channel has no tracing
 interceptors (ten checks a second would flood the traces) and reconnects
 quickly.
 """
@@ -14,6 +15,8 @@ import logging
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from scheduler_svc.election import SILENT
+
 log = logging.getLogger(__name__)
 
 _OPTIONS = [
@@ -22,6 +25,7 @@ _OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 _REQUEST = health_pb2.HealthCheckRequest(service="")
+REFUSED = grpc.StatusCode.UNAVAILABLE
 
 
 class HealthCheck:
@@ -35,8 +39,21 @@ class HealthCheck:
         self._channel: grpc.aio.Channel | None = None
         self._stub: health_pb2_grpc.HealthStub | None = None
 
-    async def __call__(self, address: str) -> bool:
-        """True if address answered SERVING within the deadline."""
+    async def __call__(self, address: str) -> "bool | object":
+        """True if address answered SERVING within the deadline; False if it
+        refused the connection or answered NOT_SERVING; election.SILENT for
+        anything else (no answer in time, another error)."""
+        status = await self.status(address)
+        if status == health_pb2.HealthCheckResponse.SERVING:
+            return True
+        if status in (REFUSED, health_pb2.HealthCheckResponse.NOT_SERVING):
+            return False
+        return SILENT  # no answer in time, or an error that does not say the leader is gone
+
+    async def status(self, address: str) -> "int | grpc.StatusCode":
+        """The health status the address answered (a HealthCheckResponse
+        status), or the gRPC code of the failed check: UNAVAILABLE if nothing
+        listens there, DEADLINE_EXCEEDED if it did not answer in time."""
         if address != self._address:
             await self.close()
             self._address = address
@@ -46,8 +63,8 @@ class HealthCheck:
             reply = await self._stub.Check(_REQUEST, timeout=self._timeout_s)
         except grpc.RpcError as error:
             log.debug("health check of %s failed: %s", address, error.code())
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+            return error.code()
+        return reply.status
 
     async def close(self) -> None:
         channel, self._channel, self._stub, self._address = self._channel, None, None, None

@@ -2,28 +2,40 @@
 
 Connects to etcd, serves SchedulerService (health SERVING once etcd
 answered), registers as a scheduler member and campaigns for leadership;
-the leader forms worker groups, the followers health-check the leader and
-depose it when it stops answering (scheduler_svc/election.py).
-SIGTERM/SIGINT: revoke the lease first (the leader key goes with it, so
-another replica takes over within milliseconds), then stop the server.
+the leader forms worker groups and health-checks the gateways (a dead one
+loses its lease at once: scheduler_svc/gateway_probe.py), the followers
+health-check the leader and depose it when it stops answering
+(scheduler_svc/election.py).
+SIGTERM/SIGINT: a leader first hands its term to a live follower
+(Election.hand_over: the follower leads within milliseconds, without an
+election); then the lease is revoked (a leader that found no follower loses
+/leader with it, and the followers campaign), then the server stops.
 """
 
 import asyncio
+import contextlib
+import logging
 import sys
+from collections.abc import Awaitable
 
 from moe.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.election import Election, LeaderProbe
+from scheduler_svc.gateway_probe import GatewayProbe, probe_gateways
 from scheduler_svc.leader_probe import HealthCheck
 from scheduler_svc.observability import LeaderWatch
 from scheduler_svc.servicer import SchedulerServicer
-from scheduler_svc.state import lead_groups
+from scheduler_svc.state import RepairState, lead_groups
 from services import http_probes, settings
 from services.cluster import ClusterClient, cancel_and_wait
 from services.grpc_util import start_server
 
 ROLE = "scheduler"
+log = logging.getLogger(ROLE)
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
+# On SIGTERM, how long the leader may take to hand its term to a follower
+# before it just revokes its lease (etcd unreachable).
+_HANDOVER_BUDGET_S = 2.0
 
 
 async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
@@ -36,7 +48,7 @@ async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
         [lambda s: scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, s)],
         [SERVICE_NAME], host=config.host, port=config.port,
     )
-    campaign = watch = None
+    campaign = watch = election = None
     health_check = HealthCheck(config.leader_probe_timeout_s)
     try:
         await client.connect(wait_s=None)
@@ -44,22 +56,43 @@ async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
         await client.register(ROLE, config.member_id, address, ttl=config.lease_ttl_s)
         watch = asyncio.create_task(leader_watch.run(), name="leader-metrics")
         election = Election(client, config.member_id, address, probe=leader_probe(config, health_check))
-        campaign = asyncio.create_task(election.run(
-            lambda leadership: lead_groups(client, leadership, config.group_size)))
+        campaign = asyncio.create_task(election.run(lambda leadership: with_gateway_probe(
+            client, config, lead_groups(client, leadership, config.group_size, RepairState(
+                reform_wait_s=config.reform_wait_s, reform_settle_s=config.reform_settle_s)))))
         await server.set_serving(True)
         settings.announce_port(ROLE, config, server.port)
         await stop.wait()
     finally:
-        # First of all: revoking the lease deletes /leader (if ours) and our
-        # member key, so a follower takes over now. The election and the
-        # watch then end on the closed client; a write of ours still in
-        # flight is fenced off.
+        # First of all: a leader hands its term to a follower (which leads
+        # within milliseconds, without an election); then revoking the lease
+        # deletes our member key (and /leader, if still ours: no follower
+        # took it), so the followers campaign. The election and the watch
+        # end on the closed client; a write of ours still in flight is fenced off.
+        log.info("stopping")
+        if election is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_HANDOVER_BUDGET_S):
+                    await election.hand_over(campaign)
         await client.close()
+        log.info("deregistered")
         await server.set_serving(False)
         await cancel_and_wait([campaign, watch], what="the election and the leader metrics watch")
         await health_check.close()
         await server.stop(grace_s=1.0)
         await probes.close()
+        log.info("stopped")
+
+
+async def with_gateway_probe(client: ClusterClient, config: SchedulerConfig, lead: Awaitable[None]) -> None:
+    """Runs the leader's work, and meanwhile its probe of the gateways (scheduler_svc/gateway_probe.py)."""
+    probing = None
+    if config.gateway_probe_interval_s:
+        probe = GatewayProbe(config.gateway_probe_interval_s, config.leader_probe_timeout_s, config.leader_probe_misses)
+        probing = asyncio.create_task(probe_gateways(client, probe), name="gateway-probe")
+    try:
+        await lead
+    finally:
+        await cancel_and_wait([probing], what="the gateway probe")
 
 
 def leader_probe(config: SchedulerConfig, check: HealthCheck) -> LeaderProbe | None:
@@ -67,7 +100,7 @@ def leader_probe(config: SchedulerConfig, check: HealthCheck) -> LeaderProbe | N
     if config.leader_probe_interval_s == 0:
         return None
     return LeaderProbe(check, interval_s=config.leader_probe_interval_s, misses=config.leader_probe_misses,
-                       max_answer_s=3 * config.leader_probe_timeout_s)
+                       max_answer_s=3 * config.leader_probe_timeout_s, silent_s=config.leader_probe_silent_s)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,7 +3,9 @@
 import grpc
 
 from moe.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc import placement
 from services.cluster import ClusterClient, ClusterSnapshot, ClusterUnavailableError
+from services.model.expert_map import Placement
 
 _ROLES = {
     "scheduler": scheduler_pb2.MEMBER_ROLE_SCHEDULER,
@@ -26,6 +28,22 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         except ClusterUnavailableError as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unreachable: {error}")
         return cluster_state_pb(snapshot, self._replica_id)
+
+    async def ProposePlacement(self, request, context):
+        try:
+            proposed = Placement(request.num_experts, request.num_ranks, request.num_spare_slots,
+                                 {layer.layer: tuple(layer.spare_experts) for layer in request.layers})
+            committed, term = await placement.commit_proposal(
+                self._client, self._replica_id, request.group_id, request.expected_epoch, request.term, proposed)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except (placement.NotLeaderError, placement.LeaderTermError) as error:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        except placement.StaleProposalError as error:
+            await context.abort(grpc.StatusCode.ABORTED, str(error))
+        except ClusterUnavailableError as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unreachable: {error}")
+        return scheduler_pb2.ProposePlacementResponse(epoch=committed.epoch, term=term)
 
 
 def cluster_state_pb(snapshot: ClusterSnapshot, replica_id: str) -> scheduler_pb2.GetClusterStateResponse:

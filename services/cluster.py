@@ -189,6 +189,18 @@ class LeaderInfo:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class PendingHandover:
+    """`/handover`: a leader stopping gracefully is handing its term's end to
+    the follower member_id (ClusterClient.handover); /leader is absent meanwhile."""
+
+    member_id: str
+    from_term: int
+    revision: int  # the marker's mod revision
+    lease_id: int  # the follower's lease: the marker goes with the follower
+    address: str  # the follower's
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ClusterSnapshot:
     """Everything under the prefix at one etcd revision."""
 
@@ -211,6 +223,7 @@ class Keys:
     def __init__(self, prefix: str = "/moemesh"):
         self.root = prefix.rstrip("/") + "/"
         self.leader = self.root + "leader"
+        self.handover = self.root + "handover"
         self.members = self.root + "members/"
         self.groups = self.root + "groups/"
         self.ready_root = self.root + "ready/"
@@ -230,7 +243,13 @@ class Keys:
 
     def failure(self, group_id: str, epoch: int, rank: int) -> str:
         """A rank's report that its group failed under it (no lease: it outlives the rank)."""
-        return f"{self.root}failures/{group_id}/{epoch}/{rank}"
+        return f"{self.failure_dir(group_id, epoch)}{rank}"
+
+    def failure_dir(self, group_id: str | None = None, epoch: int | None = None) -> str:
+        """The failure reports of all groups, of a group (all epochs), or of one epoch, as a prefix."""
+        if group_id is None:
+            return f"{self.root}failures/"
+        return f"{self.root}failures/{group_id}/" + ("" if epoch is None else f"{epoch}/")
 
     def parse(self, revision: int, kvs: collections.abc.Iterable) -> ClusterSnapshot:
         """A snapshot from the key-values under the root; bad values are logged and skipped."""
@@ -260,6 +279,16 @@ def _leader_from_kv(kv) -> LeaderInfo:
     value = json.loads(kv.value)
     return LeaderInfo(value["member_id"], value["address"], kv.create_revision,
                       float(value["elected_at"]), kv.lease)
+
+
+def _leader_value(member_id: str, address: str) -> bytes:
+    return json.dumps({"member_id": member_id, "address": address, "elected_at": time.time()}).encode()
+
+
+def _handover_from_kv(kv) -> PendingHandover:
+    value = json.loads(kv.value)
+    return PendingHandover(value["member_id"], int(value["from_term"]), kv.mod_revision, kv.lease,
+                           value["address"])
 
 
 def _raise_unless_lease_gone(error: Exception, session: "Session") -> None:
@@ -569,26 +598,97 @@ class ClusterClient:
                 return True  # else the group key changed under us: check it again
 
     @telemetry.traced("etcd.campaign")
-    async def campaign(self, member_id: str, address: str) -> LeaderInfo:
+    async def campaign(self, member_id: str, address: str) -> "LeaderInfo | PendingHandover":
         """One election attempt: creates /leader under this session's lease if
-        absent. Returns the leader after the attempt; we won iff its lease_id
-        is our session's (true also when an earlier attempt's reply was lost)."""
+        absent and no handover is pending. Returns the leader after the attempt;
+        we won iff its lease_id is our session's (true also when an earlier
+        attempt's reply was lost). A handover pending to this session is
+        completed here (we win); one pending to another replica is returned:
+        wait for it, or cancel_handover() it once it has taken too long."""
         session = await self.live_session()
-        key = self.keys.leader.encode()
-        value = json.dumps({"member_id": member_id, "address": address, "elected_at": time.time()})
+        key, handover_key = self.keys.leader.encode(), self.keys.handover.encode()
         txn = self._etcd.transactions
         try:
-            _, responses = await self._retry(
+            is_won, responses = await self._retry(
                 "campaign", self._etcd.transaction,
-                compare=[txn.create(key) == 0],
-                success=[txn.put(key, value.encode(), lease=session.lease_id), txn.get(key)],
-                failure=[txn.get(key)],
+                compare=[txn.create(key) == 0, txn.version(handover_key) == 0],
+                success=[txn.put(key, _leader_value(member_id, address), lease=session.lease_id), txn.get(key)],
+                failure=[txn.get(key), txn.get(handover_key)],
             )
         except aetcd.ClientError as error:
             _raise_unless_lease_gone(error, session)
             raise ClusterUnavailableError(f"etcd at {self.endpoint}: campaign: our lease is gone") from error
-        (_, kv), = responses[-1]
-        return _leader_from_kv(kv)
+        leaders = responses[-1] if is_won else responses[0]
+        if leaders:
+            return _leader_from_kv(leaders[0][1])
+        (_, kv), = responses[1]
+        pending = _handover_from_kv(kv)
+        if pending.lease_id != session.lease_id:
+            return pending
+        return await self._complete_handover(pending) or pending
+
+    @telemetry.traced("etcd.handover")
+    async def handover(self, term: int, from_member_id: str) -> LeaderInfo | None:
+        """A leader's graceful stop: ends its term and makes another live
+        scheduler member (the first by member id) the leader, under that
+        member's lease, without an election.
+
+        etcd refuses a delete and a put of one key in one transaction, and the
+        new term must be a new create revision of /leader; so: one transaction
+        fenced on create_revision(/leader) == term and on the follower's member
+        key being unchanged deletes /leader and puts the `/handover` marker
+        naming the follower (under its lease: it goes if the follower does),
+        then a second creates /leader for the follower while that marker is
+        current. Campaigns do not win while a marker exists (the named
+        follower completes it itself if this process dies in between).
+        Returns the new leader, None if the handover did not happen (term
+        over, no follower: the caller resigns as usual)."""
+        leader_key, handover_key = self.keys.leader.encode(), self.keys.handover.encode()
+        prefix = self.keys.member("scheduler", "").encode()
+        members = await self._retry("handover", self._etcd.get_prefix, prefix)
+        txn = self._etcd.transactions
+        for kv in sorted(members, key=lambda kv: kv.key):
+            member_id = kv.key[len(prefix):].decode()
+            if member_id == from_member_id or not kv.lease:
+                continue
+            address = json.loads(kv.value)["address"]
+            marker = json.dumps({"member_id": member_id, "address": address, "from_term": term}).encode()
+            is_started, responses = await self._retry(
+                "handover", self._etcd.transaction,
+                compare=[txn.create(leader_key) == term, txn.mod(kv.key) == kv.mod_revision],
+                success=[txn.delete(leader_key), txn.put(handover_key, marker, lease=kv.lease),
+                         txn.get(handover_key)],
+                failure=[txn.get(leader_key)])
+            if is_started:
+                return await self._complete_handover(_handover_from_kv(responses[-1][0][1]))
+            if not responses[-1] or responses[-1][0][1].create_revision != term:
+                return None  # our term is over
+        return None
+
+    async def _complete_handover(self, pending: PendingHandover) -> LeaderInfo | None:
+        """Creates /leader for the follower a still current marker names and
+        deletes the marker; None if the marker is gone (another completed or
+        cancelled it, or the follower's lease ended)."""
+        leader_key, handover_key = self.keys.leader.encode(), self.keys.handover.encode()
+        txn = self._etcd.transactions
+        is_done, responses = await self._retry(
+            "handover", self._etcd.transaction,
+            compare=[txn.create(leader_key) == 0, txn.mod(handover_key) == pending.revision],
+            success=[txn.put(leader_key, _leader_value(pending.member_id, pending.address), lease=pending.lease_id),
+                     txn.delete(handover_key), txn.get(leader_key)],
+            failure=[txn.get(leader_key)])
+        leader = _leader_from_kv(responses[-1][0][1]) if responses[-1] else None
+        if is_done:
+            log.info("term %d handed over to %s (term %d)", pending.from_term, pending.member_id, leader.term)
+        return leader if leader is not None and leader.lease_id == pending.lease_id else None
+
+    async def cancel_handover(self, pending: PendingHandover) -> None:
+        """Deletes a handover marker that is still the one seen (its follower
+        never took the term): campaigns can win again."""
+        key = self.keys.handover.encode()
+        txn = self._etcd.transactions
+        await self._retry("cancel_handover", self._etcd.transaction, compare=[txn.mod(key) == pending.revision],
+                          success=[txn.delete(key)], failure=[])
 
     @telemetry.traced("etcd.resign")
     async def resign(self, term: int) -> None:
@@ -600,20 +700,39 @@ class ClusterClient:
 
     @telemetry.traced("etcd.write_groups")
     async def write_groups(self, term: int, put: collections.abc.Sequence[GroupAssignment] = (),
-                           delete: collections.abc.Sequence[str] = ()) -> bool:
+                           delete: collections.abc.Sequence[str] = (),
+                           stale_epochs: collections.abc.Sequence[tuple[str, int]] = ()) -> bool:
         """Puts and deletes groups in one transaction fenced on
-        create_revision(/leader) == term; a deleted group's ready keys go with
-        it. Returns False (nothing written) if the term is no longer current."""
+        create_revision(/leader) == term; a deleted group's ready and failure
+        keys go with it, and so do those of each (group_id, epoch) in
+        stale_epochs. Returns False (nothing written) if the term is no longer current."""
         leader_key = self.keys.leader.encode()
         txn = self._etcd.transactions
         ops = [txn.put(self.keys.group(g.group_id).encode(), g.to_json()) for g in put]
-        for group_id in delete:
-            ready = self.keys.ready_dir(group_id).encode()
-            ops += [txn.delete(self.keys.group(group_id).encode()),
-                    txn.delete(ready, range_end=etcd_utils.prefix_range_end(ready))]
+        prefixes = [p for i in delete for p in (self.keys.ready_dir(i), self.keys.failure_dir(i))]
+        prefixes += [p for i, e in stale_epochs for p in (self.keys.ready_dir(i, e), self.keys.failure_dir(i, e))]
+        ops += [txn.delete(self.keys.group(group_id).encode()) for group_id in delete]
+        ops += [txn.delete(p.encode(), range_end=etcd_utils.prefix_range_end(p.encode())) for p in prefixes]
         is_written, _ = await self._retry("write_groups", self._etcd.transaction,
                                           compare=[txn.create(leader_key) == term], success=ops, failure=[])
         return is_written
+
+    async def depose_member(self, role: str, member_id: str, address: str) -> bool:
+        """Revokes the lease of a member found dead (its address refuses
+        connections), so that its key goes now rather than after the TTL; only
+        if its member key still holds that address (a restarted process
+        registered anew elsewhere is left alone). One attempt of each call.
+        Returns True if the lease was revoked by this call."""
+        try:
+            got = await self._call("depose", self._etcd.get, self.keys.member(role, member_id).encode())
+            if got is None or not got.lease or json.loads(got.value).get("address") != address:
+                return False
+            await self._call("depose", self._etcd.revoke_lease, got.lease)
+            log.warning("revoked the lease of %s %s at %s", role, member_id, address)
+        except _ETCD_ERRORS as error:
+            log.info("did not depose %s %s: %r", role, member_id, error)
+            return False
+        return True
 
     async def depose_leader(self, leader: LeaderInfo) -> bool:
         """Revokes the lease of a leader found dead, so that its term ends now,
@@ -848,3 +967,28 @@ class ClusterClient:
                             "reason": reason, "reported_at": time.time()}).encode()
         await self._retry("report_rank_failure", self._etcd.put,
                           self.keys.failure(group_id, epoch, rank).encode(), value)
+
+    async def snapshot_with_failures(self) -> tuple[ClusterSnapshot, set[tuple[str, int]]]:
+        """snapshot(), and the (group_id, epoch) that have a failure report, read at the same revision."""
+        result = await self._retry("snapshot", self._etcd.get_prefix, self.keys.root.encode())
+        prefix = self.keys.failure_dir()
+        failed = set()
+        for kv in result:
+            key = kv.key.decode()
+            if key.startswith(prefix):
+                with contextlib.suppress(ValueError):
+                    group_id, epoch, _rank = key[len(prefix):].split("/")
+                    failed.add((group_id, int(epoch)))
+        return self.keys.parse(result.header.revision, result), failed
+
+    async def watch_failures(self) -> AsyncIterator[set[str]]:
+        """The keys of the failure reports now and after each change."""
+        prefix = self.keys.failure_dir()
+
+        async def read() -> tuple[int, set[str]]:
+            result = await self._retry("read", self._etcd.get_prefix, prefix.encode())
+            return result.header.revision, {kv.key.decode() for kv in result}
+
+        async with contextlib.aclosing(self._watch_state(prefix, read)) as states:
+            async for keys in states:
+                yield keys

@@ -35,9 +35,14 @@ class MeshSpec:
 
     model_dir: str
     num_ranks: int = 1
+    # Expert services beyond the group's ranks: standbys that replace a failed rank.
+    num_standby: int = 0
     device: str = "cpu"
     # Gateway port; 0 picks a free one.
     gateway_port: int = 0
+    # Gateways started: the first serves the group, the others stand by (the
+    # scheduler leader gives one the group when its gateway leaves).
+    num_gateways: int = 1
     # An existing etcd (host:port); empty starts a private one.
     etcd: str = ""
     # Where logs, port files and etcd's data go; empty makes a temporary dir.
@@ -51,6 +56,10 @@ class MeshSpec:
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
             raise ValueError(f"--ranks must be at least 1, got {self.num_ranks}")
+        if self.num_standby < 0:
+            raise ValueError(f"num_standby must be >= 0, got {self.num_standby}")
+        if self.num_gateways < 1:
+            raise ValueError(f"num_gateways must be at least 1, got {self.num_gateways}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if not (pathlib.Path(self.model_dir) / "config.json").is_file():
@@ -102,6 +111,11 @@ class Mesh:
         return f"127.0.0.1:{self.gateway.port}"
 
     @property
+    def gateway_addresses(self) -> list[str]:
+        """Every gateway's address, the serving one (gateway-0 at start) first."""
+        return [f"127.0.0.1:{r.port}" for r in self.roles if r.name.startswith("gateway")]
+
+    @property
     def scheduler_addresses(self) -> list[str]:
         return [f"127.0.0.1:{r.port}" for r in self.roles if r.name.startswith("scheduler")]
 
@@ -110,6 +124,7 @@ class Mesh:
         try:
             self._start_all()
             self._wait_serving(self.gateway_address, self.spec.ready_timeout_s)
+            self._start_standby_gateways()
         except BaseException:
             self.stop()
             raise
@@ -125,15 +140,23 @@ class Mesh:
             self._spawn(f"scheduler-{i}", "scheduler_svc.main",
                         [*common, "--member-id", f"scheduler-{i}", "--group-size", str(self.spec.num_ranks)])
         self._spawn("router", "router_svc.main", [*common, "--member-id", "router-0"])
-        for r in range(self.spec.num_ranks):
+        for r in range(self.spec.num_ranks + self.spec.num_standby):
             self._spawn(f"expert-{r}", "expert_svc.main",
                         [*common, "--member-id", f"expert-{r}", "--model", self.spec.model_dir,
-                         "--device", self.spec.device])
+                         "--device", rank_device(self.spec.device, r)])
         self._spawn("gateway", "gateway.main",
                     [*common, "--member-id", "gateway-0", "--model", self.spec.model_dir],
                     port=self.spec.gateway_port)
         for role in self.roles:
             role.port = self._wait_port(role, self.spec.ready_timeout_s)
+
+    def _start_standby_gateways(self) -> None:
+        """Gateways 1.. once gateway-0 serves the group: registered, without a
+        group until the scheduler leader gives them one (its gateway left)."""
+        for i in range(1, self.spec.num_gateways):
+            self._spawn(f"gateway-{i}", "gateway.main", ["--etcd", self.etcd_endpoint, "--member-id",
+                                                         f"gateway-{i}", "--model", self.spec.model_dir])
+            self.roles[-1].port = self._wait_port(self.roles[-1], self.spec.ready_timeout_s)
 
     def _spawn(self, name: str, module: str, args: list[str], port: int = 0) -> None:
         port_file = self.work_dir / f"{name}.port"
@@ -244,6 +267,12 @@ class Mesh:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def rank_device(device: str, rank: int) -> str:
+    """The device of expert service `rank`: one GPU per rank (NCCL cannot run two
+    ranks of a group on one GPU), every rank on the CPU otherwise."""
+    return f"cuda:{rank}" if device == "cuda" else device
 
 
 def cache_dir() -> pathlib.Path:

@@ -39,7 +39,8 @@ PROMPTS = [
 ]
 # Fixed-capacity dispatch for steps of up to 16 tokens per rank, host splits above.
 EXPERT_ARGS = ["--max-fixed-capacity-tokens", "16"]
-NUM_RANKS = [1, 2, 4]
+# N = 8 is the rank count of the Qwen3-235B-A22B deployment (issue 12), one expert per rank here.
+NUM_RANKS = [1, 2, 4, 8]
 
 
 def _start(model_dir, num_ranks: int) -> launcher.Mesh:

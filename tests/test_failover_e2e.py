@@ -172,8 +172,13 @@ def test_a_paused_leader_wakes_up_deposed_fenced_off_and_follows(own_mesh):
             assert not woken.is_leader and woken.leader.member_id == after.leader.member_id
             assert [g for g in groups_of(woken) if g[0] != formed.group_id] == groups_of(before)
             observer = extra.pop()
-            await extra[0].close()
-            assert await poll(lambda: _is_none(_group_with(observer, "extra-e")))  # the new leader acts
+            await extra[0].close()  # the new leader acts: extra-e restarts, its group is re-formed with it
+            restarted = ClusterClient(mesh.etcd_endpoint)
+            await restarted.connect()
+            await restarted.register("expert", "extra-e", "127.0.0.1:2", {"rendezvous_port": 1}, ttl=2)
+            reformed = await poll(lambda: _reformed(observer, formed))
+            assert reformed.term == after.leader.term and reformed.ranks[0].address == "127.0.0.1:2"
+            await restarted.close()
             await observer.close()
         assert traffic.errors == [] and traffic.num_ok > 0
 
@@ -193,8 +198,10 @@ async def _group_with(client: ClusterClient, member_id: str):
     return next((g for g in await client.list_groups() if g.has_member(member_id)), None)
 
 
-async def _is_none(awaitable) -> bool:
-    return await awaitable is None
+async def _reformed(client: ClusterClient, group):
+    """The group's record once it has a newer epoch, else None."""
+    now = next((g for g in await client.list_groups() if g.group_id == group.group_id), None)
+    return now if now is not None and now.epoch > group.epoch else None
 
 
 def test_etcd_restarted_under_the_mesh_nothing_is_torn_down(own_mesh):

@@ -266,6 +266,9 @@ SERVICES = {
     }),
     scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"]: ("scheduler", {
         "GetClusterState": {None},
+        # A random proposal is malformed, names no group, or a stale term or epoch (or reaches a follower).
+        "ProposePlacement": {None, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                             grpc.StatusCode.ABORTED},
     }),
     health_pb2.DESCRIPTOR.services_by_name["Health"]: ("", {
         "Check": {None, grpc.StatusCode.NOT_FOUND},

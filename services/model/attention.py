@@ -5,11 +5,17 @@ sequence's queries to its whole context: every cached token, plus the new
 ones causally. A sequence's chunk may start mid-sequence (chunked prefill, a
 prefix-cache hit), and one batch mixes prefill chunks and decode tokens.
 
+Backends: "torch" (this module's reference: exact, host loops, any device),
+"triton" (services/model/triton_attention.py: paged kernels, CUDA graph
+capturable decode; imported only when asked for, since it needs triton) and
+"auto" (triton for CUDA tensors, torch otherwise).
+
 Legend: T tokens, H query heads, G KV heads, K head_dim, C context tokens of one
 sequence, Q new tokens of one sequence.
 """
 
 import abc
+import importlib
 
 import torch
 from torch import Tensor
@@ -37,11 +43,14 @@ class TorchReferenceAttention(AttentionBackend):
         k_cache, v_cache = kv.layer(layer)
         num_heads, head_dim = q_THK.shape[1:]
         num_kv_heads = k_cache.shape[2]
-        # Slots flatten (block, offset): one index_copy_ writes every new token.
+        # Slots flatten (block, offset): one index_copy_ writes every new token
+        # but the padding rows (slot -1).
         k_slots = k_cache.view(-1, num_kv_heads, head_dim)
         v_slots = v_cache.view(-1, num_kv_heads, head_dim)
-        k_slots.index_copy_(0, batch.slot_mapping_T, k_TGK.to(k_slots.dtype))
-        v_slots.index_copy_(0, batch.slot_mapping_T, v_TGK.to(v_slots.dtype))
+        is_written_T = batch.slot_mapping_T >= 0
+        slots_T = batch.slot_mapping_T[is_written_T]
+        k_slots.index_copy_(0, slots_T, k_TGK[is_written_T].to(k_slots.dtype))
+        v_slots.index_copy_(0, slots_T, v_TGK[is_written_T].to(v_slots.dtype))
 
         o_THK = torch.empty_like(q_THK)
         starts = batch.cu_q_lens
@@ -75,11 +84,35 @@ def _attend(q_QHK: Tensor, k_CGK: Tensor, v_CGK: Tensor, scale: float) -> Tensor
     return torch.matmul(probs_HQC, v_HCK).transpose(0, 1)
 
 
-ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchReferenceAttention}
+class AutoAttention(AttentionBackend):
+    """Triton for CUDA tensors, the torch reference otherwise; each made on first use."""
+
+    def __init__(self):
+        self._backends: dict[str, AttentionBackend] = {}
+
+    def forward(self, layer, q_THK, k_TGK, v_TGK, batch, kv, scale):
+        name = "triton" if q_THK.is_cuda else "torch"
+        if name not in self._backends:
+            self._backends[name] = make_attention_backend(name)
+        return self._backends[name].forward(layer, q_THK, k_TGK, v_TGK, batch, kv, scale)
+
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
+    "torch": TorchReferenceAttention,
+    "auto": AutoAttention,
+}
+# Backends whose module registers them on import (it needs a package CI lacks).
+_LAZY_BACKEND_MODULES = {"triton": "services.model.triton_attention"}
+ATTENTION_BACKEND_NAMES = ("auto", "torch", "triton")
 
 
 def make_attention_backend(name: str = "torch") -> AttentionBackend:
-    """The registered backend called `name`."""
+    """The registered backend called `name`: one of ATTENTION_BACKEND_NAMES."""
+    if name not in ATTENTION_BACKENDS and name in _LAZY_BACKEND_MODULES:
+        try:
+            importlib.import_module(_LAZY_BACKEND_MODULES[name])
+        except ImportError as error:
+            raise ValueError(f"attention backend {name!r} cannot be loaded: {error}") from error
     if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend {name!r} is not one of {sorted(ATTENTION_BACKENDS)}")
+        raise ValueError(f"attention backend {name!r} is not one of {list(ATTENTION_BACKEND_NAMES)}")
     return ATTENTION_BACKENDS[name]()

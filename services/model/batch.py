@@ -4,6 +4,10 @@ A batch mixes prefill chunks and decode tokens of several sequences. Tokens of
 all sequences are concatenated along T; sequence i owns rows
 `[cu_q_lens[i], cu_q_lens[i + 1])`. Legend: T tokens of the step, B sequences,
 S rows whose logits are returned, M blocks of the longest block table.
+
+The host tuples (q_lens, context_lens) serve loops on the host (the torch
+reference attention); GPU kernels read only the device tensors, so a decode
+step can be captured in a CUDA graph and replayed with new tensor contents.
 """
 
 import dataclasses
@@ -34,18 +38,30 @@ class ForwardBatch:
 
     input_ids_T: Tensor  # int64
     positions_T: Tensor  # int64, position of each token within its sequence
-    slot_mapping_T: Tensor  # int64, KV slot (block * block_size + offset) each token writes
+    # int64, KV slot (block * block_size + offset) each token writes; -1 writes
+    # nothing (the padding rows of a CUDA-graph batch).
+    slot_mapping_T: Tensor
     q_lens: tuple[int, ...]  # new tokens per sequence (B)
     context_lens: tuple[int, ...]  # num_computed + new tokens per sequence (B)
     block_tables_BM: Tensor  # int32, padded with 0 past each sequence's table
     # Rows of T whose logits forward returns: the last token of each sampled
     # sequence. Any rows may be listed (e.g. all of them to score a prompt).
     sample_indices_S: Tensor  # int64
+    context_lens_B: Tensor  # int32, context_lens on the device (0: a padding row)
+    cu_q_lens_B1: Tensor  # int32, cu_q_lens on the device (B + 1 entries)
+    # The most new tokens of any sequence (0 for an empty batch): 1 means a pure
+    # decode batch, whose row i is sequence i.
+    max_q_len: int
 
     @property
     def num_tokens(self) -> int:
         """T: the number of new tokens in the step."""
         return self.input_ids_T.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        """True if every sequence has exactly one new token (T == B)."""
+        return self.max_q_len == 1
 
     @property
     def cu_q_lens(self) -> list[int]:
@@ -61,30 +77,103 @@ def build_forward_batch(seqs: list[SeqInput], block_size: int, device) -> Forwar
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    input_ids, positions, slots, sample_indices = [], [], [], []
-    for seq in seqs:
-        _check_seq(seq, block_size)
-        for pos in range(seq.num_computed, seq.num_computed + len(seq.token_ids)):
-            positions.append(pos)
-            slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
-        input_ids.extend(seq.token_ids)
-        if seq.is_sampled:
-            sample_indices.append(len(input_ids) - 1)
     max_blocks = max((len(s.block_table) for s in seqs), default=0)
-    block_tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
+    rows = _Rows(seqs, block_size, max_blocks)
+    sample_indices = [end - 1 for end, seq in zip(rows.cu_q_lens[1:], seqs) if seq.is_sampled]
+    return rows.to_batch(sample_indices, device)
 
-    def int64(values: list[int]) -> Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
 
-    return ForwardBatch(
-        input_ids_T=int64(input_ids),
-        positions_T=int64(positions),
-        slot_mapping_T=int64(slots),
-        q_lens=tuple(len(s.token_ids) for s in seqs),
-        context_lens=tuple(s.num_computed + len(s.token_ids) for s in seqs),
-        block_tables_BM=torch.tensor(block_tables, dtype=torch.int32, device=device).view(len(seqs), max_blocks),
-        sample_indices_S=int64(sample_indices),
-    )
+def build_decode_batch(seqs: list[SeqInput], block_size: int, device, *,
+                       num_rows: int, max_blocks: int) -> ForwardBatch:
+    """A decode batch padded to exactly `num_rows` rows and `max_blocks` table columns.
+
+    For CUDA graphs, whose tensor shapes are fixed when captured: every batch
+    of one bucket has the same shapes, so the runner copies it into the
+    graph's static batch (copy_batch_) and replays. Each sequence must have
+    one new token. Row i is seqs[i]; rows past len(seqs) are padding: input
+    id 0, position 0, slot -1 (writes no KV), context length 0 (attention
+    writes zeros), a block table of zeros. sample_indices_S lists every row,
+    so logits row i belongs to row i; the caller keeps the rows it samples.
+    Padding tokens still pass through the MLP/MoE layers.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if len(seqs) > num_rows:
+        raise ValueError(f"{len(seqs)} sequences do not fit a decode batch of {num_rows} rows")
+    for seq in seqs:
+        if len(seq.token_ids) != 1:
+            raise ValueError(f"sequence {seq.seq_id} has {len(seq.token_ids)} new tokens; a decode batch takes 1")
+        if len(seq.block_table) > max_blocks:
+            raise ValueError(f"sequence {seq.seq_id} has {len(seq.block_table)} blocks, more than "
+                             f"max_blocks {max_blocks}")
+    rows = _Rows(seqs, block_size, max_blocks)
+    for _ in range(num_rows - len(seqs)):
+        rows.append_padding()
+    return rows.to_batch(list(range(num_rows)), device)
+
+
+def copy_batch_(dst: ForwardBatch, src: ForwardBatch) -> None:
+    """Copies src's device tensors into dst's, in place (a CUDA graph's static inputs).
+
+    The shapes must match (two batches of one bucket); the host fields of dst
+    (q_lens, context_lens, max_q_len) stay as they are: graph replays read
+    only the device tensors.
+    """
+    for field in ("input_ids_T", "positions_T", "slot_mapping_T", "block_tables_BM",
+                  "sample_indices_S", "context_lens_B", "cu_q_lens_B1"):
+        dst_tensor, src_tensor = getattr(dst, field), getattr(src, field)
+        if dst_tensor.shape != src_tensor.shape:
+            raise ValueError(f"{field} has shape {tuple(src_tensor.shape)}, the static batch "
+                             f"{tuple(dst_tensor.shape)}")
+        dst_tensor.copy_(src_tensor, non_blocking=True)
+
+
+class _Rows:
+    """The host lists of a batch, built sequence by sequence."""
+
+    def __init__(self, seqs: list[SeqInput], block_size: int, max_blocks: int):
+        self.max_blocks = max_blocks
+        self.input_ids, self.positions, self.slots = [], [], []
+        self.q_lens, self.context_lens, self.block_tables = [], [], []
+        for seq in seqs:
+            _check_seq(seq, block_size)
+            for pos in range(seq.num_computed, seq.num_computed + len(seq.token_ids)):
+                self.positions.append(pos)
+                self.slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
+            self.input_ids.extend(seq.token_ids)
+            self.q_lens.append(len(seq.token_ids))
+            self.context_lens.append(seq.num_computed + len(seq.token_ids))
+            self.block_tables.append(seq.block_table + [0] * (max_blocks - len(seq.block_table)))
+
+    @property
+    def cu_q_lens(self) -> list[int]:
+        return [0, *itertools.accumulate(self.q_lens)]
+
+    def append_padding(self) -> None:
+        """One decode row that reads and writes no KV."""
+        self.input_ids.append(0)
+        self.positions.append(0)
+        self.slots.append(-1)
+        self.q_lens.append(1)
+        self.context_lens.append(0)
+        self.block_tables.append([0] * self.max_blocks)
+
+    def to_batch(self, sample_indices: list[int], device) -> ForwardBatch:
+        def tensor(values: list[int], dtype=torch.int64) -> Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return ForwardBatch(
+            input_ids_T=tensor(self.input_ids),
+            positions_T=tensor(self.positions),
+            slot_mapping_T=tensor(self.slots),
+            q_lens=tuple(self.q_lens),
+            context_lens=tuple(self.context_lens),
+            block_tables_BM=tensor(self.block_tables, torch.int32).view(len(self.q_lens), self.max_blocks),
+            sample_indices_S=tensor(sample_indices),
+            context_lens_B=tensor(self.context_lens, torch.int32),
+            cu_q_lens_B1=tensor(self.cu_q_lens, torch.int32),
+            max_q_len=max(self.q_lens, default=0),
+        )
 
 
 def _check_seq(seq: SeqInput, block_size: int) -> None:

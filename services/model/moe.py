@@ -28,6 +28,13 @@ caller passes `capacity`, see `step_capacity`):
 Combine returns the rows the way they came and sums each token's K outputs in
 increasing expert order, in one fixed-order reduction (no atomics): the
 result does not depend on N or on the mode.
+
+Replicas (expert_map.py): with S spare slots per rank, a rank holds Q = L + S
+physical slots, and dispatch works on slots instead of experts: a `SlotMap`
+turns each token-copy's expert into one of its replicas' global slot, and
+from there on "expert" above reads "slot" (the messages carry Q counts, C
+bounds min(K, Q) rows per token). Combine still sums in increasing logical
+expert order, so which replica ran does not change a bit of the output.
 """
 
 import dataclasses
@@ -38,6 +45,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+
+from services.model.expert_map import SlotMap
+
+
+# Rows per block of the expert matmuls of a layer with spare slots on the CPU (see experts):
+# products of at least this many rows gave each row the same bits whatever the row count,
+# for Qwen3-30B-A3B's and -235B-A22B's expert shapes (D 2048/4096, F 768/1536) with torch
+# 2.13's CPU BLAS, one thread.
+CPU_REPLICA_ROW_BLOCK = 32
 
 
 class ExpertComm:
@@ -127,15 +143,21 @@ def gate(x_TD: Tensor, w_gate_ED: Tensor, top_k: int,
 
 
 def dispatch(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, counts_E: Tensor,
-             comm: ExpertComm, capacity: int | None = None) -> tuple[Tensor, DispatchMeta]:
+             comm: ExpertComm, capacity: int | None = None,
+             slot_map: SlotMap | None = None) -> tuple[Tensor, DispatchMeta]:
     """Sends each token-copy to its expert's rank; returns x_PD sorted by local expert.
 
     capacity None: host splits; an int: fixed capacity, C slots per peer
-    (ValueError if this rank's tokens could overflow it). See the module doc.
+    (ValueError if this rank's tokens could overflow it). With a slot_map the
+    copies go to replica slots and x_PD is sorted by local slot. See the module doc.
     """
     # Each token's experts in increasing order, so that combine sums in that order.
     ids_TK, perm_TK = ids_TK.sort(dim=1)
     weights_TK = weights_TK.gather(1, perm_TK)
+    if slot_map is not None:  # from here on, "expert" means physical slot
+        ids_TK = slot_map.route(ids_TK, counts_E)
+        counts_E = torch.zeros(slot_map.num_slots, dtype=torch.int64, device=x_TD.device).scatter_add_(
+            0, ids_TK.flatten(), torch.ones_like(ids_TK.flatten()))
     # Sorting by global expert also groups the rows by destination rank.
     order_R = ids_TK.flatten().argsort(stable=True)
     send_x_RD = x_TD[order_R // ids_TK.shape[1]]
@@ -220,10 +242,18 @@ def _slot_rows(slot: Tensor, capacity: int, num_header: int) -> Tensor:
     return slot // capacity * (num_header + capacity) + num_header + slot % capacity
 
 
-def experts(x_PD: Tensor, offsets_L: Tensor, w_gate_up_LGD: Tensor, w_down_LDF: Tensor) -> Tensor:
-    """The local experts' SwiGLU MLPs over rows grouped by expert: y_PD."""
-    gate_PF, up_PF = grouped_mm(x_PD, w_gate_up_LGD, offsets_L).chunk(2, dim=-1)
-    return grouped_mm(F.silu(gate_PF) * up_PF, w_down_LDF, offsets_L)
+def experts(x_PD: Tensor, offsets_L: Tensor, w_gate_up_LGD: Tensor, w_down_LDF: Tensor,
+            row_block: int = 0) -> Tensor:
+    """The local experts' SwiGLU MLPs over rows grouped by expert: y_PD.
+
+    row_block > 0 multiplies every group in blocks of exactly that many rows
+    (zero padded), so that a row's result does not depend on how many rows
+    share its expert: CPU BLAS takes other kernels for small matrices (a
+    1-row product differs from the same row in a 16-row one in the last bit),
+    and with replicas an expert's rows split over slots differently.
+    """
+    gate_PF, up_PF = grouped_mm(x_PD, w_gate_up_LGD, offsets_L, row_block).chunk(2, dim=-1)
+    return grouped_mm(F.silu(gate_PF) * up_PF, w_down_LDF, offsets_L, row_block)
 
 
 def combine(y_PD: Tensor, meta: DispatchMeta, comm: ExpertComm) -> Tensor:
@@ -241,14 +271,30 @@ def combine(y_PD: Tensor, meta: DispatchMeta, comm: ExpertComm) -> Tensor:
     return (y_TKD * meta.weights_TK[..., None]).sum(dim=1)
 
 
-def grouped_mm(x_PI: Tensor, w_LOI: Tensor, offsets_L: Tensor) -> Tensor:
-    """Row group l of x (ending at offsets_L[l]) times w_LOI[l].T: [P, O]."""
+def grouped_mm(x_PI: Tensor, w_LOI: Tensor, offsets_L: Tensor, row_block: int = 0) -> Tensor:
+    """Row group l of x (ending at offsets_L[l]) times w_LOI[l].T: [P, O]
+    (row_block > 0: in zero-padded blocks of that many rows, see experts)."""
+    if row_block:
+        return _blocked_grouped_mm(x_PI, w_LOI, offsets_L, row_block)
     if _has_grouped_mm(x_PI.device.type, x_PI.dtype):
         return torch._grouped_mm(x_PI, w_LOI.transpose(-2, -1), offs=offsets_L)
     out_PO = x_PI.new_empty(x_PI.shape[0], w_LOI.shape[1])
     start = 0
     for expert, end in enumerate(offsets_L.tolist()):
         out_PO[start:end] = x_PI[start:end] @ w_LOI[expert].T
+        start = end
+    return out_PO
+
+
+def _blocked_grouped_mm(x_PI: Tensor, w_LOI: Tensor, offsets_L: Tensor, row_block: int) -> Tensor:
+    out_PO = x_PI.new_zeros(x_PI.shape[0], w_LOI.shape[1])
+    start = 0
+    for expert, end in enumerate(offsets_L.tolist()):
+        for first in range(start, end, row_block):
+            rows = min(row_block, end - first)
+            block_BI = x_PI.new_zeros(row_block, x_PI.shape[1])
+            block_BI[:rows] = x_PI[first:first + rows]
+            out_PO[first:first + rows] = (block_BI @ w_LOI[expert].T)[:rows]
         start = end
     return out_PO
 
@@ -269,26 +315,48 @@ class MoELayer:
     """One MoE feed-forward holding its rank's slice of experts."""
 
     def __init__(self, w_gate_ED: Tensor, w_gate_up_LGD: Tensor, w_down_LDF: Tensor, *,
-                 top_k: int, norm_topk_prob: bool, comm: ExpertComm, hit_counts_E: Tensor):
+                 top_k: int, norm_topk_prob: bool, comm: ExpertComm, hit_counts_E: Tensor,
+                 slot_map: SlotMap | None = None):
+        # With spare slots (slot_map set) the expert weights have Q = L + S rows, spares last.
         self.w_gate_ED, self.w_gate_up_LGD, self.w_down_LDF = w_gate_ED, w_gate_up_LGD, w_down_LDF
         self.top_k, self.norm_topk_prob, self.comm = top_k, norm_topk_prob, comm
-        # A view into the model's hit_counts_LE: tokens this rank routed to each expert.
+        # A view into the model's hit_counts_LE: tokens this rank routed to each (logical) expert.
         self.hit_counts_E = hit_counts_E
+        self.slot_map = slot_map
+        # With replicas on the CPU: fixed-size row blocks, so outputs do not depend on the replica.
+        self.row_block = CPU_REPLICA_ROW_BLOCK if slot_map is not None and w_gate_ED.device.type == "cpu" else 0
 
     @classmethod
-    def from_weights(cls, weights: Mapping[str, Tensor], prefix: str, expert_ids: Sequence[int],
-                     **kwargs) -> "MoELayer":
-        """Stacks the hub's per-expert tensors under `prefix` (`model.layers.N.mlp.`)."""
+    def from_weights(cls, weights: Mapping[str, Tensor], prefix: str, expert_ids: Sequence[int], *,
+                     num_spare_slots: int = 0, **kwargs) -> "MoELayer":
+        """Stacks the hub's per-expert tensors under `prefix` (`model.layers.N.mlp.`),
+        plus `num_spare_slots` zero slots for replicas (kwargs then need a slot_map)."""
         def stack(proj: str) -> Tensor:
-            return torch.stack([weights[f"{prefix}experts.{e}.{proj}.weight"] for e in expert_ids])
+            w_LOI = torch.stack([weights[f"{prefix}experts.{e}.{proj}.weight"] for e in expert_ids])
+            if not num_spare_slots:
+                return w_LOI
+            return torch.cat((w_LOI, w_LOI.new_zeros(num_spare_slots, *w_LOI.shape[1:])))
 
         w_gate_up_LGD = torch.cat((stack("gate_proj"), stack("up_proj")), dim=1)
         return cls(weights[f"{prefix}gate.weight"], w_gate_up_LGD, stack("down_proj"), **kwargs)
 
+    def load_slot(self, slot: int, weights: Mapping[str, Tensor], expert_prefix: str) -> None:
+        """Copies one expert's hub tensors (`expert_prefix` = `...mlp.experts.E.`) into local slot `slot`."""
+        w_gate_up_GD = torch.cat((weights[expert_prefix + "gate_proj.weight"],
+                                  weights[expert_prefix + "up_proj.weight"]))
+        self.w_gate_up_LGD[slot].copy_(w_gate_up_GD)
+        self.w_down_LDF[slot].copy_(weights[expert_prefix + "down_proj.weight"])
+
     def __call__(self, x_TD: Tensor, capacity: int | None = None) -> Tensor:
         """The layer on this rank's tokens; `capacity` picks the dispatch mode (see dispatch)."""
+        if self.comm.world_size == 1 and x_TD.is_cuda:  # one rank, few tokens: fused kernels
+            from services.model import triton_fused  # imports triton: CUDA only
+
+            if triton_fused.ENABLED and x_TD.shape[0] <= triton_fused.MOE_MAX_TOKENS:
+                return triton_fused.fused_moe(x_TD, self.w_gate_ED, self.w_gate_up_LGD, self.w_down_LDF,
+                                              self.top_k, self.norm_topk_prob, self.hit_counts_E)
         ids_TK, weights_TK, counts_E = gate(x_TD, self.w_gate_ED, self.top_k, self.norm_topk_prob)
         self.hit_counts_E += counts_E
-        x_PD, meta = dispatch(x_TD, ids_TK, weights_TK, counts_E, self.comm, capacity)
-        y_PD = experts(x_PD, meta.offsets_L, self.w_gate_up_LGD, self.w_down_LDF)
+        x_PD, meta = dispatch(x_TD, ids_TK, weights_TK, counts_E, self.comm, capacity, self.slot_map)
+        y_PD = experts(x_PD, meta.offsets_L, self.w_gate_up_LGD, self.w_down_LDF, self.row_block)
         return combine(y_PD, meta, self.comm)

@@ -19,7 +19,8 @@ from services.model.attention import AttentionBackend, make_attention_backend
 from services.model.batch import ForwardBatch
 from services.model.config import ModelConfig
 from services.model.layers import RotaryEmbedding, apply_rotary, rms_norm, swiglu_mlp
-from services.model.moe import ExpertComm, MoELayer, local_expert_ids, step_capacity
+from services.model.expert_map import SlotMap
+from services.model.moe import ExpertComm, MoELayer, gate, local_expert_ids, step_capacity
 
 # Steps whose largest rank batch has at most this many tokens dispatch with
 # fixed-capacity buffers (decode); bigger ones with host splits (prefill).
@@ -32,6 +33,7 @@ class _DecoderLayer:
     w_q_HKD: Tensor  # [H * K, D]
     w_k_GKD: Tensor  # [G * K, D]
     w_v_GKD: Tensor  # [G * K, D]
+    w_qkv_XD: Tensor  # [(H + 2G) * K, D]: q, k, v stacked; the three above are views of it
     w_o_DHK: Tensor  # [D, H * K]
     q_norm_K: Tensor
     k_norm_K: Tensor
@@ -66,15 +68,23 @@ class Qwen3MoeModel:
     the dict afterwards. `attention` names a registered attention backend.
     `max_fixed_capacity_tokens` is the `max_fixed_tokens` of moe.step_capacity
     (0: always host splits); it must be the same on every rank of a group.
+    `num_spare_expert_slots` spare slots per MoE layer hold expert replicas
+    (services/model/expert_map.py; all empty at start); the same on every rank.
     """
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Tensor], *,
                  expert_ids: Sequence[int], comm: ExpertComm | None = None,
                  dtype=torch.float32, device="cpu", attention: str = "torch",
-                 max_fixed_capacity_tokens: int = DEFAULT_MAX_FIXED_CAPACITY_TOKENS):
+                 max_fixed_capacity_tokens: int = DEFAULT_MAX_FIXED_CAPACITY_TOKENS,
+                 num_spare_expert_slots: int = 0):
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.comm = comm or ExpertComm.local()
         self.max_fixed_capacity_tokens = max_fixed_capacity_tokens
+        if num_spare_expert_slots < 0:
+            raise ValueError(f"num_spare_expert_slots must be >= 0, got {num_spare_expert_slots}")
+        self.num_spare_expert_slots = num_spare_expert_slots
+        # Physical expert slots per rank and MoE layer: the primaries, then the spares.
+        self.num_local_slots = config.num_experts // self.comm.world_size + num_spare_expert_slots
         expected = local_expert_ids(config.num_experts, self.comm.rank, self.comm.world_size)
         if list(expert_ids) != list(expected):
             raise ValueError(
@@ -95,8 +105,11 @@ class Qwen3MoeModel:
     def _build_layer(self, w: Mapping[str, Tensor], i: int, expert_ids: Sequence[int]) -> _DecoderLayer:
         prefix, attn = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
         if self.config.is_moe_layer(i):
+            spares = self.num_spare_expert_slots
+            slot_map = spares and SlotMap(self.config.num_experts, self.comm.world_size, spares,
+                                          self.comm.rank, self.device)
             feed_forward = MoELayer.from_weights(
-                w, prefix + "mlp.", expert_ids,
+                w, prefix + "mlp.", expert_ids, num_spare_slots=spares, slot_map=slot_map or None,
                 top_k=self.config.num_experts_per_tok, norm_topk_prob=self.config.norm_topk_prob,
                 comm=self.comm, hit_counts_E=self.hit_counts_LE[self.config.moe_layers.index(i)],
             )
@@ -107,11 +120,16 @@ class Qwen3MoeModel:
                 w_up_FD=w[prefix + "mlp.up_proj.weight"],
                 w_down_DF=w[prefix + "mlp.down_proj.weight"],
             )
+        # One q|k|v matrix (one matmul on CUDA); the views give the CPU path the same bits as before.
+        w_q_HKD, w_k_GKD, w_v_GKD = (w[attn + f"{p}_proj.weight"] for p in "qkv")
+        w_qkv_XD = torch.cat((w_q_HKD, w_k_GKD, w_v_GKD))
+        w_q_HKD, w_k_GKD, w_v_GKD = w_qkv_XD.split([w_q_HKD.shape[0], w_k_GKD.shape[0], w_v_GKD.shape[0]])
         return _DecoderLayer(
             input_norm_D=w[prefix + "input_layernorm.weight"],
-            w_q_HKD=w[attn + "q_proj.weight"],
-            w_k_GKD=w[attn + "k_proj.weight"],
-            w_v_GKD=w[attn + "v_proj.weight"],
+            w_q_HKD=w_q_HKD,
+            w_k_GKD=w_k_GKD,
+            w_v_GKD=w_v_GKD,
+            w_qkv_XD=w_qkv_XD,
             w_o_DHK=w[attn + "o_proj.weight"],
             q_norm_K=w[attn + "q_norm.weight"],
             k_norm_K=w[attn + "k_norm.weight"],
@@ -129,17 +147,59 @@ class Qwen3MoeModel:
         """
         if max_tokens_per_rank is None:
             max_tokens_per_rank = self.comm.max_over_ranks(batch.input_ids_T.shape[0], self.device)
-        capacity = step_capacity(max_tokens_per_rank, self.config.num_experts_per_tok,
-                                 self.config.num_experts // self.comm.world_size, self.max_fixed_capacity_tokens)
+        return self.forward_at_capacity(batch, kv, self.dispatch_capacity(max_tokens_per_rank))
+
+    def dispatch_capacity(self, max_tokens_per_rank: int) -> int | None:
+        """The MoE dispatch capacity of a step whose largest rank batch has this many
+        tokens (moe.step_capacity): None for host splits. The same on every rank."""
+        return step_capacity(max_tokens_per_rank, self.config.num_experts_per_tok,
+                             self.num_local_slots, self.max_fixed_capacity_tokens)
+
+    @torch.inference_mode()
+    def forward_at_capacity(self, batch: ForwardBatch, kv: KVPool, capacity: int | None, *,
+                            logits_SV: Tensor | None = None, last_row_hits_LE: Tensor | None = None) -> Tensor:
+        """forward with the dispatch capacity already chosen: what a CUDA graph captures.
+
+        `logits_SV`, if given, receives the fp32 logits (and is returned).
+        `last_row_hits_LE`, if given, gets the experts the batch's last row
+        is routed to in each MoE layer added to it (a probe of a padding row,
+        whose hits the CUDA-graph runner takes back out of hit_counts_LE).
+        """
         x_TD = self.embed_VD[batch.input_ids_T]
         cos_TK, sin_TK = self.rotary.cos_sin(batch.positions_T, self.dtype)
+        fused = _fused_kernels(self.device)
+        if fused is not None:
+            x_SD = self._layers_fused(fused, x_TD, cos_TK, sin_TK, batch, kv, capacity, last_row_hits_LE)
+            return _logits(x_SD, self.lm_head_VD, logits_SV)
         for i, layer in enumerate(self.layers):
             h_TD = rms_norm(x_TD, layer.input_norm_D, self.config.rms_norm_eps)
             x_TD = x_TD + self._attention(i, layer, h_TD, cos_TK, sin_TK, batch, kv)
             h_TD = rms_norm(x_TD, layer.post_attention_norm_D, self.config.rms_norm_eps)
+            if last_row_hits_LE is not None and self.config.is_moe_layer(i) and h_TD.shape[0]:
+                _add_last_row_hits(layer.feed_forward, h_TD, last_row_hits_LE[self.config.moe_layers.index(i)])
             x_TD = x_TD + layer.feed_forward(h_TD, capacity)
         x_SD = rms_norm(x_TD[batch.sample_indices_S], self.norm_D, self.config.rms_norm_eps)
-        return F.linear(x_SD, self.lm_head_VD).float()
+        return _logits(x_SD, self.lm_head_VD, logits_SV)
+
+    def _layers_fused(self, fused, x_TD: Tensor, cos_TK: Tensor, sin_TK: Tensor, batch: ForwardBatch,
+                      kv: KVPool, capacity: int | None, last_row_hits_LE: Tensor | None) -> Tensor:
+        """The layer loop with triton_fused's kernels (CUDA): each residual add fused with
+        the next RMSNorm, one q|k|v matmul; returns the sampled rows, final-normed."""
+        c, eps, pending_TD = self.config, self.config.rms_norm_eps, None
+        x_TD = x_TD.contiguous()
+        for i, layer in enumerate(self.layers):
+            h_TD = fused.add_rms_norm_(x_TD, pending_TD, layer.input_norm_D, eps)
+            q_THK, k_TGK, v_TGK = fused.qkv_norm_rotary(
+                F.linear(h_TD, layer.w_qkv_XD), layer.q_norm_K, layer.k_norm_K, cos_TK, sin_TK,
+                c.num_attention_heads, c.num_key_value_heads, eps)
+            o_THK = self.attention.forward(i, q_THK, k_TGK, v_TGK, batch, kv, c.head_dim ** -0.5)
+            attn_TD = F.linear(o_THK.reshape(h_TD.shape[0], c.num_attention_heads * c.head_dim), layer.w_o_DHK)
+            h_TD = fused.add_rms_norm_(x_TD, attn_TD, layer.post_attention_norm_D, eps)
+            if last_row_hits_LE is not None and c.is_moe_layer(i) and h_TD.shape[0]:
+                _add_last_row_hits(layer.feed_forward, h_TD, last_row_hits_LE[c.moe_layers.index(i)])
+            pending_TD = layer.feed_forward(h_TD, capacity)
+        x_TD = x_TD if pending_TD is None else x_TD + pending_TD
+        return rms_norm(x_TD[batch.sample_indices_S], self.norm_D, eps)
 
     def _attention(self, i: int, layer: _DecoderLayer, h_TD: Tensor, cos_TK: Tensor,
                    sin_TK: Tensor, batch: ForwardBatch, kv: KVPool) -> Tensor:
@@ -154,6 +214,29 @@ class Qwen3MoeModel:
         k_TGK = apply_rotary(k_TGK, cos_TK, sin_TK)
         o_THK = self.attention.forward(i, q_THK, k_TGK, v_TGK, batch, kv, c.head_dim ** -0.5)
         return F.linear(o_THK.reshape(num_tokens, c.num_attention_heads * c.head_dim), layer.w_o_DHK)
+
+
+def _fused_kernels(device: torch.device):
+    """services.model.triton_fused on CUDA while it is ENABLED, else None (the torch code)."""
+    if device.type != "cuda":
+        return None
+    from services.model import triton_fused  # imports triton: CUDA only
+
+    return triton_fused if triton_fused.ENABLED else None
+
+
+def _logits(x_SD: Tensor, lm_head_VD: Tensor, logits_SV: Tensor | None) -> Tensor:
+    """fp32 logits of the final-normed rows, into logits_SV if given."""
+    if logits_SV is None:
+        return F.linear(x_SD, lm_head_VD).float()
+    return logits_SV.copy_(F.linear(x_SD, lm_head_VD))
+
+
+def _add_last_row_hits(layer: MoELayer, h_TD: Tensor, hits_E: Tensor) -> None:
+    """Adds the experts of h_TD's last row to hits_E: the layer's own gate over the
+    same rows (row-wise the same numbers as the layer's routing)."""
+    ids_TK, _, _ = gate(h_TD, layer.w_gate_ED, layer.top_k, layer.norm_topk_prob)
+    hits_E.scatter_add_(0, ids_TK[-1], torch.ones_like(ids_TK[-1]))
 
 
 def _dense_mlp(x_TD: Tensor, _capacity: int | None, **weights: Tensor) -> Tensor:

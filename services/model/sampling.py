@@ -1,8 +1,10 @@
 """Choosing the next token from logits: greedy, or temperature, top-k, top-p and a draw.
 
 Each sequence draws from its own torch.Generator, seeded from its spec, so a
-seed gives the same tokens whatever else shares the batch. Legend: S sequences,
-V vocab.
+seed gives the same tokens whatever else shares the batch. The rows that draw
+are filtered and drawn together (one sort, one softmax): only the noise is
+drawn row by row, from each row's generator. Nothing reads the device back
+but `sample`'s final `.tolist()`. Legend: S sequences, D rows that draw, V vocab.
 """
 
 import dataclasses
@@ -46,28 +48,62 @@ class SamplingSpec:
 def sample(logits_SV: Tensor, specs: list[SamplingSpec],
            generators: list[torch.Generator | None]) -> list[int]:
     """One token per row; generators[i] (on logits' device) is used only if row i is not greedy."""
+    # One host sync for the whole batch.
+    return sample_on_device(logits_SV, specs, generators).tolist()
+
+
+def sample_on_device(logits_SV: Tensor, specs: list[SamplingSpec], generators: list[torch.Generator | None],
+                     greedy_S: Tensor | None = None) -> Tensor:
+    """sample without reading anything back: the int64 tokens [S] on logits' device.
+
+    `greedy_S`, if given, is logits_SV.argmax(-1) computed already (e.g. inside
+    a CUDA graph); the result is then greedy_S itself when every row is
+    greedy, else a copy with the other rows drawn.
+    """
     if not len(specs) == len(generators) == logits_SV.shape[0]:
         raise ValueError(
             f"{logits_SV.shape[0]} logit rows, {len(specs)} specs and {len(generators)} generators"
         )
-    tokens_S = logits_SV.argmax(dim=-1)
-    for i, spec in enumerate(specs):
-        if not spec.is_greedy:
-            probs_V = _filtered_probs(logits_SV[i].float() / spec.temperature, spec.top_k, spec.top_p)
-            tokens_S[i] = torch.multinomial(probs_V, 1, generator=generators[i])[0]
-    # One host sync for the whole batch.
-    return tokens_S.tolist()
+    tokens_S = logits_SV.argmax(dim=-1) if greedy_S is None else greedy_S
+    drawn = [i for i, spec in enumerate(specs) if not spec.is_greedy]
+    if not drawn:
+        return tokens_S
+    device = logits_SV.device
+    rows_D = _to_device(drawn, torch.int64, device)
+    logits_DV = logits_SV.index_select(0, rows_D).float()
+    logits_DV /= _to_device([specs[i].temperature for i in drawn], torch.float32, device)[:, None]
+    scores_DV, order_DV = _filtered_scores(logits_DV, [specs[i] for i in drawn])
+    # The exponential race: argmax(p / E) with E ~ Exp(1) draws from p; each row's
+    # noise comes from its sequence's generator (clamped: log(0) would pick a dropped token).
+    noise_DV = torch.empty_like(scores_DV)
+    for row, i in enumerate(drawn):
+        noise_DV[row].exponential_(generator=generators[i])
+    picks_D = (scores_DV - noise_DV.clamp_(min=1e-30).log_()).argmax(dim=-1)
+    if order_DV is not None:
+        picks_D = order_DV.gather(1, picks_D[:, None])[:, 0]
+    tokens_S = tokens_S.clone() if greedy_S is not None else tokens_S
+    return tokens_S.index_copy_(0, rows_D, picks_D)
 
 
-def _filtered_probs(logits_V: Tensor, top_k: int, top_p: float) -> Tensor:
-    """Softmax over the tokens that survive top-k, then top-p; the rest get 0."""
-    sorted_V, order_V = logits_V.sort(descending=True)
-    keep_V = torch.ones_like(sorted_V, dtype=torch.bool)
-    if top_k:
-        keep_V[top_k:] = False
-    probs_V = torch.softmax(sorted_V.masked_fill(~keep_V, float("-inf")), dim=-1)
+def _filtered_scores(logits_DV: Tensor, specs: list[SamplingSpec]) -> tuple[Tensor, Tensor | None]:
+    """Log-probabilities up to a constant per row, -inf for the tokens top-k and then
+    top-p drop; sorted by decreasing logit (with the order) if any row filters."""
+    if all(not s.top_k and s.top_p >= 1 for s in specs):
+        return logits_DV, None
+    device, vocab = logits_DV.device, logits_DV.shape[1]
+    sorted_DV, order_DV = logits_DV.sort(dim=-1, descending=True)
+    top_k_D1 = _to_device([s.top_k or vocab for s in specs], torch.int64, device)[:, None]
+    keep_DV = torch.arange(vocab, device=device)[None, :] < top_k_D1
+    probs_DV = torch.softmax(sorted_DV.masked_fill(~keep_DV, float("-inf")), dim=-1)
     # Drop a token once the tokens before it already reach top_p (the first always stays).
-    mass_before_V = probs_V.cumsum(dim=-1) - probs_V
-    keep_V &= mass_before_V < top_p
-    probs_V = torch.softmax(sorted_V.masked_fill(~keep_V, float("-inf")), dim=-1)
-    return torch.zeros_like(probs_V).scatter_(0, order_V, probs_V)
+    top_p_D1 = _to_device([s.top_p for s in specs], torch.float32, device)[:, None]
+    keep_DV &= probs_DV.cumsum(dim=-1) - probs_DV < top_p_D1
+    return sorted_DV.masked_fill_(~keep_DV, float("-inf")), order_DV
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small host list on `device`, without a sync (pinned, non-blocking) on CUDA."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -97,42 +97,69 @@ def test_every_rank_gets_every_step_and_requests_spread_over_ranks():
     assert [p.step_id for p in ranks[0].plans] == [p.step_id for p in ranks[1].plans]
     assert all(p.group_id == "g1" and p.placement_epoch == 1 for r in ranks for p in r.plans)
     assert any(not p.scheduled for r in ranks for p in r.plans)    # idle steps were sent
+    # Every rank's plan of a step carries the step's largest rank batch (a decode counts one).
+    for plans in zip(*(r.plans for r in ranks)):
+        sizes = [sum(len(s.token_ids) or 1 for s in p.scheduled) for p in plans]
+        assert [p.max_tokens_per_rank for p in plans] == [max(sizes)] * len(plans)
+    assert any(p.max_tokens_per_rank > 1 for p in ranks[0].plans)
     for i, outputs in enumerate(results):
         assert [t for o in outputs for t in o.token_ids] == reference_tokens([30 + i] * (3 + i), 4 + i)
 
 
-def test_a_broken_rank_stream_fails_requests_with_unavailable():
+def test_a_broken_rank_stream_keeps_the_requests_and_a_new_engine_resumes_them():
+    """The group fails mid-generation: nothing fails, the next engine (the
+    re-formed group) adopts every request, re-prefills it from its checkpoint
+    and finishes it; each client sees every reference token exactly once."""
     async def scenario():
         block_size = 4
         engine, ranks = make_engine(ranks=[SimRank(64, block_size), SimRank(64, block_size, fail_at_step=3)])
         loop_task = asyncio.create_task(engine.run())
-        handles = [engine.submit(make_request(2, max_new_tokens=50, request_id=f"r{i}")) for i in range(2)]
-        outcomes = await asyncio.gather(*(collect(h) for h in handles), return_exceptions=True)
-        with pytest.raises(GroupFailure, match="rank 1"):
+        handles = [engine.submit(make_request(2 + i, max_new_tokens=12, request_id=f"r{i}")) for i in range(3)]
+        collecting = [asyncio.create_task(collect(h)) for h in handles]
+        with pytest.raises(GroupFailure, match="rank 1 step stream broke"):
             await loop_task
-        with pytest.raises(GenerationError) as late:
+        assert not any(h.is_done for h in handles) and engine.num_active == 3
+        queued = engine.submit(make_request(prompt_ids=[27, 28], max_new_tokens=4, request_id="late"))
+        aborted = engine.submit(make_request(1, max_new_tokens=4, request_id="gone"))
+        engine.abort(aborted)  # its client went away while the group was down
+        resumed, new_ranks = make_engine(2, num_blocks=32)
+        assert resumed.adopt(engine) == 4
+        with pytest.raises(GenerationError) as refused:
             engine.submit(make_request(2))
-        return outcomes, late.value
+        resumed_task = asyncio.create_task(resumed.run())
+        outputs = await asyncio.gather(*collecting, collect(queued), collect(aborted))
+        await resumed.wait_idle()
+        resumed_task.cancel()
+        return outputs, refused.value, resumed, new_ranks
 
-    outcomes, late = run(scenario())
-    for outcome in outcomes:
-        assert isinstance(outcome, GenerationError) and outcome.code is ErrorCode.UNAVAILABLE
-        assert "rank crashed" in outcome.message
-    assert late.code is ErrorCode.UNAVAILABLE
+    outputs, refused, resumed, new_ranks = run(scenario())
+    for i, outs in enumerate(outputs[:3]):
+        assert [t for o in outs for t in o.token_ids] == reference_tokens([30] * (2 + i), 12)
+        assert outs[-1].completion_tokens == 12 and outs[-1].finish_reason is FinishReason.LENGTH
+    assert [t for o in outputs[3] for t in o.token_ids] == reference_tokens([27, 28], 4)
+    assert outputs[4][-1].finish_reason is FinishReason.ABORT
+    assert refused.code is ErrorCode.UNAVAILABLE
+    # The resumed sequences were prefilled with prompt plus the tokens already streamed.
+    first_chunks = [list(s.token_ids) for r in new_ranks for p in r.plans for s in p.scheduled if s.token_ids]
+    assert any(len(chunk) > 4 for chunk in first_chunks)
+    assert_pool_clean(resumed, new_ranks)
 
 
-def test_a_result_for_the_wrong_step_fails_the_group():
+def test_a_result_for_the_wrong_step_fails_the_group_but_not_the_request():
     async def scenario():
         engine, _ = make_engine(ranks=[SimRank(64, 4, skew_step_ids=True)])
         loop_task = asyncio.create_task(engine.run())
         handle = engine.submit(make_request(2))
-        with pytest.raises(GenerationError) as err:
-            await collect(handle)
         with pytest.raises(GroupFailure, match="answered step 2, expected 1"):
             await loop_task
+        assert not handle.is_done
+        engine.fail_all("no group came back")  # what the manager does at the resume timeout
+        with pytest.raises(GenerationError) as err:
+            await collect(handle)
         return err.value
 
-    assert run(scenario()).code is ErrorCode.UNAVAILABLE
+    error = run(scenario())
+    assert error.code is ErrorCode.UNAVAILABLE and error.message == "no group came back"
 
 
 def test_an_aborted_request_is_forgotten_by_the_rank_and_its_blocks_freed():
@@ -263,7 +290,7 @@ def test_servicer_aborts_the_request_of_a_client_that_goes_away():
         async with Gateway() as gw:
             engine = gw.attach()
             call = gw.stub.Generate(gateway_pb2.GenerateRequest(
-                request_id="c", prompt="abcdef", sampling=gateway_pb2.SamplingParams(max_new_tokens=400)),
+                request_id="c", prompt="abcdef", sampling=gateway_pb2.SamplingParams(max_new_tokens=100)),
                 timeout=10)
             await call.read()
             call.cancel()
@@ -405,23 +432,26 @@ async def wait_for(predicate, timeout_s=5.0):
     raise AssertionError("condition not reached")
 
 
-def test_group_manager_serves_a_ready_group_and_drops_it_when_it_goes():
+def start_manager(cluster, make, serving=None, **kwargs) -> GroupManager:
+    async def set_serving(is_serving):
+        if serving is not None:
+            serving.append(is_serving)
+
+    return GroupManager(cluster, member_id="gw0", address="127.0.0.1:1", make_engine=make,
+                        set_serving=set_serving, rank_call_timeout_s=5, **kwargs)
+
+
+def make_from_infos(group, infos, streams):
+    return make_engine(ranks=streams, num_blocks=infos[0].num_kv_blocks, block_size=infos[0].kv_block_size)[0]
+
+
+def test_group_manager_serves_a_ready_group_and_fails_its_requests_once_it_is_gone_too_long():
     async def scenario():
         expert = await grpc_util.start_server(
             [lambda s: expert_pb2_grpc.add_ExpertServiceServicer_to_server(FakeExpertService(), s)], [])
         address = f"127.0.0.1:{expert.port}"
         cluster, serving = FakeCluster(), []
-
-        async def set_serving(is_serving):
-            serving.append(is_serving)
-
-        def make(group, infos, streams):
-            engine, _ = make_engine(ranks=streams, num_blocks=infos[0].num_kv_blocks,
-                                    block_size=infos[0].kv_block_size)
-            return engine
-
-        manager = GroupManager(cluster, member_id="gw0", address="127.0.0.1:1", make_engine=make,
-                               set_serving=set_serving, rank_call_timeout_s=5)
+        manager = start_manager(cluster, make_from_infos, serving, resume_timeout_s=0.5)
         task = asyncio.create_task(manager.run())
         try:
             await cluster.assignments.put(assignment(address))
@@ -431,9 +461,13 @@ def test_group_manager_serves_a_ready_group_and_drops_it_when_it_goes():
             long_running = engine.submit(make_request(2, max_new_tokens=10_000))
             await long_running.__anext__()
             await cluster.assignments.put(None)                 # the group is removed
+            await wait_for(lambda: serving[-1] is False)
+            queued = manager.engine.submit(make_request(2))     # waits for a group meanwhile
             with pytest.raises(GenerationError) as gone:
                 await collect(long_running)
-            await wait_for(lambda: manager.engine is None and serving[-1] is False)
+            with pytest.raises(GenerationError):
+                await collect(queued)
+            assert manager.engine is None
             await cluster.assignments.put(assignment(address, epoch=2))   # the rank still runs epoch 1
             await asyncio.sleep(0.3)
             return cluster, serving, outputs, gone.value, manager.engine
@@ -445,43 +479,63 @@ def test_group_manager_serves_a_ready_group_and_drops_it_when_it_goes():
     cluster, serving, outputs, gone, engine_after = run(scenario())
     assert cluster.registered == [("gateway", "gw0", "127.0.0.1:1")]
     assert [t for o in outputs for t in o.token_ids] == reference_tokens([30], 3)
-    assert gone.code is ErrorCode.UNAVAILABLE and "no worker group is ready" in gone.message
+    assert gone.code is ErrorCode.UNAVAILABLE and "no worker group was ready again within 0.5 s" in gone.message
     assert serving[:2] == [True, False] and True not in serving[2:]
     assert engine_after is None
 
 
-def test_a_group_whose_stream_broke_is_served_again_on_fresh_streams():
+def test_a_group_whose_stream_broke_is_served_again_and_resumes_its_requests():
     async def scenario():
         expert = await grpc_util.start_server(
             [lambda s: expert_pb2_grpc.add_ExpertServiceServicer_to_server(FakeExpertService(1), s)], [])
         cluster = FakeCluster()
-
-        async def set_serving(is_serving):
-            pass
-
-        def make(group, infos, streams):
-            return make_engine(ranks=streams)[0]
-
-        manager = GroupManager(cluster, member_id="gw0", address="127.0.0.1:1", make_engine=make,
-                               set_serving=set_serving)
+        manager = start_manager(cluster, lambda group, infos, streams: make_engine(ranks=streams)[0])
         task = asyncio.create_task(manager.run())
         try:
             await cluster.assignments.put(assignment(f"127.0.0.1:{expert.port}"))
             await wait_for(lambda: manager.engine is not None)
             first = manager.engine
-            with pytest.raises(GenerationError) as broken:
-                await collect(first.submit(make_request(2)))
-            await wait_for(lambda: manager.engine not in (None, first))
-            outputs = await collect(manager.engine.submit(make_request(prompt_ids=[30], max_new_tokens=2)))
-            return broken.value, outputs
+            outputs = await collect(first.submit(make_request(prompt_ids=[30, 31], max_new_tokens=5)))
+            assert manager.engine is not first
+            return outputs, manager.num_resumed_requests
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await expert.stop(0)
 
-    broken, outputs = run(scenario())
-    assert broken.code is ErrorCode.UNAVAILABLE and "INTERNAL: a peer rank timed out" in broken.message
-    assert [t for o in outputs for t in o.token_ids] == reference_tokens([30], 2)
+    outputs, num_resumed = run(scenario())
+    assert [t for o in outputs for t in o.token_ids] == reference_tokens([30, 31], 5)
+    assert num_resumed == 1
+
+
+def test_requests_resume_on_the_re_formed_group_of_a_new_epoch():
+    """A request mid-stream when the group is re-formed (epoch 1 -> 2) goes on on
+    the new epoch's streams: every reference token once, none lost."""
+    async def scenario():
+        service = FakeExpertService()
+        expert = await grpc_util.start_server(
+            [lambda s: expert_pb2_grpc.add_ExpertServiceServicer_to_server(service, s)], [])
+        address = f"127.0.0.1:{expert.port}"
+        cluster, serving = FakeCluster(), []
+        manager = start_manager(cluster, make_from_infos, serving)
+        task = asyncio.create_task(manager.run())
+        try:
+            await cluster.assignments.put(assignment(address))
+            await wait_for(lambda: manager.engine is not None)
+            handle = manager.engine.submit(make_request(prompt_ids=[33, 34, 35], max_new_tokens=100))
+            first = [await handle.__anext__() for _ in range(3)]
+            service.info.placement_epoch = 2                   # the rank rejoined in epoch 2
+            await cluster.assignments.put(assignment(address, epoch=2))
+            rest = await collect(handle)
+            return first + rest, serving, manager.num_resumed_requests
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await expert.stop(0)
+
+    outputs, serving, num_resumed = run(scenario())
+    assert [t for o in outputs for t in o.token_ids] == reference_tokens([33, 34, 35], 100)
+    assert serving[:3] == [True, False, True] and num_resumed == 1
 
 
 def test_a_rank_of_another_epoch_is_rejected():

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from scheduler_svc.election import LeadershipLost
+from scheduler_svc.election import SILENT, LeaderProbe, LeadershipLost
 from scheduler_svc.leader_probe import HealthCheck
 from scheduler_svc.state import reconcile_once
 from services.cluster import ClusterClient, GroupAssignment, RankInfo
@@ -101,6 +101,29 @@ def test_failed_checks_that_answer_late_do_not_count(etcd, key_prefix):
     run(body())
 
 
+def test_a_leader_that_only_answers_late_keeps_its_term_for_silent_s(etcd, key_prefix):
+    """Checks that run into their deadline (SILENT: a hung leader, or one only
+    starved of CPU) depose the leader only once they have lasted silent_s,
+    whatever the number of misses; then it is deposed."""
+    async def body():
+        probe = FakeProbe()
+        policy = LeaderProbe(probe, interval_s=0.05, misses=2, max_answer_s=0.3, silent_s=0.6)
+        candidates = await start_all([Candidate(etcd.endpoint, key_prefix, f"s{i}", policy) for i in range(2)])
+        [leader] = leaders(candidates)
+        term = leader.election.leadership.term
+        started = time.monotonic()
+        probe.alive[leader.address] = SILENT
+        await asyncio.sleep(0.4)  # 8 silent misses, but not yet 0.6 s of them
+        assert leaders(candidates) == [leader] and leader.election.leadership.term == term
+        assert await eventually(lambda: any(c.terms and c.terms[-1] > term for c in candidates), timeout_s=2.0)
+        new_at = max(t for c in candidates for _, t in c.elected)
+        assert new_at - started >= 0.6
+        for c in candidates:
+            await c.stop()
+
+    run(body())
+
+
 def test_a_leader_cut_off_from_etcd_steps_down_before_its_lease_can_expire(etcd, key_prefix):
     """The leader's first failed keepalive ends its term's work (it can no
     longer know that it holds the lease): well before the lease expires and
@@ -176,13 +199,13 @@ def test_health_check_answers_whether_the_address_serves():
         server = await start_server([], [], port=0)
         address = f"127.0.0.1:{server.port}"
         check = HealthCheck(timeout_s=0.2)
-        assert not await check(address)  # servers start NOT_SERVING
+        assert await check(address) is False  # servers start NOT_SERVING
         await server.set_serving(True)
-        assert await check(address)
+        assert await check(address) is True
         await server.stop(grace_s=0)
         started = loop.time()
-        assert not await check(address)
-        assert not await check(f"127.0.0.1:{free_port()}")  # another address: a channel of its own
+        assert await check(address) is False  # refused: definite, not SILENT
+        assert await check(f"127.0.0.1:{free_port()}") is False  # another address: a channel of its own
         assert loop.time() - started < 1.0
         await check.close()
 

@@ -129,21 +129,24 @@ def test_group_forms_and_survives_leader_kill(etcd, schedulers, key_prefix):
         assert {(s.leader.member_id, s.leader.term) for s in states} == {(leader.member_id, leader.term)}
         assert await w0.get_group("g0") == group  # intact: not rewritten by the new leader
 
-        # The new leader acts: a rank leaves, the group goes; enough experts again, it re-forms.
+        # The new leader acts: a rank leaves, the group waits for a member; a standby
+        # registers and takes the rank in a new epoch.
         await e1.close()
-        assert await poll(lambda: _is_none(w0.get_group("g0")))
+        await asyncio.sleep(0.5)
+        assert await w0.get_group("g0") == group
         e2 = await registered(etcd, key_prefix, "expert", "e2", 7002, {"rendezvous_port": 29502})
-        regrouped = await poll(lambda: w0.get_group("g0"))
-        assert [r.member_id for r in regrouped.ranks] == ["e0", "e2"]
+
+        async def regrouped_epoch():
+            got = await w0.get_group("g0")
+            return got if got is not None and got.epoch > group.epoch else None
+
+        regrouped = await poll(regrouped_epoch)
+        assert [r.member_id for r in regrouped.ranks] == ["e0", "e2"] and regrouped.epoch == 2
         assert (regrouped.term, regrouped.gateway_id) == (leader.term, "w0")
         for client in (e0, e2, w0):
             await client.close()
 
     run(body())
-
-
-async def _is_none(awaitable) -> bool:
-    return await awaitable is None
 
 
 def test_sigterm_resigns_at_once(etcd, schedulers, key_prefix):

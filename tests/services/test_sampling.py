@@ -1,5 +1,7 @@
 """Sampling: greedy is argmax, seeded draws reproduce whatever shares the batch, filters."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -72,3 +74,20 @@ def test_a_vanishing_temperature_is_greedy_not_nan(temperature):
     logits = _logits(3) * 100
     specs = [SamplingSpec(temperature=temperature, top_p=p, top_k=k, seed=1) for p, k in ((1.0, 0), (0.5, 0), (1.0, 5))]
     assert sample(logits, specs, _generators(specs)) == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize(("spec", "expected"), [
+    (SamplingSpec(temperature=1.0), [0.5, 0.3, 0.15, 0.05]),
+    (SamplingSpec(temperature=1.0, top_p=0.7), [0.625, 0.375, 0.0, 0.0]),  # the first two reach 0.7
+    (SamplingSpec(temperature=1.0, top_k=3), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0]),
+])
+def test_draws_follow_the_filtered_distribution(spec, expected):
+    # 4000 sequences with their own seeds, drawn in one batch beside greedy rows.
+    num_rows = 4000
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().repeat(num_rows, 1)
+    specs = [dataclasses.replace(spec, seed=i) if i % 4 else SamplingSpec(temperature=0.0) for i in range(num_rows)]
+    tokens = sample(logits, specs, _generators(specs))
+    drawn = torch.tensor([t for t, s in zip(tokens, specs) if not s.is_greedy])
+    assert all(t == 0 for t, s in zip(tokens, specs) if s.is_greedy)
+    frequencies = torch.bincount(drawn, minlength=4).float() / len(drawn)
+    torch.testing.assert_close(frequencies, torch.tensor(expected), atol=0.03, rtol=0)

@@ -45,20 +45,24 @@ class ScheduledSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., is_sampled: _Optional[bool] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "group_id", "placement_epoch", "new_sequences", "scheduled", "finished_seq_ids")
+    __slots__ = ("step_id", "group_id", "placement_epoch", "new_sequences", "scheduled", "finished_seq_ids", "max_tokens_per_rank", "expert_placement_epoch")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_FIELD_NUMBER: _ClassVar[int]
     FINISHED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_PER_RANK_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_PLACEMENT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     group_id: str
     placement_epoch: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     scheduled: _containers.RepeatedCompositeFieldContainer[ScheduledSequence]
     finished_seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., group_id: _Optional[str] = ..., placement_epoch: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    max_tokens_per_rank: int
+    expert_placement_epoch: int
+    def __init__(self, step_id: _Optional[int] = ..., group_id: _Optional[str] = ..., placement_epoch: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., max_tokens_per_rank: _Optional[int] = ..., expert_placement_epoch: _Optional[int] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("seq_id", "token_id")

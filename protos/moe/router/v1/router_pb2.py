@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amoe/router/v1/router.proto\x12\rmoe.router.v1\"*\n\tLayerHits\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\x04\"\x90\x01\n\x17ReportExpertHitsRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x15\n\rfirst_step_id\x18\x03 \x01(\x04\x12\x14\n\x0clast_step_id\x18\x04 \x01(\x04\x12(\n\x06layers\x18\x05 \x03(\x0b\x32\x18.moe.router.v1.LayerHits\"\x1a\n\x18ReportExpertHitsResponse\")\n\x15GetExpertStatsRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\">\n\nLayerStats\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\x04\x12\x11\n\thit_rates\x18\x03 \x03(\x01\"X\n\x16GetExpertStatsResponse\x12)\n\x06layers\x18\x01 \x03(\x0b\x32\x19.moe.router.v1.LayerStats\x12\x13\n\x0bnum_reports\x18\x02 \x01(\x04\x32\xd3\x01\n\rRouterService\x12\x63\n\x10ReportExpertHits\x12&.moe.router.v1.ReportExpertHitsRequest\x1a\'.moe.router.v1.ReportExpertHitsResponse\x12]\n\x0eGetExpertStats\x12$.moe.router.v1.GetExpertStatsRequest\x1a%.moe.router.v1.GetExpertStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amoe/router/v1/router.proto\x12\rmoe.router.v1\"*\n\tLayerHits\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\x04\"\x90\x01\n\x17ReportExpertHitsRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x15\n\rfirst_step_id\x18\x03 \x01(\x04\x12\x14\n\x0clast_step_id\x18\x04 \x01(\x04\x12(\n\x06layers\x18\x05 \x03(\x0b\x32\x18.moe.router.v1.LayerHits\"\x1a\n\x18ReportExpertHitsResponse\";\n\x15GetExpertStatsRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x10\n\x08window_s\x18\x02 \x01(\x01\"o\n\nLayerStats\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\x04\x12\x11\n\thit_rates\x18\x03 \x03(\x01\x12\x12\n\nrank_loads\x18\x04 \x03(\x01\x12\x1b\n\x13rank_load_imbalance\x18\x05 \x01(\x01\"X\n\x16GetExpertStatsResponse\x12)\n\x06layers\x18\x01 \x03(\x0b\x32\x19.moe.router.v1.LayerStats\x12\x13\n\x0bnum_reports\x18\x02 \x01(\x04\x32\xd3\x01\n\rRouterService\x12\x63\n\x10ReportExpertHits\x12&.moe.router.v1.ReportExpertHitsRequest\x1a\'.moe.router.v1.ReportExpertHitsResponse\x12]\n\x0eGetExpertStats\x12$.moe.router.v1.GetExpertStatsRequest\x1a%.moe.router.v1.GetExpertStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,11 +38,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPORTEXPERTHITSRESPONSE']._serialized_start=236
   _globals['_REPORTEXPERTHITSRESPONSE']._serialized_end=262
   _globals['_GETEXPERTSTATSREQUEST']._serialized_start=264
-  _globals['_GETEXPERTSTATSREQUEST']._serialized_end=305
-  _globals['_LAYERSTATS']._serialized_start=307
-  _globals['_LAYERSTATS']._serialized_end=369
-  _globals['_GETEXPERTSTATSRESPONSE']._serialized_start=371
-  _globals['_GETEXPERTSTATSRESPONSE']._serialized_end=459
-  _globals['_ROUTERSERVICE']._serialized_start=462
-  _globals['_ROUTERSERVICE']._serialized_end=673
+  _globals['_GETEXPERTSTATSREQUEST']._serialized_end=323
+  _globals['_LAYERSTATS']._serialized_start=325
+  _globals['_LAYERSTATS']._serialized_end=436
+  _globals['_GETEXPERTSTATSRESPONSE']._serialized_start=438
+  _globals['_GETEXPERTSTATSRESPONSE']._serialized_end=526
+  _globals['_ROUTERSERVICE']._serialized_start=529
+  _globals['_ROUTERSERVICE']._serialized_end=740
 # @@protoc_insertion_point(module_scope)

@@ -33,20 +33,26 @@ class ReportExpertHitsResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GetExpertStatsRequest(_message.Message):
-    __slots__ = ("group_id",)
+    __slots__ = ("group_id", "window_s")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
     group_id: str
-    def __init__(self, group_id: _Optional[str] = ...) -> None: ...
+    window_s: float
+    def __init__(self, group_id: _Optional[str] = ..., window_s: _Optional[float] = ...) -> None: ...
 
 class LayerStats(_message.Message):
-    __slots__ = ("layer", "counts", "hit_rates")
+    __slots__ = ("layer", "counts", "hit_rates", "rank_loads", "rank_load_imbalance")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     HIT_RATES_FIELD_NUMBER: _ClassVar[int]
+    RANK_LOADS_FIELD_NUMBER: _ClassVar[int]
+    RANK_LOAD_IMBALANCE_FIELD_NUMBER: _ClassVar[int]
     layer: int
     counts: _containers.RepeatedScalarFieldContainer[int]
     hit_rates: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, layer: _Optional[int] = ..., counts: _Optional[_Iterable[int]] = ..., hit_rates: _Optional[_Iterable[float]] = ...) -> None: ...
+    rank_loads: _containers.RepeatedScalarFieldContainer[float]
+    rank_load_imbalance: float
+    def __init__(self, layer: _Optional[int] = ..., counts: _Optional[_Iterable[int]] = ..., hit_rates: _Optional[_Iterable[float]] = ..., rank_loads: _Optional[_Iterable[float]] = ..., rank_load_imbalance: _Optional[float] = ...) -> None: ...
 
 class GetExpertStatsResponse(_message.Message):
     __slots__ = ("layers", "num_reports")

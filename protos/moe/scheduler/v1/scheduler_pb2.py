@@ -24,27 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n moe/scheduler/v1/scheduler.proto\x12\x10moe.scheduler.v1\"X\n\x06Member\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12*\n\x04role\x18\x02 \x01(\x0e\x32\x1c.moe.scheduler.v1.MemberRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"S\n\x06Leader\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04term\x18\x03 \x01(\x03\x12\x17\n\x0f\x65lected_at_unix\x18\x04 \x01(\x01\"T\n\x0eRankAssignment\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08is_ready\x18\x04 \x01(\x08\"\xa7\x01\n\x0bWorkerGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x17\n\x0fplacement_epoch\x18\x02 \x01(\x04\x12/\n\x05ranks\x18\x03 \x03(\x0b\x32 .moe.scheduler.v1.RankAssignment\x12\x1a\n\x12rendezvous_address\x18\x04 \x01(\t\x12\x12\n\ngateway_id\x18\x05 \x01(\t\x12\x0c\n\x04term\x18\x06 \x01(\x03\"\x18\n\x16GetClusterStateRequest\"\xc4\x01\n\x17GetClusterStateResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x11\n\tis_leader\x18\x02 \x01(\x08\x12(\n\x06leader\x18\x03 \x01(\x0b\x32\x18.moe.scheduler.v1.Leader\x12)\n\x07members\x18\x04 \x03(\x0b\x32\x18.moe.scheduler.v1.Member\x12-\n\x06groups\x18\x05 \x03(\x0b\x32\x1d.moe.scheduler.v1.WorkerGroup*\x8d\x01\n\nMemberRole\x12\x1b\n\x17MEMBER_ROLE_UNSPECIFIED\x10\x00\x12\x19\n\x15MEMBER_ROLE_SCHEDULER\x10\x01\x12\x17\n\x13MEMBER_ROLE_GATEWAY\x10\x02\x12\x16\n\x12MEMBER_ROLE_EXPERT\x10\x03\x12\x16\n\x12MEMBER_ROLE_ROUTER\x10\x04\x32z\n\x10SchedulerService\x12\x66\n\x0fGetClusterState\x12(.moe.scheduler.v1.GetClusterStateRequest\x1a).moe.scheduler.v1.GetClusterStateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n moe/scheduler/v1/scheduler.proto\x12\x10moe.scheduler.v1\"6\n\x0eLayerPlacement\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x15\n\rspare_experts\x18\x02 \x03(\x05\"\xc4\x01\n\x17ProposePlacementRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x16\n\x0e\x65xpected_epoch\x18\x02 \x01(\x04\x12\x0c\n\x04term\x18\x03 \x01(\x03\x12\x13\n\x0bnum_experts\x18\x04 \x01(\r\x12\x11\n\tnum_ranks\x18\x05 \x01(\r\x12\x17\n\x0fnum_spare_slots\x18\x06 \x01(\r\x12\x30\n\x06layers\x18\x07 \x03(\x0b\x32 .moe.scheduler.v1.LayerPlacement\"7\n\x18ProposePlacementResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0c\n\x04term\x18\x02 \x01(\x03\"X\n\x06Member\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12*\n\x04role\x18\x02 \x01(\x0e\x32\x1c.moe.scheduler.v1.MemberRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"S\n\x06Leader\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04term\x18\x03 \x01(\x03\x12\x17\n\x0f\x65lected_at_unix\x18\x04 \x01(\x01\"T\n\x0eRankAssignment\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08is_ready\x18\x04 \x01(\x08\"\xa7\x01\n\x0bWorkerGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x17\n\x0fplacement_epoch\x18\x02 \x01(\x04\x12/\n\x05ranks\x18\x03 \x03(\x0b\x32 .moe.scheduler.v1.RankAssignment\x12\x1a\n\x12rendezvous_address\x18\x04 \x01(\t\x12\x12\n\ngateway_id\x18\x05 \x01(\t\x12\x0c\n\x04term\x18\x06 \x01(\x03\"\x18\n\x16GetClusterStateRequest\"\xc4\x01\n\x17GetClusterStateResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x11\n\tis_leader\x18\x02 \x01(\x08\x12(\n\x06leader\x18\x03 \x01(\x0b\x32\x18.moe.scheduler.v1.Leader\x12)\n\x07members\x18\x04 \x03(\x0b\x32\x18.moe.scheduler.v1.Member\x12-\n\x06groups\x18\x05 \x03(\x0b\x32\x1d.moe.scheduler.v1.WorkerGroup*\x8d\x01\n\nMemberRole\x12\x1b\n\x17MEMBER_ROLE_UNSPECIFIED\x10\x00\x12\x19\n\x15MEMBER_ROLE_SCHEDULER\x10\x01\x12\x17\n\x13MEMBER_ROLE_GATEWAY\x10\x02\x12\x16\n\x12MEMBER_ROLE_EXPERT\x10\x03\x12\x16\n\x12MEMBER_ROLE_ROUTER\x10\x04\x32\xe5\x01\n\x10SchedulerService\x12\x66\n\x0fGetClusterState\x12(.moe.scheduler.v1.GetClusterStateRequest\x1a).moe.scheduler.v1.GetClusterStateResponse\x12i\n\x10ProposePlacement\x12).moe.scheduler.v1.ProposePlacementRequest\x1a*.moe.scheduler.v1.ProposePlacementResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'moe.scheduler.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEMBERROLE']._serialized_start=711
-  _globals['_MEMBERROLE']._serialized_end=852
-  _globals['_MEMBER']._serialized_start=54
-  _globals['_MEMBER']._serialized_end=142
-  _globals['_LEADER']._serialized_start=144
-  _globals['_LEADER']._serialized_end=227
-  _globals['_RANKASSIGNMENT']._serialized_start=229
-  _globals['_RANKASSIGNMENT']._serialized_end=313
-  _globals['_WORKERGROUP']._serialized_start=316
-  _globals['_WORKERGROUP']._serialized_end=483
-  _globals['_GETCLUSTERSTATEREQUEST']._serialized_start=485
-  _globals['_GETCLUSTERSTATEREQUEST']._serialized_end=509
-  _globals['_GETCLUSTERSTATERESPONSE']._serialized_start=512
-  _globals['_GETCLUSTERSTATERESPONSE']._serialized_end=708
-  _globals['_SCHEDULERSERVICE']._serialized_start=854
-  _globals['_SCHEDULERSERVICE']._serialized_end=976
+  _globals['_MEMBERROLE']._serialized_start=1023
+  _globals['_MEMBERROLE']._serialized_end=1164
+  _globals['_LAYERPLACEMENT']._serialized_start=54
+  _globals['_LAYERPLACEMENT']._serialized_end=108
+  _globals['_PROPOSEPLACEMENTREQUEST']._serialized_start=111
+  _globals['_PROPOSEPLACEMENTREQUEST']._serialized_end=307
+  _globals['_PROPOSEPLACEMENTRESPONSE']._serialized_start=309
+  _globals['_PROPOSEPLACEMENTRESPONSE']._serialized_end=364
+  _globals['_MEMBER']._serialized_start=366
+  _globals['_MEMBER']._serialized_end=454
+  _globals['_LEADER']._serialized_start=456
+  _globals['_LEADER']._serialized_end=539
+  _globals['_RANKASSIGNMENT']._serialized_start=541
+  _globals['_RANKASSIGNMENT']._serialized_end=625
+  _globals['_WORKERGROUP']._serialized_start=628
+  _globals['_WORKERGROUP']._serialized_end=795
+  _globals['_GETCLUSTERSTATEREQUEST']._serialized_start=797
+  _globals['_GETCLUSTERSTATEREQUEST']._serialized_end=821
+  _globals['_GETCLUSTERSTATERESPONSE']._serialized_start=824
+  _globals['_GETCLUSTERSTATERESPONSE']._serialized_end=1020
+  _globals['_SCHEDULERSERVICE']._serialized_start=1167
+  _globals['_SCHEDULERSERVICE']._serialized_end=1396
 # @@protoc_insertion_point(module_scope)

@@ -20,6 +20,40 @@ MEMBER_ROLE_GATEWAY: MemberRole
 MEMBER_ROLE_EXPERT: MemberRole
 MEMBER_ROLE_ROUTER: MemberRole
 
+class LayerPlacement(_message.Message):
+    __slots__ = ("layer", "spare_experts")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    SPARE_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    spare_experts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer: _Optional[int] = ..., spare_experts: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ProposePlacementRequest(_message.Message):
+    __slots__ = ("group_id", "expected_epoch", "term", "num_experts", "num_ranks", "num_spare_slots", "layers")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPARE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    expected_epoch: int
+    term: int
+    num_experts: int
+    num_ranks: int
+    num_spare_slots: int
+    layers: _containers.RepeatedCompositeFieldContainer[LayerPlacement]
+    def __init__(self, group_id: _Optional[str] = ..., expected_epoch: _Optional[int] = ..., term: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_ranks: _Optional[int] = ..., num_spare_slots: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerPlacement, _Mapping]]] = ...) -> None: ...
+
+class ProposePlacementResponse(_message.Message):
+    __slots__ = ("epoch", "term")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    term: int
+    def __init__(self, epoch: _Optional[int] = ..., term: _Optional[int] = ...) -> None: ...
+
 class Member(_message.Message):
     __slots__ = ("member_id", "role", "address")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]

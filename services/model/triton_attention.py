@@ -1,0 +1,253 @@
+"""Paged attention in Triton: a KV write, a split-K decode kernel and a varlen prefill kernel.
+
+All three read the block tables and lengths from device tensors only, so a
+decode step (every sequence one new token) can be captured in a CUDA graph:
+the launch grid and the split count depend on tensor shapes alone.
+
+- KV write: one program per token, skipping slot -1 (padding rows).
+- Decode (flash-decoding): one program per (sequence, KV head, split) runs
+  all query heads of its group against one slice of the context with an
+  online softmax in fp32; with several splits a second kernel merges the
+  partial results, so one long sequence still fills the GPU.
+- Prefill: one program per (sequence, KV head, tile of BLOCK_Q new tokens),
+  rows = tile tokens x group heads; a chunk may start mid-sequence and
+  attends to every cached token plus its own tokens causally.
+
+A row with context length 0 (padding) gets zeros. Legend as in attention.py;
+N context tokens of one loop step, S splits.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from services.model.attention import ATTENTION_BACKENDS, AttentionBackend
+
+_LOG2E = 1.4426950408889634
+# A split covers at least this many tokens, at most this many splits. Measured on
+# an H200 (bench/results/attention_gpu.md): batch 1 is fastest with 16 splits
+# at 1K context and 64 at 4K, batch 64 with 2, batch 256 with 1.
+_MIN_SPLIT_TOKENS = 64
+_MAX_SPLITS = 64
+# The number of SMs assumed off CUDA (the interpreter), for the split count.
+_CPU_NUM_SMS = 4
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_t, stride_g, stride_slot,
+                     num_kv_heads, head_dim, G_PAD: tl.constexpr, K_PAD: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    g = tl.arange(0, G_PAD)[:, None]
+    d = tl.arange(0, K_PAD)[None, :]
+    mask = (g < num_kv_heads) & (d < head_dim) & (slot >= 0)
+    src = t * stride_t + g * stride_g + d
+    dst = slot * stride_slot + g * head_dim + d
+    tl.store(k_cache_ptr + dst, tl.load(k_ptr + src, mask=mask).to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, tl.load(v_ptr + src, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_block(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_ptr, n, n_mask, is_key, g, d, d_mask,
+                  scale_log2, stride_slot, head_dim, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step of q's rows over context tokens n (those of n_mask, each row is_key)."""
+    block = tl.load(table_ptr + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    slot = block * BLOCK_SIZE + n % BLOCK_SIZE
+    kv_offs = slot * stride_slot + g * head_dim
+    k_KN = tl.load(k_cache_ptr + kv_offs[None, :] + d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+    scores = tl.dot(q, k_KN.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
+    scores = tl.where(is_key, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    v_NK = tl.load(v_cache_ptr + kv_offs[:, None] + d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v_NK.to(q.dtype), input_precision=DOT_PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, part_acc_ptr, part_ml_ptr,
+                   block_tables_ptr, context_lens_ptr, scale_log2,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot,
+                   num_heads, group, head_dim,
+                   BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP_PAD: tl.constexpr,
+                   K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    b, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + b)
+    # Each split takes an equal share of this sequence's context, in whole BLOCK_N steps.
+    split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, context_len)
+    h = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, K_PAD)
+    h_mask, d_mask = h < group, d < head_dim
+    heads = g * group + h
+    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    # A finite floor: a split with no token ends with l = 0 and no NaN.
+    m_i = tl.full([GROUP_PAD], -1e30, tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, K_PAD], tl.float32)
+    table_ptr = block_tables_ptr + b * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_ptr, n, n_mask,
+                                      n_mask[None, :], g, d, d_mask, scale_log2, stride_slot, head_dim,
+                                      BLOCK_SIZE, DOT_PRECISION)
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(o_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+    else:
+        part = (b * num_heads + heads) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part[:, None] * K_PAD + d[None, :], acc, mask=h_mask[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=h_mask)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=h_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, o_ptr, stride_ot, stride_oh, num_heads, head_dim,
+                          NUM_SPLITS: tl.constexpr, K_PAD: tl.constexpr):
+    b, h = tl.program_id(0), tl.program_id(1)
+    part = (b * num_heads + h) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    m_S = tl.load(part_ml_ptr + part * 2)
+    l_S = tl.load(part_ml_ptr + part * 2 + 1)
+    w_S = tl.exp2(m_S - tl.max(m_S, 0))
+    l_sum = tl.sum(l_S * w_S, 0)
+    d = tl.arange(0, K_PAD)
+    acc_SK = tl.load(part_acc_ptr + part[:, None] * K_PAD + d[None, :])
+    out = tl.sum(acc_SK * w_S[:, None], 0) / tl.where(l_sum == 0.0, 1.0, l_sum)
+    tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < head_dim)
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, context_lens_ptr, cu_q_lens_ptr,
+                    scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot,
+                    group, head_dim,
+                    BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+                    K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    b, g, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(cu_q_lens_ptr + b)
+    q_len = tl.load(cu_q_lens_ptr + b + 1) - q_start
+    context_len = tl.load(context_lens_ptr + b)
+    # Row r is new token tile * BLOCK_Q + r // GROUP_PAD, query head r % GROUP_PAD of group g.
+    r = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    qi = tile * BLOCK_Q + r // GROUP_PAD
+    h = r % GROUP_PAD
+    d = tl.arange(0, K_PAD)
+    row_mask, d_mask = (qi < q_len) & (h < group), d < head_dim
+    heads = g * group + h
+    q = tl.load(q_ptr + (q_start + qi)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    # The new tokens are the context's last q_len: token qi sits at position context_len - q_len + qi.
+    q_pos = context_len - q_len + qi
+    end = tl.minimum(context_len, context_len - q_len + (tile + 1) * BLOCK_Q)
+    end = tl.where(tile * BLOCK_Q < q_len, end, 0)
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, K_PAD], tl.float32)
+    table_ptr = block_tables_ptr + b * stride_bt
+    for n0 in range(0, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_ptr, n, n_mask,
+                                      n_mask[None, :] & (n[None, :] <= q_pos[:, None]), g, d, d_mask,
+                                      scale_log2, stride_slot, head_dim, BLOCK_SIZE, DOT_PRECISION)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(o_ptr + (q_start + qi)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """Splits per (sequence, KV head): a power of two giving about two programs per SM.
+
+    From shapes only (max_context is the block table's width in tokens), so a
+    captured graph keeps its split count; never more splits than
+    max_context / _MIN_SPLIT_TOKENS.
+    """
+    wanted = triton.cdiv(2 * num_sms, max(1, num_seqs * num_kv_heads))
+    most = triton.cdiv(max(1, max_context), _MIN_SPLIT_TOKENS)
+    splits = max(1, min(wanted, most, _MAX_SPLITS))
+    return triton.next_power_of_2(splits)
+
+
+class TritonPagedAttention(AttentionBackend):
+    """Paged attention with Triton kernels; the decode path is CUDA graph capturable.
+
+    `decode_splits` fixes the decode split count (a power of two); None picks
+    it from the batch shape and the GPU's SM count (decode_num_splits). The
+    rest are tuning knobs: context tokens per loop step, prefill rows (tokens
+    x group heads) per program, warps per program.
+    """
+
+    def __init__(self, decode_splits: int | None = None, *, block_n: int = 64, prefill_rows: int = 64,
+                 num_warps: int = 4):
+        if decode_splits is not None and (decode_splits <= 0 or decode_splits & (decode_splits - 1)):
+            raise ValueError(f"decode_splits must be a power of two, got {decode_splits}")
+        self.decode_splits, self.block_n, self.prefill_rows = decode_splits, block_n, prefill_rows
+        self.num_warps = num_warps
+        self._num_sms: dict[torch.device, int] = {}
+
+    def forward(self, layer, q_THK, k_TGK, v_TGK, batch, kv, scale):
+        k_cache, v_cache = kv.layer(layer)
+        num_tokens, num_heads, head_dim = q_THK.shape
+        num_kv_heads = k_cache.shape[2]
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and num_heads % num_kv_heads == 0
+        k_TGK, v_TGK, q_THK = k_TGK.contiguous(), v_TGK.contiguous(), q_THK.contiguous()
+        stride_slot = num_kv_heads * head_dim
+        k_pad = max(16, triton.next_power_of_2(head_dim))
+        o_THK = torch.empty_like(q_THK)
+        if num_tokens == 0:
+            return o_THK
+        _store_kv_kernel[(num_tokens,)](
+            k_TGK, v_TGK, k_cache, v_cache, batch.slot_mapping_T, k_TGK.stride(0), k_TGK.stride(1), stride_slot,
+            num_kv_heads, head_dim, G_PAD=triton.next_power_of_2(num_kv_heads), K_PAD=k_pad)
+        group = num_heads // num_kv_heads
+        common = dict(
+            q_ptr=q_THK, k_cache_ptr=k_cache, v_cache_ptr=v_cache, o_ptr=o_THK,
+            block_tables_ptr=batch.block_tables_BM, context_lens_ptr=batch.context_lens_B,
+            scale_log2=scale * _LOG2E, stride_qt=q_THK.stride(0), stride_qh=q_THK.stride(1),
+            stride_ot=o_THK.stride(0), stride_oh=o_THK.stride(1), stride_bt=batch.block_tables_BM.stride(0),
+            stride_slot=stride_slot, group=group, head_dim=head_dim, BLOCK_SIZE=kv.block_size, K_PAD=k_pad,
+            BLOCK_N=self.block_n, DOT_PRECISION="ieee" if q_THK.dtype == torch.float32 else "tf32",
+            num_warps=self.num_warps)
+        if batch.is_decode:
+            self._decode(common, num_tokens, num_heads, num_kv_heads, batch.block_tables_BM.shape[1] * kv.block_size,
+                         q_THK.device)
+        else:
+            group_pad = triton.next_power_of_2(group)
+            block_q = max(1, self.prefill_rows // group_pad)
+            grid = (len(batch.q_lens), num_kv_heads, triton.cdiv(batch.max_q_len, block_q))
+            _prefill_kernel[grid](cu_q_lens_ptr=batch.cu_q_lens_B1, GROUP_PAD=group_pad, BLOCK_Q=block_q, **common)
+        return o_THK
+
+    def _decode(self, common: dict, num_seqs: int, num_heads: int, num_kv_heads: int, max_context: int,
+                device: torch.device) -> None:
+        """Row i of the batch is sequence i: the grid and splits come from shapes only."""
+        splits = self.decode_splits or decode_num_splits(num_seqs, num_kv_heads, max_context, self._sms(device))
+        k_pad = common["K_PAD"]
+        # Per split: the unnormalised output, the running max and the sum of exponentials.
+        part_acc = part_ml = common["o_ptr"]  # unused with one split
+        if splits > 1:
+            part_acc = torch.empty((num_seqs, num_heads, splits, k_pad), dtype=torch.float32, device=device)
+            part_ml = torch.empty((num_seqs, num_heads, splits, 2), dtype=torch.float32, device=device)
+        group_pad = max(16, triton.next_power_of_2(common["group"]))
+        _decode_kernel[(num_seqs, num_kv_heads, splits)](
+            part_acc_ptr=part_acc, part_ml_ptr=part_ml, num_heads=num_heads,
+            NUM_SPLITS=splits, GROUP_PAD=group_pad, **common)
+        if splits > 1:
+            _decode_reduce_kernel[(num_seqs, num_heads)](
+                part_acc, part_ml, common["o_ptr"], common["stride_ot"], common["stride_oh"], num_heads,
+                common["head_dim"], NUM_SPLITS=splits, K_PAD=k_pad)
+
+    def _sms(self, device: torch.device) -> int:
+        if device.type != "cuda":
+            return _CPU_NUM_SMS
+        if device not in self._num_sms:
+            self._num_sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
+        return self._num_sms[device]
+
+
+ATTENTION_BACKENDS["triton"] = TritonPagedAttention

@@ -1,0 +1,50 @@
+"""GetExpertStats over a window: recent counts only, rank loads under the group's placement."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from moe.router.v1 import router_pb2
+from router_svc.servicer import RouterServicer
+from router_svc.stats import ExpertStats
+from router_svc.windows import SlidingWindows
+from services.model.expert_map import EMPTY, Placement
+
+
+class Aborted(Exception):
+    pass
+
+
+class FakeContext:
+    async def abort(self, code, details):
+        raise Aborted(code, details)
+
+
+def test_window_counts_and_rank_loads_follow_the_placement():
+    now = [0.0]
+    placement = Placement(4, 2, 1, {0: (EMPTY, 0)})  # rank 1's spare holds a replica of expert 0
+    servicer = RouterServicer(ExpertStats(), windows=SlidingWindows(60), clock=lambda: now[0],
+                              placement_of=lambda group_id: placement if group_id == "g" else None)
+
+    def report(rank, counts):
+        request = router_pb2.ReportExpertHitsRequest(group_id="g", rank=rank,
+                                                     layers=[router_pb2.LayerHits(layer=0, counts=counts)])
+        asyncio.run(servicer.ReportExpertHits(request, FakeContext()))
+
+    def stats(**kwargs):
+        return asyncio.run(servicer.GetExpertStats(router_pb2.GetExpertStatsRequest(**kwargs), FakeContext()))
+
+    report(0, [10, 0, 0, 0])
+    now[0] = 30.0
+    report(1, [6, 2, 0, 0])
+    recent = stats(group_id="g", window_s=10).layers[0]
+    assert list(recent.counts) == [6, 2, 0, 0] and list(recent.hit_rates) == [0.75, 0.25, 0.0, 0.0]
+    assert list(recent.rank_loads) == [5.0, 3.0] and recent.rank_load_imbalance == pytest.approx(1.25)
+    everything = stats(group_id="g").layers[0]
+    assert list(everything.counts) == [16, 2, 0, 0] and list(everything.rank_loads) == [10.0, 8.0]
+    assert not stats().layers[0].rank_loads  # all groups together: no placement
+    for bad in (dict(window_s=5), dict(group_id="g", window_s=-1)):
+        with pytest.raises(Aborted) as error:
+            stats(**bad)
+        assert error.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,0 +1,215 @@
+"""The Triton paged attention against the torch reference, on the CPU through Triton's interpreter.
+
+TRITON_INTERPRET=1 must be set before the kernels are defined (the module's
+import), so this file sets it first. The interpreter runs fp32 only here: its
+bf16 tl.dot gives garbage on the CPU (bench/attention_gpu.py checks bf16 on
+a GPU). Also covered without triton: the padded decode batch, the reference
+skipping slot -1, and the backend registry.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import dataclasses  # noqa: E402
+import random  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from services.kv_pool import KVPool  # noqa: E402
+from services.model.attention import (ATTENTION_BACKEND_NAMES, TorchReferenceAttention,  # noqa: E402
+                                      make_attention_backend)
+from services.model.batch import SeqInput, build_decode_batch, build_forward_batch, copy_batch_  # noqa: E402
+from services.model.config import ModelConfig  # noqa: E402
+from services.model.make_model import random_weights  # noqa: E402
+from services.model.qwen3_moe import Qwen3MoeModel  # noqa: E402
+from tests.triton_interpreter import interpreted  # noqa: E402
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 40
+
+
+@pytest.fixture(scope="module")
+def triton_attention():
+    """services.model.triton_attention, or a skip where triton is not installed."""
+    with interpreted("triton_attention") as module:
+        yield module
+
+
+
+def _pools(num_kv_heads, head_dim, seed=0) -> tuple[KVPool, KVPool]:
+    """Two identical pools filled with noise (stale KV the kernels must not read)."""
+    pools = [KVPool(1, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim, torch.float32, "cpu") for _ in range(2)]
+    generator = torch.Generator().manual_seed(seed)
+    noise_k, noise_v = (torch.randn(pools[0].k_cache.shape, generator=generator) for _ in range(2))
+    for pool in pools:
+        pool.k_cache.copy_(noise_k)
+        pool.v_cache.copy_(noise_v)
+    return pools[0], pools[1]
+
+
+def _compare(backend, batch, num_heads, num_kv_heads, head_dim, seed=0):
+    """Runs the reference and `backend` on the same inputs; asserts outputs and pools agree."""
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch.num_tokens, h, head_dim, generator=generator)
+               for h in (num_heads, num_kv_heads, num_kv_heads))
+    ref_pool, pool = _pools(num_kv_heads, head_dim, seed)
+    expected = TorchReferenceAttention().forward(0, q, k, v, batch, ref_pool, head_dim ** -0.5)
+    out = backend.forward(0, q, k, v, batch, pool, head_dim ** -0.5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(pool.k_cache, ref_pool.k_cache) and torch.equal(pool.v_cache, ref_pool.v_cache)
+    return out
+
+
+def _tables(sizes, seed=0) -> list[list[int]]:
+    """Disjoint block tables of the given sizes, scattered over the pool, out of order."""
+    blocks = random.Random(seed).sample(range(NUM_BLOCKS), sum(sizes))
+    starts = np.cumsum([0, *sizes])
+    return [blocks[a:b] for a, b in zip(starts[:-1], starts[1:])]
+
+
+# (query heads, KV heads, head_dim): GQA groups of 4 and 3 (not a power of two), MHA, odd head_dim.
+SHAPES = [(8, 2, 32), (12, 4, 16), (4, 4, 24)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("splits", [1, 4, None])
+def test_decode_matches_reference(triton_attention, shape, splits):
+    tables = _tables([3, 9, 1, 5])
+    seqs = [SeqInput(0, [1], 9, tables[0], True), SeqInput(1, [2], 33, tables[1], True),
+            SeqInput(2, [3], 0, tables[2], True), SeqInput(3, [4], 19, tables[3], True)]
+    _compare(triton_attention.TritonPagedAttention(splits, block_n=16), build_forward_batch(seqs, BLOCK_SIZE, "cpu"),
+             *shape)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_prefill_chunks_mid_sequence_and_mixed_batch(triton_attention, shape):
+    tables = _tables([3, 9, 4, 6])
+    seqs = [
+        SeqInput(0, list(range(7)), 5, tables[0], True),  # a chunk starting mid-block
+        SeqInput(1, [2], 33, tables[1], True),  # a decode token in the same batch
+        SeqInput(2, list(range(13)), 0, tables[2], True),  # a whole prompt
+        SeqInput(3, list(range(20)), 3, tables[3], True),  # several query tiles
+    ]
+    batch = build_forward_batch(seqs, BLOCK_SIZE, "cpu")
+    assert not batch.is_decode
+    _compare(triton_attention.TritonPagedAttention(block_n=16, prefill_rows=16), batch, *shape)
+
+
+def test_padded_decode_rows_write_nothing_and_return_zeros(triton_attention):
+    tables = _tables([3, 9])
+    seqs = [SeqInput(0, [1], 9, tables[0], True), SeqInput(1, [2], 33, tables[1], True)]
+    batch = build_decode_batch(seqs, BLOCK_SIZE, "cpu", num_rows=5, max_blocks=12)
+    untouched_k, _ = _pools(2, 32)
+    out = _compare(triton_attention.TritonPagedAttention(4, block_n=16), batch, 8, 2, 32)
+    assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+    # Slot -1 must not wrap around to the pool's last slot.
+    written = set(batch.slot_mapping_T[:2].tolist())
+    _, pool = _pools(2, 32)
+    backend = triton_attention.TritonPagedAttention(4, block_n=16)
+    backend.forward(0, torch.randn(5, 8, 32), torch.randn(5, 2, 32), torch.randn(5, 2, 32), batch, pool, 0.1)
+    changed = (pool.k_cache != untouched_k.k_cache).view(-1, 2 * 32).any(dim=1).nonzero().flatten().tolist()
+    assert set(changed) == written
+
+
+def test_decode_reads_only_device_tensors(triton_attention):
+    """The decode path ignores the host tuples (stale in a CUDA graph replay)."""
+    tables = _tables([3, 9])
+    seqs = [SeqInput(0, [1], 9, tables[0], True), SeqInput(1, [2], 33, tables[1], True)]
+    batch = build_decode_batch(seqs, BLOCK_SIZE, "cpu", num_rows=3, max_blocks=12)
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(3, h, 32, generator=generator) for h in (8, 2, 2))
+    backend = triton_attention.TritonPagedAttention()
+    expected = backend.forward(0, q, k, v, batch, _pools(2, 32)[0], 0.2)
+    stale = dataclasses.replace(batch, q_lens=(7, 7, 7), context_lens=(1, 2, 3))
+    assert torch.equal(backend.forward(0, q, k, v, stale, _pools(2, 32)[0], 0.2), expected)
+
+
+def test_decode_num_splits_from_shapes(triton_attention):
+    splits = triton_attention.decode_num_splits
+    assert splits(1, 4, 8192, 132) == 64  # one long sequence fills the GPU
+    assert splits(1, 4, 1024, 132) == 16  # at least 64 tokens per split
+    assert splits(1, 4, 100, 132) == 2
+    assert splits(64, 4, 4096, 132) == 2
+    assert splits(256, 4, 4096, 132) == 1
+    assert splits(3, 4, 0, 132) == 1
+    with pytest.raises(ValueError, match="power of two"):
+        triton_attention.TritonPagedAttention(3)
+
+
+def test_model_with_triton_matches_torch(triton_attention):
+    """Chunked prefill then decode through the whole model, both backends."""
+    config = ModelConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, intermediate_size=96, moe_intermediate_size=32,
+                         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=128,
+                         dtype=torch.float32)
+    weights = random_weights(config, seed=5)
+    models = [Qwen3MoeModel(config, weights, expert_ids=range(4), attention=name) for name in ("torch", "triton")]
+    pools = [KVPool.for_model(config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu") for _ in models]
+    tokens = torch.randint(128, (11,), generator=torch.Generator().manual_seed(1)).tolist()
+    table = _tables([3])[0]
+    for start, end in [(0, 6), (6, 9), (9, 10), (10, 11)]:
+        batch = build_forward_batch([SeqInput(0, tokens[start:end], start, table, True)], BLOCK_SIZE, "cpu")
+        expected, logits = (model.forward(batch, pool) for model, pool in zip(models, pools))
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+def test_build_decode_batch_pads_rows_and_table():
+    seqs = [SeqInput(5, [7], 5, [9, 2], True), SeqInput(6, [8], 0, [3], False)]
+    batch = build_decode_batch(seqs, BLOCK_SIZE, "cpu", num_rows=4, max_blocks=3)
+    assert batch.is_decode and batch.max_q_len == 1
+    assert batch.input_ids_T.tolist() == [7, 8, 0, 0]
+    assert batch.positions_T.tolist() == [5, 0, 0, 0]
+    assert batch.slot_mapping_T.tolist() == [2 * 4 + 1, 3 * 4, -1, -1]
+    assert batch.block_tables_BM.tolist() == [[9, 2, 0], [3, 0, 0], [0, 0, 0], [0, 0, 0]]
+    assert batch.context_lens_B.tolist() == [6, 1, 0, 0] and batch.context_lens == (6, 1, 0, 0)
+    assert batch.cu_q_lens_B1.tolist() == [0, 1, 2, 3, 4] and batch.q_lens == (1, 1, 1, 1)
+    assert batch.sample_indices_S.tolist() == [0, 1, 2, 3]
+    static = build_decode_batch([], BLOCK_SIZE, "cpu", num_rows=4, max_blocks=3)
+    copy_batch_(static, batch)
+    assert static.slot_mapping_T.tolist() == [9, 12, -1, -1] and static.context_lens_B.tolist() == [6, 1, 0, 0]
+    with pytest.raises(ValueError, match="shape"):
+        copy_batch_(static, build_decode_batch(seqs, BLOCK_SIZE, "cpu", num_rows=4, max_blocks=2))
+    with pytest.raises(ValueError, match="do not fit"):
+        build_decode_batch(seqs, BLOCK_SIZE, "cpu", num_rows=1, max_blocks=3)
+    with pytest.raises(ValueError, match="max_blocks 1"):
+        build_decode_batch(seqs, BLOCK_SIZE, "cpu", num_rows=4, max_blocks=1)
+    with pytest.raises(ValueError, match="2 new tokens"):
+        build_decode_batch([SeqInput(1, [1, 2], 0, [0], True)], BLOCK_SIZE, "cpu", num_rows=4, max_blocks=3)
+
+
+def test_forward_batch_device_lengths():
+    seqs = [SeqInput(5, [1, 2, 3], 3, [9, 2], True), SeqInput(6, [4], 0, [7], False)]
+    batch = build_forward_batch(seqs, BLOCK_SIZE, "cpu")
+    assert batch.context_lens_B.dtype == torch.int32 and batch.context_lens_B.tolist() == [6, 1]
+    assert batch.cu_q_lens_B1.tolist() == [0, 3, 4] and batch.max_q_len == 3 and not batch.is_decode
+    empty = build_forward_batch([], BLOCK_SIZE, "cpu")
+    assert empty.max_q_len == 0 and empty.cu_q_lens_B1.tolist() == [0]
+
+
+def test_backend_registry():
+    assert set(ATTENTION_BACKEND_NAMES) == {"auto", "torch", "triton"}
+    with pytest.raises(ValueError, match="'flash'"):
+        make_attention_backend("flash")
+    # auto on CPU tensors is the reference, padded rows included.
+    seqs = [SeqInput(0, [1], 9, _tables([3])[0], True)]
+    batch = build_decode_batch(seqs, BLOCK_SIZE, "cpu", num_rows=2, max_blocks=3)
+    q, k, v = torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    ref_pool, pool = _pools(2, 16)
+    expected = TorchReferenceAttention().forward(0, q, k, v, batch, ref_pool, 0.25)
+    assert torch.equal(make_attention_backend("auto").forward(0, q, k, v, batch, pool, 0.25), expected)
+    assert torch.equal(expected[1], torch.zeros_like(expected[1]))
+
+
+def test_expert_config_attention_backend():
+    from expert_svc.config import _ATTENTION_BACKENDS, ExpertConfig
+
+    assert _ATTENTION_BACKENDS == ATTENTION_BACKEND_NAMES  # kept apart so the config imports no torch
+    assert ExpertConfig(member_id="e", model="m").attention_backend == "auto"
+    assert ExpertConfig(member_id="e", model="m", device="cuda:1", attention_backend="triton").is_cuda
+    with pytest.raises(ValueError, match="'flash'"):
+        ExpertConfig(member_id="e", model="m", attention_backend="flash")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        ExpertConfig(member_id="e", model="m", attention_backend="triton")

@@ -1,0 +1,184 @@
+"""The fused decode kernels (services/model/triton_fused.py) against the torch code they replace,
+on the CPU through Triton's interpreter.
+
+TRITON_INTERPRET=1 must be set before the kernels are defined, so this file
+sets it first. fp32 throughout (the model's CPU dtype); the bf16 roundings are
+checked on a GPU by bench/decode_graph_check.py.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from services.kv_pool import KVPool  # noqa: E402
+from services.model import qwen3_moe  # noqa: E402
+from services.model.batch import SeqInput, build_decode_batch, build_forward_batch  # noqa: E402
+from services.model.config import ModelConfig  # noqa: E402
+from services.model.layers import RotaryEmbedding, apply_rotary, rms_norm  # noqa: E402
+from services.model.make_model import random_weights  # noqa: E402
+from services.model.moe import ExpertComm, MoELayer, gate  # noqa: E402
+from tests.triton_interpreter import interpreted  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def fused():
+    """services.model.triton_fused under the interpreter, or a skip without triton."""
+    with interpreted("triton_fused") as module:
+        yield module
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("dim", [64, 48])
+def test_add_rms_norm_matches_torch(fused, dim):
+    x, h, w = _randn(5, dim, seed=1), _randn(5, dim, seed=2), _randn(dim, seed=3)
+    x_fused = x.clone()
+    y = fused.add_rms_norm_(x_fused, h, w, 1e-6)
+    torch.testing.assert_close(x_fused, x + h, atol=0, rtol=0)  # the residual, updated in place
+    torch.testing.assert_close(y, rms_norm(x + h, w, 1e-6), atol=1e-5, rtol=1e-5)
+    # No residual: a plain RMSNorm leaving x alone.
+    x_before = x.clone()
+    torch.testing.assert_close(fused.add_rms_norm_(x, None, w, 1e-6), rms_norm(x_before, w, 1e-6),
+                               atol=1e-5, rtol=1e-5)
+    assert torch.equal(x, x_before)
+    assert fused.add_rms_norm_(torch.empty(0, dim), torch.empty(0, dim), w, 1e-6).shape == (0, dim)
+
+
+@pytest.mark.parametrize("heads", [(4, 2, 32), (3, 1, 24)])
+def test_qkv_norm_rotary_matches_torch(fused, heads):
+    num_heads, num_kv_heads, head_dim = heads
+    num_tokens = 6
+    qkv = _randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, seed=4)
+    q_norm, k_norm = _randn(head_dim, seed=5), _randn(head_dim, seed=6)
+    cos, sin = RotaryEmbedding(head_dim, 10000.0, "cpu").cos_sin(torch.tensor([0, 3, 17, 5, 900, 2]),
+                                                                 torch.float32)
+    q, k, v = fused.qkv_norm_rotary(qkv, q_norm, k_norm, cos, sin, num_heads, num_kv_heads, 1e-6)
+    q_ref, k_ref, v_ref = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], 1)
+    q_ref = apply_rotary(rms_norm(q_ref.reshape(num_tokens, num_heads, head_dim), q_norm, 1e-6), cos, sin)
+    k_ref = apply_rotary(rms_norm(k_ref.reshape(num_tokens, num_kv_heads, head_dim), k_norm, 1e-6), cos, sin)
+    torch.testing.assert_close(q, q_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(v, v_ref.reshape(num_tokens, num_kv_heads, head_dim))
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_route_matches_gate(fused, norm):
+    x, w_gate = _randn(7, 32, seed=7), _randn(12, 32, seed=8)
+    ids_ref, weights_ref, counts_ref = gate(x, w_gate, 3, norm)
+    order = ids_ref.argsort(dim=1)  # route gives each token's experts in increasing order
+    hits = torch.full((12,), 5, dtype=torch.int64)
+    ids, weights = fused.route(torch.nn.functional.linear(x, w_gate), 3, norm, hits, torch.float32)
+    assert torch.equal(ids, ids_ref.gather(1, order))
+    torch.testing.assert_close(weights, weights_ref.gather(1, order), atol=1e-6, rtol=1e-5)
+    assert torch.equal(hits, counts_ref + 5)
+
+
+def _moe_layer(num_experts=8, hidden=48, width=40, top_k=3, seed=9):
+    generator = torch.Generator().manual_seed(seed)
+    w_gate_up = torch.randn(num_experts, 2 * width, hidden, generator=generator) / hidden ** 0.5
+    w_down = torch.randn(num_experts, hidden, width, generator=generator) / width ** 0.5
+    w_gate = torch.randn(num_experts, hidden, generator=generator)
+    return MoELayer(w_gate, w_gate_up, w_down, top_k=top_k, norm_topk_prob=True, comm=ExpertComm.local(),
+                    hit_counts_E=torch.zeros(num_experts, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_fused_moe_matches_moe_layer(fused, num_tokens):
+    layer = _moe_layer()
+    x = _randn(num_tokens, 48, seed=10)
+    expected = layer(x, capacity=8 * 3)
+    expected_hits = layer.hit_counts_E.clone()
+    hits = torch.zeros(8, dtype=torch.int64)
+    out = fused.fused_moe(x, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True, hits)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(hits, expected_hits) and hits.sum() == num_tokens * 3
+
+
+def test_moe_hook_stays_off_on_the_cpu(fused, monkeypatch):
+    """The CPU keeps the torch MoE whatever the batch (its outputs stay bit-identical)."""
+    monkeypatch.setattr(fused, "fused_moe", lambda *args: pytest.fail("fused_moe ran on the CPU"))
+    layer = _moe_layer()
+    layer(_randn(2, 48), capacity=8 * 3)
+    assert qwen3_moe._fused_kernels(torch.device("cpu")) is None
+
+
+def test_qkv_weights_are_views_of_one_matrix():
+    config = _config()
+    model = qwen3_moe.Qwen3MoeModel(config, random_weights(config, seed=2), expert_ids=range(4))
+    layer = model.layers[0]
+    assert layer.w_qkv_XD.shape == ((4 + 2 * 2) * 32, 64)
+    for view in (layer.w_q_HKD, layer.w_k_GKD, layer.w_v_GKD):
+        assert view.is_contiguous() and view.untyped_storage().data_ptr() == layer.w_qkv_XD.data_ptr()
+
+
+def _config() -> ModelConfig:
+    return ModelConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=32, intermediate_size=96, moe_intermediate_size=32,
+                       num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=128,
+                       dtype=torch.float32)
+
+
+def test_model_fused_layers_match_torch(fused, monkeypatch):
+    """The whole model with the fused layer loop (forced on the CPU) against the torch loop:
+    a prefill chunk, then padded decode steps; same logits, same hit counts."""
+    config = _config()
+    weights = random_weights(config, seed=5)
+    models = [qwen3_moe.Qwen3MoeModel(config, weights, expert_ids=range(4)) for _ in range(2)]
+    pools = [KVPool.for_model(config, 8, 4, torch.float32, "cpu") for _ in models]
+    tokens = torch.randint(128, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    batches = [build_forward_batch([SeqInput(0, tokens[:7], 0, [3, 1], True)], 4, "cpu")]
+    batches += [build_decode_batch([SeqInput(0, [tokens[n]], n, [3, 1, 6], True)], 4, "cpu", num_rows=2,
+                                   max_blocks=3) for n in (7, 8)]
+    for batch, capacity in zip(batches, (None, 4, 4)):
+        expected = models[0].forward_at_capacity(batch, pools[0], capacity)
+        with monkeypatch.context() as patch:
+            patch.setattr(qwen3_moe, "_fused_kernels", lambda device: fused)
+            logits = models[1].forward_at_capacity(batch, pools[1], capacity)
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(pools[1].k_cache, pools[0].k_cache, atol=1e-5, rtol=0)
+    assert torch.equal(models[1].hit_counts_LE, models[0].hit_counts_LE)
+
+
+def test_model_fused_layers_run_an_empty_step(fused, monkeypatch):
+    """A rank with nothing scheduled still runs the step (its peers' collectives need it):
+    the fused loop must take a batch of zero tokens (it once failed reshaping [0, -1])."""
+    config = _config()
+    model = qwen3_moe.Qwen3MoeModel(config, random_weights(config, seed=5), expert_ids=range(4))
+    pool = KVPool.for_model(config, 8, 4, torch.float32, "cpu")
+    with monkeypatch.context() as patch:
+        patch.setattr(qwen3_moe, "_fused_kernels", lambda device: fused)
+        logits = model.forward_at_capacity(build_forward_batch([], 4, "cpu"), pool, None)
+    assert logits.shape == (0, config.vocab_size)
+    assert int(model.hit_counts_LE.sum()) == 0
+
+
+def test_half_precision_rounds_like_torch(fused):
+    """In fp16 (numpy's half: the interpreter rounds it as a GPU does) the kernels round every
+    intermediate the torch code stores in the model dtype: the same bits."""
+    half = torch.float16
+    x, h, w = _randn(3, 256, seed=11).to(half), _randn(3, 256, seed=12).to(half), _randn(256, seed=13).to(half)
+    x_fused = x.clone()
+    assert torch.equal(fused.add_rms_norm_(x_fused, h, w, 1e-6), rms_norm(x + h, w, 1e-6))
+    assert torch.equal(x_fused, x + h)
+    qkv, norms = _randn(3, 8 * 128, seed=14).to(half), _randn(2, 128, seed=15).to(half)
+    cos, sin = RotaryEmbedding(128, 1e6, "cpu").cos_sin(torch.tensor([1, 50, 3000]), half)
+    q, k, _ = fused.qkv_norm_rotary(qkv, norms[0], norms[1], cos, sin, 4, 2, 1e-6)
+    assert torch.equal(q, apply_rotary(rms_norm(qkv[:, :512].reshape(3, 4, 128), norms[0], 1e-6), cos, sin))
+    assert torch.equal(k, apply_rotary(rms_norm(qkv[:, 512:768].reshape(3, 2, 128), norms[1], 1e-6), cos, sin))
+
+
+def test_op_count_cpu(tmp_path):
+    """bench/op_count.py on the CPU: the eager path's aten ops per decode layer, written out."""
+    import json
+
+    from bench import op_count
+
+    assert op_count.main(["--out", str(tmp_path)]) == 0
+    counts = json.loads((tmp_path / "op_count_cpu.json").read_text())["cpu_eager"]
+    assert counts["layers"] == 4 and counts["ops_per_step"] == 4 * counts["ops_per_layer"]
+    assert 50 < counts["ops_per_layer"] < 500 and counts["top"]["aten::linear"] >= 4

@@ -1,0 +1,207 @@
+"""Chaos: losing an expert service loses no request (docs/internals.md, "Rank failures").
+
+One mesh of 2 ranks and 1 standby on the tiny model. While 32 greedy requests
+stream, a rank is killed (kill -9), hung (SIGSTOP), or killed during the
+prefill of long prompts; then, with no standby left, killed and restarted.
+Every time, every request completes with exactly transformers' tokens (so no
+token is lost or received twice) and the group is re-formed in a new epoch.
+The cases share the mesh and run in order: each restarts its victim, which
+registers again as the next case's standby. MOEMESH_CHAOS_WORK_DIR keeps the
+mesh's logs in that directory (for debugging a failure).
+"""
+
+import asyncio
+import dataclasses
+import os
+import random
+import signal
+import time
+
+import grpc
+import pytest
+
+from expert_svc.rank import EXIT_ASSIGNMENT_LOST
+from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from services import launcher
+from services.cluster import ClusterClient, GroupAssignment
+from tests.bounded import eventually, run
+from tests.conftest import hf_greedy
+
+COLLECTIVE_TIMEOUT_S = 4
+NUM_REQUESTS = 32
+NUM_DISTINCT = 8
+NEW_TOKENS = 24
+LONG_PROMPT_TOKENS = 256
+
+
+@dataclasses.dataclass
+class Stream:
+    """What one client received."""
+
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    arrivals: list[float] = dataclasses.field(default_factory=list)
+    error: str = ""  # CODE: details, if the request failed
+    is_finished: bool = False
+
+
+@pytest.fixture(scope="module")
+def chaos_mesh(tiny_model_dir):
+    spec = launcher.MeshSpec(model_dir=str(tiny_model_dir), num_ranks=2, num_standby=1,
+                             work_dir=os.environ.get("MOEMESH_CHAOS_WORK_DIR", ""), extra_args={
+        "expert_svc": ["--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S), "--lease-ttl-s", "1"],
+        "scheduler_svc": ["--reform-settle-s", "2"],
+        "gateway": ["--prefill-chunk-size", "16", "--resume-timeout-s", "60"],
+    })
+    with launcher.Mesh(spec) as mesh:
+        yield mesh
+
+
+def with_references(hf_model, seed: int, length: int, num_tokens: int) -> tuple[list, list]:
+    """NUM_REQUESTS prompts (NUM_DISTINCT different ones, each repeated) and their reference outputs."""
+    rng = random.Random(seed)
+    distinct = [[rng.randrange(200, 20_000) for _ in range(length + i)] for i in range(NUM_DISTINCT)]
+    references = [hf_greedy(hf_model, p, num_tokens) for p in distinct]
+    return ([distinct[i % NUM_DISTINCT] for i in range(NUM_REQUESTS)],
+            [references[i % NUM_DISTINCT] for i in range(NUM_REQUESTS)])
+
+
+@pytest.fixture(scope="module")
+def short_prompts(hf_model):
+    return with_references(hf_model, 1, 12, NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def long_prompts(hf_model):
+    return with_references(hf_model, 2, LONG_PROMPT_TOKENS, 8)
+
+
+async def stream_one(stub, request_id: str, prompt_ids: list[int], num_tokens: int, out: Stream) -> None:
+    request = gateway_pb2.GenerateRequest(
+        request_id=request_id, input_ids=gateway_pb2.TokenIds(ids=prompt_ids),
+        sampling=gateway_pb2.SamplingParams(max_new_tokens=num_tokens, temperature=0.0, ignore_eos=True))
+    try:
+        async for response in stub.Generate(request, timeout=120):
+            out.token_ids += response.token_ids
+            out.arrivals += [time.monotonic()] * len(response.token_ids)
+        out.is_finished = True
+    except grpc.aio.AioRpcError as error:
+        out.error = f"{error.code().name}: {error.details()}"
+
+
+async def current_group(mesh) -> GroupAssignment:
+    async with ClusterClient(mesh.etcd_endpoint) as client:
+        [group] = await client.list_groups()
+        return group
+
+
+async def chaos(mesh, prompt_ids, num_tokens, strike) -> tuple[list[Stream], GroupAssignment, GroupAssignment, float]:
+    """Streams every prompt and, once strike's moment has come, lets strike(victim) hit
+    a rank of the group. Returns the streams, the group before and after, and the
+    time of the strike."""
+    before = await current_group(mesh)
+    streams = [Stream() for _ in prompt_ids]
+    async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
+        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
+        tasks = [asyncio.create_task(stream_one(stub, f"chaos-{i}", p, num_tokens, s))
+                 for i, (p, s) in enumerate(zip(prompt_ids, streams))]
+        struck_at = await strike(before, streams)
+        await asyncio.wait(tasks, timeout=110)
+    after = await current_group(mesh)
+    return streams, before, after, struck_at
+
+
+async def stale_keys(mesh, group: GroupAssignment) -> list[tuple[str, int]]:
+    """(group, epoch) of the ready and failure keys of epochs older than the group's."""
+    async with ClusterClient(mesh.etcd_endpoint) as client:
+        snapshot, failed = await client.snapshot_with_failures()
+    return sorted(k for k in set(snapshot.ready) | failed if k[1] < group.epoch)
+
+
+def role_of(mesh, member_id: str) -> launcher.Role:
+    return next(r for r in mesh.roles if r.name == member_id)
+
+
+def assert_all_complete(streams: list[Stream], references: list[list[int]]) -> None:
+    assert [s.error for s in streams if s.error] == []
+    for stream, reference in zip(streams, references):
+        assert stream.is_finished and stream.token_ids == reference
+
+
+def test_kill_9_a_rank_mid_stream_with_a_standby(chaos_mesh, short_prompts):
+    ids, references = short_prompts
+
+    async def kill_rank1(group, streams):
+        await eventually(lambda: min(len(s.token_ids) for s in streams) >= 3, timeout_s=60)
+        victim = role_of(chaos_mesh, group.ranks[1].member_id)
+        victim.proc.kill()
+        return time.monotonic()
+
+    streams, before, after, killed_at = run(chaos(chaos_mesh, ids, NEW_TOKENS, kill_rank1), 150)
+    assert_all_complete(streams, references)
+    assert all(len([t for t in s.arrivals if t < killed_at]) < NEW_TOKENS for s in streams), "killed too late"
+    assert after.epoch > before.epoch and after.ranks[0] == before.ranks[0]
+    assert after.ranks[1].member_id != before.ranks[1].member_id  # the standby took rank 1
+    # The old epoch's ready keys and the survivor's failure report are cleaned up.
+    assert run(eventually(lambda: _is_empty(stale_keys(chaos_mesh, after)))), run(stale_keys(chaos_mesh, after))
+    chaos_mesh.restart(before.ranks[1].member_id)  # the next standby
+
+
+def test_sigstop_a_rank_mid_stream_then_wake_it(chaos_mesh, short_prompts):
+    ids, references = short_prompts
+    victim_pid = {}
+
+    async def hang_rank0(group, streams):
+        await eventually(lambda: min(len(s.token_ids) for s in streams) >= 3, timeout_s=60)
+        victim = role_of(chaos_mesh, group.ranks[0].member_id)
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        victim_pid[group.ranks[0].member_id] = victim.proc
+        return time.monotonic()
+
+    streams, before, after, stopped_at = run(chaos(chaos_mesh, ids, NEW_TOKENS, hang_rank0), 150)
+    [(name, proc)] = victim_pid.items()
+    os.kill(proc.pid, signal.SIGCONT)
+    # Awake, it finds its rank taken and exits to restart clean, without touching the new group.
+    assert proc.wait(timeout=30) == EXIT_ASSIGNMENT_LOST
+    assert_all_complete(streams, references)
+    assert after.epoch > before.epoch and after.ranks[0].member_id != name and after.ranks[1] == before.ranks[1]
+    assert run(current_group(chaos_mesh)) == after
+    chaos_mesh.restart(name)
+
+
+def test_kill_9_a_rank_during_prefill(chaos_mesh, long_prompts):
+    ids, references = long_prompts
+
+    async def kill_during_prefill(group, streams):
+        await asyncio.sleep(0.3)
+        assert not any(s.token_ids for s in streams), "the prefill ended before the kill"
+        role_of(chaos_mesh, group.ranks[0].member_id).proc.kill()
+        return time.monotonic()
+
+    streams, before, after, _ = run(chaos(chaos_mesh, ids, 8, kill_during_prefill), 150)
+    assert_all_complete(streams, references)
+    assert after.epoch > before.epoch and after.ranks[0].member_id != before.ranks[0].member_id
+    # The victim stays down: the next case has no standby.
+
+
+def test_kill_9_without_standby_waits_for_the_restarted_rank(chaos_mesh, short_prompts):
+    ids, references = short_prompts
+    members = {r.name for r in chaos_mesh.roles if r.name.startswith("expert-") and r.proc.poll() is None}
+
+    async def kill_and_restart(group, streams):
+        assert {r.member_id for r in group.ranks} == members, "a standby is left"
+        await eventually(lambda: min(len(s.token_ids) for s in streams) >= 3, timeout_s=60)
+        name = group.ranks[1].member_id
+        role_of(chaos_mesh, name).proc.kill()
+        killed_at = time.monotonic()
+        await asyncio.to_thread(chaos_mesh.restart, name)
+        return killed_at
+
+    streams, before, after, _ = run(chaos(chaos_mesh, ids, NEW_TOKENS, kill_and_restart), 150)
+    assert_all_complete(streams, references)
+    assert after.epoch > before.epoch
+    assert after.ranks[1].member_id == before.ranks[1].member_id  # the same member, restarted
+    assert after.ranks[1].address != before.ranks[1].address
+
+
+async def _is_empty(awaitable) -> bool:
+    return not await awaitable

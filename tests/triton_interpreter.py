@@ -1,0 +1,41 @@
+"""Importing our Triton kernels under Triton's CPU interpreter, for the kernel tests.
+
+TRITON_INTERPRET=1 must be set before a kernel module is imported (the test
+modules set it first thing). `interpreted(name)` imports `services.model.<name>`
+with a fix for numpy >= 2.4: it refuses int() of a 1-element array, which
+triton 3.6's interpreter does for loop bounds read from memory
+(triton-lang/triton#9171, fixed upstream by #9172 the same way). Skips the
+test where triton is not installed.
+"""
+
+import contextlib
+import importlib
+
+import numpy as np
+import pytest
+
+
+def _needs_index_fix() -> bool:
+    try:
+        int(np.ones(1))
+    except TypeError:
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def interpreted(module_name: str):
+    """Yields services.model.<module_name> imported under the (fixed) interpreter."""
+    pytest.importorskip("triton")
+    import triton.runtime.interpreter as interpreter
+
+    with pytest.MonkeyPatch.context() as patch:
+        if _needs_index_fix():
+            original = interpreter._patch_lang_tensor
+
+            def patch_lang_tensor(tensor, scope):
+                original(tensor, scope)
+                scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+            patch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
+        yield importlib.import_module(f"services.model.{module_name}")
