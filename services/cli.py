@@ -58,9 +58,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     print("Ctrl-C stops the mesh.", flush=True)
     try:
         while not stop.wait(0.5):
-            mesh.check_alive()
+            for name in mesh.restart_exited():
+                print(f"moemesh: {name} exited; restarted it", flush=True)
     except RuntimeError as err:
-        print(f"moemesh: a process died: {err}", file=sys.stderr)
+        print(f"moemesh: giving up: {err}", file=sys.stderr)
         mesh.stop()
         return 1
     print("stopping moemesh ...", flush=True)

@@ -101,6 +101,7 @@ class Mesh:
         self._tmp = None if spec.work_dir else tempfile.TemporaryDirectory(prefix="moemesh-")
         self.work_dir = pathlib.Path(spec.work_dir or self._tmp.name)
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        self._restarts: dict[str, list[float]] = {}  # role name -> monotonic times of its restarts
 
     @property
     def gateway(self) -> Role:
@@ -214,6 +215,29 @@ class Mesh:
                 time.sleep(0.1)
         raise TimeoutError(f"gateway at {address} not SERVING after {timeout_s} s; log:\n{tail(self.gateway.log_path)}")
 
+    def restart_exited(self) -> list[str]:
+        """Supervision, as `moemesh up` runs it (Kubernetes restarts pods the same
+        way): starts every role that has exited again with its first command and
+        returns their names. A rank that failed or lost its place exits on
+        purpose and rejoins as the member it was (the scheduler re-forms its
+        group); a gateway or scheduler comes back as a standby or follower.
+        Raises RuntimeError for a role that exited more than
+        MAX_RESTARTS_PER_WINDOW times within RESTART_WINDOW_S (a crash loop)."""
+        restarted = []
+        now = time.monotonic()
+        for role in list(self.roles):
+            if role.proc.poll() is None:
+                continue
+            recent = [t for t in self._restarts.get(role.name, []) if now - t < RESTART_WINDOW_S]
+            if len(recent) >= MAX_RESTARTS_PER_WINDOW:
+                raise RuntimeError(f"{role.name} exited with {role.proc.returncode} after {len(recent)} restarts "
+                                   f"in {RESTART_WINDOW_S:.0f} s; log:\n{tail(role.log_path)}")
+            log.warning("%s exited with %s; restarting it", role.name, role.proc.returncode)
+            self._restarts[role.name] = [*recent, now]
+            self.restart(role.name)
+            restarted.append(role.name)
+        return restarted
+
     def check_alive(self) -> None:
         """Raises if any process has exited."""
         for role in self.roles:
@@ -279,6 +303,11 @@ def cache_dir() -> pathlib.Path:
     """Where moemesh keeps built artefacts (tokenizer, default model)."""
     return pathlib.Path(os.environ.get("MOEMESH_CACHE_DIR", pathlib.Path.home() / ".cache" / "moemesh"))
 
+
+# Supervision (Mesh.restart_exited): a role that exits this often within the
+# window is crash-looping, and `moemesh up` stops rather than restart it again.
+MAX_RESTARTS_PER_WINDOW = 5
+RESTART_WINDOW_S = 60.0
 
 # The addresses of the mesh that `moemesh up` runs, for `generate` and `status`.
 STATE_FILE = cache_dir() / "mesh.json"

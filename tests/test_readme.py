@@ -1,6 +1,8 @@
-"""The README's first command, run as a user would: it serves a request and
-shuts down cleanly on SIGTERM."""
+"""The README's first command, run as a user would: it serves a request,
+restarts an expert service that crashed (serving again once the group is
+re-formed) and shuts down on SIGTERM."""
 
+import json
 import os
 import pathlib
 import re
@@ -50,9 +52,29 @@ def test_first_readme_command_serves_and_stops_cleanly(tmp_path):
             responses = list(stub.Generate(request, timeout=120))
         assert sum(len(r.token_ids) for r in responses) == 8
         assert responses[-1].finish_reason == gateway_pb2.FINISH_REASON_LENGTH
+        # A crashed expert service is restarted, the scheduler re-forms its group and serving resumes.
+        expert_pid = json.loads((tmp_path / "mesh" / "mesh.json").read_text())["pids"]["expert-0"]
+        os.kill(expert_pid, signal.SIGKILL)
+        with grpc.insecure_channel(address) as channel:
+            stub = gateway_pb2_grpc.GenerationServiceStub(channel)
+            again = _generate_once_served(stub, request, timeout_s=180)
+        assert sum(len(r.token_ids) for r in again) == 8
     finally:
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=60)
     output = "".join(lines) + rest
     assert proc.returncode == 0, output
-    assert "stopped cleanly" in output, output
+    assert "expert-0 exited; restarted it" in output, output
+    assert "stopped" in output, output
+
+
+def _generate_once_served(stub, request, timeout_s: float) -> list:
+    """The request's responses once the gateway serves it again (UNAVAILABLE while no group is ready)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return list(stub.Generate(request, timeout=60))
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
