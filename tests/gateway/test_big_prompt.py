@@ -75,7 +75,11 @@ def test_small_requests_are_not_blocked_by_a_huge_prompt(tiny_model_dir):
         # Tokenized, then refused: 1M characters do not fit the context.
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "context length" in details, details
         assert len(latencies) >= 3, (huge_s, latencies)
-        assert max(latencies) < 0.25 * huge_s, (huge_s, latencies)
+        # Tokenizing on the event loop makes a small request wait about the whole huge_s.
+        # Off the loop they take milliseconds; on a loaded 2-core CI machine one of them
+        # was once seen at 0.37 * huge_s (CPU shared with the tokenizer thread), hence 0.5.
+        assert max(latencies) < 0.5 * huge_s, (huge_s, latencies)
+        assert sorted(latencies)[len(latencies) // 2] < 0.1 * huge_s, (huge_s, latencies)
 
     run(body(), timeout_s=120)
 
