@@ -15,15 +15,19 @@ bench/serve.py's client and bench/workloads.py's requests, then stops it:
   requests/s and p99 latency.
 
 Then, each in its own process once the mesh is gone: `hf`, transformers'
-`generate` on the same shape with its own random init (not the same values:
-speed does not depend on them) at batch 1 and 64; `profile`, one eager decode
+`generate` on the same weights (the preset's random values, the same seed as
+the mesh's, copied into transformers' model) at batch 1 and 64; `profile`, one eager decode
 step of the serving model (services/model/qwen3_moe.py, no gateway) at batch
 1 and 256, timed with CUDA events and profiled with torch.profiler.
 
 Every figure also appears as a share of the HBM bound: the bytes of weights a
 decode step reads (the dense part, plus the experts that B tokens of top-K
 routing touch, E * (1 - (1 - K/E)^B) per layer if routing is uniform) over
-4.25 TB/s, the copy rate measured on the H200. KV reads are listed beside it.
+4.25 TB/s, the copy rate measured on the H200; a second bound adds the KV
+cache the step reads (every sequence at the case's mean context). Each case
+also reads the ranks' and the gateway's /metrics before and after, to say
+where the time went: steps run, the mean step time the ranks report
+(plan in, tokens out) and how much of the wall time the ranks were busy.
 Results: bench/results/gpu_speed_<kind>.md and .json (with the command).
 """
 
@@ -65,17 +69,20 @@ def kv_bytes_per_token(config) -> int:
     return BYTES_PER_ELEMENT * 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
 
 
-def bound(config, batch: int, num_ranks: int = 1) -> dict:
+def bound(config, batch: int, num_ranks: int = 1, context: int = 0) -> dict:
     """The HBM bound of a decode step of `batch` sequences over num_ranks GPUs
-    (each reads the dense weights and its share of the experts)."""
+    (each reads the dense weights and its share of the experts); with a
+    context, also the bound that adds each GPU's share of the KV reads."""
     from services.model.checkpoint import expected_tensors
 
     dense = sum(_numel(s) for n, s in expected_tensors(config, []).items() if n != "model.embed_tokens.weight")
     total = weight_bytes_per_step(config, batch)
     per_gpu = BYTES_PER_ELEMENT * dense + (total - BYTES_PER_ELEMENT * dense) / num_ranks
     step_s = per_gpu / HBM_BYTES_PER_S
+    kv_s = batch * context * kv_bytes_per_token(config) / num_ranks / HBM_BYTES_PER_S
     return {"weight_gb_per_step": round(total / 1e9, 2), "step_ms": round(1e3 * step_s, 3),
-            "tokens_per_s": round(batch / step_s, 1)}
+            "tokens_per_s": round(batch / step_s, 1), "step_ms_with_kv": round(1e3 * (step_s + kv_s), 3),
+            "tokens_per_s_with_kv": round(batch / (step_s + kv_s), 1)}
 
 
 def _numel(shape) -> int:
@@ -85,11 +92,42 @@ def _numel(shape) -> int:
     return n
 
 
+def scrape_steps(metrics: dict[str, str]) -> dict[str, tuple[float, float]]:
+    """(sum of seconds, count) of each role's step-duration histogram, from its /metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = {"moemesh_expert_step_duration_seconds", "moemesh_step_duration_seconds"}
+    out = {}
+    for role, address in metrics.items():
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name in names:
+                values = {sample.name.rsplit("_", 1)[-1]: sample.value for sample in family.samples
+                          if sample.name.endswith(("_sum", "_count"))}
+                out[role] = (values.get("sum", 0.0), values.get("count", 0.0))
+    return out
+
+
+def step_attribution(before: dict, after: dict, wall_s: float) -> dict:
+    """Per role: steps in the case, their mean ms, wall ms per step, and the share of wall time in them."""
+    out = {}
+    for role, (total, count) in after.items():
+        total0, count0 = before.get(role, (0.0, 0.0))
+        steps, seconds = count - count0, total - total0
+        out[role] = {"steps": int(steps), "mean_step_ms": round(1e3 * seconds / steps, 2) if steps else None,
+                     "wall_ms_per_step": round(1e3 * wall_s / steps, 2) if steps else None,
+                     "busy_share": round(seconds / wall_s, 3) if wall_s else None}
+    return out
+
+
 def _case_concurrency(case: str) -> int:
     return 1 if case == "b1" else int(case[1:])
 
 
-async def _drive(target: str, args, cases: list[str], max_context: int) -> dict:
+async def _drive(target: str, args, cases: list[str], max_context: int, metrics: dict[str, str]) -> dict:
     load = argparse.Namespace(rate=0.0, seed=args.seed, request_timeout_s=args.request_timeout_s, concurrency=8)
     # Every decode batch size (power of two) once, so CUDA-graph captures happen before the measured runs.
     max_conc = max(args.mix_concurrency if c == "mix" else _case_concurrency(c) for c in cases)
@@ -108,8 +146,10 @@ async def _drive(target: str, args, cases: list[str], max_context: int) -> dict:
             specs = make_workload("1k1k", load.concurrency * args.waves, scale=args.prompt_scale,
                                   output_scale=args.output_scale, seed=args.seed)
         assert max(len(s.prompt_ids) + s.max_new_tokens for s in specs) <= max_context
+        before = await asyncio.to_thread(scrape_steps, metrics)
         results, duration_s = await run_load(target, specs, load, case)
         row = summarize(results, duration_s)
+        row["steps"] = step_attribution(before, await asyncio.to_thread(scrape_steps, metrics), duration_s)
         row["concurrency"] = load.concurrency
         decoding = [r for r in results if r.error is None and r.first_token_s and r.num_output_tokens > 1]
         if decoding:
@@ -138,7 +178,9 @@ def run_mesh(args, cases: list[str], model_dir: pathlib.Path) -> dict:
         startup_s = time.perf_counter() - start
         print(f"mesh serving after {startup_s:.1f} s", flush=True)
         max_context = ModelConfig.from_model_dir(model_dir).max_position_embeddings
-        results = asyncio.run(_drive(mesh.gateway_address, args, cases, max_context))
+        metrics = {r.name: f"127.0.0.1:{r.metrics_port}" for r in mesh.roles
+                   if r.metrics_port and r.name.startswith(("expert", "gateway"))}
+        results = asyncio.run(_drive(mesh.gateway_address, args, cases, max_context, metrics))
         logs = {r.name: tail(r.log_path, 12) for r in mesh.roles if r.name.startswith(("expert", "gateway"))}
     except BaseException:
         for role in mesh.roles:
@@ -150,19 +192,23 @@ def run_mesh(args, cases: list[str], model_dir: pathlib.Path) -> dict:
 
 
 def hf_worker(args) -> dict:
-    """transformers generate on the preset's shape (its own random init), bf16, one GPU."""
+    """transformers generate on the mesh's weights (the preset's random values, same seed), bf16, one GPU."""
     import torch
     import transformers
 
-    from services.model.random_weights import preset
+    from services.model.random_weights import RandomWeights, preset
 
-    hub = preset(args.preset).to_hub_dict()
-    config = transformers.AutoConfig.for_model(**{k: v for k, v in hub.items() if k != "model_type"},
-                                               model_type="qwen3_moe")
+    config = preset(args.preset)
+    hub = config.to_hub_dict()
+    hf_config = transformers.AutoConfig.for_model(**{k: v for k, v in hub.items() if k != "model_type"},
+                                                  model_type="qwen3_moe")
     start, device = time.perf_counter(), args.device
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    with torch.device(device):  # its own init (0.9 s on an H200), then overwritten
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
+    load_hub_weights(model, RandomWeights(config, range(config.num_experts), args.seed, device=device),
+                     config.num_experts)
     out = {"transformers": transformers.__version__, "init_s": round(time.perf_counter() - start, 1),
+           "weights": f"random_weights {args.preset} seed {args.seed} (the mesh's)",
            "experts_implementation": str(getattr(model.config, "_experts_implementation", None))}
     gen = torch.Generator(device=device).manual_seed(args.seed)
     for batch in HF_BASELINE_BATCHES:
@@ -177,6 +223,27 @@ def hf_worker(args) -> dict:
         out[f"b{batch}"] = {"seconds": round(seconds, 2), "tokens_per_s": round(batch * args.hf_new_tokens / seconds, 1)}
         print(f"hf b{batch}: {out[f'b{batch}']}", flush=True)
     return out
+
+
+def load_hub_weights(model, weights, num_experts: int) -> None:
+    """Copies hub-named tensors (per-expert names, as on disk) into a transformers
+    5 Qwen3-MoE model, which keeps each layer's experts fused in memory:
+    experts.gate_up_proj [E, 2F, D] (gate rows, then up) and experts.down_proj [E, D, F]."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("experts.gate_up_proj"):
+                prefix = name[:-len("gate_up_proj")]
+                for e in range(num_experts):
+                    param[e].copy_(torch.cat((weights[f"{prefix}{e}.gate_proj.weight"],
+                                              weights[f"{prefix}{e}.up_proj.weight"])))
+            elif name.endswith("experts.down_proj"):
+                prefix = name[:-len("down_proj")]
+                for e in range(num_experts):
+                    param[e].copy_(weights[f"{prefix}{e}.down_proj.weight"])
+            else:
+                param.copy_(weights[name])
 
 
 def profile_worker(args) -> dict:
@@ -257,12 +324,13 @@ def add_ratios(report: dict) -> None:
     for case, row in cases.items():
         if case == "mix":
             continue
-        b = bound(config, row["concurrency"], ranks)
-        row["bound"] = b
         context = round(1024 * setup["prompt_scale"] + 512 * setup["output_scale"])
+        b = bound(config, row["concurrency"], ranks, context)
+        row["bound"] = b
         row["kv_gb_per_step"] = round(row["concurrency"] * context * kv_bytes_per_token(config) / 1e9, 2)
         measured = row.get("decode_tokens_per_s_per_seq", 0) if case == "b1" else row["output_tokens_per_s"]
         row["tokens_per_s_over_bound"] = round(measured / b["tokens_per_s"], 3)
+        row["tokens_per_s_over_bound_with_kv"] = round(measured / b["tokens_per_s_with_kv"], 3)
         if row["itl_ms_p50"]:
             row["bound_ms_over_itl_p50"] = round(b["step_ms"] / row["itl_ms_p50"], 3)
     for batch in HF_BASELINE_BATCHES:
@@ -299,8 +367,8 @@ def markdown(report: dict) -> str:
     if mesh.get("cases"):
         lines += [f"Mesh startup (random weights drawn on the GPU, to gateway SERVING): {mesh.get('startup_s')} s", "",
                   "| case | conc | ok/sent | req/s | out tok/s | decode tok/s/seq | TTFT p50/p99 ms | "
-                  "ITL p50/p99 ms | E2E p99 ms | bound tok/s (weights) | share of bound | bound ms / ITL p50 | "
-                  "KV GB/step |", "|" + "---|" * 13]
+                  "ITL p50/p99 ms | E2E p99 ms | bound tok/s (weights) | share of bound | "
+                  "bound tok/s (weights + KV) | share | bound ms / ITL p50 | KV GB/step |", "|" + "---|" * 15]
         for case, r in mesh.get("cases", {}).items():
             b = r.get("bound", {})
             lines.append(
@@ -308,10 +376,20 @@ def markdown(report: dict) -> str:
                 f"{r['output_tokens_per_s']} | {r.get('decode_tokens_per_s_per_seq', '')} | "
                 f"{r['ttft_ms_p50']} / {r['ttft_ms_p99']} | {r['itl_ms_p50']} / {r['itl_ms_p99']} | "
                 f"{r['e2e_ms_p99']} | {b.get('tokens_per_s', '')} | {r.get('tokens_per_s_over_bound', '')} | "
+                f"{b.get('tokens_per_s_with_kv', '')} | {r.get('tokens_per_s_over_bound_with_kv', '')} | "
                 f"{r.get('bound_ms_over_itl_p50', '')} | {r.get('kv_gb_per_step', '')} |")
+        lines += ["", "Where the time went (from /metrics, per case: steps, mean step ms as each role "
+                  "reports it (the gateway: the slowest rank's), wall ms per step, share of the case's "
+                  "wall time in steps):", "",
+                  "| case | " + " | ".join(roles := sorted({role for r in mesh["cases"].values()
+                                                             for role in r.get("steps", {})})) + " |",
+                  "|---|" + "---|" * len(roles)]
+        for case, r in mesh["cases"].items():
+            cells = [_steps_cell(r.get("steps", {}).get(role)) for role in roles]
+            lines.append(f"| {case} | " + " | ".join(cells) + " |")
         lines.append("")
     if report.get("hf"):
-        lines += ["transformers generate, same shape, its own random init, bf16:", "",
+        lines += ["transformers generate, the same weights, bf16:", "",
                   "```", json.dumps(report["hf"], indent=1), "```", ""]
     for batch in PROFILE_BATCHES:
         step = report.get("profile", {}).get(f"b{batch}")
@@ -323,6 +401,13 @@ def markdown(report: dict) -> str:
     if report.get("notes"):  # written by hand after a run: what the numbers mean, where the time goes
         lines += ["", "Notes:", ""] + [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def _steps_cell(steps: dict | None) -> str:
+    if steps is None:
+        return ""
+    return (f"{steps['steps']} steps, {steps['mean_step_ms']} ms in step, {steps.get('wall_ms_per_step')} ms "
+            f"wall/step, busy {steps['busy_share']}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -1,0 +1,48 @@
+"""bench/gpu_speed.py's pieces that run on the CPU: the transformers baseline gets
+the mesh's weights, the bounds and the step attribution add up."""
+
+import torch
+import transformers
+
+from bench.gpu_speed import bound, load_hub_weights, step_attribution
+from services.kv_pool import KVPool
+from services.model.batch import SeqInput, build_forward_batch
+from services.model.qwen3_moe import Qwen3MoeModel
+from services.model.random_weights import RandomWeights, preset
+
+
+def test_transformers_baseline_runs_the_mesh_weights():
+    config = preset("tiny")
+    weights = RandomWeights(config, range(config.num_experts), seed=3, dtype=torch.float32)
+    hub = config.to_hub_dict()
+    hf_config = transformers.AutoConfig.for_model(**{k: v for k, v in hub.items() if k != "model_type"},
+                                                  model_type="qwen3_moe")
+    hf = transformers.AutoModelForCausalLM.from_config(
+        hf_config, dtype=torch.float32, attn_implementation="eager").eval()
+    load_hub_weights(hf, weights, config.num_experts)
+    ids = [5, 17, 3, 42, 8, 11]
+    with torch.no_grad():
+        expected_SV = hf(torch.tensor([ids])).logits[0, -1:]
+
+    ours = Qwen3MoeModel(config, weights, expert_ids=range(config.num_experts), dtype=torch.float32)
+    kv = KVPool.for_model(config, 4, 4, torch.float32, "cpu")
+    batch = build_forward_batch([SeqInput(0, ids, 0, [0, 1], True)], 4, "cpu")
+    got_SV = ours.forward(batch, kv, max_tokens_per_rank=len(ids))
+    torch.testing.assert_close(got_SV, expected_SV, atol=1e-4, rtol=1e-4)
+
+
+def test_bound_with_kv_is_slower_and_splits_over_ranks():
+    config = preset("qwen3-30b-a3b")
+    weights_only, with_kv = bound(config, 256), bound(config, 256, context=1536)
+    assert with_kv["tokens_per_s"] == weights_only["tokens_per_s"]
+    assert with_kv["tokens_per_s_with_kv"] < 0.7 * weights_only["tokens_per_s"]  # 38 GB of KV vs 60 GB
+    two = bound(config, 256, num_ranks=2, context=1536)
+    assert two["step_ms_with_kv"] < 0.6 * with_kv["step_ms_with_kv"]
+
+
+def test_step_attribution_is_the_difference_of_two_scrapes():
+    before = {"expert0": (1.0, 10.0), "gateway": (2.0, 10.0)}
+    after = {"expert0": (3.0, 110.0), "gateway": (4.5, 110.0)}
+    got = step_attribution(before, after, wall_s=4.0)
+    assert got == {"expert0": {"steps": 100, "mean_step_ms": 20.0, "wall_ms_per_step": 40.0, "busy_share": 0.5},
+                   "gateway": {"steps": 100, "mean_step_ms": 25.0, "wall_ms_per_step": 40.0, "busy_share": 0.625}}
