@@ -49,6 +49,9 @@ BYTES_PER_ELEMENT = 2  # bf16
 HF_BASELINE_BATCHES = (1, 64)
 PROFILE_BATCHES = (1, 256)
 PROFILE_CONTEXT = 1024
+# The prefill step profiled: this many prompts of PROFILE_CHUNK new tokens each (the
+# gateway's default chunk; 8 x 512 = its default --max-batch-tokens here, 4096).
+PROFILE_PREFILL_SEQS, PROFILE_CHUNK = 8, 512
 
 
 def weight_bytes_per_step(config, batch: int) -> float:
@@ -247,7 +250,8 @@ def load_hub_weights(model, weights, num_experts: int) -> None:
 
 
 def profile_worker(args) -> dict:
-    """One eager decode step of the serving model at each PROFILE_BATCHES size, timed and profiled."""
+    """One eager decode step of the serving model at each PROFILE_BATCHES size, and one
+    prefill step of PROFILE_PREFILL_SEQS x PROFILE_CHUNK tokens, timed and profiled."""
     import torch
 
     from expert_svc.config import ExpertConfig
@@ -267,29 +271,35 @@ def profile_worker(args) -> dict:
            "attention": type(model.attention).__name__}
     per_seq = -(-(PROFILE_CONTEXT + 1) // block)
     kv = KVPool.for_model(config, per_seq * max(PROFILE_BATCHES), block, torch.bfloat16, device)
-    for batch in PROFILE_BATCHES:
-        seqs = [SeqInput(seq_id=i, token_ids=[1000 + i], num_computed=PROFILE_CONTEXT,
-                         block_table=list(range(i * per_seq, (i + 1) * per_seq)), is_sampled=True)
-                for i in range(batch)]
+    prefill = [SeqInput(seq_id=i, token_ids=[1000 + i] * PROFILE_CHUNK, num_computed=0,
+                        block_table=list(range(i * per_seq, (i + 1) * per_seq)), is_sampled=True)
+               for i in range(PROFILE_PREFILL_SEQS)]
+    for batch in (*PROFILE_BATCHES, "prefill"):
+        seqs = prefill if batch == "prefill" else [
+            SeqInput(seq_id=i, token_ids=[1000 + i], num_computed=PROFILE_CONTEXT,
+                     block_table=list(range(i * per_seq, (i + 1) * per_seq)), is_sampled=True)
+            for i in range(batch)]
+        num_tokens = sum(len(s.token_ids) for s in seqs)
         fb = build_forward_batch(seqs, block, device)
         for _ in range(3):
-            model.forward(fb, kv, max_tokens_per_rank=batch)
+            model.forward(fb, kv, max_tokens_per_rank=num_tokens)
         _sync(device)
         start = time.perf_counter()
         for _ in range(5):
-            model.forward(fb, kv, max_tokens_per_rank=batch)
+            model.forward(fb, kv, max_tokens_per_rank=num_tokens)
         _sync(device)
         step_ms = (time.perf_counter() - start) * 200  # 5 steps, in ms
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device != "cpu":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         with torch.profiler.profile(activities=activities) as prof:
-            model.forward(fb, kv, max_tokens_per_rank=batch)
+            model.forward(fb, kv, max_tokens_per_rank=num_tokens)
             _sync(device)
         sort = "cuda_time_total" if device != "cpu" else "cpu_time_total"
         table = prof.key_averages().table(sort_by=sort, row_limit=14, max_name_column_width=48)
-        out[f"b{batch}"] = {"step_ms": round(step_ms, 3), "profile": table}
-        print(f"profile b{batch}: {step_ms:.3f} ms/step\n{table}", flush=True)
+        key = batch if batch == "prefill" else f"b{batch}"
+        out[key] = {"step_ms": round(step_ms, 3), "tokens": num_tokens, "profile": table}
+        print(f"profile {key}: {step_ms:.3f} ms/step\n{table}", flush=True)
     return out
 
 
@@ -397,6 +407,10 @@ def markdown(report: dict) -> str:
             lines += [f"One eager decode step at batch {batch}, context {PROFILE_CONTEXT} (model only, no gateway): "
                       f"{step['step_ms']} ms; bound/step = {step.get('bound_ms_over_step')}", "",
                       "```", step["profile"], "```", ""]
+    if step := report.get("profile", {}).get("prefill"):
+        lines += [f"One eager prefill step, {PROFILE_PREFILL_SEQS} prompts x {PROFILE_CHUNK} tokens (model only): "
+                  f"{step['step_ms']} ms, {round(step['tokens'] / step['step_ms'] * 1e3)} tokens/s", "",
+                  "```", step["profile"], "```", ""]
     lines += ["Targets:", ""] + [f"- {name}: {'met' if ok else 'NOT met'}" for name, ok in report["targets"].items()]
     if report.get("notes"):  # written by hand after a run: what the numbers mean, where the time goes
         lines += ["", "Notes:", ""] + [f"- {note}" for note in report["notes"]]
