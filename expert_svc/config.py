@@ -78,6 +78,11 @@ class ExpertConfig(MemberConfig):
     # (placed by the router's scaling policy); 0 disables replicas. Must be
     # the same on every rank of a group.
     num_spare_expert_slots: int = 0
+    # Launch the next step on the device before the last one's sampled tokens
+    # are read, when its plan has already arrived (expert_svc/executor.py):
+    # the GPU runs step k+1 while the host answers step k. Off: each step
+    # is launched, read and answered before the next one starts.
+    pipeline_steps: bool = True
     # Report expert hit counts to the router every this many steps; 0 disables.
     stats_every_steps: int = 16
     # Deadline of one hit-count report to the router.

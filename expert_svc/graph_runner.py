@@ -32,7 +32,11 @@ n real sequences (B - n padding rows), M block-table columns, V vocab.
   key computes the same numbers (same inputs, row-wise kernels), so the
   key's first eager step with padding probes the last row's experts once;
   every later step subtracts (B - n) times that.
-- Sync: nothing here reads the device. The caller's one `.tolist()` of the
+- Fed tokens: a decode input that is the sequence's token sampled in an
+  earlier step comes from the device (a `TokenFeed`, patched into the
+  static input ids after the host rows are copied, just before the replay),
+  so a step can be launched before the last one's tokens are read.
+- Sync: nothing here reads the device. The caller's one read of the
   sampled tokens is the step's only host sync.
 
 `capture` is injectable: on the CPU, tests pass a stand-in that returns the
@@ -97,6 +101,19 @@ def cuda_capture(pool) -> Capture:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class TokenFeed:
+    """Input rows whose token ids are on the device (tokens sampled in earlier
+    steps, not yet read back) instead of in the host batch. F fed rows."""
+
+    rows_F: Tensor  # int64 rows of the batch's input_ids_T
+    token_ids_F: Tensor  # int64
+
+    def apply(self, input_ids_T: Tensor) -> None:
+        """Writes the fed token ids into input_ids_T (device order: after its upload)."""
+        input_ids_T.index_copy_(0, self.rows_F, self.token_ids_F)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class DecodeOutput:
     """One decode step's results, row i for sequence i; views of static buffers,
     valid until the next run."""
@@ -154,12 +171,14 @@ class DecodeGraphRunner:
         return (bucket is not None and bucket * self._rows_per_token <= capacity
                 and all(len(s.block_table) <= self.max_blocks for s in seqs))
 
-    def run(self, seqs: Sequence[SeqInput], capacity: int) -> DecodeOutput:
+    def run(self, seqs: Sequence[SeqInput], capacity: int, feed: TokenFeed | None = None) -> DecodeOutput:
         """Runs one decode step (fits() must hold): eagerly the first time its key
-        is seen, then by capture and replay."""
+        is seen, then by capture and replay. `feed` overrides the input ids of its rows."""
         bucket, num_seqs = self.bucket(len(seqs)), len(seqs)
         key, num_pad = (bucket, capacity), bucket - num_seqs
         self._upload(seqs, bucket)
+        if feed is not None:
+            feed.apply(self._input_ids_R)
         batch = self._static_batch(bucket)
         logits_BV, greedy_B = self._logits_RV[:bucket], self._greedy_R[:bucket]
         probe = num_pad > 0 and key not in self._pad_hits

@@ -33,7 +33,9 @@ deadline is what fires; main exits without joining the model thread) and a
 new epoch EXIT_ASSIGNMENT_LOST: the restarted process is the new member.
 
 All model work (loading, the rendezvous, steps, teardown) runs on one
-dedicated thread, so the event loop keeps answering RPCs and etcd.
+dedicated thread, so the event loop keeps answering RPCs and etcd; with
+`pipeline_steps`, a second thread waits for each step's sampled tokens, so
+the model thread can launch the next step meanwhile (expert_svc/executor.py).
 """
 
 import asyncio
@@ -49,8 +51,9 @@ from expert_svc.config import ExpertConfig
 from expert_svc.observability import MeteredExpertComm, step_hook
 from expert_svc.rendezvous import ProcessGroupLink, RendezvousError
 from expert_svc import placement
+from expert_svc.executor import StepExecutor
 from expert_svc.graph_runner import make_graph_runner
-from expert_svc.runner import RankState, StepExecutor, StepRunner
+from expert_svc.runner import RankState, StepRunner
 from expert_svc.servicer import ExpertServicer
 from expert_svc.stats_reporter import StatsReporter
 from moe.expert.v1 import expert_pb2, expert_pb2_grpc
@@ -94,6 +97,8 @@ class ExpertRank:
         self._dtype = DTYPES[config.dtype_name]
         self._thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="model", initializer=self._init_model_thread)
+        self._reader = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="step-reader", initializer=self._init_model_thread)
         self._server: grpc_util.Server | None = None
         self._cluster: ClusterClient | None = None
         self._reporter: StatsReporter | None = None
@@ -235,6 +240,7 @@ class ExpertRank:
         """A fresh executor (a failed one stays failed) on the runner: the rank is ready."""
         self.state.executor = StepExecutor(
             runner, self._thread, step_hook(self._reporter.after_step, self._model.comm),
+            reader=self._reader if self.config.pipeline_steps else None,
             on_failure=self._on_step_failure, deadline_s=2 * self.config.collective_timeout_s)
 
     async def _mark_ready(self, group: GroupAssignment) -> None:
@@ -349,8 +355,9 @@ class ExpertRank:
     async def stop(self, grace_s: float = 5.0) -> bool:
         """Leaves the mesh: NOT_SERVING, deregister, drain the stream, leave the process group.
 
-        Returns False if the model thread did not finish in time (a step stuck
-        in a collective); the caller should then exit without joining it.
+        Returns False if the model or the reader thread did not finish in time
+        (a step stuck in a collective); the caller should then exit without
+        joining them.
         """
         if self._server is not None:
             await self._set_serving(False)
@@ -369,11 +376,14 @@ class ExpertRank:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._placement_task
         try:
-            await asyncio.wait_for(self._on_model_thread(self._link.close), grace_s)
+            await asyncio.wait_for(asyncio.gather(self._on_model_thread(self._link.close),
+                                                  asyncio.wrap_future(self._reader.submit(lambda: None))), grace_s)
         except TimeoutError:
-            log.warning("the model thread is still busy after %.1fs (a step stuck in a collective?)", grace_s)
+            log.warning("the model or reader thread is still busy after %.1fs (a step stuck in a collective?)",
+                        grace_s)
             return False
         self._thread.shutdown(wait=False)
+        self._reader.shutdown(wait=False)
         return True
 
 

@@ -3,28 +3,37 @@
 `StepRunner` keeps the state the step protocol gives each sequence (block
 table, tokens whose KV is computed, the last sampled token, the sampling spec
 and its generator), applies a plan's diffs, runs one forward and samples.
-`StepExecutor` runs those steps on the rank's single model thread so the
-event loop stays responsive. See docs/internals.md, "The step protocol".
+expert_svc/executor.py runs those steps on the rank's single model thread so
+the event loop stays responsive. See docs/internals.md, "The step protocol".
+
+A step is launched, then finished. `launch` checks the plan, applies it,
+and queues the forward and the sampling on the device; the rank's state
+moves on at once, each sampled sequence's next input being its row of the
+step's tokens, still on the device. `finish` reads those tokens back: the
+step's one host sync, which touches no runner state. So the next step can
+be launched (the GPU kept busy) before the last one's tokens are read.
 
 Decode steps (every sequence one new token, a fixed dispatch capacity) run
 through CUDA graphs when a `DecodeGraphRunner` is given (graph_runner.py);
-other steps run eagerly. Either way a step reads the device once: the
-sampled tokens, at the end (the plan's max_tokens_per_rank spares the
+other steps run eagerly (the plan's max_tokens_per_rank spares the
 all_reduce that would otherwise pick the dispatch mode).
 """
 
-import asyncio
-import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+from torch import Tensor
 
-from expert_svc.graph_runner import DecodeGraphRunner
+from expert_svc.graph_runner import DecodeGraphRunner, TokenFeed
 from services.kv_pool import KVPool
 from services.model.batch import ForwardBatch, SeqInput, build_forward_batch
 from services.model.sampling import SamplingSpec, sample_on_device
+
+if TYPE_CHECKING:
+    from expert_svc.executor import StepExecutor
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -76,6 +85,22 @@ class StepResult:
     execute_seconds: float
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class LaunchedStep:
+    """A step whose work is queued on the device; `StepRunner.finish` reads its tokens."""
+
+    step_id: int
+    start: float  # time.perf_counter() at launch
+    # (row of token_ids_S, seq_id) of each sampled sequence, in plan order.
+    sampled: tuple[tuple[int, int], ...]
+    # The sampled tokens on the host (pinned on CUDA), complete once `ready` has
+    # fired; None when nothing was sampled.
+    token_ids_S: Tensor | None
+    # A torch.cuda.Event recorded after the copy to the host; None when the
+    # tokens are complete already (the CPU: the forward ran in launch).
+    ready: "torch.cuda.Event | None"
+
+
 _GREEDY = SamplingSpec(temperature=0.0)
 
 
@@ -89,8 +114,9 @@ class _Sequence:
     num_computed: int
     sampling: SamplingSpec
     generator: torch.Generator
-    # Sampled in the last step and not yet in the KV cache: the next decode input.
-    pending_token: int | None = None
+    # Sampled in an earlier step and not yet in the KV cache: the next decode
+    # input, on the device as (that step's tokens, this sequence's row).
+    last_token: tuple[Tensor, int] | None = None
 
 
 class StepRunner:
@@ -126,7 +152,12 @@ class StepRunner:
         self._last_step_id = 0
 
     def run_step(self, plan: StepPlan) -> StepResult:
-        """Applies the plan, runs one forward, samples; raises ValueError for a bad plan.
+        """launch, then finish: one whole step."""
+        return self.finish(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Applies the plan and queues its forward and sampling, reading nothing
+        back; raises ValueError for a bad plan.
 
         A rejected plan still runs an idle step, so the other ranks of the
         group do not hang in the step's collectives; the state is unchanged.
@@ -137,17 +168,32 @@ class StepRunner:
             if self.install_placement is not None:  # a no-op unless the epoch changes
                 self.install_placement(plan.expert_placement_epoch)
         except ValueError:
-            self._forward([], plan.max_tokens_per_rank)
+            self._forward([], None, plan.max_tokens_per_rank)
             raise
         self._last_step_id = plan.step_id
         self._apply_diffs(plan)
-        seqs = [self._seq_input(s) for s in plan.scheduled]
-        tokens = self._sample(plan.scheduled, *self._forward(seqs, plan.max_tokens_per_rank))
+        seqs, feed = self._inputs(plan.scheduled)
+        token_ids_S, sampled = self._sample(plan.scheduled, *self._forward(seqs, feed, plan.max_tokens_per_rank))
         for seq in seqs:
             self._seqs[seq.seq_id].num_computed += len(seq.token_ids)
-        return StepResult(plan.step_id, tokens, time.perf_counter() - start)
+        host_S, ready = (None, None) if token_ids_S is None else _to_host(token_ids_S)
+        return LaunchedStep(plan.step_id, start, sampled, host_S, ready)
 
-    def _forward(self, seqs: list[SeqInput], max_tokens_per_rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    @staticmethod
+    def finish(step: LaunchedStep) -> StepResult:
+        """Waits for the step's tokens and reads them: the step's one host sync.
+
+        Touches no runner state, so it may run on another thread while the
+        model thread launches the next step.
+        """
+        if step.ready is not None:
+            step.ready.synchronize()
+        token_ids = [] if step.token_ids_S is None else step.token_ids_S.tolist()
+        tokens = tuple((seq_id, token_ids[row]) for row, seq_id in step.sampled)
+        return StepResult(step.step_id, tokens, time.perf_counter() - step.start)
+
+    def _forward(self, seqs: list[SeqInput], feed: TokenFeed | None,
+                 max_tokens_per_rank: int) -> tuple[Tensor, Tensor | None]:
         """(logits, greedy): eagerly, logits of the sampled sequences and no greedy
         tokens; through a graph, logits and argmax of every sequence."""
         self.num_steps += 1
@@ -156,29 +202,34 @@ class StepRunner:
             max_tokens_per_rank = self.model.comm.max_over_ranks(num_tokens, self.device)
         capacity = self.model.dispatch_capacity(max_tokens_per_rank)
         if self.graphs is not None and self.graphs.fits(seqs, capacity):
-            out = self.graphs.run(seqs, capacity)
+            out = self.graphs.run(seqs, capacity, feed)
             return out.logits_SV, out.greedy_S
         batch = _upload(build_forward_batch(seqs, self.block_size, "cpu"), self.device)
+        if feed is not None:
+            feed.apply(batch.input_ids_T)
         return self.model.forward_at_capacity(batch, self.kv_pool, capacity), None
 
-    def _sample(self, scheduled, logits_SV: torch.Tensor, greedy_S: torch.Tensor | None) -> tuple[tuple[int, int], ...]:
-        """Samples on the device, then reads the tokens back: the step's one host sync.
+    def _sample(self, scheduled, logits_SV: Tensor, greedy_S: Tensor | None) -> tuple[Tensor | None, tuple]:
+        """Samples on the device, reading nothing back: (token_ids_S, (row, seq_id)
+        of each sampled sequence), and makes each one's row its next input.
 
         greedy_S None: logits_SV holds the sampled sequences' rows; otherwise
         every scheduled sequence's row (an unsampled one takes the argmax, no draw).
         """
         rows = [s for s in scheduled if s.is_sampled or greedy_S is not None]
         if not rows:
-            return ()
+            return None, ()
         seqs = [self._seqs[s.seq_id] for s in rows]
         specs = [seq.sampling if s.is_sampled else _GREEDY for s, seq in zip(rows, seqs)]
-        token_ids = sample_on_device(logits_SV, specs, [seq.generator for seq in seqs], greedy_S).tolist()
-        tokens = []
-        for sched, seq, token_id in zip(rows, seqs, token_ids):
+        token_ids_S = sample_on_device(logits_SV, specs, [seq.generator for seq in seqs], greedy_S)
+        if token_ids_S is greedy_S:  # a graph's static output: the next replay overwrites it
+            token_ids_S = token_ids_S.clone()
+        sampled = []
+        for row, (sched, seq) in enumerate(zip(rows, seqs)):
             if sched.is_sampled:
-                seq.pending_token = token_id
-                tokens.append((sched.seq_id, token_id))
-        return tuple(tokens)
+                seq.last_token = (token_ids_S, row)
+                sampled.append((row, sched.seq_id))
+        return token_ids_S, tuple(sampled)
 
     def _apply_diffs(self, plan: StepPlan) -> None:
         for seq_id in plan.finished_seq_ids:
@@ -190,11 +241,19 @@ class StepRunner:
         for sched in plan.scheduled:
             self._seqs[sched.seq_id].block_table.extend(sched.new_block_ids)
 
-    def _seq_input(self, sched: ScheduledSequence) -> SeqInput:
-        seq = self._seqs[sched.seq_id]
-        token_ids = list(sched.token_ids) if sched.token_ids else [seq.pending_token]
-        seq.pending_token = None
-        return SeqInput(sched.seq_id, token_ids, seq.num_computed, seq.block_table, sched.is_sampled)
+    def _inputs(self, scheduled) -> tuple[list[SeqInput], TokenFeed | None]:
+        """The step's sequences, a decode input fed from the device (a placeholder 0 on the host)."""
+        seqs, fed_rows, fed_tokens, num_tokens = [], [], [], 0
+        for sched in scheduled:
+            seq = self._seqs[sched.seq_id]
+            token_ids = list(sched.token_ids) or [0]
+            if not sched.token_ids:
+                fed_rows.append(num_tokens)
+                fed_tokens.append(seq.last_token)
+            seq.last_token = None
+            seqs.append(SeqInput(sched.seq_id, token_ids, seq.num_computed, seq.block_table, sched.is_sampled))
+            num_tokens += len(token_ids)
+        return seqs, _token_feed(fed_rows, fed_tokens, self.device)
 
     def _check_plan(self, plan: StepPlan) -> None:
         """Validates the whole plan before anything changes (all or nothing)."""
@@ -208,7 +267,7 @@ class StepRunner:
         if unknown := finished - self._seqs.keys():
             raise ValueError(f"finished sequence {min(unknown)} is unknown")
         # seq_id -> (blocks, computed tokens, has a token to feed back), after this plan's diffs
-        live = {i: (len(s.block_table), s.num_computed, s.pending_token is not None)
+        live = {i: (len(s.block_table), s.num_computed, s.last_token is not None)
                 for i, s in self._seqs.items() if i not in finished}
         for new in plan.new_sequences:
             if new.seq_id in live:
@@ -251,82 +310,53 @@ class StepRunner:
                              f"{self.kv_pool.num_blocks} blocks")
 
 
+def _token_feed(rows_F: list[int], tokens: list[tuple[Tensor, int]], device: torch.device) -> TokenFeed | None:
+    """Input rows rows_F take tokens[i] = (an earlier step's token_ids_S, row), gathered on
+    the device: one index upload, and one gather (plus a cat when the tokens come from
+    several steps)."""
+    if not rows_F:
+        return None
+    sources = list({id(t): t for t, _ in tokens}.values())
+    starts, offset = {}, 0
+    for source in sources:
+        starts[id(source)], offset = offset, offset + source.shape[0]
+    token_ids_N = sources[0] if len(sources) == 1 else torch.cat(sources)
+    index_2F = _to_device(torch.tensor([rows_F, [starts[id(t)] + row for t, row in tokens]]), device)
+    return TokenFeed(index_2F[0], token_ids_N.index_select(0, index_2F[1]))
+
+
+def _to_device(host: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on `device`: pinned and non-blocking on CUDA (a plain copy from
+    pageable memory would wait for the device)."""
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def _upload(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
-    """A batch built on the CPU, on `device`: pinned, non-blocking copies on CUDA (a plain
-    copy from pageable memory would wait for the device, once per tensor)."""
+    """A batch built on the CPU, on `device`, without a sync."""
     if device.type == "cpu":
         return batch
-    pin = device.type == "cuda"
     return dataclasses.replace(batch, **{
-        field.name: value.pin_memory().to(device, non_blocking=True) if pin else value.to(device)
-        for field in dataclasses.fields(batch)
-        if isinstance(value := getattr(batch, field.name), torch.Tensor)})
+        field.name: _to_device(value, device) for field in dataclasses.fields(batch)
+        if isinstance(value := getattr(batch, field.name), Tensor)})
 
 
-class StepFailedError(RuntimeError):
-    """A step failed in the model or a collective, or overran its deadline: the
-    rank is out of lockstep with its group and can run no further step."""
+def _to_host(token_ids_S: Tensor) -> tuple[Tensor, "torch.cuda.Event | None"]:
+    """The tokens on the host without a sync, and the event after which they are complete.
 
-
-class StepExecutor:
-    """Runs a StepRunner on the rank's one model thread, then an optional hook.
-
-    `after_step(step_id)` runs on the model thread after every successful
-    step (the stats reporter reads the device counters there, in order).
-    A bad plan raises ValueError and the rank carries on. Any other error, or
-    a step still running after `deadline_s` (a collective that never
-    returns, e.g. NCCL without a host-side timeout), fails the executor for
-    good: `on_failure(reason)` is called once on the event loop, and this
-    and every later step raise StepFailedError.
+    On CUDA, a non-blocking copy into pinned memory: a plain .tolist() would
+    also wait for every step queued after this one.
     """
-
-    def __init__(self, runner: StepRunner, thread: concurrent.futures.ThreadPoolExecutor,
-                 after_step: Callable[[int], None] | None = None, *,
-                 on_failure: Callable[[str], None] | None = None, deadline_s: float | None = None):
-        self.runner = runner
-        self._thread = thread
-        self._after_step = after_step
-        self._on_failure = on_failure
-        self._deadline_s = deadline_s
-        self.failure: str | None = None  # why the executor failed, once it has
-
-    def _run(self, plan: StepPlan) -> StepResult:
-        result = self.runner.run_step(plan)
-        if self._after_step is not None:
-            self._after_step(plan.step_id)
-        return result
-
-    async def execute(self, plan: StepPlan) -> StepResult:
-        """Runs one step; raises ValueError (StalePlanError) for a bad plan,
-        StepFailedError once a step has failed."""
-        if self.failure is not None:
-            raise StepFailedError(f"step {plan.step_id} refused: {self.failure}")
-        step = asyncio.get_running_loop().run_in_executor(self._thread, self._run, plan)
-        try:
-            return await asyncio.wait_for(step, self._deadline_s)
-        except ValueError:
-            raise
-        except TimeoutError as error:
-            raise self._fail(f"step {plan.step_id} did not finish within {self._deadline_s:g} s "
-                             f"(stuck in a collective?)") from error
-        except Exception as error:  # anything else leaves the group's collectives out of step
-            raise self._fail(f"step {plan.step_id} failed: {error}") from error
-
-    def _fail(self, reason: str) -> StepFailedError:
-        if self.failure is None:
-            self.failure = reason
-            if self._on_failure is not None:
-                self._on_failure(reason)
-        return StepFailedError(reason)
-
-    async def reset(self) -> None:
-        """Drops all sequence state, after any step still running.
-
-        Cancelling the caller does not cancel the reset: it is queued on the model
-        thread and still runs there before any later step (the thread runs jobs in
-        order), so a new stream never sees the last stream's sequences.
-        """
-        await asyncio.shield(asyncio.wrap_future(self._thread.submit(self.runner.reset)))
+    if token_ids_S.device.type != "cuda":
+        return token_ids_S, None
+    host_S = torch.empty(token_ids_S.shape, dtype=token_ids_S.dtype, pin_memory=True)
+    host_S.copy_(token_ids_S, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host_S, ready
 
 
 @dataclasses.dataclass(slots=True)
@@ -342,7 +372,7 @@ class RankState:
     expert_ids: tuple[int, ...] = ()
     num_kv_blocks: int = 0
     kv_block_size: int = 0
-    executor: StepExecutor | None = None
+    executor: "StepExecutor | None" = None
 
     @property
     def is_ready(self) -> bool:

@@ -6,16 +6,23 @@ gateways interleaving plans would break the group's lockstep). When a stream
 ends, for whatever reason, the rank drops all sequence state, so the next
 gateway starts clean; a stream opened while the last one is still dropping
 its state waits for that instead of failing.
+
+The steps run through StepExecutor.run (expert_svc/executor.py), which may
+launch the next plan before it answers the last one; the answers still go
+out one per plan, in order, and a bad plan or failed step ends the stream
+after the answers of the steps before it.
 """
 
 import asyncio
+import collections
+import contextlib
 import logging
 
 import grpc
 
+from expert_svc.executor import StepFailedError
 from expert_svc.observability import SequenceTracer, observe_step
-from expert_svc.runner import (NewSequence, RankState, ScheduledSequence, StalePlanError,
-                               StepFailedError, StepPlan, StepResult)
+from expert_svc.runner import NewSequence, RankState, ScheduledSequence, StalePlanError, StepPlan, StepResult
 from moe.expert.v1 import expert_pb2, expert_pb2_grpc
 from services.model.sampling import SamplingSpec
 
@@ -82,13 +89,28 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         self._is_stream_closing = False
         log.info("ExecuteSteps stream opened by %s", context.peer())
         tracer = SequenceTracer.create(self._state)  # None while tracing is off
-        try:
+        unanswered: collections.deque[int] = collections.deque()  # step ids of the plans read
+
+        async def plans():
             async for request in request_iterator:
                 if tracer is not None:
                     tracer.on_plan(request.plan)
-                result = await self._execute(executor, plan_from_pb(request.plan), context)
-                observe_step(result.execute_seconds)
-                yield result_to_pb(result)
+                unanswered.append(request.plan.step_id)
+                yield plan_from_pb(request.plan)
+
+        try:
+            async with contextlib.aclosing(executor.run(plans())) as results:
+                async for result in results:
+                    unanswered.popleft()
+                    observe_step(result.execute_seconds)
+                    yield result_to_pb(result)
+        except StalePlanError as error:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        except ValueError as error:  # the oldest unanswered plan is the bad one
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {unanswered[0]}: {error}")
+        except StepFailedError as error:  # the model or a collective failed (e.g. a peer timed out)
+            log.exception("%s", error)
+            await context.abort(grpc.StatusCode.INTERNAL, str(error))
         finally:
             if tracer is not None:
                 tracer.end_all()
@@ -99,19 +121,6 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
                 self._stream_closed = None
                 closed.set()
                 log.info("ExecuteSteps stream closed; sequence state dropped")
-
-    @staticmethod
-    async def _execute(executor, plan: StepPlan, context) -> StepResult:
-        """Runs one step; a bad plan or a failed step ends the stream with its status."""
-        try:
-            return await executor.execute(plan)
-        except StalePlanError as error:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
-        except ValueError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {error}")
-        except StepFailedError as error:  # the model or a collective failed (e.g. a peer timed out)
-            log.exception("%s", error)
-            await context.abort(grpc.StatusCode.INTERNAL, str(error))
 
     async def GetRankInfo(self, request, context):
         s = self._state

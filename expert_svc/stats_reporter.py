@@ -1,8 +1,10 @@
 """Expert hit counts, from the model's device counters to the router.
 
 Every `every_steps` steps the model thread copies `hit_counts_LE` to the host
-(one transfer for all layers) and takes the delta since the last report. The
-event loop sends it with a deadline in a background task. A slow or absent
+(one transfer for all layers) and takes the delta since the last report. On
+CUDA the copy is queued behind the step's kernels into pinned memory and read
+at a later step once it has landed, so the rank never waits for the device
+here (a launched-ahead next step keeps the GPU busy). The event loop sends it with a deadline in a background task. A slow or absent
 router never stalls the steps: while a send is in flight, or after one
 failed, new deltas merge into the one pending report, which goes with the
 next send (counts are never dropped, only delayed; merging bounds memory).
@@ -54,6 +56,8 @@ class StatsReporter:
         self._first_step_id: int | None = None
         self._steps_since_report = 0
         self._pending: HitReport | None = None
+        # CUDA: a copy of the counters on its way to the host (event, host tensor, first and last step).
+        self._in_flight: tuple[torch.cuda.Event, torch.Tensor, int, int] | None = None
         self._sender: asyncio.Task | None = None
         self._channel: grpc.aio.Channel | None = None
         self._router_address: str | None = None
@@ -75,21 +79,46 @@ class StatsReporter:
         """Counts a step; every `every_steps` steps hands a delta to the event loop."""
         if self._every_steps <= 0:
             return
+        if self._in_flight is not None and self._in_flight[0].query():
+            self._deliver(self._land())
         if self._first_step_id is None:
             self._first_step_id = step_id
         self._steps_since_report += 1
         if self._steps_since_report >= self._every_steps:
-            report = self.take_delta(step_id)
-            self._loop.call_soon_threadsafe(self._enqueue, report)
+            if not self._device_counts_LE.is_cuda:
+                self._deliver(self.take_delta(step_id))
+                return
+            if self._in_flight is not None:  # the last copy still travels (never seen): wait for it
+                self._in_flight[0].synchronize()
+                self._deliver(self._land())
+            first = step_id if self._first_step_id is None else self._first_step_id
+            host_LE = torch.empty(self._device_counts_LE.shape, dtype=self._device_counts_LE.dtype, pin_memory=True)
+            host_LE.copy_(self._device_counts_LE, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._in_flight = (event, host_LE, first, step_id)
+            self._first_step_id, self._steps_since_report = None, 0
 
     def take_delta(self, last_step_id: int) -> HitReport:
-        """The counts routed since the last delta (one device-to-host copy)."""
+        """The counts routed since the last delta (one blocking device-to-host copy)."""
         counts_LE = self._device_counts_LE.to("cpu", copy=True)
-        delta_LE = counts_LE - self._last_counts_LE
-        self._last_counts_LE = counts_LE
         first = last_step_id if self._first_step_id is None else self._first_step_id
         self._first_step_id, self._steps_since_report = None, 0
-        return HitReport(first, last_step_id, delta_LE)
+        return self._delta(counts_LE, first, last_step_id)
+
+    def _land(self) -> HitReport:
+        """The report of the copy in flight, which has reached the host."""
+        _, host_LE, first, last = self._in_flight
+        self._in_flight = None
+        return self._delta(host_LE, first, last)
+
+    def _delta(self, counts_LE: torch.Tensor, first: int, last: int) -> HitReport:
+        delta_LE = counts_LE - self._last_counts_LE
+        self._last_counts_LE = counts_LE
+        return HitReport(first, last, delta_LE)
+
+    def _deliver(self, report: HitReport) -> None:
+        self._loop.call_soon_threadsafe(self._enqueue, report)
 
     # --- event loop ---
 

@@ -1,5 +1,5 @@
 """Fixtures of the expert service tests: a small-vocabulary tiny model and its
-transformers twin."""
+transformers twin; step plans as a stream."""
 
 import dataclasses
 
@@ -10,6 +10,12 @@ from services.model.make_model import PRESETS, make_random_checkpoint
 
 # The tiny preset with a 512-token vocabulary: the runner works on token ids only.
 SMALL = dataclasses.replace(PRESETS["tiny"], vocab_size=512, eos_token_ids=())
+
+
+async def plan_stream(*plans):
+    """The plans as an async iterator, as StepExecutor.run reads them."""
+    for plan in plans:
+        yield plan
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,9 @@ import asyncio
 import concurrent.futures
 import threading
 
-from expert_svc.runner import StepExecutor, StepPlan, StepResult
+from expert_svc.executor import StepExecutor
+from expert_svc.runner import StepPlan, StepResult
+from tests.expert_svc.conftest import plan_stream
 
 
 class _BlockingRunner:
@@ -34,7 +36,7 @@ def test_a_cancelled_reset_still_runs_after_the_running_step():
         executor = StepExecutor(runner, thread)
 
         async def body():
-            step = asyncio.create_task(executor.execute(StepPlan(1, "g", 1)))
+            step = asyncio.create_task(anext(executor.run(plan_stream(StepPlan(1, "g", 1)))))
             await asyncio.sleep(0.05)  # the step now holds the model thread
             reset = asyncio.create_task(executor.reset())
             await asyncio.sleep(0.05)

@@ -18,12 +18,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from expert_svc.runner import StepExecutor, StepFailedError, StepPlan, StepResult
+from expert_svc.executor import StepExecutor, StepFailedError
+from expert_svc.runner import StepPlan, StepResult
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services import launcher
 from services.cluster import ClusterClient, GroupAssignment, Keys, RankInfo
 from services.etcd_server import start_etcd
 from tests.conftest import hf_greedy
+from tests.expert_svc.conftest import plan_stream
 from tests.test_mesh_e2e import greedy
 
 COLLECTIVE_TIMEOUT_S = 5
@@ -70,10 +72,13 @@ class _FakeRunner:
 
 
 def _execute(executor: StepExecutor, *step_ids: int) -> list:
-    """Runs the steps one after the other; each one's result or exception."""
+    """Runs the steps one after the other, each in a stream of its own; each one's result or exception."""
+    async def step(step_id: int) -> StepResult:
+        [result] = [r async for r in executor.run(plan_stream(StepPlan(step_id, "g", 1)))]
+        return result
+
     async def body():
-        return [await asyncio.gather(executor.execute(StepPlan(i, "g", 1)), return_exceptions=True)
-                for i in step_ids]
+        return [await asyncio.gather(step(i), return_exceptions=True) for i in step_ids]
 
     return [outcome for [outcome] in asyncio.run(body())]
 

@@ -179,3 +179,53 @@ def test_known_sequence_cannot_be_new_again(runner):
     with pytest.raises(ValueError, match="new sequence 3 is already known"):
         runner.run_step(_plan(2, new=[NewSequence(3, GREEDY, (1,))]))
     assert runner.seq_ids == [3]
+
+
+# ---- launch and finish: the next step launched before the last one's tokens are read -----------
+
+
+def _pipeline_plans() -> list[StepPlan]:
+    """Two prompts, one greedy and one drawn; sequence 1 sits out step 2 and finishes in step 5,
+    planned before step 4's tokens (which sampled it) are read."""
+    drawn = SamplingSpec(temperature=0.8, top_k=40, top_p=0.9, seed=7)
+    decode = lambda *ids: [ScheduledSequence(i) for i in ids]  # noqa: E731
+    return [
+        _plan(1, new=[NewSequence(0, GREEDY, (0, 1, 2)), NewSequence(1, drawn, (3, 4, 5))],
+              scheduled=[ScheduledSequence(0, (5, 17, 300, 42, 7)), ScheduledSequence(1, (100, 200, 300))]),
+        _plan(2, scheduled=decode(0)),
+        _plan(3, scheduled=decode(0, 1)),  # 1 is fed step 1's token, 0 step 2's: two source steps
+        _plan(4, scheduled=decode(1, 0)),
+        _plan(5, scheduled=decode(0), finished=[1]),
+        _plan(6, scheduled=decode(0)),
+    ]
+
+
+def test_steps_launched_ahead_of_their_reads_give_the_same_tokens(runner, hf_small):
+    expected = [runner.run_step(plan).tokens for plan in _pipeline_plans()]
+    runner.reset()
+    got, launched = [], []
+    for plan in _pipeline_plans():  # each step launched before the one before it is read
+        launched.append(runner.launch(plan))
+        if len(launched) == 2:
+            got.append(runner.finish(launched.pop(0)).tokens)
+    got.append(runner.finish(launched.pop(0)).tokens)
+    assert got == expected
+    assert [s for s, _ in got[3]] == [1, 0]  # step 4 sampled 1, finished in plan 5 before this read
+    greedy = [t for tokens in expected for s, t in tokens if s == 0]
+    assert greedy == hf_greedy(hf_small, [5, 17, 300, 42, 7], len(greedy))
+    assert runner.seq_ids == [0]
+
+
+def test_a_sequence_fed_from_an_older_step_gets_the_reference_tokens(runner, hf_small):
+    """Sequence 1 skips step 2: step 3 feeds it its token of step 1 from the device."""
+    prompts = {0: [9, 8, 7, 6, 5, 4], 1: [300, 301, 302]}
+    steps = [[0, 1], [0], [0, 1], [1, 0], [1]]
+    new = [NewSequence(i, GREEDY, tuple(range(4 * i, 4 * i + 4))) for i in prompts]
+    generated = {i: [] for i in prompts}
+    for step_id, ids in enumerate(steps, start=1):
+        scheduled = [ScheduledSequence(i, tuple(prompts[i]) if step_id == 1 else ()) for i in ids]
+        result = runner.run_step(_plan(step_id, new=new if step_id == 1 else (), scheduled=scheduled))
+        for seq_id, token_id in result.tokens:
+            generated[seq_id].append(token_id)
+    for seq_id, prompt in prompts.items():
+        assert generated[seq_id] == hf_greedy(hf_small, prompt, len(generated[seq_id]))

@@ -1,16 +1,18 @@
 """ExpertService over real gRPC (port 0, no etcd): streams of step plans, status codes,
-GetRankInfo, and the hit counts that reach a (fake) router."""
+GetRankInfo, the hit counts that reach a (fake) router, and pipelined steps."""
 
 import asyncio
 import concurrent.futures
 import dataclasses
+import threading
 
 import grpc
 import pytest
 import torch
 
 from tests.conftest import hf_greedy
-from expert_svc.runner import RankState, StepExecutor, StepRunner
+from expert_svc.executor import StepExecutor
+from expert_svc.runner import RankState, StepRunner
 from expert_svc.servicer import ExpertServicer
 from expert_svc.stats_reporter import StatsReporter
 from moe.expert.v1 import expert_pb2 as pb
@@ -51,14 +53,53 @@ def thread():
     pool.shutdown()
 
 
-def make_state(model, thread, after_step=None) -> RankState:
+@pytest.fixture()
+def reader():
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-reader")
+    yield pool
+    pool.shutdown()
+
+
+class LaunchAheadRunner(StepRunner):
+    """Pipelines on the CPU as on CUDA: a launched step's tokens count as still on the
+    device until the next step is launched (or 0.5 s have passed)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.num_launches = 0
+        self.num_read_after_next_launch = 0
+        self.launched = threading.Condition()
+
+    def launch(self, plan):
+        step = super().launch(plan)
+        with self.launched:
+            self.num_launches += 1
+            self.launched.notify_all()
+        return dataclasses.replace(step, ready=_UntilNextLaunch(self, self.num_launches))
+
+
+@dataclasses.dataclass
+class _UntilNextLaunch:
+    """The stand-in CUDA event of a LaunchAheadRunner's step."""
+
+    runner: LaunchAheadRunner
+    num_launches: int
+
+    def synchronize(self) -> None:
+        with self.runner.launched:
+            if self.runner.launched.wait_for(lambda: self.runner.num_launches > self.num_launches, 0.5):
+                self.runner.num_read_after_next_launch += 1
+
+
+def make_state(model, thread, after_step=None, reader=None) -> RankState:
+    """A ready rank on `model`; pipelined (with a LaunchAheadRunner) when a reader thread is given."""
     kv = KVPool.for_model(SMALL, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
-    runner = StepRunner(model, kv, BLOCK_SIZE, vocab_size=SMALL.vocab_size, group_id=GROUP,
-                        placement_epoch=EPOCH)
+    runner = (StepRunner if reader is None else LaunchAheadRunner)(
+        model, kv, BLOCK_SIZE, vocab_size=SMALL.vocab_size, group_id=GROUP, placement_epoch=EPOCH)
     return RankState(member_id="e0", model_name="small", group_id=GROUP, rank=0, world_size=1,
                      placement_epoch=EPOCH, expert_ids=tuple(range(SMALL.num_experts)),
                      num_kv_blocks=NUM_BLOCKS, kv_block_size=BLOCK_SIZE,
-                     executor=StepExecutor(runner, thread, after_step))
+                     executor=StepExecutor(runner, thread, after_step, reader=reader))
 
 
 async def serve(state: RankState, fn):
@@ -73,11 +114,11 @@ async def serve(state: RankState, fn):
         await server.stop(0)
 
 
-def plans(epoch=EPOCH):
+def plans(epoch=EPOCH, sampling=GREEDY):
     """Prefill both prompts (one block each), decode NUM_DECODE_STEPS steps, an idle step, finish."""
     yield pb.StepPlan(
         step_id=1, group_id=GROUP, placement_epoch=epoch,
-        new_sequences=[pb.NewSequence(seq_id=i, sampling=GREEDY, block_ids=[i]) for i in PROMPTS],
+        new_sequences=[pb.NewSequence(seq_id=i, sampling=sampling, block_ids=[i]) for i in PROMPTS],
         scheduled=[pb.ScheduledSequence(seq_id=i, token_ids=p, is_sampled=True) for i, p in PROMPTS.items()])
     for step_id in range(2, 2 + NUM_DECODE_STEPS):
         yield pb.StepPlan(step_id=step_id, group_id=GROUP, placement_epoch=epoch,
@@ -94,6 +135,20 @@ async def run_stream(stub, step_plans) -> list[pb.StepResult]:
     for plan in step_plans:
         await call.write(pb.ExecuteStepsRequest(plan=plan))
         results.append((await call.read()).result)
+    await call.done_writing()
+    assert await call.read() is grpc.aio.EOF
+    return results
+
+
+async def run_stream_ahead(stub, step_plans) -> list[pb.StepResult]:
+    """Plan k+1 sent before result k is read, as the gateway overlaps (two plans unanswered at most)."""
+    call = stub.ExecuteSteps(timeout=30)
+    results, step_plans = [], list(step_plans)
+    await call.write(pb.ExecuteStepsRequest(plan=step_plans[0]))
+    for plan in step_plans[1:]:
+        await call.write(pb.ExecuteStepsRequest(plan=plan))
+        results.append((await call.read()).result)
+    results.append((await call.read()).result)
     await call.done_writing()
     assert await call.read() is grpc.aio.EOF
     return results
@@ -186,7 +241,9 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
         return router_pb2.ReportExpertHitsResponse()
 
 
-def test_hit_counts_reach_the_router_every_n_steps(model, thread):
+@pytest.mark.parametrize("is_pipelined", [False, True])
+def test_hit_counts_reach_the_router_every_n_steps(model, thread, reader, is_pipelined):
+    """Pipelined, each step's hits are read right after its launch: the reports hold the same steps."""
     router = FakeRouter()
 
     async def scenario():
@@ -199,8 +256,8 @@ def test_hit_counts_reach_the_router_every_n_steps(model, thread):
         reporter = StatsReporter(model.hit_counts_LE, SMALL.moe_layers, group_id=GROUP, rank=0,
                                  every_steps=3, deadline_s=5, resolve_router=resolve,
                                  loop=asyncio.get_running_loop())
-        state = make_state(model, thread, reporter.after_step)
-        await serve(state, lambda stub: run_stream(stub, plans()))
+        state = make_state(model, thread, reporter.after_step, reader if is_pipelined else None)
+        await serve(state, lambda stub: (run_stream_ahead if is_pipelined else run_stream)(stub, plans()))
         for _ in range(100):
             if reporter.num_sent == 2:
                 break
@@ -217,3 +274,43 @@ def test_hit_counts_reach_the_router_every_n_steps(model, thread):
         assert [layer.layer for layer in report.layers] == SMALL.moe_layers
         assert all(sum(layer.counts) == num_tokens * SMALL.num_experts_per_tok for layer in report.layers)
         assert all(len(layer.counts) == SMALL.num_experts for layer in report.layers)
+
+
+def _tokens(results) -> list[list[tuple[int, int]]]:
+    return [[(t.seq_id, t.token_id) for t in r.tokens] for r in results]
+
+
+def test_pipelined_steps_give_the_tokens_of_unpipelined_ones(model, thread, reader, expected):
+    drawn = pb.SequenceSampling(temperature=0.8, top_p=0.9, top_k=40, seed=3)
+    got = {}
+    for mode, pool in (("pipelined", reader), ("one by one", None)):
+        state = make_state(model, thread, reader=pool)
+        for sampling in (GREEDY, drawn):
+            results = asyncio.run(serve(state, lambda stub: run_stream_ahead(stub, plans(sampling=sampling))))
+            assert [r.step_id for r in results] == list(range(1, 4 + NUM_DECODE_STEPS))
+            got[mode, sampling.seed] = _tokens(results)
+        if pool is not None:  # decode steps were launched while the step before still "ran"
+            assert state.executor.runner.num_read_after_next_launch >= NUM_DECODE_STEPS
+    assert got["pipelined", 0] == got["one by one", 0]
+    assert got["pipelined", 3] == got["one by one", 3] != got["pipelined", 0]
+    assert [t for step in got["pipelined", 0] for s, t in step if s == 10] == expected[10]
+
+
+def test_a_bad_plan_behind_a_running_step_is_invalid_argument_after_its_result(model, thread, reader):
+    state = make_state(model, thread, reader=reader)
+    bad = pb.StepPlan(step_id=3, group_id=GROUP, placement_epoch=EPOCH,
+                      scheduled=[pb.ScheduledSequence(seq_id=99, is_sampled=True)])
+
+    async def scenario(stub):
+        call = stub.ExecuteSteps(timeout=30)
+        for plan in [*list(plans())[:2], bad]:
+            await call.write(pb.ExecuteStepsRequest(plan=plan))
+        results = [(await call.read()).result for _ in range(2)]
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await call.read()
+        return results, error.value
+
+    results, error = asyncio.run(serve(state, scenario))
+    assert [r.step_id for r in results] == [1, 2] and all(len(r.tokens) == len(PROMPTS) for r in results)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details() == "step 3: scheduled sequence 99 is unknown"
