@@ -139,6 +139,12 @@ async def _drive(target: str, args, cases: list[str], max_context: int, metrics:
         warm = make_workload("1k1k", load.concurrency, scale=16 / 1024, output_scale=4 / 1024, seed=args.seed + 1)
         await run_load(target, warm, load, f"warmup{load.concurrency}")
         load.concurrency *= 2
+    # Full-size prompts once, alone and 8 at a time: the kernels of prefill steps of up to
+    # --max-batch-tokens tokens compile (Triton, per tile config) before anything is measured.
+    for concurrency in (1, 8):
+        load.concurrency = concurrency
+        warm = make_workload("1k1k", concurrency, scale=args.prompt_scale, output_scale=4 / 1024, seed=args.seed + 2)
+        await run_load(target, warm, load, f"warmup-prefill{concurrency}")
     out = {}
     for case in cases:
         if case == "mix":

@@ -17,8 +17,11 @@ copies it routes to expert e in token order (0, 1, 2, ...) and sends copy i
 to replica i mod n_e of a list that starts with the rank's own replica when
 it has one. Every rank so spreads e's tokens evenly over e's replicas, and a
 rank's own replica gets the rounding remainder (a single token stays local).
-Which replica ran never changes a token's output: combine sums a token's K
-outputs in increasing logical expert order (moe.py).
+Which replica ran changes a token's output by fp32 rounding at most: each rank
+sums its weighted outputs of a token in increasing logical expert order in fp32
+and the token's rank adds the ranks' partial sums (moe.py); the result is bit for
+bit the same whenever the token's experts that ran on one rank stay on one rank
+(always with K <= 2).
 """
 
 import dataclasses
