@@ -22,7 +22,10 @@ and each rank materialises only its own experts.
 2. Speed. dispatch + combine of one MoE layer at decode batch sizes per rank,
    for each dispatch mode (host splits; fixed capacity; fixed capacity replayed
    as a CUDA graph), timed with CUDA events after a warm-up: the median of many
-   iterations, the slower rank's.
+   iterations, the slower rank's. The experts are the identity (combine gets the
+   dispatched rows back), so each output must equal the one-rank sum over the
+   token's K weighted rows up to fp32 regrouping: its largest difference is
+   reported, with the bytes one rank sends per layer (both all-to-alls).
 
 Rank 0 prints a markdown table and writes `<name>.json` and `<name>.md` under
 --out (default bench/results/). Exit status 1 if the correctness check fails.
@@ -228,10 +231,23 @@ def _timer(device):
     return time.perf_counter, lambda a, b: (b - a) * 1e3
 
 
+class _CountingComm(ExpertComm):
+    """ExpertComm adding up the bytes its all-to-alls send (this rank's own share included)."""
+
+    def __init__(self, group):
+        super().__init__(group)
+        self.sent_bytes = 0
+
+    def all_to_all(self, out, inp, out_splits=None, in_splits=None) -> None:
+        self.sent_bytes += inp.numel() * inp.element_size()
+        super().all_to_all(out, inp, out_splits, in_splits)
+
+
 def time_dispatch_combine(rank: int, settings: Settings, device, *, graphed: bool) -> list[dict]:
     """This rank's median dispatch and combine times per batch size and mode: host
-    splits and fixed capacity, or (graphed) fixed capacity replayed as a CUDA graph."""
-    config, comm = settings.config, ExpertComm(dist.group.WORLD)
+    splits and fixed capacity, or (graphed) fixed capacity replayed as a CUDA graph;
+    with each mode's bytes sent and largest difference from the one-rank sum."""
+    config, comm = settings.config, _CountingComm(dist.group.WORLD)
     num_local = config.num_experts // WORLD_SIZE
     g = torch.Generator(device=device).manual_seed(settings.seed + 1)
     w_gate_ED = torch.randn(config.num_experts, config.hidden_size, generator=g, device=device,
@@ -241,6 +257,8 @@ def time_dispatch_combine(rank: int, settings: Settings, device, *, graphed: boo
         x_TD = torch.randn(batch_size, config.hidden_size, generator=g, device=device, dtype=settings.torch_dtype)
         ids_TK, weights_TK, counts_E = gate(x_TD, w_gate_ED, config.num_experts_per_tok, True)
         fixed = step_capacity(batch_size, config.num_experts_per_tok, num_local, max_fixed_tokens=1 << 30)
+        # Identity experts: out = the sum of the token's K weighted rows, in fp32, rounded once.
+        expected_TD = (x_TD[:, None] * weights_TK[..., None]).sum(1, dtype=torch.float32).to(x_TD.dtype)
 
         def layer(capacity):
             x_PD, meta = dispatch(x_TD, ids_TK, weights_TK, counts_E, comm, capacity)
@@ -248,32 +266,39 @@ def time_dispatch_combine(rank: int, settings: Settings, device, *, graphed: boo
             return combine(x_PD, meta, comm), middle
 
         if graphed:
-            modes = [(f"fixed capacity, CUDA graph ({fixed}/peer)", _graphed(lambda: layer(fixed), mark))]
+            modes = [(f"fixed capacity, CUDA graph ({fixed}/peer)", fixed, _graphed(lambda: layer(fixed), mark))]
         else:
-            modes = [("host splits", lambda: layer(None)), (f"fixed capacity ({fixed}/peer)", lambda: layer(fixed))]
-        for name, run in modes:
-            dispatch_ms, total_ms = _time(run, settings, device, mark, elapsed)
+            modes = [("host splits", None, lambda: layer(None)),
+                     (f"fixed capacity ({fixed}/peer)", fixed, lambda: layer(fixed))]
+        for name, capacity, run in modes:
+            comm.sent_bytes = 0
+            layer(capacity)  # eager, once: what one layer sends (a replay calls no all_to_all here)
+            sent_bytes = comm.sent_bytes
+            dispatch_ms, total_ms, out_TD = _time(run, settings, device, mark, elapsed)
             rows.append({"batch_per_rank": batch_size, "mode": name, "rank": rank,
                          "dispatch_us": None if graphed else 1e3 * statistics.median(dispatch_ms),
                          "combine_us": None if graphed else 1e3 * statistics.median(
                              t - d for t, d in zip(total_ms, dispatch_ms)),
-                         "total_us": 1e3 * statistics.median(total_ms)})
+                         "total_us": 1e3 * statistics.median(total_ms), "sent_bytes": sent_bytes,
+                         "max_abs_diff": (out_TD.float() - expected_TD.float()).abs().max().item(),
+                         "max_abs_out": expected_TD.float().abs().max().item()})
     return rows
 
 
-def _time(run, settings: Settings, device, mark, elapsed) -> tuple[list[float], list[float]]:
-    """ms from start to the middle mark and to the end, per iteration, after a warm-up."""
+def _time(run, settings: Settings, device, mark, elapsed) -> tuple[list[float], list[float], torch.Tensor]:
+    """ms from start to the middle mark and to the end, per iteration, after a warm-up;
+    and the last iteration's output."""
     for _ in range(settings.warmup):
         run()
     dist.barrier()
     marks = []
     for _ in range(settings.iters):
         start = mark()
-        _, middle = run()
+        out_TD, middle = run()
         marks.append((start, middle, mark()))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return [elapsed(a, b) for a, b, _ in marks], [elapsed(a, c) for a, _, c in marks]
+    return [elapsed(a, b) for a, b, _ in marks], [elapsed(a, c) for a, _, c in marks], out_TD
 
 
 def _graphed(layer, mark):
@@ -287,11 +312,11 @@ def _graphed(layer, mark):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        layer()
+        out_TD, _ = layer()
 
     def replay():
         graph.replay()
-        return None, mark()
+        return out_TD, mark()
     return replay
 
 
@@ -366,11 +391,20 @@ def _report(settings: Settings, correctness: dict, rows: list[dict], seconds: fl
         f"logit difference): {'yes' if c['flips_at_ties_only'] else 'NO'}",
         f"- **{'PASSED' if c['passed'] else 'FAILED'}**", "",
         "## dispatch + combine per MoE layer (median, slower rank, microseconds)", "",
-        "| batch per rank | mode | dispatch | combine | total |", "|---:|---|---:|---:|---:|",
+        "KB sent: by one rank per layer, dispatch and combine together (its share to itself included);",
+        "max diff: the largest |output - one-rank sum| of any rank (identity experts).", "",
+        "| batch per rank | mode | dispatch | combine | total | KB sent | max diff |",
+        "|---:|---|---:|---:|---:|---:|---:|",
     ]
+    max_diffs = {}
+    for row in rows:
+        if "error" not in row:
+            key = (row["batch_per_rank"], row["mode"])
+            max_diffs[key] = max(max_diffs.get(key, 0.0), row["max_abs_diff"])
     for (batch_size, mode), row in sorted(slowest.items(), key=lambda kv: kv[0][0]):
         parts = ["-" if row[k] is None else f"{row[k]:.1f}" for k in ("dispatch_us", "combine_us")]
-        lines.append(f"| {batch_size} | {mode} | {parts[0]} | {parts[1]} | {row['total_us']:.1f} |")
+        lines.append(f"| {batch_size} | {mode} | {parts[0]} | {parts[1]} | {row['total_us']:.1f} | "
+                     f"{row['sent_bytes'] / 1024:.1f} | {max_diffs[batch_size, mode]:.3g} |")
     lines += [f"\n{row['mode']} failed on rank {row['rank']}: {row['error']}" for row in errors]
     lines += ["", f"Wall time: {seconds:.1f} s", ""]
     text = "\n".join(lines)

@@ -2,6 +2,7 @@
 
     python -m bench.op_count                       # CPU: the tiny preset, eager torch path
     python -m bench.op_count --device cuda --layers 48 --batch-sizes 1,64,256 --out DIR
+    python -m bench.op_count --device cuda --precision 1,4,48 --out DIR
 
 CPU: one decode step of the `tiny` preset under torch.profiler, counting the
 top-level aten ops (ops not called by another op) per layer.
@@ -11,11 +12,19 @@ with services/model/triton_fused.py off (the torch code) and on, counting the
 device activities (kernels, memcpys, memsets) and summing their durations,
 and comparing the two paths' logits on the same inputs (largest difference
 against the largest logit, argmax agreement).
+--precision DEPTHS (CUDA): is the fused path's distance from the torch path
+bf16 rounding or a bug? The model cut to each depth, 16 sequences decoded as
+one batch of 16 and as 16 batches of 1, through the fused path and the torch
+path in bf16 and through the torch path in fp32 with the same weights (the
+bf16 ones upcast) and the same KV cache: each bf16 path's largest logit
+difference from fp32 and argmax agreement with it. Writes precision_cuda.json.
 """
 
 import argparse
 import collections
+import copy
 import dataclasses
+import gc
 import json
 import pathlib
 import sys
@@ -41,6 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-sizes", default="1")
     p.add_argument("--context", type=int, default=256, help="cached tokens of every sequence")
     p.add_argument("--moe-max-tokens", type=int, default=64, help="triton_fused.MOE_MAX_TOKENS while measuring")
+    p.add_argument("--precision", default=None, help="CUDA: depths for the fp32 comparison instead (e.g. 1,4,48)")
     p.add_argument("--out", default=None, help="write op_count.json here")
     return p.parse_args(argv)
 
@@ -108,8 +118,79 @@ def cuda_step(model, config, num_seqs: int, args, fused: bool, fused_moe: bool =
             "top_ms": {name: [names[name], round(ms, 3)] for name, ms in times.most_common(12)}}, logits_SV
 
 
+PRECISION_SEQS = 16
+
+
+def precision_logits(model, config, args, paths: dict) -> dict:
+    """{(path, depth, batch): [16, V] fp32 logits on the host} for the model cut to each depth;
+    `paths` maps each path's name to the triton_fused.ENABLED it runs with."""
+    from services.model import triton_fused
+
+    per_seq = -(-(args.context + 1) // BLOCK_SIZE)
+    kv = KVPool.for_model(config, PRECISION_SEQS * per_seq, BLOCK_SIZE, model.dtype, args.device)
+    g = torch.Generator(device=args.device).manual_seed(0)
+    for cache in (kv.k_cache, kv.v_cache):  # fp32 noise rounded to bf16: the same values in either dtype
+        cache.copy_(torch.randn(cache.shape, generator=g, device=args.device).to(torch.bfloat16))
+    seqs = [SeqInput(i, [(7 * i + 3) % config.vocab_size], args.context,
+                     list(range(i * per_seq, (i + 1) * per_seq)), True) for i in range(PRECISION_SEQS)]
+    out = {}
+    for depth in (int(d) for d in args.precision.split(",")):
+        cut = copy.copy(model)
+        cut.layers = model.layers[:depth]
+        for path, enabled in paths.items():
+            triton_fused.ENABLED = enabled
+            batched = cut.forward_at_capacity(build_forward_batch(seqs, BLOCK_SIZE, args.device), kv,
+                                              cut.dispatch_capacity(PRECISION_SEQS))
+            singles = torch.cat([cut.forward_at_capacity(build_forward_batch([seq], BLOCK_SIZE, args.device), kv,
+                                                         cut.dispatch_capacity(1)) for seq in seqs])
+            out[path, depth, PRECISION_SEQS], out[path, depth, 1] = batched.cpu(), singles.cpu()
+    triton_fused.ENABLED = True
+    return out
+
+
+def precision_check(args) -> dict:
+    """fused-bf16 and torch-bf16 against fp32 (see the module doc); one model in memory at a time."""
+    from services.model import triton_fused
+    from services.model.random_weights import RandomWeights, preset
+
+    config = dataclasses.replace(preset(args.preset or "qwen3-30b-a3b"), num_hidden_layers=max(
+        int(d) for d in args.precision.split(",")))
+    assert triton_fused.MOE_MAX_TOKENS >= PRECISION_SEQS, "both batches must take the fused MoE"
+    logits = {}
+    for dtype, paths in ((torch.bfloat16, {"fused_bf16": True, "torch_bf16": False}),
+                         (torch.float32, {"torch_fp32": False})):
+        weights = RandomWeights(config, range(config.num_experts), 0, dtype=torch.bfloat16, device=args.device)
+        model = Qwen3MoeModel(config, weights, expert_ids=range(config.num_experts), dtype=dtype,
+                              device=args.device, attention="triton" if args.device == "cuda" else "torch")
+        logits.update(precision_logits(model, config, args, paths))
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    rows = []
+    for (path, depth, batch), logits_SV in logits.items():
+        if path == "torch_fp32":
+            continue
+        ref_SV = logits["torch_fp32", depth, batch]
+        other_SV = logits["torch_bf16" if path == "fused_bf16" else "fused_bf16", depth, batch]
+        rows.append({"path": path, "layers": depth, "batch": batch,
+                     "max_abs_diff_vs_fp32": (logits_SV - ref_SV).abs().max().item(),
+                     "argmax_agree_vs_fp32": (logits_SV.argmax(-1) == ref_SV.argmax(-1)).float().mean().item(),
+                     "max_abs_diff_vs_other_bf16": (logits_SV - other_SV).abs().max().item(),
+                     "argmax_agree_vs_other_bf16": (logits_SV.argmax(-1) == other_SV.argmax(-1)).float().mean().item(),
+                     "max_abs_logit_fp32": ref_SV.abs().max().item()})
+        print(json.dumps(rows[-1]), flush=True)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    return {"device": device, "context": args.context, "seqs": PRECISION_SEQS, "rows": rows}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.precision:
+        result = precision_check(args)
+        if args.out:
+            pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+            (pathlib.Path(args.out) / "precision_cuda.json").write_text(json.dumps(result, indent=1))
+        return 0
     name, config, model, dtype = build(args)
     result = {"preset": name, "device": args.device, "layers": config.num_hidden_layers}
     if args.device == "cpu":

@@ -184,16 +184,17 @@ class Qwen3MoeModel:
     def _layers_fused(self, fused, x_TD: Tensor, cos_TK: Tensor, sin_TK: Tensor, batch: ForwardBatch,
                       kv: KVPool, capacity: int | None, last_row_hits_LE: Tensor | None) -> Tensor:
         """The layer loop with triton_fused's kernels (CUDA): each residual add fused with
-        the next RMSNorm, one q|k|v matmul; returns the sampled rows, final-normed."""
+        the next RMSNorm, one q|k|v matmul, the projections through fused.linear (a GEMV
+        kernel for one token); returns the sampled rows, final-normed."""
         c, eps, pending_TD = self.config, self.config.rms_norm_eps, None
         x_TD = x_TD.contiguous()
         for i, layer in enumerate(self.layers):
             h_TD = fused.add_rms_norm_(x_TD, pending_TD, layer.input_norm_D, eps)
             q_THK, k_TGK, v_TGK = fused.qkv_norm_rotary(
-                F.linear(h_TD, layer.w_qkv_XD), layer.q_norm_K, layer.k_norm_K, cos_TK, sin_TK,
+                fused.linear(h_TD, layer.w_qkv_XD), layer.q_norm_K, layer.k_norm_K, cos_TK, sin_TK,
                 c.num_attention_heads, c.num_key_value_heads, eps)
             o_THK = self.attention.forward(i, q_THK, k_TGK, v_TGK, batch, kv, c.head_dim ** -0.5)
-            attn_TD = F.linear(o_THK.reshape(h_TD.shape[0], c.num_attention_heads * c.head_dim), layer.w_o_DHK)
+            attn_TD = fused.linear(o_THK.reshape(h_TD.shape[0], c.num_attention_heads * c.head_dim), layer.w_o_DHK)
             h_TD = fused.add_rms_norm_(x_TD, attn_TD, layer.post_attention_norm_D, eps)
             if last_row_hits_LE is not None and c.is_moe_layer(i) and h_TD.shape[0]:
                 _add_last_row_hits(layer.feed_forward, h_TD, last_row_hits_LE[c.moe_layers.index(i)])

@@ -10,17 +10,35 @@ CUDA graph, no host reads.
 - add_rms_norm_: x += h (in place), then y = rms_norm(x) * w: one kernel.
 - qkv_norm_rotary: the fused q|k|v projection's output -> per-head RMSNorm of
   q and k, rotary on both, v copied out: one kernel (grid tokens x heads).
-- fused_moe: the small-batch MoE of one rank holding every expert. A routing
-  kernel (softmax, top-k, renormalise, ids in increasing order, hit counts),
-  a gate_up kernel (SiLU(gate) * up) reading each routed row's expert weights
-  directly (no sort, no permutation, no capacity padding), and a down kernel
-  summing each token's K weighted outputs in increasing expert order, as
-  moe.combine does. Each routed row reads its own expert's weights, so it
-  only pays off while T * K is small (MOE_MAX_TOKENS).
+- linear: F.linear, by gemv for a single token (batch-1 decode), where cuBLAS
+  reads the weight at 2-2.7 TB/s (split-K and its reduce for o_proj): one program
+  per few output columns reading its rows once on the CUDA cores, fp32 sums
+  rounded once, as F.linear.
+- gate_route: one token's MoE gate logits (x @ w_gate.T, rounded to the model
+  dtype as F.linear rounds them) and route's routing in one kernel: programs over
+  (expert block, split of the hidden dim) write fp32 partial sums, the last to
+  finish (an atomic count) adds them in a fixed order and routes the token.
+- fused_moe: the small-batch MoE of one rank holding every expert, bound by
+  reading the weights of the experts the step touches, each once. A routing
+  kernel (softmax, top-k, renormalise, ids in increasing order, hit counts,
+  and pos_TE: which k, if any, each token gave each expert); a gate_up kernel
+  with one program per (touched expert in increasing order, column block)
+  computing SiLU(gate) * up for every token routed to it (tl.dot, all tokens'
+  rows in one tile; the rows not routed there are dropped; one token's on the
+  CUDA cores, a little faster at batch 1), which also writes
+  the step's expert list for the next kernel; a down kernel with one program
+  per (touched expert, output column block) writing each routed row's weighted
+  output, the last of them to finish a column block (an atomic count) summing
+  each token's K outputs in increasing expert order, as moe.combine does. No
+  sort, no permutation, no capacity padding; the grids are the largest the
+  step could need (min(T * K, E) experts), the programs of untouched slots exit.
+  For one token, gate_route replaces the gate matmul and the routing kernel.
 
 Legend as in qwen3_moe.py / moe.py: T tokens, D hidden, H heads, G KV heads,
 K head_dim (top_k in the MoE functions), E experts, F expert width, R = T * top_k.
 """
+
+import dataclasses
 
 import torch
 import triton
@@ -29,11 +47,17 @@ from torch import Tensor
 
 # The switch the model code reads (False: the torch code on CUDA too, e.g. to compare).
 ENABLED = True
-# Steps of at most this many tokens take fused_moe (one rank, CUDA); bigger ones the
-# grouped GEMMs, which read each expert's weights once however many rows it has. On an
-# H200 (Qwen3-30B-A3B, bench/results/decode_fused_h200.md) fused_moe won up to 16
-# tokens, tied at 32 and lost at 64.
+# Steps of at most this many tokens take fused_moe (one rank, CUDA); bigger ones
+# triton_moe.grouped_moe (one rank) or moe.py's general path. All read each touched
+# expert's weights once; on an H200 (one Qwen3-30B-A3B layer) fused_moe took 0.04 ms
+# at one token and 0.205 at 16 (bench/results/moe_small_batch_h200.md), grouped_moe
+# 0.272 at 32 against fused_moe's 0.355, and 0.307 at 64 against 0.400
+# (bench/results/moe_large_batch_h200.md). Its kernels hold every token's row in one
+# tile, so it is not meant for much bigger steps.
 MOE_MAX_TOKENS = 16
+# Single-token steps (batch-1 decode) take gemv, gate_route and ONE_TOKEN_MOE_TILES; False
+# keeps cuBLAS, route and the tl.dot expert kernels for them too (to compare).
+SINGLE_TOKEN_KERNELS = True
 
 
 @triton.jit
@@ -115,12 +139,10 @@ def qkv_norm_rotary(qkv_TX: Tensor, q_norm_K: Tensor, k_norm_K: Tensor, cos_TK: 
 
 
 @triton.jit
-def _route_kernel(logits_ptr, ids_ptr, weights_ptr, hits_ptr, num_experts, NORM: tl.constexpr,
-                  TOP_K: tl.constexpr, BLOCK_E: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, BLOCK_E)
+def _route_row(logits, t, e, ids_ptr, weights_ptr, pos_ptr, hits_ptr, num_experts, NORM: tl.constexpr,
+               TOP_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Routes token t from its fp32 logits [BLOCK_E] (-inf past num_experts)."""
     mask = e < num_experts
-    logits = tl.load(logits_ptr + t * num_experts + e, mask=mask, other=float("-inf")).to(tl.float32)
     p = tl.exp(logits - tl.max(logits, 0))
     p = p / tl.sum(p, 0)
     work = tl.where(mask, p, -1.0)
@@ -135,89 +157,325 @@ def _route_kernel(logits_ptr, ids_ptr, weights_ptr, hits_ptr, num_experts, NORM:
     rank = tl.cumsum(chosen.to(tl.int32), 0) - 1  # the chosen experts in increasing order
     tl.store(ids_ptr + t * TOP_K + rank, e.to(ids_ptr.dtype.element_ty), mask=chosen)
     tl.store(weights_ptr + t * TOP_K + rank, w.to(weights_ptr.dtype.element_ty), mask=chosen)
+    tl.store(pos_ptr + t * num_experts + e, tl.where(chosen, rank + 1, 0).to(pos_ptr.dtype.element_ty), mask=mask)
     tl.atomic_add(hits_ptr + e, chosen.to(hits_ptr.dtype.element_ty), mask=chosen)
 
 
+@triton.jit
+def _route_kernel(logits_ptr, ids_ptr, weights_ptr, pos_ptr, hits_ptr, num_experts, NORM: tl.constexpr,
+                  TOP_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + t * num_experts + e, mask=e < num_experts, other=float("-inf")).to(tl.float32)
+    _route_row(logits, t, e, ids_ptr, weights_ptr, pos_ptr, hits_ptr, num_experts, NORM, TOP_K, BLOCK_E)
+
+
+def _routing_outputs(num_tokens: int, num_experts: int, top_k: int, weights_dtype: torch.dtype,
+                     device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """route's outputs, unfilled: ids_TK, weights_TK, pos_TE."""
+    return (torch.empty(num_tokens, top_k, dtype=torch.int64, device=device),
+            torch.empty(num_tokens, top_k, dtype=weights_dtype, device=device),
+            torch.empty(num_tokens, num_experts, dtype=torch.int8, device=device))
+
+
 def route(logits_TE: Tensor, top_k: int, norm_topk_prob: bool, hit_counts_E: Tensor,
-          weights_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+          weights_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """moe.gate's routing from the gate logits: (ids_TK in increasing order, weights_TK
-    in weights_dtype); adds each token's experts to hit_counts_E."""
+    in weights_dtype, int8 pos_TE: k + 1 where ids_TK[t, k] = e, else 0); adds each
+    token's experts to hit_counts_E."""
     num_tokens, num_experts = logits_TE.shape
-    assert logits_TE.is_contiguous() and hit_counts_E.is_contiguous()
-    ids_TK = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits_TE.device)
-    weights_TK = torch.empty(num_tokens, top_k, dtype=weights_dtype, device=logits_TE.device)
+    assert logits_TE.is_contiguous() and hit_counts_E.is_contiguous() and top_k < 128
+    ids_TK, weights_TK, pos_TE = _routing_outputs(num_tokens, num_experts, top_k, weights_dtype, logits_TE.device)
     if num_tokens:
-        _route_kernel[(num_tokens,)](logits_TE, ids_TK, weights_TK, hit_counts_E, num_experts,
+        _route_kernel[(num_tokens,)](logits_TE, ids_TK, weights_TK, pos_TE, hit_counts_E, num_experts,
                                      NORM=norm_topk_prob, TOP_K=top_k, BLOCK_E=triton.next_power_of_2(num_experts))
-    return ids_TK, weights_TK
+    return ids_TK, weights_TK, pos_TE
 
 
 @triton.jit
-def _expert_gate_up_kernel(x_ptr, ids_ptr, w_ptr, act_ptr, hidden, width, TOP_K: tl.constexpr,
-                           BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
-    r, f_block = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    expert = tl.load(ids_ptr + r).to(tl.int64)
-    f = f_block * BLOCK_F + tl.arange(0, BLOCK_F)
-    f_mask = f < width
-    w_gate = w_ptr + expert * 2 * width * hidden + f[:, None] * hidden
-    w_up = w_gate + width * hidden
-    acc_gate = tl.zeros([BLOCK_F, BLOCK_D], tl.float32)
-    acc_up = tl.zeros([BLOCK_F, BLOCK_D], tl.float32)
-    for d0 in range(0, hidden, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        d_mask = d < hidden
-        x = tl.load(x_ptr + (r // TOP_K) * hidden + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        m = f_mask[:, None] & d_mask[None, :]
-        acc_gate += tl.load(w_gate + d[None, :], mask=m, other=0.0).to(tl.float32) * x
-        acc_up += tl.load(w_up + d[None, :], mask=m, other=0.0).to(tl.float32) * x
-    dtype = act_ptr.dtype.element_ty
-    gate = tl.sum(acc_gate, 1).to(dtype).to(tl.float32)
-    up = tl.sum(acc_up, 1).to(dtype).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
-    tl.store(act_ptr + r * width + f, act.to(dtype), mask=f_mask)
+def _gemv_rows(x_ptr, w_ptr, in_features, n, n_mask, k_start, k_end, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               NUM_STAGES: tl.constexpr):
+    """fp32 [BLOCK_N]: w[n, k_start:k_end] @ x[k_start:k_end] (w rows of in_features), on the
+    CUDA cores: one token has nothing for tensor cores to share."""
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < k_end
+        x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + n[:, None] * in_features + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    return tl.sum(acc, 1)
 
 
 @triton.jit
-def _expert_down_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, out_ptr, hidden, width, TOP_K: tl.constexpr,
-                        BLOCK_O: tl.constexpr, BLOCK_F: tl.constexpr):
-    t, o_block = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    o = o_block * BLOCK_O + tl.arange(0, BLOCK_O)
-    o_mask = o < hidden
-    dtype = out_ptr.dtype.element_ty
-    total = tl.zeros([BLOCK_O], tl.float32)
-    for k in tl.static_range(TOP_K):  # increasing expert order, as moe.combine sums
-        r = t * TOP_K + k
-        expert = tl.load(ids_ptr + r).to(tl.int64)
-        w_down = w_ptr + expert * hidden * width + o[:, None] * width
-        acc = tl.zeros([BLOCK_O, BLOCK_F], tl.float32)
-        for f0 in range(0, width, BLOCK_F):
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, in_features, out_features, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 NUM_STAGES: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < out_features
+    y = _gemv_rows(x_ptr, w_ptr, in_features, n, n_mask, 0, in_features, BLOCK_N, BLOCK_K, NUM_STAGES)
+    tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GemvTiles:
+    """Launch shape of gemv."""
+
+    block_n: int  # output columns per program
+    block_k: int  # reduction elements per step of its loop
+    stages: int
+    warps: int
+
+
+# bench/decode_b1.py's pick on an H200 (bench/results/decode_b1_h200.md): q|k|v 7.1 us against
+# cuBLAS's 7.7, o 6.9 against 8.4 (split-K + reduce), the gate logits 2.2 against 4.7.
+GEMV_TILES = GemvTiles(block_n=8, block_k=512, stages=3, warps=4)
+
+
+def linear(x_TD: Tensor, w_ND: Tensor) -> Tensor:
+    """F.linear(x_TD, w_ND); gemv for single-token steps."""
+    if SINGLE_TOKEN_KERNELS and x_TD.shape[0] == 1:
+        return gemv(x_TD, w_ND, GEMV_TILES)
+    return torch.nn.functional.linear(x_TD, w_ND)
+
+
+def gemv(x_1D: Tensor, w_ND: Tensor, tiles: GemvTiles) -> Tensor:
+    """x_1D @ w_ND.T for one token, fp32 sums rounded once to x's dtype as F.linear rounds
+    them; one program per tiles.block_n output columns, each reading its rows once."""
+    assert x_1D.shape[0] == 1 and x_1D.is_contiguous() and w_ND.is_contiguous() and w_ND.shape[1] == x_1D.shape[1]
+    y_1N = x_1D.new_empty(1, w_ND.shape[0])
+    _gemv_kernel[(triton.cdiv(w_ND.shape[0], tiles.block_n),)](
+        x_1D, w_ND, y_1N, w_ND.shape[1], w_ND.shape[0], BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        NUM_STAGES=tiles.stages, num_warps=tiles.warps)
+    return y_1N
+
+
+@triton.jit
+def _gate_route_kernel(x_ptr, w_ptr, partial_ptr, count_ptr, ids_ptr, weights_ptr, pos_ptr, hits_ptr, hidden,
+                       num_experts, NORM: tl.constexpr, TOP_K: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                       SPLIT_K: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    g_block, split = tl.program_id(0), tl.program_id(1)
+    g = g_block * BLOCK_G + tl.arange(0, BLOCK_G)
+    g_mask = g < num_experts
+    k_start = split * SPLIT_K
+    partial = _gemv_rows(x_ptr, w_ptr, hidden, g, g_mask, k_start, tl.minimum(k_start + SPLIT_K, hidden), BLOCK_G,
+                         BLOCK_K, 1)
+    tl.store(partial_ptr + split * BLOCK_E + g, partial, mask=g_mask)
+    # The last program to finish routes: the barrier puts every thread's stores before the
+    # (acq_rel, device-scope) count, which the last one sets back to 0 for the next step.
+    tl.debug_barrier()
+    if tl.atomic_add(count_ptr, 1) == tl.num_programs(0) * NUM_SPLITS - 1:
+        tl.store(count_ptr, 0)
+        e = tl.arange(0, BLOCK_E)
+        e_mask = e < num_experts
+        s = tl.arange(0, NUM_SPLITS)
+        partial_SE = tl.load(partial_ptr + s[:, None] * BLOCK_E + e[None, :], mask=e_mask[None, :], other=0.0,
+                             cache_modifier=".cg")
+        logits = tl.sum(partial_SE, 0).to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded as F.linear's
+        logits = tl.where(e_mask, logits, float("-inf"))
+        _route_row(logits, 0, e, ids_ptr, weights_ptr, pos_ptr, hits_ptr, num_experts, NORM, TOP_K, BLOCK_E)
+
+
+# One zeroed int32 per device: gate_route's count of finished programs, which its last
+# program sets back to 0 (so launches on one stream may share it, as in a CUDA graph).
+_GATE_ROUTE_COUNTS: dict[torch.device, Tensor] = {}
+# bench/decode_b1.py's pick (H200): 5.0 us against 6.4 for gemv + route, 8.8 for F.linear + route.
+GATE_ROUTE_SPLITS = 16  # splits of the hidden dim: more programs to read w_gate
+GATE_ROUTE_EXPERTS = 8  # experts per program
+
+
+def gate_route(x_1D: Tensor, w_gate_ED: Tensor, top_k: int, norm_topk_prob: bool,
+               hit_counts_E: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """route(F.linear(x_1D, w_gate_ED), ...) for one token in one kernel; the same outputs
+    (weights in x's dtype)."""
+    hidden, num_experts = x_1D.shape[1], w_gate_ED.shape[0]
+    assert x_1D.shape[0] == 1 and x_1D.is_contiguous() and w_gate_ED.is_contiguous() and top_k < 128
+    assert hit_counts_E.is_contiguous() and GATE_ROUTE_SPLITS == triton.next_power_of_2(GATE_ROUTE_SPLITS)
+    ids_1K, weights_1K, pos_1E = _routing_outputs(1, num_experts, top_k, x_1D.dtype, x_1D.device)
+    if x_1D.device not in _GATE_ROUTE_COUNTS:
+        _GATE_ROUTE_COUNTS[x_1D.device] = torch.zeros(1, dtype=torch.int32, device=x_1D.device)
+    block_e, split_k = triton.next_power_of_2(num_experts), triton.cdiv(hidden, GATE_ROUTE_SPLITS)
+    partial_SE = torch.empty(GATE_ROUTE_SPLITS, block_e, dtype=torch.float32, device=x_1D.device)
+    _gate_route_kernel[(triton.cdiv(num_experts, GATE_ROUTE_EXPERTS), GATE_ROUTE_SPLITS)](
+        x_1D, w_gate_ED, partial_SE, _GATE_ROUTE_COUNTS[x_1D.device], ids_1K, weights_1K, pos_1E, hit_counts_E,
+        hidden, num_experts, NORM=norm_topk_prob, TOP_K=top_k, NUM_SPLITS=GATE_ROUTE_SPLITS, SPLIT_K=split_k,
+        BLOCK_G=GATE_ROUTE_EXPERTS, BLOCK_K=min(512, triton.next_power_of_2(split_k)), BLOCK_E=block_e,
+        num_warps=4)
+    return ids_1K, weights_1K, pos_1E
+
+
+@triton.jit
+def _expert_gate_up_kernel(x_ptr, pos_ptr, w_ptr, act_ptr, experts_ptr, num_used_ptr, done_ptr, num_done,
+                           num_tokens, num_experts, HIDDEN: tl.constexpr, WIDTH: tl.constexpr,
+                           TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                           BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DONE: tl.constexpr,
+                           NUM_STAGES: tl.constexpr, FMA: tl.constexpr):
+    f_block, slot = tl.program_id(0), tl.program_id(1)
+    t = tl.arange(0, BLOCK_T)
+    t_mask = t < num_tokens
+    # The step's experts in increasing order: this program's is the slot-th.
+    e = tl.arange(0, BLOCK_E)
+    pos_TE = tl.load(pos_ptr + t[:, None] * num_experts + e[None, :],
+                     mask=t_mask[:, None] & (e < num_experts)[None, :], other=0).to(tl.int32)
+    used_E = tl.max(pos_TE, 0) > 0
+    num_used = tl.sum(used_E.to(tl.int32), 0)
+    expert = tl.sum(tl.where(used_E & (tl.cumsum(used_E.to(tl.int32), 0) == slot + 1), e, 0), 0)
+    if slot < num_used:
+        if f_block == 0:  # the step's plan for the down kernel: its experts, their count, zeroed counters
+            tl.store(experts_ptr + slot, expert)
+            if slot == 0:
+                tl.store(num_used_ptr, num_used)
+                done = tl.arange(0, BLOCK_DONE)
+                tl.store(done_ptr + done, tl.zeros([BLOCK_DONE], tl.int32), mask=done < num_done)
+        pos_T = tl.load(pos_ptr + t * num_experts + expert, mask=t_mask, other=0).to(tl.int32)
+        f = f_block * BLOCK_F + tl.arange(0, BLOCK_F)
+        f_mask = f < WIDTH
+        w_expert = w_ptr + expert.to(tl.int64) * 2 * WIDTH * HIDDEN
+        if FMA:  # one token (BLOCK_T 1): its row of each product on the CUDA cores
+            acc_gate = _gemv_rows(x_ptr, w_expert, HIDDEN, f, f_mask, 0, HIDDEN, BLOCK_F, BLOCK_D, NUM_STAGES)
+            acc_up = _gemv_rows(x_ptr, w_expert + WIDTH * HIDDEN, HIDDEN, f, f_mask, 0, HIDDEN, BLOCK_F, BLOCK_D,
+                                NUM_STAGES)
+            acc_gate, acc_up = acc_gate[None, :], acc_up[None, :]
+        else:
+            w_gate = w_expert + f[:, None] * HIDDEN
+            w_up = w_gate + WIDTH * HIDDEN
+            acc_gate = tl.zeros([BLOCK_T, BLOCK_F], tl.float32)
+            acc_up = tl.zeros([BLOCK_T, BLOCK_F], tl.float32)
+            for d0 in tl.range(0, HIDDEN, BLOCK_D, num_stages=NUM_STAGES):
+                d = d0 + tl.arange(0, BLOCK_D)
+                d_mask = d < HIDDEN
+                # Every token's row: the rows not routed here are computed and dropped.
+                x = tl.load(x_ptr + t[:, None] * HIDDEN + d[None, :], mask=t_mask[:, None] & d_mask[None, :],
+                            other=0.0)
+                m = f_mask[:, None] & d_mask[None, :]
+                acc_gate = tl.dot(x, tl.trans(tl.load(w_gate + d[None, :], mask=m, other=0.0)), acc_gate,
+                                  input_precision="ieee")
+                acc_up = tl.dot(x, tl.trans(tl.load(w_up + d[None, :], mask=m, other=0.0)), acc_up,
+                                input_precision="ieee")
+        dtype = act_ptr.dtype.element_ty
+        gate = acc_gate.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+        row_T = t * TOP_K + pos_T - 1
+        tl.store(act_ptr + row_T[:, None] * WIDTH + f[None, :], act.to(dtype),
+                 mask=(pos_T > 0)[:, None] & f_mask[None, :])
+
+
+@triton.jit
+def _expert_down_kernel(act_ptr, pos_ptr, weights_ptr, w_ptr, experts_ptr, num_used_ptr, done_ptr, y_ptr, out_ptr,
+                        num_tokens, num_experts, HIDDEN: tl.constexpr, WIDTH: tl.constexpr, TOP_K: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_F: tl.constexpr):
+    o_block, slot = tl.program_id(0), tl.program_id(1)
+    num_used = tl.load(num_used_ptr)
+    if slot < num_used:
+        expert = tl.load(experts_ptr + slot).to(tl.int64)
+        o = o_block * BLOCK_O + tl.arange(0, BLOCK_O)
+        o_mask = o < HIDDEN
+        t = tl.arange(0, BLOCK_T)
+        t_mask = t < num_tokens
+        pos_T = tl.load(pos_ptr + t * num_experts + expert, mask=t_mask, other=0).to(tl.int32)
+        routed_T = pos_T > 0
+        row_T = t * TOP_K + pos_T - 1
+        w_down = w_ptr + expert * HIDDEN * WIDTH + o[:, None] * WIDTH
+        acc = tl.zeros([BLOCK_T, BLOCK_O], tl.float32)
+        for f0 in tl.static_range(0, WIDTH, BLOCK_F):
             f = f0 + tl.arange(0, BLOCK_F)
-            f_mask = f < width
-            act = tl.load(act_ptr + r * width + f, mask=f_mask, other=0.0).to(tl.float32)[None, :]
-            acc += tl.load(w_down + f[None, :], mask=o_mask[:, None] & f_mask[None, :], other=0.0).to(tl.float32) * act
-        y = tl.sum(acc, 1).to(dtype).to(tl.float32)
-        total += (y * tl.load(weights_ptr + r).to(tl.float32)).to(dtype).to(tl.float32)
-    tl.store(out_ptr + t * hidden + o, total.to(dtype), mask=o_mask)
+            f_mask = f < WIDTH
+            act = tl.load(act_ptr + row_T[:, None] * WIDTH + f[None, :], mask=routed_T[:, None] & f_mask[None, :],
+                          other=0.0)
+            w = tl.load(w_down + f[None, :], mask=o_mask[:, None] & f_mask[None, :], other=0.0)
+            acc = tl.dot(act, tl.trans(w), acc, input_precision="ieee")
+        dtype = out_ptr.dtype.element_ty
+        weight_T = tl.load(weights_ptr + row_T, mask=routed_T, other=0.0).to(tl.float32)
+        y = (acc.to(dtype).to(tl.float32) * weight_T[:, None]).to(dtype)
+        tl.store(y_ptr + row_T[:, None] * HIDDEN + o[None, :], y, mask=routed_T[:, None] & o_mask[None, :])
+        # The last of the step's experts to finish this block of columns sums each token's K
+        # weighted outputs, in increasing expert order as moe.combine does. The barrier puts
+        # every thread's stores before the (acq_rel, device-scope) count.
+        tl.debug_barrier()
+        if tl.atomic_add(done_ptr + o_block, 1) == num_used - 1:
+            total = tl.zeros([BLOCK_T, BLOCK_O], tl.float32)
+            for k in tl.static_range(TOP_K):
+                total += tl.load(y_ptr + (t * TOP_K + k)[:, None] * HIDDEN + o[None, :],
+                                 mask=t_mask[:, None] & o_mask[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
+            tl.store(out_ptr + t[:, None] * HIDDEN + o[None, :], total.to(dtype),
+                     mask=t_mask[:, None] & o_mask[None, :])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MoeTiles:
+    """Launch shape of the two expert kernels (see fused_moe)."""
+
+    gate_up_f: int  # gate|up columns per program (BLOCK_F)
+    gate_up_d: int  # hidden elements per step of its reduction loop (BLOCK_D)
+    gate_up_stages: int
+    gate_up_warps: int
+    down_o: int  # output columns per program (BLOCK_O)
+    down_f: int  # width elements per unrolled step of its reduction (BLOCK_F)
+    down_warps: int
+    gate_up_fma: bool = False  # one token only: its products on the CUDA cores (no tl.dot)
+
+
+# One token's tiles: bench/decode_b1.py's pick on an H200, 32.8 us a layer against 33.1 with
+# the tl.dot gate_up (FMA variants of the down kernel were no faster and are gone).
+ONE_TOKEN_MOE_TILES = MoeTiles(gate_up_f=4, gate_up_d=1024, gate_up_stages=1, gate_up_warps=4, down_o=32,
+                               down_f=128, down_warps=4, gate_up_fma=True)
+
+
+def moe_tiles(num_tokens: int) -> MoeTiles:
+    """The tiles fused_moe launches for a step of num_tokens tokens: the fastest of
+    bench/moe_small_batch.py's sweep on an H200 at 1, 4, 16 and 64 tokens (Qwen3-30B-A3B
+    shape; bench/results/moe_small_batch_h200.md), each used from its token count up."""
+    if num_tokens == 1 and SINGLE_TOKEN_KERNELS:
+        return ONE_TOKEN_MOE_TILES
+    if num_tokens < 16:
+        return MoeTiles(gate_up_f=32, gate_up_d=256, gate_up_stages=4, gate_up_warps=4,
+                        down_o=32, down_f=128, down_warps=4)
+    if num_tokens < 64:
+        return MoeTiles(gate_up_f=64, gate_up_d=128, gate_up_stages=3, gate_up_warps=4,
+                        down_o=32, down_f=128, down_warps=4)
+    return MoeTiles(gate_up_f=32, gate_up_d=128, gate_up_stages=4, gate_up_warps=4,
+                    down_o=64, down_f=128, down_warps=4)
 
 
 def fused_moe(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up_EGD: Tensor, w_down_EDF: Tensor, top_k: int,
               norm_topk_prob: bool, hit_counts_E: Tensor) -> Tensor:
-    """MoELayer on one rank holding every expert (expert e in slot e): gate, experts
-    and combine in one matmul and three kernels; adds the routed experts to hit_counts_E."""
+    """MoELayer on one rank holding every expert (expert e in slot e) for steps of up to
+    MOE_MAX_TOKENS tokens: gate, experts and combine in a matmul and three kernels (one
+    token: gate_route and two); adds the routed experts to hit_counts_E."""
+    return fused_moe_tiled(x_TD, w_gate_ED, w_gate_up_EGD, w_down_EDF, top_k, norm_topk_prob, hit_counts_E,
+                           moe_tiles(x_TD.shape[0]))
+
+
+def fused_moe_tiled(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up_EGD: Tensor, w_down_EDF: Tensor, top_k: int,
+                    norm_topk_prob: bool, hit_counts_E: Tensor, tiles: MoeTiles) -> Tensor:
+    """fused_moe with the given tiles (for the benchmark's sweep)."""
     assert x_TD.is_contiguous() and w_gate_up_EGD.is_contiguous() and w_down_EDF.is_contiguous()
+    assert x_TD.shape[0] <= 128, "every token's row sits in one tile: fused_moe is for small steps"
+    assert x_TD.shape[0] == 1 or not tiles.gate_up_fma, "the FMA gate_up takes one token"
     num_tokens, hidden = x_TD.shape
-    width = w_down_EDF.shape[2]
-    logits_TE = torch.nn.functional.linear(x_TD, w_gate_ED)
-    ids_TK, weights_TK = route(logits_TE, top_k, norm_topk_prob, hit_counts_E, x_TD.dtype)
+    num_experts, width = w_gate_ED.shape[0], w_down_EDF.shape[2]
+    if SINGLE_TOKEN_KERNELS and num_tokens == 1:
+        _, weights_TK, pos_TE = gate_route(x_TD, w_gate_ED, top_k, norm_topk_prob, hit_counts_E)
+    else:
+        logits_TE = torch.nn.functional.linear(x_TD, w_gate_ED)
+        _, weights_TK, pos_TE = route(logits_TE, top_k, norm_topk_prob, hit_counts_E, x_TD.dtype)
     out_TD = torch.empty_like(x_TD)
     if not num_tokens:
         return out_TD
+    num_slots = min(num_tokens * top_k, num_experts)  # the most experts a step can touch
+    num_o_blocks = triton.cdiv(hidden, tiles.down_o)
+    experts_S = torch.empty(num_slots, dtype=torch.int32, device=x_TD.device)
+    num_used_1 = torch.empty(1, dtype=torch.int32, device=x_TD.device)
+    done_O = torch.empty(num_o_blocks, dtype=torch.int32, device=x_TD.device)
     act_RF = x_TD.new_empty(num_tokens * top_k, width)
-    block_f, block_d = 16, 128
-    _expert_gate_up_kernel[(num_tokens * top_k, triton.cdiv(width, block_f))](
-        x_TD, ids_TK, w_gate_up_EGD, act_RF, hidden, width, TOP_K=top_k, BLOCK_F=block_f, BLOCK_D=block_d)
-    block_o, block_w = 16, 128
-    _expert_down_kernel[(num_tokens, triton.cdiv(hidden, block_o))](
-        act_RF, ids_TK, weights_TK, w_down_EDF, out_TD, hidden, width, TOP_K=top_k,
-        BLOCK_O=block_o, BLOCK_F=block_w)
+    y_RD = x_TD.new_empty(num_tokens * top_k, hidden)
+    shapes = dict(HIDDEN=hidden, WIDTH=width, TOP_K=top_k, BLOCK_T=triton.next_power_of_2(num_tokens))
+    _expert_gate_up_kernel[(triton.cdiv(width, tiles.gate_up_f), num_slots)](
+        x_TD, pos_TE, w_gate_up_EGD, act_RF, experts_S, num_used_1, done_O, num_o_blocks, num_tokens, num_experts,
+        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_F=tiles.gate_up_f, BLOCK_D=tiles.gate_up_d,
+        BLOCK_DONE=triton.next_power_of_2(num_o_blocks), NUM_STAGES=tiles.gate_up_stages, FMA=tiles.gate_up_fma,
+        num_warps=tiles.gate_up_warps, **shapes)
+    _expert_down_kernel[(num_o_blocks, num_slots)](
+        act_RF, pos_TE, weights_TK, w_down_EDF, experts_S, num_used_1, done_O, y_RD, out_TD, num_tokens,
+        num_experts, BLOCK_O=tiles.down_o, BLOCK_F=tiles.down_f, num_warps=tiles.down_warps, **shapes)
     return out_TD

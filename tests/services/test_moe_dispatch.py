@@ -1,7 +1,10 @@
 """gate -> dispatch -> experts -> combine against a per-token loop over all experts, in both
 dispatch modes (host splits and fixed capacity), on one rank and over 2 and 4 gloo processes
 (ranks sending, receiving or holding nothing; every token routed to one rank's experts).
-With spare slots holding replicas the outputs equal those without, bit for bit."""
+Each token's row goes at most once to each rank, and one fp32 partial comes back per row.
+With spare slots holding replicas the outputs equal those without, bit for bit at top-2
+(fp32 additions of two partials commute); at top-4 (partials regroup the additions) they
+equal the one-rank layer's within fp32 rounding."""
 
 import datetime
 
@@ -51,8 +54,40 @@ def _routing(num_tokens: int, allowed_experts: list[int], seed: int):
 def _capacities(comm: ExpertComm, max_tokens: int) -> list[int | None]:
     """Host splits, the tightest safe capacity, and the bucketed one of step_capacity."""
     num_local = NUM_EXPERTS // comm.world_size
-    return [None, max(1, max_tokens * min(TOP_K, num_local)),
+    return [None, max(1, max_tokens) * min(TOP_K, num_local),
             step_capacity(max_tokens, TOP_K, num_local, max_fixed_tokens=256)]
+
+
+class _RecordingComm(ExpertComm):
+    """An ExpertComm that records each all_to_all's input shape and dtype and its splits."""
+
+    def __init__(self, group):
+        super().__init__(group)
+        self.sent = []
+
+    def all_to_all(self, out, inp, out_splits=None, in_splits=None) -> None:
+        splits = [None if x is None else tuple(x) for x in (in_splits, out_splits)]
+        self.sent.append((tuple(inp.shape), inp.dtype, *splits))
+        super().all_to_all(out, inp, out_splits, in_splits)
+
+
+def _check_one_row_per_token_and_rank(sent: list, ids_TK, num_ranks: int, capacity: int | None) -> None:
+    """A dispatch + combine sent each token's row once to each rank holding one of its experts
+    (with its K ids and K fp32 weights), and got one fp32 partial back per row sent; at fixed
+    capacity C, messages of C / min(K, L) rows."""
+    num_local = NUM_EXPERTS // num_ranks
+    dest_TK = ids_TK // num_local
+    tokens_to_N = tuple(int((dest_TK == n).any(dim=1).sum()) for n in range(num_ranks))
+    if capacity is None:
+        counts, rows, partials = sent
+        assert counts[0] == (num_ranks, 2)
+        assert rows[0][0] == sum(tokens_to_N) and rows[2] == tokens_to_N
+        assert partials[3] == tokens_to_N and partials[2] == rows[3]
+    else:
+        rows, partials = sent
+        assert rows[0][0] == partials[0][0] == num_ranks * capacity // min(ids_TK.shape[1], num_local)
+    assert rows[0][1] == HIDDEN + 2 * ids_TK.shape[1] and rows[1] == torch.float32
+    assert partials[0][1] == HIDDEN and partials[1] == torch.float32
 
 
 def _check_rank(comm: ExpertComm, num_tokens: int, allowed_experts: list[int], max_tokens: int) -> None:
@@ -68,11 +103,14 @@ def _check_rank(comm: ExpertComm, num_tokens: int, allowed_experts: list[int], m
 
     outputs = []
     for capacity in _capacities(comm, max_tokens):
-        x_PD, meta = dispatch(x_TD, ids_TK, weights_TK, counts_E, comm, capacity)
+        recording = _RecordingComm(comm.group)
+        x_PD, meta = dispatch(x_TD, ids_TK, weights_TK, counts_E, recording, capacity)
         assert meta.capacity == capacity
         y_PD = experts(x_PD, meta.offsets_L, w_gate_up_EGD[local], w_down_EDF[local])
-        outputs.append(combine(y_PD, meta, comm))
+        y_PD[int(meta.offsets_L[-1]):] = float("nan")  # padding rows: the GPU's grouped GEMM leaves them unset
+        outputs.append(combine(y_PD, meta, recording))
         torch.testing.assert_close(outputs[-1], expected_TD)
+        _check_one_row_per_token_and_rank(recording.sent, ids_TK, comm.world_size, capacity)
     assert all(torch.equal(out, outputs[0]) for out in outputs), "the modes must agree bit for bit"
 
     probs_TE = torch.softmax(x_TD @ w_gate_ED.T, dim=-1)
@@ -110,6 +148,15 @@ def _hub_weights(w_gate_up_EGD, w_down_EDF) -> dict:
     return out
 
 
+def _load_replicas(layer: MoELayer, slot_map: SlotMap, hub: dict, comm: ExpertComm) -> None:
+    """Loads this rank's spares of _replica_placement and points the slot map at them."""
+    placement, num_local = _replica_placement(comm.world_size), NUM_EXPERTS // comm.world_size
+    for s, expert in enumerate(placement.spares(0)[comm.rank * NUM_SPARES:(comm.rank + 1) * NUM_SPARES]):
+        if expert != EMPTY:
+            layer.load_slot(num_local + s, hub, f"experts.{expert}.")
+    slot_map.update(placement, 0)
+
+
 def _check_replicas(comm: ExpertComm, x_TD, max_tokens: int) -> None:
     """The whole layer with spare slots (empty, then holding replicas) gives the
     outputs of the layer without, bit for bit, in every mode; replicas get rows."""
@@ -119,7 +166,6 @@ def _check_replicas(comm: ExpertComm, x_TD, max_tokens: int) -> None:
                      comm=comm, hit_counts_E=torch.zeros(NUM_EXPERTS, dtype=torch.int64))
     plain_TD = plain(x_TD, None)
     hub = _hub_weights(w_gate_up_EGD, w_down_EDF)
-    placement = _replica_placement(comm.world_size)
     slot_map = SlotMap(NUM_EXPERTS, comm.world_size, NUM_SPARES, comm.rank, "cpu")
     layer = MoELayer.from_weights({"gate.weight": w_gate_ED, **hub}, "", local, num_spare_slots=NUM_SPARES,
                                   top_k=TOP_K, norm_topk_prob=True, comm=comm,
@@ -130,10 +176,7 @@ def _check_replicas(comm: ExpertComm, x_TD, max_tokens: int) -> None:
     torch.testing.assert_close(expected_TD, plain_TD)  # CPU products in row blocks: the same up to rounding
     for capacity in capacities:
         assert torch.equal(layer(x_TD, capacity), expected_TD)
-    for s, expert in enumerate(placement.spares(0)[comm.rank * NUM_SPARES:(comm.rank + 1) * NUM_SPARES]):
-        if expert != EMPTY:
-            layer.load_slot(len(local) + s, hub, f"experts.{expert}.")
-    slot_map.update(placement, 0)
+    _load_replicas(layer, slot_map, hub, comm)
     for capacity in capacities:
         assert torch.equal(layer(x_TD, capacity), expected_TD), f"replicas changed the output ({capacity=})"
     # Rows that the spare slots of this rank computed, summed over the ranks.
@@ -145,11 +188,35 @@ def _check_replicas(comm: ExpertComm, x_TD, max_tokens: int) -> None:
         assert spare_rows.item() > 0, "no token went to a replica"
 
 
+def _check_top4_against_one_rank(comm: ExpertComm, num_tokens: int, max_tokens: int) -> None:
+    """At top-4 the partials regroup a token's fp32 additions: the layer over the ranks, with
+    replicas or without, equals the one-rank layer within fp32 rounding, and its two modes
+    agree bit for bit."""
+    top_k, (w_gate_ED, w_gate_up_EGD, w_down_EDF) = 4, _all_experts(seed=1)
+    x_TD = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(200 + comm.rank))
+    common = dict(top_k=top_k, norm_topk_prob=True, hit_counts_E=torch.zeros(NUM_EXPERTS, dtype=torch.int64))
+    one_rank = MoELayer(w_gate_ED, w_gate_up_EGD, w_down_EDF, comm=ExpertComm.local(), **common)
+    expected_TD = one_rank(x_TD, None)
+    local = list(local_expert_ids(NUM_EXPERTS, comm.rank, comm.world_size))
+    hub = {"gate.weight": w_gate_ED, **_hub_weights(w_gate_up_EGD, w_down_EDF)}
+    slot_map = SlotMap(NUM_EXPERTS, comm.world_size, NUM_SPARES, comm.rank, "cpu")
+    replicated = MoELayer.from_weights(hub, "", local, num_spare_slots=NUM_SPARES, comm=comm,
+                                       slot_map=slot_map, **common)
+    _load_replicas(replicated, slot_map, hub, comm)
+    plain = MoELayer(w_gate_ED, w_gate_up_EGD[local], w_down_EDF[local], comm=comm, **common)
+    for layer in (plain, replicated):
+        host_TD = layer(x_TD, None)
+        torch.testing.assert_close(host_TD, expected_TD)
+        capacity = step_capacity(max_tokens, top_k, len(layer.w_down_LDF), max_fixed_tokens=256)
+        assert torch.equal(layer(x_TD, capacity), host_TD)
+
+
 def test_world_size_one_matches_per_token_loop():
     comm = ExpertComm.local()
     _check_rank(comm, num_tokens=11, allowed_experts=list(range(NUM_EXPERTS)), max_tokens=11)
     _check_rank(comm, num_tokens=0, allowed_experts=list(range(NUM_EXPERTS)), max_tokens=0)
     _check_rank(comm, num_tokens=5, allowed_experts=[6, 7], max_tokens=5)
+    _check_top4_against_one_rank(comm, num_tokens=9, max_tokens=9)
 
 
 def test_grouped_mm_in_row_blocks_gives_each_row_the_same_bits_whatever_the_group_size():
@@ -174,7 +241,7 @@ def test_grouped_mm_equals_per_expert_matmuls_bit_exactly():
 def test_step_capacity_buckets_decode_steps_and_leaves_big_steps_to_host_splits():
     # Power-of-two buckets of the largest rank batch, times min(top_k, local experts).
     assert [step_capacity(t, 8, 32, 256) for t in (0, 1, 2, 3, 32, 33, 256)] == [8, 8, 16, 32, 256, 512, 2048]
-    assert step_capacity(5, 8, 4, 256) == 8 * 4  # a token sends at most 4 rows to a peer with 4 experts
+    assert step_capacity(5, 8, 4, 256) == 8 * 4  # a token routes at most 4 copies to a peer with 4 experts
     assert step_capacity(257, 8, 32, 256) is None
     assert step_capacity(1, 8, 32, 0) is None  # 0 turns the mode off
 
@@ -210,8 +277,10 @@ def test_placement_refuses_a_rank_holding_an_expert_twice_and_round_trips():
 def test_fixed_capacity_that_could_overflow_is_refused():
     x_TD = torch.randn(4, HIDDEN)
     ids_TK, weights_TK, counts_E = _routing(4, list(range(NUM_EXPERTS)), seed=0)
-    with pytest.raises(ValueError, match="capacity of 7 slots"):
+    with pytest.raises(ValueError, match="capacity of 7 copies per peer holds 3 tokens of up to 2 copies each, not 4"):
         dispatch(x_TD, ids_TK, weights_TK, counts_E, ExpertComm.local(), capacity=4 * TOP_K - 1)
+    with pytest.raises(ValueError, match="holds 0 tokens of up to 2 copies each, not 1"):  # an idle rank too
+        dispatch(x_TD[:0], ids_TK[:0], weights_TK[:0], counts_E * 0, ExpertComm.local(), capacity=1)
 
 
 def test_fixed_capacity_mode_reads_nothing_back_to_the_host():
@@ -250,6 +319,7 @@ def _worker(rank: int, world_size: int, init_file: str) -> None:
             max_tokens = max(num_tokens for num_tokens, _ in scenario)
             assert comm.max_over_ranks(scenario[rank][0], "cpu") == max_tokens
             _check_rank(comm, *scenario[rank], max_tokens=max_tokens)
+            _check_top4_against_one_rank(comm, scenario[rank][0], max_tokens)
     finally:
         dist.destroy_process_group()
 

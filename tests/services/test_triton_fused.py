@@ -72,10 +72,67 @@ def test_route_matches_gate(fused, norm):
     ids_ref, weights_ref, counts_ref = gate(x, w_gate, 3, norm)
     order = ids_ref.argsort(dim=1)  # route gives each token's experts in increasing order
     hits = torch.full((12,), 5, dtype=torch.int64)
-    ids, weights = fused.route(torch.nn.functional.linear(x, w_gate), 3, norm, hits, torch.float32)
+    ids, weights, pos = fused.route(torch.nn.functional.linear(x, w_gate), 3, norm, hits, torch.float32)
     assert torch.equal(ids, ids_ref.gather(1, order))
     torch.testing.assert_close(weights, weights_ref.gather(1, order), atol=1e-6, rtol=1e-5)
     assert torch.equal(hits, counts_ref + 5)
+    k_plus_1 = torch.arange(1, 4, dtype=torch.int8).expand(7, 3)
+    expected_pos = torch.zeros(7, 12, dtype=torch.int8).scatter_(1, ids, k_plus_1)
+    assert torch.equal(pos, expected_pos)
+
+
+@pytest.mark.parametrize("shape", [(40, 48), (64, 256)])
+def test_gemv_matches_f_linear(fused, shape):
+    """Several column blocks and reduction steps, the last of each partial at (40, 48)."""
+    x, w = _randn(1, shape[1], seed=20), _randn(*shape, seed=21)
+    out = fused.gemv(x, w, fused.GemvTiles(block_n=16, block_k=32, stages=1, warps=4))
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_gemv_rounds_once_in_half_precision(fused):
+    """fp16: fp32 sums rounded once to fp16, as F.linear (the CPU's half matmul) rounds them."""
+    half = torch.float16
+    x, w = _randn(1, 256, seed=22).to(half), (_randn(48, 256, seed=23) / 16).to(half)
+    out = fused.gemv(x, w, fused.GemvTiles(block_n=8, block_k=64, stages=1, warps=4))
+    assert torch.equal(out, torch.nn.functional.linear(x.float(), w.float()).to(half))
+
+
+def test_linear_takes_gemv_for_one_token(fused, monkeypatch):
+    x, w = _randn(3, 48, seed=24), _randn(40, 48, seed=25)
+    calls = []
+    monkeypatch.setattr(fused, "gemv", lambda *args: calls.append(args[0].shape[0]) or args[0] @ args[1].T)
+    for num_tokens in (0, 1, 2, 3):
+        torch.testing.assert_close(fused.linear(x[:num_tokens], w), x[:num_tokens] @ w.T)
+    monkeypatch.setattr(fused, "SINGLE_TOKEN_KERNELS", False)
+    fused.linear(x[:1], w)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("num_experts", [12, 40])
+def test_gate_route_matches_route(fused, norm, num_experts):
+    """12 experts: one program per split, its block partly past the experts; 40: three blocks.
+    Hidden 72 in 8 splits of 9: every split partial."""
+    x, w_gate = _randn(1, 72, seed=26), _randn(num_experts, 72, seed=27)
+    hits = torch.full((num_experts,), 5, dtype=torch.int64)
+    ids, weights, pos = fused.gate_route(x, w_gate, 3, norm, hits)
+    ids_ref, weights_ref, pos_ref = fused.route(torch.nn.functional.linear(x, w_gate), 3, norm,
+                                                torch.zeros(num_experts, dtype=torch.int64), torch.float32)
+    assert torch.equal(ids, ids_ref) and torch.equal(pos, pos_ref)
+    torch.testing.assert_close(weights, weights_ref, atol=1e-6, rtol=1e-5)
+    assert torch.equal(hits - 5, torch.bincount(ids.flatten(), minlength=num_experts))
+    assert int(fused._GATE_ROUTE_COUNTS[x.device]) == 0  # set back for the next step
+
+
+def test_gate_route_rounds_the_logits_like_f_linear(fused):
+    """fp16: the logits rounded to fp16 before the softmax, as moe.gate's F.linear output."""
+    half = torch.float16
+    x, w_gate = _randn(1, 64, seed=28).to(half), _randn(16, 64, seed=29).to(half)
+    ids_ref, weights_ref, _ = gate(x, w_gate, 4, True)
+    ids, weights, _ = fused.gate_route(x, w_gate, 4, True, torch.zeros(16, dtype=torch.int64))
+    order = ids_ref.argsort(dim=1)
+    assert torch.equal(ids, ids_ref.gather(1, order))
+    assert torch.equal(weights, weights_ref.gather(1, order))
 
 
 def _moe_layer(num_experts=8, hidden=48, width=40, top_k=3, seed=9):
@@ -87,16 +144,82 @@ def _moe_layer(num_experts=8, hidden=48, width=40, top_k=3, seed=9):
                     hit_counts_E=torch.zeros(num_experts, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("num_tokens", [1, 5])
-def test_fused_moe_matches_moe_layer(fused, num_tokens):
+# Tiles smaller than the test shape (D 48, F 40), so that every loop runs several times
+# and the last block of each is partial.
+SMALL_TILES = dict(gate_up_f=16, gate_up_d=16, gate_up_stages=2, gate_up_warps=4, down_o=16, down_f=16,
+                   down_warps=4)
+# The same with a single token's gate_up on the CUDA cores.
+FMA_TILES = dict(SMALL_TILES, gate_up_fma=True)
+
+
+@pytest.mark.parametrize(("num_tokens", "tiles"), [(n, t) for n in (1, 2, 5, 16, 19, 64) for t in ("default", "small")]
+                         + [(1, "fma")])  # the FMA gate_up takes one token
+def test_fused_moe_matches_moe_layer(fused, num_tokens, tiles):
     layer = _moe_layer()
     x = _randn(num_tokens, 48, seed=10)
-    expected = layer(x, capacity=8 * 3)
+    expected = layer(x)
     expected_hits = layer.hit_counts_E.clone()
     hits = torch.zeros(8, dtype=torch.int64)
-    out = fused.fused_moe(x, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True, hits)
+    tiles = dict(small=fused.MoeTiles(**SMALL_TILES), fma=fused.MoeTiles(**FMA_TILES)).get(
+        tiles, fused.moe_tiles(num_tokens))
+    out = fused.fused_moe_tiled(x, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True, hits, tiles)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(hits, expected_hits) and hits.sum() == num_tokens * 3
+
+
+def test_fused_moe_with_unused_slots(fused):
+    """Tokens that all pick among experts 0-3 of 8: the step touches 4 experts of 8 slots,
+    and the programs of the unused slots must write nothing."""
+    layer = _moe_layer()
+    layer.w_gate_ED[:4].abs_()
+    layer.w_gate_ED[4:] = -layer.w_gate_ED[4:].abs()
+    x = _randn(6, 48, seed=11).abs()
+    expected = layer(x)
+    hits = torch.zeros(8, dtype=torch.int64)
+    out = fused.fused_moe_tiled(x, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True, hits,
+                                fused.MoeTiles(**SMALL_TILES))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert hits[4:].sum() == 0 and torch.equal(hits, layer.hit_counts_E)
+
+
+def test_fused_moe_rounds_like_torch_in_half_precision(fused):
+    """fp16 (the interpreter's tl.dot reads bf16 as raw bits, so bf16 is checked on a GPU by
+    bench/moe_small_batch.py): every intermediate rounded as moe.experts/combine round it."""
+    half = torch.float16
+    layer = _moe_layer(num_experts=16, hidden=64, width=48, top_k=4)
+    weights = [w.to(half) for w in (layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF)]
+    layer = MoELayer(*weights, top_k=4, norm_topk_prob=True, comm=ExpertComm.local(),
+                     hit_counts_E=torch.zeros(16, dtype=torch.int64))
+    x = _randn(5, 64, seed=12).to(half)
+    out = fused.fused_moe_tiled(x, *weights, 4, True, torch.zeros(16, dtype=torch.int64),
+                                fused.MoeTiles(**SMALL_TILES))
+    assert torch.equal(out, layer(x))
+
+
+@pytest.mark.parametrize("single_token_kernels", [True, False])
+@pytest.mark.parametrize("tiles", [SMALL_TILES, FMA_TILES])
+def test_fused_moe_one_token_rounds_like_torch(fused, monkeypatch, single_token_kernels, tiles):
+    """One token (gate_route, or the matmul and route; tl.dot or FMA gate_up), fp16: the
+    same bits as the MoELayer."""
+    half = torch.float16
+    monkeypatch.setattr(fused, "SINGLE_TOKEN_KERNELS", single_token_kernels)
+    monkeypatch.setattr(fused, "ONE_TOKEN_MOE_TILES", fused.MoeTiles(**tiles))
+    layer = _moe_layer(num_experts=16, hidden=64, width=48, top_k=4)
+    weights = [w.to(half) for w in (layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF)]
+    layer = MoELayer(*weights, top_k=4, norm_topk_prob=True, comm=ExpertComm.local(),
+                     hit_counts_E=torch.zeros(16, dtype=torch.int64))
+    for seed in range(3):
+        x = _randn(1, 64, seed=30 + seed).to(half)
+        hits = torch.zeros(16, dtype=torch.int64)
+        assert torch.equal(fused.fused_moe(x, *weights, 4, True, hits), layer(x))
+        assert hits.sum() == 4
+
+
+def test_fused_moe_empty_step(fused):
+    layer = _moe_layer()
+    hits = torch.zeros(8, dtype=torch.int64)
+    out = fused.fused_moe(torch.empty(0, 48), layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True, hits)
+    assert out.shape == (0, 48) and hits.sum() == 0
 
 
 def test_moe_hook_stays_off_on_the_cpu(fused, monkeypatch):
@@ -123,16 +246,18 @@ def _config() -> ModelConfig:
                        dtype=torch.float32)
 
 
-def test_model_fused_layers_match_torch(fused, monkeypatch):
+@pytest.mark.parametrize("num_rows", [1, 2])
+def test_model_fused_layers_match_torch(fused, monkeypatch, num_rows):
     """The whole model with the fused layer loop (forced on the CPU) against the torch loop:
-    a prefill chunk, then padded decode steps; same logits, same hit counts."""
+    a prefill chunk, then decode steps (1 row: gemv and gate_route; 2: one padding row);
+    same logits, same hit counts."""
     config = _config()
     weights = random_weights(config, seed=5)
     models = [qwen3_moe.Qwen3MoeModel(config, weights, expert_ids=range(4)) for _ in range(2)]
     pools = [KVPool.for_model(config, 8, 4, torch.float32, "cpu") for _ in models]
     tokens = torch.randint(128, (9,), generator=torch.Generator().manual_seed(1)).tolist()
     batches = [build_forward_batch([SeqInput(0, tokens[:7], 0, [3, 1], True)], 4, "cpu")]
-    batches += [build_decode_batch([SeqInput(0, [tokens[n]], n, [3, 1, 6], True)], 4, "cpu", num_rows=2,
+    batches += [build_decode_batch([SeqInput(0, [tokens[n]], n, [3, 1, 6], True)], 4, "cpu", num_rows=num_rows,
                                    max_blocks=3) for n in (7, 8)]
     for batch, capacity in zip(batches, (None, 4, 4)):
         expected = models[0].forward_at_capacity(batch, pools[0], capacity)

@@ -1,0 +1,325 @@
+"""The MoE of one rank holding every expert, for steps too big for triton_fused.fused_moe (issue 8).
+
+moe.MoELayer runs gate -> dispatch -> experts -> combine for any number of ranks; with one rank
+that still packs, copies and re-sorts message buffers. Here every expert is
+local, so the layer is five short steps, with no host sync and every grid and buffer sized from
+T alone (capturable in a CUDA graph):
+
+1. route (triton_fused.route): each token's K experts in increasing order, weights, hit counts.
+2. align (two small kernels): a counting sort of the R = T * K routed rows by expert into
+   segments padded to a multiple of BLOCK_M rows: sorted_ids_P (the routed row r = t * K + k at
+   each position), each expert's segment start, row count and padded end.
+3. gate_up: a grouped GEMM over the segments that gathers x rows by index (vLLM's fused_moe
+   layout, one expert per block of rows) with SiLU(gate) * up in its epilogue: act_PF.
+4. down: the grouped GEMM on act_PF, storing each output row at its routed row r: y_RD.
+5. combine: each token's K outputs times their weights, summed in increasing expert order.
+
+Each intermediate the torch code stores in the model dtype is rounded the same way here (gate
+and up, SiLU, its product, the down output, each weighted output), so outputs match moe.py to
+within fp32 summation order. `gemms="torch"` runs steps 3-4 as moe.experts (torch._grouped_mm on
+gathered rows, unpadded segments) instead: the alternative the benchmark compares.
+
+Legend as in moe.py: T tokens, D hidden, F expert width, G = 2F, E experts, K experts per token,
+R = T * K routed rows, P = B * BLOCK_M padded positions in B blocks.
+"""
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from services.model import moe, triton_fused
+
+# The switch MoELayer reads (False: the general dispatch/combine code, e.g. to compare).
+ENABLED = True
+# Tokens per program of the align kernels: small, so that a decode step spreads over many SMs.
+ALIGN_TOKENS = 16
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GemmBlocks:
+    """Tile of one grouped GEMM: output columns, reduction step, warps, pipeline stages."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """Rows per block (both GEMMs: the segments are padded to it) and each GEMM's tile.
+    gate_up's block_n counts columns of gate and of up each."""
+
+    block_m: int
+    gate_up: GemmBlocks
+    down: GemmBlocks
+
+
+def default_config(num_tokens: int) -> MoEConfig:
+    """The tiles for a step of num_tokens: within 2% of the fastest of bench/moe_large_batch.py's
+    sweep (Qwen3-30B-A3B's shape on an H200, bench/results/moe_large_batch_h200.json)."""
+    if num_tokens <= 128:
+        return MoEConfig(16, GemmBlocks(128, 128, 4, 3), GemmBlocks(128, 128, 4, 4))
+    if num_tokens <= 256:
+        return MoEConfig(32, GemmBlocks(128, 128, 4, 3), GemmBlocks(64, 128, 4, 4))
+    if num_tokens <= 512:
+        return MoEConfig(64, GemmBlocks(128, 64, 8, 3), GemmBlocks(128, 64, 4, 4))
+    return MoEConfig(128, GemmBlocks(128, 64, 8, 4), GemmBlocks(256, 64, 8, 4))
+
+
+@triton.jit
+def _expert_members(ids_ptr, t, t_mask, e, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """[tokens, experts] int32: 1 where the token routes to the expert."""
+    member = tl.zeros([BLOCK_T, BLOCK_E], tl.int32)
+    for k in tl.static_range(TOP_K):
+        ids_k = tl.load(ids_ptr + t * TOP_K + k, mask=t_mask, other=-1)
+        member += (ids_k[:, None] == e[None, :]).to(tl.int32)
+    return member
+
+
+@triton.jit
+def _count_kernel(ids_ptr, chunk_counts_ptr, num_tokens, num_experts, TOP_K: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    chunk = tl.program_id(0)
+    t = chunk * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.sum(_expert_members(ids_ptr, t, t < num_tokens, e, TOP_K, BLOCK_T, BLOCK_E), 0)
+    tl.store(chunk_counts_ptr + chunk * num_experts + e, counts, mask=e < num_experts)
+
+
+@triton.jit
+def _place_kernel(ids_ptr, chunk_counts_ptr, sorted_ids_ptr, pos_ptr, starts_ptr, counts_ptr, ends_ptr,
+                  num_tokens, num_experts, num_chunks, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr):
+    chunk = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    e_mask = e < num_experts
+    total = tl.zeros([BLOCK_E], tl.int32)
+    before = tl.zeros([BLOCK_E], tl.int32)  # rows of earlier chunks, per expert
+    for c0 in range(0, num_chunks, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        counts = tl.load(chunk_counts_ptr + c[:, None] * num_experts + e[None, :],
+                         mask=(c < num_chunks)[:, None] & e_mask[None, :], other=0)
+        total += tl.sum(counts, 0)
+        before += tl.sum(tl.where((c < chunk)[:, None], counts, 0), 0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    first = e_mask & (chunk == 0)
+    tl.store(starts_ptr + e, starts, mask=first)
+    tl.store(counts_ptr + e, total, mask=first)
+    tl.store(ends_ptr + e, ends, mask=first)
+    t = chunk * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = t < num_tokens
+    member = _expert_members(ids_ptr, t, t_mask, e, TOP_K, BLOCK_T, BLOCK_E)
+    # A row's place: its expert's start, the rows of earlier chunks, then earlier tokens of this one.
+    pos_TE = (starts + before)[None, :] + tl.cumsum(member, 0) - member
+    for k in tl.static_range(TOP_K):
+        ids_k = tl.load(ids_ptr + t * TOP_K + k, mask=t_mask, other=-1)
+        pos = tl.sum(tl.where(ids_k[:, None] == e[None, :], pos_TE, 0), 1)
+        tl.store(sorted_ids_ptr + pos, t * TOP_K + k, mask=t_mask)
+        tl.store(pos_ptr + t * TOP_K + k, pos, mask=t_mask)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Alignment:
+    """The routed rows sorted by expert, each expert's segment padded to block_m rows."""
+
+    sorted_ids_P: Tensor  # routed row r = t * K + k at each position (padding: unset)
+    pos_R: Tensor  # each routed row's position
+    starts_E: Tensor  # int32 first position of each expert's segment
+    counts_E: Tensor  # int32 routed rows of each expert
+    ends_E: Tensor  # int32 padded end of each segment (block_m 1: the grouped-GEMM offsets)
+    block_m: int
+
+
+def align(ids_TK: Tensor, num_experts: int, block_m: int) -> Alignment:
+    """Counting sort of the routed rows by expert (each token's ids distinct), stable in r."""
+    num_tokens, top_k = ids_TK.shape
+    num_routed = num_tokens * top_k
+    # Each non-empty expert pads at most block_m - 1 rows.
+    num_blocks = (num_routed + min(num_experts, num_routed) * (block_m - 1)) // block_m
+    device = ids_TK.device
+    sorted_ids_P = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+    pos_R = torch.empty(num_routed, dtype=torch.int32, device=device)
+    # Written by the place kernel; zeros for an empty step (which launches nothing).
+    starts_E, counts_E, ends_E = (torch.empty if num_tokens else torch.zeros)(3, num_experts, dtype=torch.int32,
+                                                                              device=device)
+    if num_tokens:
+        num_chunks = triton.cdiv(num_tokens, ALIGN_TOKENS)
+        chunk_counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=device)
+        block_e = triton.next_power_of_2(num_experts)
+        _count_kernel[(num_chunks,)](ids_TK, chunk_counts, num_tokens, num_experts, TOP_K=top_k,
+                                     BLOCK_T=ALIGN_TOKENS, BLOCK_E=block_e)
+        _place_kernel[(num_chunks,)](ids_TK, chunk_counts, sorted_ids_P, pos_R, starts_E, counts_E, ends_E,
+                                     num_tokens, num_experts, num_chunks, TOP_K=top_k, BLOCK_M=block_m,
+                                     BLOCK_T=ALIGN_TOKENS, BLOCK_E=block_e, BLOCK_C=64)
+    return Alignment(sorted_ids_P, pos_R, starts_E, counts_E, ends_E, block_m)
+
+
+@triton.jit
+def _block_rows(sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, num_experts, BLOCK_M: tl.constexpr,
+                BLOCK_E: tl.constexpr):
+    """This block's expert (num_experts: past the last segment), positions, valid rows, routed rows."""
+    block = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    ends = tl.load(ends_ptr + e, mask=e < num_experts, other=2**30)
+    expert = tl.sum((ends <= block * BLOCK_M).to(tl.int32), 0)
+    p = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    seg_end = tl.load(starts_ptr + expert, mask=expert < num_experts, other=0) + tl.load(
+        counts_ptr + expert, mask=expert < num_experts, other=0)
+    row_mask = p < seg_end
+    r = tl.load(sorted_ids_ptr + p, mask=row_mask, other=0)
+    return expert, p, row_mask, r
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, w_ptr, act_ptr, num_experts,
+                    hidden, width, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr):
+    expert, p, row_mask, r = _block_rows(sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, num_experts,
+                                         BLOCK_M, BLOCK_E)
+    if expert >= num_experts:
+        return
+    f = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    f_mask = f < width
+    d = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + (r // TOP_K).to(tl.int64)[:, None] * hidden
+    w_gate = w_ptr + expert.to(tl.int64) * 2 * width * hidden + f[None, :] * hidden  # [K, N] tiles
+    w_up = w_gate + width * hidden
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for d0 in range(0, hidden, BLOCK_K):
+        dd = d0 + d
+        if EVEN_K:
+            x = tl.load(x_rows + dd[None, :], mask=row_mask[:, None], other=0.0)
+            wg = tl.load(w_gate + dd[:, None], mask=f_mask[None, :], other=0.0)
+            wu = tl.load(w_up + dd[:, None], mask=f_mask[None, :], other=0.0)
+        else:
+            d_mask = dd < hidden
+            x = tl.load(x_rows + dd[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+            wg = tl.load(w_gate + dd[:, None], mask=d_mask[:, None] & f_mask[None, :], other=0.0)
+            wu = tl.load(w_up + dd[:, None], mask=d_mask[:, None] & f_mask[None, :], other=0.0)
+        acc_gate = tl.dot(x, wg, acc_gate, input_precision="ieee")
+        acc_up = tl.dot(x, wu, acc_up, input_precision="ieee")
+    dtype = act_ptr.dtype.element_ty
+    gate = acc_gate.to(dtype).to(tl.float32)
+    up = acc_up.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+    tl.store(act_ptr + p.to(tl.int64)[:, None] * width + f[None, :], act.to(dtype), mask=f_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(act_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, w_ptr, y_ptr, num_experts, hidden,
+                 width, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr):
+    expert, p, row_mask, r = _block_rows(sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, num_experts,
+                                         BLOCK_M, BLOCK_E)
+    if expert >= num_experts:
+        return
+    o = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_mask = o < hidden
+    f = tl.arange(0, BLOCK_K)
+    act_rows = act_ptr + p.to(tl.int64)[:, None] * width
+    w_down = w_ptr + expert.to(tl.int64) * hidden * width + o[None, :] * width  # [K, N] tiles
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for f0 in range(0, width, BLOCK_K):
+        ff = f0 + f
+        if EVEN_K:
+            act = tl.load(act_rows + ff[None, :])
+            w = tl.load(w_down + ff[:, None], mask=o_mask[None, :], other=0.0)
+        else:
+            f_mask = ff < width
+            act = tl.load(act_rows + ff[None, :], mask=f_mask[None, :], other=0.0)
+            w = tl.load(w_down + ff[:, None], mask=f_mask[:, None] & o_mask[None, :], other=0.0)
+        acc = tl.dot(act, w, acc, input_precision="ieee")
+    tl.store(y_ptr + r.to(tl.int64)[:, None] * hidden + o[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & o_mask[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, rows_ptr, weights_ptr, out_ptr, hidden, TOP_K: tl.constexpr, HAS_ROWS: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = d < hidden
+    dtype = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_D], tl.float32)
+    for k in tl.static_range(TOP_K):  # increasing expert order, as moe.combine sums
+        r = t * TOP_K + k
+        row = r
+        if HAS_ROWS:
+            row = tl.load(rows_ptr + r).to(tl.int64)
+        y = tl.load(y_ptr + row * hidden + d, mask=mask, other=0.0).to(tl.float32)
+        total += (y * tl.load(weights_ptr + r).to(tl.float32)).to(dtype).to(tl.float32)
+    tl.store(out_ptr + t * hidden + d, total.to(dtype), mask=mask)
+
+
+def combine(y_XD: Tensor, rows_R: Tensor | None, weights_TK: Tensor) -> Tensor:
+    """out_TD: token t's K rows of y (row rows_R[r] for routed row r = t * K + k, or r itself
+    for None) times their weights, summed in increasing k."""
+    num_tokens, top_k = weights_TK.shape
+    hidden = y_XD.shape[1]
+    out_TD = y_XD.new_empty(num_tokens, hidden)
+    if num_tokens:
+        block_d = min(triton.next_power_of_2(hidden), 1024)
+        _combine_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
+            y_XD, y_XD if rows_R is None else rows_R, weights_TK, out_TD, hidden, TOP_K=top_k,
+            HAS_ROWS=rows_R is not None, BLOCK_D=block_d)
+    return out_TD
+
+
+def gate_up(x_TD: Tensor, a: Alignment, w_gate_up_EGD: Tensor, top_k: int, tile: GemmBlocks) -> Tensor:
+    """act_PF = SiLU(x W_gate^T) * (x W_up^T) for each position's routed row, by expert."""
+    num_experts, double_width, hidden = w_gate_up_EGD.shape
+    width = double_width // 2
+    act_PF = x_TD.new_empty(a.sorted_ids_P.shape[0], width)
+    num_blocks = a.sorted_ids_P.shape[0] // a.block_m
+    if num_blocks:
+        _gate_up_kernel[(num_blocks, triton.cdiv(width, tile.block_n))](
+            x_TD, a.sorted_ids_P, a.starts_E, a.counts_E, a.ends_E, w_gate_up_EGD, act_PF, num_experts, hidden,
+            width, TOP_K=top_k, BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            BLOCK_E=triton.next_power_of_2(num_experts), EVEN_K=hidden % tile.block_k == 0,
+            num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return act_PF
+
+
+def down(act_PF: Tensor, a: Alignment, w_down_EDF: Tensor, num_routed: int, tile: GemmBlocks) -> Tensor:
+    """y_RD: each position's act times its expert's W_down^T, stored at its routed row."""
+    num_experts, hidden, width = w_down_EDF.shape
+    y_RD = act_PF.new_empty(num_routed, hidden)
+    num_blocks = a.sorted_ids_P.shape[0] // a.block_m
+    if num_blocks:
+        _down_kernel[(num_blocks, triton.cdiv(hidden, tile.block_n))](
+            act_PF, a.sorted_ids_P, a.starts_E, a.counts_E, a.ends_E, w_down_EDF, y_RD, num_experts, hidden,
+            width, BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            BLOCK_E=triton.next_power_of_2(num_experts), EVEN_K=width % tile.block_k == 0,
+            num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return y_RD
+
+
+def grouped_moe(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up_EGD: Tensor, w_down_EDF: Tensor, top_k: int,
+                norm_topk_prob: bool, hit_counts_E: Tensor, config: MoEConfig | None = None,
+                gemms: str = "triton") -> Tensor:
+    """MoELayer on one rank holding every expert (expert e in slot e), for any T; adds the
+    routed experts to hit_counts_E. gemms "torch": the expert GEMMs as moe.experts."""
+    num_experts = w_gate_ED.shape[0]
+    assert w_gate_up_EGD.shape[0] == w_down_EDF.shape[0] == num_experts, "no spare slots here"
+    assert x_TD.is_contiguous() and w_gate_up_EGD.is_contiguous() and w_down_EDF.is_contiguous()
+    logits_TE = torch.nn.functional.linear(x_TD, w_gate_ED)
+    ids_TK, weights_TK = triton_fused.route(logits_TE, top_k, norm_topk_prob, hit_counts_E, x_TD.dtype)[:2]
+    if gemms == "torch":
+        a = align(ids_TK, num_experts, 1)
+        x_PD = x_TD[a.sorted_ids_P // top_k]
+        y_PD = moe.experts(x_PD, a.ends_E, w_gate_up_EGD, w_down_EDF)
+        return combine(y_PD, a.pos_R, weights_TK)
+    if gemms != "triton":
+        raise ValueError(f"gemms must be 'triton' or 'torch', not {gemms!r}")
+    config = config or default_config(x_TD.shape[0])
+    a = align(ids_TK, num_experts, config.block_m)
+    act_PF = gate_up(x_TD, a, w_gate_up_EGD, top_k, config.gate_up)
+    y_RD = down(act_PF, a, w_down_EDF, ids_TK.numel(), config.down)
+    return combine(y_RD, None, weights_TK)
