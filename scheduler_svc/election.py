@@ -1,9 +1,9 @@
 """Leader election among the scheduler replicas, on etcd's `/leader` key.
 
 A candidate creates `/leader` in a transaction that succeeds only if the
-key is absent (create_revision == 0), attached to its session lease. The
-term is the key's create revision: strictly larger for every new leader, so
-fencing writes on `create_revision(/leader) == term` rejects a deposed one.
+key is absent, attached to its session lease. The term is the key's mod
+revision: strictly larger for every new leader, so fencing writes on
+`mod_revision(/leader) == term` (ClusterClient.fence) rejects a deposed one.
 Losers follow the leader: they watch the key and campaign again when it
 disappears (the leader's lease was revoked on shutdown, expired, or was
 revoked by a follower that found the leader dead).
@@ -30,13 +30,13 @@ no longer carries its term; a fenced write that fails also ends its work.
 If the lease turns out alive (an etcd blip), it wins the same term back.
 Safety never depends on this detection: the fence does.
 
-Graceful stop (`hand_over`): the leader ends its work, then hands its term
-to a live follower through etcd (ClusterClient.handover: fenced on its term,
-/leader recreated under the follower's lease, so the new term is a new create
-revision); the follower's watch sees itself named and leads without an
-election, in a few milliseconds. While a handover is pending no campaign
-wins; a follower that finds one pending to another replica for longer than
-_HANDOVER_WAIT_S cancels it. With no follower, the leader resigns as before.
+Graceful stop (`hand_over`): the leader puts `/leader` again under a live
+follower's lease, in one transaction fenced on its term
+(ClusterClient.handover), the scheduler members being those this replica
+has been watching all along: one etcd round trip. The key never disappears, so
+nobody campaigns; the follower's own term watch sees itself named and it
+leads at once, without an election. With no live follower the leader
+resigns as before (closing the client revokes its lease).
 
 Cancelling run() ends it promptly: every etcd call it makes has a deadline,
 and stepping down waits a bounded time for the term's tasks to end. This
@@ -49,8 +49,7 @@ import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 
-from services.cluster import (ClusterClient, ClusterUnavailableError, LeaderInfo, PendingHandover, Session,
-                              cancel_and_wait)
+from services.cluster import ClusterClient, ClusterUnavailableError, LeaderInfo, Member, Session, cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +58,6 @@ _RETRY_S = 0.5
 SILENT = object()
 # Stepping down: how long the term's work and watchers may take to end once cancelled.
 _STEP_DOWN_S = 5.0
-# How long a follower waits for a handover to another replica before cancelling it.
-_HANDOVER_WAIT_S = 0.5
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -123,6 +120,9 @@ class Election:
         self._address = address
         self._probe = probe  # None: a dead leader is replaced when its lease expires
         self.leadership: Leadership | None = None
+        # The scheduler members as this replica's watch last saw them: the heirs of a handover.
+        self._heirs: list[Member] | None = None
+        self._is_stopping = False  # hand_over() has begun: campaign no more
 
     @property
     def is_leader(self) -> bool:
@@ -131,16 +131,21 @@ class Election:
     async def run(self, lead: LeadFn) -> None:
         """Campaigns until cancelled (or the client is closed); runs
         lead(leadership) during each term held."""
-        leader: LeaderInfo | PendingHandover | None = None  # what ended the last term, if known
-        while not self._client.is_closed:
+        # Followed all along, not from the start of a term: a handover right after an election still needs no read.
+        heirs = asyncio.create_task(self._watch_heirs(), name="watch-heirs")
+        try:
+            await self._campaign(lead)
+        finally:
+            await cancel_and_wait([heirs], _STEP_DOWN_S, what="the heirs watch")
+
+    async def _campaign(self, lead: LeadFn) -> None:
+        """run()'s loop: campaign, then lead or follow, until the client is closed or hand_over() begins."""
+        leader: LeaderInfo | None = None  # the leader after the last term, if known
+        while not self._client.is_closed and not self._is_stopping:
             try:
                 session = await self._client.live_session()
-                if leader is None or isinstance(leader, PendingHandover):
+                if leader is None:
                     leader = await self._client.campaign(self._member_id, self._address)
-                if isinstance(leader, PendingHandover):
-                    await self._await_handover(leader)
-                    leader = None
-                    continue
                 leadership = leadership_of(leader, session)
                 if leadership is None:
                     log.info("following %s (term %d)", leader.member_id, leader.term)
@@ -158,45 +163,26 @@ class Election:
 
     async def hand_over(self, campaign: asyncio.Task) -> LeaderInfo | None:
         """Graceful stop of the replica running `campaign` (this election's
-        run()): ends it and, if it held a term, meanwhile hands the term to a
-        live follower in etcd (ClusterClient.handover; late writes of the
-        ending work are fenced off): the follower's watch sees itself named
-        and it leads without an election. Returns the new leader; None if
-        this replica did not lead or no follower took the term (then closing
-        the client ends the term as before: the lease and /leader go, the
+        run()): if it holds a term, first hands it to a live follower in one
+        etcd transaction (ClusterClient.handover), then ends the campaign (the
+        fence rejects any late write of the ending work). The transaction
+        goes out before the term's work is torn down: that teardown is not on
+        the way to the new leader. Returns the new leader; None if this
+        replica did not lead or no follower took the term (then closing the
+        client ends the term as before: the lease and /leader go, the
         followers campaign)."""
-        leadership = self.leadership
-        campaign.cancel()  # at its next await: it campaigns no more, and T1 fences off its late writes
-        if leadership is None or self._client.is_closed:
-            await cancel_and_wait([campaign], _STEP_DOWN_S, what="the election")
-            return None
-        # The handover and the end of the term's work overlap: a few ms sooner on a busy machine.
-        handing = asyncio.create_task(self._client.handover(leadership.term, self._member_id), name="handover")
+        leadership, leader = self.leadership, None
+        self._is_stopping = True  # the term that ends with the handover is not campaigned for again
         try:
-            await cancel_and_wait([campaign], _STEP_DOWN_S, what="the election")
-            leader = await handing
-            if leader is not None:
-                log.info("handed term %d over to %s (term %d)", leadership.term, leader.member_id, leader.term)
-            return leader
+            if leadership is not None and not self._client.is_closed:
+                leader = await self._client.handover(leadership.term, self._member_id, self._heirs)
         except Exception as error:  # noqa: BLE001 - etcd trouble: closing the client still ends the term
             log.warning("handing term %d over failed: %r; resigning", leadership.term, error)
         finally:
-            handing.cancel()  # a no-op once done; cancelled with us otherwise
-        return None
-
-    async def _await_handover(self, pending: PendingHandover) -> None:
-        """Another replica is being handed the term: waits until a leader
-        appears, at most _HANDOVER_WAIT_S; then cancels the stale handover
-        (its follower never took it) so that campaigns can win again."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(_HANDOVER_WAIT_S):
-                async with contextlib.aclosing(self._client.watch_leader()) as leaders:
-                    async for leader in leaders:
-                        if leader is not None:
-                            return
-        log.warning("handover of term %d to %s did not complete in %.1f s; cancelling it",
-                    pending.from_term, pending.member_id, _HANDOVER_WAIT_S)
-        await self._client.cancel_handover(pending)
+            await cancel_and_wait([campaign], _STEP_DOWN_S, what="the election")
+        if leader is not None:
+            log.info("handed term %d over to %s (term %d)", leadership.term, leader.member_id, leader.term)
+        return leader
 
     async def _hold(self, leadership: Leadership, session: Session, lead: LeadFn) -> None:
         """Runs lead until it ends, the session is lost or the term ends."""
@@ -221,6 +207,12 @@ class Election:
                 log.error("leader work failed", exc_info=work.exception())
             await self._client.resign(leadership.term)
             await asyncio.sleep(_RETRY_S)  # let another replica take the term
+
+    async def _watch_heirs(self) -> None:
+        """Keeps self._heirs current (for hand_over) until cancelled."""
+        async with contextlib.aclosing(self._client.watch_members("scheduler")) as changes:
+            async for members in changes:
+                self._heirs = members
 
     async def _follow(self, leader: LeaderInfo) -> LeaderInfo | None:
         """Returns the next leader (None: none yet) once the leader's term has

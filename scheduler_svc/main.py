@@ -7,9 +7,10 @@ loses its lease at once: scheduler_svc/gateway_probe.py), the followers
 health-check the leader and depose it when it stops answering
 (scheduler_svc/election.py).
 SIGTERM/SIGINT: a leader first hands its term to a live follower
-(Election.hand_over: the follower leads within milliseconds, without an
-election); then the lease is revoked (a leader that found no follower loses
-/leader with it, and the followers campaign), then the server stops.
+(Election.hand_over: one etcd transaction; the follower leads within
+milliseconds, without an election); then the lease is revoked (a leader
+that found no follower loses /leader with it, and the followers campaign),
+then the server stops.
 """
 
 import asyncio
@@ -43,12 +44,13 @@ async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
     client = ClusterClient(config.etcd, prefix=config.key_prefix)
     leader_watch = LeaderWatch(client, config.member_id)  # leadership metrics and /readyz
     probes = await http_probes.start_probes(ROLE, config, leader_watch.readiness)
-    servicer = SchedulerServicer(client, config.member_id)
+    election: Election | None = None  # needs the server's address, and the servicer needs the election
+    servicer = SchedulerServicer(client, config.member_id, lambda: None if election is None else election.leadership)
     server = await start_server(
         [lambda s: scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, s)],
         [SERVICE_NAME], host=config.host, port=config.port,
     )
-    campaign = watch = election = None
+    campaign = watch = None
     health_check = HealthCheck(config.leader_probe_timeout_s)
     try:
         await client.connect(wait_s=None)

@@ -1,9 +1,12 @@
 """SchedulerService over gRPC: the cluster state from etcd as protobuf."""
 
+from collections.abc import Callable
+
 import grpc
 
 from moe.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc import placement
+from scheduler_svc.election import Leadership
 from services.cluster import ClusterClient, ClusterSnapshot, ClusterUnavailableError
 from services.model.expert_map import Placement
 
@@ -16,18 +19,24 @@ _ROLES = {
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
-    """Answers reads on every replica, from one etcd snapshot per call."""
+    """Answers reads on every replica, from one etcd snapshot per call.
 
-    def __init__(self, client: ClusterClient, replica_id: str):
+    `leadership` says which term this replica's election holds now (None: it
+    follows): a replica is the leader only once it acts as one, not merely
+    because etcd names it."""
+
+    def __init__(self, client: ClusterClient, replica_id: str, leadership: Callable[[], Leadership | None]):
         self._client = client
         self._replica_id = replica_id
+        self._leadership = leadership
 
     async def GetClusterState(self, request, context):
         try:
             snapshot = await self._client.snapshot()
         except ClusterUnavailableError as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unreachable: {error}")
-        return cluster_state_pb(snapshot, self._replica_id)
+        held = self._leadership()
+        return cluster_state_pb(snapshot, self._replica_id, None if held is None else held.term)
 
     async def ProposePlacement(self, request, context):
         try:
@@ -46,11 +55,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         return scheduler_pb2.ProposePlacementResponse(epoch=committed.epoch, term=term)
 
 
-def cluster_state_pb(snapshot: ClusterSnapshot, replica_id: str) -> scheduler_pb2.GetClusterStateResponse:
-    """The response for a snapshot as seen by replica_id."""
+def cluster_state_pb(snapshot: ClusterSnapshot, replica_id: str,
+                     held_term: int | None) -> scheduler_pb2.GetClusterStateResponse:
+    """The response for a snapshot as seen by replica_id, whose election holds
+    held_term (None: none); it is the leader if etcd agrees on that term."""
+    leader = snapshot.leader
     response = scheduler_pb2.GetClusterStateResponse(
         replica_id=replica_id,
-        is_leader=snapshot.leader is not None and snapshot.leader.member_id == replica_id,
+        is_leader=leader is not None and leader.member_id == replica_id and leader.term == held_term,
     )
     if snapshot.leader is not None:
         response.leader.CopyFrom(scheduler_pb2.Leader(

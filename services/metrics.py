@@ -116,7 +116,7 @@ class SchedulerMetrics:
         self.leader_present = Gauge(PREFIX + "scheduler_leader_present",
                                     "1 while this replica sees a leader in etcd.", registry=registry)
         self.leader_term = Gauge(PREFIX + "scheduler_leader_term",
-                                 "The term (etcd create revision of /leader) of the current leader.",
+                                 "The term (etcd mod revision of /leader) of the current leader.",
                                  registry=registry)
         self.leader_changes = Counter(PREFIX + "scheduler_leader_changes",
                                       "New leader terms this replica has seen since it started.",
@@ -150,7 +150,7 @@ def scheduler_metrics() -> SchedulerMetrics:
 
 
 def count_etcd_error(operation: str) -> None:
-    """Counts one failed etcd operation (services/cluster.py calls this)."""
+    """Counts one failed etcd operation (services/cluster/ calls this)."""
     common_metrics().etcd_errors.labels(operation).inc()
 
 

@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator
 
 import aetcd
 
-from services.cluster import ClusterClient, _raise_unless_lease_gone
+from services.cluster import ClusterClient
+from services.cluster.session import raise_unless_lease_gone as _raise_unless_lease_gone
 from services.model.expert_map import Placement
 
 
@@ -73,7 +74,7 @@ class PlacementStore:
         txn, key = c._etcd.transactions, self.key(group_id).encode()
         is_written, _ = await c._retry(
             "commit_placement", c._etcd.transaction,
-            compare=[txn.create(c.keys.leader.encode()) == term, txn.mod(key) == mod_revision],
+            compare=[c.fence(term), txn.mod(key) == mod_revision],
             success=[txn.put(key, value)], failure=[])
         if is_written:
             return committed

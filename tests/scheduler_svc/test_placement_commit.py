@@ -81,6 +81,26 @@ def test_ready_marks_go_with_the_ranks_lease(etcd, key_prefix):
     run(body())
 
 
+def test_the_heir_of_a_graceful_handover_commits_and_the_old_term_cannot(etcd, key_prefix):
+    """After a handover the term is the new mod revision of /leader (its
+    create revision is the old term's): commits are fenced on it."""
+    async def body():
+        old, term = await _leader(etcd, key_prefix, "s0")
+        heir = ClusterClient(etcd.endpoint, prefix=key_prefix)
+        await heir.connect()
+        await heir.register("scheduler", "s1", "127.0.0.1:5")
+        new = await old.handover(term, "s0", await old.list_members("scheduler"))
+        assert new is not None and new.member_id == "s1" and new.term > term
+        with pytest.raises(LeaderTermError):
+            await PlacementStore(old).commit(term, "g0", 0, HOT)
+        committed, by = await commit_proposal(heir, "s1", "g0", 0, new.term, HOT)
+        assert (committed.epoch, by) == (1, new.term)
+        await heir.close()
+        await old.close()
+
+    run(body())
+
+
 def test_propose_placement_over_grpc_maps_the_errors_to_status_codes(etcd, key_prefix):
     import grpc
 
@@ -95,7 +115,7 @@ def test_propose_placement_over_grpc_maps_the_errors_to_status_codes(etcd, key_p
 
     async def body():
         client, term = await _leader(etcd, key_prefix, "s0")
-        servicers = {name: SchedulerServicer(client, name) for name in ("s0", "s1")}
+        servicers = {name: SchedulerServicer(client, name, lambda: None) for name in ("s0", "s1")}
         servers = [await grpc_util.start_server(
             [lambda s, v=v: scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(v, s)], [])
             for v in servicers.values()]

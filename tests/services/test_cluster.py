@@ -190,6 +190,35 @@ def test_session_whose_lease_is_gone_registers_again(etcd):
     run(body())
 
 
+def test_member_watch_of_a_role_sees_each_registration_with_its_lease(etcd):
+    """Members carry their lease and the revision of their registration (what
+    a handover fences on): a re-registration under a new lease is a change
+    for watch_members."""
+    async def body():
+        client, other = (ClusterClient(etcd.endpoint, prefix="/t-members") for _ in range(2))
+        await client.connect()
+        await other.connect()
+        await client.register("scheduler", "s0", "127.0.0.1:1", ttl=1)
+        seen: list = []
+
+        async def follow():
+            async for members in other.watch_members("scheduler"):
+                seen.append(members)
+
+        task = asyncio.create_task(follow())
+        assert await eventually(lambda: len(seen) == 1)
+        [first] = seen[0]
+        assert (first.member_id, first.lease_id) == ("s0", client.session.lease_id) and first.revision > 0
+        await other.revoke_lease(first.lease_id)  # s0 registers again under a new lease
+        assert await eventually(lambda: seen[-1] and seen[-1][0].lease_id not in (0, first.lease_id))
+        assert len(seen[-1]) == 1 and seen[-1][0].revision > first.revision
+        assert await cancel_and_wait([task], 2.0)
+        await client.close()
+        await other.close()
+
+    run(body())
+
+
 def test_writes_under_a_lease_that_is_gone_wait_for_the_next_session(etcd):
     """A lease revoked before the keepalive noticed: a campaign fails as etcd
     being unavailable (the election retries; no traceback), and marking a
