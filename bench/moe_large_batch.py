@@ -12,6 +12,12 @@ random weights) on one GPU, per token count T:
 - triton: triton_moe.grouped_moe with its default tiles (the path MoELayer takes);
 - with --sweep, the Triton GEMMs alone for each candidate tile, and the best.
 
+With --ep-ranks N (> 1) it times instead the expert step of rank 0 of N expert-parallel
+ranks (L = 128 / N local experts), moe.experts on the rows dispatch would give it when every
+rank has T tokens: torch._grouped_mm (kernels=False) against triton_moe.sorted_experts (the
+default on CUDA), in the fixed-capacity buffer up to 256 tokens (graphed) and exactly sized
+above, with the largest difference between the two on the real rows.
+
 Reports ms per layer (eager, and CUDA-graph replay up to 256 tokens), GB/s of
 expert weights read (every expert the step routes to, once) and TFLOP/s of the
 expert GEMMs, and each path's largest difference from the general path's output
@@ -31,7 +37,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from services.model import triton_moe  # noqa: E402
-from services.model.moe import ExpertComm, MoELayer, step_capacity  # noqa: E402
+from services.model.moe import ExpertComm, MoELayer, experts, step_capacity  # noqa: E402
 
 NUM_EXPERTS, TOP_K, HIDDEN, WIDTH = 128, 8, 2048, 768
 DEVICE, DTYPE = "cuda", torch.bfloat16
@@ -52,6 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--tokens", default="32,64,128,256,512,1024,4096")
     p.add_argument("--sweep", action="store_true", help="time the candidate GEMM tiles too")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--ep-ranks", type=int, default=1, help="time rank 0's expert step of N ranks instead")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     return p.parse_args(argv)
 
@@ -174,6 +181,67 @@ def bench_tokens(layer: MoELayer, num_tokens: int, args) -> dict:
     return row
 
 
+def ep_rows(layer: MoELayer, num_tokens: int, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """x_PD, offsets_L and the real pair count of rank 0 when each of num_ranks ranks routes
+    num_tokens tokens: its experts' (token, expert) pairs sorted by expert, then token, in
+    dispatch's fixed-capacity buffer (zero rows after the pairs) up to MAX_GRAPH_TOKENS."""
+    g = torch.Generator(device=DEVICE).manual_seed(num_tokens)
+    x_TD = torch.randn(num_ranks * num_tokens, HIDDEN, generator=g, device=DEVICE).to(DTYPE)
+    num_local = NUM_EXPERTS // num_ranks
+    ids_R = torch.topk(torch.nn.functional.linear(x_TD, layer.w_gate_ED).float(), TOP_K).indices.flatten()
+    key_R = torch.where(ids_R < num_local, ids_R, num_local)
+    order_R = key_R.sort(stable=True).indices
+    counts_L = torch.bincount(key_R, minlength=num_local + 1)[:num_local]
+    num_pairs = int(counts_L.sum())
+    capacity = step_capacity(num_tokens, TOP_K, num_local, MAX_GRAPH_TOKENS)
+    num_rows = num_pairs if capacity is None else num_ranks * capacity
+    x_PD = x_TD.new_zeros(num_rows, HIDDEN)
+    x_PD[:num_pairs] = x_TD[order_R[:num_pairs] // TOP_K]
+    return x_PD, counts_L.cumsum(0).to(torch.int32), num_pairs
+
+
+def bench_ep_tokens(layer: MoELayer, num_tokens: int, args) -> dict:
+    num_local = NUM_EXPERTS // args.ep_ranks
+    w_gate_up_LGD, w_down_LDF = layer.w_gate_up_LGD[:num_local], layer.w_down_LDF[:num_local]
+    x_PD, offsets_L, num_pairs = ep_rows(layer, num_tokens, args.ep_ranks)
+    paths = {"grouped_mm": lambda: experts(x_PD, offsets_L, w_gate_up_LGD, w_down_LDF, kernels=False),
+             "triton": lambda: experts(x_PD, offsets_L, w_gate_up_LGD, w_down_LDF)}
+    if args.sweep:  # default_config's tiles for each block_m (those of 128, 256, 512, 1024 tokens)
+        for config in map(triton_moe.default_config, (128, 256, 512, 1024)):
+            paths[f"triton_m{config.block_m}"] = (
+                lambda config=config: triton_moe.sorted_experts(x_PD, offsets_L, w_gate_up_LGD, w_down_LDF, config))
+    ref_PD, out_PD = (paths[name]()[:num_pairs].float() for name in ("grouped_mm", "triton"))
+    row = {"tokens": num_tokens, "ranks": args.ep_ranks, "rows": x_PD.shape[0], "pairs": num_pairs,
+           "max_abs_diff": (out_PD - ref_PD).abs().max().item() if num_pairs else 0.0,
+           "scale": ref_PD.abs().max().item() if num_pairs else 0.0, "paths": {}}
+    graphed = num_tokens <= MAX_GRAPH_TOKENS and DEVICE == "cuda"
+    for name, fn in paths.items():
+        row["paths"][name] = {"eager_ms": time_ms(fn, args.reps, False)}
+        if graphed:
+            row["paths"][name]["graph_ms"] = time_ms(fn, args.reps, True)
+        print(num_tokens, name, json.dumps(row["paths"][name]), flush=True)
+    return row
+
+
+def ep_markdown(result: dict) -> str:
+    lines = [f"# Expert step of rank 0 of {result['rows'][0]['ranks']} expert-parallel ranks ({result['env']['gpu']})",
+             "", f"Command: `{result['command']}`", "", f"Environment: {json.dumps(result['env'])}", "",
+             "moe.experts on the rows dispatch gives rank 0 (fixed-capacity buffer up to 256 tokens per rank, "
+             "CUDA-graph replay; exact rows and eager above). ms per layer; diff: largest |triton - grouped_mm| "
+             "on the real pairs (bf16), against the largest |grouped_mm|.", "",
+             "| T per rank | buffer rows | pairs | grouped_mm ms | triton ms | speed-up | diff | largest |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in result["rows"]:
+        ms = {name: p.get("graph_ms", p["eager_ms"]) for name, p in row["paths"].items()}
+        lines.append(f"| {row['tokens']} | {row['rows']} | {row['pairs']} | {ms['grouped_mm']:.3f} | "
+                     f"{ms['triton']:.3f} | {ms['grouped_mm'] / ms['triton']:.2f}x | {row['max_abs_diff']:.3g} | "
+                     f"{row['scale']:.3g} |")
+        if len(ms) > 2:  # --sweep
+            lines.append("|  | block_m sweep (ms): " + ", ".join(f"{name[8:]}: {v:.3f}" for name, v in ms.items()
+                                                           if name.startswith("triton_m")) + " | | | | | | |")
+    return "\n".join(lines + [""])
+
+
 def markdown(result: dict) -> str:
     lines = [f"# One MoE layer, one rank: general path vs triton_moe ({result['env']['gpu']})", "",
              f"Command: `{result['command']}`", "", f"Environment: {json.dumps(result['env'])}", "",
@@ -210,16 +278,21 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
     layer = make_layer()
-    rows = [bench_tokens(layer, int(t), args) for t in args.tokens.split(",")]
+    if NUM_EXPERTS % args.ep_ranks:
+        raise ValueError(f"--ep-ranks {args.ep_ranks} does not divide {NUM_EXPERTS} experts")
+    bench = bench_tokens if args.ep_ranks == 1 else bench_ep_tokens
+    rows = [bench(layer, int(t), args) for t in args.tokens.split(",")]
     gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     result = {"command": " ".join(["python3"] + sys.argv), "rows": rows, "wall_s": time.perf_counter() - start,
               "env": {"torch": torch.__version__, "gpu": gpu, "cuda": torch.version.cuda}}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "moe_large_batch_" + ("h200" if "H200" in gpu else gpu.replace(" ", "_").lower())
+    stem = ("moe_large_batch_" if args.ep_ranks == 1 else f"moe_ep{args.ep_ranks}_experts_") + (
+        "h200" if "H200" in gpu else gpu.replace(" ", "_").lower())
+    text = (markdown if args.ep_ranks == 1 else ep_markdown)(result)
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
-    (out / f"{stem}.md").write_text(markdown(result))
-    print(markdown(result), flush=True)
+    (out / f"{stem}.md").write_text(text)
+    print(text, flush=True)
     return 0
 
 

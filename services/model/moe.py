@@ -277,15 +277,25 @@ def _unpack(recv_JW: Tensor, hidden: int, rank: int, num_local: int,
 
 
 def experts(x_PD: Tensor, offsets_L: Tensor, w_gate_up_LGD: Tensor, w_down_LDF: Tensor,
-            row_block: int = 0) -> Tensor:
-    """The local experts' SwiGLU MLPs over rows grouped by expert: y_PD.
+            row_block: int = 0, *, kernels: bool = True) -> Tensor:
+    """The local experts' SwiGLU MLPs over rows grouped by expert: y_PD (rows past
+    offsets_L[-1], fixed-capacity padding, hold anything: combine gives them weight 0).
 
     row_block > 0 multiplies every group in blocks of exactly that many rows
     (zero padded), so that a row's result does not depend on how many rows
     share its expert: CPU BLAS takes other kernels for small matrices (a
     1-row product differs from the same row in a 16-row one in the last bit),
     and with replicas an expert's rows split over slots differently.
+
+    On CUDA with row_block 0, triton_moe.sorted_experts' Triton GEMMs with SiLU * up
+    fused (the same roundings), unless triton_fused.ENABLED, triton_moe.EP_EXPERTS or
+    `kernels` (False: what triton_moe's gemms="torch" compares) is off.
     """
+    if kernels and x_PD.is_cuda and not row_block:
+        from services.model import triton_fused, triton_moe  # import triton: CUDA only
+
+        if triton_fused.ENABLED and triton_moe.EP_EXPERTS:
+            return triton_moe.sorted_experts(x_PD, offsets_L, w_gate_up_LGD, w_down_LDF)
     gate_PF, up_PF = grouped_mm(x_PD, w_gate_up_LGD, offsets_L, row_block).chunk(2, dim=-1)
     return grouped_mm(F.silu(gate_PF) * up_PF, w_down_LDF, offsets_L, row_block)
 

@@ -9,7 +9,8 @@ CUDA graph, no host reads.
 
 - add_rms_norm_: x += h (in place), then y = rms_norm(x) * w: one kernel.
 - qkv_norm_rotary: the fused q|k|v projection's output -> per-head RMSNorm of
-  q and k, rotary on both, v copied out: one kernel (grid tokens x heads).
+  q and k, rotary on both, v copied out: one kernel (grid token blocks x heads,
+  one token per block in decode steps, up to 16 in prefill).
 - linear: F.linear, by gemv for a single token (batch-1 decode), where cuBLAS
   reads the weight at 2-2.7 TB/s (split-K and its reduce for o_proj): one program
   per few output columns reading its rows once on the CUDA cores, fp32 sums
@@ -58,6 +59,11 @@ MOE_MAX_TOKENS = 16
 # Single-token steps (batch-1 decode) take gemv, gate_route and ONE_TOKEN_MOE_TILES; False
 # keeps cuBLAS, route and the tl.dot expert kernels for them too (to compare).
 SINGLE_TOKEN_KERNELS = True
+# qkv_norm_rotary: steps up to this many tokens run one program per (token, head), as before
+# (131 us per layer at a 4,096-token prefill on an H200, 6.3 ms of a 55 ms step); bigger ones
+# give each program a block of up to QKV_MAX_TOKENS_PER_PROGRAM tokens of one head.
+QKV_ONE_TOKEN_STEPS = 256
+QKV_MAX_TOKENS_PER_PROGRAM = 16
 
 
 @triton.jit
@@ -90,37 +96,49 @@ def add_rms_norm_(x_TD: Tensor, h_TD: Tensor | None, weight_D: Tensor, eps: floa
 
 
 @triton.jit
-def _qkv_norm_rotary_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
-                            num_heads, num_kv_heads, head_dim, eps, BLOCK_K: tl.constexpr):
-    t, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    src = qkv_ptr + (t * (num_heads + 2 * num_kv_heads) + head) * head_dim
+def _qkv_norm_rotary_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, num_tokens,
+                            num_heads, num_kv_heads, head_dim, eps, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    head = tl.program_id(1)
+    src = qkv_ptr + (t[:, None] * (num_heads + 2 * num_kv_heads) + head) * head_dim  # [BLOCK_T, 1]
     d = tl.arange(0, BLOCK_K)
-    mask = d < head_dim
+    mask = (t < num_tokens)[:, None] & (d < head_dim)[None, :]
     if head >= num_heads + num_kv_heads:  # a v head: copied out
         v_head = head - num_heads - num_kv_heads
-        tl.store(v_ptr + (t * num_kv_heads + v_head) * head_dim + d, tl.load(src + d, mask=mask), mask=mask)
+        tl.store(v_ptr + (t[:, None] * num_kv_heads + v_head) * head_dim + d[None, :],
+                 tl.load(src + d[None, :], mask=mask), mask=mask)
     else:
         half = head_dim // 2
         partner = tl.where(d < half, d + half, d - half)
-        x = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
-        x_partner = tl.load(src + partner, mask=mask, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / head_dim + eps)
+        x = tl.load(src + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        x_partner = tl.load(src + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = (1.0 / tl.sqrt(tl.sum(x * x, 1) / head_dim + eps))[:, None]
         is_q = head < num_heads
-        w = tl.where(is_q, tl.load(q_norm_ptr + d, mask=mask, other=0.0),
-                     tl.load(k_norm_ptr + d, mask=mask, other=0.0)).to(tl.float32)
-        w_partner = tl.where(is_q, tl.load(q_norm_ptr + partner, mask=mask, other=0.0),
-                             tl.load(k_norm_ptr + partner, mask=mask, other=0.0)).to(tl.float32)
+        d_mask = d < head_dim
+        w = tl.where(is_q, tl.load(q_norm_ptr + d, mask=d_mask, other=0.0),
+                     tl.load(k_norm_ptr + d, mask=d_mask, other=0.0)).to(tl.float32)[None, :]
+        w_partner = tl.where(is_q, tl.load(q_norm_ptr + partner, mask=d_mask, other=0.0),
+                             tl.load(k_norm_ptr + partner, mask=d_mask, other=0.0)).to(tl.float32)[None, :]
         dtype = q_ptr.dtype.element_ty
         normed = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
         normed_partner = ((x_partner * rstd).to(dtype).to(tl.float32) * w_partner).to(dtype).to(tl.float32)
-        rotated = tl.where(d < half, -normed_partner, normed_partner)
-        cos = tl.load(cos_ptr + t * head_dim + d, mask=mask, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + t * head_dim + d, mask=mask, other=0.0).to(tl.float32)
+        rotated = tl.where((d < half)[None, :], -normed_partner, normed_partner)
+        rope = t[:, None] * head_dim + d[None, :]
+        cos = tl.load(cos_ptr + rope, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + rope, mask=mask, other=0.0).to(tl.float32)
         out = ((normed * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)).to(dtype)
         if is_q:
-            tl.store(q_ptr + (t * num_heads + head) * head_dim + d, out, mask=mask)
+            tl.store(q_ptr + (t[:, None] * num_heads + head) * head_dim + d[None, :], out, mask=mask)
         else:
-            tl.store(k_ptr + (t * num_kv_heads + head - num_heads) * head_dim + d, out, mask=mask)
+            tl.store(k_ptr + (t[:, None] * num_kv_heads + head - num_heads) * head_dim + d[None, :], out,
+                     mask=mask)
+
+
+def qkv_tokens_per_program(num_tokens: int) -> int:
+    """Tokens per qkv_norm_rotary program: 1 up to QKV_ONE_TOKEN_STEPS tokens (decode keeps one
+    program per token and head), then enough for about that many token blocks, at most
+    QKV_MAX_TOKENS_PER_PROGRAM (prefill: far fewer, bigger programs)."""
+    return min(QKV_MAX_TOKENS_PER_PROGRAM, triton.next_power_of_2(triton.cdiv(num_tokens, QKV_ONE_TOKEN_STEPS)))
 
 
 def qkv_norm_rotary(qkv_TX: Tensor, q_norm_K: Tensor, k_norm_K: Tensor, cos_TK: Tensor, sin_TK: Tensor,
@@ -132,9 +150,10 @@ def qkv_norm_rotary(qkv_TX: Tensor, q_norm_K: Tensor, k_norm_K: Tensor, cos_TK: 
     q_THK = qkv_TX.new_empty(num_tokens, num_heads, head_dim)
     k_TGK, v_TGK = (qkv_TX.new_empty(num_tokens, num_kv_heads, head_dim) for _ in range(2))
     if num_tokens:
-        _qkv_norm_rotary_kernel[(num_tokens, num_heads + 2 * num_kv_heads)](
-            qkv_TX, q_norm_K, k_norm_K, cos_TK, sin_TK, q_THK, k_TGK, v_TGK, num_heads, num_kv_heads,
-            head_dim, eps, BLOCK_K=triton.next_power_of_2(head_dim))
+        block_t = qkv_tokens_per_program(num_tokens)
+        _qkv_norm_rotary_kernel[(triton.cdiv(num_tokens, block_t), num_heads + 2 * num_kv_heads)](
+            qkv_TX, q_norm_K, k_norm_K, cos_TK, sin_TK, q_THK, k_TGK, v_TGK, num_tokens, num_heads, num_kv_heads,
+            head_dim, eps, BLOCK_T=block_t, BLOCK_K=triton.next_power_of_2(head_dim))
     return q_THK, k_TGK, v_TGK
 
 

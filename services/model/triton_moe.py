@@ -19,6 +19,10 @@ and up, SiLU, its product, the down output, each weighted output), so outputs ma
 within fp32 summation order. `gemms="torch"` runs steps 3-4 as moe.experts (torch._grouped_mm on
 gathered rows, unpadded segments) instead: the alternative the benchmark compares.
 
+With several ranks, moe.experts runs steps 3-4 on CUDA through sorted_experts: dispatch's rows
+come sorted by local expert, so `segments` (one kernel) pads each expert's segment to BLOCK_M
+positions that name their row, and the same two GEMM kernels take them with K = 1.
+
 Legend as in moe.py: T tokens, D hidden, F expert width, G = 2F, E experts, K experts per token,
 R = T * K routed rows, P = B * BLOCK_M padded positions in B blocks.
 """
@@ -34,8 +38,13 @@ from services.model import moe, triton_fused
 
 # The switch MoELayer reads (False: the general dispatch/combine code, e.g. to compare).
 ENABLED = True
+# The switch moe.experts reads on CUDA (expert-parallel ranks): sorted_experts' Triton GEMMs on
+# dispatch's rows (False: torch._grouped_mm and SiLU * up in torch, e.g. to compare).
+EP_EXPERTS = True
 # Tokens per program of the align kernels: small, so that a decode step spreads over many SMs.
 ALIGN_TOKENS = 16
+# Positions per program of the segments kernel (each compares its positions with every expert).
+SEGMENT_POSITIONS = 32
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -129,7 +138,7 @@ class Alignment:
     """The routed rows sorted by expert, each expert's segment padded to block_m rows."""
 
     sorted_ids_P: Tensor  # routed row r = t * K + k at each position (padding: unset)
-    pos_R: Tensor  # each routed row's position
+    pos_R: Tensor | None  # each routed row's position (None from segments: not needed there)
     starts_E: Tensor  # int32 first position of each expert's segment
     counts_E: Tensor  # int32 routed rows of each expert
     ends_E: Tensor  # int32 padded end of each segment (block_m 1: the grouped-GEMM offsets)
@@ -158,6 +167,45 @@ def align(ids_TK: Tensor, num_experts: int, block_m: int) -> Alignment:
                                      num_tokens, num_experts, num_chunks, TOP_K=top_k, BLOCK_M=block_m,
                                      BLOCK_T=ALIGN_TOKENS, BLOCK_E=block_e, BLOCK_C=64)
     return Alignment(sorted_ids_P, pos_R, starts_E, counts_E, ends_E, block_m)
+
+
+@triton.jit
+def _segments_kernel(offsets_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, num_experts, num_positions,
+                     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    e = tl.arange(0, BLOCK_E)
+    e_mask = e < num_experts
+    row_ends = tl.load(offsets_ptr + e, mask=e_mask, other=0)
+    row_starts = tl.load(offsets_ptr + e - 1, mask=e_mask & (e > 0), other=0)
+    counts = row_ends - row_starts
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    first = e_mask & (tl.program_id(0) == 0)
+    tl.store(starts_ptr + e, starts, mask=first)
+    tl.store(counts_ptr + e, counts, mask=first)
+    tl.store(ends_ptr + e, ends, mask=first)
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    # [positions, experts]: the segment holding each position (none: padding, left unset).
+    in_segment = (p[:, None] >= starts[None, :]) & (p[:, None] < (starts + counts)[None, :])
+    row = tl.sum(tl.where(in_segment, p[:, None] + (row_starts - starts)[None, :], 0), 1)
+    is_row = tl.sum(in_segment.to(tl.int32), 1) > 0
+    tl.store(sorted_ids_ptr + p, row, mask=is_row & (p < num_positions))
+
+
+def segments(offsets_L: Tensor, num_rows: int, block_m: int) -> Alignment:
+    """The Alignment of num_rows rows already sorted by expert (expert l's rows end at
+    offsets_L[l], rows past the last are not read): each expert's rows in a segment padded to
+    block_m, sorted_ids_P the row itself. One kernel, no sort, no host sync."""
+    num_experts = offsets_L.shape[0]
+    num_blocks = (num_rows + min(num_experts, num_rows) * (block_m - 1)) // block_m
+    num_positions, device = num_blocks * block_m, offsets_L.device
+    sorted_ids_P = torch.empty(num_positions, dtype=torch.int32, device=device)
+    starts_E, counts_E, ends_E = torch.zeros(3, num_experts, dtype=torch.int32, device=device)
+    if num_positions:
+        _segments_kernel[(triton.cdiv(num_positions, SEGMENT_POSITIONS),)](
+            offsets_L, sorted_ids_P, starts_E, counts_E, ends_E, num_experts, num_positions, BLOCK_M=block_m,
+            BLOCK_P=SEGMENT_POSITIONS, BLOCK_E=triton.next_power_of_2(num_experts))
+    return Alignment(sorted_ids_P, None, starts_E, counts_E, ends_E, block_m)
 
 
 @triton.jit
@@ -301,6 +349,23 @@ def down(act_PF: Tensor, a: Alignment, w_down_EDF: Tensor, num_routed: int, tile
     return y_RD
 
 
+def sorted_experts(x_PD: Tensor, offsets_L: Tensor, w_gate_up_LGD: Tensor, w_down_LDF: Tensor,
+                   config: MoEConfig | None = None) -> Tensor:
+    """moe.experts (row_block 0) by the Triton GEMMs, for rows dispatch already sorted by local
+    expert: y_PD (P: moe.py's pairs), rows past offsets_L[-1] (fixed-capacity padding) neither
+    read nor written.
+    The segments are padded on the device (no row moves: each position names its row), so
+    it is capturable, the grids sized from P. The default tiles are default_config's for the
+    same rows per expert: its T tokens route K = 8 of E = 128 experts, T / 16 rows each."""
+    num_rows, num_local = x_PD.shape[0], offsets_L.shape[0]
+    assert w_gate_up_LGD.shape[0] == w_down_LDF.shape[0] == num_local
+    assert x_PD.is_contiguous() and w_gate_up_LGD.is_contiguous() and w_down_LDF.is_contiguous()
+    config = config or default_config(16 * num_rows // num_local)
+    a = segments(offsets_L, num_rows, config.block_m)
+    act_PF = gate_up(x_PD, a, w_gate_up_LGD, 1, config.gate_up)
+    return down(act_PF, a, w_down_LDF, num_rows, config.down)
+
+
 def grouped_moe(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up_EGD: Tensor, w_down_EDF: Tensor, top_k: int,
                 norm_topk_prob: bool, hit_counts_E: Tensor, config: MoEConfig | None = None,
                 gemms: str = "triton") -> Tensor:
@@ -314,7 +379,7 @@ def grouped_moe(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up_EGD: Tensor, w_down_E
     if gemms == "torch":
         a = align(ids_TK, num_experts, 1)
         x_PD = x_TD[a.sorted_ids_P // top_k]
-        y_PD = moe.experts(x_PD, a.ends_E, w_gate_up_EGD, w_down_EDF)
+        y_PD = moe.experts(x_PD, a.ends_E, w_gate_up_EGD, w_down_EDF, kernels=False)
         return combine(y_PD, a.pos_R, weights_TK)
     if gemms != "triton":
         raise ValueError(f"gemms must be 'triton' or 'torch', not {gemms!r}")

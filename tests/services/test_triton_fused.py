@@ -49,14 +49,12 @@ def test_add_rms_norm_matches_torch(fused, dim):
     assert fused.add_rms_norm_(torch.empty(0, dim), torch.empty(0, dim), w, 1e-6).shape == (0, dim)
 
 
-@pytest.mark.parametrize("heads", [(4, 2, 32), (3, 1, 24)])
-def test_qkv_norm_rotary_matches_torch(fused, heads):
+def _check_qkv_norm_rotary(fused, heads, num_tokens):
     num_heads, num_kv_heads, head_dim = heads
-    num_tokens = 6
     qkv = _randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, seed=4)
     q_norm, k_norm = _randn(head_dim, seed=5), _randn(head_dim, seed=6)
-    cos, sin = RotaryEmbedding(head_dim, 10000.0, "cpu").cos_sin(torch.tensor([0, 3, 17, 5, 900, 2]),
-                                                                 torch.float32)
+    positions = torch.tensor([0, 3, 17, 5, 900, 2]).repeat(num_tokens // 6 + 1)[:num_tokens]
+    cos, sin = RotaryEmbedding(head_dim, 10000.0, "cpu").cos_sin(positions, torch.float32)
     q, k, v = fused.qkv_norm_rotary(qkv, q_norm, k_norm, cos, sin, num_heads, num_kv_heads, 1e-6)
     q_ref, k_ref, v_ref = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], 1)
     q_ref = apply_rotary(rms_norm(q_ref.reshape(num_tokens, num_heads, head_dim), q_norm, 1e-6), cos, sin)
@@ -64,6 +62,28 @@ def test_qkv_norm_rotary_matches_torch(fused, heads):
     torch.testing.assert_close(q, q_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(v, v_ref.reshape(num_tokens, num_kv_heads, head_dim))
+
+
+@pytest.mark.parametrize("heads", [(4, 2, 32), (3, 1, 24)])
+def test_qkv_norm_rotary_matches_torch(fused, heads):
+    _check_qkv_norm_rotary(fused, heads, 6)
+
+
+@pytest.mark.parametrize("num_tokens", [6, 7, 37])
+@pytest.mark.parametrize("heads", [(4, 2, 32), (3, 1, 24)])
+def test_qkv_norm_rotary_token_blocks(fused, heads, num_tokens, monkeypatch):
+    """Blocks of several tokens per program (as a prefill step takes them, here from 5 tokens
+    on), the last one partial: 6 tokens in blocks of 2, 7 in 2s and 37 in 16s."""
+    monkeypatch.setattr(fused, "QKV_ONE_TOKEN_STEPS", 4)
+    assert fused.qkv_tokens_per_program(num_tokens) == {6: 2, 7: 2, 37: 16}[num_tokens]
+    _check_qkv_norm_rotary(fused, heads, num_tokens)
+
+
+def test_qkv_tokens_per_program(fused):
+    """One token per program up to 256 tokens (decode keeps its grid), then about 256 blocks
+    of up to 16 tokens."""
+    assert [fused.qkv_tokens_per_program(t) for t in (1, 255, 256, 257, 512, 513, 2048, 4096, 65536)] == [
+        1, 1, 1, 2, 2, 4, 8, 16, 16]
 
 
 @pytest.mark.parametrize("norm", [True, False])
@@ -295,6 +315,19 @@ def test_half_precision_rounds_like_torch(fused):
     q, k, _ = fused.qkv_norm_rotary(qkv, norms[0], norms[1], cos, sin, 4, 2, 1e-6)
     assert torch.equal(q, apply_rotary(rms_norm(qkv[:, :512].reshape(3, 4, 128), norms[0], 1e-6), cos, sin))
     assert torch.equal(k, apply_rotary(rms_norm(qkv[:, 512:768].reshape(3, 2, 128), norms[1], 1e-6), cos, sin))
+
+
+def test_half_precision_token_blocks(fused, monkeypatch):
+    """qkv_norm_rotary's token blocks (9 tokens in blocks of 4) round as the torch code: same bits."""
+    half = torch.float16
+    monkeypatch.setattr(fused, "QKV_ONE_TOKEN_STEPS", 4)
+    qkv, norms = _randn(9, 8 * 128, seed=16).to(half), _randn(2, 128, seed=17).to(half)
+    cos, sin = RotaryEmbedding(128, 1e6, "cpu").cos_sin(torch.tensor([1, 50, 3000, 7, 0, 12, 99, 4, 2048]), half)
+    q, k, v = fused.qkv_norm_rotary(qkv, norms[0], norms[1], cos, sin, 4, 2, 1e-6)
+    assert fused.qkv_tokens_per_program(9) == 4
+    assert torch.equal(q, apply_rotary(rms_norm(qkv[:, :512].reshape(9, 4, 128), norms[0], 1e-6), cos, sin))
+    assert torch.equal(k, apply_rotary(rms_norm(qkv[:, 512:768].reshape(9, 2, 128), norms[1], 1e-6), cos, sin))
+    assert torch.equal(v, qkv[:, 768:].reshape(9, 2, 128))
 
 
 def test_op_count_cpu(tmp_path):

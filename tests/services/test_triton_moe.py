@@ -13,7 +13,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from services.model.moe import ExpertComm, MoELayer, step_capacity  # noqa: E402
+from services.model.moe import ExpertComm, MoELayer, combine, dispatch, experts, gate, step_capacity  # noqa: E402
 from tests.triton_interpreter import interpreted  # noqa: E402
 
 
@@ -114,3 +114,124 @@ def test_half_precision_rounds_like_torch(tmoe):
     ulp_TD = (out_TD.float() - expected_TD.float()).abs() / expected_TD.float().abs().clamp_min(1e-3) * 1024
     assert torch.equal(hits_E, expected_hits_E)
     assert (out_TD == expected_TD).float().mean() > 0.95 and ulp_TD.max() <= 2
+
+
+def _coarse(x: torch.Tensor, steps: int) -> torch.Tensor:
+    """x rounded to multiples of 1 / steps (a power of two): the gate and up products of such
+    rows and weights sum exactly in fp32, in any order, so only the roundings can differ."""
+    return (x * steps).round() / steps
+
+
+def _coarse_layer(hidden: int, width: int, dtype, num_experts: int, top_k: int = 3,
+                  exact_down: bool = False) -> MoELayer:
+    """Coarse gate and gate_up weights; exact_down: each output of W_down one of the expert's
+    activations times a power of two, so that the down products sum exactly too."""
+    layer = _moe_layer(hidden, width, dtype=dtype, num_experts=num_experts, top_k=top_k)
+    for w in (layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF):
+        w.copy_(_coarse(w, 256))
+    if exact_down:
+        generator = torch.Generator().manual_seed(hidden)
+        column_LD1 = torch.randint(width, (num_experts, hidden, 1), generator=generator)
+        scale_LD1 = 2.0 ** torch.randint(-2, 2, (num_experts, hidden, 1), generator=generator)
+        layer.w_down_LDF.zero_().scatter_(2, column_LD1, scale_LD1.to(dtype))
+    return layer
+
+
+def _assert_within_one_unit(y_PD: torch.Tensor, expected_PD: torch.Tensor):
+    """fp16 outputs of the same roundings whose last fp32 sums differ in order: the same bits but
+    where such a sum crossed a rounding boundary, there one unit."""
+    unit_PD = torch.finfo(torch.float16).eps * expected_PD.float().abs().clamp_min(2 ** -14)
+    assert ((y_PD.float() - expected_PD.float()).abs() <= unit_PD).all()
+    assert (y_PD != expected_PD).sum() <= 0.01 * y_PD.numel()
+
+
+def _sorted_rows(counts_L: list[int], num_padding: int, hidden: int, dtype, seed: int):
+    """Rows as dispatch gives them (expert l's ending at offsets_L[l]) plus num_padding rows of NaN
+    after them, which must not reach any expert's output."""
+    num_valid = sum(counts_L)
+    x_PD = torch.randn(num_valid + num_padding, hidden, generator=torch.Generator().manual_seed(seed))
+    x_PD = _coarse(x_PD, 64).to(dtype)
+    x_PD[num_valid:] = float("nan")
+    offsets_L = torch.tensor(counts_L, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return x_PD, offsets_L
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+def test_segments_pad_sorted_rows(tmoe, block_m):
+    """Each expert's rows (empty ones too) in a segment padded to block_m, positions naming their row."""
+    counts_L = [3, 0, 17, 1, 0, 0, 40, 16]
+    _, offsets_L = _sorted_rows(counts_L, 0, 1, torch.float32, seed=0)
+    a = tmoe.segments(offsets_L, sum(counts_L) + 5, block_m)  # 5 padding rows: no segment
+    counts_L = torch.tensor(counts_L)
+    padded_L = (counts_L + block_m - 1) // block_m * block_m
+    assert torch.equal(a.counts_E.long(), counts_L)
+    assert torch.equal(a.ends_E.long(), padded_L.cumsum(0))
+    assert torch.equal(a.starts_E.long(), padded_L.cumsum(0) - padded_L)
+    assert a.sorted_ids_P.shape[0] >= int(padded_L.sum()) and a.sorted_ids_P.shape[0] % block_m == 0
+    for expert, (start, count) in enumerate(zip(a.starts_E.tolist(), counts_L.tolist())):
+        first_row = int(offsets_L[expert]) - count
+        assert torch.equal(a.sorted_ids_P[start:start + count].long(), torch.arange(first_row, first_row + count))
+
+
+@pytest.mark.parametrize("counts_L,num_padding", [([], 0), ([0, 0, 0], 4), ([1], 0), ([2, 0, 3], 0),
+                                                  ([5, 0, 9, 1, 0, 22, 2, 0], 6), ([19, 40, 11], 3)])
+@pytest.mark.parametrize("shape", [(48, 40), (64, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sorted_experts_matches_experts(tmoe, counts_L, num_padding, shape, dtype):
+    """Expert-parallel rows (sorted by local expert, NaN padding rows after them, empty experts, P 0)
+    against moe.experts' torch code. Coarse inputs make gate and up exact sums; the down sums still
+    differ in order (numpy's blocks of 16 against the CPU BLAS), and in fp32 so does exp."""
+    hidden, width = shape
+    num_local = max(len(counts_L), 1)
+    layer = _coarse_layer(hidden, width, dtype, num_local)
+    x_PD, offsets_L = _sorted_rows(counts_L, num_padding, hidden, dtype, seed=len(counts_L) + num_padding)
+    if not counts_L:
+        offsets_L = torch.zeros(1, dtype=torch.int32)  # one expert, no rows
+    num_valid = int(offsets_L[-1])
+    expected_PD = experts(x_PD, offsets_L, layer.w_gate_up_LGD, layer.w_down_LDF)
+    y_PD = tmoe.sorted_experts(x_PD, offsets_L, layer.w_gate_up_LGD, layer.w_down_LDF, config=_config(tmoe))
+    assert y_PD.shape == (num_valid + num_padding, hidden) and y_PD.dtype == dtype
+    if dtype == torch.float16:
+        _assert_within_one_unit(y_PD[:num_valid], expected_PD[:num_valid])
+    else:
+        torch.testing.assert_close(y_PD[:num_valid], expected_PD[:num_valid], atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("counts_L,num_padding", [([5, 0, 9, 1, 0, 22, 2, 0], 6), ([19, 40, 11], 3)])
+def test_sorted_experts_rounds_like_torch(tmoe, counts_L, num_padding):
+    """fp16 with every sum exact (coarse rows and weights, one product per down output): only the
+    roundings of gate, up, SiLU, the product and the down output remain, and they are torch's."""
+    layer = _coarse_layer(64, 32, torch.float16, len(counts_L), exact_down=True)
+    x_PD, offsets_L = _sorted_rows(counts_L, num_padding, 64, torch.float16, seed=7)
+    num_valid = sum(counts_L)
+    expected_PD = experts(x_PD, offsets_L, layer.w_gate_up_LGD, layer.w_down_LDF)
+    y_PD = tmoe.sorted_experts(x_PD, offsets_L, layer.w_gate_up_LGD, layer.w_down_LDF, config=_config(tmoe))
+    assert torch.equal(y_PD[:num_valid], expected_PD[:num_valid])
+
+
+@pytest.mark.parametrize("num_tokens,fixed,has_padding", [(0, True, True), (1, True, False), (13, True, True),
+                                                          (13, False, False), (40, False, False)])
+def test_sorted_experts_in_the_layer(tmoe, num_tokens, fixed, has_padding):
+    """gate -> dispatch -> sorted_experts -> combine against the torch experts (fp16), in both
+    dispatch modes: the fixed-capacity buffer's padding pairs (left unset) never reach a token."""
+    top_k, dtype = 3, torch.float16
+    layer = _coarse_layer(64, 32, dtype, 8, top_k, exact_down=True)
+    x_TD = _coarse(torch.randn(num_tokens, 64, generator=torch.Generator().manual_seed(num_tokens)), 64).to(dtype)
+    ids_TK, weights_TK, counts_E = gate(x_TD, layer.w_gate_ED, top_k, True)
+    capacity = step_capacity(num_tokens, top_k, 8, 256 if fixed else 0)
+    x_PD, meta = dispatch(x_TD, ids_TK, weights_TK, counts_E, layer.comm, capacity)
+    assert has_padding == (x_PD.shape[0] > int(meta.offsets_L[-1]))  # pairs past the last expert's
+    expected_TD = combine(experts(x_PD, meta.offsets_L, layer.w_gate_up_LGD, layer.w_down_LDF), meta, layer.comm)
+    y_PD = tmoe.sorted_experts(x_PD, meta.offsets_L, layer.w_gate_up_LGD, layer.w_down_LDF, config=_config(tmoe))
+    out_TD = combine(y_PD, meta, layer.comm)
+    assert torch.equal(out_TD, expected_TD) and bool(out_TD.isfinite().all())
+
+
+def test_sorted_experts_default_config(tmoe):
+    """The GPU's tiles for 20 rows per expert (block_m 64: wide blocks past D and F)."""
+    layer = _moe_layer(48, 40, num_experts=4)
+    x_PD, offsets_L = _sorted_rows([30, 0, 41, 9], 2, 48, torch.float32, seed=3)
+    assert tmoe.default_config(16 * x_PD.shape[0] // 4).block_m == 64
+    y_PD = tmoe.sorted_experts(x_PD, offsets_L, layer.w_gate_up_LGD, layer.w_down_LDF)
+    expected_PD = experts(x_PD, offsets_L, layer.w_gate_up_LGD, layer.w_down_LDF)
+    torch.testing.assert_close(y_PD[:80], expected_PD[:80], atol=1e-5, rtol=1e-5)
