@@ -25,7 +25,7 @@ from scheduler_svc.election import Election, LeaderProbe
 from scheduler_svc.gateway_probe import GatewayProbe, probe_gateways
 from scheduler_svc.leader_probe import HealthCheck
 from scheduler_svc.observability import LeaderWatch
-from scheduler_svc.servicer import SchedulerServicer
+from scheduler_svc.servicer import ClusterView, SchedulerServicer
 from scheduler_svc.state import RepairState, lead_groups
 from services import http_probes, settings
 from services.cluster import ClusterClient, cancel_and_wait
@@ -44,8 +44,11 @@ async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
     client = ClusterClient(config.etcd, prefix=config.key_prefix)
     leader_watch = LeaderWatch(client, config.member_id)  # leadership metrics and /readyz
     probes = await http_probes.start_probes(ROLE, config, leader_watch.readiness)
+    # GetClusterState's view of the prefix; it also feeds the leadership metrics.
+    view = ClusterView(client, on_change=lambda snapshot: leader_watch.observe(snapshot.leader))
     election: Election | None = None  # needs the server's address, and the servicer needs the election
-    servicer = SchedulerServicer(client, config.member_id, lambda: None if election is None else election.leadership)
+    servicer = SchedulerServicer(client, config.member_id, lambda: None if election is None else election.leadership,
+                                 view)
     server = await start_server(
         [lambda s: scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, s)],
         [SERVICE_NAME], host=config.host, port=config.port,
@@ -56,7 +59,7 @@ async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
         await client.connect(wait_s=None)
         address = config.address(server.port)
         await client.register(ROLE, config.member_id, address, ttl=config.lease_ttl_s)
-        watch = asyncio.create_task(leader_watch.run(), name="leader-metrics")
+        watch = asyncio.create_task(view.run(), name="cluster-view")
         election = Election(client, config.member_id, address, probe=leader_probe(config, health_check))
         campaign = asyncio.create_task(election.run(lambda leadership: with_gateway_probe(
             client, config, lead_groups(client, leadership, config.group_size, RepairState(
@@ -78,7 +81,7 @@ async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
         await client.close()
         log.info("deregistered")
         await server.set_serving(False)
-        await cancel_and_wait([campaign, watch], what="the election and the leader metrics watch")
+        await cancel_and_wait([campaign, watch], what="the election and the cluster view")
         await health_check.close()
         await server.stop(grace_s=1.0)
         await probes.close()

@@ -1,7 +1,8 @@
 """Leadership metrics and readiness of one scheduler replica.
 
-`LeaderWatch.run` follows `/leader` with a watch of its own (independent of
-the election, whose logic it does not touch) and keeps the gauges:
+`LeaderWatch.observe` is fed every leader the replica's watch of the whole
+prefix sees (servicer.ClusterView, independent of the election, whose logic
+it does not touch) and keeps the gauges:
 is this replica the leader, is there a leader, its term; counts each new
 term seen (leader changes, the first leader this replica sees excluded) and
 measures failovers: from the moment the replica saw the leader key go to
@@ -12,7 +13,6 @@ empty key in between (seen as one change) counts as a change with no
 failover measured.
 """
 
-import contextlib
 import logging
 import time
 
@@ -55,12 +55,6 @@ class LeaderWatch:
                          now - self._leaderless_since)
         self._term = leader.term
         self._leaderless_since = None
-
-    async def run(self) -> None:
-        """Follows /leader until cancelled (or the client is closed)."""
-        async with contextlib.aclosing(self._client.watch_leader()) as leaders:
-            async for leader in leaders:
-                self.observe(leader)
 
     def readiness(self) -> dict:
         """/readyz: ready once registered in etcd with a live session."""

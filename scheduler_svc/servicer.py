@@ -1,5 +1,15 @@
-"""SchedulerService over gRPC: the cluster state from etcd as protobuf."""
+"""SchedulerService over gRPC: the cluster state from etcd as protobuf.
 
+GetClusterState answers from the replica's watch of the whole prefix
+(ClusterView), not from an etcd read per call: during a failover the new
+leader's first answers would otherwise queue behind the new term's start-up
+reads, and a client polling the replicas would add a read of everything per
+poll. A replica whose etcd session is not live (etcd unreachable, or the
+keepalive failing) reads etcd instead, so it answers UNAVAILABLE rather
+than from a view it cannot vouch for.
+"""
+
+import contextlib
 from collections.abc import Callable
 
 import grpc
@@ -18,23 +28,52 @@ _ROLES = {
 }
 
 
+class ClusterView:
+    """The cluster state as this replica's watch of the prefix last saw it
+    (ClusterClient.watch_snapshot): one revision, milliseconds behind etcd."""
+
+    def __init__(self, client: ClusterClient, on_change: Callable[[ClusterSnapshot], None] = lambda _: None):
+        self._client = client
+        self._on_change = on_change
+        self._snapshot: ClusterSnapshot | None = None
+
+    async def run(self) -> None:
+        """Follows the prefix until cancelled (or the client is closed)."""
+        async with contextlib.aclosing(self._client.watch_snapshot()) as snapshots:
+            async for snapshot in snapshots:
+                self._snapshot = snapshot
+                self._on_change(snapshot)
+
+    def current(self) -> ClusterSnapshot | None:
+        """The watched snapshot; None before the first one, and while this
+        replica's session is not live (its watch may be cut off as well)."""
+        session = self._client.session
+        if session is None or session.lost.is_set() or self._client.is_closed:
+            return None
+        return self._snapshot
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
-    """Answers reads on every replica, from one etcd snapshot per call.
+    """Answers reads on every replica, from the view (else one etcd snapshot).
 
     `leadership` says which term this replica's election holds now (None: it
     follows): a replica is the leader only once it acts as one, not merely
     because etcd names it."""
 
-    def __init__(self, client: ClusterClient, replica_id: str, leadership: Callable[[], Leadership | None]):
+    def __init__(self, client: ClusterClient, replica_id: str, leadership: Callable[[], Leadership | None],
+                 view: ClusterView):
         self._client = client
         self._replica_id = replica_id
         self._leadership = leadership
+        self._view = view
 
     async def GetClusterState(self, request, context):
-        try:
-            snapshot = await self._client.snapshot()
-        except ClusterUnavailableError as error:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unreachable: {error}")
+        snapshot = self._view.current()
+        if snapshot is None:
+            try:
+                snapshot = await self._client.snapshot()
+            except ClusterUnavailableError as error:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unreachable: {error}")
         held = self._leadership()
         return cluster_state_pb(snapshot, self._replica_id, None if held is None else held.term)
 

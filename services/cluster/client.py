@@ -42,6 +42,32 @@ class ClusterClient(GroupOps):
         result = await self._retry("snapshot", self._etcd.get_prefix, self.keys.root.encode())
         return self.keys.parse(result.header.revision, result)
 
+    async def watch_snapshot(self) -> AsyncIterator[ClusterSnapshot]:
+        """Everything under the prefix now and after each change, each at one
+        revision: the changes are applied from the watch's events, so a
+        replica that answers reads from it costs etcd no read per answer.
+        It lags etcd by one watch delivery (milliseconds)."""
+        kv_by_key: dict[bytes, object] = {}
+
+        async def read() -> tuple[int, ClusterSnapshot]:
+            result = await self._retry("snapshot", self._etcd.get_prefix, self.keys.root.encode())
+            kv_by_key.clear()
+            kv_by_key.update((kv.key, kv) for kv in result)
+            return result.header.revision, self.keys.parse(result.header.revision, result)
+
+        def after(events: list) -> ClusterSnapshot:
+            for event in events:
+                if event.type == etcd_rpc.Event.DELETE:
+                    kv_by_key.pop(event.kv.key, None)
+                else:
+                    kv_by_key[event.kv.key] = event.kv
+            # The last event's revision is the newest (a delete event's kv carries its revision too).
+            return self.keys.parse(events[-1].kv.mod_revision, kv_by_key.values())
+
+        async with contextlib.aclosing(self._watch_state(self.keys.root, read, from_events=after)) as states:
+            async for snapshot in states:
+                yield snapshot
+
     async def list_members(self, role: str | None = None) -> list[Member]:
         return (await self._read_prefix(self._members_prefix(role)))[1].members
 

@@ -105,7 +105,7 @@ def test_propose_placement_over_grpc_maps_the_errors_to_status_codes(etcd, key_p
     import grpc
 
     from moe.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-    from scheduler_svc.servicer import SchedulerServicer
+    from scheduler_svc.servicer import ClusterView, SchedulerServicer
     from services import grpc_util
 
     def request(expected_epoch: int, term: int, spares=(4, 0)) -> scheduler_pb2.ProposePlacementRequest:
@@ -115,7 +115,7 @@ def test_propose_placement_over_grpc_maps_the_errors_to_status_codes(etcd, key_p
 
     async def body():
         client, term = await _leader(etcd, key_prefix, "s0")
-        servicers = {name: SchedulerServicer(client, name, lambda: None) for name in ("s0", "s1")}
+        servicers = {name: SchedulerServicer(client, name, lambda: None, ClusterView(client)) for name in ("s0", "s1")}
         servers = [await grpc_util.start_server(
             [lambda s, v=v: scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(v, s)], [])
             for v in servicers.values()]

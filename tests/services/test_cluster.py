@@ -219,6 +219,48 @@ def test_member_watch_of_a_role_sees_each_registration_with_its_lease(etcd):
     run(body())
 
 
+def test_watch_snapshot_applies_each_change_at_its_revision(etcd):
+    """The watched snapshot (what GetClusterState answers from) equals a read
+    of everything at the same revision after each kind of change: a member
+    joins, a leader is elected and hands over, a group is written, a member
+    leaves (a delete: its lease revoked)."""
+    async def body():
+        prefix = "/t-watch-snapshot"
+        s0, s1, reader = (ClusterClient(etcd.endpoint, prefix=prefix) for _ in range(3))
+        for client in (s0, s1, reader):
+            await client.connect()
+        seen: list = []
+
+        async def follow():
+            async for snapshot in reader.watch_snapshot():
+                seen.append(snapshot)
+
+        async def matches_a_read() -> bool:
+            read = await reader.snapshot()
+            return bool(seen) and seen[-1] == read
+
+        task = asyncio.create_task(follow())
+        assert await eventually(lambda: seen and seen[-1].members == [])
+        await s0.register("scheduler", "s0", "127.0.0.1:1", ttl=2)
+        await s1.register("scheduler", "s1", "127.0.0.1:2", ttl=2)
+        term = (await s0.campaign("s0", "127.0.0.1:1")).term
+        assert await s0.write_groups(term, [group(term)])
+        assert await eventually(matches_a_read)
+        assert seen[-1].leader.term == term and [g.group_id for g in seen[-1].groups] == ["g0"]
+        new_leader = await s0.handover(term, "s0", await s0.list_members("scheduler"))
+        assert await eventually(lambda: seen[-1].leader == new_leader)
+        await s0.close()  # its member key goes: a delete event
+        assert await eventually(matches_a_read)
+        assert [m.member_id for m in seen[-1].members] == ["s1"] and seen[-1].leader.member_id == "s1"
+        revisions = [snapshot.revision for snapshot in seen]
+        assert revisions == sorted(revisions) and len(set(revisions)) == len(revisions)
+        assert await cancel_and_wait([task], 2.0)
+        await s1.close()
+        await reader.close()
+
+    run(body())
+
+
 def test_writes_under_a_lease_that_is_gone_wait_for_the_next_session(etcd):
     """A lease revoked before the keepalive noticed: a campaign fails as etcd
     being unavailable (the election retries; no traceback), and marking a
