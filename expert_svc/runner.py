@@ -242,7 +242,8 @@ class StepRunner:
             self._seqs[sched.seq_id].block_table.extend(sched.new_block_ids)
 
     def _inputs(self, scheduled) -> tuple[list[SeqInput], TokenFeed | None]:
-        """The step's sequences, a decode input fed from the device (its host-side id is 0 until the device gather writes the sampled token)."""
+        """The step's sequences; a decode input is fed from the device (its host-side
+        id is 0 until the device gather writes the sampled token)."""
         seqs, fed_rows, fed_tokens, num_tokens = [], [], [], 0
         for sched in scheduled:
             seq = self._seqs[sched.seq_id]
