@@ -54,7 +54,9 @@ from services.kv_pool import KVPool  # noqa: E402
 from services.model.batch import SeqInput, build_forward_batch  # noqa: E402
 from services.model.checkpoint import expected_tensors  # noqa: E402
 from services.model.config import ModelConfig  # noqa: E402
-from services.model.moe import ExpertComm, combine, dispatch, gate, local_expert_ids, step_capacity  # noqa: E402
+from services.model.moe import (  # noqa: E402
+    ExpertComm, MoELayer, combine, dispatch, gate, local_expert_ids, step_capacity,
+)
 from services.model.qwen3_moe import Qwen3MoeModel  # noqa: E402
 
 WORLD_SIZE = 2
@@ -285,6 +287,49 @@ def time_dispatch_combine(rank: int, settings: Settings, device, *, graphed: boo
     return rows
 
 
+# The whole MoE layer at Qwen3-30B-A3B's shape (section 3): experts, width, top-k; hidden from LARGE.
+LAYER_EXPERTS, LAYER_WIDTH, LAYER_TOP_K = 128, 768, 8
+
+
+def time_moe_layer(rank: int, settings: Settings, device) -> list[dict]:
+    """CUDA: one whole MoE layer of Qwen3-30B-A3B's shape (128 experts, 64 per rank) replayed as a
+    CUDA graph per batch size, through moe.py's dispatch / sorted_experts / combine and through
+    triton_ep's gather / reduce-scatter; each output's largest difference from the one-rank
+    layer holding every expert (triton_moe.grouped_moe on the same tokens)."""
+    from services.model import triton_ep
+
+    hidden, comm = LARGE.hidden_size, ExpertComm(dist.group.WORLD)
+    g = torch.Generator(device=device).manual_seed(settings.seed + 2)  # the same weights on both ranks
+    w_gate_ED = torch.randn(LAYER_EXPERTS, hidden, generator=g, device=device, dtype=settings.torch_dtype) * 0.02
+    w_gate_up_EGD = torch.randn(LAYER_EXPERTS, 2 * LAYER_WIDTH, hidden, generator=g, device=device,
+                                dtype=settings.torch_dtype) * 0.02
+    w_down_EDF = torch.randn(LAYER_EXPERTS, hidden, LAYER_WIDTH, generator=g, device=device,
+                             dtype=settings.torch_dtype) * 0.02
+    mine = local_expert_ids(LAYER_EXPERTS, rank, WORLD_SIZE)
+    hits_E = torch.zeros(LAYER_EXPERTS, dtype=torch.int64, device=device)
+    layer = MoELayer(w_gate_ED, w_gate_up_EGD[mine.start:mine.stop].contiguous(),
+                     w_down_EDF[mine.start:mine.stop].contiguous(), top_k=LAYER_TOP_K, norm_topk_prob=True,
+                     comm=comm, hit_counts_E=hits_E)
+    one_rank = MoELayer(w_gate_ED, w_gate_up_EGD, w_down_EDF, top_k=LAYER_TOP_K, norm_topk_prob=True,
+                        comm=ExpertComm.local(), hit_counts_E=hits_E.clone())
+    rows, (mark, elapsed) = [], _timer(device)
+    for batch_size in settings.batch_sizes:
+        x_TD = torch.randn(batch_size, hidden, generator=torch.Generator(device=device).manual_seed(rank),
+                           device=device, dtype=settings.torch_dtype)
+        capacity = step_capacity(batch_size, LAYER_TOP_K, len(mine), max_fixed_tokens=1 << 30)
+        expected_TD = one_rank(x_TD)
+        for name, gathered in (("dispatch + combine (moe.py)", False), ("gather + reduce-scatter (triton_ep)", True)):
+            triton_ep.ENABLED = gathered
+            run = _graphed(lambda: (layer(x_TD, capacity), None), mark)
+            _, total_ms, out_TD = _time(run, settings, device, mark, elapsed)
+            rows.append({"batch_per_rank": batch_size, "mode": name, "rank": rank,
+                         "total_us": 1e3 * statistics.median(total_ms),
+                         "max_abs_diff": (out_TD.float() - expected_TD.float()).abs().max().item(),
+                         "max_abs_out": expected_TD.float().abs().max().item()})
+    triton_ep.ENABLED = True
+    return rows
+
+
 def _time(run, settings: Settings, device, mark, elapsed) -> tuple[list[float], list[float], torch.Tensor]:
     """ms from start to the middle mark and to the end, per iteration, after a warm-up;
     and the last iteration's output."""
@@ -344,6 +389,13 @@ def worker(rank: int, settings: Settings) -> None:
             rows += _gather(graphed)
             if rank == 0:
                 _report(settings, correctness, rows, time.perf_counter() - started)
+            try:
+                layer_rows = time_moe_layer(rank, settings, device)
+            except RuntimeError as error:
+                layer_rows = [{"mode": "whole MoE layer", "rank": rank, "error": repr(error)}]
+            rows += _gather(layer_rows)
+            if rank == 0:
+                _report(settings, correctness, rows, time.perf_counter() - started)
     finally:
         dist.destroy_process_group()
 
@@ -401,10 +453,22 @@ def _report(settings: Settings, correctness: dict, rows: list[dict], seconds: fl
         if "error" not in row:
             key = (row["batch_per_rank"], row["mode"])
             max_diffs[key] = max(max_diffs.get(key, 0.0), row["max_abs_diff"])
+    layer_rows = []
     for (batch_size, mode), row in sorted(slowest.items(), key=lambda kv: kv[0][0]):
+        if "sent_bytes" not in row:  # a whole-layer row (time_moe_layer)
+            layer_rows.append(row)
+            continue
         parts = ["-" if row[k] is None else f"{row[k]:.1f}" for k in ("dispatch_us", "combine_us")]
         lines.append(f"| {batch_size} | {mode} | {parts[0]} | {parts[1]} | {row['total_us']:.1f} | "
                      f"{row['sent_bytes'] / 1024:.1f} | {max_diffs[batch_size, mode]:.3g} |")
+    if layer_rows:
+        lines += ["", f"## One whole MoE layer, {LAYER_EXPERTS} experts ({LAYER_EXPERTS // WORLD_SIZE} per rank), "
+                  f"top-{LAYER_TOP_K}, width {LAYER_WIDTH}: CUDA graph replays (median, slower rank, microseconds)", "",
+                  "max diff: the largest |output - one-rank layer| of any rank, relative to the largest output.", "",
+                  "| batch per rank | mode | total | max diff (relative) |", "|---:|---|---:|---:|"]
+        for row in layer_rows:
+            relative = max_diffs[row["batch_per_rank"], row["mode"]] / max(row["max_abs_out"], 1e-30)
+            lines.append(f"| {row['batch_per_rank']} | {row['mode']} | {row['total_us']:.1f} | {relative:.3g} |")
     lines += [f"\n{row['mode']} failed on rank {row['rank']}: {row['error']}" for row in errors]
     lines += ["", f"Wall time: {seconds:.1f} s", ""]
     text = "\n".join(lines)

@@ -14,7 +14,8 @@ sampled out at the gateway) get no span; with tracing off `SequenceTracer`
 is not created at all.
 
 All-to-all: `MeteredExpertComm` counts the bytes of every all_to_all the
-MoE layers send (the size of the send buffer, the rank's own share
+MoE layers send (on CUDA with several ranks: of every all_gather and
+reduce_scatter of services/model/triton_ep.py, which replace them) (the size of the send buffer, the rank's own share
 included: a host-side product of the tensor's shape, no device access) and,
 when timed, the host time around each call. The CPU's gloo collectives are
 synchronous, so they are always timed; on CUDA the calls only enqueue work,
@@ -36,7 +37,8 @@ from services.model.moe import ExpertComm
 
 
 class MeteredExpertComm(ExpertComm):
-    """ExpertComm that adds up the bytes (and, if timed, seconds) of its all-to-alls."""
+    """ExpertComm that adds up the bytes (and, if timed, seconds) of its MoE collectives: the
+    all-to-alls, and on CUDA with several ranks triton_ep's all_gather and reduce_scatter."""
 
     def __init__(self, group, *, is_timed: bool, is_cuda: bool = False):
         super().__init__(group)
@@ -46,14 +48,24 @@ class MeteredExpertComm(ExpertComm):
         self.step_seconds = 0.0
 
     def all_to_all(self, out, inp, out_splits=None, in_splits=None) -> None:
+        self._metered(inp, lambda: super(MeteredExpertComm, self).all_to_all(out, inp, out_splits, in_splits))
+
+    def all_gather(self, out, inp) -> None:
+        self._metered(inp, lambda: super(MeteredExpertComm, self).all_gather(out, inp))
+
+    def reduce_scatter(self, out, inp) -> None:
+        self._metered(inp, lambda: super(MeteredExpertComm, self).reduce_scatter(out, inp))
+
+    def _metered(self, inp, call) -> None:
+        """call(), counting inp's bytes and, if timed, the host time around it."""
         self.step_bytes += inp.numel() * inp.element_size()
         if not self._is_timed:
-            super().all_to_all(out, inp, out_splits, in_splits)
+            call()
             return
         if self._is_cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        super().all_to_all(out, inp, out_splits, in_splits)
+        call()
         if self._is_cuda:
             torch.cuda.synchronize()
         self.step_seconds += time.perf_counter() - start

@@ -13,6 +13,11 @@ even with no tokens (an idle step), so that the collectives of all ranks line
 up. With one rank, `ExpertComm.local()` turns the exchanges into copies but the
 same dispatch/combine code runs.
 
+On CUDA with several ranks MoELayer takes services/model/triton_ep.py instead:
+every rank gathers every rank's rows and reduce-scatters fp32 partials (a few
+kernels and two collectives a layer, the same roundings as the
+fixed-capacity mode below); what follows is the CPU's path and the fallback.
+
 Dispatch sends a token's row at most once to each rank, whatever number of
 its K experts live there, with the token's K expert ids and weights appended
 (one all_to_all: no separate metadata message). The receiving rank expands
@@ -101,6 +106,20 @@ class ExpertComm:
         else:
             dist.all_to_all_single(out, inp, None if out_splits is None else list(out_splits),
                                    None if in_splits is None else list(in_splits), group=self.group)
+
+    def all_gather(self, out: Tensor, inp: Tensor) -> None:
+        """Every rank's inp, stacked along dim 0 in rank order, into out."""
+        if self.group is None:
+            out.copy_(inp)
+        else:
+            dist.all_gather_into_tensor(out, inp, group=self.group)
+
+    def reduce_scatter(self, out: Tensor, inp: Tensor) -> None:
+        """out = the sum over the ranks of their inp's rank-th block of rows (dim 0)."""
+        if self.group is None:
+            out.copy_(inp)
+        else:
+            dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=self.group)
 
     def max_over_ranks(self, value: int, device) -> int:
         """The largest `value` any rank passes (one small all_reduce and a host sync)."""
@@ -343,6 +362,16 @@ def _blocked_grouped_mm(x_PI: Tensor, w_LOI: Tensor, offsets_L: Tensor, row_bloc
     return out_PO
 
 
+def gathers_on(device: torch.device) -> bool:
+    """Whether expert-parallel layers on this device take triton_ep's gather / reduce-scatter
+    (CUDA with triton_fused and triton_ep ENABLED), at a fixed capacity for every step."""
+    if device.type != "cuda":
+        return False
+    from services.model import triton_ep, triton_fused  # imports triton: CUDA only
+
+    return triton_fused.ENABLED and triton_ep.ENABLED
+
+
 @functools.cache
 def _has_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
     """Whether torch._grouped_mm runs for this device and dtype (probed once)."""
@@ -393,6 +422,10 @@ class MoELayer:
 
     def __call__(self, x_TD: Tensor, capacity: int | None = None) -> Tensor:
         """The layer on this rank's tokens; `capacity` picks the dispatch mode (see dispatch)."""
+        if self.comm.world_size > 1 and capacity is not None and gathers_on(x_TD.device):
+            from services.model import triton_ep  # imports triton: CUDA only
+
+            return triton_ep.gathered_moe(self, x_TD, capacity // min(self.top_k, self.w_gate_up_LGD.shape[0]))
         if self.comm.world_size == 1 and x_TD.is_cuda:  # one rank: fused kernels
             from services.model import triton_fused, triton_moe  # import triton: CUDA only
 

@@ -20,7 +20,7 @@ from services.model.batch import ForwardBatch
 from services.model.config import ModelConfig
 from services.model.layers import RotaryEmbedding, apply_rotary, rms_norm, swiglu_mlp
 from services.model.expert_map import SlotMap
-from services.model.moe import ExpertComm, MoELayer, gate, local_expert_ids, step_capacity
+from services.model.moe import ExpertComm, MoELayer, gate, gathers_on, local_expert_ids, step_capacity
 
 # Steps whose largest rank batch has at most this many tokens dispatch with
 # fixed-capacity buffers (decode); bigger ones with host splits (prefill).
@@ -151,9 +151,15 @@ class Qwen3MoeModel:
 
     def dispatch_capacity(self, max_tokens_per_rank: int) -> int | None:
         """The MoE dispatch capacity of a step whose largest rank batch has this many
-        tokens (moe.step_capacity): None for host splits. The same on every rank."""
-        return step_capacity(max_tokens_per_rank, self.config.num_experts_per_tok,
-                             self.num_local_slots, self.max_fixed_capacity_tokens)
+        tokens (moe.step_capacity): None for host splits. The same on every rank.
+        Expert-parallel layers on CUDA (moe.gathers_on) take every step at a fixed
+        capacity: bigger steps than the decode buckets at exactly their largest rank's
+        tokens."""
+        capacity = step_capacity(max_tokens_per_rank, self.config.num_experts_per_tok,
+                                 self.num_local_slots, self.max_fixed_capacity_tokens)
+        if capacity is None and self.comm.world_size > 1 and gathers_on(self.device):
+            capacity = max_tokens_per_rank * min(self.config.num_experts_per_tok, self.num_local_slots)
+        return capacity
 
     @torch.inference_mode()
     def forward_at_capacity(self, batch: ForwardBatch, kv: KVPool, capacity: int | None, *,

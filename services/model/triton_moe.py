@@ -80,28 +80,38 @@ def default_config(num_tokens: int) -> MoEConfig:
 
 
 @triton.jit
-def _expert_members(ids_ptr, t, t_mask, e, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-    """[tokens, experts] int32: 1 where the token routes to the expert."""
+def _local_ids(ids_ptr, t, t_mask, k, ids_stride, id_offset, num_experts):
+    """Token t's k-th expert as a local id (its id - id_offset), -1 where that is no expert
+    of [0, num_experts): another rank's, or none (padding)."""
+    ids_k = tl.load(ids_ptr + t * ids_stride + k, mask=t_mask, other=-1).to(tl.int32) - id_offset
+    return tl.where(t_mask & (ids_k >= 0) & (ids_k < num_experts), ids_k, -1)
+
+
+@triton.jit
+def _expert_members(ids_ptr, t, t_mask, e, ids_stride, id_offset, num_experts, TOP_K: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """[tokens, experts] int32: 1 where the token routes to the (local) expert."""
     member = tl.zeros([BLOCK_T, BLOCK_E], tl.int32)
     for k in tl.static_range(TOP_K):
-        ids_k = tl.load(ids_ptr + t * TOP_K + k, mask=t_mask, other=-1)
+        ids_k = _local_ids(ids_ptr, t, t_mask, k, ids_stride, id_offset, num_experts)
         member += (ids_k[:, None] == e[None, :]).to(tl.int32)
     return member
 
 
 @triton.jit
-def _count_kernel(ids_ptr, chunk_counts_ptr, num_tokens, num_experts, TOP_K: tl.constexpr,
+def _count_kernel(ids_ptr, chunk_counts_ptr, num_tokens, num_experts, ids_stride, id_offset, TOP_K: tl.constexpr,
                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
     chunk = tl.program_id(0)
     t = chunk * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, BLOCK_E)
-    counts = tl.sum(_expert_members(ids_ptr, t, t < num_tokens, e, TOP_K, BLOCK_T, BLOCK_E), 0)
+    counts = tl.sum(_expert_members(ids_ptr, t, t < num_tokens, e, ids_stride, id_offset, num_experts, TOP_K, BLOCK_T,
+                                    BLOCK_E), 0)
     tl.store(chunk_counts_ptr + chunk * num_experts + e, counts, mask=e < num_experts)
 
 
 @triton.jit
 def _place_kernel(ids_ptr, chunk_counts_ptr, sorted_ids_ptr, pos_ptr, starts_ptr, counts_ptr, ends_ptr,
-                  num_tokens, num_experts, num_chunks, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                  num_tokens, num_experts, num_chunks, ids_stride, id_offset, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr):
     chunk = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
@@ -123,13 +133,13 @@ def _place_kernel(ids_ptr, chunk_counts_ptr, sorted_ids_ptr, pos_ptr, starts_ptr
     tl.store(ends_ptr + e, ends, mask=first)
     t = chunk * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = t < num_tokens
-    member = _expert_members(ids_ptr, t, t_mask, e, TOP_K, BLOCK_T, BLOCK_E)
+    member = _expert_members(ids_ptr, t, t_mask, e, ids_stride, id_offset, num_experts, TOP_K, BLOCK_T, BLOCK_E)
     # A row's place: its expert's start, the rows of earlier chunks, then earlier tokens of this one.
     pos_TE = (starts + before)[None, :] + tl.cumsum(member, 0) - member
     for k in tl.static_range(TOP_K):
-        ids_k = tl.load(ids_ptr + t * TOP_K + k, mask=t_mask, other=-1)
+        ids_k = _local_ids(ids_ptr, t, t_mask, k, ids_stride, id_offset, num_experts)
         pos = tl.sum(tl.where(ids_k[:, None] == e[None, :], pos_TE, 0), 1)
-        tl.store(sorted_ids_ptr + pos, t * TOP_K + k, mask=t_mask)
+        tl.store(sorted_ids_ptr + pos, t * TOP_K + k, mask=ids_k >= 0)  # rows of no local expert: no place
         tl.store(pos_ptr + t * TOP_K + k, pos, mask=t_mask)
 
 
@@ -145,9 +155,16 @@ class Alignment:
     block_m: int
 
 
-def align(ids_TK: Tensor, num_experts: int, block_m: int) -> Alignment:
-    """Counting sort of the routed rows by expert (each token's ids distinct), stable in r."""
+def align(ids_TK: Tensor, num_experts: int, block_m: int, id_offset: int = 0) -> Alignment:
+    """Counting sort of the routed rows by expert (each token's ids distinct), stable in r.
+
+    ids_TK may be a strided view (its rows any stride, its columns contiguous). Expert
+    ids_TK[t, k] - id_offset is the local expert; a routed row whose local id is outside
+    [0, num_experts) (another rank's expert, or padding) gets no position (its pos_R is
+    meaningless) and is counted nowhere.
+    """
     num_tokens, top_k = ids_TK.shape
+    assert top_k <= 1 or ids_TK.stride(1) == 1
     num_routed = num_tokens * top_k
     # Each non-empty expert pads at most block_m - 1 rows.
     num_blocks = (num_routed + min(num_experts, num_routed) * (block_m - 1)) // block_m
@@ -161,10 +178,12 @@ def align(ids_TK: Tensor, num_experts: int, block_m: int) -> Alignment:
         num_chunks = triton.cdiv(num_tokens, ALIGN_TOKENS)
         chunk_counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=device)
         block_e = triton.next_power_of_2(num_experts)
-        _count_kernel[(num_chunks,)](ids_TK, chunk_counts, num_tokens, num_experts, TOP_K=top_k,
-                                     BLOCK_T=ALIGN_TOKENS, BLOCK_E=block_e)
+        ids_stride = ids_TK.stride(0)
+        _count_kernel[(num_chunks,)](ids_TK, chunk_counts, num_tokens, num_experts, ids_stride, id_offset,
+                                     TOP_K=top_k, BLOCK_T=ALIGN_TOKENS, BLOCK_E=block_e)
         _place_kernel[(num_chunks,)](ids_TK, chunk_counts, sorted_ids_P, pos_R, starts_E, counts_E, ends_E,
-                                     num_tokens, num_experts, num_chunks, TOP_K=top_k, BLOCK_M=block_m,
+                                     num_tokens, num_experts, num_chunks, ids_stride, id_offset, TOP_K=top_k,
+                                     BLOCK_M=block_m,
                                      BLOCK_T=ALIGN_TOKENS, BLOCK_E=block_e, BLOCK_C=64)
     return Alignment(sorted_ids_P, pos_R, starts_E, counts_E, ends_E, block_m)
 
@@ -226,7 +245,7 @@ def _block_rows(sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, num_experts, B
 
 @triton.jit
 def _gate_up_kernel(x_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, w_ptr, act_ptr, num_experts,
-                    hidden, width, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    hidden, width, x_stride, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr):
     expert, p, row_mask, r = _block_rows(sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, num_experts,
                                          BLOCK_M, BLOCK_E)
@@ -235,7 +254,7 @@ def _gate_up_kernel(x_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, w_p
     f = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     f_mask = f < width
     d = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + (r // TOP_K).to(tl.int64)[:, None] * hidden
+    x_rows = x_ptr + (r // TOP_K).to(tl.int64)[:, None] * x_stride
     w_gate = w_ptr + expert.to(tl.int64) * 2 * width * hidden + f[None, :] * hidden  # [K, N] tiles
     w_up = w_gate + width * hidden
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -321,15 +340,17 @@ def combine(y_XD: Tensor, rows_R: Tensor | None, weights_TK: Tensor) -> Tensor:
 
 
 def gate_up(x_TD: Tensor, a: Alignment, w_gate_up_EGD: Tensor, top_k: int, tile: GemmBlocks) -> Tensor:
-    """act_PF = SiLU(x W_gate^T) * (x W_up^T) for each position's routed row, by expert."""
+    """act_PF = SiLU(x W_gate^T) * (x W_up^T) for each position's routed row, by expert
+    (x_TD's rows may have any stride; its columns are contiguous)."""
     num_experts, double_width, hidden = w_gate_up_EGD.shape
+    assert x_TD.stride(1) == 1
     width = double_width // 2
     act_PF = x_TD.new_empty(a.sorted_ids_P.shape[0], width)
     num_blocks = a.sorted_ids_P.shape[0] // a.block_m
     if num_blocks:
         _gate_up_kernel[(num_blocks, triton.cdiv(width, tile.block_n))](
             x_TD, a.sorted_ids_P, a.starts_E, a.counts_E, a.ends_E, w_gate_up_EGD, act_PF, num_experts, hidden,
-            width, TOP_K=top_k, BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            width, x_TD.stride(0), TOP_K=top_k, BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             BLOCK_E=triton.next_power_of_2(num_experts), EVEN_K=hidden % tile.block_k == 0,
             num_warps=tile.num_warps, num_stages=tile.num_stages)
     return act_PF

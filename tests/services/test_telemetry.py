@@ -367,6 +367,8 @@ def test_metered_comm_counts_bytes_and_the_step_hook_observes_them():
     comm.all_to_all(out, inp)
     comm.all_to_all(out[:2], inp[:2])
     assert torch.equal(out, inp)
+    comm.all_gather(out[:1], inp[:1])  # triton_ep's collectives count too (one rank: copies)
+    comm.reduce_scatter(out[:1], inp[:1])
     steps = []
     hook = expert_observability.step_hook(steps.append, comm)
     count_before = sample("moemesh_expert_all_to_all_bytes_count")
@@ -374,7 +376,7 @@ def test_metered_comm_counts_bytes_and_the_step_hook_observes_them():
     hook(11)
     assert steps == [11]
     assert sample("moemesh_expert_all_to_all_bytes_count") == count_before + 1
-    assert sample("moemesh_expert_all_to_all_bytes_sum") == sum_before + 8 * 4 * 4
+    assert sample("moemesh_expert_all_to_all_bytes_sum") == sum_before + 10 * 4 * 4
     assert comm.take_step_totals() == (0, 0.0)
 
 

@@ -1,0 +1,164 @@
+"""The expert-parallel MoE layer on CUDA as a gather and a reduce-scatter (issue 8).
+
+moe.py's dispatch sends each token's row once to each rank holding one of its
+experts, and combine returns one fp32 partial per (token, rank): about fifty
+small torch ops a layer around the two all_to_alls (193 us a layer at 128
+tokens per rank on two H200s, bench/results/ep_gpu_cuda.md). With few ranks a
+token reaches nearly every rank anyway (top-8 of 128 experts over 2 ranks: a
+token misses a rank with probability C(64, 8) / C(128, 8), about 0.3%), so
+here every rank gathers every rank's rows and the layer is a few kernels:
+
+1. route (triton_fused.route) this rank's tokens: K expert ids in increasing
+   order, weights in the model dtype, hit counts; with replicas the slot map
+   turns ids into global slots.
+2. pack (one kernel) B rows: [hidden row | ids + 1 | fp32 weights] (moe.py's
+   row layout; ids 0 past the rank's T tokens: padding, no expert).
+3. all_gather the N * B rows (one collective, equal sizes).
+4. align (triton_moe.align on the gathered ids, offset to local experts: the
+   other ranks' experts and padding get no place), gate_up (reading x in place
+   from the gathered rows) and down: triton_moe's grouped GEMMs.
+5. partials (one kernel): per gathered row, the sum over its local experts of
+   weight * output, each product rounded to the model dtype and summed in fp32
+   in increasing expert order: moe.combine's rounding.
+6. reduce_scatter (sum) the fp32 partials: this rank's B rows, summed over the
+   ranks and rounded once to the model dtype.
+
+B (rows per rank) is the step's fixed row count, the same on every rank: the
+decode bucket (moe.step_capacity's capacity / min(K, L)) or, for bigger
+steps, the largest token count of any rank. Every shape comes from B, so a
+decode step captures in a CUDA graph with its two collectives, and nothing
+reads back to the host.
+
+Rounding: as moe.py's fixed-capacity mode (each rank sums its own experts'
+products, the partials are summed in fp32, rounded once). The fp32 sum over
+ranks is NCCL's: with two ranks one addition, the same bits as moe.combine.
+
+Legend as in moe.py: T tokens of this rank, B rows per rank, N ranks, D hidden,
+K experts per token, L local experts (slots), W row width in the model dtype,
+J = N * B gathered rows.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from services.model import triton_fused, triton_moe
+from services.model.moe import ExpertComm
+
+# The switch moe.MoELayer reads on CUDA with several ranks (False: moe.py's dispatch/combine).
+ENABLED = True
+
+
+def row_width(hidden: int, top_k: int, dtype: torch.dtype) -> int:
+    """W: a packed row's width in elements of dtype (hidden, then K int32 ids, K fp32 weights)."""
+    assert 4 % dtype.itemsize == 0 and hidden * dtype.itemsize % 4 == 0, f"int32 ids do not fit {dtype} rows"
+    return hidden + 8 * top_k // dtype.itemsize
+
+
+@triton.jit
+def _pack_kernel(x_ptr, ids_ptr, weights_ptr, rows_ptr, meta_ptr, num_tokens, hidden, row_stride, meta_stride,
+                 TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    j = tl.program_id(0).to(tl.int64)
+    is_token = j < num_tokens
+    k = tl.arange(0, BLOCK_K)
+    k_mask = k < TOP_K
+    ids = tl.load(ids_ptr + j * TOP_K + k, mask=is_token & k_mask, other=-1).to(tl.int32)
+    weights = tl.load(weights_ptr + j * TOP_K + k, mask=is_token & k_mask, other=0.0).to(tl.float32)
+    tl.store(meta_ptr + j * meta_stride + k, ids + 1, mask=k_mask)  # 0: no expert (padding rows)
+    tl.store(meta_ptr + j * meta_stride + TOP_K + k, weights.to(tl.int32, bitcast=True), mask=k_mask)
+    if is_token:
+        for d0 in range(0, hidden, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            tl.store(rows_ptr + j * row_stride + d, tl.load(x_ptr + j * hidden + d, mask=d < hidden), mask=d < hidden)
+
+
+def pack(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, rows_per_rank: int) -> Tensor:
+    """send_BW: token t's [x row | ids + 1 | fp32 weights] in row t < T, rows past T with id 0
+    (their hidden part unset: no expert reads it)."""
+    (num_tokens, hidden), top_k = x_TD.shape, ids_TK.shape[1]
+    if rows_per_rank < num_tokens:
+        raise ValueError(f"{num_tokens} tokens do not fit {rows_per_rank} rows per rank")
+    assert x_TD.is_contiguous() and ids_TK.is_contiguous() and weights_TK.is_contiguous()
+    send_BW = x_TD.new_empty(rows_per_rank, row_width(hidden, top_k, x_TD.dtype))
+    meta_BM = _meta(send_BW, hidden)
+    if rows_per_rank:
+        _pack_kernel[(rows_per_rank,)](x_TD, ids_TK, weights_TK, send_BW, meta_BM, num_tokens, hidden,
+                                       send_BW.stride(0), meta_BM.stride(0), TOP_K=top_k,
+                                       BLOCK_K=triton.next_power_of_2(top_k),
+                                       BLOCK_D=min(triton.next_power_of_2(max(hidden, 1)), 1024))
+    return send_BW
+
+
+def _meta(rows_JW: Tensor, hidden: int) -> Tensor:
+    """The int32 columns after the hidden part: K ids + 1, then K fp32 weights' bits."""
+    return rows_JW.view(torch.int32)[:, hidden * rows_JW.dtype.itemsize // 4:]
+
+
+@triton.jit
+def _partials_kernel(y_ptr, meta_ptr, out_ptr, hidden, meta_stride, id_offset, num_local, TOP_K: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    j = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = d < hidden
+    dtype = y_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_D], tl.float32)
+    for k in tl.static_range(TOP_K):  # increasing expert order, as moe.combine sums
+        local = tl.load(meta_ptr + j * meta_stride + k) - id_offset
+        if (local >= 0) & (local < num_local):
+            weight = tl.load(meta_ptr + j * meta_stride + TOP_K + k).to(tl.float32, bitcast=True)
+            y = tl.load(y_ptr + (j * TOP_K + k) * hidden + d, mask=d_mask, other=0.0).to(tl.float32)
+            total += (y * weight.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    tl.store(out_ptr + j * hidden + d, total, mask=d_mask)
+
+
+def partials(y_RD: Tensor, meta_JM: Tensor, id_offset: int, num_local: int) -> Tensor:
+    """fp32 partial_JD: each gathered row's weighted outputs of its local experts (y_RD's
+    row j * K + k), each product rounded to y's dtype, summed in increasing k."""
+    num_rows, top_k = meta_JM.shape[0], meta_JM.shape[1] // 2
+    hidden = y_RD.shape[1]
+    partial_JD = torch.empty(num_rows, hidden, dtype=torch.float32, device=y_RD.device)
+    if num_rows:
+        block_d = min(triton.next_power_of_2(hidden), 1024)
+        _partials_kernel[(num_rows, triton.cdiv(hidden, block_d))](
+            y_RD, meta_JM, partial_JD, hidden, meta_JM.stride(0), id_offset, num_local, TOP_K=top_k, BLOCK_D=block_d)
+    return partial_JD
+
+
+def local_partials(recv_JW: Tensor, hidden: int, top_k: int, id_offset: int, w_gate_up_LGD: Tensor,
+                   w_down_LDF: Tensor, config: triton_moe.MoEConfig | None = None) -> Tensor:
+    """Steps 4-5 on the gathered rows: the fp32 partial_JD of this rank's local experts,
+    whose global ids (+ 1, as packed) start at id_offset."""
+    num_rows, num_local = recv_JW.shape[0], w_gate_up_LGD.shape[0]
+    meta_JM = _meta(recv_JW, hidden)
+    # Rows per expert as in the one-rank layer at J tokens over the model's E = N * L experts.
+    config = config or triton_moe.default_config(num_rows)
+    a = triton_moe.align(meta_JM[:, :top_k], num_local, config.block_m, id_offset)
+    act_PF = triton_moe.gate_up(recv_JW[:, :hidden], a, w_gate_up_LGD, top_k, config.gate_up)
+    y_RD = triton_moe.down(act_PF, a, w_down_LDF, num_rows * top_k, config.down)
+    return partials(y_RD, meta_JM, id_offset, num_local)
+
+
+def gathered_moe(layer, x_TD: Tensor, rows_per_rank: int) -> Tensor:
+    """moe.MoELayer's output for this rank's x_TD, every rank passing the same rows_per_rank
+    (>= each rank's token count); adds the routed experts to layer.hit_counts_E."""
+    comm: ExpertComm = layer.comm
+    num_tokens, hidden = x_TD.shape
+    num_local = layer.w_gate_up_LGD.shape[0]
+    x_TD = x_TD.contiguous()
+    logits_TE = torch.nn.functional.linear(x_TD, layer.w_gate_ED)
+    ids_TK, weights_TK = triton_fused.route(logits_TE, layer.top_k, layer.norm_topk_prob, layer.hit_counts_E,
+                                            x_TD.dtype)[:2]
+    if layer.slot_map is not None:  # each token-copy to one replica's global slot
+        ids_R = ids_TK.flatten()
+        counts_E = torch.zeros(layer.w_gate_ED.shape[0], dtype=torch.int64, device=x_TD.device)
+        counts_E.scatter_add_(0, ids_R, torch.ones_like(ids_R))
+        ids_TK = layer.slot_map.route(ids_TK, counts_E).contiguous()
+    send_BW = pack(x_TD, ids_TK, weights_TK, rows_per_rank)
+    recv_JW = send_BW.new_empty(comm.world_size * rows_per_rank, send_BW.shape[1])
+    comm.all_gather(recv_JW, send_BW)
+    partial_JD = local_partials(recv_JW, hidden, layer.top_k, 1 + comm.rank * num_local, layer.w_gate_up_LGD,
+                                layer.w_down_LDF)
+    out_BD = partial_JD.new_empty(rows_per_rank, hidden)
+    comm.reduce_scatter(out_BD, partial_JD)
+    return out_BD[:num_tokens].to(x_TD.dtype)

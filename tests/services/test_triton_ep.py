@@ -1,0 +1,156 @@
+"""The expert-parallel MoE by gather and reduce-scatter (services/model/triton_ep.py) against
+moe.py's layer, on the CPU through Triton's interpreter: the kernels with the ranks simulated in
+one process, and the whole layer over two gloo processes.
+
+TRITON_INTERPRET=1 must be set before the kernels are defined, so this file sets it first.
+"""
+
+import datetime
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from services.model.moe import ExpertComm, MoELayer  # noqa: E402
+from tests.triton_interpreter import interpreted  # noqa: E402
+
+HIDDEN, WIDTH, NUM_EXPERTS = 48, 40, 8
+
+
+@pytest.fixture(scope="module")
+def tep():
+    """services.model.triton_ep under the interpreter, or a skip without triton."""
+    with interpreted("triton_ep") as module:
+        yield module
+
+
+def _weights(dtype, seed=5, coarse=False):
+    """The gate and every expert's weights; coarse: gate and up products exact in any order and
+    each down output one activation times a power of two, so only the roundings can differ."""
+    generator = torch.Generator().manual_seed(seed)
+    w_gate_ED = torch.randn(NUM_EXPERTS, HIDDEN, generator=generator)
+    w_gate_up_EGD = torch.randn(NUM_EXPERTS, 2 * WIDTH, HIDDEN, generator=generator) / HIDDEN ** 0.5
+    w_down_EDF = torch.randn(NUM_EXPERTS, HIDDEN, WIDTH, generator=generator) / WIDTH ** 0.5
+    if coarse:
+        w_gate_ED, w_gate_up_EGD = ((w * 256).round() / 256 for w in (w_gate_ED, w_gate_up_EGD))
+        column_ED1 = torch.randint(WIDTH, (NUM_EXPERTS, HIDDEN, 1), generator=generator)
+        scale_ED1 = 2.0 ** torch.randint(-2, 2, (NUM_EXPERTS, HIDDEN, 1), generator=generator)
+        w_down_EDF = torch.zeros_like(w_down_EDF).scatter_(2, column_ED1, scale_ED1)
+    return tuple(w.to(dtype) for w in (w_gate_ED, w_gate_up_EGD, w_down_EDF))
+
+
+def _layer(weights, top_k: int, comm: ExpertComm | None = None) -> MoELayer:
+    """The layer of comm's rank (all experts for None) over the given weights."""
+    comm = comm or ExpertComm.local()
+    w_gate_ED, w_gate_up_EGD, w_down_EDF = weights
+    per_rank = NUM_EXPERTS // comm.world_size
+    experts = slice(comm.rank * per_rank, (comm.rank + 1) * per_rank)
+    return MoELayer(w_gate_ED, w_gate_up_EGD[experts].contiguous(), w_down_EDF[experts].contiguous(), top_k=top_k,
+                    norm_topk_prob=True, comm=comm, hit_counts_E=torch.zeros(NUM_EXPERTS, dtype=torch.int64))
+
+
+def _tokens(num_tokens: int, dtype, seed: int) -> torch.Tensor:
+    x_TD = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(seed))
+    return ((x_TD * 64).round() / 64).to(dtype)
+
+
+def _config(tep):
+    """Small tiles (the interpreter is slow) that still split D and F."""
+    moe = tep.triton_moe
+    return moe.MoEConfig(16, moe.GemmBlocks(16, 16, 4, 2), moe.GemmBlocks(32, 16, 4, 2))
+
+
+def test_pack_lays_out_rows_ids_and_weights(tep):
+    x_TD = _tokens(3, torch.float32, seed=0)
+    ids_TK = torch.tensor([[0, 2, 7], [1, 3, 4], [5, 6, 7]])
+    weights_TK = torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.2, 0.7], [1.0, 0.0, 0.0]])
+    send_BW = tep.pack(x_TD, ids_TK, weights_TK, rows_per_rank=5)
+    assert send_BW.shape == (5, tep.row_width(HIDDEN, 3, torch.float32)) == (5, HIDDEN + 6)
+    assert torch.equal(send_BW[:3, :HIDDEN], x_TD)
+    meta_BM = send_BW[:, HIDDEN:].view(torch.int32)
+    assert torch.equal(meta_BM[:3, :3], ids_TK.int() + 1) and not meta_BM[3:, :3].any()  # padding: no expert
+    assert torch.equal(meta_BM[:3, 3:].view(torch.float32), weights_TK)
+    with pytest.raises(ValueError, match="3 tokens do not fit 2 rows per rank"):
+        tep.pack(x_TD, ids_TK, weights_TK, rows_per_rank=2)
+
+
+def test_align_places_only_local_experts(tep):
+    """Gathered ids (+ 1, 0 for padding) offset to one rank's experts: the others and the padding
+    get no position and count nowhere."""
+    ids_JK = torch.tensor([[1, 4, 6], [0, 0, 0], [2, 5, 8], [3, 5, 7]], dtype=torch.int32)
+    a = tep.triton_moe.align(ids_JK, 4, 1, id_offset=5)  # local experts 0..3 = global 4..7, ids + 1 5..8
+    assert a.counts_E.tolist() == [2, 1, 1, 1]
+    # Routed rows j * 3 + k by local expert: (2, 1), (3, 1); (0, 2); (3, 2); (2, 2).
+    assert a.sorted_ids_P[:5].tolist() == [7, 10, 2, 11, 8]
+
+
+def _simulated(tep, weights, top_k: int, tokens_N: list[int], dtype) -> list[torch.Tensor]:
+    """Each simulated rank's output: its tokens routed, packed, every rank's rows gathered, each
+    rank's local partials, summed over the ranks per rank's block and rounded."""
+    num_ranks, num_local = len(tokens_N), NUM_EXPERTS // len(tokens_N)
+    reference = _layer(weights, top_k)
+    rows_per_rank = max(tokens_N)
+    xs = [_tokens(n, dtype, seed=10 + rank) for rank, n in enumerate(tokens_N)]
+    sends = []
+    for x_TD in xs:
+        ids_TK, weights_TK = tep.triton_fused.route(torch.nn.functional.linear(x_TD, reference.w_gate_ED), top_k,
+                                                    True, torch.zeros(NUM_EXPERTS, dtype=torch.int64), dtype)[:2]
+        sends.append(tep.pack(x_TD, ids_TK, weights_TK, rows_per_rank))
+    recv_JW = torch.cat(sends)
+    partials = [tep.local_partials(recv_JW, HIDDEN, top_k, 1 + rank * num_local, layer.w_gate_up_LGD,
+                                   layer.w_down_LDF, _config(tep))
+                for rank in range(num_ranks)
+                for layer in [_layer(weights, top_k, _FakeComm(rank, num_ranks))]]
+    summed_JD = torch.stack(partials).sum(0)
+    return [(summed_JD[rank * rows_per_rank:][:n].to(dtype), reference(xs[rank]))
+            for rank, n in enumerate(tokens_N)]
+
+
+class _FakeComm(ExpertComm):
+    """A rank's place in a group that is never talked to."""
+
+    def __init__(self, rank: int, world_size: int):
+        super().__init__(None)
+        self.rank, self.world_size = rank, world_size
+
+
+@pytest.mark.parametrize("tokens_N", [[5, 3], [0, 7], [4, 0, 9, 1]])
+@pytest.mark.parametrize("top_k", [2, 3])
+def test_simulated_ranks_match_the_one_rank_layer(tep, tokens_N, top_k):
+    for out_TD, expected_TD in _simulated(tep, _weights(torch.float32), top_k, tokens_N, torch.float32):
+        torch.testing.assert_close(out_TD, expected_TD, atol=1e-5, rtol=1e-5)
+
+
+def test_simulated_ranks_round_like_torch(tep):
+    """fp16 with every sum exact: the roundings of gate, up, SiLU, the product, the down output,
+    the weighted output and the final one are moe.py's, bit for bit."""
+    for out_TD, expected_TD in _simulated(tep, _weights(torch.float16, coarse=True), 3, [6, 2], torch.float16):
+        assert torch.equal(out_TD, expected_TD)
+
+
+def _gloo_worker(rank: int, init_file: str, tokens_N: list[int], top_k: int) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        torch.set_num_threads(1)
+        with interpreted("triton_ep") as tep:
+            tep.triton_moe.default_config = lambda _num_tokens: _config(tep)
+            weights = _weights(torch.float32)
+            layer = _layer(weights, top_k, ExpertComm(dist.group.WORLD))
+            reference = _layer(weights, top_k)
+            x_TD = _tokens(tokens_N[rank], torch.float32, seed=rank)
+            out_TD = tep.gathered_moe(layer, x_TD, rows_per_rank=max(tokens_N) + 1)
+            torch.testing.assert_close(out_TD, reference(x_TD), atol=1e-5, rtol=1e-5)
+            assert torch.equal(layer.hit_counts_E, reference.hit_counts_E)  # this rank's tokens' experts
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tokens_N", [[5, 3], [0, 4]])
+def test_gathered_moe_over_two_gloo_ranks(tmp_path, tokens_N):
+    """The whole layer with its all_gather and reduce_scatter (an idle rank too, and a padding row)."""
+    pytest.importorskip("triton")
+    torch.multiprocessing.spawn(_gloo_worker, args=(str(tmp_path / "rendezvous"), tokens_N, 2), nprocs=2)
