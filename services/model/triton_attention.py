@@ -5,12 +5,14 @@ decode step (every sequence one new token) can be captured in a CUDA graph:
 the launch grid and the split count depend on tensor shapes alone.
 
 - KV write (prefill): one program per token, skipping slot -1 (padding rows).
-- Decode (flash-decoding): one kernel; one program per (sequence, KV head,
-  split) runs all query heads of its group against one slice of the context
-  with an online softmax in fp32, the step's own token read from the new K/V
-  (split 0 writes it to the cache: no separate KV write). With several splits
-  (so one long sequence still fills the GPU) the last split of a (sequence,
-  KV head) to finish, by an atomic count, merges the partial results.
+- Decode (flash-decoding): one program per (sequence, KV head, split) runs
+  all query heads of its group against one slice of the context with an
+  online softmax in fp32; the split holding the step's token writes its K/V
+  first (no KV-write kernel in decode steps). With several splits a second
+  kernel merges the partial results, so one long sequence still fills the
+  GPU. (Merging in the last split to finish, by an atomic count, was tried:
+  one program merging serially took 13.9 us a layer at batch 1 against 8.8
+  for the two kernels plus the KV write, bench/results/decode_b1_h200_v2.md.)
 - Prefill: one program per (sequence, KV head, tile of BLOCK_Q new tokens),
   rows = tile tokens x group heads; a chunk may start mid-sequence and
   attends to every cached token plus its own tokens causally.
@@ -52,59 +54,50 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_t,
 
 @triton.jit
 def _attend_block(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_ptr, n, n_mask, is_key, g, d, d_mask,
-                  scale_log2, stride_slot, head_dim, new_n, k_new_ptr, v_new_ptr, BLOCK_SIZE: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, HAS_NEW: tl.constexpr):
-    """One online-softmax step of q's rows over context tokens n (those of n_mask, each row is_key).
-    HAS_NEW: token new_n's K and V come from k_new_ptr / v_new_ptr (its head g row), not the cache."""
+                  scale_log2, stride_slot, head_dim, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step of q's rows over context tokens n (those of n_mask, each row is_key)."""
     block = tl.load(table_ptr + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     slot = block * BLOCK_SIZE + n % BLOCK_SIZE
     kv_offs = slot * stride_slot + g * head_dim
-    from_cache = n_mask
-    if HAS_NEW:
-        from_cache = n_mask & (n != new_n)
-    k_KN = tl.load(k_cache_ptr + kv_offs[None, :] + d[:, None], mask=from_cache[None, :] & d_mask[:, None],
-                   other=0.0)
-    if HAS_NEW:
-        is_new = n == new_n
-        k_KN += tl.load(k_new_ptr + 0 * n[None, :] + d[:, None], mask=is_new[None, :] & d_mask[:, None], other=0.0)
+    k_KN = tl.load(k_cache_ptr + kv_offs[None, :] + d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
     scores = tl.dot(q, k_KN.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
     scores = tl.where(is_key, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
-    v_NK = tl.load(v_cache_ptr + kv_offs[:, None] + d[None, :], mask=from_cache[:, None] & d_mask[None, :],
-                   other=0.0)
-    if HAS_NEW:
-        v_NK += tl.load(v_new_ptr + 0 * n[:, None] + d[None, :], mask=is_new[:, None] & d_mask[None, :], other=0.0)
+    v_NK = tl.load(v_cache_ptr + kv_offs[:, None] + d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v_NK.to(q.dtype), input_precision=DOT_PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
 @triton.jit
 def _decode_kernel(q_ptr, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, o_ptr, part_acc_ptr,
-                   part_ml_ptr, count_ptr, block_tables_ptr, context_lens_ptr, scale_log2,
+                   part_ml_ptr, block_tables_ptr, context_lens_ptr, scale_log2,
                    stride_qt, stride_qh, stride_nt, stride_ng, stride_ot, stride_oh, stride_bt, stride_slot,
-                   num_kv_heads, group, head_dim,
+                   num_heads, group, head_dim,
                    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP_PAD: tl.constexpr,
                    K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     b, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + b)
-    h = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, K_PAD)
-    h_mask, d_mask = h < group, d < head_dim
-    # The step's token (the context's last) comes with k_new / v_new: split 0 writes it to the
-    # cache (a padding row, slot -1, writes nothing) and every split reads it from there.
-    k_new = k_new_ptr + b * stride_nt + g * stride_ng
-    v_new = v_new_ptr + b * stride_nt + g * stride_ng
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    if (split == 0) & (slot >= 0):
-        dst = slot * stride_slot + g * head_dim + d
-        tl.store(k_cache_ptr + dst, tl.load(k_new + d, mask=d_mask).to(k_cache_ptr.dtype.element_ty), mask=d_mask)
-        tl.store(v_cache_ptr + dst, tl.load(v_new + d, mask=d_mask).to(v_cache_ptr.dtype.element_ty), mask=d_mask)
     # Each split takes an equal share of this sequence's context, in whole BLOCK_N steps.
     split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, context_len)
+    h = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, K_PAD)
+    h_mask, d_mask = h < group, d < head_dim
+    # The step's token (the context's last): the split that reads it writes its K/V to the cache
+    # first (a padding row, slot -1, writes nothing); the barrier makes the stores visible to
+    # every thread of the program before the loop loads them.
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    if (slot >= 0) & (start < context_len) & (context_len <= end):
+        dst = slot * stride_slot + g * head_dim + d
+        src = b * stride_nt + g * stride_ng + d
+        tl.store(k_cache_ptr + dst, tl.load(k_new_ptr + src, mask=d_mask).to(k_cache_ptr.dtype.element_ty),
+                 mask=d_mask)
+        tl.store(v_cache_ptr + dst, tl.load(v_new_ptr + src, mask=d_mask).to(v_cache_ptr.dtype.element_ty),
+                 mask=d_mask)
+        tl.debug_barrier()
     heads = g * group + h
     q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
@@ -118,36 +111,31 @@ def _decode_kernel(q_ptr, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_p
         n_mask = n < end
         m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_ptr, n, n_mask,
                                       n_mask[None, :], g, d, d_mask, scale_log2, stride_slot, head_dim,
-                                      context_len - 1, k_new, v_new, BLOCK_SIZE, DOT_PRECISION, True)
-    out_ptrs = o_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :]
+                                      BLOCK_SIZE, DOT_PRECISION)
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptrs, out.to(o_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+        tl.store(o_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
     else:
-        # Per (sequence, KV head): the splits' partials, then the last split to finish merges them.
-        parts = ((b * num_kv_heads + g) * NUM_SPLITS + split) * GROUP_PAD + h
-        tl.store(part_acc_ptr + parts[:, None] * K_PAD + d[None, :], acc)
-        tl.store(part_ml_ptr + parts * 2, m_i)
-        tl.store(part_ml_ptr + parts * 2 + 1, l_i)
-        # The barrier puts every thread's stores before the (acq_rel, device-scope) count, which
-        # the last one sets back to 0 for the next launch.
-        tl.debug_barrier()
-        counter = count_ptr + b * num_kv_heads + g
-        if tl.atomic_add(counter, 1) == NUM_SPLITS - 1:
-            tl.store(counter, 0)
-            first = (b * num_kv_heads + g) * NUM_SPLITS * GROUP_PAD
-            m_max = tl.full([GROUP_PAD], -1e30, tl.float32)
-            for sp in range(NUM_SPLITS):
-                m_max = tl.maximum(m_max, tl.load(part_ml_ptr + (first + sp * GROUP_PAD + h) * 2, cache_modifier=".cg"))
-            l_sum = tl.zeros([GROUP_PAD], tl.float32)
-            total = tl.zeros([GROUP_PAD, K_PAD], tl.float32)
-            for sp in range(NUM_SPLITS):  # in split order, as the two-kernel merge summed
-                part = first + sp * GROUP_PAD + h
-                w = tl.exp2(tl.load(part_ml_ptr + part * 2, cache_modifier=".cg") - m_max)
-                l_sum += tl.load(part_ml_ptr + part * 2 + 1, cache_modifier=".cg") * w
-                total += tl.load(part_acc_ptr + part[:, None] * K_PAD + d[None, :], cache_modifier=".cg") * w[:, None]
-            out = total / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
-            tl.store(out_ptrs, out.to(o_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+        part = (b * num_heads + heads) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part[:, None] * K_PAD + d[None, :], acc, mask=h_mask[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=h_mask)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=h_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, o_ptr, stride_ot, stride_oh, num_heads, head_dim,
+                          NUM_SPLITS: tl.constexpr, K_PAD: tl.constexpr):
+    b, h = tl.program_id(0), tl.program_id(1)
+    part = (b * num_heads + h) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    m_S = tl.load(part_ml_ptr + part * 2)
+    l_S = tl.load(part_ml_ptr + part * 2 + 1)
+    w_S = tl.exp2(m_S - tl.max(m_S, 0))
+    l_sum = tl.sum(l_S * w_S, 0)
+    d = tl.arange(0, K_PAD)
+    acc_SK = tl.load(part_acc_ptr + part[:, None] * K_PAD + d[None, :])
+    out = tl.sum(acc_SK * w_S[:, None], 0) / tl.where(l_sum == 0.0, 1.0, l_sum)
+    tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < head_dim)
 
 
 @triton.jit
@@ -182,8 +170,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, co
         n_mask = n < end
         m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_ptr, n, n_mask,
                                       n_mask[None, :] & (n[None, :] <= q_pos[:, None]), g, d, d_mask,
-                                      scale_log2, stride_slot, head_dim, -1, k_cache_ptr, v_cache_ptr, BLOCK_SIZE,
-                                      DOT_PRECISION, False)
+                                      scale_log2, stride_slot, head_dim, BLOCK_SIZE, DOT_PRECISION)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(o_ptr + (q_start + qi)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
@@ -218,7 +205,6 @@ class TritonPagedAttention(AttentionBackend):
         self.decode_splits, self.block_n, self.prefill_rows = decode_splits, block_n, prefill_rows
         self.num_warps = num_warps
         self._num_sms: dict[torch.device, int] = {}
-        self._counts: dict[torch.device, list[Tensor]] = {}
 
     def forward(self, layer, q_THK, k_TGK, v_TGK, batch, kv, scale):
         k_cache, v_cache = kv.layer(layer)
@@ -256,30 +242,23 @@ class TritonPagedAttention(AttentionBackend):
 
     def _decode(self, common: dict, k_TGK: Tensor, v_TGK: Tensor, slot_mapping_T: Tensor, num_seqs: int,
                 num_heads: int, num_kv_heads: int, max_context: int, device: torch.device) -> None:
-        """Row i of the batch is sequence i: the grid and splits come from shapes only. One
-        kernel: it writes the step's K/V and, with several splits, its last split merges."""
+        """Row i of the batch is sequence i: the grid and splits come from shapes only."""
         splits = self.decode_splits or decode_num_splits(num_seqs, num_kv_heads, max_context, self._sms(device))
-        group_pad = max(16, triton.next_power_of_2(common["group"]))
-        # Per split and group head: the unnormalised output, the running max and the sum of exponentials.
-        part_acc = part_ml = counts = common["o_ptr"]  # unused with one split
+        k_pad = common["K_PAD"]
+        # Per split: the unnormalised output, the running max and the sum of exponentials.
+        part_acc = part_ml = common["o_ptr"]  # unused with one split
         if splits > 1:
-            part_acc = torch.empty((num_seqs, num_kv_heads, splits, group_pad, common["K_PAD"]), dtype=torch.float32,
-                                   device=device)
-            part_ml = torch.empty((num_seqs, num_kv_heads, splits, group_pad, 2), dtype=torch.float32, device=device)
-            counts = self._split_counts(num_seqs * num_kv_heads, device)
+            part_acc = torch.empty((num_seqs, num_heads, splits, k_pad), dtype=torch.float32, device=device)
+            part_ml = torch.empty((num_seqs, num_heads, splits, 2), dtype=torch.float32, device=device)
+        group_pad = max(16, triton.next_power_of_2(common["group"]))
         _decode_kernel[(num_seqs, num_kv_heads, splits)](
-            k_new_ptr=k_TGK, v_new_ptr=v_TGK, slot_ptr=slot_mapping_T, part_acc_ptr=part_acc, part_ml_ptr=part_ml,
-            count_ptr=counts, stride_nt=k_TGK.stride(0), stride_ng=k_TGK.stride(1), num_kv_heads=num_kv_heads,
+            k_new_ptr=k_TGK, v_new_ptr=v_TGK, slot_ptr=slot_mapping_T, stride_nt=k_TGK.stride(0),
+            stride_ng=k_TGK.stride(1), part_acc_ptr=part_acc, part_ml_ptr=part_ml, num_heads=num_heads,
             NUM_SPLITS=splits, GROUP_PAD=group_pad, **common)
-
-    def _split_counts(self, size: int, device: torch.device) -> Tensor:
-        """Zeroed int32 counters of finished splits, one per (sequence, KV head), which each
-        launch's merging programs set back to 0. Never freed or moved: a captured graph keeps
-        its pointer (a bigger need adds a new buffer, the old ones stay)."""
-        buffers = self._counts.setdefault(device, [])
-        if not buffers or buffers[-1].numel() < size:
-            buffers.append(torch.zeros(max(size, 4096), dtype=torch.int32, device=device))
-        return buffers[-1]
+        if splits > 1:
+            _decode_reduce_kernel[(num_seqs, num_heads)](
+                part_acc, part_ml, common["o_ptr"], common["stride_ot"], common["stride_oh"], num_heads,
+                common["head_dim"], NUM_SPLITS=splits, K_PAD=k_pad)
 
     def _sms(self, device: torch.device) -> int:
         if device.type != "cuda":

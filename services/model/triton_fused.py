@@ -34,17 +34,27 @@ CUDA graph, no host reads.
   sort, no permutation, no capacity padding; the grids are the largest the
   step could need (min(T * K, E) experts), the programs of untouched slots exit.
   For one token, gate_route replaces the gate matmul and the routing kernel.
+- One token (ONE_TOKEN_MOE_TILES): gate_route, then two kernels reading the token's
+  experts straight from ids_1K (no pos scan, no plan, no atomics), both on the CUDA
+  cores: gate_up with one program per (column block, k), and down with one program per
+  block of output columns over all K experts, summing the K weighted outputs itself in
+  increasing expert order (no y_RD round trip, no second pass).
+- Single-token steps launch these kernels as programmatic dependent launches (PDL): each
+  kernel's programs start while the previous one ends, load weights, and wait on the GPU
+  for it before touching activations.
 
 Legend as in qwen3_moe.py / moe.py: T tokens, D hidden, H heads, G KV heads,
 K head_dim (top_k in the MoE functions), E experts, F expert width, R = T * top_k.
 """
 
 import dataclasses
+import functools
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # The switch the model code reads (False: the torch code on CUDA too, e.g. to compare).
 ENABLED = True
@@ -64,14 +74,42 @@ SINGLE_TOKEN_KERNELS = True
 # give each program a block of up to QKV_MAX_TOKENS_PER_PROGRAM tokens of one head.
 QKV_ONE_TOKEN_STEPS = 256
 QKV_MAX_TOKENS_PER_PROGRAM = 16
+# Single-token steps launch this module's kernels as programmatic dependent launches (PDL; Hopper
+# on): each kernel's programs start while the previous kernel finishes, read only weights until
+# a grid-dependency wait (the previous kernel done, its writes visible), then let the next
+# kernel launch. Every such program waits before it writes or reads activations, so the order
+# of the stream holds; ends of kernels overlap. The batch-1 step on an H200: 3.23 ms as plain
+# launches, 3.13 with PDL (bench/results/decode_b1_h200_v2.md). False: plain launches.
+PDL = True
+
+
+@functools.cache
+def _has_pdl(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _pdl(x: Tensor) -> bool:
+    """Whether a kernel reading x launches as a programmatic dependent launch (see PDL)."""
+    return PDL and SINGLE_TOKEN_KERNELS and x.is_cuda and x.shape[0] == 1 and _has_pdl(x.device)
+
+
+@triton.jit
+def _wait_for_previous_kernel():
+    """PDL: waits until the previous kernel on the stream is done (its writes visible), then
+    lets the next one launch (its programs wait the same way before reading ours)."""
+    gdc_wait()
+    gdc_launch_dependents()
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, y_ptr, dim, eps, HAS_RESIDUAL: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
+                         BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     mask = d < dim
+    w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    if PDL:
+        _wait_for_previous_kernel()
     x = tl.load(x_ptr + t * dim + d, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         h = tl.load(h_ptr + t * dim + d, mask=mask, other=0.0)
@@ -80,7 +118,6 @@ def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, y_ptr, dim, eps, HAS_RESIDUAL: tl.
     x32 = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / dim + eps)
     normed = (x32 * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + t * dim + d, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -91,13 +128,17 @@ def add_rms_norm_(x_TD: Tensor, h_TD: Tensor | None, weight_D: Tensor, eps: floa
     if x_TD.shape[0]:
         _add_rms_norm_kernel[(x_TD.shape[0],)](
             x_TD, x_TD if h_TD is None else h_TD, weight_D, y_TD, x_TD.shape[1], eps,
-            HAS_RESIDUAL=h_TD is not None, BLOCK_D=triton.next_power_of_2(x_TD.shape[1]), num_warps=8)
+            HAS_RESIDUAL=h_TD is not None, BLOCK_D=triton.next_power_of_2(x_TD.shape[1]), PDL=_pdl(x_TD),
+            num_warps=8, launch_pdl=_pdl(x_TD))
     return y_TD
 
 
 @triton.jit
 def _qkv_norm_rotary_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, num_tokens,
-                            num_heads, num_kv_heads, head_dim, eps, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+                            num_heads, num_kv_heads, head_dim, eps, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                            PDL: tl.constexpr):
+    if PDL:
+        _wait_for_previous_kernel()
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
     src = qkv_ptr + (t[:, None] * (num_heads + 2 * num_kv_heads) + head) * head_dim  # [BLOCK_T, 1]
@@ -153,7 +194,8 @@ def qkv_norm_rotary(qkv_TX: Tensor, q_norm_K: Tensor, k_norm_K: Tensor, cos_TK: 
         block_t = qkv_tokens_per_program(num_tokens)
         _qkv_norm_rotary_kernel[(triton.cdiv(num_tokens, block_t), num_heads + 2 * num_kv_heads)](
             qkv_TX, q_norm_K, k_norm_K, cos_TK, sin_TK, q_THK, k_TGK, v_TGK, num_tokens, num_heads, num_kv_heads,
-            head_dim, eps, BLOCK_T=block_t, BLOCK_K=triton.next_power_of_2(head_dim))
+            head_dim, eps, BLOCK_T=block_t, BLOCK_K=triton.next_power_of_2(head_dim), PDL=_pdl(qkv_TX),
+            launch_pdl=_pdl(qkv_TX))
     return q_THK, k_TGK, v_TGK
 
 
@@ -213,11 +255,21 @@ def route(logits_TE: Tensor, top_k: int, norm_topk_prob: bool, hit_counts_E: Ten
 
 @triton.jit
 def _gemv_rows(x_ptr, w_ptr, in_features, n, n_mask, k_start, k_end, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               NUM_STAGES: tl.constexpr):
+               NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
     """fp32 [BLOCK_N]: w[n, k_start:k_end] @ x[k_start:k_end] (w rows of in_features), on the
-    CUDA cores: one token has nothing for tensor cores to share."""
+    CUDA cores: one token has nothing for tensor cores to share. PDL: the first step's weights
+    are loaded before waiting for the previous kernel (which writes x)."""
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+    loop_start = k_start
+    if PDL:
+        k = k_start + tl.arange(0, BLOCK_K)
+        k_mask = k < k_end
+        w = tl.load(w_ptr + n[:, None] * in_features + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        _wait_for_previous_kernel()
+        x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
+        loop_start = k_start + BLOCK_K
+    for k0 in tl.range(loop_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < k_end
         x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
@@ -228,10 +280,10 @@ def _gemv_rows(x_ptr, w_ptr, in_features, n, n_mask, k_start, k_end, BLOCK_N: tl
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, in_features, out_features, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 NUM_STAGES: tl.constexpr):
+                 NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < out_features
-    y = _gemv_rows(x_ptr, w_ptr, in_features, n, n_mask, 0, in_features, BLOCK_N, BLOCK_K, NUM_STAGES)
+    y = _gemv_rows(x_ptr, w_ptr, in_features, n, n_mask, 0, in_features, BLOCK_N, BLOCK_K, NUM_STAGES, PDL)
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -245,15 +297,20 @@ class GemvTiles:
     warps: int
 
 
-# bench/decode_b1.py's pick on an H200 (bench/results/decode_b1_h200.md): q|k|v 7.1 us against
-# cuBLAS's 7.7, o 6.9 against 8.4 (split-K + reduce), the gate logits 2.2 against 4.7.
-GEMV_TILES = GemvTiles(block_n=8, block_k=512, stages=3, warps=4)
+# bench/decode_b1.py's picks on an H200 (bench/results/decode_b1_h200_v2.md; plain launches, us per
+# call): GEMV_TILES the least q|k|v + o + gate time, GEMV_TILES_BY_SHAPE each of Qwen3-30B-A3B's
+# [N, D] weights' fastest: q|k|v 6.8 against cuBLAS's 7.7, o 6.3 against 8.5 (split-K + reduce), the
+# gate logits 2.0 against 4.7 (as PDL launches: 6.4, 5.9, 1.2).
+GEMV_TILES = GemvTiles(block_n=4, block_k=512, stages=3, warps=4)
+GEMV_TILES_BY_SHAPE = {(5120, 2048): GemvTiles(block_n=8, block_k=512, stages=3, warps=4),
+                       (2048, 4096): GemvTiles(block_n=8, block_k=512, stages=5, warps=4),
+                       (128, 2048): GemvTiles(block_n=4, block_k=1024, stages=2, warps=4)}
 
 
 def linear(x_TD: Tensor, w_ND: Tensor) -> Tensor:
     """F.linear(x_TD, w_ND); gemv for single-token steps."""
     if SINGLE_TOKEN_KERNELS and x_TD.shape[0] == 1:
-        return gemv(x_TD, w_ND, GEMV_TILES)
+        return gemv(x_TD, w_ND, GEMV_TILES_BY_SHAPE.get(tuple(w_ND.shape), GEMV_TILES))
     return torch.nn.functional.linear(x_TD, w_ND)
 
 
@@ -264,20 +321,21 @@ def gemv(x_1D: Tensor, w_ND: Tensor, tiles: GemvTiles) -> Tensor:
     y_1N = x_1D.new_empty(1, w_ND.shape[0])
     _gemv_kernel[(triton.cdiv(w_ND.shape[0], tiles.block_n),)](
         x_1D, w_ND, y_1N, w_ND.shape[1], w_ND.shape[0], BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        NUM_STAGES=tiles.stages, num_warps=tiles.warps)
+        NUM_STAGES=tiles.stages, PDL=_pdl(x_1D), num_warps=tiles.warps, launch_pdl=_pdl(x_1D))
     return y_1N
 
 
 @triton.jit
 def _gate_route_kernel(x_ptr, w_ptr, partial_ptr, count_ptr, ids_ptr, weights_ptr, pos_ptr, hits_ptr, hidden,
                        num_experts, NORM: tl.constexpr, TOP_K: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                       SPLIT_K: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
+                       SPLIT_K: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                       PDL: tl.constexpr):
     g_block, split = tl.program_id(0), tl.program_id(1)
     g = g_block * BLOCK_G + tl.arange(0, BLOCK_G)
     g_mask = g < num_experts
     k_start = split * SPLIT_K
     partial = _gemv_rows(x_ptr, w_ptr, hidden, g, g_mask, k_start, tl.minimum(k_start + SPLIT_K, hidden), BLOCK_G,
-                         BLOCK_K, 1)
+                         BLOCK_K, 1, PDL)
     tl.store(partial_ptr + split * BLOCK_E + g, partial, mask=g_mask)
     # The last program to finish routes: the barrier puts every thread's stores before the
     # (acq_rel, device-scope) count, which the last one sets back to 0 for the next step.
@@ -297,9 +355,11 @@ def _gate_route_kernel(x_ptr, w_ptr, partial_ptr, count_ptr, ids_ptr, weights_pt
 # One zeroed int32 per device: gate_route's count of finished programs, which its last
 # program sets back to 0 (so launches on one stream may share it, as in a CUDA graph).
 _GATE_ROUTE_COUNTS: dict[torch.device, Tensor] = {}
-# bench/decode_b1.py's pick (H200): 5.0 us against 6.4 for gemv + route, 8.8 for F.linear + route.
-GATE_ROUTE_SPLITS = 16  # splits of the hidden dim: more programs to read w_gate
+# bench/decode_b1.py's pick (H200): 5.0 us against 6.1 for gemv + route, 8.8 for F.linear + route
+# (16 splits: 5.0 too; as a PDL launch 4.2). 1 or 2 warps were slower (6.7, 5.9 us).
+GATE_ROUTE_SPLITS = 8  # splits of the hidden dim: more programs to read w_gate
 GATE_ROUTE_EXPERTS = 8  # experts per program
+GATE_ROUTE_WARPS = 4  # per program
 
 
 def gate_route(x_1D: Tensor, w_gate_ED: Tensor, top_k: int, norm_topk_prob: bool,
@@ -318,7 +378,7 @@ def gate_route(x_1D: Tensor, w_gate_ED: Tensor, top_k: int, norm_topk_prob: bool
         x_1D, w_gate_ED, partial_SE, _GATE_ROUTE_COUNTS[x_1D.device], ids_1K, weights_1K, pos_1E, hit_counts_E,
         hidden, num_experts, NORM=norm_topk_prob, TOP_K=top_k, NUM_SPLITS=GATE_ROUTE_SPLITS, SPLIT_K=split_k,
         BLOCK_G=GATE_ROUTE_EXPERTS, BLOCK_K=min(512, triton.next_power_of_2(split_k)), BLOCK_E=block_e,
-        num_warps=4)
+        PDL=_pdl(x_1D), num_warps=GATE_ROUTE_WARPS, launch_pdl=_pdl(x_1D))
     return ids_1K, weights_1K, pos_1E
 
 
@@ -350,9 +410,9 @@ def _expert_gate_up_kernel(x_ptr, pos_ptr, w_ptr, act_ptr, experts_ptr, num_used
         f_mask = f < WIDTH
         w_expert = w_ptr + expert.to(tl.int64) * 2 * WIDTH * HIDDEN
         if FMA:  # one token (BLOCK_T 1): its row of each product on the CUDA cores
-            acc_gate = _gemv_rows(x_ptr, w_expert, HIDDEN, f, f_mask, 0, HIDDEN, BLOCK_F, BLOCK_D, NUM_STAGES)
+            acc_gate = _gemv_rows(x_ptr, w_expert, HIDDEN, f, f_mask, 0, HIDDEN, BLOCK_F, BLOCK_D, NUM_STAGES, False)
             acc_up = _gemv_rows(x_ptr, w_expert + WIDTH * HIDDEN, HIDDEN, f, f_mask, 0, HIDDEN, BLOCK_F, BLOCK_D,
-                                NUM_STAGES)
+                                NUM_STAGES, False)
             acc_gate, acc_up = acc_gate[None, :], acc_up[None, :]
         else:
             w_gate = w_expert + f[:, None] * HIDDEN
@@ -420,6 +480,70 @@ def _expert_down_kernel(act_ptr, pos_ptr, weights_ptr, w_ptr, experts_ptr, num_u
                      mask=t_mask[:, None] & o_mask[None, :])
 
 
+@triton.jit
+def _one_token_gate_up_kernel(x_ptr, ids_ptr, w_ptr, act_ptr, HIDDEN: tl.constexpr, WIDTH: tl.constexpr,
+                              BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr,
+                              PDL: tl.constexpr):
+    """act[k, f] = SiLU(gate) * up of the token's k-th expert: gate and up rows f of it in one
+    [BLOCK_F, 2, BLOCK_D] tile per step, so both are in flight together. PDL (a programmatic
+    dependent launch): waits for gate_route, then lets the down kernel start."""
+    f_block, k = tl.program_id(0), tl.program_id(1)
+    if PDL:  # gate_route's ids; then the down kernel may launch (ids and weights are final)
+        _wait_for_previous_kernel()
+    expert = tl.load(ids_ptr + k).to(tl.int64)
+    f = f_block * BLOCK_F + tl.arange(0, BLOCK_F)
+    f_mask = (f < WIDTH)[:, None, None]
+    rows = f[:, None] + tl.arange(0, 2)[None, :] * WIDTH  # [BLOCK_F, 2]: the gate row, the up row
+    w_rows = w_ptr + expert * 2 * WIDTH * HIDDEN + rows.to(tl.int64)[:, :, None] * HIDDEN
+    acc = tl.zeros([BLOCK_F, 2, BLOCK_D], tl.float32)
+    for d0 in tl.range(0, HIDDEN, BLOCK_D, num_stages=NUM_STAGES):
+        d = d0 + tl.arange(0, BLOCK_D)
+        d_mask = d < HIDDEN
+        x = tl.load(x_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + d[None, None, :], mask=f_mask & d_mask[None, None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, None, :]
+    dtype = act_ptr.dtype.element_ty
+    gate, up = tl.split(tl.sum(acc, 2).to(dtype).to(tl.float32))
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+    tl.store(act_ptr + k * WIDTH + f, act.to(dtype), mask=f < WIDTH)
+
+
+@triton.jit
+def _one_token_down_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, out_ptr, HIDDEN: tl.constexpr,
+                           WIDTH: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_O: tl.constexpr,
+                           BLOCK_F: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+    """out[o] = sum over k of weight_k * (act[k] @ w_down[ids[k], o]) for a block of output
+    columns: every expert's rows in one [BLOCK_K, BLOCK_O, BLOCK_F] tile per step, then the
+    K outputs rounded, weighted, rounded and summed in fp32 in order k (increasing expert).
+    PDL: starts during gate_up (ids are final once it runs) and waits for it before act."""
+    o = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
+    o_mask = o < HIDDEN
+    k = tl.arange(0, BLOCK_K)
+    k_mask = k < TOP_K
+    experts = tl.load(ids_ptr + k, mask=k_mask, other=0).to(tl.int64)
+    w_rows = w_ptr + (experts[:, None] * HIDDEN + o[None, :]) * WIDTH  # [BLOCK_K, BLOCK_O]
+    ko_mask = (k_mask[:, None] & o_mask[None, :])[:, :, None]
+    f = tl.arange(0, BLOCK_F)
+    w = tl.load(w_rows[:, :, None] + f[None, None, :], mask=ko_mask & (f < WIDTH)[None, None, :], other=0.0)
+    if PDL:  # the first step's weights are on their way: now wait for gate_up's act
+        _wait_for_previous_kernel()
+    act = tl.load(act_ptr + k[:, None] * WIDTH + f[None, :], mask=k_mask[:, None] & (f < WIDTH)[None, :], other=0.0)
+    acc = w.to(tl.float32) * act.to(tl.float32)[:, None, :]
+    for f0 in tl.range(BLOCK_F, WIDTH, BLOCK_F, num_stages=NUM_STAGES):
+        f = f0 + tl.arange(0, BLOCK_F)
+        f_mask = f < WIDTH
+        act = tl.load(act_ptr + k[:, None] * WIDTH + f[None, :], mask=k_mask[:, None] & f_mask[None, :], other=0.0)
+        w = tl.load(w_rows[:, :, None] + f[None, None, :], mask=ko_mask & f_mask[None, None, :], other=0.0)
+        acc += w.to(tl.float32) * act.to(tl.float32)[:, None, :]
+    dtype = out_ptr.dtype.element_ty
+    weight = tl.load(weights_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+    y = (tl.sum(acc, 2).to(dtype).to(tl.float32) * weight[:, None]).to(dtype).to(tl.float32)  # [BLOCK_K, BLOCK_O]
+    total = tl.zeros([BLOCK_O], tl.float32)
+    for kk in tl.static_range(TOP_K):  # in order, as moe.combine sums (picking row kk adds only zeros)
+        total += tl.sum(tl.where(k[:, None] == kk, y, 0.0), 0)
+    tl.store(out_ptr + o, total.to(dtype), mask=o_mask)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class MoeTiles:
     """Launch shape of the two expert kernels (see fused_moe)."""
@@ -432,12 +556,21 @@ class MoeTiles:
     down_f: int  # width elements per unrolled step of its reduction (BLOCK_F)
     down_warps: int
     gate_up_fma: bool = False  # one token only: its products on the CUDA cores (no tl.dot)
+    # One token only: the ids-indexed kernels (_one_token_*: no pos scan, no atomics, down
+    # summing its K outputs itself), down_stages their reduction's pipeline depth.
+    one_token: bool = False
+    down_stages: int = 1
 
 
-# One token's tiles: bench/decode_b1.py's pick on an H200, 32.8 us a layer against 33.1 with
-# the tl.dot gate_up (FMA variants of the down kernel were no faster and are gone).
-ONE_TOKEN_MOE_TILES = MoeTiles(gate_up_f=4, gate_up_d=1024, gate_up_stages=1, gate_up_warps=4, down_o=32,
-                               down_f=128, down_warps=4, gate_up_fma=True)
+# The first one-token tiles (FMA gate_up, tl.dot down): 32.8 us a layer on an H200 against 33.1
+# with the tl.dot gate_up (bench/results/decode_b1_h200.md); bench/decode_b1.py's "before".
+FMA_MOE_TILES = MoeTiles(gate_up_f=4, gate_up_d=1024, gate_up_stages=1, gate_up_warps=4, down_o=32, down_f=128,
+                         down_warps=4, gate_up_fma=True)
+# One token's tiles: the _one_token_* kernels, bench/decode_b1.py's pick on an H200 (device time per
+# layer: gate_up 13.7 us against the FMA one's 15.3, down 9.0 against 11.0; fused_moe 29.2 us a
+# layer against 32.8 in a CUDA graph, plain launches; bench/results/decode_b1_h200_v2.md).
+ONE_TOKEN_MOE_TILES = MoeTiles(gate_up_f=2, gate_up_d=2048, gate_up_stages=1, gate_up_warps=4, down_o=4, down_f=64,
+                               down_warps=4, one_token=True, down_stages=4)
 
 
 def moe_tiles(num_tokens: int) -> MoeTiles:
@@ -470,14 +603,16 @@ def fused_moe_tiled(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up_EGD: Tensor, w_do
     """fused_moe with the given tiles (for the benchmark's sweep)."""
     assert x_TD.is_contiguous() and w_gate_up_EGD.is_contiguous() and w_down_EDF.is_contiguous()
     assert x_TD.shape[0] <= 128, "every token's row sits in one tile: fused_moe is for small steps"
-    assert x_TD.shape[0] == 1 or not tiles.gate_up_fma, "the FMA gate_up takes one token"
+    assert x_TD.shape[0] == 1 or not (tiles.gate_up_fma or tiles.one_token), "these tiles take one token"
     num_tokens, hidden = x_TD.shape
     num_experts, width = w_gate_ED.shape[0], w_down_EDF.shape[2]
     if SINGLE_TOKEN_KERNELS and num_tokens == 1:
-        _, weights_TK, pos_TE = gate_route(x_TD, w_gate_ED, top_k, norm_topk_prob, hit_counts_E)
+        ids_TK, weights_TK, pos_TE = gate_route(x_TD, w_gate_ED, top_k, norm_topk_prob, hit_counts_E)
     else:
         logits_TE = torch.nn.functional.linear(x_TD, w_gate_ED)
-        _, weights_TK, pos_TE = route(logits_TE, top_k, norm_topk_prob, hit_counts_E, x_TD.dtype)
+        ids_TK, weights_TK, pos_TE = route(logits_TE, top_k, norm_topk_prob, hit_counts_E, x_TD.dtype)
+    if tiles.one_token:
+        return one_token_experts(x_TD, ids_TK, weights_TK, w_gate_up_EGD, w_down_EDF, tiles)
     out_TD = torch.empty_like(x_TD)
     if not num_tokens:
         return out_TD
@@ -498,3 +633,35 @@ def fused_moe_tiled(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up_EGD: Tensor, w_do
         act_RF, pos_TE, weights_TK, w_down_EDF, experts_S, num_used_1, done_O, y_RD, out_TD, num_tokens,
         num_experts, BLOCK_O=tiles.down_o, BLOCK_F=tiles.down_f, num_warps=tiles.down_warps, **shapes)
     return out_TD
+
+
+def one_token_experts(x_1D: Tensor, ids_1K: Tensor, weights_1K: Tensor, w_gate_up_EGD: Tensor, w_down_EDF: Tensor,
+                      tiles: MoeTiles) -> Tensor:
+    """One token's MoE output from its routing (ids_1K in increasing expert order, as
+    route gives them, weights_1K): the two _one_token_* kernels with tiles."""
+    return one_token_down(one_token_gate_up(x_1D, ids_1K, w_gate_up_EGD, tiles), ids_1K, weights_1K, w_down_EDF,
+                          tiles)
+
+
+def one_token_gate_up(x_1D: Tensor, ids_1K: Tensor, w_gate_up_EGD: Tensor, tiles: MoeTiles) -> Tensor:
+    """act_KF: SiLU(gate) * up of x_1D through each of its K experts, rounded as moe.experts rounds."""
+    hidden, (top_k, width) = x_1D.shape[1], (ids_1K.shape[1], w_gate_up_EGD.shape[1] // 2)
+    assert x_1D.shape[0] == 1 and x_1D.is_contiguous() and ids_1K.is_contiguous() and w_gate_up_EGD.is_contiguous()
+    act_KF = x_1D.new_empty(top_k, width)
+    _one_token_gate_up_kernel[(triton.cdiv(width, tiles.gate_up_f), top_k)](
+        x_1D, ids_1K, w_gate_up_EGD, act_KF, HIDDEN=hidden, WIDTH=width, BLOCK_F=tiles.gate_up_f,
+        BLOCK_D=tiles.gate_up_d, NUM_STAGES=tiles.gate_up_stages, PDL=_pdl(x_1D), num_warps=tiles.gate_up_warps,
+        launch_pdl=_pdl(x_1D))
+    return act_KF
+
+
+def one_token_down(act_KF: Tensor, ids_1K: Tensor, weights_1K: Tensor, w_down_EDF: Tensor, tiles: MoeTiles) -> Tensor:
+    """out_1D: the K experts' down projections of act_KF, weighted and summed as moe.combine does."""
+    (top_k, width), hidden = act_KF.shape, w_down_EDF.shape[1]
+    assert act_KF.is_contiguous() and weights_1K.is_contiguous() and w_down_EDF.is_contiguous()
+    out_1D = act_KF.new_empty(1, hidden)
+    _one_token_down_kernel[(triton.cdiv(hidden, tiles.down_o),)](
+        act_KF, ids_1K, weights_1K, w_down_EDF, out_1D, HIDDEN=hidden, WIDTH=width, TOP_K=top_k,
+        BLOCK_K=triton.next_power_of_2(top_k), BLOCK_O=tiles.down_o, BLOCK_F=tiles.down_f,
+        NUM_STAGES=tiles.down_stages, PDL=_pdl(ids_1K), num_warps=tiles.down_warps, launch_pdl=_pdl(ids_1K))
+    return out_1D

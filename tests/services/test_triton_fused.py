@@ -128,6 +128,20 @@ def test_linear_takes_gemv_for_one_token(fused, monkeypatch):
     assert calls == [1]
 
 
+def test_linear_takes_the_tiles_of_its_weight_shape(fused, monkeypatch):
+    """GEMV_TILES_BY_SHAPE's tiles for the weights of that shape, GEMV_TILES for the others;
+    plain launches on the CPU (no programmatic dependent launch off CUDA)."""
+    own, default = fused.GemvTiles(4, 16, 1, 4), fused.GemvTiles(8, 32, 1, 4)
+    monkeypatch.setattr(fused, "GEMV_TILES_BY_SHAPE", {(40, 48): own})
+    monkeypatch.setattr(fused, "GEMV_TILES", default)
+    calls = []
+    monkeypatch.setattr(fused, "gemv", lambda x, w, tiles: calls.append(tiles) or x @ w.T)
+    fused.linear(_randn(1, 48), _randn(40, 48))
+    fused.linear(_randn(1, 48), _randn(24, 48))
+    assert calls == [own, default]
+    assert not fused._pdl(_randn(1, 48))
+
+
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("num_experts", [12, 40])
 def test_gate_route_matches_route(fused, norm, num_experts):
@@ -170,18 +184,20 @@ SMALL_TILES = dict(gate_up_f=16, gate_up_d=16, gate_up_stages=2, gate_up_warps=4
                    down_warps=4)
 # The same with a single token's gate_up on the CUDA cores.
 FMA_TILES = dict(SMALL_TILES, gate_up_fma=True)
+# The same through the one-token kernels (top_k 3 of a 4-row block: the last row masked).
+ONE_TOKEN_TILES = dict(SMALL_TILES, one_token=True, down_stages=2)
 
 
 @pytest.mark.parametrize(("num_tokens", "tiles"), [(n, t) for n in (1, 2, 5, 16, 19, 64) for t in ("default", "small")]
-                         + [(1, "fma")])  # the FMA gate_up takes one token
+                         + [(1, "fma"), (1, "one_token")])  # these take one token
 def test_fused_moe_matches_moe_layer(fused, num_tokens, tiles):
     layer = _moe_layer()
     x = _randn(num_tokens, 48, seed=10)
     expected = layer(x)
     expected_hits = layer.hit_counts_E.clone()
     hits = torch.zeros(8, dtype=torch.int64)
-    tiles = dict(small=fused.MoeTiles(**SMALL_TILES), fma=fused.MoeTiles(**FMA_TILES)).get(
-        tiles, fused.moe_tiles(num_tokens))
+    tiles = dict(small=fused.MoeTiles(**SMALL_TILES), fma=fused.MoeTiles(**FMA_TILES),
+                 one_token=fused.MoeTiles(**ONE_TOKEN_TILES)).get(tiles, fused.moe_tiles(num_tokens))
     out = fused.fused_moe_tiled(x, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True, hits, tiles)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(hits, expected_hits) and hits.sum() == num_tokens * 3
@@ -217,10 +233,10 @@ def test_fused_moe_rounds_like_torch_in_half_precision(fused):
 
 
 @pytest.mark.parametrize("single_token_kernels", [True, False])
-@pytest.mark.parametrize("tiles", [SMALL_TILES, FMA_TILES])
+@pytest.mark.parametrize("tiles", [SMALL_TILES, FMA_TILES, ONE_TOKEN_TILES])
 def test_fused_moe_one_token_rounds_like_torch(fused, monkeypatch, single_token_kernels, tiles):
-    """One token (gate_route, or the matmul and route; tl.dot or FMA gate_up), fp16: the
-    same bits as the MoELayer."""
+    """One token (gate_route, or the matmul and route; tl.dot, FMA or one-token kernels),
+    fp16: the same bits as the MoELayer."""
     half = torch.float16
     monkeypatch.setattr(fused, "SINGLE_TOKEN_KERNELS", single_token_kernels)
     monkeypatch.setattr(fused, "ONE_TOKEN_MOE_TILES", fused.MoeTiles(**tiles))
