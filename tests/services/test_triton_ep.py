@@ -154,3 +154,25 @@ def test_gathered_moe_over_two_gloo_ranks(tmp_path, tokens_N):
     """The whole layer with its all_gather and reduce_scatter (an idle rank too, and a padding row)."""
     pytest.importorskip("triton")
     torch.multiprocessing.spawn(_gloo_worker, args=(str(tmp_path / "rendezvous"), tokens_N, 2), nprocs=2)
+
+
+def test_expert_parallel_steps_on_cuda_take_a_fixed_capacity(monkeypatch):
+    """Where triton_ep takes the layers (moe.gathers_on), a step bigger than the decode buckets
+    gets a capacity too (its largest rank batch, not rounded), never host splits; one rank, or
+    the CPU path, keeps host splits for big steps."""
+    from services.model import qwen3_moe
+    from services.model.config import ModelConfig
+    from services.model.make_model import random_weights
+
+    config = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, intermediate_size=48, moe_intermediate_size=16,
+                         num_experts=4, num_experts_per_tok=3, max_position_embeddings=64, dtype=torch.float32)
+    weights = random_weights(config, seed=1)
+    two_ranks = qwen3_moe.Qwen3MoeModel(config, weights, expert_ids=range(2, 4), comm=_FakeComm(1, 2),
+                                        max_fixed_capacity_tokens=8)
+    one_rank = qwen3_moe.Qwen3MoeModel(config, weights, expert_ids=range(4), max_fixed_capacity_tokens=8)
+    assert two_ranks.dispatch_capacity(5) == 8 * 2 and two_ranks.dispatch_capacity(300) is None  # the CPU
+    monkeypatch.setattr(qwen3_moe, "gathers_on", lambda device: True)
+    assert two_ranks.dispatch_capacity(5) == 8 * 2  # a decode bucket, as before: min(K, L) = 2 copies per token
+    assert two_ranks.dispatch_capacity(300) == 300 * 2
+    assert one_rank.dispatch_capacity(300) is None
