@@ -31,11 +31,12 @@ If the lease turns out alive (an etcd blip), it wins the same term back.
 Safety never depends on this detection: the fence does.
 
 Graceful stop (`hand_over`): the leader puts `/leader` again under a live
-follower's lease, in one transaction fenced on its term
-(ClusterClient.handover), the scheduler members being those this replica
-has been watching all along: one etcd round trip. The key never disappears, so
-nobody campaigns; the follower's own term watch sees itself named and it
-leads at once, without an election. With no live follower the leader
+follower's lease (the longest registered one: a replica just restarted is
+still starting and would answer late), in one transaction fenced on its
+term (ClusterClient.handover), the scheduler members being those this
+replica has been watching all along: one etcd round trip. The key never
+disappears, so nobody campaigns; the follower's own term watch sees itself
+named and it leads at once, without an election. With no live follower the leader
 resigns as before (closing the client revokes its lease).
 
 Cancelling run() ends it promptly: every etcd call it makes has a deadline,

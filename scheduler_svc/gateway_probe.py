@@ -47,10 +47,10 @@ async def probe_gateways(client: ClusterClient, probe: GatewayProbe) -> None:
     answered: set[str] = set()  # gateways (id@address) that answered a check once
 
     async def follow_members() -> None:
-        async with contextlib.aclosing(client.watch_members()) as changes:
+        async with contextlib.aclosing(client.watch_members("gateway")) as changes:
             async for members in changes:
                 gateways.clear()
-                gateways.update((m.member_id, m) for m in members if m.role == "gateway")
+                gateways.update((m.member_id, m) for m in members)
 
     async def check(gateway: Member) -> None:
         key = f"{gateway.member_id}@{gateway.address}"

@@ -1,7 +1,8 @@
 """Entry point of a scheduler replica: python -m scheduler_svc.main --member-id s0 ...
 
 Connects to etcd, serves SchedulerService (health SERVING once etcd
-answered), registers as a scheduler member and campaigns for leadership;
+answered), builds its view of the cluster (GetClusterState answers from
+it), then registers as a scheduler member and campaigns for leadership;
 the leader forms worker groups and health-checks the gateways (a dead one
 loses its lease at once: scheduler_svc/gateway_probe.py), the followers
 health-check the leader and depose it when it stops answering
@@ -58,8 +59,11 @@ async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
     try:
         await client.connect(wait_s=None)
         address = config.address(server.port)
-        await client.register(ROLE, config.member_id, address, ttl=config.lease_ttl_s)
+        # The view first: a registered replica may be handed the term at once
+        # (the longest registered is the heir), and must answer from it then.
         watch = asyncio.create_task(view.run(), name="cluster-view")
+        await view.wait_warm(watch)
+        await client.register(ROLE, config.member_id, address, ttl=config.lease_ttl_s)
         election = Election(client, config.member_id, address, probe=leader_probe(config, health_check))
         campaign = asyncio.create_task(election.run(lambda leadership: with_gateway_probe(
             client, config, lead_groups(client, leadership, config.group_size, RepairState(

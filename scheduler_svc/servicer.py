@@ -9,6 +9,7 @@ keepalive failing) reads etcd instead, so it answers UNAVAILABLE rather
 than from a view it cannot vouch for.
 """
 
+import asyncio
 import contextlib
 from collections.abc import Callable
 
@@ -36,6 +37,7 @@ class ClusterView:
         self._client = client
         self._on_change = on_change
         self._snapshot: ClusterSnapshot | None = None
+        self._is_warm = asyncio.Event()  # the first snapshot is in
 
     async def run(self) -> None:
         """Follows the prefix until cancelled (or the client is closed)."""
@@ -43,6 +45,21 @@ class ClusterView:
             async for snapshot in snapshots:
                 self._snapshot = snapshot
                 self._on_change(snapshot)
+                self._is_warm.set()
+
+    async def wait_warm(self, running: asyncio.Task) -> None:
+        """Returns once the first snapshot is in; `running` is this view's
+        run(), whose error is raised if it ends first. The replica registers
+        (and may be handed a term) only then: a new leader never answers late
+        because its view is still being built."""
+        warm = asyncio.create_task(self._is_warm.wait(), name="cluster-view-warm")
+        try:
+            await asyncio.wait([warm, running], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            warm.cancel()
+        if not self._is_warm.is_set():
+            running.result()  # raises what run() raised
+            raise RuntimeError("the cluster view ended before its first snapshot")
 
     def current(self) -> ClusterSnapshot | None:
         """The watched snapshot; None before the first one, and while this

@@ -1,6 +1,7 @@
 """The leader's loop: membership and failure reports in, group assignments out.
 
-While this replica holds a term it watches `/members` and `/failures`, and on
+While this replica holds a term it watches `/members` (the experts and
+gateways: PLANNED_ROLES) and `/failures`, and on
 every change (and every `_TICK_S` while a broken group waits for a member)
 reads one consistent snapshot, runs the planner and writes the result in one
 transaction fenced on its term. A rejected write means a newer leader exists:
@@ -20,12 +21,15 @@ import time
 from scheduler_svc.election import Leadership, LeadershipLost
 from scheduler_svc.planner import REFORM_SETTLE_S, REFORM_WAIT_S, RepairPolicy, plan_groups
 from services import telemetry
-from services.cluster import ClusterClient
+from services.cluster import ClusterClient, Member
 
 log = logging.getLogger(__name__)
 
 # How often the plan is made again while a broken group waits (its deadlines are time-based).
 _TICK_S = 0.25
+# The roles whose members the plan is made of (plan_groups reads no others).
+PLANNED_ROLES = ("expert", "gateway")
+_UNSEEN = object()
 
 
 @dataclasses.dataclass(slots=True)
@@ -70,18 +74,29 @@ async def reconcile_once(client: ClusterClient, term: int, group_size: int,
     return True
 
 
+def planned_members(members: list[Member]) -> list[Member]:
+    """The members a plan depends on: a scheduler or a router that comes or
+    goes (the old leader leaving after a graceful handover, among them)
+    costs the leader no read and no plan."""
+    return [m for m in members if m.role in PLANNED_ROLES]
+
+
 async def lead_groups(client: ClusterClient, leadership: Leadership, group_size: int,
                       repair: RepairState | None = None) -> None:
-    """Reconciles the groups on every membership or failure change until cancelled."""
+    """Reconciles the groups on every change of the planned members or the
+    failure reports, until cancelled."""
     repair = repair if repair is not None else RepairState()
     changed = asyncio.Event()
 
-    async def follow(watch) -> None:
+    async def follow(watch, relevant=lambda state: state) -> None:
+        last = _UNSEEN
         async with contextlib.aclosing(watch) as changes:
-            async for _ in changes:
-                changed.set()
+            async for state in changes:
+                if relevant(state) != last:
+                    last = relevant(state)
+                    changed.set()
 
-    watches = [asyncio.create_task(follow(client.watch_members()), name="watch-members"),
+    watches = [asyncio.create_task(follow(client.watch_members(), planned_members), name="watch-members"),
                asyncio.create_task(follow(client.watch_failures()), name="watch-failures")]
     try:
         while True:

@@ -24,7 +24,20 @@ from services.cluster.session import MemberSession, is_lease_gone, raise_unless_
 
 log = logging.getLogger(__name__)
 
-_NO_HEIR = object()  # _hand_to_first: none of the heirs took the term
+_NO_HEIR = object()  # _hand_to_oldest: none of the heirs took the term
+
+
+def heir_order(members: collections.abc.Iterable[Member], from_member_id: str) -> list[Member]:
+    """The scheduler members a leader may hand its term to, the longest
+    registered first (the lowest member key revision; then by member id).
+    A scheduler registers once its view of the cluster is built
+    (scheduler_svc/main.py) and keeps that registration for its whole life
+    (a new one only after its lease was lost), so the oldest registration
+    is the warmest replica: one just restarted is still starting (its
+    election's watches and first reads, its first probes, lazy imports)
+    and would answer as the new leader late."""
+    heirs = [m for m in members if m.role == "scheduler" and m.member_id != from_member_id and m.lease_id]
+    return sorted(heirs, key=lambda m: (m.revision, m.member_id))
 
 
 def _leader_after(events: list) -> LeaderInfo | None:
@@ -72,29 +85,27 @@ class LeaderKeyOps(MemberSession):
     async def handover(self, term: int, from_member_id: str,
                        heirs: collections.abc.Sequence[Member] | None = None) -> LeaderInfo | None:
         """A leader's graceful stop: makes another live scheduler member (the
-        first by member id) the leader, under that member's lease, in one
-        transaction fenced on `term` and on the heir's member key being the
-        registration seen. `heirs`: the scheduler members as the caller last
-        saw them (so that the handover takes one round trip); if none of them
-        takes the term, they are read again once. Returns the new leader, None
-        if the handover did not happen (term over, no live heir: the caller
-        resigns as usual)."""
+        longest registered: see heir_order) the leader, under that member's
+        lease, in one transaction fenced on `term` and on the heir's member
+        key being the registration seen. `heirs`: the scheduler members as
+        the caller last saw them (so that the handover takes one round trip);
+        if none of them takes the term, they are read again once. Returns the
+        new leader, None if the handover did not happen (term over, no live
+        heir: the caller resigns as usual)."""
         if heirs is not None:
-            outcome = await self._hand_to_first(term, from_member_id, heirs)
+            outcome = await self._hand_to_oldest(term, from_member_id, heirs)
             if outcome is not _NO_HEIR:
                 return outcome
         _, snapshot = await self._read_prefix(self.keys.member("scheduler", ""))
-        outcome = await self._hand_to_first(term, from_member_id, snapshot.members)
+        outcome = await self._hand_to_oldest(term, from_member_id, snapshot.members)
         return None if outcome is _NO_HEIR else outcome
 
-    async def _hand_to_first(self, term: int, from_member_id: str,
-                             heirs: collections.abc.Sequence[Member]) -> "LeaderInfo | None | object":
-        """Tries the heirs by member id; the new leader, None once the term is
+    async def _hand_to_oldest(self, term: int, from_member_id: str,
+                              heirs: collections.abc.Sequence[Member]) -> "LeaderInfo | None | object":
+        """Tries the heirs in heir_order; the new leader, None once the term is
         over, or _NO_HEIR if none of them (still) holds that registration."""
         leader_key, txn = self.keys.leader.encode(), self._etcd.transactions
-        for heir in sorted(heirs, key=lambda m: m.member_id):
-            if heir.member_id == from_member_id or heir.role != "scheduler" or not heir.lease_id:
-                continue
+        for heir in heir_order(heirs, from_member_id):
             member_key = self.keys.member(heir.role, heir.member_id).encode()
             value = leader_value(heir.member_id, heir.address)
             try:

@@ -105,16 +105,17 @@ async def _leaders_seen(client, seen: list) -> None:
 
 def test_graceful_handover_is_one_transaction_and_fences_the_old_term(etcd, key_prefix):
     """SIGTERM on the leader: one etcd transaction (the followers known from
-    the term's own watch) puts /leader again under the first follower's
-    lease. The key never disappears, so nobody campaigns; the heir leads
-    within milliseconds with a larger term (the key's new mod revision), and
-    the old term's writes and resignation are rejected."""
+    the term's own watch) puts /leader again under the lease of the follower
+    registered longest. The key never disappears, so nobody campaigns; the
+    heir leads within milliseconds with a larger term (the key's new mod
+    revision), and the old term's writes and resignation are rejected."""
     async def body():
         candidates = await start_three(etcd, key_prefix)
         [old] = leaders(candidates)
         old_term = old.election.leadership.term
         rest = [c for c in candidates if c is not old]
-        heir, other = sorted(rest, key=lambda c: c.member_id)
+        registered_at = {m.member_id: m.revision for m in await old.client.list_members("scheduler")}
+        heir, other = sorted(rest, key=lambda c: registered_at[c.member_id])  # the longest registered leads
         seen: list = []
         watching = asyncio.create_task(_leaders_seen(other.client, seen))
         assert await eventually(lambda: len(seen) == 1)
