@@ -41,7 +41,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     model_dir = args.model or default_model_dir()
     try:
         spec = launcher.MeshSpec(model_dir=model_dir, num_ranks=args.ranks, device=args.device,
-                                 gateway_port=args.port, etcd=args.etcd or "", work_dir=args.work_dir or "")
+                                 gateway_port=args.port, etcd=args.etcd or "", work_dir=args.work_dir or "",
+                                 data_plane_nice=args.data_plane_nice)
     except ValueError as err:
         print(f"moemesh up: {err}", file=sys.stderr)
         return 2
@@ -170,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway port (0 = any free port)")
     up.add_argument("--etcd", help="use this etcd (host:port) instead of starting one")
     up.add_argument("--work-dir", help="where logs and etcd data go (default: a temporary directory)")
+    up.add_argument("--data-plane-nice", type=int, default=launcher.DEFAULT_DATA_PLANE_NICE,
+                    help="niceness of the router, expert services and gateways, so that etcd and the "
+                         "schedulers get the CPU first on a shared host (0 = none)")
     up.set_defaults(fn=cmd_up)
 
     gen = sub.add_parser("generate", help="stream a completion from the gateway")

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +28,9 @@ from services.settings import metrics_port_file, read_port_file
 log = logging.getLogger(__name__)
 
 NUM_SCHEDULERS = 3
+
+# MeshSpec.data_plane_nice's default (`moemesh up --data-plane-nice`).
+DEFAULT_DATA_PLANE_NICE = 5
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -52,6 +56,11 @@ class MeshSpec:
     # Extra environment variables of every process, e.g. the OTEL_* of tracing.
     env: dict = dataclasses.field(default_factory=dict)
     ready_timeout_s: float = 180.0
+    # Niceness added to the data plane (router, expert services, gateways): on a shared host
+    # the control plane (etcd, schedulers) gets the CPU first, so that lease keepalives,
+    # leader probes and a handover never queue behind a model step or a burst of streams.
+    # 0: every process at the launcher's priority.
+    data_plane_nice: int = DEFAULT_DATA_PLANE_NICE
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
@@ -60,6 +69,8 @@ class MeshSpec:
             raise ValueError(f"num_standby must be >= 0, got {self.num_standby}")
         if self.num_gateways < 1:
             raise ValueError(f"num_gateways must be at least 1, got {self.num_gateways}")
+        if not 0 <= self.data_plane_nice <= 19:
+            raise ValueError(f"data_plane_nice must be within 0..19, got {self.data_plane_nice}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if not (pathlib.Path(self.model_dir) / "config.json").is_file():
@@ -166,6 +177,8 @@ class Mesh:
         role_key = module.split(".")[0]
         cmd = [sys.executable, "-m", module, *args, "--port", str(port), "--port-file", str(port_file),
                "--metrics-port", "0", *self.spec.extra_args.get(role_key, [])]
+        if role_key != "scheduler_svc" and self.spec.data_plane_nice and shutil.which("nice"):
+            cmd = ["nice", "-n", str(self.spec.data_plane_nice), *cmd]  # set before exec: every thread has it
         self.roles.append(self._launch(name, cmd, port_file, log_path))
 
     def _launch(self, name: str, cmd: list[str], port_file: pathlib.Path, log_path: pathlib.Path) -> Role:

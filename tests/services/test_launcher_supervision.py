@@ -54,3 +54,28 @@ def test_running_roles_are_left_alone(tmp_path, tiny_model_dir, monkeypatch):
         assert mesh.restart_exited() == []
     finally:
         mesh.stop(grace_s=1)
+
+
+@pytest.mark.parametrize("nice", [0, 7])
+def test_the_data_plane_runs_niced_and_the_schedulers_do_not(tmp_path, tiny_model_dir, monkeypatch, nice):
+    """data_plane_nice: router, experts and gateways start under `nice`, with the niceness set
+    before exec (every thread has it); schedulers at the launcher's priority."""
+    if launcher.shutil.which("nice") is None:
+        pytest.skip("no nice(1) here")
+    mesh = launcher.Mesh(launcher.MeshSpec(model_dir=str(tiny_model_dir), work_dir=str(tmp_path),
+                                           data_plane_nice=nice))
+    launched = {}
+    def launch(name, cmd, port_file, log_path):
+        launched[name] = cmd
+        return launcher.Role(name=name, proc=None, port_file=port_file, log_path=log_path, cmd=cmd)
+
+    monkeypatch.setattr(mesh, "_launch", launch)
+    monkeypatch.setattr(mesh, "_wait_port", lambda role, timeout_s: 0)
+    monkeypatch.setattr(launcher.etcd_server, "start_etcd", lambda work_dir: type("E", (), {"endpoint": "x:1"}))
+    mesh.roles = []
+    mesh._start_all()
+    niced = {name for name, cmd in launched.items() if cmd[:3] == ["nice", "-n", str(nice)]}
+    assert {name for name in launched if name.startswith("scheduler")} == {"scheduler-0", "scheduler-1", "scheduler-2"}
+    assert niced == (set() if nice == 0 else {"router", "expert-0", "gateway"})
+    with pytest.raises(ValueError, match="within 0..19"):
+        launcher.MeshSpec(model_dir=str(tiny_model_dir), data_plane_nice=-1)
