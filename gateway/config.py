@@ -36,6 +36,9 @@ class GatewayConfig(MemberConfig):
     enable_prefix_cache: bool = True
     # Plan step k+1 while step k runs on the ranks.
     overlap_steps: bool = True
+    # A stream that falls behind sends the outputs queued for it as one message
+    # (the tokens and text since its previous message); false: one message per step.
+    coalesce_stream_outputs: bool = True
     # If set, the gateway's counters (prefix-cache hit rate, preemptions, host
     # time per step) are written to this JSON file every stats_interval_s and at exit.
     stats_file: str = ""

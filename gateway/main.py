@@ -94,7 +94,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     probes = await http_probes.start_probes(ROLE, config)
     probes.add_collector(GatewayStateCollector(get_engine, stats))
     servicer = GenerationServicer(tokenizer=tokenizer, limits=request_limits(config, model),
-                                  get_engine=get_engine)
+                                  get_engine=get_engine, coalesce_outputs=config.coalesce_stream_outputs)
     server = await grpc_util.start_server(
         [lambda s: gateway_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, s)],
         [SERVICE_NAME], host=config.host, port=config.port)

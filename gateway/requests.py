@@ -10,6 +10,7 @@ Domain types only: the servicer maps them to protobuf and gRPC status codes.
 """
 
 import asyncio
+import collections
 import dataclasses
 import enum
 from collections.abc import Collection
@@ -84,7 +85,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "request", "prompt_ids", "output_ids", "token_ids", "rank", "status",
         "num_computed", "num_in_flight", "is_prefilled", "is_aborted", "finish_reason", "deadline",
-        "block_hashes", "num_preemptions", "_detokenizer", "_stops",
+        "block_hashes", "num_preemptions", "_detokenizer", "_stops", "_has_stops",
     )
 
     def __init__(self, seq_id: int, request, detokenizer, *, deadline: float | None = None) -> None:
@@ -111,6 +112,8 @@ class Sequence:
         self.num_preemptions = 0
         self._detokenizer = detokenizer
         self._stops = StopStringMatcher(list(request.stops))
+        # Without stop strings the matcher releases every text at once: skipped (per token, per step).
+        self._has_stops = bool(request.stops)
 
     @property
     def request_id(self) -> str:
@@ -136,7 +139,9 @@ class Sequence:
             text, matched = self._drain_text()
             reason = FinishReason.STOP
         else:
-            text, matched = self._stops.push(self._detokenizer.push([token_id]))
+            text = self._detokenizer.push((token_id,))
+            if self._has_stops:
+                text, matched = self._stops.push(text)
             reason = FinishReason.STOP if matched is not None else None
             if reason is None and (len(self.output_ids) >= self.request.max_new_tokens
                                    or self.num_tokens >= max_context):
@@ -184,22 +189,37 @@ class Sequence:
 
 class RequestHandle:
     """The consumer side of a request: `async for output in handle` yields its
-    outputs until the final one, or raises the GenerationError that failed it."""
+    outputs until the final one, or raises the GenerationError that failed it.
+
+    A deque and one waiter rather than an asyncio.Queue: the engine puts one
+    output per request and step, hundreds per step at high concurrency, and
+    the consumer usually finds its output already there.
+    """
 
     def __init__(self, seq: Sequence) -> None:
         self.seq = seq
-        self._queue: asyncio.Queue[RequestOutput | GenerationError] = asyncio.Queue()
+        self._items: collections.deque[RequestOutput | GenerationError] = collections.deque()
+        # The consumer's future while it waits for an item.
+        self._waiter: asyncio.Future | None = None
         # True once the final output or an error has been queued.
         self.is_done = False
         # True once the consumer has taken the final output or the error.
         self._is_consumed = False
 
-    def put(self, item: RequestOutput | GenerationError) -> None:
-        """Queues an output or an error; nothing after the final one."""
+    def put(self, item: RequestOutput | GenerationError, *, wake: bool = True) -> None:
+        """Queues an output or an error; nothing after the final one. With wake
+        False the consumer sleeps on until wake() (the engine paces wake-ups)."""
         if self.is_done:
             return
         self.is_done = isinstance(item, GenerationError) or item.is_final
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        if wake:
+            self.wake()
+
+    def wake(self) -> None:
+        """Lets a waiting consumer take what is queued."""
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def __aiter__(self) -> "RequestHandle":
         return self
@@ -207,8 +227,33 @@ class RequestHandle:
     async def __anext__(self) -> RequestOutput:
         if self._is_consumed:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
         self._is_consumed = isinstance(item, GenerationError) or item.is_final
         if isinstance(item, GenerationError):
             raise item
         return item
+
+    def take_ready(self) -> list[RequestOutput]:
+        """The outputs queued already, without waiting, up to the final one or an
+        error (an error stays queued: the next __anext__ raises it)."""
+        taken = []
+        while self._items and not self._is_consumed and not isinstance(self._items[0], GenerationError):
+            taken.append(self._items.popleft())
+            self._is_consumed = taken[-1].is_final
+        return taken
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: their tokens and text in order,
+    the counts and finish of the last."""
+    last = outputs[-1]
+    if len(outputs) == 1:
+        return last
+    return dataclasses.replace(last, token_ids=tuple(t for o in outputs for t in o.token_ids),
+                               text="".join(o.text for o in outputs))

@@ -210,12 +210,14 @@ LIMITS = RequestLimits(vocab_size=100, max_context=1000, max_new_tokens_default=
 class Gateway:
     """A GenerationService on port 0 whose engine the test swaps in and out."""
 
-    def __init__(self):
+    def __init__(self, *, coalesce_outputs: bool = True):
         self.engine: Engine | None = None
         self.loop_task: asyncio.Task | None = None
+        self.coalesce_outputs = coalesce_outputs
 
     async def __aenter__(self):
-        servicer = GenerationServicer(tokenizer=FakeTokenizer(), limits=LIMITS, get_engine=lambda: self.engine)
+        servicer = GenerationServicer(tokenizer=FakeTokenizer(), limits=LIMITS, get_engine=lambda: self.engine,
+                                      coalesce_outputs=self.coalesce_outputs)
         self.server = await grpc_util.start_server(
             [lambda s: gateway_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, s)], [SERVICE_NAME])
         self.channel = grpc_util.channel(f"127.0.0.1:{self.server.port}")
@@ -256,7 +258,9 @@ STOP = ABC_TEXT[3:5]
 
 def test_servicer_streams_tokens_and_text_and_refuses_bad_input():
     async def scenario():
-        async with Gateway() as gw:
+        # One message per token: the fake ranks answer at once, so a coalescing stream
+        # may find several outputs queued (tests/gateway/test_engine_pipeline.py).
+        async with Gateway(coalesce_outputs=False) as gw:
             gw.attach(num_blocks=8, block_size=4, max_batch_tokens=64)
             with pytest.raises(grpc.aio.AioRpcError) as bad:
                 await gw.generate(request_id="bad", prompt="x",
