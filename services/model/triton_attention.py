@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from services.model import triton_fused
 from services.model.attention import ATTENTION_BACKENDS, AttentionBackend
 
 _LOG2E = 1.4426950408889634
@@ -76,7 +77,9 @@ def _decode_kernel(q_ptr, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_p
                    stride_qt, stride_qh, stride_nt, stride_ng, stride_ot, stride_oh, stride_bt, stride_slot,
                    num_heads, group, head_dim,
                    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP_PAD: tl.constexpr,
-                   K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent launch (triton_fused.PDL): the previous kernel done first
+        triton_fused.wait_for_previous_kernel()
     b, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + b)
     # Each split takes an equal share of this sequence's context, in whole BLOCK_N steps.
@@ -125,7 +128,9 @@ def _decode_kernel(q_ptr, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_p
 
 @triton.jit
 def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, o_ptr, stride_ot, stride_oh, num_heads, head_dim,
-                          NUM_SPLITS: tl.constexpr, K_PAD: tl.constexpr):
+                          NUM_SPLITS: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        triton_fused.wait_for_previous_kernel()
     b, h = tl.program_id(0), tl.program_id(1)
     part = (b * num_heads + h) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     m_S = tl.load(part_ml_ptr + part * 2)
@@ -251,14 +256,15 @@ class TritonPagedAttention(AttentionBackend):
             part_acc = torch.empty((num_seqs, num_heads, splits, k_pad), dtype=torch.float32, device=device)
             part_ml = torch.empty((num_seqs, num_heads, splits, 2), dtype=torch.float32, device=device)
         group_pad = max(16, triton.next_power_of_2(common["group"]))
+        pdl = triton_fused.uses_pdl(k_TGK)  # single-token steps, as triton_fused's kernels around these
         _decode_kernel[(num_seqs, num_kv_heads, splits)](
             k_new_ptr=k_TGK, v_new_ptr=v_TGK, slot_ptr=slot_mapping_T, stride_nt=k_TGK.stride(0),
             stride_ng=k_TGK.stride(1), part_acc_ptr=part_acc, part_ml_ptr=part_ml, num_heads=num_heads,
-            NUM_SPLITS=splits, GROUP_PAD=group_pad, **common)
+            NUM_SPLITS=splits, GROUP_PAD=group_pad, PDL=pdl, launch_pdl=pdl, **common)
         if splits > 1:
             _decode_reduce_kernel[(num_seqs, num_heads)](
                 part_acc, part_ml, common["o_ptr"], common["stride_ot"], common["stride_oh"], num_heads,
-                common["head_dim"], NUM_SPLITS=splits, K_PAD=k_pad)
+                common["head_dim"], NUM_SPLITS=splits, K_PAD=k_pad, PDL=pdl, launch_pdl=pdl)
 
     def _sms(self, device: torch.device) -> int:
         if device.type != "cuda":

@@ -88,13 +88,13 @@ def _has_pdl(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _pdl(x: Tensor) -> bool:
+def uses_pdl(x: Tensor) -> bool:
     """Whether a kernel reading x launches as a programmatic dependent launch (see PDL)."""
     return PDL and SINGLE_TOKEN_KERNELS and x.is_cuda and x.shape[0] == 1 and _has_pdl(x.device)
 
 
 @triton.jit
-def _wait_for_previous_kernel():
+def wait_for_previous_kernel():
     """PDL: waits until the previous kernel on the stream is done (its writes visible), then
     lets the next one launch (its programs wait the same way before reading ours)."""
     gdc_wait()
@@ -109,7 +109,7 @@ def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, y_ptr, dim, eps, HAS_RESIDUAL: tl.
     mask = d < dim
     w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
     if PDL:
-        _wait_for_previous_kernel()
+        wait_for_previous_kernel()
     x = tl.load(x_ptr + t * dim + d, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         h = tl.load(h_ptr + t * dim + d, mask=mask, other=0.0)
@@ -128,8 +128,8 @@ def add_rms_norm_(x_TD: Tensor, h_TD: Tensor | None, weight_D: Tensor, eps: floa
     if x_TD.shape[0]:
         _add_rms_norm_kernel[(x_TD.shape[0],)](
             x_TD, x_TD if h_TD is None else h_TD, weight_D, y_TD, x_TD.shape[1], eps,
-            HAS_RESIDUAL=h_TD is not None, BLOCK_D=triton.next_power_of_2(x_TD.shape[1]), PDL=_pdl(x_TD),
-            num_warps=8, launch_pdl=_pdl(x_TD))
+            HAS_RESIDUAL=h_TD is not None, BLOCK_D=triton.next_power_of_2(x_TD.shape[1]), PDL=uses_pdl(x_TD),
+            num_warps=8, launch_pdl=uses_pdl(x_TD))
     return y_TD
 
 
@@ -138,7 +138,7 @@ def _qkv_norm_rotary_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, q
                             num_heads, num_kv_heads, head_dim, eps, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                             PDL: tl.constexpr):
     if PDL:
-        _wait_for_previous_kernel()
+        wait_for_previous_kernel()
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
     src = qkv_ptr + (t[:, None] * (num_heads + 2 * num_kv_heads) + head) * head_dim  # [BLOCK_T, 1]
@@ -194,8 +194,8 @@ def qkv_norm_rotary(qkv_TX: Tensor, q_norm_K: Tensor, k_norm_K: Tensor, cos_TK: 
         block_t = qkv_tokens_per_program(num_tokens)
         _qkv_norm_rotary_kernel[(triton.cdiv(num_tokens, block_t), num_heads + 2 * num_kv_heads)](
             qkv_TX, q_norm_K, k_norm_K, cos_TK, sin_TK, q_THK, k_TGK, v_TGK, num_tokens, num_heads, num_kv_heads,
-            head_dim, eps, BLOCK_T=block_t, BLOCK_K=triton.next_power_of_2(head_dim), PDL=_pdl(qkv_TX),
-            launch_pdl=_pdl(qkv_TX))
+            head_dim, eps, BLOCK_T=block_t, BLOCK_K=triton.next_power_of_2(head_dim), PDL=uses_pdl(qkv_TX),
+            launch_pdl=uses_pdl(qkv_TX))
     return q_THK, k_TGK, v_TGK
 
 
@@ -265,7 +265,7 @@ def _gemv_rows(x_ptr, w_ptr, in_features, n, n_mask, k_start, k_end, BLOCK_N: tl
         k = k_start + tl.arange(0, BLOCK_K)
         k_mask = k < k_end
         w = tl.load(w_ptr + n[:, None] * in_features + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        _wait_for_previous_kernel()
+        wait_for_previous_kernel()
         x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * x[None, :]
         loop_start = k_start + BLOCK_K
@@ -321,7 +321,7 @@ def gemv(x_1D: Tensor, w_ND: Tensor, tiles: GemvTiles) -> Tensor:
     y_1N = x_1D.new_empty(1, w_ND.shape[0])
     _gemv_kernel[(triton.cdiv(w_ND.shape[0], tiles.block_n),)](
         x_1D, w_ND, y_1N, w_ND.shape[1], w_ND.shape[0], BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        NUM_STAGES=tiles.stages, PDL=_pdl(x_1D), num_warps=tiles.warps, launch_pdl=_pdl(x_1D))
+        NUM_STAGES=tiles.stages, PDL=uses_pdl(x_1D), num_warps=tiles.warps, launch_pdl=uses_pdl(x_1D))
     return y_1N
 
 
@@ -378,7 +378,7 @@ def gate_route(x_1D: Tensor, w_gate_ED: Tensor, top_k: int, norm_topk_prob: bool
         x_1D, w_gate_ED, partial_SE, _GATE_ROUTE_COUNTS[x_1D.device], ids_1K, weights_1K, pos_1E, hit_counts_E,
         hidden, num_experts, NORM=norm_topk_prob, TOP_K=top_k, NUM_SPLITS=GATE_ROUTE_SPLITS, SPLIT_K=split_k,
         BLOCK_G=GATE_ROUTE_EXPERTS, BLOCK_K=min(512, triton.next_power_of_2(split_k)), BLOCK_E=block_e,
-        PDL=_pdl(x_1D), num_warps=GATE_ROUTE_WARPS, launch_pdl=_pdl(x_1D))
+        PDL=uses_pdl(x_1D), num_warps=GATE_ROUTE_WARPS, launch_pdl=uses_pdl(x_1D))
     return ids_1K, weights_1K, pos_1E
 
 
@@ -489,7 +489,7 @@ def _one_token_gate_up_kernel(x_ptr, ids_ptr, w_ptr, act_ptr, HIDDEN: tl.constex
     dependent launch): waits for gate_route, then lets the down kernel start."""
     f_block, k = tl.program_id(0), tl.program_id(1)
     if PDL:  # gate_route's ids; then the down kernel may launch (ids and weights are final)
-        _wait_for_previous_kernel()
+        wait_for_previous_kernel()
     expert = tl.load(ids_ptr + k).to(tl.int64)
     f = f_block * BLOCK_F + tl.arange(0, BLOCK_F)
     f_mask = (f < WIDTH)[:, None, None]
@@ -526,7 +526,7 @@ def _one_token_down_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, out_ptr, HIDDEN
     f = tl.arange(0, BLOCK_F)
     w = tl.load(w_rows[:, :, None] + f[None, None, :], mask=ko_mask & (f < WIDTH)[None, None, :], other=0.0)
     if PDL:  # the first step's weights are on their way: now wait for gate_up's act
-        _wait_for_previous_kernel()
+        wait_for_previous_kernel()
     act = tl.load(act_ptr + k[:, None] * WIDTH + f[None, :], mask=k_mask[:, None] & (f < WIDTH)[None, :], other=0.0)
     acc = w.to(tl.float32) * act.to(tl.float32)[:, None, :]
     for f0 in tl.range(BLOCK_F, WIDTH, BLOCK_F, num_stages=NUM_STAGES):
@@ -650,8 +650,8 @@ def one_token_gate_up(x_1D: Tensor, ids_1K: Tensor, w_gate_up_EGD: Tensor, tiles
     act_KF = x_1D.new_empty(top_k, width)
     _one_token_gate_up_kernel[(triton.cdiv(width, tiles.gate_up_f), top_k)](
         x_1D, ids_1K, w_gate_up_EGD, act_KF, HIDDEN=hidden, WIDTH=width, BLOCK_F=tiles.gate_up_f,
-        BLOCK_D=tiles.gate_up_d, NUM_STAGES=tiles.gate_up_stages, PDL=_pdl(x_1D), num_warps=tiles.gate_up_warps,
-        launch_pdl=_pdl(x_1D))
+        BLOCK_D=tiles.gate_up_d, NUM_STAGES=tiles.gate_up_stages, PDL=uses_pdl(x_1D), num_warps=tiles.gate_up_warps,
+        launch_pdl=uses_pdl(x_1D))
     return act_KF
 
 
@@ -663,5 +663,5 @@ def one_token_down(act_KF: Tensor, ids_1K: Tensor, weights_1K: Tensor, w_down_ED
     _one_token_down_kernel[(triton.cdiv(hidden, tiles.down_o),)](
         act_KF, ids_1K, weights_1K, w_down_EDF, out_1D, HIDDEN=hidden, WIDTH=width, TOP_K=top_k,
         BLOCK_K=triton.next_power_of_2(top_k), BLOCK_O=tiles.down_o, BLOCK_F=tiles.down_f,
-        NUM_STAGES=tiles.down_stages, PDL=_pdl(ids_1K), num_warps=tiles.down_warps, launch_pdl=_pdl(ids_1K))
+        NUM_STAGES=tiles.down_stages, PDL=uses_pdl(ids_1K), num_warps=tiles.down_warps, launch_pdl=uses_pdl(ids_1K))
     return out_1D

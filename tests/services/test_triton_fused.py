@@ -139,7 +139,7 @@ def test_linear_takes_the_tiles_of_its_weight_shape(fused, monkeypatch):
     fused.linear(_randn(1, 48), _randn(40, 48))
     fused.linear(_randn(1, 48), _randn(24, 48))
     assert calls == [own, default]
-    assert not fused._pdl(_randn(1, 48))
+    assert not fused.uses_pdl(_randn(1, 48))
 
 
 @pytest.mark.parametrize("norm", [True, False])
