@@ -14,7 +14,9 @@ n real sequences (B - n padding rows), M block-table columns, V vocab.
   its group.
 - Key: (B, capacity); the capacity comes from the group's largest batch, so
   every rank uses the same one. B * min(K, slots) must fit in it (it does
-  when the buckets are powers of two, the capacity's rounding).
+  when the buckets are powers of two, the capacity's rounding). With
+  pad_to_capacity (the ranks of triton_ep's expert-parallel MoE on CUDA) B is
+  the capacity's own bucket: one key per capacity, whatever the rank's share.
 - Static inputs: one batch of the largest bucket; bucket B uses its first B
   rows and all M columns (M from the model's context length). Each step
   copies its rows in with non-blocking copies from pinned memory; only the
@@ -53,6 +55,7 @@ from torch import Tensor
 from services.kv_pool import KVPool
 from services.model.attention import ATTENTION_BACKENDS, AttentionBackend, AutoAttention
 from services.model.batch import ForwardBatch, SeqInput, build_decode_batch
+from services.model.moe import gathers_on
 
 log = logging.getLogger("expert_svc")
 
@@ -86,7 +89,9 @@ def make_graph_runner(model, kv_pool: KVPool, block_size: int, buckets: Sequence
                  type(model.attention).__name__, model.device)
         return None
     max_blocks = -(-(max_context or model.config.max_position_embeddings) // block_size)
-    return DecodeGraphRunner(model, kv_pool, block_size, buckets=buckets, max_blocks=max_blocks)
+    device = torch.device(model.device)
+    return DecodeGraphRunner(model, kv_pool, block_size, buckets=buckets, max_blocks=max_blocks,
+                             pad_to_capacity=model.comm.world_size > 1 and gathers_on(device))
 
 
 def cuda_capture(pool) -> Capture:
@@ -126,7 +131,7 @@ class DecodeGraphRunner:
     """Runs a rank's decode steps through CUDA graphs (see the module doc)."""
 
     def __init__(self, model, kv_pool: KVPool, block_size: int, *, buckets: Sequence[int],
-                 max_blocks: int, capture: Capture | None = None):
+                 max_blocks: int, capture: Capture | None = None, pad_to_capacity: bool = False):
         if not buckets or min(buckets) <= 0:
             raise ValueError(f"buckets must be positive batch sizes, got {list(buckets)}")
         if max_blocks <= 0:
@@ -138,6 +143,12 @@ class DecodeGraphRunner:
         self._capture = capture or cuda_capture(torch.cuda.graph_pool_handle())
         # Most rows one peer can get from one token (a token's K experts are distinct).
         self._rows_per_token = min(model.config.num_experts_per_tok, model.num_local_slots)
+        # Every step takes the bucket of its capacity (the group's largest rank batch, rounded up)
+        # when that is a bucket: one key per capacity, so the ranks of a group never meet a new
+        # (bucket, capacity) pair when their batch sizes drift apart (each new key costs an eager
+        # step and a capture). For the ranks of triton_ep's MoE, which pads every rank's rows to
+        # that count anyway.
+        self._pad_to_capacity = pad_to_capacity
         rows = self.buckets[-1]
 
         def zeros(*shape, dtype=torch.int64) -> Tensor:
@@ -162,19 +173,29 @@ class DecodeGraphRunner:
         """The smallest bucket holding num_seqs rows (at least one), None if none does."""
         return next((b for b in self.buckets if b >= max(num_seqs, 1)), None)
 
+    def step_bucket(self, num_seqs: int, capacity: int) -> int | None:
+        """The bucket a step of num_seqs rows at this capacity runs: bucket(num_seqs), or
+        with pad_to_capacity the capacity's rows per rank if that is a bucket holding them."""
+        bucket = self.bucket(num_seqs)
+        if self._pad_to_capacity and bucket is not None:
+            group_rows = capacity // self._rows_per_token
+            if group_rows in self.buckets and group_rows >= bucket:
+                return group_rows
+        return bucket
+
     def fits(self, seqs: Sequence[SeqInput], capacity: int | None) -> bool:
         """Whether this step can run here: fixed capacity, one new token per sequence,
         a bucket whose rows fit the capacity, block tables within max_blocks."""
         if capacity is None or any(len(s.token_ids) != 1 for s in seqs):
             return False
-        bucket = self.bucket(len(seqs))
+        bucket = self.step_bucket(len(seqs), capacity)
         return (bucket is not None and bucket * self._rows_per_token <= capacity
                 and all(len(s.block_table) <= self.max_blocks for s in seqs))
 
     def run(self, seqs: Sequence[SeqInput], capacity: int, feed: TokenFeed | None = None) -> DecodeOutput:
         """Runs one decode step (fits() must hold): eagerly the first time its key
         is seen, then by capture and replay. `feed` overrides the input ids of its rows."""
-        bucket, num_seqs = self.bucket(len(seqs)), len(seqs)
+        bucket, num_seqs = self.step_bucket(len(seqs), capacity), len(seqs)
         key, num_pad = (bucket, capacity), bucket - num_seqs
         self._upload(seqs, bucket)
         if feed is not None:

@@ -122,6 +122,31 @@ def test_padded_rows_map_back_and_change_no_real_row(weights):
     assert torch.equal(model.hit_counts_LE, eager_model.hit_counts_LE)
 
 
+def test_pad_to_capacity_runs_the_capacitys_bucket(weights):
+    """pad_to_capacity: a rank with 3 sequences in a step whose largest rank batch is 7 runs
+    bucket 8 (the capacity's), not 4; its rows give the eager logits, the padding nothing."""
+    model = make_model(weights)
+    model.attention = DeviceLensAttention()
+    kv = KVPool.for_model(SMALL, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
+    graphs = DecodeGraphRunner(model, kv, BLOCK_SIZE, buckets=(1, 2, 4, 8), max_blocks=BLOCKS_PER_SEQ,
+                               capture=StandInCapture(), pad_to_capacity=True)
+    capacity = model.dispatch_capacity(7)
+    assert graphs.step_bucket(3, capacity) == 8 and graphs.step_bucket(3, model.dispatch_capacity(3)) == 4
+    assert graphs.step_bucket(3, 16 * rows_per_token()) == 4  # the capacity's rows are no bucket: its own
+    eager_model = make_model(weights)
+    eager = make_runner(eager_model)
+    seqs = [SeqInput(i, [11 * (i + 1)], 0, [2 * i, 2 * i + 1], True) for i in range(3)]
+    from services.model.batch import build_forward_batch
+
+    reference_SV = eager_model.forward(build_forward_batch(seqs, BLOCK_SIZE, "cpu"), eager.kv_pool)
+    assert graphs.fits(seqs, capacity)
+    out = graphs.run(seqs, capacity)
+    torch.testing.assert_close(out.logits_SV, reference_SV, rtol=1e-5, atol=1e-5)
+    assert set(graphs._warmed) == {(8, capacity)}
+    torch.testing.assert_close(graphs.kv_pool.k_cache, eager.kv_pool.k_cache)
+    assert torch.equal(model.hit_counts_LE, eager_model.hit_counts_LE)
+
+
 def _new(seq_id, sampling=GREEDY):
     return NewSequence(seq_id, sampling, tuple(range(seq_id * BLOCKS_PER_SEQ, (seq_id + 1) * BLOCKS_PER_SEQ)))
 
