@@ -229,6 +229,9 @@ def _two_rank_worker(rank: int, init_file: str, model_dir: str, out_dir: str) ->
                 g = runner.graphs
                 result["counts"] = [g.num_eager, g.num_captures, g.num_replays]
         pathlib.Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+        # Both ranks past their last collective before either tears gloo down: a rank that exits
+        # while its peer's gloo threads still talk to it made that peer abort (SIGABRT, 3 runs in 20).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -320,6 +320,7 @@ def _worker(rank: int, world_size: int, init_file: str) -> None:
             assert comm.max_over_ranks(scenario[rank][0], "cpu") == max_tokens
             _check_rank(comm, *scenario[rank], max_tokens=max_tokens)
             _check_top4_against_one_rank(comm, scenario[rank][0], max_tokens)
+        dist.barrier()  # every rank past its last collective before any tears gloo down
     finally:
         dist.destroy_process_group()
 

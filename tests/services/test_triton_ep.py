@@ -145,6 +145,7 @@ def _gloo_worker(rank: int, init_file: str, tokens_N: list[int], top_k: int) -> 
             out_TD = tep.gathered_moe(layer, x_TD, rows_per_rank=max(tokens_N) + 1)
             torch.testing.assert_close(out_TD, reference(x_TD), atol=1e-5, rtol=1e-5)
             assert torch.equal(layer.hit_counts_E, reference.hit_counts_E)  # this rank's tokens' experts
+        dist.barrier()  # both ranks past their last collective before either tears gloo down
     finally:
         dist.destroy_process_group()
 
