@@ -10,7 +10,8 @@ the launch grid and the split count depend on tensor shapes alone.
   online softmax in fp32; the split holding the step's token writes its K/V
   first (no KV-write kernel in decode steps). With several splits a second
   kernel merges the partial results, so one long sequence still fills the
-  GPU. (Merging in the last split to finish, by an atomic count, was tried:
+  GPU; splits past a row's context (a graph's split count comes from its
+  block-table width, not the row's length) exit at once and are not read. (Merging in the last split to finish, by an atomic count, was tried:
   one program merging serially took 13.9 us a layer at batch 1 against 8.8
   for the two kernels plus the KV write, bench/results/decode_b1_h200_v2.md.)
 - Prefill: one program per (sequence, KV head, tile of BLOCK_Q new tokens),
@@ -86,6 +87,8 @@ def _decode_kernel(q_ptr, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_p
     split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, context_len)
+    if (NUM_SPLITS > 1) & (start >= context_len):
+        return  # past the context: no partial (the merge reads only the splits with tokens)
     h = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, K_PAD)
     h_mask, d_mask = h < group, d < head_dim
@@ -127,18 +130,24 @@ def _decode_kernel(q_ptr, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_p
 
 
 @triton.jit
-def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, o_ptr, stride_ot, stride_oh, num_heads, head_dim,
-                          NUM_SPLITS: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr):
+def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, o_ptr, context_lens_ptr, stride_ot, stride_oh, num_heads,
+                          head_dim, NUM_SPLITS: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                          PDL: tl.constexpr):
     if PDL:
         triton_fused.wait_for_previous_kernel()
     b, h = tl.program_id(0), tl.program_id(1)
-    part = (b * num_heads + h) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
-    m_S = tl.load(part_ml_ptr + part * 2)
-    l_S = tl.load(part_ml_ptr + part * 2 + 1)
+    # The splits the decode kernel gave tokens (its split length; the others wrote nothing).
+    context_len = tl.load(context_lens_ptr + b)
+    split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    s = tl.arange(0, NUM_SPLITS)
+    has_tokens = s < tl.cdiv(context_len, tl.maximum(split_len, 1))
+    part = (b * num_heads + h) * NUM_SPLITS + s
+    m_S = tl.load(part_ml_ptr + part * 2, mask=has_tokens, other=-1e30)
+    l_S = tl.load(part_ml_ptr + part * 2 + 1, mask=has_tokens, other=0.0)
     w_S = tl.exp2(m_S - tl.max(m_S, 0))
     l_sum = tl.sum(l_S * w_S, 0)
     d = tl.arange(0, K_PAD)
-    acc_SK = tl.load(part_acc_ptr + part[:, None] * K_PAD + d[None, :])
+    acc_SK = tl.load(part_acc_ptr + part[:, None] * K_PAD + d[None, :], mask=has_tokens[:, None], other=0.0)
     out = tl.sum(acc_SK * w_S[:, None], 0) / tl.where(l_sum == 0.0, 1.0, l_sum)
     tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < head_dim)
 
@@ -263,8 +272,9 @@ class TritonPagedAttention(AttentionBackend):
             NUM_SPLITS=splits, GROUP_PAD=group_pad, PDL=pdl, launch_pdl=pdl, **common)
         if splits > 1:
             _decode_reduce_kernel[(num_seqs, num_heads)](
-                part_acc, part_ml, common["o_ptr"], common["stride_ot"], common["stride_oh"], num_heads,
-                common["head_dim"], NUM_SPLITS=splits, K_PAD=k_pad, PDL=pdl, launch_pdl=pdl)
+                part_acc, part_ml, common["o_ptr"], common["context_lens_ptr"], common["stride_ot"],
+                common["stride_oh"], num_heads, common["head_dim"], NUM_SPLITS=splits, K_PAD=k_pad,
+                BLOCK_N=common["BLOCK_N"], PDL=pdl, launch_pdl=pdl)
 
     def _sms(self, device: torch.device) -> int:
         if device.type != "cuda":
