@@ -163,7 +163,10 @@ def test_handover_with_stale_heirs_reads_the_members_again(etcd, key_prefix):
         calls = EtcdCalls(old.client)
         new = await old.client.handover(old_term, old.member_id, heirs)
         assert new is not None and (new.member_id, new.lease_id) == (joined.member_id, joined.client.session.lease_id)
-        assert calls.counts == {"get": 0, "get_prefix": 1, "transaction": 2}
+        # One transaction naming the stale heir, one read of the members, one naming the new heir; the
+        # old leader's election, seeing its term end, may also have sent its fenced resign (a no-op now).
+        counts = calls.counts
+        assert (counts["get"], counts["get_prefix"]) == (0, 1) and counts["transaction"] in (2, 3), counts
         assert await eventually(lambda: joined.terms == [new.term]) and new.term > old_term
         await old.stop()
         await joined.stop()
