@@ -64,6 +64,7 @@ class Tally:
     num_sent: int = 0
     num_shed: int = 0  # arrivals beyond --max-in-flight, never sent
     num_bursts: int = 0
+    burst_rejected: list[int] = dataclasses.field(default_factory=list)  # RESOURCE_EXHAUSTED per burst
     outcomes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     e2e_s: list[float] = dataclasses.field(default_factory=list)
     ttft_s: list[float] = dataclasses.field(default_factory=list)
@@ -101,13 +102,16 @@ async def generate(stub, request_id: str, prompt_ids, max_new_tokens: int, timeo
     return token_ids, ttft, last
 
 
-async def send(stub, tally: Tally, request_id: str, prompt: Prompt, max_new_tokens: int, timeout_s: float):
-    """Sends one request and records its one outcome."""
+async def send(stub, tally: Tally, request_id: str, prompt: Prompt, max_new_tokens: int, timeout_s: float,
+               burst: int | None = None):
+    """Sends one request and records its one outcome (and a rejection against its burst, if any)."""
     start = time.perf_counter()
     try:
         token_ids, ttft, last = await generate(stub, request_id, prompt.ids, max_new_tokens, timeout_s)
     except grpc.aio.AioRpcError as error:
         tally.outcomes[error.code().name] += 1
+        if burst is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            tally.burst_rejected[burst] += 1
         return
     if last is None or last.finish_reason != gateway_pb2.FINISH_REASON_LENGTH \
             or last.usage.completion_tokens != len(token_ids):
@@ -173,21 +177,23 @@ async def drive(stub, args, prompts: list[Prompt], tally: Tally, sampler: Sample
     next_sample, next_burst, is_warm = t0 + args.sample_every_s, t0 + args.burst_every_s, False
     sampler.take("start", t0, tally)
 
-    def launch(kind: str) -> None:
+    def launch(kind: str, burst: int | None = None) -> None:
         if len(tasks) >= args.max_in_flight:
             tally.num_shed += 1
             return
         prompt = rng.choice(prompts)
         n = rng.randint(1, args.max_new_tokens)
         tally.num_sent += 1
-        task = asyncio.create_task(send(stub, tally, f"{kind}-{tally.num_sent}", prompt, n, args.request_timeout_s))
+        task = asyncio.create_task(send(stub, tally, f"{kind}-{tally.num_sent}", prompt, n, args.request_timeout_s,
+                                        burst))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
     while (now := time.monotonic()) < end:
         if now >= next_burst:
+            tally.burst_rejected.append(0)
             for _ in range(args.burst_size):
-                launch("burst")
+                launch("burst", tally.num_bursts)
             tally.num_bursts += 1
             next_burst += args.burst_every_s
         if now >= next_sample or (not is_warm and now >= warm_at):
@@ -278,6 +284,7 @@ def client_summary(tally: Tally, timings: dict) -> dict:
 
     return {
         "num_sent": tally.num_sent, "num_shed": tally.num_shed, "num_bursts": tally.num_bursts,
+        "burst_rejected": tally.burst_rejected,
         "outcomes": dict(sorted(tally.outcomes.items())),
         "completed_per_s": round(tally.outcomes["completed"] / load_s, 2),
         "output_tokens_per_s": round(tally.num_tokens / load_s, 1),

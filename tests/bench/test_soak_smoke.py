@@ -18,7 +18,10 @@ def test_short_soak_loses_nothing_and_sees_only_backpressure(tiny_model_dir, tmp
     assert set(outcomes) == {"completed", "RESOURCE_EXHAUSTED"}, outcomes
     assert outcomes["completed"] + outcomes["RESOURCE_EXHAUSTED"] == client["num_sent"]
     assert client["num_bursts"] >= 2 and client["num_shed"] == 0
-    assert outcomes["RESOURCE_EXHAUSTED"] >= 2 * (120 - 64 - 32)  # each burst overflows the queue
+    # Each burst overflows the queue. How far depends on how much the gateway drains while the burst is still
+    # arriving (less than 120 - 64 - 32 when it is quick), so the check is only that every burst saw rejections.
+    assert len(client["burst_rejected"]) == client["num_bursts"]
+    assert all(n > 0 for n in client["burst_rejected"]), client["burst_rejected"]
     assert [s["label"] for s in report["samples"]][::len(report["samples"]) - 1] == ["start", "end"]
     assert len(report["samples"]) >= 4
     for name in ("gateway", "expert-0", "router", "scheduler-0", "etcd", "soak client"):
