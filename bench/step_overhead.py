@@ -30,6 +30,12 @@ step k's figures in ms:
 - gateway_cpu_ms_per_step: the gateway process's CPU time per step (its
   step loop plus every response stream); with --profile, the gateway's top
   functions by own and by cumulative time (cProfile, which slows it down).
+- wall_ms_p99 / wall_ms_max: the slowest steps of that window; gc_freeze:
+  whether the gateway and the ranks froze their heap once set up, as the
+  services do (services/gc_pauses.py; --gc-freeze false to compare);
+  gateway_gc_ms: the gateway's garbage-collector pauses over the case, in
+  all; gateway_gc_max_ms / rank_gc_max_ms: the longest pause of the gateway
+  and of any rank.
 Results: bench/results/step_overhead.md and .json (--out).
 """
 
@@ -38,6 +44,7 @@ import asyncio
 import concurrent.futures
 import cProfile
 import dataclasses
+import gc
 import io
 import json
 import pathlib
@@ -48,6 +55,8 @@ import time
 import types
 
 import torch
+
+from services import gc_pauses
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 BLOCK_SIZE = 16
@@ -147,9 +156,20 @@ async def serve_rank(args) -> None:
     state.executor = StepExecutor(runner, model_thread, reader=reader)
     server = await grpc_util.start_server(
         [lambda s: expert_pb2_grpc.add_ExpertServiceServicer_to_server(ExpertServicer(state), s)], [])
+    gc_pauses.freeze("the rank's set-up", enabled=args.gc_freeze == "true")  # as expert_svc/rank.py once ready
     print(server.port, flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    with gc_pauses.recording() as pauses:
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
     await server.stop(0)
+    print(json.dumps(pause_summary(pauses)), flush=True)
+
+
+def pause_summary(pauses: list[tuple[int, float]]) -> dict:
+    """Garbage-collector pauses: count, total and longest ms, and the full collections."""
+    seconds = [s for _, s in pauses]
+    return {"num": len(seconds), "total_ms": round(1e3 * sum(seconds), 1),
+            "max_ms": round(1e3 * max(seconds, default=0.0), 2),
+            "full": [round(1e3 * s, 1) for g, s in pauses if g == 2]}
 
 
 # The client.
@@ -249,7 +269,8 @@ async def run_case(args, num_ranks: int, concurrency: int) -> dict:
     max_context = args.prompt_tokens + args.output_tokens + BLOCK_SIZE
     num_blocks = per_rank * -(-max_context // BLOCK_SIZE) + 64
     common = ["--ranks", str(num_ranks), "--num-blocks", str(num_blocks), "--max-context", str(max_context),
-              "--step-ms", str(args.step_ms), "--prefill-ms-per-1k", str(args.prefill_ms_per_1k)]
+              "--step-ms", str(args.step_ms), "--prefill-ms-per-1k", str(args.prefill_ms_per_1k),
+              "--gc-freeze", args.gc_freeze]
     ranks = [subprocess.Popen([sys.executable, "-m", "bench.step_overhead", "--role", "rank", "--rank", str(r),
                                *common], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for r in range(num_ranks)]
@@ -271,6 +292,7 @@ async def run_case(args, num_ranks: int, concurrency: int) -> dict:
     server = await grpc_util.start_server(
         [lambda s: gateway_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, s)], [SERVICE_NAME])
     loop_task = asyncio.create_task(engine.run())
+    gc_pauses.freeze("the gateway's set-up", enabled=args.gc_freeze == "true")  # as gateway/main.py
     client = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "bench.step_overhead", "--role", "client", "--target", f"127.0.0.1:{server.port}",
         "--concurrency", str(concurrency), "--prompt-tokens", str(args.prompt_tokens),
@@ -279,7 +301,8 @@ async def run_case(args, num_ranks: int, concurrency: int) -> dict:
     cpu_start, wall_start = time.process_time(), time.perf_counter()
     if profile is not None:
         profile.enable()
-    out, _ = await client.communicate()
+    with gc_pauses.recording() as pauses:
+        out, _ = await client.communicate()
     if profile is not None:
         profile.disable()
     cpu_s, wall_s = time.process_time() - cpu_start, time.perf_counter() - wall_start
@@ -289,10 +312,15 @@ async def run_case(args, num_ranks: int, concurrency: int) -> dict:
     await server.stop(0)
     for channel in channels:
         await channel.close()
-    for process in ranks:
-        process.communicate("")
+    rank_pauses = [json.loads(process.communicate("")[0].splitlines()[-1]) for process in ranks]
+    gc.unfreeze()  # this process may go on (a test): its heap collectable again
+    gateway_pauses = pause_summary(pauses)
     report = {"ranks": num_ranks, "concurrency": concurrency, "client": json.loads(out),
-              "gateway_cpu_share": round(cpu_s / wall_s, 3), **summarize_steps(clock, num_ranks, concurrency)}
+              "gateway_cpu_share": round(cpu_s / wall_s, 3), **summarize_steps(clock, num_ranks, concurrency),
+              "gc_freeze": args.gc_freeze, "gateway_gc_ms": gateway_pauses["total_ms"],
+              "gateway_gc_max_ms": gateway_pauses["max_ms"],
+              "rank_gc_max_ms": max(r["max_ms"] for r in rank_pauses),
+              "gc_pauses": {"gateway": gateway_pauses, "ranks": rank_pauses}}
     if profile is not None:
         report["profile"] = profile_text(profile)
     return report
@@ -310,6 +338,7 @@ def summarize_steps(clock: StepClock, num_ranks: int, concurrency: int) -> dict:
         return {"num_steps": 0}
     mean = lambda values: round(1e3 * sum(values) / len(values), 3)  # noqa: E731 (ms)
     wall = [reads[k] - reads[k - 1] for k in window]
+    wall_sorted = sorted(wall)
     cpu = [steps[k]["cpu"] - steps[k - 1]["cpu"] for k in window]
     sent = {k: max(steps[k + 2][f"write_{r}"] for r in range(num_ranks)) for k in window}
     execute = [sum(steps[k][f"exec_{r}"] for r in range(num_ranks)) / num_ranks for k in window]
@@ -322,6 +351,8 @@ def summarize_steps(clock: StepClock, num_ranks: int, concurrency: int) -> dict:
     }
     return {"num_steps": len(window), "wall_ms_per_step": mean(wall), "execute_ms_per_step": mean(execute),
             "busy": round(sum(execute) / sum(wall), 4),
+            "wall_ms_p99": round(1e3 * wall_sorted[int(0.99 * (len(wall) - 1))], 3),
+            "wall_ms_max": round(1e3 * wall_sorted[-1], 3),
             "gateway_cpu_ms_per_step": mean(cpu), **{f"{name}_ms": mean(v) for name, v in parts.items()}}
 
 
@@ -334,8 +365,9 @@ def profile_text(profile: cProfile.Profile, num_lines: int = 30) -> dict:
     return out
 
 
-COLUMNS = ("label", "ranks", "concurrency", "num_steps", "wall_ms_per_step", "execute_ms_per_step", "busy",
-           "turnaround_ms", "apply_ms", "plan_wait_ms", "plan_ms", "send_ms", "gateway_cpu_ms_per_step",
+COLUMNS = ("label", "ranks", "concurrency", "num_steps", "wall_ms_per_step", "wall_ms_p99", "wall_ms_max",
+           "execute_ms_per_step", "busy", "turnaround_ms", "apply_ms", "plan_wait_ms", "plan_ms", "send_ms",
+           "gateway_cpu_ms_per_step", "gc_freeze", "gateway_gc_ms", "gateway_gc_max_ms", "rank_gc_max_ms",
            "out_tok_s")
 
 
@@ -368,6 +400,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=192)
     parser.add_argument("--profile", action="store_true", help="cProfile the gateway (slows it down)")
+    parser.add_argument("--gc-freeze", choices=("true", "false"), default="true",
+                        help="freeze the heap of the gateway and the ranks once set up, as the services do")
     parser.add_argument("--label", default="", help="tag of the runs in the results (e.g. before, after)")
     parser.add_argument("--out", default="", help="directory of step_overhead.md/.json (nothing written if empty)")
     # Internal: the rank and client processes.

@@ -57,7 +57,7 @@ from expert_svc.runner import RankState, StepRunner
 from expert_svc.servicer import ExpertServicer
 from expert_svc.stats_reporter import StatsReporter
 from moe.expert.v1 import expert_pb2, expert_pb2_grpc
-from services import grpc_util, telemetry
+from services import gc_pauses, grpc_util, telemetry
 from services.cluster import ClusterClient, GroupAssignment
 from services.kv_pool import KVPool
 from services.model.checkpoint import load_weights
@@ -232,6 +232,7 @@ class ExpertRank:
                 model, runner, self._cluster, group_id=group.group_id, rank=rank, member_id=member_id,
                 load_experts=placement.expert_loader(cfg, mc, self._dtype))
         self._new_executor(runner)
+        gc_pauses.freeze("loading the weights", enabled=cfg.gc_freeze)
         await self._mark_ready(group)
         log.info("rank %d of group %s ready: %d KV blocks of %d tokens", rank, group.group_id,
                  kv_pool.num_blocks, cfg.kv_block_size)

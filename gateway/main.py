@@ -28,7 +28,7 @@ from gateway.servicer import SERVICE_NAME, GenerationServicer
 from gateway.stats import GatewayStats
 from gateway.validation import GilFreeTokenizer, RequestLimits
 from moe.gateway.v1 import gateway_pb2_grpc
-from services import grpc_util, http_probes, settings
+from services import gc_pauses, grpc_util, http_probes, settings
 from services.cluster import ClusterClient
 from services.model.config import ModelConfig
 from services.text import IncrementalDetokenizer
@@ -104,6 +104,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
 
     await set_serving(False)
     settings.announce_port(ROLE, config, server.port)
+    gc_pauses.freeze("startup (tokenizer, servers)", enabled=config.gc_freeze)
     cluster = ClusterClient(config.etcd, prefix=config.key_prefix)
     manager = GroupManager(
         cluster, member_id=config.member_id, address=config.address(server.port),

@@ -31,6 +31,7 @@ _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5.0, 10.0)
 _LAG_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_GC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _BYTES_BUCKETS = tuple(float(4 ** i) * 1024 for i in range(11))  # 1 KiB .. 1 GiB
 
 
@@ -51,6 +52,9 @@ class CommonMetrics:
         self.etcd_errors = Counter(
             PREFIX + "etcd_errors", "etcd calls, watches and keepalives that failed (then retried).",
             ["operation"], registry=registry)
+        self.gc_pause = Histogram(
+            PREFIX + "gc_pause_seconds", "Pauses of Python's cyclic garbage collector, by the generation "
+            "collected (services/gc_pauses.py).", ["generation"], buckets=_GC_BUCKETS, registry=registry)
 
     def set_info(self, role: str, member_id: str) -> None:
         self.build_info.labels(_version(), role, member_id).set(1)

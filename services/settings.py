@@ -31,7 +31,7 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 
-from services import logging_json, telemetry
+from services import gc_pauses, logging_json, telemetry
 
 ENV_PREFIX = "MOEMESH_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -228,6 +228,9 @@ class MemberConfig:
     metrics_port: int = 9090
     # Interface the HTTP metrics and probe server binds; empty means host.
     metrics_host: str = ""
+    # Once the process is ready, freeze the objects alive then (gc.freeze), so
+    # the garbage collector's full collections skip them (services/gc_pauses.py).
+    gc_freeze: bool = True
 
     def __post_init__(self) -> None:
         if not self.member_id or "/" in self.member_id or self.member_id.strip() != self.member_id:
@@ -268,6 +271,7 @@ def run_role(role: str, cls: type[T], serve, argv: Sequence[str] | None = None, 
     SIGTERM or SIGINT; the spans still buffered are exported at the end."""
     config = parse_config(cls, argv, prog=prog)
     configure_telemetry(role, config)
+    gc_pauses.observe()
 
     async def main() -> None:
         await serve(config, stop_on_signals())

@@ -1,0 +1,55 @@
+"""services/gc_pauses.py: pauses measured into the histogram, the heap frozen and unfrozen."""
+
+import gc
+import weakref
+
+import pytest
+
+from services import gc_pauses, metrics
+
+
+class Node:
+    def __init__(self):
+        self.other = None
+
+
+@pytest.fixture
+def unfrozen():
+    yield
+    gc.unfreeze()
+
+
+def pause_count(generation: str) -> float:
+    histogram = metrics.common_metrics().gc_pause
+    return next((s.value for s in histogram.collect()[0].samples
+                 if s.name.endswith("_count") and s.labels["generation"] == generation), 0.0)
+
+
+def test_every_collection_is_timed_and_recorded():
+    gc_pauses.observe()
+    gc_pauses.observe()  # idempotent: one callback
+    assert gc.callbacks.count(gc_pauses._on_collection) == 1
+    before = pause_count("2")
+    with gc_pauses.recording() as pauses:
+        gc.collect()
+        gc.collect(0)
+    assert pause_count("2") == before + 1
+    assert [generation for generation, _ in pauses] == [2, 0]
+    assert all(0 <= seconds < 10 for _, seconds in pauses)
+    gc.collect()
+    assert len(pauses) == 2  # nothing recorded once outside
+
+
+def test_freeze_skips_the_survivors_and_a_later_freeze_collects_their_cycles(unfrozen):
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # a cycle: only the cyclic collector frees it
+    alive = weakref.ref(a)
+    assert gc_pauses.freeze("the test's set-up", enabled=False) == 0
+    assert gc.get_freeze_count() == 0
+    frozen = gc_pauses.freeze("the test's set-up")
+    assert frozen == gc.get_freeze_count() > 0
+    del a, b
+    gc.collect()
+    assert alive() is not None  # frozen: collections skip it
+    gc_pauses.freeze("a new group's weights")  # unfreezes, collects, freezes again
+    assert alive() is None
