@@ -95,8 +95,9 @@ def _numel(shape) -> int:
     return n
 
 
-def scrape_steps(metrics: dict[str, str]) -> dict[str, tuple[float, float]]:
-    """(sum of seconds, count) of each role's step-duration histogram, from its /metrics."""
+def scrape_steps(metrics: dict[str, str]) -> dict[str, tuple[float, ...]]:
+    """Per role, from its /metrics: (sum of seconds, count) of its step-duration histogram, then
+    (sum of seconds, count) of its garbage-collector pauses, then the same of its full collections."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -106,23 +107,33 @@ def scrape_steps(metrics: dict[str, str]) -> dict[str, tuple[float, float]]:
     for role, address in metrics.items():
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
             text = response.read().decode()
+        steps, gc_all, gc_full = (0.0, 0.0), [0.0, 0.0], [0.0, 0.0]
         for family in text_string_to_metric_families(text):
             if family.name in names:
                 values = {sample.name.rsplit("_", 1)[-1]: sample.value for sample in family.samples
                           if sample.name.endswith(("_sum", "_count"))}
-                out[role] = (values.get("sum", 0.0), values.get("count", 0.0))
+                steps = (values.get("sum", 0.0), values.get("count", 0.0))
+            elif family.name == "moemesh_gc_pause_seconds":
+                for sample in family.samples:
+                    if sample.name.endswith(("_sum", "_count")):
+                        i = 0 if sample.name.endswith("_sum") else 1
+                        gc_all[i] += sample.value
+                        if sample.labels.get("generation") == "2":
+                            gc_full[i] += sample.value
+        out[role] = (*steps, *gc_all, *gc_full)
     return out
 
 
 def step_attribution(before: dict, after: dict, wall_s: float) -> dict:
     """Per role: steps in the case, their mean ms, wall ms per step, and the share of wall time in them."""
     out = {}
-    for role, (total, count) in after.items():
-        total0, count0 = before.get(role, (0.0, 0.0))
-        steps, seconds = count - count0, total - total0
-        out[role] = {"steps": int(steps), "mean_step_ms": round(1e3 * seconds / steps, 2) if steps else None,
-                     "wall_ms_per_step": round(1e3 * wall_s / steps, 2) if steps else None,
-                     "busy_share": round(seconds / wall_s, 3) if wall_s else None}
+    for role, values in after.items():
+        total, count, gc_s, _, full_s, full_count = (
+            v - v0 for v, v0 in zip(values, before.get(role, (0.0,) * len(values))))
+        out[role] = {"steps": int(count), "mean_step_ms": round(1e3 * total / count, 2) if count else None,
+                     "wall_ms_per_step": round(1e3 * wall_s / count, 2) if count else None,
+                     "busy_share": round(total / wall_s, 3) if wall_s else None,
+                     "gc_ms": round(1e3 * gc_s, 1), "gc_full": int(full_count), "gc_full_ms": round(1e3 * full_s, 1)}
     return out
 
 
@@ -426,8 +437,10 @@ def markdown(report: dict) -> str:
 def _steps_cell(steps: dict | None) -> str:
     if steps is None:
         return ""
+    gc = (f", GC {steps['gc_ms']} ms ({steps['gc_full']} full: {steps['gc_full_ms']} ms)"
+          if "gc_ms" in steps else "")
     return (f"{steps['steps']} steps, {steps['mean_step_ms']} ms in step, {steps.get('wall_ms_per_step')} ms "
-            f"wall/step, busy {steps['busy_share']}")
+            f"wall/step, busy {steps['busy_share']}{gc}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
