@@ -97,7 +97,8 @@ def _numel(shape) -> int:
 
 def scrape_steps(metrics: dict[str, str]) -> dict[str, tuple[float, ...]]:
     """Per role, from its /metrics: (sum of seconds, count) of its step-duration histogram, then
-    (sum of seconds, count) of its garbage-collector pauses, then the same of its full collections."""
+    (sum of seconds, count) of its garbage-collector pauses, then the same of its full collections,
+    then the prompt tokens served from the prefix cache and those looked up (a gateway's)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -107,7 +108,7 @@ def scrape_steps(metrics: dict[str, str]) -> dict[str, tuple[float, ...]]:
     for role, address in metrics.items():
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
             text = response.read().decode()
-        steps, gc_all, gc_full = (0.0, 0.0), [0.0, 0.0], [0.0, 0.0]
+        steps, gc_all, gc_full, prefix = (0.0, 0.0), [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
         for family in text_string_to_metric_families(text):
             if family.name in names:
                 values = {sample.name.rsplit("_", 1)[-1]: sample.value for sample in family.samples
@@ -120,7 +121,10 @@ def scrape_steps(metrics: dict[str, str]) -> dict[str, tuple[float, ...]]:
                         gc_all[i] += sample.value
                         if sample.labels.get("generation") == "2":
                             gc_full[i] += sample.value
-        out[role] = (*steps, *gc_all, *gc_full)
+            elif family.name in ("moemesh_prefix_cache_hit_tokens", "moemesh_prefix_cache_query_tokens"):
+                prefix[0 if "hit" in family.name else 1] += sum(x.value for x in family.samples
+                                                               if x.name.endswith("_total"))
+        out[role] = (*steps, *gc_all, *gc_full, *prefix)
     return out
 
 
@@ -128,12 +132,14 @@ def step_attribution(before: dict, after: dict, wall_s: float) -> dict:
     """Per role: steps in the case, their mean ms, wall ms per step, and the share of wall time in them."""
     out = {}
     for role, values in after.items():
-        total, count, gc_s, _, full_s, full_count = (
+        total, count, gc_s, _, full_s, full_count, hit_tokens, query_tokens = (
             v - v0 for v, v0 in zip(values, before.get(role, (0.0,) * len(values))))
         out[role] = {"steps": int(count), "mean_step_ms": round(1e3 * total / count, 2) if count else None,
                      "wall_ms_per_step": round(1e3 * wall_s / count, 2) if count else None,
                      "busy_share": round(total / wall_s, 3) if wall_s else None,
                      "gc_ms": round(1e3 * gc_s, 1), "gc_full": int(full_count), "gc_full_ms": round(1e3 * full_s, 1)}
+        if query_tokens:
+            out[role]["prefix_hit_tokens"], out[role]["prefix_query_tokens"] = int(hit_tokens), int(query_tokens)
     return out
 
 
@@ -157,14 +163,17 @@ async def _drive(target: str, args, cases: list[str], max_context: int, metrics:
         warm = make_workload("1k1k", concurrency, scale=args.prompt_scale, output_scale=4 / 1024, seed=args.seed + 2)
         await run_load(target, warm, load, f"warmup-prefill{concurrency}")
     out = {}
-    for case in cases:
+    for index, case in enumerate(cases):
+        # Each case its own prompts: with one seed, case cN's first prompts were the earlier cases'
+        # and hit the prefix cache (c256 after c64: 64 of its 256 prompts cached).
+        seed = args.seed + 100 * (index + 1)
         if case == "mix":
-            specs = make_workload("mix", args.mix_requests, scale=args.prompt_scale, seed=args.seed)
+            specs = make_workload("mix", args.mix_requests, scale=args.prompt_scale, seed=seed)
             load.concurrency = args.mix_concurrency
         else:
             load.concurrency = _case_concurrency(case)
             specs = make_workload("1k1k", load.concurrency * args.waves, scale=args.prompt_scale,
-                                  output_scale=args.output_scale, seed=args.seed)
+                                  output_scale=args.output_scale, seed=seed)
         assert max(len(s.prompt_ids) + s.max_new_tokens for s in specs) <= max_context
         before = await asyncio.to_thread(scrape_steps, metrics)
         results, duration_s = await run_load(target, specs, load, case)
@@ -439,6 +448,8 @@ def _steps_cell(steps: dict | None) -> str:
         return ""
     gc = (f", GC {steps['gc_ms']} ms ({steps['gc_full']} full: {steps['gc_full_ms']} ms)"
           if "gc_ms" in steps else "")
+    if "prefix_query_tokens" in steps:
+        gc += f", prefix-cache hits {steps['prefix_hit_tokens']} of {steps['prefix_query_tokens']} prompt tokens"
     return (f"{steps['steps']} steps, {steps['mean_step_ms']} ms in step, {steps.get('wall_ms_per_step')} ms "
             f"wall/step, busy {steps['busy_share']}{gc}")
 

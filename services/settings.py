@@ -271,7 +271,6 @@ def run_role(role: str, cls: type[T], serve, argv: Sequence[str] | None = None, 
     SIGTERM or SIGINT; the spans still buffered are exported at the end."""
     config = parse_config(cls, argv, prog=prog)
     configure_telemetry(role, config)
-    gc_pauses.observe()
 
     async def main() -> None:
         await serve(config, stop_on_signals())
@@ -289,9 +288,11 @@ def configure_logging(role: str, config: MemberConfig) -> None:
 
 
 def configure_telemetry(role: str, config: MemberConfig) -> None:
-    """Logging, then tracing from the OTEL_* environment (services/telemetry.py)."""
+    """Logging, then tracing from the OTEL_* environment (services/telemetry.py), then the
+    garbage collector's pauses as a metric (services/gc_pauses.py)."""
     configure_logging(role, config)
     telemetry.configure_tracing(role)
+    gc_pauses.observe()
 
 
 def stop_on_signals() -> asyncio.Event:

@@ -41,11 +41,15 @@ def test_bound_with_kv_is_slower_and_splits_over_ranks():
 
 
 def test_step_attribution_is_the_difference_of_two_scrapes():
-    # (step seconds, steps, GC seconds, collections, full-collection seconds, full collections)
-    before = {"expert0": (1.0, 10.0, 0.5, 40.0, 0.25, 1.0), "gateway": (2.0, 10.0, 0.0, 0.0, 0.0, 0.0)}
-    after = {"expert0": (3.0, 110.0, 0.625, 90.0, 0.3, 2.0), "gateway": (4.5, 110.0, 0.2, 7.0, 0.15, 3.0)}
+    # (step seconds, steps, GC seconds, collections, full-collection seconds, full collections,
+    # prefix-cache hit tokens, prompt tokens looked up)
+    before = {"expert0": (1.0, 10.0, 0.5, 40.0, 0.25, 1.0, 0.0, 0.0),
+              "gateway": (2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 16.0, 100.0)}
+    after = {"expert0": (3.0, 110.0, 0.625, 90.0, 0.3, 2.0, 0.0, 0.0),
+             "gateway": (4.5, 110.0, 0.2, 7.0, 0.15, 3.0, 16.0, 1124.0)}
     got = step_attribution(before, after, wall_s=4.0)
     assert got == {"expert0": {"steps": 100, "mean_step_ms": 20.0, "wall_ms_per_step": 40.0, "busy_share": 0.5,
                                "gc_ms": 125.0, "gc_full": 1, "gc_full_ms": 50.0},
                    "gateway": {"steps": 100, "mean_step_ms": 25.0, "wall_ms_per_step": 40.0, "busy_share": 0.625,
-                               "gc_ms": 200.0, "gc_full": 3, "gc_full_ms": 150.0}}
+                               "gc_ms": 200.0, "gc_full": 3, "gc_full_ms": 150.0,
+                               "prefix_hit_tokens": 0, "prefix_query_tokens": 1024}}
