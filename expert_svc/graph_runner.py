@@ -8,7 +8,7 @@ n real sequences (B - n padding rows), M block-table columns, V vocab.
 
 - Buckets: a step of n sequences runs the graph of the smallest bucket >= n
   (`cuda_graph_buckets`), padded with rows that read and write no KV
-  (services/model/batch.py build_decode_batch: input id 0, position 0, slot
+  (as services/model/batch.py build_decode_batch: input id 0, position 0, slot
   -1, context length 0, a block table of zeros). An idle rank of a decode
   step (n = 0) runs the smallest bucket, all padding, so it keeps pace with
   its group.
@@ -18,10 +18,14 @@ n real sequences (B - n padding rows), M block-table columns, V vocab.
   pad_to_capacity (the ranks of triton_ep's expert-parallel MoE on CUDA) B is
   the capacity's own bucket: one key per capacity, whatever the rank's share.
 - Static inputs: one batch of the largest bucket; bucket B uses its first B
-  rows and all M columns (M from the model's context length). Each step
-  copies its rows in with non-blocking copies from pinned memory; only the
-  columns the longest table uses travel (the kernel reads no column past a
-  row's context). Outputs: fp32 logits [B, V] and their argmax, in static
+  rows and all M columns (M from the model's context length). The input ids,
+  positions, slots and context lengths are views of one device byte buffer
+  (StaticInputs), which each step fills with one non-blocking copy from
+  pinned memory, together with its block tables' used columns, packed; one
+  copy kernel then puts those columns into the static tables (the kernel
+  reads no column past a row's context). Before, each of the five tensors
+  travelled on its own: five host-to-device copies, and one more kernel for
+  the tables. Outputs: fp32 logits [B, V] and their argmax, in static
   buffers shared by every graph; all graphs share one memory pool.
 - Lockstep: every rank of a group runs the same collectives each step. A
   capture runs nothing (its replay runs the step), so a rank may capture
@@ -45,6 +49,7 @@ n real sequences (B - n padding rows), M block-table columns, V vocab.
 function itself, so the bucket, padding, key and row logic runs without CUDA.
 """
 
+import array
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
@@ -54,7 +59,7 @@ from torch import Tensor
 
 from services.kv_pool import KVPool
 from services.model.attention import ATTENTION_BACKENDS, AttentionBackend, AutoAttention
-from services.model.batch import ForwardBatch, SeqInput, build_decode_batch
+from services.model.batch import ForwardBatch, SeqInput, check_decode_seqs
 from services.model.moe import gathers_on
 
 log = logging.getLogger("expert_svc")
@@ -150,19 +155,13 @@ class DecodeGraphRunner:
         # that count anyway.
         self._pad_to_capacity = pad_to_capacity
         rows = self.buckets[-1]
-
-        def zeros(*shape, dtype=torch.int64) -> Tensor:
-            return torch.zeros(shape, dtype=dtype, device=self.device)
-
-        self._input_ids_R, self._positions_R = zeros(rows), zeros(rows)
-        self._slots_R = torch.full((rows,), -1, dtype=torch.int64, device=self.device)
-        self._context_lens_R = zeros(rows, dtype=torch.int32)
-        self._block_tables_RM = zeros(rows, max_blocks, dtype=torch.int32)
+        self._inputs = StaticInputs(rows, max_blocks, self.device)
+        self._input_ids_R = self._inputs.input_ids_R
         self._sample_indices_R = torch.arange(rows, device=self.device)
         self._cu_q_lens_R1 = torch.arange(rows + 1, dtype=torch.int32, device=self.device)
         self._batches: dict[int, ForwardBatch] = {}
         self._logits_RV = torch.zeros(rows, model.config.vocab_size, dtype=torch.float32, device=self.device)
-        self._greedy_R = zeros(rows)
+        self._greedy_R = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self._replays: dict[tuple[int, int], Callable[[], None]] = {}
         self._warmed: set[tuple[int, int]] = set()
         self._pad_hits: dict[tuple[int, int], Tensor] = {}  # [moe layers, E] hits of one padding row
@@ -197,7 +196,7 @@ class DecodeGraphRunner:
         is seen, then by capture and replay. `feed` overrides the input ids of its rows."""
         bucket, num_seqs = self.step_bucket(len(seqs), capacity), len(seqs)
         key, num_pad = (bucket, capacity), bucket - num_seqs
-        self._upload(seqs, bucket)
+        self._inputs.upload(seqs, self.block_size, bucket)
         if feed is not None:
             feed.apply(self._input_ids_R)
         batch = self._static_batch(bucket)
@@ -243,18 +242,6 @@ class DecodeGraphRunner:
                                        last_row_hits_LE=last_row_hits_LE)
         torch.argmax(logits_BV, dim=-1, out=greedy_B)
 
-    def _upload(self, seqs: Sequence[SeqInput], bucket: int) -> None:
-        """Copies the step's rows (padding included) into the static inputs, without a sync."""
-        columns = max((len(s.block_table) for s in seqs), default=0)
-        host = build_decode_batch(list(seqs), self.block_size, "cpu", num_rows=bucket, max_blocks=columns)
-        pairs = ((self._input_ids_R[:bucket], host.input_ids_T), (self._positions_R[:bucket], host.positions_T),
-                 (self._slots_R[:bucket], host.slot_mapping_T), (self._context_lens_R[:bucket], host.context_lens_B),
-                 (self._block_tables_RM[:bucket, :columns], host.block_tables_BM))
-        pin = self.device.type == "cuda"
-        for static, values in pairs:
-            if values.numel():
-                static.copy_(values.pin_memory() if pin else values, non_blocking=pin)
-
     def _static_batch(self, bucket: int) -> ForwardBatch:
         """The graph inputs of a bucket: views of the static tensors (host fields unused)."""
         if bucket not in self._batches:
@@ -262,15 +249,71 @@ class DecodeGraphRunner:
         return self._batches[bucket]
 
     def _make_static_batch(self, bucket: int) -> ForwardBatch:
+        inputs = self._inputs
         return ForwardBatch(
-            input_ids_T=self._input_ids_R[:bucket],
-            positions_T=self._positions_R[:bucket],
-            slot_mapping_T=self._slots_R[:bucket],
+            input_ids_T=inputs.input_ids_R[:bucket],
+            positions_T=inputs.positions_R[:bucket],
+            slot_mapping_T=inputs.slots_R[:bucket],
             q_lens=(1,) * bucket,
             context_lens=(0,) * bucket,
-            block_tables_BM=self._block_tables_RM[:bucket],
+            block_tables_BM=inputs.block_tables_RM[:bucket],
             sample_indices_S=self._sample_indices_R[:bucket],
-            context_lens_B=self._context_lens_R[:bucket],
+            context_lens_B=inputs.context_lens_R[:bucket],
             cu_q_lens_B1=self._cu_q_lens_R1[:bucket + 1],
             max_q_len=1,
         )
+
+
+class StaticInputs:
+    """A graph's per-row inputs on the device, filled by one copy per step. R rows, M columns.
+
+    One byte buffer holds, in order: the int64 input ids, positions and slots
+    ([3, R]), the int32 context lengths [R], then a scratch of up to R * M
+    int32 where a step's block tables arrive packed to the columns they use
+    ([B, C]); each part starts 16-byte aligned. `upload` packs a step's rows
+    the same way on the host (Python arrays: a torch.tensor of nested lists
+    took 2 ms for 256 tables of 128 blocks), sends the prefix it fills in one
+    non-blocking copy from pinned memory, and copies the packed tables into
+    block_tables_RM[:B, :C] on the device: two operations in the stream, no
+    sync. The copy is ordered after the replays already queued, which read
+    the buffer first; torch's pinned-memory allocator keeps the host buffer
+    until its copy has run.
+    """
+
+    def __init__(self, rows: int, max_blocks: int, device: torch.device):
+        self.rows, self.max_blocks, self.device = rows, max_blocks, device
+        self._stride = -(-rows // 4) * 4  # rows of each part, so that every part starts 16-byte aligned
+        self._i32_at = 3 * self._stride * 8  # byte offset of the int32 part
+        self._bytes = torch.zeros(self._i32_at + 4 * (self._stride + rows * max_blocks), dtype=torch.uint8,
+                                  device=device)
+        ids, positions, slots = self._bytes[:self._i32_at].view(torch.int64).view(3, self._stride)[:, :rows]
+        self.input_ids_R, self.positions_R, self.slots_R = ids, positions, slots
+        self.slots_R.fill_(-1)
+        i32 = self._bytes[self._i32_at:].view(torch.int32)
+        self.context_lens_R, self._tables_scratch = i32[:rows], i32[self._stride:]
+        self.block_tables_RM = torch.zeros(rows, max_blocks, dtype=torch.int32, device=device)
+
+    def upload(self, seqs: Sequence[SeqInput], block_size: int, num_rows: int) -> None:
+        """The step's decode rows, padded to num_rows (<= R) as build_decode_batch pads, into the
+        static inputs; the tables take the columns of the longest one."""
+        if num_rows > self.rows:
+            raise ValueError(f"{num_rows} rows do not fit the static inputs' {self.rows}")
+        check_decode_seqs(list(seqs), block_size, num_rows=num_rows, max_blocks=self.max_blocks)
+        num_pad, columns = self._stride - len(seqs), max((len(s.block_table) for s in seqs), default=0)
+        zeros64, zero32 = array.array("q", [0]) * num_pad, array.array("i", [0])
+        i64 = array.array("q", [s.token_ids[0] for s in seqs]) + zeros64
+        i64 += array.array("q", [s.num_computed for s in seqs]) + zeros64
+        i64 += array.array("q", [s.block_table[s.num_computed // block_size] * block_size
+                                 + s.num_computed % block_size for s in seqs])
+        i64 += array.array("q", [-1]) * num_pad  # padding rows write no KV
+        i32 = array.array("i", [s.num_computed + 1 for s in seqs]) + zero32 * num_pad
+        for s in seqs:  # an int32 array (the runner's) extends at memcpy speed
+            i32.extend(s.block_table)
+            i32 += zero32 * (columns - len(s.block_table))
+        i32 += zero32 * ((num_rows - len(seqs)) * columns)
+        packed = torch.frombuffer(bytearray(i64) + bytearray(i32), dtype=torch.uint8)
+        is_cuda = self.device.type == "cuda"
+        self._bytes[:packed.shape[0]].copy_(packed.pin_memory() if is_cuda else packed, non_blocking=is_cuda)
+        if num_rows * columns:
+            self.block_tables_RM[:num_rows, :columns].copy_(
+                self._tables_scratch[:num_rows * columns].view(num_rows, columns))

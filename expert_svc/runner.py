@@ -19,6 +19,7 @@ other steps run eagerly (the plan's max_tokens_per_rank spares the
 all_reduce that would otherwise pick the dispatch mode).
 """
 
+import array
 import dataclasses
 import time
 from collections.abc import Callable
@@ -110,7 +111,9 @@ class StalePlanError(ValueError):
 
 @dataclasses.dataclass(slots=True)
 class _Sequence:
-    block_table: list[int]
+    # An int32 array: a decode step copies it whole into the graph's packed inputs
+    # (graph_runner.StaticInputs), at memcpy speed rather than int by int.
+    block_table: array.array
     num_computed: int
     sampling: SamplingSpec
     generator: torch.Generator
@@ -236,7 +239,7 @@ class StepRunner:
             del self._seqs[seq_id]
         for new in plan.new_sequences:
             generator = torch.Generator(device=self.device).manual_seed(new.sampling.seed)
-            self._seqs[new.seq_id] = _Sequence(list(new.block_ids), new.num_cached_tokens,
+            self._seqs[new.seq_id] = _Sequence(array.array("i", new.block_ids), new.num_cached_tokens,
                                                new.sampling, generator)
         for sched in plan.scheduled:
             self._seqs[sched.seq_id].block_table.extend(sched.new_block_ids)

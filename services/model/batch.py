@@ -12,6 +12,7 @@ step can be captured in a CUDA graph and replayed with new tensor contents.
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -26,8 +27,8 @@ class SeqInput:
     token_ids: list[int]
     # Tokens already in the KV cache: this step's positions start here.
     num_computed: int
-    # KV block ids covering num_computed + len(token_ids) tokens.
-    block_table: list[int]
+    # KV block ids covering num_computed + len(token_ids) tokens (a list or an int32 array).
+    block_table: Sequence[int]
     # Return logits for the last new token.
     is_sampled: bool
 
@@ -96,6 +97,16 @@ def build_decode_batch(seqs: list[SeqInput], block_size: int, device, *,
     so logits row i belongs to row i; the caller keeps the rows it samples.
     Padding tokens still pass through the MLP/MoE layers.
     """
+    check_decode_seqs(seqs, block_size, num_rows=num_rows, max_blocks=max_blocks)
+    rows = _Rows(seqs, block_size, max_blocks)
+    for _ in range(num_rows - len(seqs)):
+        rows.append_padding()
+    return rows.to_batch(list(range(num_rows)), device)
+
+
+def check_decode_seqs(seqs: list[SeqInput], block_size: int, *, num_rows: int, max_blocks: int) -> None:
+    """Raises ValueError unless seqs fit a decode batch of num_rows rows and max_blocks table columns
+    (one new token each, tables long enough for it)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if len(seqs) > num_rows:
@@ -106,10 +117,7 @@ def build_decode_batch(seqs: list[SeqInput], block_size: int, device, *,
         if len(seq.block_table) > max_blocks:
             raise ValueError(f"sequence {seq.seq_id} has {len(seq.block_table)} blocks, more than "
                              f"max_blocks {max_blocks}")
-    rows = _Rows(seqs, block_size, max_blocks)
-    for _ in range(num_rows - len(seqs)):
-        rows.append_padding()
-    return rows.to_batch(list(range(num_rows)), device)
+        _check_seq(seq, block_size)
 
 
 def copy_batch_(dst: ForwardBatch, src: ForwardBatch) -> None:
@@ -143,7 +151,7 @@ class _Rows:
             self.input_ids.extend(seq.token_ids)
             self.q_lens.append(len(seq.token_ids))
             self.context_lens.append(seq.num_computed + len(seq.token_ids))
-            self.block_tables.append(seq.block_table + [0] * (max_blocks - len(seq.block_table)))
+            self.block_tables.append([*seq.block_table, *itertools.repeat(0, max_blocks - len(seq.block_table))])
 
     @property
     def cu_q_lens(self) -> list[int]:

@@ -269,3 +269,56 @@ def test_a_plan_with_more_tokens_than_its_max_is_rejected(weights):
     assert runner.seq_ids == []
     ok = dataclasses.replace(plan, max_tokens_per_rank=3)
     assert [seq_id for seq_id, _ in runner.run_step(ok).tokens] == [0]
+
+
+def test_static_inputs_take_a_step_in_one_copy_plus_the_tables_columns():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from expert_svc.graph_runner import StaticInputs
+    from services.model.batch import build_decode_batch
+
+    inputs = StaticInputs(rows=7, max_blocks=6, device=torch.device("cpu"))  # 7: parts padded to 8 rows
+    inputs.block_tables_RM.fill_(99)  # columns a step does not send keep what they held
+    device_storages = {inputs._bytes.untyped_storage().data_ptr(), inputs.block_tables_RM.untyped_storage().data_ptr()}
+
+    class DeviceWrites(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.copy_.default and args[0].untyped_storage().data_ptr() in device_storages:
+                self.count += 1
+            return out
+
+    seqs = [SeqInput(7, [11], 5, [3, 4], True), SeqInput(9, [12], 9, [5, 6, 7], True)]
+    with DeviceWrites() as writes:
+        inputs.upload(seqs, BLOCK_SIZE, 4)
+    assert writes.count == 2  # the byte buffer, then the tables' used columns
+    # What build_decode_batch makes of the same rows (the eager reference of a graph step).
+    host = build_decode_batch(seqs, BLOCK_SIZE, "cpu", num_rows=4, max_blocks=3)
+    assert torch.equal(inputs.input_ids_R[:4], host.input_ids_T)
+    assert torch.equal(inputs.positions_R[:4], host.positions_T)
+    assert torch.equal(inputs.slots_R[:4], host.slot_mapping_T)
+    assert torch.equal(inputs.context_lens_R[:4], host.context_lens_B)
+    assert torch.equal(inputs.block_tables_RM[:4, :3], host.block_tables_BM)
+    assert inputs.input_ids_R[:4].tolist() == [11, 12, 0, 0]
+    assert inputs.positions_R[:4].tolist() == [5, 9, 0, 0]
+    assert inputs.slots_R.tolist() == [4 * 4 + 1, 7 * 4 + 1, -1, -1, -1, -1, -1]
+    assert inputs.context_lens_R.tolist() == [6, 10, 0, 0, 0, 0, 0]
+    assert inputs.block_tables_RM[:4].tolist() == [[3, 4, 0, 99, 99, 99], [5, 6, 7, 99, 99, 99],
+                                                   [0, 0, 0, 99, 99, 99], [0, 0, 0, 99, 99, 99]]
+    assert inputs.block_tables_RM[4:].eq(99).all()
+    # A smaller step after it: its rows, and nothing stale in the rows it reads.
+    inputs.upload(seqs[1:], BLOCK_SIZE, 1)
+    assert (inputs.input_ids_R[:1].tolist(), inputs.context_lens_R[:2].tolist()) == ([12], [10, 0])
+    assert inputs.block_tables_RM[0, :3].tolist() == [5, 6, 7]
+    with pytest.raises(ValueError, match="more than max_blocks 6"):
+        inputs.upload([SeqInput(1, [3], 0, list(range(7)), True)], BLOCK_SIZE, 1)
+    with pytest.raises(ValueError, match="do not fit"):
+        inputs.upload(seqs, BLOCK_SIZE, 8)
+    with pytest.raises(ValueError, match="needs 3"):  # a table too short for the step's token
+        inputs.upload([SeqInput(1, [3], 8, [1, 2], True)], BLOCK_SIZE, 1)
+    for part in (inputs.input_ids_R, inputs.positions_R, inputs.slots_R, inputs.context_lens_R):
+        assert part.is_contiguous() and part.data_ptr() % 16 == inputs._bytes.data_ptr() % 16
