@@ -284,7 +284,8 @@ async def run_case(args, num_ranks: int, concurrency: int) -> dict:
                       max_batch_tokens=max(4096, per_rank), max_context=max_context,
                       eos_token_ids=tokenizer.eos_token_ids)
     engine = timed_engine_class()(batcher, streams, make_detokenizer=lambda: IncrementalDetokenizer(tokenizer),
-                                  group_id="g", placement_epoch=1, observer=EngineObserver(num_ranks))
+                                  group_id="g", placement_epoch=1, observer=EngineObserver(num_ranks),
+                                  stream_interval=args.stream_interval)
     engine.clock = clock
     limits = RequestLimits(vocab_size=151_936, max_context=max_context, max_new_tokens_default=16,
                            max_new_tokens_limit=max_context)
@@ -317,7 +318,7 @@ async def run_case(args, num_ranks: int, concurrency: int) -> dict:
     gateway_pauses = pause_summary(pauses)
     report = {"ranks": num_ranks, "concurrency": concurrency, "client": json.loads(out),
               "gateway_cpu_share": round(cpu_s / wall_s, 3), **summarize_steps(clock, num_ranks, concurrency),
-              "gc_freeze": args.gc_freeze, "gateway_gc_ms": gateway_pauses["total_ms"],
+              "stream_interval": args.stream_interval, "gc_freeze": args.gc_freeze, "gateway_gc_ms": gateway_pauses["total_ms"],
               "gateway_gc_max_ms": gateway_pauses["max_ms"],
               "rank_gc_max_ms": max(r["max_ms"] for r in rank_pauses),
               "gc_pauses": {"gateway": gateway_pauses, "ranks": rank_pauses}}
@@ -367,7 +368,7 @@ def profile_text(profile: cProfile.Profile, num_lines: int = 30) -> dict:
 
 COLUMNS = ("label", "ranks", "concurrency", "num_steps", "wall_ms_per_step", "wall_ms_p99", "wall_ms_max",
            "execute_ms_per_step", "busy", "turnaround_ms", "apply_ms", "plan_wait_ms", "plan_ms", "send_ms",
-           "gateway_cpu_ms_per_step", "gc_freeze", "gateway_gc_ms", "gateway_gc_max_ms", "rank_gc_max_ms",
+           "gateway_cpu_ms_per_step", "stream_interval", "gc_freeze", "gateway_gc_ms", "gateway_gc_max_ms", "rank_gc_max_ms",
            "out_tok_s")
 
 
@@ -402,6 +403,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile the gateway (slows it down)")
     parser.add_argument("--gc-freeze", choices=("true", "false"), default="true",
                         help="freeze the heap of the gateway and the ranks once set up, as the services do")
+    parser.add_argument("--stream-interval", type=int, default=1, help="the gateway's --stream-interval")
     parser.add_argument("--label", default="", help="tag of the runs in the results (e.g. before, after)")
     parser.add_argument("--out", default="", help="directory of step_overhead.md/.json (nothing written if empty)")
     # Internal: the rank and client processes.

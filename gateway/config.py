@@ -39,6 +39,10 @@ class GatewayConfig(MemberConfig):
     # A stream that falls behind sends the outputs queued for it as one message
     # (the tokens and text since its previous message); false: one message per step.
     coalesce_stream_outputs: bool = True
+    # Tokens per stream message while a request decodes: its first token goes
+    # out at once, then its stream is woken once this many outputs are queued
+    # (and at its end). Fewer gRPC messages at high concurrency, burstier tokens.
+    stream_interval: int = 1
     # If set, the gateway's counters (prefix-cache hit rate, preemptions, host
     # time per step) are written to this JSON file every stats_interval_s and at exit.
     stats_file: str = ""
@@ -65,7 +69,7 @@ class GatewayConfig(MemberConfig):
         if not self.model:
             raise ValueError(f"model must be a checkpoint directory, got {self.model!r}")
         for name in ("max_running_requests", "max_batch_tokens", "max_new_tokens_default",
-                     "prefill_chunk_size", "max_waiting_requests"):
+                     "prefill_chunk_size", "max_waiting_requests", "stream_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_running_requests > self.max_batch_tokens:

@@ -112,6 +112,7 @@ class Engine:
         step_timeout_s: float = 120.0,
         overlap: bool = True,
         observer: "EngineObserver | None" = None,
+        stream_interval: int = 1,
     ) -> None:
         if len(rank_streams) != batcher.num_ranks:
             raise ValueError(f"{len(rank_streams)} rank streams for {batcher.num_ranks} ranks")
@@ -142,6 +143,10 @@ class Engine:
         self._to_wake: collections.deque[RequestHandle] = collections.deque()
         self._to_wake_ids: set[int] = set()
         self._has_to_wake = asyncio.Event()
+        # A decoding stream is woken once this many of its outputs are queued (GatewayConfig).
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be positive, got {stream_interval}")
+        self._stream_interval = stream_interval
 
     @property
     def num_active(self) -> int:
@@ -341,13 +346,15 @@ class Engine:
         outputs): the streams are woken _WAKE_BATCH per event-loop turn by
         _wake_streams, so the next results of the ranks are read and the next
         plan sent without waiting for hundreds of streams; a stream woken late
-        finds several outputs queued and sends them as one message."""
+        finds several outputs queued and sends them as one message. A stream
+        is woken for its first output, its last, or once stream_interval of
+        its outputs are queued."""
         for seq, item in events:
             handle = self._handles.get(seq.seq_id)
             if handle is None:
                 continue
             handle.put(item, wake=not is_paced)
-            if is_paced and id(handle) not in self._to_wake_ids:
+            if is_paced and id(handle) not in self._to_wake_ids and handle.is_due(self._stream_interval):
                 self._to_wake_ids.add(id(handle))
                 self._to_wake.append(handle)
             if handle.is_done:

@@ -71,6 +71,7 @@ def engine_factory(config: GatewayConfig, model: ModelConfig, tokenizer: Tokeniz
         return Engine(batcher, streams, make_detokenizer=lambda: IncrementalDetokenizer(tokenizer),
                       group_id=group.group_id, placement_epoch=group.epoch,
                       step_timeout_s=config.step_timeout_s, overlap=config.overlap_steps,
+                      stream_interval=config.stream_interval,
                       observer=EngineObserver(len(infos)))
 
     return make

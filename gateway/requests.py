@@ -205,6 +205,7 @@ class RequestHandle:
         self.is_done = False
         # True once the consumer has taken the final output or the error.
         self._is_consumed = False
+        self._num_put = 0
 
     def put(self, item: RequestOutput | GenerationError, *, wake: bool = True) -> None:
         """Queues an output or an error; nothing after the final one. With wake
@@ -213,8 +214,14 @@ class RequestHandle:
             return
         self.is_done = isinstance(item, GenerationError) or item.is_final
         self._items.append(item)
+        self._num_put += 1
         if wake:
             self.wake()
+
+    def is_due(self, interval: int) -> bool:
+        """Whether the consumer should be woken now: the first item, the last, or
+        `interval` items queued."""
+        return self.is_done or self._num_put == 1 or len(self._items) >= interval
 
     def wake(self) -> None:
         """Lets a waiting consumer take what is queued."""

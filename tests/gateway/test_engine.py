@@ -30,13 +30,15 @@ def assert_pool_clean(engine: Engine, ranks=()) -> None:
 
 
 def make_engine(num_ranks=1, *, num_blocks=64, block_size=4, max_running_requests=8,
-                max_batch_tokens=256, ranks=None, overlap=True, **kwargs) -> tuple[Engine, list[SimRank]]:
+                max_batch_tokens=256, ranks=None, overlap=True, stream_interval=1,
+                **kwargs) -> tuple[Engine, list[SimRank]]:
     ranks = ranks or [SimRank(num_blocks, block_size) for _ in range(num_ranks)]
     batcher = Batcher([RankKV(num_blocks, block_size) for _ in ranks],
                       max_running_requests=max_running_requests, max_batch_tokens=max_batch_tokens,
                       max_context=1000, eos_token_ids=[EOS], **kwargs)
     engine = Engine(batcher, ranks, make_detokenizer=lambda: IncrementalDetokenizer(FakeTokenizer()),
-                    group_id="g1", placement_epoch=1, step_timeout_s=5.0, overlap=overlap)
+                    group_id="g1", placement_epoch=1, step_timeout_s=5.0, overlap=overlap,
+                    stream_interval=stream_interval)
     return engine, ranks
 
 

@@ -103,6 +103,52 @@ def test_streams_are_woken_a_batch_per_event_loop_turn():
     assert all(b - a <= batch for a, b in zip(num_done, num_done[1:])), num_done
 
 
+def test_with_a_stream_interval_a_decoding_stream_is_woken_every_n_outputs():
+    async def scenario():
+        engine, _ = make_engine(stream_interval=3)
+        handle = engine.submit(make_request(request_id="r"))
+        due = []
+        for n in range(1, 8):
+            engine._deliver([(handle.seq, output(n, final=n == 7))], is_paced=True)
+            due.append(bool(engine._to_wake))
+            if engine._to_wake:  # the consumer takes what is queued
+                engine._wake_next()
+                first = await anext(handle)
+                taken = [first, *handle.take_ready()]
+                due[-1] = [o.token_ids[0] for o in taken]
+        return due
+
+    # The first output at once, then every third, then the last.
+    assert run(scenario()) == [[1], False, False, [2, 3, 4], False, False, [5, 6, 7]]
+    with pytest.raises(ValueError, match="stream_interval"):
+        make_engine(stream_interval=0)
+
+
+def test_with_a_stream_interval_streams_get_every_token_in_fewer_wakeups():
+    prompts = [[26 + i, 27] for i in range(4)]
+
+    async def scenario():
+        engine, _ = make_engine(max_running_requests=4, stream_interval=4)
+        loop_task = asyncio.create_task(engine.run())
+        handles = [engine.submit(make_request(prompt_ids=p, max_new_tokens=9, request_id=f"r{i}"))
+                   for i, p in enumerate(prompts)]
+
+        async def groups(handle):
+            out = []
+            async for first in handle:
+                out.append([first, *handle.take_ready()])
+            return out
+
+        results = await asyncio.gather(*(groups(h) for h in handles))
+        loop_task.cancel()
+        return results
+
+    for prompt, taken in zip(prompts, run(scenario())):
+        assert [t for group in taken for o in group for t in o.token_ids] == reference_tokens(prompt, 9)
+        sizes = [len(group) for group in taken]
+        assert sizes[0] == 1 and all(size >= 4 for size in sizes[1:-1]) and len(sizes) <= 4, sizes
+
+
 def test_many_concurrent_requests_get_every_token_once():
     prompts = [[26 + i % 26, 27 + i // 26] for i in range(3 * engine_module._WAKE_BATCH)]
 
