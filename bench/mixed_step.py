@@ -3,8 +3,9 @@
     python -m bench.mixed_step --out DIR [--preset qwen3-30b-a3b] [--device cuda]
 
 At c256 on one H200 (bench/results/gpu_speed_nvidia-h200-c256-fresh.md) the steps
-that carry prefill chunks took about 104 ms each against 52 ms for a prefill-only
-step of the same 4,096 tokens (bench/gpu_speed.py's profile). This times, on the
+that carry prefill chunks took about 104 ms each (by subtraction: the case's 36.6 s
+less 1,024 decode steps at the ITL p50, over the other 69 steps) against 52 ms for
+a prefill-only step of the same 4,096 tokens (bench/gpu_speed.py's profile). This times, on the
 serving model (random weights, bf16), model.forward of:
 - prefill: 8 new prompts x 512 tokens;
 - mixed: 8 chunks x 480 tokens, each after 512 cached, plus 256 decodes at 1K context
