@@ -14,9 +14,13 @@ the launch grid and the split count depend on tensor shapes alone.
   block-table width, not the row's length) exit at once and are not read. (Merging in the last split to finish, by an atomic count, was tried:
   one program merging serially took 13.9 us a layer at batch 1 against 8.8
   for the two kernels plus the KV write, bench/results/decode_b1_h200_v2.md.)
-- Prefill: one program per (sequence, KV head, tile of BLOCK_Q new tokens),
-  rows = tile tokens x group heads; a chunk may start mid-sequence and
-  attends to every cached token plus its own tokens causally.
+- Prefill: one program per (tile of BLOCK_Q new tokens of a sequence, KV
+  head), rows = tile tokens x group heads; a chunk may start mid-sequence and
+  attends to every cached token plus its own tokens causally. The tiles are
+  listed on the host (the batch's q_lens, once per step): a grid of
+  (sequences, heads, the longest chunk's tiles) gave a step of 8 chunks of
+  512 and 256 decodes 64 programs per decode row, 63 of them empty (67,584
+  programs for 3,072 tiles of work).
 
 A row with context length 0 (padding) gets zeros. Legend as in attention.py;
 N context tokens of one loop step, S splits.
@@ -152,13 +156,17 @@ def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, o_ptr, context_lens_ptr, st
     tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < head_dim)
 
 
-@triton.jit
+# num_tiles changes every step: not specialised on (a value of 1 or a multiple of 16 would
+# compile another variant in the middle of serving).
+@triton.jit(do_not_specialize=["num_tiles"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, context_lens_ptr, cu_q_lens_ptr,
-                    scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot,
-                    group, head_dim,
+                    tiles_ptr, num_tiles, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                    stride_slot, group, head_dim,
                     BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                     K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    b, g, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # tiles_ptr: [2, num_tiles] int32, each program's sequence and its tile within the sequence.
+    w, g = tl.program_id(0), tl.program_id(1)
+    b, tile = tl.load(tiles_ptr + w), tl.load(tiles_ptr + num_tiles + w)
     q_start = tl.load(cu_q_lens_ptr + b)
     q_len = tl.load(cu_q_lens_ptr + b + 1) - q_start
     context_len = tl.load(context_lens_ptr + b)
@@ -219,6 +227,8 @@ class TritonPagedAttention(AttentionBackend):
         self.decode_splits, self.block_n, self.prefill_rows = decode_splits, block_n, prefill_rows
         self.num_warps = num_warps
         self._num_sms: dict[torch.device, int] = {}
+        # (batch, block_q, tiles): the last prefill batch's query tiles (_prefill_tiles).
+        self._tiles: tuple | None = None
 
     def forward(self, layer, q_THK, k_TGK, v_TGK, batch, kv, scale):
         k_cache, v_cache = kv.layer(layer)
@@ -250,9 +260,26 @@ class TritonPagedAttention(AttentionBackend):
         else:
             group_pad = triton.next_power_of_2(group)
             block_q = max(1, self.prefill_rows // group_pad)
-            grid = (len(batch.q_lens), num_kv_heads, triton.cdiv(batch.max_q_len, block_q))
-            _prefill_kernel[grid](cu_q_lens_ptr=batch.cu_q_lens_B1, GROUP_PAD=group_pad, BLOCK_Q=block_q, **common)
+            tiles_2W = self._prefill_tiles(batch, block_q, q_THK.device)
+            _prefill_kernel[(tiles_2W.shape[1], num_kv_heads)](
+                cu_q_lens_ptr=batch.cu_q_lens_B1, tiles_ptr=tiles_2W, num_tiles=tiles_2W.shape[1],
+                GROUP_PAD=group_pad, BLOCK_Q=block_q, **common)
         return o_THK
+
+    def _prefill_tiles(self, batch, block_q: int, device: torch.device) -> Tensor:
+        """[2, W] int32: the sequence and tile of each of the batch's W query tiles, on the
+        device; built once per batch (every layer of a step reuses it), without a sync."""
+        if self._tiles is not None and self._tiles[0] is batch and self._tiles[1] == block_q:
+            return self._tiles[2]
+        seqs, tiles = [], []
+        for b, q_len in enumerate(batch.q_lens):
+            n = -(-q_len // block_q)
+            seqs += [b] * n
+            tiles += range(n)
+        host = torch.tensor([seqs, tiles], dtype=torch.int32)
+        on_device = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+        self._tiles = (batch, block_q, on_device)
+        return on_device
 
     def _decode(self, common: dict, k_TGK: Tensor, v_TGK: Tensor, slot_mapping_T: Tensor, num_seqs: int,
                 num_heads: int, num_kv_heads: int, max_context: int, device: torch.device) -> None:

@@ -108,6 +108,32 @@ def test_prefill_chunks_mid_sequence_and_mixed_batch(triton_attention, shape):
     _compare(triton_attention.TritonPagedAttention(block_n=16, prefill_rows=16), batch, *shape)
 
 
+def test_prefill_launches_one_program_per_query_tile_and_head(triton_attention):
+    """A mixed batch's grid lists its tiles (a decode row is one), not sequences x the longest chunk's tiles."""
+    tables = _tables([3, 9, 4, 6])
+    seqs = [SeqInput(0, list(range(7)), 5, tables[0], True), SeqInput(1, [2], 33, tables[1], True),
+            SeqInput(2, list(range(13)), 0, tables[2], True), SeqInput(3, list(range(20)), 3, tables[3], True)]
+    batch = build_forward_batch(seqs, BLOCK_SIZE, "cpu")
+    backend = triton_attention.TritonPagedAttention(block_n=16, prefill_rows=16)  # group 4: 4 tokens a tile
+    tiles = backend._prefill_tiles(batch, 4, torch.device("cpu"))
+    assert tiles.tolist() == [[0, 0, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3], [0, 1, 0, 0, 1, 2, 3, 0, 1, 2, 3, 4]]
+    assert backend._prefill_tiles(batch, 4, torch.device("cpu")) is tiles  # once per step, not per layer
+    launched = []
+    kernel = triton_attention._prefill_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return kernel[grid]
+
+    triton_attention._prefill_kernel = Recording()
+    try:
+        _compare(backend, batch, 8, 2, 32)
+    finally:
+        triton_attention._prefill_kernel = kernel
+    assert launched == [(12, 2)]  # 12 tiles x 2 KV heads (was 4 x 2 x 5)
+
+
 def test_padded_decode_rows_write_nothing_and_return_zeros(triton_attention):
     tables = _tables([3, 9])
     seqs = [SeqInput(0, [1], 9, tables[0], True), SeqInput(1, [2], 33, tables[1], True)]
