@@ -145,8 +145,10 @@ def test_with_a_stream_interval_streams_get_every_token_in_fewer_wakeups():
 
     for prompt, taken in zip(prompts, run(scenario())):
         assert [t for group in taken for o in group for t in o.token_ids] == reference_tokens(prompt, 9)
+        # The fake ranks answer at once, so a consumer may find more queued than woke it; no group
+        # between the first and the last is smaller than the interval.
         sizes = [len(group) for group in taken]
-        assert sizes[0] == 1 and all(size >= 4 for size in sizes[1:-1]) and len(sizes) <= 4, sizes
+        assert all(size >= 4 for size in sizes[1:-1]) and len(sizes) <= 4, sizes
 
 
 def test_many_concurrent_requests_get_every_token_once():
