@@ -30,7 +30,7 @@ from torch import Tensor
 
 from expert_svc.graph_runner import DecodeGraphRunner, TokenFeed
 from services.kv_pool import KVPool
-from services.model.batch import ForwardBatch, SeqInput, build_forward_batch
+from services.model.batch import ForwardBatch, SeqInput, build_forward_batch, to_device
 from services.model.sampling import SamplingSpec, sample_on_device
 
 if TYPE_CHECKING:
@@ -325,18 +325,8 @@ def _token_feed(rows_F: list[int], tokens: list[tuple[Tensor, int]], device: tor
     for source in sources:
         starts[id(source)], offset = offset, offset + source.shape[0]
     token_ids_N = sources[0] if len(sources) == 1 else torch.cat(sources)
-    index_2F = _to_device(torch.tensor([rows_F, [starts[id(t)] + row for t, row in tokens]]), device)
+    index_2F = to_device(torch.tensor([rows_F, [starts[id(t)] + row for t, row in tokens]]), device)
     return TokenFeed(index_2F[0], token_ids_N.index_select(0, index_2F[1]))
-
-
-def _to_device(host: Tensor, device: torch.device) -> Tensor:
-    """A host tensor on `device`: pinned and non-blocking on CUDA (a plain copy from
-    pageable memory would wait for the device)."""
-    if device.type == "cpu":
-        return host
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
 
 
 def _upload(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
@@ -344,7 +334,7 @@ def _upload(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
     if device.type == "cpu":
         return batch
     return dataclasses.replace(batch, **{
-        field.name: _to_device(value, device) for field in dataclasses.fields(batch)
+        field.name: to_device(value, device) for field in dataclasses.fields(batch)
         if isinstance(value := getattr(batch, field.name), Tensor)})
 
 

@@ -9,7 +9,8 @@ alive for the life of the process: what startup built (modules, the model,
 the tokenizer, the servers).
 
 - `observe()`: every collection's pause goes to the histogram
-  moemesh_gc_pause_seconds{generation} (every role, from run_role).
+  moemesh_gc_pause_seconds{generation} (every role, from
+  settings.configure_telemetry).
 - `recording()`: the pauses while inside, as a list (benchmarks).
 - `freeze(what)`: once a process is ready, a full collection, then
   gc.freeze(): the objects alive now move to a permanent generation that

@@ -120,6 +120,17 @@ def check_decode_seqs(seqs: list[SeqInput], block_size: int, *, num_rows: int, m
         _check_seq(seq, block_size)
 
 
+def to_device(host: Tensor, device) -> Tensor:
+    """A host tensor on `device` without a sync: pinned and non-blocking on CUDA (a plain
+    copy from pageable memory would wait for the device); the tensor itself on the CPU."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def copy_batch_(dst: ForwardBatch, src: ForwardBatch) -> None:
     """Copies src's device tensors into dst's, in place (a CUDA graph's static inputs).
 

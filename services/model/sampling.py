@@ -12,6 +12,8 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from services.model.batch import to_device
+
 # Temperatures below it sample greedily (as vLLM does): dividing the logits by
 # a subnormal temperature overflows them to inf and the softmax to NaN, and at
 # such a temperature every token but the argmax has a probability of ~0 anyway.
@@ -103,7 +105,4 @@ def _filtered_scores(logits_DV: Tensor, specs: list[SamplingSpec]) -> tuple[Tens
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A small host list on `device`, without a sync (pinned, non-blocking) on CUDA."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=dtype), device)

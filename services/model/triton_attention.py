@@ -33,6 +33,7 @@ from torch import Tensor
 
 from services.model import triton_fused
 from services.model.attention import ATTENTION_BACKENDS, AttentionBackend
+from services.model.batch import to_device
 
 _LOG2E = 1.4426950408889634
 # A split covers at least this many tokens, at most this many splits. Measured on
@@ -276,8 +277,7 @@ class TritonPagedAttention(AttentionBackend):
             n = -(-q_len // block_q)
             seqs += [b] * n
             tiles += range(n)
-        host = torch.tensor([seqs, tiles], dtype=torch.int32)
-        on_device = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+        on_device = to_device(torch.tensor([seqs, tiles], dtype=torch.int32), device)
         self._tiles = (batch, block_q, on_device)
         return on_device
 
