@@ -213,11 +213,19 @@ def test_counters_and_histograms_count_known_traffic(traced_mesh, stub):
     with pytest.raises(grpc.RpcError) as error:
         list(stub.Generate(request("bad", ""), timeout=10))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    after = scrape(port)
 
     def delta(name, **labels):
         key = (name, tuple(sorted(labels.items())))
         return after.get(key, 0.0) - before.get(key, 0.0)
+
+    # context.abort sends the status before the handler's finally block counts
+    # the request, so the client can see the error a moment before /metrics does.
+    deadline = time.monotonic() + 5
+    after = scrape(port)
+    while delta("moemesh_requests_total", finish_reason="none", code="INVALID_ARGUMENT") < 1 \
+            and time.monotonic() < deadline:
+        time.sleep(0.02)
+        after = scrape(port)
 
     n = len(prompts)
     assert delta("moemesh_requests_total", finish_reason="length", code="OK") == n
