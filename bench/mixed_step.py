@@ -14,7 +14,11 @@ serving model (random weights, bf16), model.forward of:
 For each: the host time until forward returns (launches) and the wall time to the
 device's end, over 5 steps after 3 warm-ups; the host syncs of one step
 (torch.cuda.set_sync_debug_mode "warn": each sync warns with where it happened);
-and the top kernels of one step (torch.profiler). Writes mixed_step.json and .md.
+and the top kernels of one step (torch.profiler). Then the mixed step again with
+each --variants setting of the triton attention (TritonPagedAttention's knobs:
+mixed_decode sends the decodes through the decode kernel, prefill_rows, block_n,
+num_warps): its wall time and its logits' largest difference from the default's.
+Writes mixed_step.json and .md.
 """
 
 import argparse
@@ -34,6 +38,19 @@ BLOCK = 16
 CONTEXT = 1024
 NUM_DECODES = 256
 NUM_CHUNKS = 8
+# name=knob:value,...: TritonPagedAttention settings the mixed step is timed with.
+DEFAULT_VARIANTS = ("mixed_decode=mixed_decode:1;rows128=prefill_rows:128,num_warps:8;"
+                    "rows128_mixed=prefill_rows:128,num_warps:8,mixed_decode:1;block_n128=block_n:128;"
+                    "rows32=prefill_rows:32")
+
+
+def parse_variants(text: str) -> dict[str, dict[str, int]]:
+    """"name=knob:value,knob:value;..." as {name: {knob: int value}}."""
+    variants = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        name, _, knobs = item.partition("=")
+        variants[name] = {k: int(v) for k, v in (pair.split(":") for pair in knobs.split(",") if pair)}
+    return variants
 
 
 def _sync(device: str) -> None:
@@ -92,6 +109,34 @@ def top_kernels(model, batch, kv, device: str, num_tokens: int) -> str:
     return prof.key_averages().table(sort_by=sort, row_limit=16, max_name_column_width=48)
 
 
+def time_variants(model, kv, seqs: list[SeqInput], variants: dict[str, dict[str, int]], device: str) -> dict:
+    """The mixed step's wall time with each triton attention setting, and its logits against
+    the default setting's on the same inputs (the KV pool is the same: the step rewrites
+    the same slots with the same values)."""
+    from services.model.triton_attention import TritonPagedAttention  # imports triton: CUDA only
+
+    batch = build_forward_batch(seqs, BLOCK, device)
+    default = model.attention
+    results = {}
+    try:
+        model.attention = TritonPagedAttention()
+        reference = model.forward(batch, kv, max_tokens_per_rank=batch.num_tokens).clone()
+        for name, knobs in variants.items():
+            try:
+                model.attention = TritonPagedAttention(**knobs)
+                row = time_step(model, batch, kv, device, batch.num_tokens)
+                logits = model.forward(batch, kv, max_tokens_per_rank=batch.num_tokens)
+                row["max_logit_diff"] = round(float((logits - reference).abs().max()), 4)
+            except Exception as error:  # a setting that does not compile or fit: reported, not fatal
+                row = {"wall_ms": None, "max_logit_diff": None, "error": repr(error)[:300]}
+            row["knobs"] = knobs
+            results[name] = row
+            print(f"variant {name} {knobs}: {row}", flush=True)
+    finally:
+        model.attention = default
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-30b-a3b")
@@ -99,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=0, help="fewer layers (0: the preset's)")
     parser.add_argument("--decodes", type=int, default=NUM_DECODES, help="decode rows of the mixed step")
     parser.add_argument("--chunks", type=int, default=NUM_CHUNKS, help="prefill chunks of the mixed step")
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS, help="triton attention settings to time the mixed "
+                        "step with: name=knob:value,...;... ('' for none; CUDA only)")
     parser.add_argument("--out", type=pathlib.Path, required=True)
     args = parser.parse_args(argv)
     config = preset(args.preset)
@@ -127,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         report["steps"][name] = row
         print(f"{name}: {num_tokens} tokens, launch {row['launch_ms']} ms, wall {row['wall_ms']} ms, "
               f"{len(row['host_syncs'])} host syncs", *row["host_syncs"][:8], row["profile"], sep="\n", flush=True)
+    if args.device == "cuda" and args.variants:
+        report["variants"] = time_variants(model, kv, step_batches(per_seq, args.decodes, args.chunks)["mixed"],
+                                           parse_variants(args.variants), args.device)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "mixed_step.json").write_text(json.dumps(report, indent=1) + "\n")
     lines = ["# Eager prefill, mixed and decode steps of the serving model", "",
@@ -134,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
              "| step | tokens | host launch ms | wall ms | host syncs |", "|---|---:|---:|---:|---:|"]
     lines += [f"| {name} | {r['tokens']} | {r['launch_ms']} | {r['wall_ms']} | {len(r['host_syncs'])} |"
               for name, r in report["steps"].items()]
+    if report.get("variants"):
+        lines += ["", "## The mixed step with other triton attention settings", "",
+                  "| variant | settings | wall ms | largest logit difference from the default |", "|---|---|---:|---:|"]
+        lines += [f"| {name} | {v['knobs']} | {v['wall_ms']} | {v['max_logit_diff']} |"
+                  for name, v in report["variants"].items()]
     for name, r in report["steps"].items():
         lines += ["", f"## {name}", ""] + [f"- sync: {s}" for s in r["host_syncs"]] + ["", "```", r["profile"], "```"]
     (args.out / "mixed_step.md").write_text("\n".join(lines) + "\n")

@@ -20,7 +20,9 @@ the launch grid and the split count depend on tensor shapes alone.
   listed on the host (the batch's q_lens, once per step): a grid of
   (sequences, heads, the longest chunk's tiles) gave a step of 8 chunks of
   512 and 256 decodes 64 programs per decode row, 63 of them empty (67,584
-  programs for 3,072 tiles of work).
+  programs for 3,072 tiles of work). With mixed_decode the single-token
+  sequences of such a batch go through the decode kernel instead (their
+  K/V stored with the chunks'), as a list of sequence ids.
 
 A row with context length 0 (padding) gets zeros. Legend as in attention.py;
 N context tokens of one loop step, S splits.
@@ -79,14 +81,24 @@ def _attend_block(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_ptr, n, n_ma
 
 @triton.jit
 def _decode_kernel(q_ptr, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, o_ptr, part_acc_ptr,
-                   part_ml_ptr, block_tables_ptr, context_lens_ptr, scale_log2,
+                   part_ml_ptr, block_tables_ptr, context_lens_ptr, seq_map_ptr, cu_q_lens_ptr, scale_log2,
                    stride_qt, stride_qh, stride_nt, stride_ng, stride_ot, stride_oh, stride_bt, stride_slot,
                    num_heads, group, head_dim,
                    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP_PAD: tl.constexpr,
-                   K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                   K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+                   MIXED: tl.constexpr):
     if PDL:  # a programmatic dependent launch (triton_fused.PDL): the previous kernel done first
         triton_fused.wait_for_previous_kernel()
-    b, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # i: the program's decode row. A decode batch: sequence i, query row i, its K/V written here.
+    # MIXED: the single-token sequences of a mixed batch, sequence seq_map[i] at its query row
+    # cu_q_lens[seq]; their K/V is in the cache already (the store kernel wrote every token).
+    i, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if MIXED:
+        b = tl.load(seq_map_ptr + i)
+        row = tl.load(cu_q_lens_ptr + b).to(tl.int64)
+    else:
+        b = i
+        row = i.to(tl.int64)
     context_len = tl.load(context_lens_ptr + b)
     # Each split takes an equal share of this sequence's context, in whole BLOCK_N steps.
     split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -100,17 +112,18 @@ def _decode_kernel(q_ptr, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_p
     # The step's token (the context's last): the split that reads it writes its K/V to the cache
     # first (a padding row, slot -1, writes nothing); the barrier makes the stores visible to
     # every thread of the program before the loop loads them.
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    if (slot >= 0) & (start < context_len) & (context_len <= end):
-        dst = slot * stride_slot + g * head_dim + d
-        src = b * stride_nt + g * stride_ng + d
-        tl.store(k_cache_ptr + dst, tl.load(k_new_ptr + src, mask=d_mask).to(k_cache_ptr.dtype.element_ty),
-                 mask=d_mask)
-        tl.store(v_cache_ptr + dst, tl.load(v_new_ptr + src, mask=d_mask).to(v_cache_ptr.dtype.element_ty),
-                 mask=d_mask)
-        tl.debug_barrier()
+    if not MIXED:
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        if (slot >= 0) & (start < context_len) & (context_len <= end):
+            dst = slot * stride_slot + g * head_dim + d
+            src = b * stride_nt + g * stride_ng + d
+            tl.store(k_cache_ptr + dst, tl.load(k_new_ptr + src, mask=d_mask).to(k_cache_ptr.dtype.element_ty),
+                     mask=d_mask)
+            tl.store(v_cache_ptr + dst, tl.load(v_new_ptr + src, mask=d_mask).to(v_cache_ptr.dtype.element_ty),
+                     mask=d_mask)
+            tl.debug_barrier()
     heads = g * group + h
-    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     # A finite floor: a split with no token ends with l = 0 and no NaN.
     m_i = tl.full([GROUP_PAD], -1e30, tl.float32)
@@ -125,28 +138,34 @@ def _decode_kernel(q_ptr, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_p
                                       BLOCK_SIZE, DOT_PRECISION)
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(o_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+        tl.store(o_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
     else:
-        part = (b * num_heads + heads) * NUM_SPLITS + split
+        part = (i * num_heads + heads) * NUM_SPLITS + split
         tl.store(part_acc_ptr + part[:, None] * K_PAD + d[None, :], acc, mask=h_mask[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=h_mask)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=h_mask)
 
 
 @triton.jit
-def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, o_ptr, context_lens_ptr, stride_ot, stride_oh, num_heads,
-                          head_dim, NUM_SPLITS: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                          PDL: tl.constexpr):
+def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, o_ptr, context_lens_ptr, seq_map_ptr, cu_q_lens_ptr,
+                          stride_ot, stride_oh, num_heads, head_dim, NUM_SPLITS: tl.constexpr, K_PAD: tl.constexpr,
+                          BLOCK_N: tl.constexpr, PDL: tl.constexpr, MIXED: tl.constexpr):
     if PDL:
         triton_fused.wait_for_previous_kernel()
-    b, h = tl.program_id(0), tl.program_id(1)
+    i, h = tl.program_id(0), tl.program_id(1)  # decode row i: as in _decode_kernel
+    if MIXED:
+        b = tl.load(seq_map_ptr + i)
+        row = tl.load(cu_q_lens_ptr + b).to(tl.int64)
+    else:
+        b = i
+        row = i.to(tl.int64)
     # The splits the decode kernel gave tokens (its split length; the others wrote nothing).
     context_len = tl.load(context_lens_ptr + b)
     split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     s = tl.arange(0, NUM_SPLITS)
     has_tokens = s < tl.cdiv(context_len, tl.maximum(split_len, 1))
-    part = (b * num_heads + h) * NUM_SPLITS + s
+    part = (i * num_heads + h) * NUM_SPLITS + s
     m_S = tl.load(part_ml_ptr + part * 2, mask=has_tokens, other=-1e30)
     l_S = tl.load(part_ml_ptr + part * 2 + 1, mask=has_tokens, other=0.0)
     w_S = tl.exp2(m_S - tl.max(m_S, 0))
@@ -154,7 +173,7 @@ def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, o_ptr, context_lens_ptr, st
     d = tl.arange(0, K_PAD)
     acc_SK = tl.load(part_acc_ptr + part[:, None] * K_PAD + d[None, :], mask=has_tokens[:, None], other=0.0)
     out = tl.sum(acc_SK * w_S[:, None], 0) / tl.where(l_sum == 0.0, 1.0, l_sum)
-    tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < head_dim)
+    tl.store(o_ptr + row * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < head_dim)
 
 
 # num_tiles changes every step: not specialised on (a value of 1 or a multiple of 16 would
@@ -218,17 +237,21 @@ class TritonPagedAttention(AttentionBackend):
     `decode_splits` fixes the decode split count (a power of two); None picks
     it from the batch shape and the GPU's SM count (decode_num_splits). The
     rest are tuning knobs: context tokens per loop step, prefill rows (tokens
-    x group heads) per program, warps per program.
+    x group heads) per program, warps per program, and `mixed_decode`: in a
+    batch with prefill chunks, the single-token sequences (the decodes) go
+    through the decode kernel (its split-K over the context, GROUP_PAD rows a
+    program) instead of a prefill tile each (prefill_rows rows, one token's
+    group heads valid).
     """
 
     def __init__(self, decode_splits: int | None = None, *, block_n: int = 64, prefill_rows: int = 64,
-                 num_warps: int = 4):
+                 num_warps: int = 4, mixed_decode: bool = False):
         if decode_splits is not None and (decode_splits <= 0 or decode_splits & (decode_splits - 1)):
             raise ValueError(f"decode_splits must be a power of two, got {decode_splits}")
         self.decode_splits, self.block_n, self.prefill_rows = decode_splits, block_n, prefill_rows
-        self.num_warps = num_warps
+        self.num_warps, self.mixed_decode = num_warps, mixed_decode
         self._num_sms: dict[torch.device, int] = {}
-        # (batch, block_q, tiles): the last prefill batch's query tiles (_prefill_tiles).
+        # (batch, block_q, tiles, decode sequences): the last prefill batch's work lists (_prefill_tiles).
         self._tiles: tuple | None = None
 
     def forward(self, layer, q_THK, k_TGK, v_TGK, batch, kv, scale):
@@ -255,35 +278,50 @@ class TritonPagedAttention(AttentionBackend):
             stride_slot=stride_slot, group=group, head_dim=head_dim, BLOCK_SIZE=kv.block_size, K_PAD=k_pad,
             BLOCK_N=self.block_n, DOT_PRECISION="ieee" if q_THK.dtype == torch.float32 else "tf32",
             num_warps=self.num_warps)
+        max_context = batch.block_tables_BM.shape[1] * kv.block_size
         if batch.is_decode:
             self._decode(common, k_TGK, v_TGK, batch.slot_mapping_T, num_tokens, num_heads, num_kv_heads,
-                         batch.block_tables_BM.shape[1] * kv.block_size, q_THK.device)
+                         max_context, q_THK.device)
         else:
             group_pad = triton.next_power_of_2(group)
             block_q = max(1, self.prefill_rows // group_pad)
-            tiles_2W = self._prefill_tiles(batch, block_q, q_THK.device)
-            _prefill_kernel[(tiles_2W.shape[1], num_kv_heads)](
-                cu_q_lens_ptr=batch.cu_q_lens_B1, tiles_ptr=tiles_2W, num_tiles=tiles_2W.shape[1],
-                GROUP_PAD=group_pad, BLOCK_Q=block_q, **common)
+            tiles_2W, decode_seqs_D = self._prefill_tiles(batch, block_q, q_THK.device)
+            if tiles_2W.shape[1]:
+                _prefill_kernel[(tiles_2W.shape[1], num_kv_heads)](
+                    cu_q_lens_ptr=batch.cu_q_lens_B1, tiles_ptr=tiles_2W, num_tiles=tiles_2W.shape[1],
+                    GROUP_PAD=group_pad, BLOCK_Q=block_q, **common)
+            if decode_seqs_D is not None:
+                self._decode(common, k_TGK, v_TGK, batch.slot_mapping_T, decode_seqs_D.shape[0], num_heads,
+                             num_kv_heads, max_context, q_THK.device, (decode_seqs_D, batch.cu_q_lens_B1))
         return o_THK
 
-    def _prefill_tiles(self, batch, block_q: int, device: torch.device) -> Tensor:
-        """[2, W] int32: the sequence and tile of each of the batch's W query tiles, on the
-        device; built once per batch (every layer of a step reuses it), without a sync."""
+    def _prefill_tiles(self, batch, block_q: int, device: torch.device) -> tuple[Tensor, Tensor | None]:
+        """The work lists of a batch with prefill chunks, on the device; built once per batch
+        (every layer of a step reuses them), without a sync: [2, W] int32, the sequence and
+        tile of each of the W query tiles the prefill kernel runs, and with mixed_decode the
+        int32 ids of the single-token sequences the decode kernel runs instead (None if none)."""
         if self._tiles is not None and self._tiles[0] is batch and self._tiles[1] == block_q:
-            return self._tiles[2]
-        seqs, tiles = [], []
+            return self._tiles[2], self._tiles[3]
+        seqs, tiles, decodes = [], [], []
         for b, q_len in enumerate(batch.q_lens):
+            if self.mixed_decode and q_len == 1:
+                decodes.append(b)
+                continue
             n = -(-q_len // block_q)
             seqs += [b] * n
             tiles += range(n)
-        on_device = to_device(torch.tensor([seqs, tiles], dtype=torch.int32), device)
-        self._tiles = (batch, block_q, on_device)
-        return on_device
+        on_device = to_device(torch.tensor(seqs + tiles + decodes, dtype=torch.int32), device)  # one copy
+        tiles_2W = on_device[:2 * len(tiles)].view(2, len(tiles))
+        decode_seqs_D = on_device[2 * len(tiles):] if decodes else None
+        self._tiles = (batch, block_q, tiles_2W, decode_seqs_D)
+        return tiles_2W, decode_seqs_D
 
     def _decode(self, common: dict, k_TGK: Tensor, v_TGK: Tensor, slot_mapping_T: Tensor, num_seqs: int,
-                num_heads: int, num_kv_heads: int, max_context: int, device: torch.device) -> None:
-        """Row i of the batch is sequence i: the grid and splits come from shapes only."""
+                num_heads: int, num_kv_heads: int, max_context: int, device: torch.device,
+                mixed: tuple[Tensor, Tensor] | None = None) -> None:
+        """A decode batch: row i is sequence i, the grid and splits come from shapes only
+        (capturable), each program writing its token's K/V. `mixed` (seq_map_D, cu_q_lens_B1):
+        decode row i is sequence seq_map_D[i] of a mixed batch, its K/V already stored."""
         splits = self.decode_splits or decode_num_splits(num_seqs, num_kv_heads, max_context, self._sms(device))
         k_pad = common["K_PAD"]
         # Per split: the unnormalised output, the running max and the sum of exponentials.
@@ -292,16 +330,19 @@ class TritonPagedAttention(AttentionBackend):
             part_acc = torch.empty((num_seqs, num_heads, splits, k_pad), dtype=torch.float32, device=device)
             part_ml = torch.empty((num_seqs, num_heads, splits, 2), dtype=torch.float32, device=device)
         group_pad = max(16, triton.next_power_of_2(common["group"]))
-        pdl = triton_fused.uses_pdl(k_TGK)  # single-token steps, as triton_fused's kernels around these
+        # Single-token steps, as triton_fused's kernels around these (a mixed step is not one).
+        pdl = mixed is None and triton_fused.uses_pdl(k_TGK)
+        seq_map, cu_q_lens = mixed or (slot_mapping_T, slot_mapping_T)  # unread without MIXED
         _decode_kernel[(num_seqs, num_kv_heads, splits)](
-            k_new_ptr=k_TGK, v_new_ptr=v_TGK, slot_ptr=slot_mapping_T, stride_nt=k_TGK.stride(0),
-            stride_ng=k_TGK.stride(1), part_acc_ptr=part_acc, part_ml_ptr=part_ml, num_heads=num_heads,
-            NUM_SPLITS=splits, GROUP_PAD=group_pad, PDL=pdl, launch_pdl=pdl, **common)
+            k_new_ptr=k_TGK, v_new_ptr=v_TGK, slot_ptr=slot_mapping_T, seq_map_ptr=seq_map, cu_q_lens_ptr=cu_q_lens,
+            stride_nt=k_TGK.stride(0), stride_ng=k_TGK.stride(1), part_acc_ptr=part_acc, part_ml_ptr=part_ml,
+            num_heads=num_heads, NUM_SPLITS=splits, GROUP_PAD=group_pad, PDL=pdl, launch_pdl=pdl,
+            MIXED=mixed is not None, **common)
         if splits > 1:
             _decode_reduce_kernel[(num_seqs, num_heads)](
-                part_acc, part_ml, common["o_ptr"], common["context_lens_ptr"], common["stride_ot"],
-                common["stride_oh"], num_heads, common["head_dim"], NUM_SPLITS=splits, K_PAD=k_pad,
-                BLOCK_N=common["BLOCK_N"], PDL=pdl, launch_pdl=pdl)
+                part_acc, part_ml, common["o_ptr"], common["context_lens_ptr"], seq_map, cu_q_lens,
+                common["stride_ot"], common["stride_oh"], num_heads, common["head_dim"], NUM_SPLITS=splits,
+                K_PAD=k_pad, BLOCK_N=common["BLOCK_N"], PDL=pdl, launch_pdl=pdl, MIXED=mixed is not None)
 
     def _sms(self, device: torch.device) -> int:
         if device.type != "cuda":

@@ -115,9 +115,10 @@ def test_prefill_launches_one_program_per_query_tile_and_head(triton_attention):
             SeqInput(2, list(range(13)), 0, tables[2], True), SeqInput(3, list(range(20)), 3, tables[3], True)]
     batch = build_forward_batch(seqs, BLOCK_SIZE, "cpu")
     backend = triton_attention.TritonPagedAttention(block_n=16, prefill_rows=16)  # group 4: 4 tokens a tile
-    tiles = backend._prefill_tiles(batch, 4, torch.device("cpu"))
+    tiles, decodes = backend._prefill_tiles(batch, 4, torch.device("cpu"))
     assert tiles.tolist() == [[0, 0, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3], [0, 1, 0, 0, 1, 2, 3, 0, 1, 2, 3, 4]]
-    assert backend._prefill_tiles(batch, 4, torch.device("cpu")) is tiles  # once per step, not per layer
+    assert decodes is None
+    assert backend._prefill_tiles(batch, 4, torch.device("cpu"))[0] is tiles  # once per step, not per layer
     launched = []
     kernel = triton_attention._prefill_kernel
 
@@ -132,6 +133,57 @@ def test_prefill_launches_one_program_per_query_tile_and_head(triton_attention):
     finally:
         triton_attention._prefill_kernel = kernel
     assert launched == [(12, 2)]  # 12 tiles x 2 KV heads (was 4 x 2 x 5)
+
+
+def _mixed_batch():
+    """Decodes first, between chunks and last, and a one-token prompt (also a single-token sequence)."""
+    tables = _tables([9, 3, 5, 4, 2, 1, 6])
+    seqs = [SeqInput(0, [2], 33, tables[0], True),
+            SeqInput(1, list(range(7)), 5, tables[1], True),
+            SeqInput(2, [3], 17, tables[2], True),
+            SeqInput(3, list(range(13)), 0, tables[3], True),
+            SeqInput(4, [4], 6, tables[4], True),
+            SeqInput(5, [5], 0, tables[5], True),
+            SeqInput(6, list(range(20)), 3, tables[6], True)]
+    return build_forward_batch(seqs, BLOCK_SIZE, "cpu")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("splits", [1, 4, None])
+def test_mixed_batch_decodes_through_the_decode_kernel(triton_attention, shape, splits):
+    batch = _mixed_batch()
+    backend = triton_attention.TritonPagedAttention(splits, block_n=16, prefill_rows=16, mixed_decode=True)
+    _compare(backend, batch, *shape)
+    group_pad = triton_attention.triton.next_power_of_2(shape[0] // shape[1])
+    tiles, decodes = backend._prefill_tiles(batch, max(1, 16 // group_pad), torch.device("cpu"))
+    assert decodes.tolist() == [0, 2, 4, 5] and 0 not in tiles[0].tolist() and 2 not in tiles[0].tolist()
+
+
+def test_mixed_decode_launches(triton_attention):
+    """With mixed_decode the prefill grid lists the chunks' tiles only, the decode grid the four decodes."""
+    batch = _mixed_batch()
+    backend = triton_attention.TritonPagedAttention(4, block_n=16, prefill_rows=16, mixed_decode=True)
+    launched = {}
+    kernels = {name: getattr(triton_attention, name) for name in ("_prefill_kernel", "_decode_kernel",
+                                                                   "_decode_reduce_kernel")}
+
+    class Recording:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            launched[self.name] = grid
+            return kernels[self.name][grid]
+
+    for name in kernels:
+        setattr(triton_attention, name, Recording(name))
+    try:
+        _compare(backend, batch, 8, 2, 32)
+    finally:
+        for name, kernel in kernels.items():
+            setattr(triton_attention, name, kernel)
+    # group 4: 4 tokens a tile; chunks of 7, 13 and 20 tokens: 2 + 4 + 5 tiles.
+    assert launched == {"_prefill_kernel": (11, 2), "_decode_kernel": (4, 2, 4), "_decode_reduce_kernel": (4, 8)}
 
 
 def test_padded_decode_rows_write_nothing_and_return_zeros(triton_attention):
