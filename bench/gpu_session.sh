@@ -1,0 +1,54 @@
+# One device call that checks and measures what issue 8 needs, on nvidia-h200-x2
+# (two GPUs: N=1 and N=2 in the same call, so the speed-up compares one machine's runs).
+#
+#   device run, kind nvidia-h200-x2, carry [".whl"], timeout_s 600:
+#       bash bench/gpu_session.sh
+#   STEPS="test mixed n1 n2" (the default) picks the parts, in that order:
+#     test   tests/expert_svc/test_pipeline_cuda.py (the decode graph's inputs, launched-ahead steps)
+#     attn   bench/attention_gpu.py (the triton attention's accuracy and speed)
+#     mixed  bench/mixed_step.py (eager prefill / mixed / decode steps, attention settings)
+#     n1     bench/gpu_speed.py, one rank: b1 and c256
+#     n2     bench/gpu_speed.py, two ranks: c256 and c512 against n1's c256
+#     si4    n2's c512 again with the gateway's --stream-interval 4
+#   N1_ARGS / N2_ARGS add arguments to those runs (e.g. N1_ARGS="--max-batch-tokens 8192").
+#
+# Everything lands in $OUT/session.tgz (the device tool returns at most 8 files) plus
+# $OUT/session.log; each part runs under its own time limit so one hang loses one part.
+set -u
+STEPS=${STEPS:-"test mixed n1 n2"}
+OUT=${OUT:-/tmp/gpu_session_out}
+RESULTS=/tmp/gpu_session
+mkdir -p "$OUT" "$RESULTS"
+LOG="$OUT/session.log"
+source "${GPU_ENV:-bench/gpu_env.sh}" || exit 1
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >"$LOG" 2>&1
+# The file name gpu_speed writes for a --kind.
+KIND=nvidia-h200-x2
+
+part() {  # part NAME LIMIT_S COMMAND...: runs one part, logging its time and exit status
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    echo "=== $name: $*" >>"$LOG"
+    timeout --signal=INT --kill-after=15 "$limit" "$@" >>"$LOG" 2>&1
+    rc=$?
+    echo "=== $name: exit $rc after $(( $(date +%s) - start )) s" >>"$LOG"
+    return $rc
+}
+
+for step in $STEPS; do
+    case $step in
+        test) part test 150 python3 -m pytest -q -p no:cacheprovider tests/expert_svc/test_pipeline_cuda.py ;;
+        attn) part attn 240 python3 -m bench.attention_gpu --out "$RESULTS/attn" ;;
+        mixed) part mixed 240 python3 -m bench.mixed_step --out "$RESULTS/mixed" ;;
+        n1) part n1 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 --cases b1,c256 \
+                ${N1_ARGS:-} --out "$RESULTS/n1" ;;
+        n2) part n2 240 python3 -m bench.gpu_speed --kind "$KIND" --ranks 2 --cases c256,c512 \
+                --baseline-json "$RESULTS/n1/gpu_speed_$KIND.json" ${N2_ARGS:-} --out "$RESULTS/n2" ;;
+        si4) part si4 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 2 --cases c512 \
+                --gateway-arg=--stream-interval --gateway-arg=4 ${N2_ARGS:-} --out "$RESULTS/si4" ;;
+        *) echo "unknown step $step" >>"$LOG" ;;
+    esac
+done
+tar czf "$OUT/session.tgz" -C "$RESULTS" . 2>>"$LOG"
+tail -n 60 "$LOG"
