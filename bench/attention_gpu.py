@@ -108,6 +108,7 @@ def accuracy() -> list[dict]:
     rows, rng = [], random.Random(0)
     decode_specs = [(1, c) for c in (0, 15, 16, 100, 1000, 2047, 3000, 511)]
     mixed_specs = [(300, 500), (1, 1200), (1000, 0), (17, 33), (64, 1)]
+    mixed_decode_specs = [(1, 700), (300, 500), (1, 1200), (1000, 0), (1, 40), (17, 33), (1, 2000), (1, 0)]
     for shape_name, (num_heads, num_kv_heads) in SHAPES.items():
         for splits in (1, 8, None):
             batch = build_decode_batch(_seqs(decode_specs, 512, rng), BLOCK_SIZE, DEVICE, num_rows=11, max_blocks=200)
@@ -116,6 +117,10 @@ def accuracy() -> list[dict]:
         batch = build_forward_batch(_seqs(mixed_specs, 512, rng), BLOCK_SIZE, DEVICE)
         rows.append(_check(f"{shape_name} mixed prefill (chunks mid-sequence + decode)", TritonPagedAttention(),
                            batch, num_heads, num_kv_heads))
+        # Decodes first, between chunks and last, and a one-token prompt, through the decode kernel.
+        batch = build_forward_batch(_seqs(mixed_decode_specs, 512, rng), BLOCK_SIZE, DEVICE)
+        rows.append(_check(f"{shape_name} mixed prefill, mixed_decode (5 decodes via the decode kernel)",
+                           TritonPagedAttention(mixed_decode=True), batch, num_heads, num_kv_heads))
     rows.append(_graph_replay_check())
     return rows
 
@@ -279,7 +284,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"), help="directory of the result files")
     parser.add_argument("--iters", type=int, default=50, help="timed iterations per measurement")
+    parser.add_argument("--sections", default="checks,decode,prefill",
+                        help="which of checks (accuracy), decode, prefill to run")
     args = parser.parse_args()
+    wanted = set(args.sections.split(","))
     if not torch.cuda.is_available():
         print("attention_gpu needs CUDA", file=sys.stderr)
         return 2
@@ -289,6 +297,9 @@ def main() -> int:
     sections = (("checks", accuracy), ("decode", lambda: decode_speed(args.iters)),
                 ("prefill", lambda: prefill_speed(args.iters)))
     for name, run in sections:
+        if name not in wanted:
+            result[name] = []
+            continue
         try:  # one failing section still leaves the others' results
             result[name] = run()
         except Exception as error:  # noqa: BLE001 - reported in the results, and the exit status
@@ -320,7 +331,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "attention_gpu.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "attention_gpu.md").write_text(md)
-    return 0 if checks and all(c["ok"] for c in checks) and not result["errors"] else 1
+    checked = checks or "checks" not in wanted
+    return 0 if checked and all(c["ok"] for c in checks) and not result["errors"] else 1
 
 
 if __name__ == "__main__":

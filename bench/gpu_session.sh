@@ -3,9 +3,10 @@
 #
 #   device run, kind nvidia-h200-x2, carry [".whl"], timeout_s 600:
 #       bash bench/gpu_session.sh
-#   STEPS="test mixed n1 n2" (the default) picks the parts, in that order:
+#   STEPS="test acc mixed n1 n2" (the default) picks the parts, in that order:
 #     test   tests/expert_svc/test_pipeline_cuda.py (the decode graph's inputs, launched-ahead steps)
-#     attn   bench/attention_gpu.py (the triton attention's accuracy and speed)
+#     acc    bench/attention_gpu.py --sections checks (the triton attention's bf16 accuracy)
+#     attn   bench/attention_gpu.py (accuracy and speed)
 #     mixed  bench/mixed_step.py (eager prefill / mixed / decode steps, attention settings)
 #     n1     bench/gpu_speed.py, one rank: b1 and c256
 #     n2     bench/gpu_speed.py, two ranks: c256 and c512 against n1's c256
@@ -15,7 +16,7 @@
 # Everything lands in $OUT/session.tgz (the device tool returns at most 8 files) plus
 # $OUT/session.log; each part runs under its own time limit so one hang loses one part.
 set -u
-STEPS=${STEPS:-"test mixed n1 n2"}
+STEPS=${STEPS:-"test acc mixed n1 n2"}
 OUT=${OUT:-/tmp/gpu_session_out}
 RESULTS=/tmp/gpu_session
 mkdir -p "$OUT" "$RESULTS"
@@ -39,6 +40,7 @@ part() {  # part NAME LIMIT_S COMMAND...: runs one part, logging its time and ex
 for step in $STEPS; do
     case $step in
         test) part test 150 python3 -m pytest -q -p no:cacheprovider tests/expert_svc/test_pipeline_cuda.py ;;
+        acc) part acc 120 python3 -m bench.attention_gpu --sections checks --out "$RESULTS/acc" ;;
         attn) part attn 240 python3 -m bench.attention_gpu --out "$RESULTS/attn" ;;
         mixed) part mixed 240 python3 -m bench.mixed_step --out "$RESULTS/mixed" ;;
         n1) part n1 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 --cases b1,c256 \
