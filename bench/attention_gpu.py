@@ -78,27 +78,37 @@ def _pool(num_layers, num_blocks, num_kv_heads, dtype, seed=0) -> KVPool:
     pool = KVPool(num_layers, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, dtype, DEVICE)
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     for cache in (pool.k_cache, pool.v_cache):
-        cache.copy_(torch.randn(cache.shape, generator=g, device=DEVICE, dtype=dtype))
+        if cache.element_size() == 1:  # float8: no randn of its own
+            cache.copy_(torch.randn(cache.shape, generator=g, device=DEVICE).to(dtype))
+        else:
+            cache.copy_(torch.randn(cache.shape, generator=g, device=DEVICE, dtype=dtype))
     return pool
 
 
-def _check(name, backend, batch, num_heads, num_kv_heads) -> dict:
-    """Triton vs the bf16 and the fp32 reference on one batch."""
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _check(name, backend, batch, num_heads, num_kv_heads, cache_dtype=torch.bfloat16) -> dict:
+    """Triton vs the bf16 and the fp32 reference on one batch. With a float8 cache_dtype
+    both references read the same float8 cache (the fp32 one widened, its new K/V rounded
+    through float8 as the cache stores them)."""
     num_blocks = 512
     q, k, v = _inputs(batch.num_tokens, num_heads, num_kv_heads, torch.bfloat16)
-    pool = _pool(1, num_blocks, num_kv_heads, torch.bfloat16)
-    ref_pool = _pool(1, num_blocks, num_kv_heads, torch.bfloat16)
+    pool = _pool(1, num_blocks, num_kv_heads, cache_dtype)
+    ref_pool = _pool(1, num_blocks, num_kv_heads, cache_dtype)
     ref32_pool = KVPool(1, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, torch.float32, DEVICE)
-    ref32_pool.k_cache.copy_(ref_pool.k_cache)
-    ref32_pool.v_cache.copy_(ref_pool.v_cache)
+    ref32_pool.k_cache.copy_(ref_pool.k_cache.float())
+    ref32_pool.v_cache.copy_(ref_pool.v_cache.float())
     scale = HEAD_DIM ** -0.5
     out = backend.forward(0, q, k, v, batch, pool, scale).float()
     ref = TorchReferenceAttention().forward(0, q, k, v, batch, ref_pool, scale).float()
-    ref32 = TorchReferenceAttention().forward(0, q.float(), k.float(), v.float(), batch, ref32_pool, scale)
+    k32, v32 = (x.to(cache_dtype).float() for x in (k, v))
+    ref32 = TorchReferenceAttention().forward(0, q.float(), k32, v32, batch, ref32_pool, scale)
     row = {"check": name, "max_abs_diff_vs_bf16_ref": (out - ref).abs().max().item(),
            "max_abs_diff_vs_fp32_ref": (out - ref32).abs().max().item(),
            "bf16_ref_vs_fp32_ref": (ref - ref32).abs().max().item(),
-           "kv_equal": bool(torch.equal(pool.k_cache, ref_pool.k_cache) and torch.equal(pool.v_cache, ref_pool.v_cache)),
+           "kv_equal": _same_bits(pool.k_cache, ref_pool.k_cache) and _same_bits(pool.v_cache, ref_pool.v_cache),
            "finite": bool(torch.isfinite(out).all())}
     row["ok"] = row["kv_equal"] and row["finite"] and row["max_abs_diff_vs_fp32_ref"] <= TOLERANCE
     return row
@@ -121,6 +131,13 @@ def accuracy() -> list[dict]:
         batch = build_forward_batch(_seqs(mixed_decode_specs, 512, rng), BLOCK_SIZE, DEVICE)
         rows.append(_check(f"{shape_name} mixed prefill, mixed_decode (5 decodes via the decode kernel)",
                            TritonPagedAttention(mixed_decode=True), batch, num_heads, num_kv_heads))
+        # --kv-cache-dtype fp8_e4m3: the same kernels over a float8 cache.
+        batch = build_decode_batch(_seqs(decode_specs, 512, rng), BLOCK_SIZE, DEVICE, num_rows=11, max_blocks=200)
+        rows.append(_check(f"{shape_name} decode, fp8 KV cache", TritonPagedAttention(), batch, num_heads,
+                           num_kv_heads, torch.float8_e4m3fn))
+        batch = build_forward_batch(_seqs(mixed_specs, 512, rng), BLOCK_SIZE, DEVICE)
+        rows.append(_check(f"{shape_name} mixed prefill, fp8 KV cache", TritonPagedAttention(), batch, num_heads,
+                           num_kv_heads, torch.float8_e4m3fn))
     rows.append(_graph_replay_check())
     return rows
 

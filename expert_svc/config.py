@@ -13,6 +13,7 @@ from services.settings import MemberConfig
 _DTYPES = ("float32", "bfloat16")
 # services.model.attention.ATTENTION_BACKEND_NAMES (not imported: it pulls in torch).
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
+_KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -38,6 +39,10 @@ class ExpertConfig(MemberConfig):
     # Paged attention kernels: "triton" (GPU only), "torch" (the reference,
     # host loops) or "auto" (triton on CUDA, torch on the CPU).
     attention_backend: str = "auto"
+    # Element type of the KV cache: "auto" (the compute dtype) or "fp8_e4m3"
+    # (float8 e4m3, no scaling: half the bytes of bf16, so twice the blocks and
+    # half the bytes a decode step reads; values past +-448 saturate).
+    kv_cache_dtype: str = "auto"
     # Tokens per KV block.
     kv_block_size: int = 16
     # Blocks of the KV pool; 0 sizes the pool from memory (the two fields below).
@@ -107,6 +112,8 @@ class ExpertConfig(MemberConfig):
             raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.attention_backend == "triton" and not self.is_cuda:
             raise ValueError(f"attention_backend 'triton' needs a CUDA device, got device {self.device!r}")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         for name in ("kv_block_size", "kv_memory_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -59,7 +59,7 @@ from expert_svc.stats_reporter import StatsReporter
 from moe.expert.v1 import expert_pb2, expert_pb2_grpc
 from services import gc_pauses, grpc_util, telemetry
 from services.cluster import ClusterClient, GroupAssignment
-from services.kv_pool import KVPool
+from services.kv_pool import KVPool, kv_cache_dtype
 from services.model.checkpoint import load_weights
 from services.model.config import DTYPES
 from services.model.moe import local_expert_ids
@@ -336,12 +336,13 @@ class ExpertRank:
                               max_fixed_capacity_tokens=cfg.max_fixed_capacity_tokens,
                               num_spare_expert_slots=cfg.num_spare_expert_slots)
         del weights
+        cache_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self._dtype)
         num_blocks = cfg.kv_blocks or KVPool.blocks_for_memory(
-            mc, cfg.kv_block_size, self._kv_memory_bytes(), self._dtype)
+            mc, cfg.kv_block_size, self._kv_memory_bytes(), cache_dtype)
         if num_blocks <= 0:
             raise ValueError(f"the KV memory ({self._kv_memory_bytes()} bytes) holds no block; "
                              f"raise kv_memory_bytes/kv_memory_fraction or set kv_blocks")
-        return model, KVPool.for_model(mc, num_blocks, cfg.kv_block_size, self._dtype, cfg.device)
+        return model, KVPool.for_model(mc, num_blocks, cfg.kv_block_size, cache_dtype, cfg.device)
 
     def _kv_memory_bytes(self) -> int:
         if not self.config.is_cuda:

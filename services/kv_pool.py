@@ -11,8 +11,25 @@ from torch import Tensor
 from services.model.config import ModelConfig
 
 
+# ExpertConfig.kv_cache_dtype's names; "auto" is the model's compute dtype.
+KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
+
+
+def kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type for a kv_cache_dtype name ("auto": compute_dtype)."""
+    if name == "auto":
+        return compute_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(KV_CACHE_DTYPES)}, got {name!r}")
+    return KV_CACHE_DTYPES[name]
+
+
 class KVPool:
-    """K and V caches, each [num_layers, num_blocks, block_size, num_kv_heads, head_dim]."""
+    """K and V caches, each [num_layers, num_blocks, block_size, num_kv_heads, head_dim].
+
+    The caches may hold a narrower type than the model computes in (float8):
+    attention writes new K/V rounded to it and reads them back widened.
+    """
 
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks),

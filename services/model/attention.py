@@ -49,17 +49,32 @@ class TorchReferenceAttention(AttentionBackend):
         v_slots = v_cache.view(-1, num_kv_heads, head_dim)
         is_written_T = batch.slot_mapping_T >= 0
         slots_T = batch.slot_mapping_T[is_written_T]
-        k_slots.index_copy_(0, slots_T, k_TGK[is_written_T].to(k_slots.dtype))
-        v_slots.index_copy_(0, slots_T, v_TGK[is_written_T].to(v_slots.dtype))
+        _store(k_slots, slots_T, k_TGK[is_written_T])
+        _store(v_slots, slots_T, v_TGK[is_written_T])
 
         o_THK = torch.empty_like(q_THK)
         starts = batch.cu_q_lens
         for i, (q_len, context_len) in enumerate(zip(batch.q_lens, batch.context_lens)):
             slots_C = _context_slots(batch.block_tables_BM[i], context_len, kv.block_size)
             rows = slice(starts[i], starts[i] + q_len)
-            o_THK[rows] = _attend(q_THK[rows], k_slots[slots_C].to(q_THK.dtype),
-                                  v_slots[slots_C].to(q_THK.dtype), scale)
+            o_THK[rows] = _attend(q_THK[rows], _load(k_slots, slots_C, q_THK.dtype),
+                                  _load(v_slots, slots_C, q_THK.dtype), scale)
         return o_THK
+
+
+# A one-byte cache (float8) is copied and gathered through a uint8 view: the CPU has no
+# index_copy_ for float8 types.
+def _store(cache_NGK: Tensor, slots_T: Tensor, x_TGK: Tensor) -> None:
+    if cache_NGK.element_size() == 1 and cache_NGK.is_floating_point():
+        cache_NGK.view(torch.uint8).index_copy_(0, slots_T, x_TGK.to(cache_NGK.dtype).view(torch.uint8))
+    else:
+        cache_NGK.index_copy_(0, slots_T, x_TGK.to(cache_NGK.dtype))
+
+
+def _load(cache_NGK: Tensor, slots_C: Tensor, dtype: torch.dtype) -> Tensor:
+    if cache_NGK.element_size() == 1 and cache_NGK.is_floating_point():
+        return cache_NGK.view(torch.uint8)[slots_C].view(cache_NGK.dtype).to(dtype)
+    return cache_NGK[slots_C].to(dtype)
 
 
 def _context_slots(block_table_M: Tensor, context_len: int, block_size: int) -> Tensor:

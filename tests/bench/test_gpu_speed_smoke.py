@@ -4,7 +4,7 @@ the mesh's weights, the bounds and the step attribution add up."""
 import torch
 import transformers
 
-from bench.gpu_speed import bound, load_hub_weights, step_attribution
+from bench.gpu_speed import add_ratios, bound, kv_cache_dtype, load_hub_weights, step_attribution
 from services.kv_pool import KVPool
 from services.model.batch import SeqInput, build_forward_batch
 from services.model.qwen3_moe import Qwen3MoeModel
@@ -38,6 +38,25 @@ def test_bound_with_kv_is_slower_and_splits_over_ranks():
     assert with_kv["tokens_per_s_with_kv"] < 0.7 * weights_only["tokens_per_s"]  # 38 GB of KV vs 60 GB
     two = bound(config, 256, num_ranks=2, context=1536)
     assert two["step_ms_with_kv"] < 0.6 * with_kv["step_ms_with_kv"]
+
+
+def test_an_fp8_kv_cache_halves_the_kv_bytes_and_is_named_in_the_targets():
+    assert kv_cache_dtype(["--kv-cache-dtype", "fp8_e4m3"]) == kv_cache_dtype(["--kv-cache-dtype=fp8_e4m3"]) == "fp8_e4m3"
+    assert kv_cache_dtype(["--attention-backend", "triton"]) == "auto"
+
+    def report(expert_arg):
+        row = {"concurrency": 256, "output_tokens_per_s": 8100.0, "itl_ms_p50": 28.0}
+        return {"config": {"preset": "qwen3-30b-a3b", "ranks": 1, "prompt_scale": 1.0, "output_scale": 1.0,
+                           "expert_arg": expert_arg}, "mesh": {"cases": {"c256": row}}}
+
+    bf16, fp8 = report([]), report(["--kv-cache-dtype", "fp8_e4m3"])
+    add_ratios(bf16)
+    add_ratios(fp8)
+    bf16_row, fp8_row = bf16["mesh"]["cases"]["c256"], fp8["mesh"]["cases"]["c256"]
+    assert abs(fp8_row["kv_gb_per_step"] - bf16_row["kv_gb_per_step"] / 2) <= 0.01
+    assert fp8_row["bound"]["tokens_per_s_with_kv"] > bf16_row["bound"]["tokens_per_s_with_kv"]
+    assert bf16["targets"] == {"c256 >= 8,000 output tok/s on one H200": True}
+    assert fp8["targets"] == {"c256 >= 8,000 output tok/s on one H200 (KV cache fp8_e4m3)": True}
 
 
 def test_step_attribution_is_the_difference_of_two_scrapes():

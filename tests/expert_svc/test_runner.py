@@ -229,3 +229,22 @@ def test_a_sequence_fed_from_an_older_step_gets_the_reference_tokens(runner, hf_
             generated[seq_id].append(token_id)
     for seq_id, prompt in prompts.items():
         assert generated[seq_id] == hf_greedy(hf_small, prompt, len(generated[seq_id]))
+
+
+def test_an_fp8_kv_cache_serves_the_same_protocol_and_nearly_the_same_tokens(model, hf_small):
+    """--kv-cache-dtype fp8_e4m3: the runner over a float8 pool (K/V rounded to 3 mantissa bits)
+    runs chunked prefill, a joining request and a shared prefix as the fp32 pool does; greedy
+    tokens may part from transformers' only where rounding flips a choice."""
+    kv = KVPool.for_model(SMALL, NUM_BLOCKS, BLOCK_SIZE, torch.float8_e4m3fn, "cpu")
+    runner = StepRunner(model, kv, BLOCK_SIZE, vocab_size=SMALL.vocab_size, group_id=GROUP, placement_epoch=EPOCH)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, SMALL.vocab_size, (n,), generator=g).tolist() for n in (11, 5, 23, 9)]
+    prompts.append(prompts[0][:8] + torch.randint(0, SMALL.vocab_size, (6,), generator=g).tolist())
+    reqs = [Req(prompts[0]), Req(prompts[1]), Req(prompts[2], chunk=16), Req(prompts[3], join_step=3),
+            Req(prompts[4], join_step=2, share_prefix_of=0, num_cached=8)]
+    outputs = drive(runner, reqs)
+    expected = [hf_greedy(hf_small, prompt, NUM_NEW_TOKENS) for prompt in prompts]
+    assert all(len(output) == NUM_NEW_TOKENS for output in outputs)
+    assert [o[0] for o in outputs] == [e[0] for e in expected]
+    assert runner.seq_ids == [] and kv.k_cache.dtype == torch.float8_e4m3fn
+    assert kv.k_cache.view(torch.uint8).any()  # the pool was written

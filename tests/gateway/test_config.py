@@ -42,3 +42,14 @@ def test_bad_values_are_refused_naming_the_value(field, value, needle):
     with pytest.raises(ValueError) as err:
         GatewayConfig(member_id="gw", model="m", **{field: value})
     assert needle in str(err.value)
+
+
+def test_expert_kv_cache_dtype_from_flag_and_env():
+    config = settings.parse_config(ExpertConfig, ["--member-id", "e0", "--model", "m", "--kv-cache-dtype", "fp8_e4m3"])
+    assert config.kv_cache_dtype == "fp8_e4m3"
+    config = settings.parse_config(ExpertConfig, ["--member-id", "e0", "--model", "m"],
+                                   env={"MOEMESH_KV_CACHE_DTYPE": "fp8_e4m3"})
+    assert config.kv_cache_dtype == "fp8_e4m3"
+    assert ExpertConfig(member_id="e0", model="m").kv_cache_dtype == "auto"
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of .*got 'fp16'"):
+        ExpertConfig(member_id="e0", model="m", kv_cache_dtype="fp16")
