@@ -80,6 +80,20 @@ def _attend_block(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_ptr, n, n_ma
 
 
 @triton.jit
+def _decode_row(i, seq_map_ptr, cu_q_lens_ptr, MIXED: tl.constexpr):
+    """Decode row i's sequence and query row. A decode batch: sequence i at row i (its K/V
+    written by the decode kernel). MIXED: the single-token sequences of a mixed batch,
+    sequence seq_map[i] at its row cu_q_lens[seq] (its K/V stored with the chunks')."""
+    if MIXED:
+        b = tl.load(seq_map_ptr + i)
+        row = tl.load(cu_q_lens_ptr + b).to(tl.int64)
+    else:
+        b = i
+        row = i.to(tl.int64)
+    return b, row
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, o_ptr, part_acc_ptr,
                    part_ml_ptr, block_tables_ptr, context_lens_ptr, seq_map_ptr, cu_q_lens_ptr, scale_log2,
                    stride_qt, stride_qh, stride_nt, stride_ng, stride_ot, stride_oh, stride_bt, stride_slot,
@@ -89,16 +103,8 @@ def _decode_kernel(q_ptr, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_p
                    MIXED: tl.constexpr):
     if PDL:  # a programmatic dependent launch (triton_fused.PDL): the previous kernel done first
         triton_fused.wait_for_previous_kernel()
-    # i: the program's decode row. A decode batch: sequence i, query row i, its K/V written here.
-    # MIXED: the single-token sequences of a mixed batch, sequence seq_map[i] at its query row
-    # cu_q_lens[seq]; their K/V is in the cache already (the store kernel wrote every token).
     i, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if MIXED:
-        b = tl.load(seq_map_ptr + i)
-        row = tl.load(cu_q_lens_ptr + b).to(tl.int64)
-    else:
-        b = i
-        row = i.to(tl.int64)
+    b, row = _decode_row(i, seq_map_ptr, cu_q_lens_ptr, MIXED)
     context_len = tl.load(context_lens_ptr + b)
     # Each split takes an equal share of this sequence's context, in whole BLOCK_N steps.
     split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -153,13 +159,8 @@ def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, o_ptr, context_lens_ptr, se
                           BLOCK_N: tl.constexpr, PDL: tl.constexpr, MIXED: tl.constexpr):
     if PDL:
         triton_fused.wait_for_previous_kernel()
-    i, h = tl.program_id(0), tl.program_id(1)  # decode row i: as in _decode_kernel
-    if MIXED:
-        b = tl.load(seq_map_ptr + i)
-        row = tl.load(cu_q_lens_ptr + b).to(tl.int64)
-    else:
-        b = i
-        row = i.to(tl.int64)
+    i, h = tl.program_id(0), tl.program_id(1)
+    b, row = _decode_row(i, seq_map_ptr, cu_q_lens_ptr, MIXED)
     # The splits the decode kernel gave tokens (its split length; the others wrote nothing).
     context_len = tl.load(context_lens_ptr + b)
     split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
