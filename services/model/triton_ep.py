@@ -12,7 +12,8 @@ here every rank gathers every rank's rows and the layer is a few kernels:
    order, weights in the model dtype, hit counts; with replicas the slot map
    turns ids into global slots.
 2. pack (one kernel) B rows: [hidden row | ids + 1 | fp32 weights] (moe.py's
-   row layout; ids 0 past the rank's T tokens: padding, no expert).
+   row layout; ids 0 past the rank's T tokens: padding, no expert). Without
+   replicas steps 1 and 2 are one kernel (route_pack).
 3. all_gather the N * B rows (one collective, equal sizes).
 4. align (triton_moe.align on the gathered ids, offset to local experts: the
    other ranks' experts and padding get no place), gate_up (reading x in place
@@ -90,6 +91,46 @@ def pack(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, rows_per_rank: int) -
     return send_BW
 
 
+@triton.jit
+def _route_pack_kernel(logits_ptr, x_ptr, rows_ptr, meta_ptr, hits_ptr, num_tokens, num_experts, hidden, row_stride,
+                       meta_stride, NORM: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    j = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, BLOCK_K)
+    if j < num_tokens:
+        e = tl.arange(0, BLOCK_E)
+        logits = tl.load(logits_ptr + j * num_experts + e, mask=e < num_experts, other=float("-inf")).to(tl.float32)
+        chosen, w, rank = triton_fused.choose_experts(logits, e, num_experts, NORM, TOP_K, BLOCK_E)
+        # As route then pack: ids + 1, the weights rounded to the model dtype, as fp32 bits.
+        w = w.to(x_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(meta_ptr + j * meta_stride + rank, (e + 1).to(tl.int32), mask=chosen)
+        tl.store(meta_ptr + j * meta_stride + TOP_K + rank, w.to(tl.int32, bitcast=True), mask=chosen)
+        tl.atomic_add(hits_ptr + e, chosen.to(hits_ptr.dtype.element_ty), mask=chosen)
+        for d0 in range(0, hidden, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            tl.store(rows_ptr + j * row_stride + d, tl.load(x_ptr + j * hidden + d, mask=d < hidden), mask=d < hidden)
+    else:  # padding: no expert
+        tl.store(meta_ptr + j * meta_stride + k, tl.zeros([BLOCK_K], tl.int32), mask=k < 2 * TOP_K)
+
+
+def route_pack(logits_TE: Tensor, x_TD: Tensor, top_k: int, norm_topk_prob: bool, hit_counts_E: Tensor,
+               rows_per_rank: int) -> Tensor:
+    """pack(x_TD, *triton_fused.route(logits_TE, ...)[:2], rows_per_rank) in one kernel: the same
+    send_BW, and each token's experts added to hit_counts_E."""
+    (num_tokens, hidden), num_experts = x_TD.shape, logits_TE.shape[1]
+    if rows_per_rank < num_tokens:
+        raise ValueError(f"{num_tokens} tokens do not fit {rows_per_rank} rows per rank")
+    assert x_TD.is_contiguous() and logits_TE.is_contiguous() and hit_counts_E.is_contiguous() and top_k < 128
+    send_BW = x_TD.new_empty(rows_per_rank, row_width(hidden, top_k, x_TD.dtype))
+    meta_BM = _meta(send_BW, hidden)
+    if rows_per_rank:
+        _route_pack_kernel[(rows_per_rank,)](
+            logits_TE, x_TD, send_BW, meta_BM, hit_counts_E, num_tokens, num_experts, hidden, send_BW.stride(0),
+            meta_BM.stride(0), NORM=norm_topk_prob, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(2 * top_k),
+            BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_D=min(triton.next_power_of_2(max(hidden, 1)), 1024))
+    return send_BW
+
+
 def _meta(rows_JW: Tensor, hidden: int) -> Tensor:
     """The int32 columns after the hidden part: K ids + 1, then K fp32 weights' bits."""
     return rows_JW.view(torch.int32)[:, hidden * rows_JW.dtype.itemsize // 4:]
@@ -147,14 +188,16 @@ def gathered_moe(layer, x_TD: Tensor, rows_per_rank: int) -> Tensor:
     num_local = layer.w_gate_up_LGD.shape[0]
     x_TD = x_TD.contiguous()
     logits_TE = torch.nn.functional.linear(x_TD, layer.w_gate_ED)
-    ids_TK, weights_TK = triton_fused.route(logits_TE, layer.top_k, layer.norm_topk_prob, layer.hit_counts_E,
-                                            x_TD.dtype)[:2]
-    if layer.slot_map is not None:  # each token-copy to one replica's global slot
+    if layer.slot_map is None:
+        send_BW = route_pack(logits_TE, x_TD, layer.top_k, layer.norm_topk_prob, layer.hit_counts_E, rows_per_rank)
+    else:  # each token-copy to one replica's global slot
+        ids_TK, weights_TK = triton_fused.route(logits_TE, layer.top_k, layer.norm_topk_prob, layer.hit_counts_E,
+                                                x_TD.dtype)[:2]
         ids_R = ids_TK.flatten()
         counts_E = torch.zeros(layer.w_gate_ED.shape[0], dtype=torch.int64, device=x_TD.device)
         counts_E.scatter_add_(0, ids_R, torch.ones_like(ids_R))
         ids_TK = layer.slot_map.route(ids_TK, counts_E).contiguous()
-    send_BW = pack(x_TD, ids_TK, weights_TK, rows_per_rank)
+        send_BW = pack(x_TD, ids_TK, weights_TK, rows_per_rank)
     recv_JW = send_BW.new_empty(comm.world_size * rows_per_rank, send_BW.shape[1])
     comm.all_gather(recv_JW, send_BW)
     partial_JD = local_partials(recv_JW, hidden, layer.top_k, 1 + comm.rank * num_local, layer.w_gate_up_LGD,

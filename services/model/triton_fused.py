@@ -200,9 +200,10 @@ def qkv_norm_rotary(qkv_TX: Tensor, q_norm_K: Tensor, k_norm_K: Tensor, cos_TK: 
 
 
 @triton.jit
-def _route_row(logits, t, e, ids_ptr, weights_ptr, pos_ptr, hits_ptr, num_experts, NORM: tl.constexpr,
-               TOP_K: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Routes token t from its fp32 logits [BLOCK_E] (-inf past num_experts)."""
+def choose_experts(logits, e, num_experts, NORM: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One token's routing from its fp32 logits [BLOCK_E] (-inf past num_experts): whether
+    each expert is among its TOP_K, the fp32 weights (softmax, renormalised over the chosen
+    with NORM) and each chosen expert's place k in increasing expert order."""
     mask = e < num_experts
     p = tl.exp(logits - tl.max(logits, 0))
     p = p / tl.sum(p, 0)
@@ -215,7 +216,16 @@ def _route_row(logits, t, e, ids_ptr, weights_ptr, pos_ptr, hits_ptr, num_expert
     w = p
     if NORM:
         w = p / tl.sum(tl.where(chosen, p, 0.0), 0)
-    rank = tl.cumsum(chosen.to(tl.int32), 0) - 1  # the chosen experts in increasing order
+    rank = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    return chosen, w, rank
+
+
+@triton.jit
+def _route_row(logits, t, e, ids_ptr, weights_ptr, pos_ptr, hits_ptr, num_experts, NORM: tl.constexpr,
+               TOP_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Routes token t from its fp32 logits [BLOCK_E] (-inf past num_experts)."""
+    mask = e < num_experts
+    chosen, w, rank = choose_experts(logits, e, num_experts, NORM, TOP_K, BLOCK_E)
     tl.store(ids_ptr + t * TOP_K + rank, e.to(ids_ptr.dtype.element_ty), mask=chosen)
     tl.store(weights_ptr + t * TOP_K + rank, w.to(weights_ptr.dtype.element_ty), mask=chosen)
     tl.store(pos_ptr + t * num_experts + e, tl.where(chosen, rank + 1, 0).to(pos_ptr.dtype.element_ty), mask=mask)

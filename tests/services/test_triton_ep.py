@@ -77,6 +77,25 @@ def test_pack_lays_out_rows_ids_and_weights(tep):
         tep.pack(x_TD, ids_TK, weights_TK, rows_per_rank=2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_tokens, rows_per_rank, top_k", [(5, 7, 3), (4, 4, 2), (0, 3, 3)])
+def test_route_pack_is_route_then_pack(tep, dtype, num_tokens, rows_per_rank, top_k):
+    """One kernel, the same send rows (hidden part of each token, ids + 1 and fp32 weights of every
+    row, padding rows' ids 0) and the same hit counts as route then pack."""
+    x_TD = _tokens(num_tokens, dtype, seed=3)
+    logits_TE = torch.randn(num_tokens, NUM_EXPERTS, generator=torch.Generator().manual_seed(4)).to(dtype)
+    hits_E, expected_hits_E = (torch.zeros(NUM_EXPERTS, dtype=torch.int64) for _ in range(2))
+    ids_TK, weights_TK = tep.triton_fused.route(logits_TE, top_k, True, expected_hits_E, dtype)[:2]
+    expected_BW = tep.pack(x_TD, ids_TK, weights_TK, rows_per_rank)
+    send_BW = tep.route_pack(logits_TE, x_TD, top_k, True, hits_E, rows_per_rank)
+    assert send_BW.shape == expected_BW.shape
+    assert torch.equal(send_BW[:num_tokens, :HIDDEN], expected_BW[:num_tokens, :HIDDEN])
+    assert torch.equal(send_BW[:, HIDDEN:].view(torch.int32), expected_BW[:, HIDDEN:].view(torch.int32))
+    assert torch.equal(hits_E, expected_hits_E) and hits_E.sum() == num_tokens * top_k
+    with pytest.raises(ValueError, match="do not fit"):
+        tep.route_pack(logits_TE, x_TD, top_k, True, hits_E, num_tokens - 1)
+
+
 def test_align_places_only_local_experts(tep):
     """Gathered ids (+ 1, 0 for padding) offset to one rank's experts: the others and the padding
     get no position and count nowhere."""
