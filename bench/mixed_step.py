@@ -17,7 +17,7 @@ device's end, over 5 steps after 3 warm-ups; the host syncs of one step
 and the top kernels of one step (torch.profiler). Then the mixed step again with
 each --variants setting of the triton attention (TritonPagedAttention's knobs:
 mixed_decode sends the decodes through the decode kernel, prefill_rows, block_n,
-num_warps): its wall time and its logits' largest difference from the default's.
+num_warps, prefill_stages): its wall time and its logits' largest difference from the default's.
 Writes mixed_step.json and .md.
 """
 
@@ -41,7 +41,7 @@ NUM_CHUNKS = 8
 # name=knob:value,...: TritonPagedAttention settings the mixed step is timed with.
 DEFAULT_VARIANTS = ("mixed_decode=mixed_decode:1;rows128=prefill_rows:128,num_warps:8;"
                     "rows128_mixed=prefill_rows:128,num_warps:8,mixed_decode:1;block_n128=block_n:128;"
-                    "rows32=prefill_rows:32")
+                    "rows32=prefill_rows:32;stages2=prefill_stages:2;stages4=prefill_stages:4")
 
 
 def parse_variants(text: str) -> dict[str, dict[str, int]]:

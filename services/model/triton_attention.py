@@ -238,7 +238,8 @@ class TritonPagedAttention(AttentionBackend):
     `decode_splits` fixes the decode split count (a power of two); None picks
     it from the batch shape and the GPU's SM count (decode_num_splits). The
     rest are tuning knobs: context tokens per loop step, prefill rows (tokens
-    x group heads) per program, warps per program, and `mixed_decode`: in a
+    x group heads) per program, warps per program, the prefill kernel's
+    software-pipeline stages (None: Triton's default), and `mixed_decode`: in a
     batch with prefill chunks, the single-token sequences (the decodes) go
     through the decode kernel (its split-K over the context, GROUP_PAD rows a
     program) instead of a prefill tile each (prefill_rows rows, one token's
@@ -246,11 +247,12 @@ class TritonPagedAttention(AttentionBackend):
     """
 
     def __init__(self, decode_splits: int | None = None, *, block_n: int = 64, prefill_rows: int = 64,
-                 num_warps: int = 4, mixed_decode: bool = False):
+                 num_warps: int = 4, prefill_stages: int | None = None, mixed_decode: bool = False):
         if decode_splits is not None and (decode_splits <= 0 or decode_splits & (decode_splits - 1)):
             raise ValueError(f"decode_splits must be a power of two, got {decode_splits}")
         self.decode_splits, self.block_n, self.prefill_rows = decode_splits, block_n, prefill_rows
         self.num_warps, self.mixed_decode = num_warps, mixed_decode
+        self.prefill_launch = {} if prefill_stages is None else {"num_stages": prefill_stages}
         self._num_sms: dict[torch.device, int] = {}
         # (batch, block_q, tiles, decode sequences): the last prefill batch's work lists (_prefill_tiles).
         self._tiles: tuple | None = None
@@ -290,7 +292,7 @@ class TritonPagedAttention(AttentionBackend):
             if tiles_2W.shape[1]:
                 _prefill_kernel[(tiles_2W.shape[1], num_kv_heads)](
                     cu_q_lens_ptr=batch.cu_q_lens_B1, tiles_ptr=tiles_2W, num_tiles=tiles_2W.shape[1],
-                    GROUP_PAD=group_pad, BLOCK_Q=block_q, **common)
+                    GROUP_PAD=group_pad, BLOCK_Q=block_q, **common, **self.prefill_launch)
             if decode_seqs_D is not None:
                 self._decode(common, k_TGK, v_TGK, batch.slot_mapping_T, decode_seqs_D.shape[0], num_heads,
                              num_kv_heads, max_context, q_THK.device, (decode_seqs_D, batch.cu_q_lens_B1))

@@ -26,7 +26,7 @@ def test_parse_variants():
         "a": {"mixed_decode": 1}, "b": {"prefill_rows": 128, "num_warps": 8}}
     assert mixed_step.parse_variants("") == {}
     assert set(mixed_step.parse_variants(mixed_step.DEFAULT_VARIANTS)) == {
-        "mixed_decode", "rows128", "rows128_mixed", "block_n128", "rows32"}
+        "mixed_decode", "rows128", "rows128_mixed", "block_n128", "rows32", "stages2", "stages4"}
 
 
 def test_variants_time_the_mixed_step_and_match_the_default():
@@ -43,7 +43,7 @@ def test_variants_time_the_mixed_step_and_match_the_default():
         seqs = [SeqInput(0, [5], 20, [0, 1], True), SeqInput(1, [6, 7, 8, 9, 10], 3, [2], True),
                 SeqInput(2, [11], 9, [3], True), SeqInput(3, list(range(12, 30)), 0, [4, 5], True)]
         results = mixed_step.time_variants(model, kv, seqs, mixed_step.parse_variants(
-            "md=mixed_decode:1;r32=prefill_rows:32,num_warps:2;bad=no_such_knob:1"), "cpu")
+            "md=mixed_decode:1;r32=prefill_rows:32,num_warps:2,prefill_stages:2;bad=no_such_knob:1"), "cpu")
     assert model.attention.__class__.__name__ == "TorchReferenceAttention"  # put back
     for name in ("md", "r32"):
         assert results[name]["wall_ms"] > 0 and results[name]["max_logit_diff"] < 1e-3, results[name]
