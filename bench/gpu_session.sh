@@ -13,6 +13,7 @@
 #     si4    n2's c512 again with the gateway's --stream-interval 4
 #     ep     bench/ep_gpu.py (the N=2 MoE layer: dispatch/combine against gather/reduce-scatter)
 #     moe    bench/moe_large_batch.py --sweep at decode and prefill sizes (the MoE GEMM tiles)
+#     samp   n1's c256 again, every request sampled (temperature 0.8, top_p 0.95, seeded)
 #     fp8    n1's c256 again with --kv-cache-dtype fp8_e4m3 (half the KV bytes per decode step)
 #   N1_ARGS / N2_ARGS add arguments to those runs (e.g. N1_ARGS="--max-batch-tokens 8192").
 #
@@ -54,6 +55,8 @@ for step in $STEPS; do
                 --gateway-arg=--stream-interval --gateway-arg=4 ${N2_ARGS:-} --out "$RESULTS/si4" ;;
         ep) part ep 180 python3 bench/ep_gpu.py --batch-sizes 1,32,128,256 --out "$RESULTS/ep" ;;
         moe) part moe 300 python3 bench/moe_large_batch.py --tokens 128,256,4096 --sweep --out "$RESULTS/moe" ;;
+        samp) part samp 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 --cases c256 --sampling 0.8,0.95 \
+                ${N1_ARGS:-} --out "$RESULTS/samp" ;;
         fp8) part fp8 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 --cases c256 \
                 --expert-arg=--kv-cache-dtype --expert-arg=fp8_e4m3 ${N1_ARGS:-} --out "$RESULTS/fp8" ;;
         *) echo "unknown step $step" >>"$LOG" ;;

@@ -82,6 +82,14 @@ def kv_cache_dtype(expert_args: list[str]) -> str:
     return "auto"
 
 
+def sampling_params(text: str) -> tuple[float, float]:
+    """--sampling "TEMPERATURE,TOP_P" as floats; ValueError for anything else."""
+    temperature, top_p = (float(v) for v in text.split(","))
+    if temperature <= 0 or not 0 < top_p <= 1:
+        raise ValueError(f"--sampling wants a temperature > 0 and top_p in (0, 1], got {text!r}")
+    return temperature, top_p
+
+
 def bound(config, batch: int, num_ranks: int = 1, context: int = 0, kv_element_bytes: int = BYTES_PER_ELEMENT) -> dict:
     """The HBM bound of a decode step of `batch` sequences over num_ranks GPUs
     (each reads the dense weights and its share of the experts); with a
@@ -184,6 +192,10 @@ async def _drive(target: str, args, cases: list[str], max_context: int, metrics:
             load.concurrency = _case_concurrency(case)
             specs = make_workload("1k1k", load.concurrency * args.waves, scale=args.prompt_scale,
                                   output_scale=args.output_scale, seed=seed)
+        if args.sampling:  # every request samples, each from its own seed
+            temperature, top_p = sampling_params(args.sampling)
+            specs = [dataclasses.replace(s, temperature=temperature, top_p=top_p, seed=seed + i)
+                     for i, s in enumerate(specs)]
         assert max(len(s.prompt_ids) + s.max_new_tokens for s in specs) <= max_context
         before = await asyncio.to_thread(scrape_steps, metrics)
         results, duration_s = await run_load(target, specs, load, case)
@@ -394,6 +406,8 @@ def add_ratios(report: dict) -> None:
         targets["batch-1 decode >= 50% of the bound"] = cases["b1"]["tokens_per_s_over_bound"] >= 0.5
     # Not the issue's setting (a bf16 cache) otherwise: said in the target's name.
     kv_note = "" if kv_dtype == "auto" else f" (KV cache {kv_dtype})"
+    if setup.get("sampling"):
+        kv_note += f" (sampled: temperature, top_p {setup['sampling']})"
     if "c256" in cases and ranks == 1:
         targets[f"c256 >= 8,000 output tok/s on one H200{kv_note}"] = cases["c256"]["output_tokens_per_s"] >= 8000
     base = report.get("one_gpu_baseline") or {}
@@ -485,6 +499,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--expert-arg", action="append", default=[], metavar="ARG")
     parser.add_argument("--hf-prompt-tokens", type=int, default=128)
     parser.add_argument("--hf-new-tokens", type=int, default=64)
+    parser.add_argument("--sampling", default="", metavar="TEMPERATURE,TOP_P",
+                        help="every request samples (e.g. 0.8,0.95) instead of decoding greedily")
     parser.add_argument("--baseline-json", type=pathlib.Path, help="a one-GPU result, for the N>1 speed-up")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run (tiny preset)")
@@ -494,7 +510,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS_DIR)
     parser.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile-worker", action="store_true", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.sampling:
+        try:
+            sampling_params(args.sampling)
+        except ValueError as error:
+            parser.error(str(error))
+    return args
 
 
 def _setup() -> dict:

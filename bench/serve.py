@@ -65,12 +65,21 @@ class RequestResult:
     error: str | None = None
 
 
-async def send(stub, spec: RequestSpec, request_id: str, timeout_s: float) -> RequestResult:
-    """Sends one request and times its stream."""
+def generate_request(spec: RequestSpec, request_id: str) -> gateway_pb2.GenerateRequest:
+    """The request for a spec: token ids in, exactly max_new_tokens out (ignore_eos), greedy
+    unless the spec has a temperature (then seeded)."""
     request = gateway_pb2.GenerateRequest(
         request_id=request_id, input_ids=gateway_pb2.TokenIds(ids=spec.prompt_ids),
-        sampling=gateway_pb2.SamplingParams(max_new_tokens=spec.max_new_tokens, temperature=0.0,
-                                            ignore_eos=True))
+        sampling=gateway_pb2.SamplingParams(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
+                                            top_p=spec.top_p, ignore_eos=True))
+    if spec.temperature:
+        request.sampling.seed = spec.seed
+    return request
+
+
+async def send(stub, spec: RequestSpec, request_id: str, timeout_s: float) -> RequestResult:
+    """Sends one request and times its stream."""
+    request = generate_request(spec, request_id)
     result = RequestResult(spec.kind, time.perf_counter())
     last = result.start_s
     try:

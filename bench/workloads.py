@@ -28,6 +28,10 @@ class RequestSpec:
     kind: str
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
+    # Greedy by default; a temperature samples (top_p 1: no nucleus cut), from the seed.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

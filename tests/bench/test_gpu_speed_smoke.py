@@ -1,10 +1,12 @@
 """bench/gpu_speed.py's pieces that run on the CPU: the transformers baseline gets
 the mesh's weights, the bounds and the step attribution add up."""
 
+import pytest
 import torch
 import transformers
 
-from bench.gpu_speed import add_ratios, bound, kv_cache_dtype, load_hub_weights, step_attribution
+from bench.gpu_speed import (add_ratios, bound, kv_cache_dtype, load_hub_weights, sampling_params,
+                              step_attribution)
 from services.kv_pool import KVPool
 from services.model.batch import SeqInput, build_forward_batch
 from services.model.qwen3_moe import Qwen3MoeModel
@@ -57,6 +59,18 @@ def test_an_fp8_kv_cache_halves_the_kv_bytes_and_is_named_in_the_targets():
     assert fp8_row["bound"]["tokens_per_s_with_kv"] > bf16_row["bound"]["tokens_per_s_with_kv"]
     assert bf16["targets"] == {"c256 >= 8,000 output tok/s on one H200": True}
     assert fp8["targets"] == {"c256 >= 8,000 output tok/s on one H200 (KV cache fp8_e4m3)": True}
+
+
+def test_a_sampled_run_is_named_in_the_targets():
+    assert sampling_params("0.8,0.95") == (0.8, 0.95)
+    for bad in ("0,0.9", "0.8,1.5", "0.8"):
+        with pytest.raises(ValueError):
+            sampling_params(bad)
+    report = {"config": {"preset": "qwen3-30b-a3b", "ranks": 1, "prompt_scale": 1.0, "output_scale": 1.0,
+                         "expert_arg": [], "sampling": "0.8,0.95"},
+              "mesh": {"cases": {"c256": {"concurrency": 256, "output_tokens_per_s": 7000.0, "itl_ms_p50": 30.0}}}}
+    add_ratios(report)
+    assert report["targets"] == {"c256 >= 8,000 output tok/s on one H200 (sampled: temperature, top_p 0.8,0.95)": False}
 
 
 def test_step_attribution_is_the_difference_of_two_scrapes():

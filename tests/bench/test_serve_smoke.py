@@ -40,3 +40,25 @@ def test_open_loop_against_a_running_gateway(mesh, tmp_path):
     report = read_report(tmp_path)
     assert report["client"]["num_ok"] == 5 and report["client"]["itl_ms_p50"] > 0
     assert report["gateway"] is None
+
+
+def test_sampled_specs_reach_the_gateway_seeded(mesh):
+    """gpu_speed --sampling: a spec with a temperature asks for a seeded draw (the same seed, the same
+    tokens); a greedy spec sets no seed."""
+    import dataclasses
+
+    import grpc
+
+    from moe.gateway.v1 import gateway_pb2_grpc
+
+    greedy = make_workload("1k1k", 1, scale=0.01, output_scale=0.008)[0]
+    assert not serve.generate_request(greedy, "g").sampling.HasField("seed")
+    sampled = dataclasses.replace(greedy, temperature=0.9, top_p=0.95, seed=11)
+    request = serve.generate_request(sampled, "s")
+    assert (request.sampling.seed, round(request.sampling.temperature, 3), round(request.sampling.top_p, 3)) == \
+        (11, 0.9, 0.95) and request.sampling.ignore_eos
+    with grpc.insecure_channel(mesh.gateway_address) as channel:
+        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
+        runs = [[t for r in stub.Generate(serve.generate_request(sampled, f"s{i}"), timeout=60) for t in r.token_ids]
+                for i in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == sampled.max_new_tokens == 8
