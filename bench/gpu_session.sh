@@ -18,11 +18,15 @@
 #   N1_ARGS / N2_ARGS add arguments to those runs (e.g. N1_ARGS="--max-batch-tokens 8192").
 #
 # Everything lands in $OUT/session.tgz (the device tool returns at most 8 files) plus
-# $OUT/session.log; each part runs under its own time limit so one hang loses one part.
+# $OUT/session.log, both rewritten after each part; each part runs under its own time
+# limit so one hang loses one part. The default parts should take 6-9 of a call's 10
+# minutes (an estimate: mixed_step has not run on a GPU yet); run the optional ones in a
+# second call.
 set -u
 STEPS=${STEPS:-"test acc mixed n1 n2"}
 OUT=${OUT:-/tmp/gpu_session_out}
 RESULTS=/tmp/gpu_session
+rm -rf "$RESULTS"  # a warm machine keeps /tmp: only this call's results go back
 mkdir -p "$OUT" "$RESULTS"
 LOG="$OUT/session.log"
 source "${GPU_ENV:-bench/gpu_env.sh}" || exit 1
@@ -38,6 +42,8 @@ part() {  # part NAME LIMIT_S COMMAND...: runs one part, logging its time and ex
     timeout --signal=INT --kill-after=15 "$limit" "$@" >>"$LOG" 2>&1
     rc=$?
     echo "=== $name: exit $rc after $(( $(date +%s) - start )) s" >>"$LOG"
+    # After every part: a call cut off at its limit still brings back the parts done.
+    tar czf "$OUT/session.tgz" -C "$RESULTS" . 2>>"$LOG"
     return $rc
 }
 
@@ -62,5 +68,4 @@ for step in $STEPS; do
         *) echo "unknown step $step" >>"$LOG" ;;
     esac
 done
-tar czf "$OUT/session.tgz" -C "$RESULTS" . 2>>"$LOG"
 tail -n 60 "$LOG"
