@@ -58,6 +58,14 @@ def row_width(hidden: int, top_k: int, dtype: torch.dtype) -> int:
 
 
 @triton.jit
+def _copy_row(x_ptr, rows_ptr, j, hidden, row_stride, BLOCK_D: tl.constexpr):
+    """x's row j into the hidden part of send row j."""
+    for d0 in range(0, hidden, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        tl.store(rows_ptr + j * row_stride + d, tl.load(x_ptr + j * hidden + d, mask=d < hidden), mask=d < hidden)
+
+
+@triton.jit
 def _pack_kernel(x_ptr, ids_ptr, weights_ptr, rows_ptr, meta_ptr, num_tokens, hidden, row_stride, meta_stride,
                  TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
@@ -69,25 +77,28 @@ def _pack_kernel(x_ptr, ids_ptr, weights_ptr, rows_ptr, meta_ptr, num_tokens, hi
     tl.store(meta_ptr + j * meta_stride + k, ids + 1, mask=k_mask)  # 0: no expert (padding rows)
     tl.store(meta_ptr + j * meta_stride + TOP_K + k, weights.to(tl.int32, bitcast=True), mask=k_mask)
     if is_token:
-        for d0 in range(0, hidden, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)
-            tl.store(rows_ptr + j * row_stride + d, tl.load(x_ptr + j * hidden + d, mask=d < hidden), mask=d < hidden)
+        _copy_row(x_ptr, rows_ptr, j, hidden, row_stride, BLOCK_D)
+
+
+def _send_buffer(x_TD: Tensor, top_k: int, rows_per_rank: int) -> tuple[Tensor, Tensor, int]:
+    """The unfilled send_BW for x_TD's tokens, its meta columns, and BLOCK_D of the row copy."""
+    num_tokens, hidden = x_TD.shape
+    if rows_per_rank < num_tokens:
+        raise ValueError(f"{num_tokens} tokens do not fit {rows_per_rank} rows per rank")
+    send_BW = x_TD.new_empty(rows_per_rank, row_width(hidden, top_k, x_TD.dtype))
+    return send_BW, _meta(send_BW, hidden), min(triton.next_power_of_2(max(hidden, 1)), 1024)
 
 
 def pack(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, rows_per_rank: int) -> Tensor:
     """send_BW: token t's [x row | ids + 1 | fp32 weights] in row t < T, rows past T with id 0
     (their hidden part unset: no expert reads it)."""
     (num_tokens, hidden), top_k = x_TD.shape, ids_TK.shape[1]
-    if rows_per_rank < num_tokens:
-        raise ValueError(f"{num_tokens} tokens do not fit {rows_per_rank} rows per rank")
     assert x_TD.is_contiguous() and ids_TK.is_contiguous() and weights_TK.is_contiguous()
-    send_BW = x_TD.new_empty(rows_per_rank, row_width(hidden, top_k, x_TD.dtype))
-    meta_BM = _meta(send_BW, hidden)
+    send_BW, meta_BM, block_d = _send_buffer(x_TD, top_k, rows_per_rank)
     if rows_per_rank:
         _pack_kernel[(rows_per_rank,)](x_TD, ids_TK, weights_TK, send_BW, meta_BM, num_tokens, hidden,
                                        send_BW.stride(0), meta_BM.stride(0), TOP_K=top_k,
-                                       BLOCK_K=triton.next_power_of_2(top_k),
-                                       BLOCK_D=min(triton.next_power_of_2(max(hidden, 1)), 1024))
+                                       BLOCK_K=triton.next_power_of_2(top_k), BLOCK_D=block_d)
     return send_BW
 
 
@@ -106,9 +117,7 @@ def _route_pack_kernel(logits_ptr, x_ptr, rows_ptr, meta_ptr, hits_ptr, num_toke
         tl.store(meta_ptr + j * meta_stride + rank, (e + 1).to(tl.int32), mask=chosen)
         tl.store(meta_ptr + j * meta_stride + TOP_K + rank, w.to(tl.int32, bitcast=True), mask=chosen)
         tl.atomic_add(hits_ptr + e, chosen.to(hits_ptr.dtype.element_ty), mask=chosen)
-        for d0 in range(0, hidden, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)
-            tl.store(rows_ptr + j * row_stride + d, tl.load(x_ptr + j * hidden + d, mask=d < hidden), mask=d < hidden)
+        _copy_row(x_ptr, rows_ptr, j, hidden, row_stride, BLOCK_D)
     else:  # padding: no expert
         tl.store(meta_ptr + j * meta_stride + k, tl.zeros([BLOCK_K], tl.int32), mask=k < 2 * TOP_K)
 
@@ -118,16 +127,13 @@ def route_pack(logits_TE: Tensor, x_TD: Tensor, top_k: int, norm_topk_prob: bool
     """pack(x_TD, *triton_fused.route(logits_TE, ...)[:2], rows_per_rank) in one kernel: the same
     send_BW, and each token's experts added to hit_counts_E."""
     (num_tokens, hidden), num_experts = x_TD.shape, logits_TE.shape[1]
-    if rows_per_rank < num_tokens:
-        raise ValueError(f"{num_tokens} tokens do not fit {rows_per_rank} rows per rank")
     assert x_TD.is_contiguous() and logits_TE.is_contiguous() and hit_counts_E.is_contiguous() and top_k < 128
-    send_BW = x_TD.new_empty(rows_per_rank, row_width(hidden, top_k, x_TD.dtype))
-    meta_BM = _meta(send_BW, hidden)
+    send_BW, meta_BM, block_d = _send_buffer(x_TD, top_k, rows_per_rank)
     if rows_per_rank:
         _route_pack_kernel[(rows_per_rank,)](
             logits_TE, x_TD, send_BW, meta_BM, hit_counts_E, num_tokens, num_experts, hidden, send_BW.stride(0),
             meta_BM.stride(0), NORM=norm_topk_prob, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(2 * top_k),
-            BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_D=min(triton.next_power_of_2(max(hidden, 1)), 1024))
+            BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_D=block_d)
     return send_BW
 
 

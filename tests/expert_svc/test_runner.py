@@ -108,7 +108,8 @@ def drive(runner: StepRunner, reqs: list[Req], num_new: int = NUM_NEW_TOKENS) ->
     return [r.generated for r in reqs]
 
 
-def test_greedy_tokens_equal_transformers(runner, hf_small):
+def _mixed_requests() -> tuple[list[list[int]], list[Req]]:
+    """Five prompts and their requests: chunked prefill, a late joiner, a shared prefix."""
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, SMALL.vocab_size, (n,), generator=g).tolist() for n in (11, 5, 23, 9)]
     # The last request shares the first 8 tokens (2 full blocks) of the first one.
@@ -120,6 +121,11 @@ def test_greedy_tokens_equal_transformers(runner, hf_small):
         Req(prompts[3], join_step=3),  # joins while the others decode
         Req(prompts[4], join_step=2, share_prefix_of=0, num_cached=8),
     ]
+    return prompts, reqs
+
+
+def test_greedy_tokens_equal_transformers(runner, hf_small):
+    prompts, reqs = _mixed_requests()
     outputs = drive(runner, reqs)
     for prompt, output in zip(prompts, outputs):
         assert output == hf_greedy(hf_small, prompt, NUM_NEW_TOKENS)
@@ -237,11 +243,7 @@ def test_an_fp8_kv_cache_serves_the_same_protocol_and_nearly_the_same_tokens(mod
     tokens may part from transformers' only where rounding flips a choice."""
     kv = KVPool.for_model(SMALL, NUM_BLOCKS, BLOCK_SIZE, torch.float8_e4m3fn, "cpu")
     runner = StepRunner(model, kv, BLOCK_SIZE, vocab_size=SMALL.vocab_size, group_id=GROUP, placement_epoch=EPOCH)
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, SMALL.vocab_size, (n,), generator=g).tolist() for n in (11, 5, 23, 9)]
-    prompts.append(prompts[0][:8] + torch.randint(0, SMALL.vocab_size, (6,), generator=g).tolist())
-    reqs = [Req(prompts[0]), Req(prompts[1]), Req(prompts[2], chunk=16), Req(prompts[3], join_step=3),
-            Req(prompts[4], join_step=2, share_prefix_of=0, num_cached=8)]
+    prompts, reqs = _mixed_requests()
     outputs = drive(runner, reqs)
     expected = [hf_greedy(hf_small, prompt, NUM_NEW_TOKENS) for prompt in prompts]
     assert all(len(output) == NUM_NEW_TOKENS for output in outputs)

@@ -119,20 +119,27 @@ def test_prefill_launches_one_program_per_query_tile_and_head(triton_attention):
     assert tiles.tolist() == [[0, 0, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3], [0, 1, 0, 0, 1, 2, 3, 0, 1, 2, 3, 4]]
     assert decodes is None
     assert backend._prefill_tiles(batch, 4, torch.device("cpu"))[0] is tiles  # once per step, not per layer
-    launched = []
-    kernel = triton_attention._prefill_kernel
+    launched = _launch_grids(triton_attention, ["_prefill_kernel"], lambda: _compare(backend, batch, 8, 2, 32))
+    assert launched == {"_prefill_kernel": [(12, 2)]}  # 12 tiles x 2 KV heads (was 4 x 2 x 5)
+
+
+def _launch_grids(module, names, run) -> dict[str, list[tuple]]:
+    """The grid of each launch of the named kernels of `module` while run() runs."""
+    launched = {name: [] for name in names}
 
     class Recording:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return kernel[grid]
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
 
-    triton_attention._prefill_kernel = Recording()
-    try:
-        _compare(backend, batch, 8, 2, 32)
-    finally:
-        triton_attention._prefill_kernel = kernel
-    assert launched == [(12, 2)]  # 12 tiles x 2 KV heads (was 4 x 2 x 5)
+        def __getitem__(self, grid):
+            launched[self.name].append(grid)
+            return self.kernel[grid]
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in names:
+            patch.setattr(module, name, Recording(name, getattr(module, name)))
+        run()
+    return launched
 
 
 def _mixed_batch():
@@ -163,27 +170,10 @@ def test_mixed_decode_launches(triton_attention):
     """With mixed_decode the prefill grid lists the chunks' tiles only, the decode grid the four decodes."""
     batch = _mixed_batch()
     backend = triton_attention.TritonPagedAttention(4, block_n=16, prefill_rows=16, mixed_decode=True)
-    launched = {}
-    kernels = {name: getattr(triton_attention, name) for name in ("_prefill_kernel", "_decode_kernel",
-                                                                   "_decode_reduce_kernel")}
-
-    class Recording:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            launched[self.name] = grid
-            return kernels[self.name][grid]
-
-    for name in kernels:
-        setattr(triton_attention, name, Recording(name))
-    try:
-        _compare(backend, batch, 8, 2, 32)
-    finally:
-        for name, kernel in kernels.items():
-            setattr(triton_attention, name, kernel)
+    launched = _launch_grids(triton_attention, ["_prefill_kernel", "_decode_kernel", "_decode_reduce_kernel"],
+                             lambda: _compare(backend, batch, 8, 2, 32))
     # group 4: 4 tokens a tile; chunks of 7, 13 and 20 tokens: 2 + 4 + 5 tiles.
-    assert launched == {"_prefill_kernel": (11, 2), "_decode_kernel": (4, 2, 4), "_decode_reduce_kernel": (4, 8)}
+    assert launched == {"_prefill_kernel": [(11, 2)], "_decode_kernel": [(4, 2, 4)], "_decode_reduce_kernel": [(4, 8)]}
 
 
 def test_padded_decode_rows_write_nothing_and_return_zeros(triton_attention):
