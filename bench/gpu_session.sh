@@ -15,7 +15,8 @@
 #     moe    bench/moe_large_batch.py --sweep at decode and prefill sizes (the MoE GEMM tiles)
 #     samp   n1's c256 again, every request sampled (temperature 0.8, top_p 0.95, seeded)
 #     fp8    n1's c256 again with --kv-cache-dtype fp8_e4m3 (half the KV bytes per decode step)
-#   N1_ARGS / N2_ARGS add arguments to those runs (e.g. N1_ARGS="--max-batch-tokens 8192").
+#   N1_ARGS / N2_ARGS add arguments to those runs (e.g. N1_ARGS="--max-batch-tokens 8192");
+#   MOE_TOKENS picks the moe sweep's step sizes (default 128,256,4096).
 #
 # Everything lands in $OUT/session.tgz (the device tool returns at most 8 files) plus
 # $OUT/session.log, both rewritten after each part; each part runs under its own time
@@ -60,7 +61,7 @@ for step in $STEPS; do
         si4) part si4 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 2 --cases c512 \
                 --gateway-arg=--stream-interval --gateway-arg=4 ${N2_ARGS:-} --out "$RESULTS/si4" ;;
         ep) part ep 180 python3 bench/ep_gpu.py --batch-sizes 1,32,128,256 --out "$RESULTS/ep" ;;
-        moe) part moe 300 python3 bench/moe_large_batch.py --tokens 128,256,4096 --sweep --out "$RESULTS/moe" ;;
+        moe) part moe 300 python3 bench/moe_large_batch.py --tokens "${MOE_TOKENS:-128,256,4096}" --sweep --out "$RESULTS/moe" ;;
         samp) part samp 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 --cases c256 --sampling 0.8,0.95 \
                 ${N1_ARGS:-} --out "$RESULTS/samp" ;;
         fp8) part fp8 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 --cases c256 \

@@ -50,7 +50,7 @@ HF_BASELINE_BATCHES = (1, 64)
 PROFILE_BATCHES = (1, 256)
 PROFILE_CONTEXT = 1024
 # The prefill step profiled: this many prompts of PROFILE_CHUNK new tokens each (the
-# gateway's default chunk; 8 x 512 = its default --max-batch-tokens here, 4096).
+# gateway's default chunk; 8 x 512 = 4096 tokens).
 PROFILE_PREFILL_SEQS, PROFILE_CHUNK = 8, 512
 
 
@@ -494,7 +494,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--waves", type=int, default=1, help="cN sends N x waves requests")
     parser.add_argument("--mix-requests", type=int, default=64)
     parser.add_argument("--mix-concurrency", type=int, default=32)
-    parser.add_argument("--max-batch-tokens", type=int, default=4096, help="the gateway's --max-batch-tokens")
+    parser.add_argument("--max-batch-tokens", type=int, default=8192, help="the gateway's --max-batch-tokens")
     parser.add_argument("--gateway-arg", action="append", default=[], metavar="ARG")
     parser.add_argument("--expert-arg", action="append", default=[], metavar="ARG")
     parser.add_argument("--hf-prompt-tokens", type=int, default=128)

@@ -36,7 +36,7 @@ def test_scheduler_knobs_come_from_flags_and_env():
     ("max_waiting_requests", -1, "max_waiting_requests must be positive, got -1"),
     ("policy", "sjf", "policy must be one of fcfs, lpm, got 'sjf'"),
     ("stats_interval_s", -1.0, "stats_interval_s must be >= 0, got -1.0"),
-    ("max_running_requests", 5000, "max_running_requests (5000) must not exceed max_batch_tokens (4096)"),
+    ("max_running_requests", 9000, "max_running_requests (9000) must not exceed max_batch_tokens (8192)"),
 ])
 def test_bad_values_are_refused_naming_the_value(field, value, needle):
     with pytest.raises(ValueError) as err:
