@@ -297,6 +297,7 @@ def time_moe_layer(rank: int, settings: Settings, device) -> list[dict]:
     triton_ep's gather / reduce-scatter; each output's largest difference from the one-rank
     layer holding every expert (triton_moe.grouped_moe on the same tokens)."""
     from services.model import triton_ep
+    from services.model.symm_exchange import SymmetricExchange
 
     hidden, comm = LARGE.hidden_size, ExpertComm(dist.group.WORLD)
     g = torch.Generator(device=device).manual_seed(settings.seed + 2)  # the same weights on both ranks
@@ -312,22 +313,45 @@ def time_moe_layer(rank: int, settings: Settings, device) -> list[dict]:
                      comm=comm, hit_counts_E=hits_E)
     one_rank = MoELayer(w_gate_ED, w_gate_up_EGD, w_down_EDF, top_k=LAYER_TOP_K, norm_topk_prob=True,
                         comm=ExpertComm.local(), hit_counts_E=hits_E.clone())
+    capacities = {b: step_capacity(b, LAYER_TOP_K, len(mine), max_fixed_tokens=1 << 30) for b in settings.batch_sizes}
+    modes = [("dispatch + combine (moe.py)", False, None), ("gather + reduce-scatter (triton_ep)", True, None)]
     rows, (mark, elapsed) = [], _timer(device)
+    try:  # last: a machine without symmetric memory still gets the other rows
+        modes.append((SYMMETRIC_MODE, True, SymmetricExchange(
+            dist.group.WORLD, max(c // min(LAYER_TOP_K, len(mine)) for c in capacities.values()),
+            triton_ep.row_width(hidden, LAYER_TOP_K, settings.torch_dtype), hidden, settings.torch_dtype, device,
+            timeout_ms=20_000)))  # a rank that fails traps the other after 20 s, not forever
+    except Exception as error:  # noqa: BLE001 (reported in the table)
+        rows.append({"mode": SYMMETRIC_MODE, "rank": rank, "error": repr(error)[:500]})
     for batch_size in settings.batch_sizes:
         x_TD = torch.randn(batch_size, hidden, generator=torch.Generator(device=device).manual_seed(rank),
                            device=device, dtype=settings.torch_dtype)
-        capacity = step_capacity(batch_size, LAYER_TOP_K, len(mine), max_fixed_tokens=1 << 30)
+        capacity = capacities[batch_size]
         expected_TD = one_rank(x_TD)
-        for name, gathered in (("dispatch + combine (moe.py)", False), ("gather + reduce-scatter (triton_ep)", True)):
-            triton_ep.ENABLED = gathered
-            run = _graphed(lambda: (layer(x_TD, capacity), None), mark)
-            _, total_ms, out_TD = _time(run, settings, device, mark, elapsed)
-            rows.append({"batch_per_rank": batch_size, "mode": name, "rank": rank,
-                         "total_us": 1e3 * statistics.median(total_ms),
-                         "max_abs_diff": (out_TD.float() - expected_TD.float()).abs().max().item(),
-                         "max_abs_out": expected_TD.float().abs().max().item()})
-    triton_ep.ENABLED = True
+        outputs = {}
+        for name, gathered, exchange in modes:
+            triton_ep.ENABLED, comm.exchange = gathered, exchange
+            try:
+                run = _graphed(lambda: (layer(x_TD, capacity), None), mark)
+                _, total_ms, out_TD = _time(run, settings, device, mark, elapsed)
+            except RuntimeError as error:
+                if exchange is None:
+                    raise
+                rows.append({"mode": name, "rank": rank, "batch_per_rank": batch_size, "error": repr(error)[:500]})
+                continue
+            outputs[name] = out_TD.clone()
+            row = {"batch_per_rank": batch_size, "mode": name, "rank": rank,
+                   "total_us": 1e3 * statistics.median(total_ms),
+                   "max_abs_diff": (out_TD.float() - expected_TD.float()).abs().max().item(),
+                   "max_abs_out": expected_TD.float().abs().max().item()}
+            if exchange is not None:  # the same sums as NCCL's, rounded the same: the same bits
+                row["equal_to_nccl"] = torch.equal(out_TD, outputs[modes[1][0]])
+            rows.append(row)
+    triton_ep.ENABLED, comm.exchange = True, None
     return rows
+
+
+SYMMETRIC_MODE = "gather + reduce-scatter over symmetric memory (triton_ep + symm_exchange)"
 
 
 def _time(run, settings: Settings, device, mark, elapsed) -> tuple[list[float], list[float], torch.Tensor]:
@@ -469,6 +493,10 @@ def _report(settings: Settings, correctness: dict, rows: list[dict], seconds: fl
         for row in layer_rows:
             relative = max_diffs[row["batch_per_rank"], row["mode"]] / max(row["max_abs_out"], 1e-30)
             lines.append(f"| {row['batch_per_rank']} | {row['mode']} | {row['total_us']:.1f} | {relative:.3g} |")
+        equal = [r["equal_to_nccl"] for r in rows if "equal_to_nccl" in r]
+        if equal:
+            lines += ["", f"Symmetric memory against NCCL (gather + reduce-scatter), every batch size and rank: "
+                      f"{'bit-identical' if all(equal) else 'DIFFERENT'} outputs ({sum(equal)} of {len(equal)} equal)."]
     lines += [f"\n{row['mode']} failed on rank {row['rank']}: {row['error']}" for row in errors]
     lines += ["", f"Wall time: {seconds:.1f} s", ""]
     text = "\n".join(lines)

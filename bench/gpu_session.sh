@@ -11,6 +11,7 @@
 #     n1     bench/gpu_speed.py, one rank: b1 and c256
 #     n2     bench/gpu_speed.py, two ranks: c256 and c512 against n1's c256
 #     si4    n2's c512 again with the gateway's --stream-interval 4
+#     symm   n2 again with the experts' --ep-exchange symmetric (services/model/symm_exchange.py)
 #     ep     bench/ep_gpu.py (the N=2 MoE layer: dispatch/combine against gather/reduce-scatter)
 #     moe    bench/moe_large_batch.py --sweep at decode and prefill sizes (the MoE GEMM tiles)
 #     samp   n1's c256 again, every request sampled (temperature 0.8, top_p 0.95, seeded)
@@ -60,6 +61,9 @@ for step in $STEPS; do
                 --baseline-json "$RESULTS/n1/gpu_speed_$KIND.json" ${N2_ARGS:-} --out "$RESULTS/n2" ;;
         si4) part si4 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 2 --cases c512 \
                 --gateway-arg=--stream-interval --gateway-arg=4 ${N2_ARGS:-} --out "$RESULTS/si4" ;;
+        symm) part symm 240 python3 -m bench.gpu_speed --kind "$KIND" --ranks 2 --cases c256,c512 \
+                --expert-arg=--ep-exchange --expert-arg=symmetric \
+                --baseline-json "$RESULTS/n1/gpu_speed_$KIND.json" ${N2_ARGS:-} --out "$RESULTS/symm" ;;
         ep) part ep 180 python3 bench/ep_gpu.py --batch-sizes 1,32,128,256 --out "$RESULTS/ep" ;;
         moe) part moe 300 python3 bench/moe_large_batch.py --tokens "${MOE_TOKENS:-128,256,4096}" --sweep --out "$RESULTS/moe" ;;
         samp) part samp 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 --cases c256 --sampling 0.8,0.95 \

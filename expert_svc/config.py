@@ -14,6 +14,7 @@ _DTYPES = ("float32", "bfloat16")
 # services.model.attention.ATTENTION_BACKEND_NAMES (not imported: it pulls in torch).
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+_EP_EXCHANGES = ("nccl", "symmetric")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,6 +80,13 @@ class ExpertConfig(MemberConfig):
     # Time the MoE all-to-alls on CUDA too (a synchronize around each call:
     # slower; for debugging). On the CPU they are always timed.
     debug_collective_timing: bool = False
+    # How the ranks of an expert-parallel group on CUDA exchange the MoE rows of
+    # steps of up to max(max_fixed_capacity_tokens, cuda_graph_max_batch) tokens
+    # per rank (decode): "nccl" (an all_gather and a reduce_scatter a layer) or
+    # "symmetric" (buffers in torch's symmetric memory, read by the peers over
+    # NVLink after a barrier kernel: services/model/symm_exchange.py). Bigger
+    # steps always take NCCL. Must be the same on every rank of a group.
+    ep_exchange: str = "nccl"
     # Spare expert slots per MoE layer that can hold replicas of hot experts
     # (placed by the router's scaling policy); 0 disables replicas. Must be
     # the same on every rank of a group.
@@ -114,6 +122,10 @@ class ExpertConfig(MemberConfig):
             raise ValueError(f"attention_backend 'triton' needs a CUDA device, got device {self.device!r}")
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.ep_exchange not in _EP_EXCHANGES:
+            raise ValueError(f"ep_exchange must be one of {_EP_EXCHANGES}, got {self.ep_exchange!r}")
+        if self.ep_exchange == "symmetric" and not self.is_cuda:
+            raise ValueError(f"ep_exchange 'symmetric' needs a CUDA device, got device {self.device!r}")
         for name in ("kv_block_size", "kv_memory_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

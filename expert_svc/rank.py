@@ -336,6 +336,8 @@ class ExpertRank:
                               max_fixed_capacity_tokens=cfg.max_fixed_capacity_tokens,
                               num_spare_expert_slots=cfg.num_spare_expert_slots)
         del weights
+        if cfg.ep_exchange == "symmetric" and comm.world_size > 1:
+            comm.exchange = self._symmetric_exchange(comm)
         cache_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self._dtype)
         num_blocks = cfg.kv_blocks or KVPool.blocks_for_memory(
             mc, cfg.kv_block_size, self._kv_memory_bytes(), cache_dtype)
@@ -343,6 +345,17 @@ class ExpertRank:
             raise ValueError(f"the KV memory ({self._kv_memory_bytes()} bytes) holds no block; "
                              f"raise kv_memory_bytes/kv_memory_fraction or set kv_blocks")
         return model, KVPool.for_model(mc, num_blocks, cfg.kv_block_size, cache_dtype, cfg.device)
+
+    def _symmetric_exchange(self, comm):
+        """triton_ep's buffers in symmetric memory for the steps of up to the decode steps'
+        tokens per rank (a collective: every rank of the group makes one)."""
+        from services.model.symm_exchange import SymmetricExchange  # triton: CUDA only
+        from services.model.triton_ep import row_width
+
+        cfg, mc = self.config, self.model_config
+        return SymmetricExchange(comm.group, max(cfg.max_fixed_capacity_tokens, cfg.cuda_graph_max_batch),
+                                 row_width(mc.hidden_size, mc.num_experts_per_tok, self._dtype), mc.hidden_size,
+                                 self._dtype, cfg.device, timeout_ms=int(cfg.collective_timeout_s * 1000))
 
     def _kv_memory_bytes(self) -> int:
         if not self.config.is_cuda:

@@ -91,6 +91,9 @@ class ExpertComm:
         self.group = group
         self.rank = 0 if group is None else dist.get_rank(group)
         self.world_size = 1 if group is None else dist.get_world_size(group)
+        # triton_ep's buffers in symmetric memory (services/model/symm_exchange.py), if set:
+        # all_gather / reduce_scatter of its buffers go through it instead of NCCL.
+        self.exchange = None
 
     @classmethod
     def local(cls) -> "ExpertComm":
@@ -111,13 +114,18 @@ class ExpertComm:
         """Every rank's inp, stacked along dim 0 in rank order, into out."""
         if self.group is None:
             out.copy_(inp)
+        elif self.exchange is not None and self.exchange.owns(inp):
+            self.exchange.all_gather(out, inp)
         else:
             dist.all_gather_into_tensor(out, inp, group=self.group)
 
     def reduce_scatter(self, out: Tensor, inp: Tensor) -> None:
-        """out = the sum over the ranks of their inp's rank-th block of rows (dim 0)."""
+        """out = the sum over the ranks of their inp's rank-th block of rows (dim 0); from
+        the exchange's buffer out may have a narrower dtype (the fp32 sum, rounded once)."""
         if self.group is None:
             out.copy_(inp)
+        elif self.exchange is not None and self.exchange.owns(inp):
+            self.exchange.reduce_scatter(out, inp)
         else:
             dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=self.group)
 

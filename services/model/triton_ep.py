@@ -80,21 +80,25 @@ def _pack_kernel(x_ptr, ids_ptr, weights_ptr, rows_ptr, meta_ptr, num_tokens, hi
         _copy_row(x_ptr, rows_ptr, j, hidden, row_stride, BLOCK_D)
 
 
-def _send_buffer(x_TD: Tensor, top_k: int, rows_per_rank: int) -> tuple[Tensor, Tensor, int]:
-    """The unfilled send_BW for x_TD's tokens, its meta columns, and BLOCK_D of the row copy."""
+def _send_buffer(x_TD: Tensor, top_k: int, rows_per_rank: int,
+                 out: Tensor | None = None) -> tuple[Tensor, Tensor, int]:
+    """The unfilled send_BW for x_TD's tokens (out, if given), its meta columns, and BLOCK_D
+    of the row copy."""
     num_tokens, hidden = x_TD.shape
     if rows_per_rank < num_tokens:
         raise ValueError(f"{num_tokens} tokens do not fit {rows_per_rank} rows per rank")
-    send_BW = x_TD.new_empty(rows_per_rank, row_width(hidden, top_k, x_TD.dtype))
+    shape = (rows_per_rank, row_width(hidden, top_k, x_TD.dtype))
+    send_BW = x_TD.new_empty(shape) if out is None else out
+    assert send_BW.shape == shape and send_BW.dtype == x_TD.dtype and send_BW.is_contiguous()
     return send_BW, _meta(send_BW, hidden), min(triton.next_power_of_2(max(hidden, 1)), 1024)
 
 
-def pack(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, rows_per_rank: int) -> Tensor:
-    """send_BW: token t's [x row | ids + 1 | fp32 weights] in row t < T, rows past T with id 0
-    (their hidden part unset: no expert reads it)."""
+def pack(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, rows_per_rank: int, out: Tensor | None = None) -> Tensor:
+    """send_BW (written into out, if given): token t's [x row | ids + 1 | fp32 weights] in row
+    t < T, rows past T with id 0 (their hidden part unset: no expert reads it)."""
     (num_tokens, hidden), top_k = x_TD.shape, ids_TK.shape[1]
     assert x_TD.is_contiguous() and ids_TK.is_contiguous() and weights_TK.is_contiguous()
-    send_BW, meta_BM, block_d = _send_buffer(x_TD, top_k, rows_per_rank)
+    send_BW, meta_BM, block_d = _send_buffer(x_TD, top_k, rows_per_rank, out)
     if rows_per_rank:
         _pack_kernel[(rows_per_rank,)](x_TD, ids_TK, weights_TK, send_BW, meta_BM, num_tokens, hidden,
                                        send_BW.stride(0), meta_BM.stride(0), TOP_K=top_k,
@@ -123,12 +127,12 @@ def _route_pack_kernel(logits_ptr, x_ptr, rows_ptr, meta_ptr, hits_ptr, num_toke
 
 
 def route_pack(logits_TE: Tensor, x_TD: Tensor, top_k: int, norm_topk_prob: bool, hit_counts_E: Tensor,
-               rows_per_rank: int) -> Tensor:
-    """pack(x_TD, *triton_fused.route(logits_TE, ...)[:2], rows_per_rank) in one kernel: the same
-    send_BW, and each token's experts added to hit_counts_E."""
+               rows_per_rank: int, out: Tensor | None = None) -> Tensor:
+    """pack(x_TD, *triton_fused.route(logits_TE, ...)[:2], rows_per_rank, out) in one kernel: the
+    same send_BW, and each token's experts added to hit_counts_E."""
     (num_tokens, hidden), num_experts = x_TD.shape, logits_TE.shape[1]
     assert x_TD.is_contiguous() and logits_TE.is_contiguous() and hit_counts_E.is_contiguous() and top_k < 128
-    send_BW, meta_BM, block_d = _send_buffer(x_TD, top_k, rows_per_rank)
+    send_BW, meta_BM, block_d = _send_buffer(x_TD, top_k, rows_per_rank, out)
     if rows_per_rank:
         _route_pack_kernel[(rows_per_rank,)](
             logits_TE, x_TD, send_BW, meta_BM, hit_counts_E, num_tokens, num_experts, hidden, send_BW.stride(0),
@@ -159,12 +163,15 @@ def _partials_kernel(y_ptr, meta_ptr, out_ptr, hidden, meta_stride, id_offset, n
     tl.store(out_ptr + j * hidden + d, total, mask=d_mask)
 
 
-def partials(y_RD: Tensor, meta_JM: Tensor, id_offset: int, num_local: int) -> Tensor:
-    """fp32 partial_JD: each gathered row's weighted outputs of its local experts (y_RD's
-    row j * K + k), each product rounded to y's dtype, summed in increasing k."""
+def partials(y_RD: Tensor, meta_JM: Tensor, id_offset: int, num_local: int, out: Tensor | None = None) -> Tensor:
+    """fp32 partial_JD (written into out, if given): each gathered row's weighted outputs of its
+    local experts (y_RD's row j * K + k), each product rounded to y's dtype, summed in increasing k."""
     num_rows, top_k = meta_JM.shape[0], meta_JM.shape[1] // 2
     hidden = y_RD.shape[1]
-    partial_JD = torch.empty(num_rows, hidden, dtype=torch.float32, device=y_RD.device)
+    if out is None:
+        out = torch.empty(num_rows, hidden, dtype=torch.float32, device=y_RD.device)
+    assert out.shape == (num_rows, hidden) and out.dtype == torch.float32 and out.is_contiguous()
+    partial_JD = out
     if num_rows:
         block_d = min(triton.next_power_of_2(hidden), 1024)
         _partials_kernel[(num_rows, triton.cdiv(hidden, block_d))](
@@ -173,9 +180,9 @@ def partials(y_RD: Tensor, meta_JM: Tensor, id_offset: int, num_local: int) -> T
 
 
 def local_partials(recv_JW: Tensor, hidden: int, top_k: int, id_offset: int, w_gate_up_LGD: Tensor,
-                   w_down_LDF: Tensor, config: triton_moe.MoEConfig | None = None) -> Tensor:
-    """Steps 4-5 on the gathered rows: the fp32 partial_JD of this rank's local experts,
-    whose global ids (+ 1, as packed) start at id_offset."""
+                   w_down_LDF: Tensor, config: triton_moe.MoEConfig | None = None, out: Tensor | None = None) -> Tensor:
+    """Steps 4-5 on the gathered rows: the fp32 partial_JD (into out, if given) of this rank's
+    local experts, whose global ids (+ 1, as packed) start at id_offset."""
     num_rows, num_local = recv_JW.shape[0], w_gate_up_LGD.shape[0]
     meta_JM = _meta(recv_JW, hidden)
     # Rows per expert as in the one-rank layer at J tokens over the model's E = N * L experts.
@@ -183,19 +190,26 @@ def local_partials(recv_JW: Tensor, hidden: int, top_k: int, id_offset: int, w_g
     a = triton_moe.align(meta_JM[:, :top_k], num_local, config.block_m, id_offset)
     act_PF = triton_moe.gate_up(recv_JW[:, :hidden], a, w_gate_up_LGD, top_k, config.gate_up)
     y_RD = triton_moe.down(act_PF, a, w_down_LDF, num_rows * top_k, config.down)
-    return partials(y_RD, meta_JM, id_offset, num_local)
+    return partials(y_RD, meta_JM, id_offset, num_local, out)
 
 
 def gathered_moe(layer, x_TD: Tensor, rows_per_rank: int) -> Tensor:
     """moe.MoELayer's output for this rank's x_TD, every rank passing the same rows_per_rank
-    (>= each rank's token count); adds the routed experts to layer.hit_counts_E."""
+    (>= each rank's token count); adds the routed experts to layer.hit_counts_E. Steps that
+    fit comm.exchange's buffers exchange through symmetric memory, others through NCCL."""
     comm: ExpertComm = layer.comm
     num_tokens, hidden = x_TD.shape
     num_local = layer.w_gate_up_LGD.shape[0]
+    num_rows = comm.world_size * rows_per_rank
+    exchange = comm.exchange
+    if exchange is not None and not exchange.fits(rows_per_rank, row_width(hidden, layer.top_k, x_TD.dtype)):
+        exchange = None
     x_TD = x_TD.contiguous()
     logits_TE = torch.nn.functional.linear(x_TD, layer.w_gate_ED)
+    send_out = None if exchange is None else exchange.send_rows(rows_per_rank)
     if layer.slot_map is None:
-        send_BW = route_pack(logits_TE, x_TD, layer.top_k, layer.norm_topk_prob, layer.hit_counts_E, rows_per_rank)
+        send_BW = route_pack(logits_TE, x_TD, layer.top_k, layer.norm_topk_prob, layer.hit_counts_E, rows_per_rank,
+                             send_out)
     else:  # each token-copy to one replica's global slot
         ids_TK, weights_TK = triton_fused.route(logits_TE, layer.top_k, layer.norm_topk_prob, layer.hit_counts_E,
                                                 x_TD.dtype)[:2]
@@ -203,11 +217,15 @@ def gathered_moe(layer, x_TD: Tensor, rows_per_rank: int) -> Tensor:
         counts_E = torch.zeros(layer.w_gate_ED.shape[0], dtype=torch.int64, device=x_TD.device)
         counts_E.scatter_add_(0, ids_R, torch.ones_like(ids_R))
         ids_TK = layer.slot_map.route(ids_TK, counts_E).contiguous()
-        send_BW = pack(x_TD, ids_TK, weights_TK, rows_per_rank)
-    recv_JW = send_BW.new_empty(comm.world_size * rows_per_rank, send_BW.shape[1])
+        send_BW = pack(x_TD, ids_TK, weights_TK, rows_per_rank, send_out)
+    recv_JW = send_BW.new_empty(num_rows, send_BW.shape[1])
     comm.all_gather(recv_JW, send_BW)
     partial_JD = local_partials(recv_JW, hidden, layer.top_k, 1 + comm.rank * num_local, layer.w_gate_up_LGD,
-                                layer.w_down_LDF)
+                                layer.w_down_LDF, out=None if exchange is None else exchange.partial_rows(num_rows))
+    if exchange is not None:  # the fp32 sum rounded in the same kernel
+        out_BD = x_TD.new_empty(rows_per_rank, hidden)
+        comm.reduce_scatter(out_BD, partial_JD)
+        return out_BD[:num_tokens]
     out_BD = partial_JD.new_empty(rows_per_rank, hidden)
     comm.reduce_scatter(out_BD, partial_JD)
     return out_BD[:num_tokens].to(x_TD.dtype)

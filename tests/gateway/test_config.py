@@ -53,3 +53,14 @@ def test_expert_kv_cache_dtype_from_flag_and_env():
     assert ExpertConfig(member_id="e0", model="m").kv_cache_dtype == "auto"
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of .*got 'fp16'"):
         ExpertConfig(member_id="e0", model="m", kv_cache_dtype="fp16")
+
+
+def test_expert_ep_exchange_choices_and_device():
+    config = settings.parse_config(ExpertConfig, ["--member-id", "e0", "--model", "m", "--device", "cuda",
+                                                  "--ep-exchange", "symmetric"])
+    assert config.ep_exchange == "symmetric"
+    assert ExpertConfig(member_id="e0", model="m").ep_exchange == "nccl"
+    with pytest.raises(ValueError, match="ep_exchange must be one of .*got 'nvshmem'"):
+        ExpertConfig(member_id="e0", model="m", device="cuda", ep_exchange="nvshmem")
+    with pytest.raises(ValueError, match="ep_exchange 'symmetric' needs a CUDA device, got device 'cpu'"):
+        ExpertConfig(member_id="e0", model="m", ep_exchange="symmetric")
