@@ -293,7 +293,9 @@ async def run_case(args, num_ranks: int, concurrency: int) -> dict:
     server = await grpc_util.start_server(
         [lambda s: gateway_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, s)], [SERVICE_NAME])
     loop_task = asyncio.create_task(engine.run())
-    gc_pauses.freeze("the gateway's set-up", enabled=args.gc_freeze == "true")  # as gateway/main.py
+    thresholds = gc.get_threshold()
+    gc_pauses.freeze("the gateway's set-up", enabled=args.gc_freeze == "true",  # as gateway/main.py
+                     young_threshold=args.gc_young_threshold)
     client = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "bench.step_overhead", "--role", "client", "--target", f"127.0.0.1:{server.port}",
         "--concurrency", str(concurrency), "--prompt-tokens", str(args.prompt_tokens),
@@ -315,10 +317,12 @@ async def run_case(args, num_ranks: int, concurrency: int) -> dict:
         await channel.close()
     rank_pauses = [json.loads(process.communicate("")[0].splitlines()[-1]) for process in ranks]
     gc.unfreeze()  # this process may go on (a test): its heap collectable again
+    gc.set_threshold(*thresholds)
     gateway_pauses = pause_summary(pauses)
     report = {"ranks": num_ranks, "concurrency": concurrency, "client": json.loads(out),
               "gateway_cpu_share": round(cpu_s / wall_s, 3), **summarize_steps(clock, num_ranks, concurrency),
-              "stream_interval": args.stream_interval, "gc_freeze": args.gc_freeze, "gateway_gc_ms": gateway_pauses["total_ms"],
+              "stream_interval": args.stream_interval, "gc_freeze": args.gc_freeze, "gc_young_threshold": args.gc_young_threshold,
+              "gateway_gc_ms": gateway_pauses["total_ms"],
               "gateway_gc_max_ms": gateway_pauses["max_ms"],
               "rank_gc_max_ms": max(r["max_ms"] for r in rank_pauses),
               "gc_pauses": {"gateway": gateway_pauses, "ranks": rank_pauses}}
@@ -368,7 +372,7 @@ def profile_text(profile: cProfile.Profile, num_lines: int = 30) -> dict:
 
 COLUMNS = ("label", "ranks", "concurrency", "num_steps", "wall_ms_per_step", "wall_ms_p99", "wall_ms_max",
            "execute_ms_per_step", "busy", "turnaround_ms", "apply_ms", "plan_wait_ms", "plan_ms", "send_ms",
-           "gateway_cpu_ms_per_step", "stream_interval", "gc_freeze", "gateway_gc_ms", "gateway_gc_max_ms", "rank_gc_max_ms",
+           "gateway_cpu_ms_per_step", "stream_interval", "gc_freeze", "gc_young_threshold", "gateway_gc_ms", "gateway_gc_max_ms", "rank_gc_max_ms",
            "out_tok_s")
 
 
@@ -403,6 +407,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile the gateway (slows it down)")
     parser.add_argument("--gc-freeze", choices=("true", "false"), default="true",
                         help="freeze the heap of the gateway and the ranks once set up, as the services do")
+    parser.add_argument("--gc-young-threshold", type=int, default=gc_pauses.DEFAULT_YOUNG_THRESHOLD,
+                        help="the gateway's --gc-young-threshold (0: Python's 700)")
     parser.add_argument("--stream-interval", type=int, default=1, help="the gateway's --stream-interval")
     parser.add_argument("--label", default="", help="tag of the runs in the results (e.g. before, after)")
     parser.add_argument("--out", default="", help="directory of step_overhead.md/.json (nothing written if empty)")

@@ -232,7 +232,7 @@ class ExpertRank:
                 model, runner, self._cluster, group_id=group.group_id, rank=rank, member_id=member_id,
                 load_experts=placement.expert_loader(cfg, mc, self._dtype))
         self._new_executor(runner)
-        gc_pauses.freeze("loading the weights", enabled=cfg.gc_freeze)
+        gc_pauses.freeze("loading the weights", enabled=cfg.gc_freeze, young_threshold=cfg.gc_young_threshold)
         await self._mark_ready(group)
         log.info("rank %d of group %s ready: %d KV blocks of %d tokens", rank, group.group_id,
                  kv_pool.num_blocks, cfg.kv_block_size)

@@ -105,7 +105,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
 
     await set_serving(False)
     settings.announce_port(ROLE, config, server.port)
-    gc_pauses.freeze("startup (tokenizer, servers)", enabled=config.gc_freeze)
+    gc_pauses.freeze("startup (tokenizer, servers)", enabled=config.gc_freeze,
+                     young_threshold=config.gc_young_threshold)
     cluster = ClusterClient(config.etcd, prefix=config.key_prefix)
     manager = GroupManager(
         cluster, member_id=config.member_id, address=config.address(server.port),

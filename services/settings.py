@@ -231,6 +231,11 @@ class MemberConfig:
     # Once the process is ready, freeze the objects alive then (gc.freeze), so
     # the garbage collector's full collections skip them (services/gc_pauses.py).
     gc_freeze: bool = True
+    # Net allocations of container objects that trigger a young-generation
+    # collection, set with the freeze (gc.set_threshold's first value); 0 keeps
+    # Python's (700). Larger: fewer collections (and fewer full ones), each of
+    # more objects, most of which reference counting has freed by then.
+    gc_young_threshold: int = gc_pauses.DEFAULT_YOUNG_THRESHOLD
 
     def __post_init__(self) -> None:
         if not self.member_id or "/" in self.member_id or self.member_id.strip() != self.member_id:
@@ -248,6 +253,8 @@ class MemberConfig:
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
+        if self.gc_young_threshold < 0:
+            raise ValueError(f"gc_young_threshold must be >= 0, got {self.gc_young_threshold}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
 

@@ -53,3 +53,22 @@ def test_freeze_skips_the_survivors_and_a_later_freeze_collects_their_cycles(unf
     assert alive() is not None  # frozen: collections skip it
     gc_pauses.freeze("a new group's weights")  # unfreezes, collects, freezes again
     assert alive() is None
+
+
+def test_freeze_sets_the_young_threshold_even_when_disabled(unfrozen):
+    before = gc.get_threshold()
+    try:
+        assert gc_pauses.freeze("a test", enabled=False, young_threshold=12_345) == 0
+        assert gc.get_threshold() == (12_345, *before[1:])
+        gc_pauses.freeze("a test", young_threshold=0)  # 0 leaves it as it is
+        assert gc.get_threshold()[0] == 12_345
+    finally:
+        gc.set_threshold(*before)
+
+
+def test_member_config_refuses_a_negative_threshold():
+    from services.settings import MemberConfig
+
+    assert MemberConfig(member_id="m").gc_young_threshold == gc_pauses.DEFAULT_YOUNG_THRESHOLD
+    with pytest.raises(ValueError, match="gc_young_threshold must be >= 0, got -1"):
+        MemberConfig(member_id="m", gc_young_threshold=-1)
