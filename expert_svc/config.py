@@ -14,7 +14,7 @@ _DTYPES = ("float32", "bfloat16")
 # services.model.attention.ATTENTION_BACKEND_NAMES (not imported: it pulls in torch).
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
-_EP_EXCHANGES = ("nccl", "symmetric")
+_EP_EXCHANGES = ("auto", "nccl", "symmetric")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -82,11 +82,13 @@ class ExpertConfig(MemberConfig):
     debug_collective_timing: bool = False
     # How the ranks of an expert-parallel group on CUDA exchange the MoE rows of
     # steps of up to max(max_fixed_capacity_tokens, cuda_graph_max_batch) tokens
-    # per rank (decode): "nccl" (an all_gather and a reduce_scatter a layer) or
+    # per rank (decode): "nccl" (an all_gather and a reduce_scatter a layer),
     # "symmetric" (buffers in torch's symmetric memory, read by the peers over
-    # NVLink after a barrier kernel: services/model/symm_exchange.py). Bigger
-    # steps always take NCCL. Must be the same on every rank of a group.
-    ep_exchange: str = "nccl"
+    # NVLink after a barrier kernel: services/model/symm_exchange.py; the rank
+    # fails to start if that cannot be set up) or "auto" (symmetric if every
+    # rank of the group sets it up, else NCCL, with a warning). Bigger steps
+    # always take NCCL. Must be the same on every rank of a group.
+    ep_exchange: str = "auto"
     # Spare expert slots per MoE layer that can hold replicas of hot experts
     # (placed by the router's scaling policy); 0 disables replicas. Must be
     # the same on every rank of a group.

@@ -336,8 +336,8 @@ class ExpertRank:
                               max_fixed_capacity_tokens=cfg.max_fixed_capacity_tokens,
                               num_spare_expert_slots=cfg.num_spare_expert_slots)
         del weights
-        if cfg.ep_exchange == "symmetric" and comm.world_size > 1:
-            comm.exchange = self._symmetric_exchange(comm)
+        if cfg.is_cuda and cfg.ep_exchange != "nccl" and comm.world_size > 1:
+            comm.exchange = self._symmetric_exchange(comm, required=cfg.ep_exchange == "symmetric")
         cache_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self._dtype)
         num_blocks = cfg.kv_blocks or KVPool.blocks_for_memory(
             mc, cfg.kv_block_size, self._kv_memory_bytes(), cache_dtype)
@@ -346,16 +346,31 @@ class ExpertRank:
                              f"raise kv_memory_bytes/kv_memory_fraction or set kv_blocks")
         return model, KVPool.for_model(mc, num_blocks, cfg.kv_block_size, cache_dtype, cfg.device)
 
-    def _symmetric_exchange(self, comm):
+    def _symmetric_exchange(self, comm, *, required: bool):
         """triton_ep's buffers in symmetric memory for the steps of up to the decode steps'
-        tokens per rank (a collective: every rank of the group makes one)."""
+        tokens per rank, or None (NCCL) unless every rank set them up: a collective, and the
+        ranks agree (one all_reduce), so they all take the same path. Raises if `required`."""
         from services.model.symm_exchange import SymmetricExchange  # triton: CUDA only
         from services.model.triton_ep import row_width
 
         cfg, mc = self.config, self.model_config
-        return SymmetricExchange(comm.group, max(cfg.max_fixed_capacity_tokens, cfg.cuda_graph_max_batch),
-                                 row_width(mc.hidden_size, mc.num_experts_per_tok, self._dtype), mc.hidden_size,
-                                 self._dtype, cfg.device, timeout_ms=int(cfg.collective_timeout_s * 1000))
+        exchange, error = None, None
+        try:
+            exchange = SymmetricExchange(
+                comm.group, max(cfg.max_fixed_capacity_tokens, cfg.cuda_graph_max_batch),
+                row_width(mc.hidden_size, mc.num_experts_per_tok, self._dtype), mc.hidden_size, self._dtype,
+                cfg.device, timeout_ms=int(cfg.collective_timeout_s * 1000))
+        except Exception as caught:  # noqa: BLE001 (a machine without it: the ranks fall back together)
+            error = caught
+        everyone = -comm.max_over_ranks(-int(exchange is not None), torch.device(cfg.device)) == 1
+        if everyone:
+            log.info("expert exchange of decode steps: symmetric memory")
+            return exchange
+        reason = f"here: {error!r}" if error is not None else "on another rank"
+        if required:
+            raise RuntimeError(f"--ep-exchange symmetric: symmetric memory could not be set up ({reason})")
+        log.warning("expert exchange: NCCL (symmetric memory could not be set up %s)", reason)
+        return None
 
     def _kv_memory_bytes(self) -> int:
         if not self.config.is_cuda:

@@ -30,6 +30,12 @@ steps, the largest token count of any rank. Every shape comes from B, so a
 decode step captures in a CUDA graph with its two collectives, and nothing
 reads back to the host.
 
+With comm.exchange set (services/model/symm_exchange.py, the expert service's
+--ep-exchange, symmetric memory on CUDA by default), steps 3 and 6 of the decode
+steps that fit its buffers read the peers' rows and partials over NVLink instead
+of two NCCL collectives: route_pack writes into the exchange's row buffer, the
+partials into its partial buffer, and the sum comes back in the model dtype.
+
 Rounding: as moe.py's fixed-capacity mode (each rank sums its own experts'
 products, the partials are summed in fp32, rounded once). The fp32 sum over
 ranks is NCCL's: with two ranks one addition, the same bits as moe.combine.
