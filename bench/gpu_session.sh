@@ -12,6 +12,7 @@
 #     n2     bench/gpu_speed.py, two ranks: c256 and c512 against n1's c256
 #     si4    n2's c512 again with the gateway's --stream-interval 4
 #     symm   n2 again with the experts' --ep-exchange symmetric (services/model/symm_exchange.py)
+#     nccl   n2 again with the experts' --ep-exchange nccl
 #     ep     bench/ep_gpu.py (the N=2 MoE layer: dispatch/combine against gather/reduce-scatter)
 #     moe    bench/moe_large_batch.py --sweep at decode and prefill sizes (the MoE GEMM tiles)
 #     samp   n1's c256 again, every request sampled (temperature 0.8, top_p 0.95, seeded)
@@ -49,6 +50,13 @@ part() {  # part NAME LIMIT_S COMMAND...: runs one part, logging its time and ex
     return $rc
 }
 
+two_ranks() {  # two_ranks NAME ARGS...: gpu_speed on two ranks, c256 and c512, against n1's c256
+    local name=$1
+    shift
+    part "$name" 240 python3 -m bench.gpu_speed --kind "$KIND" --ranks 2 --cases c256,c512 "$@" \
+        --baseline-json "$RESULTS/n1/gpu_speed_$KIND.json" ${N2_ARGS:-} --out "$RESULTS/$name"
+}
+
 for step in $STEPS; do
     case $step in
         test) part test 150 python3 -m pytest -q -p no:cacheprovider tests/expert_svc/test_pipeline_cuda.py ;;
@@ -57,13 +65,11 @@ for step in $STEPS; do
         mixed) part mixed 240 python3 -m bench.mixed_step --out "$RESULTS/mixed" ;;
         n1) part n1 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 --cases b1,c256 \
                 ${N1_ARGS:-} --out "$RESULTS/n1" ;;
-        n2) part n2 240 python3 -m bench.gpu_speed --kind "$KIND" --ranks 2 --cases c256,c512 \
-                --baseline-json "$RESULTS/n1/gpu_speed_$KIND.json" ${N2_ARGS:-} --out "$RESULTS/n2" ;;
+        n2) two_ranks n2 ;;
         si4) part si4 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 2 --cases c512 \
                 --gateway-arg=--stream-interval --gateway-arg=4 ${N2_ARGS:-} --out "$RESULTS/si4" ;;
-        symm) part symm 240 python3 -m bench.gpu_speed --kind "$KIND" --ranks 2 --cases c256,c512 \
-                --expert-arg=--ep-exchange --expert-arg=symmetric \
-                --baseline-json "$RESULTS/n1/gpu_speed_$KIND.json" ${N2_ARGS:-} --out "$RESULTS/symm" ;;
+        symm) two_ranks symm --expert-arg=--ep-exchange --expert-arg=symmetric ;;
+        nccl) two_ranks nccl --expert-arg=--ep-exchange --expert-arg=nccl ;;
         ep) part ep 180 python3 bench/ep_gpu.py --batch-sizes 1,32,128,256 --out "$RESULTS/ep" ;;
         moe) part moe 300 python3 bench/moe_large_batch.py --tokens "${MOE_TOKENS:-128,256,4096}" --sweep --out "$RESULTS/moe" ;;
         samp) part samp 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 --cases c256 --sampling 0.8,0.95 \

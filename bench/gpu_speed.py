@@ -233,13 +233,20 @@ def run_mesh(args, cases: list[str], model_dir: pathlib.Path) -> dict:
                    if r.metrics_port and r.name.startswith(("expert", "gateway"))}
         results = asyncio.run(_drive(mesh.gateway_address, args, cases, max_context, metrics))
         logs = {r.name: tail(r.log_path, 12) for r in mesh.roles if r.name.startswith(("expert", "gateway"))}
+        exchange = {r.name: _exchange_line(r.log_path) for r in mesh.roles if r.name.startswith("expert")}
     except BaseException:
         for role in mesh.roles:
             print(f"--- {role.name} log\n{tail(role.log_path, 30)}", file=sys.stderr)
         raise
     finally:
         mesh.stop()
-    return {"startup_s": round(startup_s, 1), "cases": results, "log_tails": logs}
+    return {"startup_s": round(startup_s, 1), "cases": results, "log_tails": logs, "exchange": exchange}
+
+
+def _exchange_line(log_path) -> str:
+    """What an expert service logged about its expert exchange (expert_svc/rank.py), if anything."""
+    lines = [line for line in log_path.read_text(errors="replace").splitlines() if "expert exchange" in line]
+    return lines[-1].split("expert exchange", 1)[1].strip(" :") if lines else ""
 
 
 def hf_worker(args) -> dict:
@@ -429,6 +436,9 @@ def markdown(report: dict) -> str:
     if mesh.get("error"):
         lines += [f"The mesh run failed: `{mesh['error']}`", ""]
     if mesh.get("cases"):
+        exchange = {name: line for name, line in mesh.get("exchange", {}).items() if line}
+        if exchange:
+            lines += [f"Expert exchange (the expert logs): {json.dumps(exchange)}", ""]
         lines += [f"Mesh startup (random weights drawn on the GPU, to gateway SERVING): {mesh.get('startup_s')} s", "",
                   "| case | conc | ok/sent | req/s | out tok/s | decode tok/s/seq | TTFT p50/p99 ms | "
                   "ITL p50/p99 ms | E2E p99 ms | bound tok/s (weights) | share of bound | "
