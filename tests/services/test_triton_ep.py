@@ -150,7 +150,42 @@ def test_simulated_ranks_round_like_torch(tep):
         assert torch.equal(out_TD, expected_TD)
 
 
-def _gloo_worker(rank: int, init_file: str, tokens_N: list[int], top_k: int) -> None:
+class _GlooExchange:
+    """symm_exchange.SymmetricExchange's interface over gloo collectives into its own buffers:
+    gathered_moe's use of an exchange (its buffers, the model-dtype sum) on the CPU, where
+    symmetric memory is not."""
+
+    def __init__(self, max_rows_per_rank: int, row_width: int, dtype):
+        self.rows = torch.full((max_rows_per_rank, row_width), float("nan"), dtype=dtype)
+        self.partials = torch.full((2 * max_rows_per_rank, HIDDEN), float("nan"))
+        self.calls = []
+
+    def fits(self, rows_per_rank: int, row_width: int) -> bool:
+        return rows_per_rank <= self.rows.shape[0] and row_width == self.rows.shape[1]
+
+    def send_rows(self, rows_per_rank: int):
+        return self.rows[:rows_per_rank]
+
+    def partial_rows(self, num_rows: int):
+        return self.partials[:num_rows]
+
+    def owns(self, tensor) -> bool:
+        return tensor.data_ptr() in (self.rows.data_ptr(), self.partials.data_ptr())
+
+    def all_gather(self, out_JW, send_BW) -> None:
+        assert send_BW.data_ptr() == self.rows.data_ptr()
+        self.calls.append("all_gather")
+        dist.all_gather_into_tensor(out_JW, send_BW)
+
+    def reduce_scatter(self, out_BD, partial_JD) -> None:
+        assert partial_JD.data_ptr() == self.partials.data_ptr()
+        self.calls.append("reduce_scatter")
+        total_BD = torch.empty(out_BD.shape)
+        dist.reduce_scatter_tensor(total_BD, partial_JD)
+        out_BD.copy_(total_BD)
+
+
+def _gloo_worker(rank: int, init_file: str, tokens_N: list[int], top_k: int, exchange: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
     try:
@@ -158,22 +193,33 @@ def _gloo_worker(rank: int, init_file: str, tokens_N: list[int], top_k: int) -> 
         with interpreted("triton_ep") as tep:
             tep.triton_moe.default_config = lambda _num_tokens: _config(tep)
             weights = _weights(torch.float32)
-            layer = _layer(weights, top_k, ExpertComm(dist.group.WORLD))
+            comm = ExpertComm(dist.group.WORLD)
+            rows_per_rank = max(tokens_N) + 1
+            if exchange:  # buffers for this step exactly: a bigger one takes the collectives
+                comm.exchange = _GlooExchange(rows_per_rank, tep.row_width(HIDDEN, top_k, torch.float32),
+                                              torch.float32)
+            layer = _layer(weights, top_k, comm)
             reference = _layer(weights, top_k)
             x_TD = _tokens(tokens_N[rank], torch.float32, seed=rank)
-            out_TD = tep.gathered_moe(layer, x_TD, rows_per_rank=max(tokens_N) + 1)
+            out_TD = tep.gathered_moe(layer, x_TD, rows_per_rank=rows_per_rank)
             torch.testing.assert_close(out_TD, reference(x_TD), atol=1e-5, rtol=1e-5)
             assert torch.equal(layer.hit_counts_E, reference.hit_counts_E)  # this rank's tokens' experts
+            if exchange:
+                assert comm.exchange.calls == ["all_gather", "reduce_scatter"]
+                out_TD = tep.gathered_moe(layer, x_TD, rows_per_rank=rows_per_rank + 1)
+                assert comm.exchange.calls == ["all_gather", "reduce_scatter"]  # did not fit: collectives
+                torch.testing.assert_close(out_TD, reference(x_TD), atol=1e-5, rtol=1e-5)
         dist.barrier()  # both ranks past their last collective before either tears gloo down
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("tokens_N", [[5, 3], [0, 4]])
-def test_gathered_moe_over_two_gloo_ranks(tmp_path, tokens_N):
-    """The whole layer with its all_gather and reduce_scatter (an idle rank too, and a padding row)."""
+@pytest.mark.parametrize("tokens_N,exchange", [([5, 3], False), ([0, 4], False), ([5, 3], True)])
+def test_gathered_moe_over_two_gloo_ranks(tmp_path, tokens_N, exchange):
+    """The whole layer with its all_gather and reduce_scatter (an idle rank too, and a padding row);
+    through an exchange's buffers where the step fits them."""
     pytest.importorskip("triton")
-    torch.multiprocessing.spawn(_gloo_worker, args=(str(tmp_path / "rendezvous"), tokens_N, 2), nprocs=2)
+    torch.multiprocessing.spawn(_gloo_worker, args=(str(tmp_path / "rendezvous"), tokens_N, 2, exchange), nprocs=2)
 
 
 def test_expert_parallel_steps_on_cuda_take_a_fixed_capacity(monkeypatch):
