@@ -72,11 +72,12 @@ def _reduce_kernel(ptrs_ptr, out_ptr, first_row, hidden, NUM_RANKS: tl.constexpr
 
 def gather_rows(ptrs_N: Tensor, out_JW: Tensor, rows_per_rank: int) -> None:
     """out_JW = the N ranks' first rows_per_rank rows, stacked in rank order; ptrs_N holds
-    each rank's row buffer address (int64), rows of out_JW's width and 16-bit dtype."""
-    num_rows, width = out_JW.shape
-    assert out_JW.element_size() == 2 and out_JW.is_contiguous() and num_rows == ptrs_N.numel() * rows_per_rank
+    each rank's row buffer address (int64), rows laid out as out_JW's (copied as 16-bit words)."""
+    assert out_JW.is_contiguous() and out_JW.shape[0] == ptrs_N.numel() * rows_per_rank
+    words_JW = out_JW.view(torch.int16)
+    num_rows, width = words_JW.shape
     if num_rows:
-        _gather_kernel[(num_rows,)](ptrs_N, out_JW.view(torch.int16), rows_per_rank, width,
+        _gather_kernel[(num_rows,)](ptrs_N, words_JW, rows_per_rank, width,
                                     BLOCK=min(triton.next_power_of_2(width), 1024))
 
 

@@ -40,6 +40,13 @@ def test_gather_stacks_every_ranks_rows_bit_exactly(sx, num_ranks, rows_per_rank
     assert torch.equal(out.view(torch.int16), expected)
 
 
+def test_gather_copies_rows_of_a_four_byte_dtype(sx):
+    buffers = [torch.randn(4, 7, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    out = torch.empty(6, 7)
+    sx.gather_rows(_pointers(buffers), out, 3)
+    assert torch.equal(out, torch.cat([b[:3] for b in buffers]))
+
+
 @pytest.mark.parametrize("num_ranks", [2, 3])
 def test_reduce_sums_this_ranks_rows_in_rank_order(sx, num_ranks):
     rows_per_rank, hidden = 4, 40
