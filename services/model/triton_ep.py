@@ -174,10 +174,8 @@ def partials(y_RD: Tensor, meta_JM: Tensor, id_offset: int, num_local: int, out:
     local experts (y_RD's row j * K + k), each product rounded to y's dtype, summed in increasing k."""
     num_rows, top_k = meta_JM.shape[0], meta_JM.shape[1] // 2
     hidden = y_RD.shape[1]
-    if out is None:
-        out = torch.empty(num_rows, hidden, dtype=torch.float32, device=y_RD.device)
-    assert out.shape == (num_rows, hidden) and out.dtype == torch.float32 and out.is_contiguous()
-    partial_JD = out
+    partial_JD = torch.empty(num_rows, hidden, dtype=torch.float32, device=y_RD.device) if out is None else out
+    assert partial_JD.shape == (num_rows, hidden) and partial_JD.dtype == torch.float32 and partial_JD.is_contiguous()
     if num_rows:
         block_d = min(triton.next_power_of_2(hidden), 1024)
         _partials_kernel[(num_rows, triton.cdiv(hidden, block_d))](
