@@ -50,7 +50,8 @@ def chaos_mesh(tiny_model_dir):
                              work_dir=os.environ.get("MOEMESH_CHAOS_WORK_DIR", ""), extra_args={
         "expert_svc": ["--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S), "--lease-ttl-s", "1"],
         "scheduler_svc": ["--reform-settle-s", "2"],
-        "gateway": ["--prefill-chunk-size", "16", "--resume-timeout-s", "60"],
+        # 4096 tokens a step: the long prompts' prefill lasts past test_kill_9_a_rank_during_prefill's kill.
+        "gateway": ["--prefill-chunk-size", "16", "--max-batch-tokens", "4096", "--resume-timeout-s", "60"],
     })
     with launcher.Mesh(spec) as mesh:
         yield mesh
