@@ -57,7 +57,7 @@ from expert_svc.runner import RankState, StepRunner
 from expert_svc.servicer import ExpertServicer
 from expert_svc.stats_reporter import StatsReporter
 from moe.expert.v1 import expert_pb2, expert_pb2_grpc
-from services import gc_pauses, grpc_util, telemetry
+from services import gc_pauses, grpc_util, metrics, telemetry
 from services.cluster import ClusterClient, GroupAssignment
 from services.kv_pool import KVPool, kv_cache_dtype
 from services.model.checkpoint import load_weights
@@ -338,6 +338,10 @@ class ExpertRank:
         del weights
         if cfg.is_cuda and cfg.ep_exchange != "nccl" and comm.world_size > 1:
             comm.exchange = self._symmetric_exchange(comm, required=cfg.ep_exchange == "symmetric")
+        if comm.world_size > 1:
+            exchange = "symmetric_memory" if comm.exchange is not None else "collectives"
+            for name in ("collectives", "symmetric_memory"):
+                metrics.expert_metrics().exchange.labels(name).set(int(name == exchange))
         cache_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self._dtype)
         num_blocks = cfg.kv_blocks or KVPool.blocks_for_memory(
             mc, cfg.kv_block_size, self._kv_memory_bytes(), cache_dtype)

@@ -109,6 +109,10 @@ class ExpertMetrics:
             PREFIX + "expert_all_to_all_duration_seconds", "Host time in the MoE all-to-alls of one "
             "step (always on the CPU; on CUDA only with --debug-collective-timing).",
             buckets=_STEP_BUCKETS, registry=registry)
+        self.exchange = Gauge(
+            PREFIX + "expert_exchange", "1 for how this rank's group exchanges the MoE rows of its "
+            "decode steps (collectives: NCCL or gloo; symmetric_memory), 0 for the other; none "
+            "for a group of one rank.", ["exchange"], registry=registry)
 
 
 class SchedulerMetrics:

@@ -249,6 +249,8 @@ def test_counters_and_histograms_count_known_traffic(traced_mesh, stub):
     assert expert[("moemesh_expert_step_duration_seconds_count", ())] >= NUM_NEW_TOKENS
     assert expert[("moemesh_expert_all_to_all_bytes_sum", ())] > 0
     assert expert[("moemesh_expert_ready", ())] == 1
+    assert expert[("moemesh_expert_exchange", (("exchange", "collectives"),))] == 1  # gloo on the CPU
+    assert expert[("moemesh_expert_exchange", (("exchange", "symmetric_memory"),))] == 0
     leaders = [scrape(role(mesh, f"scheduler-{i}").metrics_port)[("moemesh_scheduler_is_leader", ())]
                for i in range(launcher.NUM_SCHEDULERS)]
     assert sorted(leaders) == [0, 0, 1]
