@@ -10,7 +10,7 @@
 #     mixed  bench/mixed_step.py (eager prefill / mixed / decode steps, attention settings)
 #     n1     bench/gpu_speed.py, one rank: b1 and c256
 #     full   bench/gpu_speed.py, one rank, every case of the issue (b1, c8, c64, c256, mix, the profiled
-#            decode step, transformers' generate), outputs at 0.25 of 1K (about 4 minutes)
+#            decode step, transformers' generate) at 1K-in/1K-out; limit 400 s (not yet timed whole)
 #     n2     bench/gpu_speed.py, two ranks: c256 and c512 against n1's c256
 #     si4    n2's c512 again with the gateway's --stream-interval 4
 #     symm   n2 again with the experts' --ep-exchange symmetric (services/model/symm_exchange.py)
@@ -67,8 +67,8 @@ for step in $STEPS; do
         mixed) part mixed 240 python3 -m bench.mixed_step --out "$RESULTS/mixed" ;;
         n1) part n1 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 --cases b1,c256 \
                 ${N1_ARGS:-} --out "$RESULTS/n1" ;;
-        full) part full 330 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 \
-                --cases b1,c8,c64,c256,mix,profile,hf --output-scale 0.25 ${N1_ARGS:-} --out "$RESULTS/full" ;;
+        full) part full 400 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 \
+                --cases b1,c8,c64,c256,mix,profile,hf ${N1_ARGS:-} --out "$RESULTS/full" ;;
         n2) two_ranks n2 ;;
         si4) part si4 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 2 --cases c512 \
                 --gateway-arg=--stream-interval --gateway-arg=4 ${N2_ARGS:-} --out "$RESULTS/si4" ;;
