@@ -1,8 +1,8 @@
 """Step execution on one rank: step plans in, sampled tokens out. No gRPC here.
 
 `StepRunner` keeps the state the step protocol gives each sequence (block
-table, tokens whose KV is computed, the last sampled token, the sampling spec
-and its generator), applies a plan's diffs, runs one forward and samples.
+table, tokens whose KV is computed, the last sampled token, the sampling spec),
+applies a plan's diffs, runs one forward and samples.
 expert_svc/executor.py runs those steps on the rank's single model thread so
 the event loop stays responsive. See docs/internals.md, "The step protocol".
 
@@ -116,7 +116,6 @@ class _Sequence:
     block_table: array.array
     num_computed: int
     sampling: SamplingSpec
-    generator: torch.Generator
     # Sampled in an earlier step and not yet in the KV cache: the next decode
     # input, on the device as (that step's tokens, this sequence's row).
     last_token: tuple[Tensor, int] | None = None
@@ -224,7 +223,9 @@ class StepRunner:
             return None, ()
         seqs = [self._seqs[s.seq_id] for s in rows]
         specs = [seq.sampling if s.is_sampled else _GREEDY for s, seq in zip(rows, seqs)]
-        token_ids_S = sample_on_device(logits_SV, specs, [seq.generator for seq in seqs], greedy_S)
+        # The index of the token each row draws: a draw depends on its seed and this only.
+        positions = [seq.num_computed + (len(s.token_ids) or 1) for s, seq in zip(rows, seqs)]
+        token_ids_S = sample_on_device(logits_SV, specs, positions, greedy_S)
         if token_ids_S is greedy_S:  # a graph's static output: the next replay overwrites it
             token_ids_S = token_ids_S.clone()
         sampled = []
@@ -238,9 +239,7 @@ class StepRunner:
         for seq_id in plan.finished_seq_ids:
             del self._seqs[seq_id]
         for new in plan.new_sequences:
-            generator = torch.Generator(device=self.device).manual_seed(new.sampling.seed)
-            self._seqs[new.seq_id] = _Sequence(array.array("i", new.block_ids), new.num_cached_tokens,
-                                               new.sampling, generator)
+            self._seqs[new.seq_id] = _Sequence(array.array("i", new.block_ids), new.num_cached_tokens, new.sampling)
         for sched in plan.scheduled:
             self._seqs[sched.seq_id].block_table.extend(sched.new_block_ids)
 

@@ -31,7 +31,7 @@ COLLECTIVE_TIMEOUT_S = 4
 NUM_REQUESTS = 32
 NUM_DISTINCT = 8
 NEW_TOKENS = 24
-LONG_PROMPT_TOKENS = 256
+LONG_PROMPT_TOKENS = 1024  # 64 chunks of 16 a sequence: the prefill outlasts the 0.3 s before the kill
 
 
 @dataclasses.dataclass
@@ -50,8 +50,7 @@ def chaos_mesh(tiny_model_dir):
                              work_dir=os.environ.get("MOEMESH_CHAOS_WORK_DIR", ""), extra_args={
         "expert_svc": ["--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S), "--lease-ttl-s", "1"],
         "scheduler_svc": ["--reform-settle-s", "2"],
-        # 4096 tokens a step: the long prompts' prefill lasts past test_kill_9_a_rank_during_prefill's kill.
-        "gateway": ["--prefill-chunk-size", "16", "--max-batch-tokens", "4096", "--resume-timeout-s", "60"],
+        "gateway": ["--prefill-chunk-size", "16", "--resume-timeout-s", "60"],
     })
     with launcher.Mesh(spec) as mesh:
         yield mesh
@@ -76,10 +75,14 @@ def long_prompts(hf_model):
     return with_references(hf_model, 2, LONG_PROMPT_TOKENS, 8)
 
 
-async def stream_one(stub, request_id: str, prompt_ids: list[int], num_tokens: int, out: Stream) -> None:
+async def stream_one(stub, request_id: str, prompt_ids: list[int], num_tokens: int, out: Stream,
+                     seed: int | None = None) -> None:
+    """Greedy, or with a seed sampled at temperature 1."""
+    sampling = gateway_pb2.SamplingParams(max_new_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    if seed is not None:
+        sampling.temperature, sampling.seed = 1.0, seed
     request = gateway_pb2.GenerateRequest(
-        request_id=request_id, input_ids=gateway_pb2.TokenIds(ids=prompt_ids),
-        sampling=gateway_pb2.SamplingParams(max_new_tokens=num_tokens, temperature=0.0, ignore_eos=True))
+        request_id=request_id, input_ids=gateway_pb2.TokenIds(ids=prompt_ids), sampling=sampling)
     try:
         async for response in stub.Generate(request, timeout=120):
             out.token_ids += response.token_ids
@@ -95,15 +98,16 @@ async def current_group(mesh) -> GroupAssignment:
         return group
 
 
-async def chaos(mesh, prompt_ids, num_tokens, strike) -> tuple[list[Stream], GroupAssignment, GroupAssignment, float]:
-    """Streams every prompt and, once strike's moment has come, lets strike(victim) hit
-    a rank of the group. Returns the streams, the group before and after, and the
-    time of the strike."""
+async def chaos(mesh, prompt_ids, num_tokens, strike, *,
+                sampled: bool = False) -> tuple[list[Stream], GroupAssignment, GroupAssignment, float]:
+    """Streams every prompt (greedy, or sampled with seed 1000 + i) and, once strike's moment
+    has come, lets strike(victim) hit a rank of the group. Returns the streams, the group
+    before and after, and the time of the strike."""
     before = await current_group(mesh)
     streams = [Stream() for _ in prompt_ids]
     async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
         stub = gateway_pb2_grpc.GenerationServiceStub(channel)
-        tasks = [asyncio.create_task(stream_one(stub, f"chaos-{i}", p, num_tokens, s))
+        tasks = [asyncio.create_task(stream_one(stub, f"chaos-{i}", p, num_tokens, s, 1000 + i if sampled else None))
                  for i, (p, s) in enumerate(zip(prompt_ids, streams))]
         struck_at = await strike(before, streams)
         await asyncio.wait(tasks, timeout=110)
@@ -144,6 +148,31 @@ def test_kill_9_a_rank_mid_stream_with_a_standby(chaos_mesh, short_prompts):
     assert after.ranks[1].member_id != before.ranks[1].member_id  # the standby took rank 1
     # The old epoch's ready keys and the survivor's failure report are cleaned up.
     assert run(eventually(lambda: _is_empty(stale_keys(chaos_mesh, after)))), run(stale_keys(chaos_mesh, after))
+    chaos_mesh.restart(before.ranks[1].member_id)  # the next standby
+
+
+def test_sampled_streams_resume_as_if_undisturbed(chaos_mesh, short_prompts):
+    """A draw depends on the seed and the token's position only (services/model/sampling.py):
+    after a failover re-prefills them, sampled streams go on as an undisturbed run did."""
+    ids, _ = short_prompts
+
+    async def no_strike(group, streams):
+        return time.monotonic()
+
+    undisturbed, *_ = run(chaos(chaos_mesh, ids, NEW_TOKENS, no_strike, sampled=True), 150)
+    references = [s.token_ids for s in undisturbed]
+    assert [s.error for s in undisturbed if s.error] == [] and all(len(r) == NEW_TOKENS for r in references)
+    assert len({tuple(r) for r in references}) > NUM_DISTINCT  # the seeds, not the prompts, decide
+
+    async def kill_rank1(group, streams):
+        await eventually(lambda: min(len(s.token_ids) for s in streams) >= 3, timeout_s=60)
+        role_of(chaos_mesh, group.ranks[1].member_id).proc.kill()
+        return time.monotonic()
+
+    streams, before, after, killed_at = run(chaos(chaos_mesh, ids, NEW_TOKENS, kill_rank1, sampled=True), 150)
+    assert all(len([t for t in s.arrivals if t < killed_at]) < NEW_TOKENS for s in streams), "killed too late"
+    assert after.epoch > before.epoch
+    assert_all_complete(streams, references)
     chaos_mesh.restart(before.ranks[1].member_id)  # the next standby
 
 

@@ -1,10 +1,22 @@
 """Choosing the next token from logits: greedy, or temperature, top-k, top-p and a draw.
 
-Each sequence draws from its own torch.Generator, seeded from its spec, so a
-seed gives the same tokens whatever else shares the batch. The rows that draw
-are filtered and drawn together (one sort, one softmax): only the noise is
-drawn row by row, from each row's generator. Nothing reads the device back
-but `sample`'s final `.tolist()`. Legend: S sequences, D rows that draw, V vocab.
+A draw is keyed by the sequence's seed and the position of the token drawn:
+one uniform number per row, from a hash of (seed, position) (splitmix64, on
+the host: a few integer operations per row), picks the token whose interval
+of the filtered distribution's cumulative sum holds it (inverse transform
+sampling). So a seed gives the same tokens whatever else shares the batch,
+and a sequence resumed elsewhere (re-prefilled after a failover or a
+preemption) draws what it would have drawn had it not moved: nothing but
+the seed and the position decides. The rows that draw are filtered and
+drawn together (one sort if any row filters, one softmax, one cumulative
+sum in float64, one search): no per-row kernel. Nothing reads the device
+back but `sample`'s final `.tolist()`. Legend: S sequences, D rows that
+draw, V vocab.
+
+Hand-written: torch's generators are stateful (a sequence's draws would
+depend on how many it made before, so a resumed sequence would repeat its
+first ones), and one generator per row meant one noise kernel per row a
+step (256 at c256).
 """
 
 import dataclasses
@@ -47,14 +59,13 @@ class SamplingSpec:
         return self.temperature < MIN_TEMPERATURE
 
 
-def sample(logits_SV: Tensor, specs: list[SamplingSpec],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row; generators[i] (on logits' device) is used only if row i is not greedy."""
+def sample(logits_SV: Tensor, specs: list[SamplingSpec], positions: list[int]) -> list[int]:
+    """One token per row; positions[i] is the index in its sequence of the token row i draws."""
     # One host sync for the whole batch.
-    return sample_on_device(logits_SV, specs, generators).tolist()
+    return sample_on_device(logits_SV, specs, positions).tolist()
 
 
-def sample_on_device(logits_SV: Tensor, specs: list[SamplingSpec], generators: list[torch.Generator | None],
+def sample_on_device(logits_SV: Tensor, specs: list[SamplingSpec], positions: list[int],
                      greedy_S: Tensor | None = None) -> Tensor:
     """sample without reading anything back: the int64 tokens [S] on logits' device.
 
@@ -62,10 +73,8 @@ def sample_on_device(logits_SV: Tensor, specs: list[SamplingSpec], generators: l
     a CUDA graph); the result is then greedy_S itself when every row is
     greedy, else a copy with the other rows drawn.
     """
-    if not len(specs) == len(generators) == logits_SV.shape[0]:
-        raise ValueError(
-            f"{logits_SV.shape[0]} logit rows, {len(specs)} specs and {len(generators)} generators"
-        )
+    if not len(specs) == len(positions) == logits_SV.shape[0]:
+        raise ValueError(f"{logits_SV.shape[0]} logit rows, {len(specs)} specs and {len(positions)} positions")
     tokens_S = logits_SV.argmax(dim=-1) if greedy_S is None else greedy_S
     drawn = [i for i, spec in enumerate(specs) if not spec.is_greedy]
     if not drawn:
@@ -75,16 +84,33 @@ def sample_on_device(logits_SV: Tensor, specs: list[SamplingSpec], generators: l
     logits_DV = logits_SV.index_select(0, rows_D).float()
     logits_DV /= _to_device([specs[i].temperature for i in drawn], torch.float32, device)[:, None]
     scores_DV, order_DV = _filtered_scores(logits_DV, [specs[i] for i in drawn])
-    # The exponential race: argmax(p / E) with E ~ Exp(1) draws from p; each row's
-    # noise comes from its sequence's generator (clamped: log(0) would pick a dropped token).
-    noise_DV = torch.empty_like(scores_DV)
-    for row, i in enumerate(drawn):
-        noise_DV[row].exponential_(generator=generators[i])
-    picks_D = (scores_DV - noise_DV.clamp_(min=1e-30).log_()).argmax(dim=-1)
+    # Inverse transform: the first token whose cumulative probability passes u (dropped
+    # tokens add nothing, so they are never it); float64 so the sum over the vocabulary
+    # keeps each token's share to ~1e-16.
+    cdf_DV = torch.softmax(scores_DV, dim=-1).double().cumsum_(dim=-1)
+    uniforms_D1 = _to_device([uniform(specs[i].seed, positions[i]) for i in drawn], torch.float64, device)[:, None]
+    picks_D = torch.searchsorted(cdf_DV, uniforms_D1 * cdf_DV[:, -1:], right=True)[:, 0]
+    picks_D.clamp_(max=logits_SV.shape[1] - 1)  # u * total rounding up to the total
     if order_DV is not None:
         picks_D = order_DV.gather(1, picks_D[:, None])[:, 0]
     tokens_S = tokens_S.clone() if greedy_S is not None else tokens_S
     return tokens_S.index_copy_(0, rows_D, picks_D)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's output function (Steele, Lea and Flood, 2014) on a 64-bit integer."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def uniform(seed: int, position: int) -> float:
+    """The draw of (seed, position): a float in [0, 1), 53 random bits."""
+    z = _mix64((seed * 0x9E3779B97F4A7C15 + _mix64(position & _MASK64)) & _MASK64)
+    return (z >> 11) * 2.0 ** -53
 
 
 def _filtered_scores(logits_DV: Tensor, specs: list[SamplingSpec]) -> tuple[Tensor, Tensor | None]:
