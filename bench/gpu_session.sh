@@ -3,7 +3,7 @@
 #
 #   device run, kind nvidia-h200-x2, carry [".whl"], timeout_s 600:
 #       bash bench/gpu_session.sh
-#   STEPS="test acc mixed n1 n2" (the default) picks the parts, in that order:
+#   STEPS="test acc n1 n2 draws samp" (the default) picks the parts, in that order:
 #     test   tests/expert_svc/test_pipeline_cuda.py (the decode graph's inputs, launched-ahead steps)
 #     acc    bench/attention_gpu.py --sections checks (the triton attention's bf16 accuracy)
 #     attn   bench/attention_gpu.py (accuracy and speed)
@@ -18,17 +18,18 @@
 #     ep     bench/ep_gpu.py (the N=2 MoE layer: dispatch/combine against gather/reduce-scatter)
 #     moe    bench/moe_large_batch.py --sweep at decode and prefill sizes (the MoE GEMM tiles)
 #     samp   n1's c256 again, every request sampled (temperature 0.8, top_p 0.95, seeded)
+#     draws  bench/sampling_cost.py on the GPU: one step's draws, 256 rows x 151,936 tokens
 #     fp8    n1's c256 again with --kv-cache-dtype fp8_e4m3 (half the KV bytes per decode step)
 #   N1_ARGS / N2_ARGS add arguments to those runs (e.g. N1_ARGS="--max-batch-tokens 8192");
 #   MOE_TOKENS picks the moe sweep's step sizes (default 128,256,4096).
 #
 # Everything lands in $OUT/session.tgz (the device tool returns at most 8 files) plus
 # $OUT/session.log, both rewritten after each part; each part runs under its own time
-# limit so one hang loses one part. The default parts should take 6-9 of a call's 10
-# minutes (an estimate: mixed_step has not run on a GPU yet); run the optional ones in a
-# second call.
+# limit so one hang loses one part. The default parts took about 5 of a call's 10 minutes
+# in session 7 (test 16 s, acc 13 s, n1 80 s, n2 90 s, samp 54 s; draws not yet run); run
+# the optional ones in a second call.
 set -u
-STEPS=${STEPS:-"test acc mixed n1 n2"}
+STEPS=${STEPS:-"test acc n1 n2 draws samp"}
 OUT=${OUT:-/tmp/gpu_session_out}
 RESULTS=/tmp/gpu_session
 rm -rf "$RESULTS"  # a warm machine keeps /tmp: only this call's results go back
@@ -78,6 +79,7 @@ for step in $STEPS; do
         moe) part moe 300 python3 bench/moe_large_batch.py --tokens "${MOE_TOKENS:-128,256,4096}" --sweep --out "$RESULTS/moe" ;;
         samp) part samp 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 --cases c256 --sampling 0.8,0.95 \
                 ${N1_ARGS:-} --out "$RESULTS/samp" ;;
+        draws) part draws 60 python3 -m bench.sampling_cost --device cuda ;;
         fp8) part fp8 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 --cases c256 \
                 --expert-arg=--kv-cache-dtype --expert-arg=fp8_e4m3 ${N1_ARGS:-} --out "$RESULTS/fp8" ;;
         *) echo "unknown step $step" >>"$LOG" ;;
