@@ -1,0 +1,64 @@
+"""How an expert rank picks its group's exchange (expert_svc/rank.py, _symmetric_exchange): the ranks
+agree through one all_reduce, so a rank that could not set up symmetric memory takes the whole group
+to the collectives under --ep-exchange auto, and fails it under symmetric. Symmetric memory itself
+needs GPUs (bench/ep_gpu.py); here SymmetricExchange is replaced."""
+
+import types
+
+import pytest
+import torch
+
+from expert_svc.config import ExpertConfig
+from expert_svc.rank import ExpertRank
+from services.model.random_weights import preset
+
+symm_exchange = pytest.importorskip("services.model.symm_exchange")  # imports triton
+
+
+class FakeComm:
+    """max_over_ranks as a group where the other ranks pass `others`."""
+
+    def __init__(self, others: list[int]):
+        self.group, self.others = object(), others
+
+    def max_over_ranks(self, value: int, device) -> int:
+        return max([value, *self.others])
+
+
+def _rank(ep_exchange: str):
+    config = ExpertConfig(member_id="e0", random_weights="tiny", device="cuda", ep_exchange=ep_exchange)
+    return types.SimpleNamespace(config=config, model_config=preset("tiny"), _dtype=torch.bfloat16)
+
+
+class Works:
+    def __init__(self, group, max_rows_per_rank, row_width, hidden, dtype, device, timeout_ms):
+        self.args = (max_rows_per_rank, row_width, hidden, timeout_ms)
+
+
+class Fails:
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("no P2P here")
+
+
+@pytest.mark.parametrize("mine,others,required,expected", [
+    (Works, [-1], False, "exchange"),   # every rank set it up (max of -1s)
+    (Works, [0], False, None),          # another rank could not: the collectives
+    (Fails, [-1], False, None),         # this rank could not
+    (Works, [0], True, "error"),
+    (Fails, [-1], True, "error"),
+])
+def test_the_ranks_agree_on_the_exchange(monkeypatch, mine, others, required, expected):
+    monkeypatch.setattr(symm_exchange, "SymmetricExchange", mine)
+    rank = _rank("symmetric" if required else "auto")
+    if expected == "error":
+        with pytest.raises(RuntimeError, match="--ep-exchange symmetric: symmetric memory could not be set up"):
+            ExpertRank._symmetric_exchange(rank, FakeComm(others), required=True)
+        return
+    exchange = ExpertRank._symmetric_exchange(rank, FakeComm(others), required=required)
+    if expected is None:
+        assert exchange is None
+    else:
+        mc = preset("tiny")
+        assert isinstance(exchange, Works)
+        # Buffers for the largest decode step, rows of the packed width, the collective timeout.
+        assert exchange.args == (256, mc.hidden_size + 8 * mc.num_experts_per_tok // 2, mc.hidden_size, 120_000)
