@@ -1,25 +1,27 @@
 """Choosing the next token from logits: greedy, or temperature, top-k, top-p and a draw.
 
 A draw is keyed by the sequence's seed and the position of the token drawn:
-one uniform number per row, from a hash of (seed, position) (splitmix64, on
-the host: a few integer operations per row), picks the token whose interval
-of the filtered distribution's cumulative sum holds it (inverse transform
-sampling). So a seed gives the same tokens whatever else shares the batch,
-and a sequence resumed elsewhere (re-prefilled after a failover or a
-preemption) draws what it would have drawn had it not moved: nothing but
-the seed and the position decides. The rows that draw are filtered and
-drawn together (one sort if any row filters, one softmax, one cumulative
-sum in float64, one search): no per-row kernel. Nothing reads the device
-back but `sample`'s final `.tolist()`. Legend: S sequences, D rows that
-draw, V vocab.
+its noise comes from a generator seeded with a hash of the two (splitmix64),
+so a seed gives the same tokens whatever else shares the batch, and a
+sequence resumed elsewhere (re-prefilled after a failover or a preemption)
+draws what it would have drawn had it not moved. The rows that draw are
+filtered and drawn together (one sort if any row filters): only the noise
+is drawn row by row. The draw is the exponential race (argmax of p / E, E
+~ Exp(1) per token), whose winner moves only if the logits move by about
+its margin over the runner-up: robust to the rounding a different batch
+gives (inverse transform sampling, one uniform per row, was tried and was
+not: over a flat distribution of 151,936 tokens each token's slice of the
+cumulative sum is ~1e-5 wide, and a re-prefill's rounding moved draws to
+the neighbouring token). Nothing reads the device back but `sample`'s final
+`.tolist()`. Legend: S sequences, D rows that draw, V vocab.
 
-Hand-written: torch's generators are stateful (a sequence's draws would
-depend on how many it made before, so a resumed sequence would repeat its
-first ones), and one generator per row meant one noise kernel per row a
-step (256 at c256).
+Hand-written: torch's generators are stateful, so one per sequence made a
+sequence's draws depend on how many it had made on this rank: a resumed
+sequence repeated its first ones.
 """
 
 import dataclasses
+import threading
 
 import torch
 from torch import Tensor
@@ -84,13 +86,15 @@ def sample_on_device(logits_SV: Tensor, specs: list[SamplingSpec], positions: li
     logits_DV = logits_SV.index_select(0, rows_D).float()
     logits_DV /= _to_device([specs[i].temperature for i in drawn], torch.float32, device)[:, None]
     scores_DV, order_DV = _filtered_scores(logits_DV, [specs[i] for i in drawn])
-    # Inverse transform: the first token whose cumulative probability passes u (dropped
-    # tokens add nothing, so they are never it); float64 so the sum over the vocabulary
-    # keeps each token's share to ~1e-16.
-    cdf_DV = torch.softmax(scores_DV, dim=-1).double().cumsum_(dim=-1)
-    uniforms_D1 = _to_device([uniform(specs[i].seed, positions[i]) for i in drawn], torch.float64, device)[:, None]
-    picks_D = torch.searchsorted(cdf_DV, uniforms_D1 * cdf_DV[:, -1:], right=True)[:, 0]
-    picks_D.clamp_(max=logits_SV.shape[1] - 1)  # u * total rounding up to the total
+    # The exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Each row's noise comes
+    # from a generator seeded with the hash of (seed, position); clamped: log(0) would pick a
+    # dropped token. One generator serves every row: each launch takes the seed it was set to.
+    generator = _generator(device)
+    noise_DV = torch.empty_like(scores_DV)
+    for row, i in enumerate(drawn):
+        generator.manual_seed(draw_seed(specs[i].seed, positions[i]))
+        noise_DV[row].exponential_(generator=generator)
+    picks_D = (scores_DV - noise_DV.clamp_(min=1e-30).log_()).argmax(dim=-1)
     if order_DV is not None:
         picks_D = order_DV.gather(1, picks_D[:, None])[:, 0]
     tokens_S = tokens_S.clone() if greedy_S is not None else tokens_S
@@ -98,6 +102,7 @@ def sample_on_device(logits_SV: Tensor, specs: list[SamplingSpec], positions: li
 
 
 _MASK64 = (1 << 64) - 1
+_LOCAL = threading.local()  # each thread's generators, one per device
 
 
 def _mix64(z: int) -> int:
@@ -107,10 +112,17 @@ def _mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def uniform(seed: int, position: int) -> float:
-    """The draw of (seed, position): a float in [0, 1), 53 random bits."""
-    z = _mix64((seed * 0x9E3779B97F4A7C15 + _mix64(position & _MASK64)) & _MASK64)
-    return (z >> 11) * 2.0 ** -53
+def draw_seed(seed: int, position: int) -> int:
+    """The 64-bit seed of the draw of (seed, position)."""
+    return _mix64((seed * 0x9E3779B97F4A7C15 + _mix64(position & _MASK64)) & _MASK64)
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    """This thread's generator on `device`, which draws are seeded on."""
+    generators = _LOCAL.__dict__.setdefault("generators", {})
+    if device not in generators:
+        generators[device] = torch.Generator(device=device)
+    return generators[device]
 
 
 def _filtered_scores(logits_DV: Tensor, specs: list[SamplingSpec]) -> tuple[Tensor, Tensor | None]:

@@ -99,11 +99,11 @@ def test_draws_follow_the_filtered_distribution(spec, expected):
 
 
 @pytest.mark.parametrize("vary", ["seed", "position"])
-def test_the_uniforms_are_uniform_along_seeds_and_positions(vary):
-    from services.model.sampling import uniform
+def test_the_draw_seeds_are_uniform_along_seeds_and_positions(vary):
+    from services.model.sampling import draw_seed
 
-    values = torch.tensor([uniform(i, 7) if vary == "seed" else uniform(7, i) for i in range(20_000)],
-                          dtype=torch.float64)
+    seeds = [draw_seed(i, 7) if vary == "seed" else draw_seed(7, i) for i in range(20_000)]
+    values = torch.tensor([(z >> 11) * 2.0 ** -53 for z in seeds], dtype=torch.float64)
     assert 0.0 <= float(values.min()) and float(values.max()) < 1.0
     counts = torch.histc(values, bins=10, min=0.0, max=1.0) / len(values)
     torch.testing.assert_close(counts, torch.full((10,), 0.1, dtype=torch.float64), atol=0.01, rtol=0)
