@@ -224,7 +224,7 @@ class StepRunner:
         seqs = [self._seqs[s.seq_id] for s in rows]
         specs = [seq.sampling if s.is_sampled else _GREEDY for s, seq in zip(rows, seqs)]
         # The index of the token each row draws: a draw depends on its seed and this only.
-        positions = [seq.num_computed + (len(s.token_ids) or 1) for s, seq in zip(rows, seqs)]
+        positions = [seq.num_computed + _num_inputs(s) for s, seq in zip(rows, seqs)]
         token_ids_S = sample_on_device(logits_SV, specs, positions, greedy_S)
         if token_ids_S is greedy_S:  # a graph's static output: the next replay overwrites it
             token_ids_S = token_ids_S.clone()
@@ -283,7 +283,7 @@ class StepRunner:
         scheduled_ids = set()
         for sched in plan.scheduled:
             self._check_scheduled(sched, live, scheduled_ids)
-        num_tokens = sum(len(s.token_ids) or 1 for s in plan.scheduled)
+        num_tokens = sum(map(_num_inputs, plan.scheduled))
         if plan.max_tokens_per_rank and num_tokens > plan.max_tokens_per_rank:
             raise ValueError(f"the plan has {num_tokens} tokens, more than its max_tokens_per_rank "
                              f"{plan.max_tokens_per_rank}")
@@ -301,7 +301,7 @@ class StepRunner:
         if bad := [t for t in sched.token_ids if not 0 <= t < self.vocab_size]:
             raise ValueError(f"sequence {seq_id} has token id {bad[0]} outside [0, {self.vocab_size})")
         self._check_block_ids(seq_id, sched.new_block_ids)
-        num_tokens = num_computed + (len(sched.token_ids) or 1)
+        num_tokens = num_computed + _num_inputs(sched)
         num_blocks += len(sched.new_block_ids)
         if num_blocks * self.block_size < num_tokens:
             raise ValueError(f"sequence {seq_id} has {num_blocks} blocks of {self.block_size}, "
@@ -311,6 +311,11 @@ class StepRunner:
         if bad := [b for b in block_ids if not 0 <= b < self.kv_pool.num_blocks]:
             raise ValueError(f"sequence {seq_id} has block id {bad[0]} outside the pool's "
                              f"{self.kv_pool.num_blocks} blocks")
+
+
+def _num_inputs(sched: ScheduledSequence) -> int:
+    """A scheduled sequence's input tokens this step: its new ones, or the one fed back."""
+    return len(sched.token_ids) or 1
 
 
 def _token_feed(rows_F: list[int], tokens: list[tuple[Tensor, int]], device: torch.device) -> TokenFeed | None:

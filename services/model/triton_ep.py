@@ -226,10 +226,7 @@ def gathered_moe(layer, x_TD: Tensor, rows_per_rank: int) -> Tensor:
     comm.all_gather(recv_JW, send_BW)
     partial_JD = local_partials(recv_JW, hidden, layer.top_k, 1 + comm.rank * num_local, layer.w_gate_up_LGD,
                                 layer.w_down_LDF, out=None if exchange is None else exchange.partial_rows(num_rows))
-    if exchange is not None:  # the fp32 sum rounded in the same kernel
-        out_BD = x_TD.new_empty(rows_per_rank, hidden)
-        comm.reduce_scatter(out_BD, partial_JD)
-        return out_BD[:num_tokens]
-    out_BD = partial_JD.new_empty(rows_per_rank, hidden)
+    # The exchange rounds the fp32 sum to the model dtype in its own kernel; NCCL sums in fp32.
+    out_BD = (x_TD if exchange is not None else partial_JD).new_empty(rows_per_rank, hidden)
     comm.reduce_scatter(out_BD, partial_JD)
     return out_BD[:num_tokens].to(x_TD.dtype)

@@ -1,18 +1,31 @@
 """How an expert rank picks its group's exchange (expert_svc/rank.py, _symmetric_exchange): the ranks
 agree through one all_reduce, so a rank that could not set up symmetric memory takes the whole group
 to the collectives under --ep-exchange auto, and fails it under symmetric. Symmetric memory itself
-needs GPUs (bench/ep_gpu.py); here SymmetricExchange is replaced."""
+needs GPUs (bench/ep_gpu.py); here SymmetricExchange is replaced.
 
-import types
+TRITON_INTERPRET=1 must be set before any kernel module is imported (rank.py imports
+services.model.triton_ep and symm_exchange), as the kernel tests' modules do.
+"""
 
-import pytest
-import torch
+import os
 
-from expert_svc.config import ExpertConfig
-from expert_svc.rank import ExpertRank
-from services.model.random_weights import preset
+os.environ["TRITON_INTERPRET"] = "1"
 
-symm_exchange = pytest.importorskip("services.model.symm_exchange")  # imports triton
+import types  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from expert_svc.config import ExpertConfig  # noqa: E402
+from expert_svc.rank import ExpertRank  # noqa: E402
+from services.model.random_weights import preset  # noqa: E402
+from tests.triton_interpreter import interpreted  # noqa: E402
+
+
+@pytest.fixture
+def symm_exchange():
+    with interpreted("symm_exchange") as module:
+        yield module
 
 
 class FakeComm:
@@ -47,7 +60,7 @@ class Fails:
     (Works, [0], True, "error"),
     (Fails, [-1], True, "error"),
 ])
-def test_the_ranks_agree_on_the_exchange(monkeypatch, mine, others, required, expected):
+def test_the_ranks_agree_on_the_exchange(monkeypatch, symm_exchange, mine, others, required, expected):
     monkeypatch.setattr(symm_exchange, "SymmetricExchange", mine)
     rank = _rank("symmetric" if required else "auto")
     if expected == "error":
