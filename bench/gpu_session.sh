@@ -20,6 +20,8 @@
 #     samp   n1's c256 again, every request sampled (temperature 0.8, top_p 0.95, seeded)
 #     draws  bench/sampling_cost.py on the GPU: one step's draws, 256 rows x 151,936 tokens
 #     fp8    n1's c256 again with --kv-cache-dtype fp8_e4m3 (half the KV bytes per decode step)
+#     vars   bench/decode_variants.py: the 48-layer decode step replayed in a CUDA graph under each
+#            of $VARIANTS (module knobs; default: DECODE_VARIANTS below) at batches $VAR_BATCHES
 #   N1_ARGS / N2_ARGS add arguments to those runs (e.g. N1_ARGS="--max-batch-tokens 8192");
 #   MOE_TOKENS picks the moe sweep's step sizes (default 128,256,4096).
 #
@@ -60,6 +62,13 @@ two_ranks() {  # two_ranks NAME ARGS...: gpu_speed on two ranks, c256 and c512, 
         --baseline-json "$RESULTS/n1/gpu_speed_$KIND.json" ${N2_ARGS:-} --out "$RESULTS/$name"
 }
 
+# The kernel knobs bench/decode_variants.py compares with the defaults, on one machine.
+DECODE_VARIANTS="unfused=triton_fused.GATE_ROUTE_ROWS_MAX_TOKENS:0,triton_moe.FUSED_ADD_NORM:False;\
+no_gate_route_rows=triton_fused.GATE_ROUTE_ROWS_MAX_TOKENS:0;no_fused_add_norm=triton_moe.FUSED_ADD_NORM:False;\
+qkv_blocks64=triton_fused.QKV_ONE_TOKEN_STEPS:64;qkv_blocks32=triton_fused.QKV_ONE_TOKEN_STEPS:32;\
+route_splits16=triton_fused.GATE_ROUTE_ROWS_SPLITS:16;route_splits4=triton_fused.GATE_ROUTE_ROWS_SPLITS:4;\
+attn_programs8=triton_attention.DECODE_PROGRAMS_PER_SM:8;attn_programs16=triton_attention.DECODE_PROGRAMS_PER_SM:16"
+
 for step in $STEPS; do
     case $step in
         test) part test 150 python3 -m pytest -q -p no:cacheprovider tests/expert_svc/test_pipeline_cuda.py ;;
@@ -80,6 +89,8 @@ for step in $STEPS; do
         samp) part samp 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 --cases c256 --sampling 0.8,0.95 \
                 ${N1_ARGS:-} --out "$RESULTS/samp" ;;
         draws) part draws 60 python3 -m bench.sampling_cost --device cuda ;;
+        vars) part vars 300 python3 -m bench.decode_variants --batch-sizes "${VAR_BATCHES:-256,128,64}" \
+                --variants "${VARIANTS:-$DECODE_VARIANTS}" --profile --out "$RESULTS/vars" ;;
         fp8) part fp8 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 --cases c256 \
                 --expert-arg=--kv-cache-dtype --expert-arg=fp8_e4m3 ${N1_ARGS:-} --out "$RESULTS/fp8" ;;
         *) echo "unknown step $step" >>"$LOG" ;;

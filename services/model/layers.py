@@ -3,6 +3,9 @@
 Legend: T tokens, D hidden, H heads, K head_dim, F MLP width.
 """
 
+import dataclasses
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -14,6 +17,22 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     # Cast back before scaling, as the reference does: matters in bf16.
     return weight * normed.to(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AddNorm:
+    """A residual add and the RMSNorm after it, handed to a feed-forward by the fused layer
+    loop (CUDA), which may fuse them into its last kernel: add_norm(out_TD) adds out_TD into
+    x_TD in place and returns rms_norm(x_TD, weight_D, eps), the next layer's input, by
+    add_rms_norm_ (triton_fused.add_rms_norm_: one kernel)."""
+
+    x_TD: Tensor
+    weight_D: Tensor
+    eps: float
+    add_rms_norm_: Callable[[Tensor, Tensor, Tensor, float], Tensor]
+
+    def __call__(self, out_TD: Tensor) -> Tensor:
+        return self.add_rms_norm_(self.x_TD, out_TD, self.weight_D, self.eps)
 
 
 def swiglu_mlp(x_TD: Tensor, w_gate_FD: Tensor, w_up_FD: Tensor, w_down_DF: Tensor) -> Tensor:

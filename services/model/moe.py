@@ -75,6 +75,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from services.model.expert_map import SlotMap
+from services.model.layers import AddNorm
 
 
 # Rows per block of the expert matmuls of a layer with spare slots on the CPU (see experts):
@@ -428,20 +429,28 @@ class MoELayer:
         self.w_gate_up_LGD[slot].copy_(w_gate_up_GD)
         self.w_down_LDF[slot].copy_(weights[expert_prefix + "down_proj.weight"])
 
-    def __call__(self, x_TD: Tensor, capacity: int | None = None) -> Tensor:
-        """The layer on this rank's tokens; `capacity` picks the dispatch mode (see dispatch)."""
+    def __call__(self, x_TD: Tensor, capacity: int | None = None, add_norm: AddNorm | None = None) -> Tensor:
+        """The layer on this rank's tokens; `capacity` picks the dispatch mode (see dispatch).
+        With add_norm, add_norm(the output) (the grouped kernels fuse it into their combine)."""
+        if self.comm.world_size == 1 and x_TD.is_cuda and self.slot_map is None:
+            from services.model import triton_fused, triton_moe  # import triton: CUDA only
+
+            if triton_fused.ENABLED and triton_moe.ENABLED and x_TD.shape[0] > triton_fused.MOE_MAX_TOKENS:
+                return triton_moe.grouped_moe(x_TD, self.w_gate_ED, self.w_gate_up_LGD, self.w_down_LDF,
+                                              self.top_k, self.norm_topk_prob, self.hit_counts_E, add_norm=add_norm)
+        out_TD = self._output(x_TD, capacity)
+        return out_TD if add_norm is None else add_norm(out_TD)
+
+    def _output(self, x_TD: Tensor, capacity: int | None) -> Tensor:
         if self.comm.world_size > 1 and capacity is not None and gathers_on(x_TD.device):
             from services.model import triton_ep  # imports triton: CUDA only
 
             return triton_ep.gathered_moe(self, x_TD, capacity // min(self.top_k, self.w_gate_up_LGD.shape[0]))
-        if self.comm.world_size == 1 and x_TD.is_cuda:  # one rank: fused kernels
-            from services.model import triton_fused, triton_moe  # import triton: CUDA only
+        if self.comm.world_size == 1 and x_TD.is_cuda:  # one rank, a small step: fused kernels
+            from services.model import triton_fused  # imports triton: CUDA only
 
             if triton_fused.ENABLED and x_TD.shape[0] <= triton_fused.MOE_MAX_TOKENS:
                 return triton_fused.fused_moe(x_TD, self.w_gate_ED, self.w_gate_up_LGD, self.w_down_LDF,
-                                              self.top_k, self.norm_topk_prob, self.hit_counts_E)
-            if triton_fused.ENABLED and triton_moe.ENABLED and self.slot_map is None:  # more tokens
-                return triton_moe.grouped_moe(x_TD, self.w_gate_ED, self.w_gate_up_LGD, self.w_down_LDF,
                                               self.top_k, self.norm_topk_prob, self.hit_counts_E)
         ids_TK, weights_TK, counts_E = gate(x_TD, self.w_gate_ED, self.top_k, self.norm_topk_prob)
         self.hit_counts_E += counts_E

@@ -18,7 +18,7 @@ from services.kv_pool import KVPool
 from services.model.attention import AttentionBackend, make_attention_backend
 from services.model.batch import ForwardBatch
 from services.model.config import ModelConfig
-from services.model.layers import RotaryEmbedding, apply_rotary, rms_norm, swiglu_mlp
+from services.model.layers import AddNorm, RotaryEmbedding, apply_rotary, rms_norm, swiglu_mlp
 from services.model.expert_map import SlotMap
 from services.model.moe import ExpertComm, MoELayer, gate, gathers_on, local_expert_ids, step_capacity
 
@@ -39,7 +39,7 @@ class _DecoderLayer:
     k_norm_K: Tensor
     post_attention_norm_D: Tensor
     # (x_TD, dispatch capacity) -> y_TD: an MoELayer, or a dense SwiGLU MLP ignoring the capacity
-    feed_forward: Callable[[Tensor, int | None], Tensor]
+    feed_forward: Callable[..., Tensor]  # (x_TD, capacity, add_norm=None), as MoELayer
 
 
 class _Converted(Mapping):
@@ -192,10 +192,11 @@ class Qwen3MoeModel:
         """The layer loop with triton_fused's kernels (CUDA): each residual add fused with
         the next RMSNorm, one q|k|v matmul, the projections through fused.linear (a GEMV
         kernel for one token); returns the sampled rows, final-normed."""
-        c, eps, pending_TD = self.config, self.config.rms_norm_eps, None
+        c, eps, pending_TD, h_TD = self.config, self.config.rms_norm_eps, None, None
         x_TD = x_TD.contiguous()
         for i, layer in enumerate(self.layers):
-            h_TD = fused.add_rms_norm_(x_TD, pending_TD, layer.input_norm_D, eps)
+            if h_TD is None:  # the first layer, or the last feed-forward's output is pending
+                h_TD = fused.add_rms_norm_(x_TD, pending_TD, layer.input_norm_D, eps)
             q_THK, k_TGK, v_TGK = fused.qkv_norm_rotary(
                 fused.linear(h_TD, layer.w_qkv_XD), layer.q_norm_K, layer.k_norm_K, cos_TK, sin_TK,
                 c.num_attention_heads, c.num_key_value_heads, eps)
@@ -204,7 +205,11 @@ class Qwen3MoeModel:
             h_TD = fused.add_rms_norm_(x_TD, attn_TD, layer.post_attention_norm_D, eps)
             if last_row_hits_LE is not None and c.is_moe_layer(i) and h_TD.shape[0]:
                 _add_last_row_hits(layer.feed_forward, h_TD, last_row_hits_LE[c.moe_layers.index(i)])
-            pending_TD = layer.feed_forward(h_TD, capacity)
+            if i + 1 < len(self.layers):  # the feed-forward adds its output and takes the next norm
+                add_norm = AddNorm(x_TD, self.layers[i + 1].input_norm_D, eps, fused.add_rms_norm_)
+                h_TD = layer.feed_forward(h_TD, capacity, add_norm)
+            else:
+                h_TD, pending_TD = None, layer.feed_forward(h_TD, capacity)
         x_TD = x_TD if pending_TD is None else x_TD + pending_TD
         return rms_norm(x_TD[batch.sample_indices_S], self.norm_D, eps)
 
@@ -246,6 +251,7 @@ def _add_last_row_hits(layer: MoELayer, h_TD: Tensor, hits_E: Tensor) -> None:
     hits_E.scatter_add_(0, ids_TK[-1], torch.ones_like(ids_TK[-1]))
 
 
-def _dense_mlp(x_TD: Tensor, _capacity: int | None, **weights: Tensor) -> Tensor:
+def _dense_mlp(x_TD: Tensor, _capacity: int | None, add_norm: AddNorm | None = None, **weights: Tensor) -> Tensor:
     """A dense layer's feed-forward, called like an MoELayer (it has nothing to dispatch)."""
-    return swiglu_mlp(x_TD, **weights)
+    out_TD = swiglu_mlp(x_TD, **weights)
+    return out_TD if add_norm is None else add_norm(out_TD)

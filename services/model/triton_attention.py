@@ -43,6 +43,9 @@ _LOG2E = 1.4426950408889634
 # at 1K context and 64 at 4K, batch 64 with 2, batch 256 with 1.
 _MIN_SPLIT_TOKENS = 64
 _MAX_SPLITS = 64
+# Decode programs wanted per SM: the split count makes about this many (sequences x KV
+# heads x splits), e.g. raised to compare more splits at big batches (bench/decode_variants.py).
+DECODE_PROGRAMS_PER_SM = 2
 # The number of SMs assumed off CUDA (the interpreter), for the split count.
 _CPU_NUM_SMS = 4
 
@@ -220,13 +223,14 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, co
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
-    """Splits per (sequence, KV head): a power of two giving about two programs per SM.
+    """Splits per (sequence, KV head): a power of two giving about DECODE_PROGRAMS_PER_SM
+    programs per SM.
 
     From shapes only (max_context is the block table's width in tokens), so a
     captured graph keeps its split count; never more splits than
     max_context / _MIN_SPLIT_TOKENS.
     """
-    wanted = triton.cdiv(2 * num_sms, max(1, num_seqs * num_kv_heads))
+    wanted = triton.cdiv(DECODE_PROGRAMS_PER_SM * num_sms, max(1, num_seqs * num_kv_heads))
     most = triton.cdiv(max(1, max_context), _MIN_SPLIT_TOKENS)
     splits = max(1, min(wanted, most, _MAX_SPLITS))
     return triton.next_power_of_2(splits)

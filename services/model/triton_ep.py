@@ -121,7 +121,8 @@ def _route_pack_kernel(logits_ptr, x_ptr, rows_ptr, meta_ptr, hits_ptr, num_toke
     if j < num_tokens:
         e = tl.arange(0, BLOCK_E)
         logits = tl.load(logits_ptr + j * num_experts + e, mask=e < num_experts, other=float("-inf")).to(tl.float32)
-        chosen, w, rank = triton_fused.choose_experts(logits, e, num_experts, NORM, TOP_K, BLOCK_E)
+        chosen, w, rank = triton_fused.choose_experts(logits[None, :], e, num_experts, NORM, TOP_K, BLOCK_E)
+        chosen, w, rank = tl.reshape(chosen, [BLOCK_E]), tl.reshape(w, [BLOCK_E]), tl.reshape(rank, [BLOCK_E])
         # As route then pack: ids + 1, the weights rounded to the model dtype, as fp32 bits.
         w = w.to(x_ptr.dtype.element_ty).to(tl.float32)
         tl.store(meta_ptr + j * meta_stride + rank, (e + 1).to(tl.int32), mask=chosen)

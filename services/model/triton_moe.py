@@ -35,6 +35,8 @@ import triton.language as tl
 from torch import Tensor
 
 from services.model import moe, triton_fused
+from services.model.layers import AddNorm
+from services.model.triton_fused import add_residual, store_rms_norm
 
 # The switch MoELayer reads (False: the general dispatch/combine code, e.g. to compare).
 ENABLED = True
@@ -45,6 +47,10 @@ EP_EXPERTS = True
 ALIGN_TOKENS = 16
 # Positions per program of the segments kernel (each compares its positions with every expert).
 SEGMENT_POSITIONS = 32
+# grouped_moe given an AddNorm (the fused layer loop) adds its output into the residual stream
+# and takes the next RMSNorm in its combine kernel (False: combine, then the AddNorm's own
+# add_rms_norm_ kernel, e.g. to compare).
+FUSED_ADD_NORM = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -157,8 +163,11 @@ class Alignment:
     block_m: int
 
 
-def align(ids_TK: Tensor, num_experts: int, block_m: int, id_offset: int = 0) -> Alignment:
+def align(ids_TK: Tensor, num_experts: int, block_m: int, id_offset: int = 0,
+          chunk_counts: Tensor | None = None) -> Alignment:
     """Counting sort of the routed rows by expert (each token's ids distinct), stable in r.
+    chunk_counts: each ALIGN_TOKENS tokens' rows per expert, if the routing counted them
+    (triton_fused.gate_route_rows; id_offset 0): the count kernel is skipped.
 
     ids_TK may be a strided view (its rows any stride, its columns contiguous). Expert
     ids_TK[t, k] - id_offset is the local expert; a routed row whose local id is outside
@@ -178,11 +187,14 @@ def align(ids_TK: Tensor, num_experts: int, block_m: int, id_offset: int = 0) ->
                                                                               device=device)
     if num_tokens:
         num_chunks = triton.cdiv(num_tokens, ALIGN_TOKENS)
-        chunk_counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=device)
         block_e = triton.next_power_of_2(num_experts)
         ids_stride = ids_TK.stride(0)
-        _count_kernel[(num_chunks,)](ids_TK, chunk_counts, num_tokens, num_experts, ids_stride, id_offset,
-                                     TOP_K=top_k, BLOCK_T=ALIGN_TOKENS, BLOCK_E=block_e)
+        if chunk_counts is None:
+            chunk_counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=device)
+            _count_kernel[(num_chunks,)](ids_TK, chunk_counts, num_tokens, num_experts, ids_stride, id_offset,
+                                         TOP_K=top_k, BLOCK_T=ALIGN_TOKENS, BLOCK_E=block_e)
+        else:
+            assert chunk_counts.shape == (num_chunks, num_experts) and id_offset == 0
         _place_kernel[(num_chunks,)](ids_TK, chunk_counts, sorted_ids_P, pos_R, starts_E, counts_E, ends_E,
                                      num_tokens, num_experts, num_chunks, ids_stride, id_offset, TOP_K=top_k,
                                      BLOCK_M=block_m,
@@ -310,21 +322,42 @@ def _down_kernel(act_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, w_pt
 
 
 @triton.jit
-def _combine_kernel(y_ptr, rows_ptr, weights_ptr, out_ptr, hidden, TOP_K: tl.constexpr, HAS_ROWS: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask = d < hidden
-    dtype = out_ptr.dtype.element_ty
-    total = tl.zeros([BLOCK_D], tl.float32)
-    for k in tl.static_range(TOP_K):  # increasing expert order, as moe.combine sums
+def _weighted_sum(y_ptr, rows_ptr, weights_ptr, t, d, mask, hidden, TOP_K: tl.constexpr, HAS_ROWS: tl.constexpr):
+    """fp32 [BLOCK_D]: token t's K rows of y (columns d) times their weights, each product
+    rounded to the model dtype as moe.combine stores it, summed in increasing expert order."""
+    dtype = y_ptr.dtype.element_ty
+    total = tl.zeros(d.shape, tl.float32)
+    for k in tl.static_range(TOP_K):
         r = t * TOP_K + k
         row = r
         if HAS_ROWS:
             row = tl.load(rows_ptr + r).to(tl.int64)
         y = tl.load(y_ptr + row * hidden + d, mask=mask, other=0.0).to(tl.float32)
         total += (y * tl.load(weights_ptr + r).to(tl.float32)).to(dtype).to(tl.float32)
-    tl.store(out_ptr + t * hidden + d, total.to(dtype), mask=mask)
+    return total
+
+
+@triton.jit
+def _combine_kernel(y_ptr, rows_ptr, weights_ptr, out_ptr, hidden, TOP_K: tl.constexpr, HAS_ROWS: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = d < hidden
+    total = _weighted_sum(y_ptr, rows_ptr, weights_ptr, t, d, mask, hidden, TOP_K, HAS_ROWS)
+    tl.store(out_ptr + t * hidden + d, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _combine_add_norm_kernel(y_ptr, weights_ptr, x_ptr, norm_ptr, h_ptr, hidden, eps, TOP_K: tl.constexpr,
+                             BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    mask = d < hidden
+    total = _weighted_sum(y_ptr, y_ptr, weights_ptr, t, d, mask, hidden, TOP_K, False)
+    x = tl.load(x_ptr + t * hidden + d, mask=mask, other=0.0)
+    x = add_residual(x_ptr, t * hidden + d, mask, x, total.to(x_ptr.dtype.element_ty))
+    w = tl.load(norm_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    store_rms_norm(h_ptr, t * hidden + d, mask, x, w, hidden, eps)
 
 
 def combine(y_XD: Tensor, rows_R: Tensor | None, weights_TK: Tensor) -> Tensor:
@@ -339,6 +372,19 @@ def combine(y_XD: Tensor, rows_R: Tensor | None, weights_TK: Tensor) -> Tensor:
             y_XD, y_XD if rows_R is None else rows_R, weights_TK, out_TD, hidden, TOP_K=top_k,
             HAS_ROWS=rows_R is not None, BLOCK_D=block_d)
     return out_TD
+
+
+def combine_add_norm(y_RD: Tensor, weights_TK: Tensor, add_norm: AddNorm) -> Tensor:
+    """add_norm(combine(y_RD, None, weights_TK)) in one kernel, the same bits: the combined
+    output added into add_norm.x_TD in place, that sum's RMSNorm returned."""
+    x_TD, (num_tokens, top_k) = add_norm.x_TD, weights_TK.shape
+    assert x_TD.is_contiguous() and x_TD.shape == (num_tokens, y_RD.shape[1])
+    h_TD = torch.empty_like(x_TD)
+    if num_tokens:
+        _combine_add_norm_kernel[(num_tokens,)](
+            y_RD, weights_TK, x_TD, add_norm.weight_D, h_TD, x_TD.shape[1], add_norm.eps, TOP_K=top_k,
+            BLOCK_D=triton.next_power_of_2(x_TD.shape[1]), num_warps=8)
+    return h_TD
 
 
 def gate_up(x_TD: Tensor, a: Alignment, w_gate_up_EGD: Tensor, top_k: int, tile: GemmBlocks) -> Tensor:
@@ -391,23 +437,34 @@ def sorted_experts(x_PD: Tensor, offsets_L: Tensor, w_gate_up_LGD: Tensor, w_dow
 
 def grouped_moe(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up_EGD: Tensor, w_down_EDF: Tensor, top_k: int,
                 norm_topk_prob: bool, hit_counts_E: Tensor, config: MoEConfig | None = None,
-                gemms: str = "triton") -> Tensor:
+                gemms: str = "triton", add_norm: AddNorm | None = None) -> Tensor:
     """MoELayer on one rank holding every expert (expert e in slot e), for any T; adds the
-    routed experts to hit_counts_E. gemms "torch": the expert GEMMs as moe.experts."""
-    num_experts = w_gate_ED.shape[0]
+    routed experts to hit_counts_E. gemms "torch": the expert GEMMs as moe.experts. With
+    add_norm: add_norm(the output) (fused into the combine, FUSED_ADD_NORM)."""
+    num_experts, num_tokens = w_gate_ED.shape[0], x_TD.shape[0]
     assert w_gate_up_EGD.shape[0] == w_down_EDF.shape[0] == num_experts, "no spare slots here"
     assert x_TD.is_contiguous() and w_gate_up_EGD.is_contiguous() and w_down_EDF.is_contiguous()
-    logits_TE = torch.nn.functional.linear(x_TD, w_gate_ED)
-    ids_TK, weights_TK = triton_fused.route(logits_TE, top_k, norm_topk_prob, hit_counts_E, x_TD.dtype)[:2]
-    if gemms == "torch":
-        a = align(ids_TK, num_experts, 1)
-        x_PD = x_TD[a.sorted_ids_P // top_k]
-        y_PD = moe.experts(x_PD, a.ends_E, w_gate_up_EGD, w_down_EDF, kernels=False)
-        return combine(y_PD, a.pos_R, weights_TK)
-    if gemms != "triton":
+    if gemms not in ("triton", "torch"):
         raise ValueError(f"gemms must be 'triton' or 'torch', not {gemms!r}")
-    config = config or default_config(x_TD.shape[0])
-    a = align(ids_TK, num_experts, config.block_m)
+    block_m = 1 if gemms == "torch" else (config or default_config(num_tokens)).block_m
+    if 1 < num_tokens <= triton_fused.GATE_ROUTE_ROWS_MAX_TOKENS:
+        assert triton_fused.GATE_ROUTE_ROWS == ALIGN_TOKENS
+        ids_TK, weights_TK, counts_CE = triton_fused.gate_route_rows(x_TD, w_gate_ED, top_k, norm_topk_prob,
+                                                                     hit_counts_E)
+        a = align(ids_TK, num_experts, block_m, chunk_counts=counts_CE)
+    else:
+        logits_TE = torch.nn.functional.linear(x_TD, w_gate_ED)
+        ids_TK, weights_TK = triton_fused.route(logits_TE, top_k, norm_topk_prob, hit_counts_E, x_TD.dtype)[:2]
+        a = align(ids_TK, num_experts, block_m)
+    if gemms == "torch":
+        y_PD = moe.experts(x_TD[a.sorted_ids_P // top_k], a.ends_E, w_gate_up_EGD, w_down_EDF, kernels=False)
+        out_TD = combine(y_PD, a.pos_R, weights_TK)
+        return out_TD if add_norm is None else add_norm(out_TD)
+    config = config or default_config(num_tokens)
     act_PF = gate_up(x_TD, a, w_gate_up_EGD, top_k, config.gate_up)
     y_RD = down(act_PF, a, w_down_EDF, ids_TK.numel(), config.down)
-    return combine(y_RD, None, weights_TK)
+    if add_norm is None:
+        return combine(y_RD, None, weights_TK)
+    if FUSED_ADD_NORM:
+        return combine_add_norm(y_RD, weights_TK, add_norm)
+    return add_norm(combine(y_RD, None, weights_TK))

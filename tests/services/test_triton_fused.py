@@ -155,7 +155,7 @@ def test_gate_route_matches_route(fused, norm, num_experts):
     assert torch.equal(ids, ids_ref) and torch.equal(pos, pos_ref)
     torch.testing.assert_close(weights, weights_ref, atol=1e-6, rtol=1e-5)
     assert torch.equal(hits - 5, torch.bincount(ids.flatten(), minlength=num_experts))
-    assert int(fused._GATE_ROUTE_COUNTS[x.device]) == 0  # set back for the next step
+    assert not fused._GATE_ROUTE_COUNTS[x.device].any()  # set back for the next step
 
 
 def test_gate_route_rounds_the_logits_like_f_linear(fused):
@@ -164,6 +164,38 @@ def test_gate_route_rounds_the_logits_like_f_linear(fused):
     x, w_gate = _randn(1, 64, seed=28).to(half), _randn(16, 64, seed=29).to(half)
     ids_ref, weights_ref, _ = gate(x, w_gate, 4, True)
     ids, weights, _ = fused.gate_route(x, w_gate, 4, True, torch.zeros(16, dtype=torch.int64))
+    order = ids_ref.argsort(dim=1)
+    assert torch.equal(ids, ids_ref.gather(1, order))
+    assert torch.equal(weights, weights_ref.gather(1, order))
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("num_experts", [12, 40])
+@pytest.mark.parametrize("num_tokens", [2, 16, 37])
+def test_gate_route_rows_matches_route(fused, norm, num_experts, num_tokens):
+    """Blocks of 16 rows (37: the last one partial; x a strided view), hidden 72 in 8 splits
+    rounded up to the 64-wide step: one split partial, the rest past the end (empty). Each
+    block's rows per expert come out as align's count kernel counts them."""
+    x = _randn(num_tokens, 80, seed=30)[:, :72]
+    w_gate = _randn(num_experts, 72, seed=31)
+    hits = torch.full((num_experts,), 5, dtype=torch.int64)
+    ids, weights, counts = fused.gate_route_rows(x, w_gate, 3, norm, hits)
+    ids_ref, weights_ref, _ = fused.route(torch.nn.functional.linear(x, w_gate), 3, norm,
+                                          torch.zeros(num_experts, dtype=torch.int64), torch.float32)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(weights, weights_ref, atol=1e-6, rtol=1e-5)
+    assert torch.equal(hits - 5, torch.bincount(ids.flatten(), minlength=num_experts))
+    blocks = [torch.bincount(ids[i:i + 16].flatten(), minlength=num_experts) for i in range(0, num_tokens, 16)]
+    assert torch.equal(counts, torch.stack(blocks).int())
+    assert not fused._GATE_ROUTE_COUNTS[x.device].any()  # set back for the next step
+
+
+def test_gate_route_rows_rounds_the_logits_like_f_linear(fused):
+    """fp16: each row's logits rounded to fp16 before the softmax, as moe.gate's F.linear output."""
+    half = torch.float16
+    x, w_gate = _randn(20, 64, seed=32).to(half), _randn(16, 64, seed=33).to(half)
+    ids_ref, weights_ref, _ = gate(x, w_gate, 4, True)
+    ids, weights, _ = fused.gate_route_rows(x, w_gate, 4, True, torch.zeros(16, dtype=torch.int64))
     order = ids_ref.argsort(dim=1)
     assert torch.equal(ids, ids_ref.gather(1, order))
     assert torch.equal(weights, weights_ref.gather(1, order))

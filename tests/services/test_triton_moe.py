@@ -13,6 +13,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from services.model.layers import AddNorm, rms_norm  # noqa: E402
 from services.model.moe import ExpertComm, MoELayer, combine, dispatch, experts, gate, step_capacity  # noqa: E402
 from tests.triton_interpreter import interpreted  # noqa: E402
 
@@ -114,6 +115,36 @@ def test_half_precision_rounds_like_torch(tmoe):
     ulp_TD = (out_TD.float() - expected_TD.float()).abs() / expected_TD.float().abs().clamp_min(1e-3) * 1024
     assert torch.equal(hits_E, expected_hits_E)
     assert (out_TD == expected_TD).float().mean() > 0.95 and ulp_TD.max() <= 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_tokens", [1, 21])
+def test_combine_adds_and_norms_like_add_rms_norm(tmoe, monkeypatch, dtype, num_tokens):
+    """grouped_moe given an AddNorm: the combine kernel adds the output into the residual stream
+    and takes the next RMSNorm; the same bits as the combine kernel, then add_rms_norm_, and in
+    fp16 as the torch add and rms_norm (hidden 48: the row's block partly masked)."""
+    fused = tmoe.triton_fused
+    layer = _moe_layer(48, 40, dtype=dtype)
+    generator = torch.Generator().manual_seed(7)
+    x_TD, h_TD = (torch.randn(num_tokens, 48, generator=generator).to(dtype) for _ in range(2))
+    norm_D = torch.randn(48, generator=generator).to(dtype)
+    outputs = {}
+    for fuse in (True, False):
+        monkeypatch.setattr(tmoe, "FUSED_ADD_NORM", fuse)
+        residual_TD = x_TD.clone()
+        add_norm = AddNorm(residual_TD, norm_D, 1e-6, fused.add_rms_norm_)
+        normed_TD = tmoe.grouped_moe(h_TD, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True,
+                                     torch.zeros(8, dtype=torch.int64), config=_config(tmoe), add_norm=add_norm)
+        outputs[fuse] = residual_TD, normed_TD
+    out_TD = tmoe.grouped_moe(h_TD, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True,
+                              torch.zeros(8, dtype=torch.int64), config=_config(tmoe))
+    assert torch.equal(outputs[True][0], x_TD + out_TD)
+    expected_TD = rms_norm(x_TD + out_TD, norm_D, 1e-6)  # fp32 on the CPU: rsqrt against 1 / sqrt
+    if dtype == torch.float16:
+        assert torch.equal(outputs[True][1], expected_TD)
+    else:
+        torch.testing.assert_close(outputs[True][1], expected_TD, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(outputs[True], outputs[False]))
 
 
 def _coarse(x: torch.Tensor, steps: int) -> torch.Tensor:

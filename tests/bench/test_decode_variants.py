@@ -1,0 +1,77 @@
+"""bench/decode_variants.py in miniature on the CPU: every variant at every batch size timed and
+compared with base under its settings, which are put back after; bad settings refused before
+anything runs.
+
+The variant overrides an attribute of triton_fused, a kernel module: TRITON_INTERPRET=1 must be
+set before it is first imported (interpreted kernel tests later in the session reuse the module),
+so this file sets it first.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+from bench import decode_variants  # noqa: E402
+from tests.triton_interpreter import interpreted  # noqa: E402
+
+ARGS = ["--device", "cpu", "--preset", "tiny", "--layers", "2", "--batch-sizes", "3,1", "--context", "8:40",
+        "--steps", "2"]
+
+
+def test_parse_variants_reads_literals_and_puts_base_first():
+    assert decode_variants.parse_variants("a = graph_runner.log:None, runner._GREEDY:1.5; b=; c=runner.time:True") == {
+        "base": {}, "a": {"graph_runner.log": None, "runner._GREEDY": 1.5}, "b": {}, "c": {"runner.time": True}}
+    assert decode_variants.parse_variants("") == {"base": {}}
+    for text in ("base=runner.time:1", "a=;a=", "=runner.time:1"):
+        with pytest.raises(ValueError, match="variant names"):
+            decode_variants.parse_variants(text)
+    with pytest.raises(ValueError, match="literal"):
+        decode_variants.parse_variants("a=runner.time:fast")
+
+
+def test_variants_run_against_base_under_their_settings_then_restore(tmp_path, monkeypatch):
+    with interpreted("triton_fused") as triton_fused:
+        original, seen = triton_fused.QKV_ONE_TOKEN_STEPS, []
+        run_variant = decode_variants.run_variant
+
+        def spy(*args, **kwargs):
+            seen.append(triton_fused.QKV_ONE_TOKEN_STEPS)
+            return run_variant(*args, **kwargs)
+
+        monkeypatch.setattr(decode_variants, "run_variant", spy)
+        assert decode_variants.main(ARGS + ["--variants", "qkv64=triton_fused.QKV_ONE_TOKEN_STEPS:64", "--profile",
+                                            "--out", str(tmp_path)]) == 0
+    assert seen == [original, 64, original, 64] and triton_fused.QKV_ONE_TOKEN_STEPS == original
+    report = json.loads((tmp_path / "decode_variants.json").read_text())
+    rows = report["rows"]
+    assert [(r["variant"], r["batch"], r["bucket"]) for r in rows] == [
+        ("base", 3, 4), ("qkv64", 3, 4), ("base", 1, 1), ("qkv64", 1, 1)]
+    for row in rows:
+        assert "error" not in row and 0 < row["replay_ms"] <= row["wall_ms"], row
+        # One eager step, one capture, then a replay per step: the check's, and each StepRunner step.
+        assert row["graph_counts"] == [1, 1, 1 + decode_variants.WARMUP_STEPS + 2], row
+        # The CPU runs the torch code whatever the setting: same inputs, same logits.
+        assert row["max_abs_diff"] == 0 and row["argmax_agree"] == 1 and row["max_abs_logit"] > 0, row
+    assert set(report["profiles"]) == {"base", "qkv64"}
+    assert all(0 < len(kernels) <= decode_variants.TOP_KERNELS for kernels in report["profiles"].values())
+    table = (tmp_path / "decode_variants.md").read_text()
+    for variant, batch in (("base", 3), ("qkv64", 3), ("base", 1), ("qkv64", 1)):
+        assert f"\n| {variant} | {batch} | " in table
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--variants", "x=graph_runner.NO_SUCH:1"], "has no attribute 'NO_SUCH'"),  # found in expert_svc
+    (["--variants", "x=no_such_module.A:1"], "no module 'no_such_module'"),
+    (["--variants", "x=runner.time:1;y=moe.NO_SUCH:2"], "services.model.moe has no attribute"),
+    (["--variants", "x=QKV_ONE_TOKEN_STEPS:1"], "must be module.attr"),
+    (["--context", "4000:4096"], "fit the model's 4096 positions"),
+])
+def test_bad_settings_fail_before_anything_runs(tmp_path, monkeypatch, flags, message):
+    monkeypatch.setattr(decode_variants, "build", lambda args: pytest.fail("built the model"))
+    with pytest.raises(ValueError, match=message):
+        decode_variants.main(ARGS + flags + ["--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
