@@ -40,7 +40,7 @@ LOG="$OUT/session.log"
 source "${GPU_ENV:-bench/gpu_env.sh}" || exit 1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >"$LOG" 2>&1
 # The file name gpu_speed writes for a --kind.
-KIND=nvidia-h200-x2
+KIND=${KIND:-nvidia-h200-x2}  # nvidia-h200: a one-GPU call (n1 and the single-GPU parts only)
 
 part() {  # part NAME LIMIT_S COMMAND...: runs one part, logging its time and exit status
     local name=$1 limit=$2 start rc

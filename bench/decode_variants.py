@@ -1,0 +1,414 @@
+"""Graph-replayed decode steps of the serving model under kernel settings, A/B in one run.
+
+    python -m bench.decode_variants --out DIR [--preset qwen3-30b-a3b] [--layers 48]
+        [--batch-sizes 256,128,1] [--context 1024:2048] [--steps 30] [--profile]
+        [--variants "name=module.attr:value,module.attr:value;name2=..."]
+
+Lent machines differ by about 6%, so variants are only comparable within one
+run: this builds the serving model once (bench/decode_graph_check.py's build:
+random weights of --preset at full width, --layers layers, bf16, triton
+attention, one rank) and runs every variant on it. A variant sets module
+attributes, `module.attr:value`, module under services.model or else
+expert_svc (e.g. triton_fused.QKV_ONE_TOKEN_STEPS:64), the value a Python
+literal; unknown names fail before anything runs. It takes effect only where
+the code reads the attribute at run time (not a value copied at import).
+"base" (no change) runs first; an empty variant ("again=") measures the noise.
+
+Per batch size, each sequence gets a cached context drawn uniformly (seeded by
+the batch size) from --context lo:hi of a KV pool filled with noise; every
+variant then, under its settings (restored after, whatever happens):
+1. Builds a new DecodeGraphRunner (a new capture: the kernels differ) and runs
+   the first decode step (one token per sequence at its context) twice
+   through it, eager then capture + replay; the replay's fp32 logits against
+   base's: largest difference (and the median row's) over the largest logit,
+   and argmax agreement. Other kernels may round differently (bf16 ulps amplified
+   by depth, or a flipped expert choice in a few rows): recorded, never a failure.
+2. Runs the same step and decodes on from it through StepRunner.run_step (plan in,
+   tokens on the host out) with a new runner: 3 warm-up steps, then --steps
+   timed ones: the median wall time of a step and the GPU time of its graph
+   replay (CUDA events around the replay).
+3. With --profile, at the largest batch: the top kernels of one eager step.
+A variant that raises (a setting that does not compile or capture) gets an error
+row and the run goes on; base raising ends it.
+
+--device cpu is a smoke test: torch attention, no fused kernels, graphs replaced
+by eager re-runs (timed by the host clock), so every variant computes what base does.
+Writes decode_variants.json and .md to --out.
+"""
+
+import argparse
+import ast
+import contextlib
+import dataclasses
+import gc
+import importlib
+import json
+import pathlib
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from bench.decode_graph_check import build
+from expert_svc.graph_runner import DecodeGraphRunner, cuda_capture
+from expert_svc.runner import NewSequence, ScheduledSequence, StepPlan, StepRunner
+from services.kv_pool import KVPool
+from services.model.batch import SeqInput, build_forward_batch
+from services.model.random_weights import preset
+from services.model.sampling import SamplingSpec
+
+BLOCK_SIZE = 16
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the serving default (cuda_graph_max_batch 256)
+WARMUP_STEPS = 3
+TOP_KERNELS = 20
+MODULE_PACKAGES = ("services.model", "expert_svc")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--preset", default="qwen3-30b-a3b")
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--batch-sizes", default="256,128,1")
+    p.add_argument("--context", default="1024:2048", help="cached context per sequence, drawn from lo:hi")
+    p.add_argument("--steps", type=int, default=30, help="timed decode steps per variant and batch size")
+    p.add_argument("--variants", default="", help="name=module.attr:value,...;... (base always runs first)")
+    p.add_argument("--profile", action="store_true", help="top kernels of one eager step per variant")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    args = p.parse_args(argv)
+    args.attention = "triton" if args.device == "cuda" else "torch"
+    return args
+
+
+def parse_context(text: str) -> tuple[int, int]:
+    """"lo:hi" as (lo, hi), 1 <= lo <= hi."""
+    lo, _, hi = text.partition(":")
+    try:
+        bounds = int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(f"--context must be lo:hi, got {text!r}") from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise ValueError(f"--context must have 1 <= lo <= hi, got {text!r}")
+    return bounds
+
+
+def parse_variants(text: str) -> dict[str, dict[str, object]]:
+    """"name=module.attr:value,...;..." as {name: {"module.attr": value}}, "base": {} first.
+    Values are Python literals (64, 0.5, True); each target must exist (ValueError)."""
+    variants: dict[str, dict[str, object]] = {"base": {}}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        name, _, body = (s.strip() for s in item.partition("="))
+        if not name or name in variants:
+            raise ValueError(f"variant names must be new and non-empty ('base' is taken), got {name!r} in {text!r}")
+        overrides = {}
+        for pair in filter(None, (s.strip() for s in body.split(","))):
+            target, _, value = (s.strip() for s in pair.partition(":"))
+            try:
+                overrides[target] = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                raise ValueError(f"variant {name!r}: {pair!r} is not module.attr:<Python literal>") from None
+            resolve(target)
+        variants[name] = overrides
+    return variants
+
+
+def resolve(target: str) -> tuple[object, str]:
+    """"module.attr" as (module, attr): services.model.<module>, else expert_svc.<module>."""
+    module_name, _, attr = target.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"a variant's setting must be module.attr, got {target!r}")
+    for package in MODULE_PACKAGES:
+        full = f"{package}.{module_name}"
+        try:
+            module = importlib.import_module(full)
+        except ModuleNotFoundError as error:
+            if error.name == full:
+                continue
+            raise
+        if not hasattr(module, attr):
+            raise ValueError(f"{full} has no attribute {attr!r} (in {target!r})")
+        return module, attr
+    raise ValueError(f"no module {module_name!r} under {' or '.join(MODULE_PACKAGES)} (in {target!r})")
+
+
+@contextlib.contextmanager
+def overridden(overrides: dict[str, object]):
+    """Sets the module attributes for the block, then puts the originals back."""
+    originals = []
+    try:
+        for target, value in overrides.items():
+            module, attr = resolve(target)
+            originals.append((module, attr, getattr(module, attr)))
+            setattr(module, attr, value)
+        yield
+    finally:
+        for module, attr, value in reversed(originals):
+            setattr(module, attr, value)
+
+
+class ReplayTimer:
+    """A DecodeGraphRunner capture whose replays log their duration: CUDA events around
+    the graph's replay on the GPU, the host clock around the eager re-run on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device, self._spans = device, []
+        self._capture = cuda_capture(torch.cuda.graph_pool_handle()) if device.type == "cuda" else (lambda fn: fn)
+
+    def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
+        replay = self._capture(fn)
+
+        def timed() -> None:
+            start = self._mark()
+            replay()
+            self._spans.append((start, self._mark()))
+        return timed
+
+    def _mark(self):
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def reset(self) -> None:
+        self._spans.clear()
+
+    def times_ms(self) -> list[float]:
+        if self.device.type != "cuda":
+            return [1e3 * (end - start) for start, end in self._spans]
+        torch.cuda.synchronize()
+        return [start.elapsed_time(end) for start, end in self._spans]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Workload:
+    """One batch size's sequences, the same for every variant: sequence i has contexts[i]
+    cached tokens in block_tables[i], enough for num_steps more."""
+
+    contexts: tuple[int, ...]
+    block_tables: tuple[tuple[int, ...], ...]
+    num_steps: int  # StepRunner steps: the first (each sequence's token 7 + i), then decodes
+
+    @classmethod
+    def draw(cls, num_seqs: int, context: tuple[int, int], num_steps: int, seed: int) -> "Workload":
+        g = torch.Generator().manual_seed(seed + num_seqs)
+        contexts = torch.randint(context[0], context[1] + 1, (num_seqs,), generator=g).tolist()
+        tables, start = [], 0
+        for c in contexts:
+            num_blocks = -(-(c + num_steps) // BLOCK_SIZE)
+            tables.append(tuple(range(start, start + num_blocks)))
+            start += num_blocks
+        return cls(tuple(contexts), tuple(tables), num_steps)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(map(len, self.block_tables))
+
+    def first_step(self) -> list[SeqInput]:
+        """The first step's inputs, as the graph runner takes them."""
+        return [SeqInput(i, [7 + i], c, list(table), True)
+                for i, (c, table) in enumerate(zip(self.contexts, self.block_tables, strict=True))]
+
+    def plans(self) -> list[StepPlan]:
+        """The first step introducing the sequences, then greedy decodes."""
+        greedy, num_seqs = SamplingSpec(temperature=0.0), len(self.contexts)
+        pairs = enumerate(zip(self.contexts, self.block_tables, strict=True))
+        new = tuple(NewSequence(i, greedy, table, c) for i, (c, table) in pairs)
+        first = StepPlan(1, "", 0, new_sequences=new, max_tokens_per_rank=num_seqs,
+                         scheduled=tuple(ScheduledSequence(i, (7 + i,)) for i in range(num_seqs)))
+        decode = tuple(ScheduledSequence(i) for i in range(num_seqs))
+        return [first] + [StepPlan(s, "", 0, scheduled=decode, max_tokens_per_rank=num_seqs)
+                          for s in range(2, self.num_steps + 1)]
+
+
+def noise_pool(config, num_blocks: int, device: torch.device) -> KVPool:
+    kv = KVPool.for_model(config, num_blocks, BLOCK_SIZE, torch.bfloat16, device)
+    kv.k_cache.normal_(0, 1)
+    kv.v_cache.normal_(0, 1)
+    return kv
+
+
+def graph_width(config) -> int:
+    """Block-table columns of the graphs: the serving default (the model's context length)."""
+    return -(-config.max_position_embeddings // BLOCK_SIZE)
+
+
+def run_variant(model, config, kv: KVPool, workload: Workload, device: torch.device) -> tuple[dict, torch.Tensor]:
+    """One variant at one batch size, its settings in force: (timings, the first step's replayed logits)."""
+    timer = ReplayTimer(device)
+    graphs = DecodeGraphRunner(model, kv, BLOCK_SIZE, buckets=BUCKETS, max_blocks=graph_width(config),
+                               capture=timer.capture)
+    seqs = workload.first_step()
+    capacity = model.dispatch_capacity(len(seqs))
+    for _ in range(2):  # eager (warm-up), then capture + replay
+        logits_SV = graphs.run(seqs, capacity).logits_SV
+    logits_SV = logits_SV.clone()
+    runner = StepRunner(model, kv, BLOCK_SIZE, vocab_size=config.vocab_size, device=device, graphs=graphs)
+    wall_s = []
+    for i, plan in enumerate(workload.plans()):
+        if i == WARMUP_STEPS:
+            timer.reset()
+        start = time.perf_counter()
+        runner.run_step(plan)
+        if i >= WARMUP_STEPS:
+            wall_s.append(time.perf_counter() - start)
+    replay_ms = timer.times_ms()
+    assert len(replay_ms) == len(wall_s), f"{len(replay_ms)} replays in {len(wall_s)} timed steps"
+    return {"bucket": graphs.bucket(len(seqs)), "replay_ms": statistics.median(replay_ms),
+            "replay_min_ms": min(replay_ms), "wall_ms": 1e3 * statistics.median(wall_s),
+            "wall_min_ms": 1e3 * min(wall_s),
+            "graph_counts": [graphs.num_eager, graphs.num_captures, graphs.num_replays]}, logits_SV
+
+
+def compare(logits_SV: torch.Tensor, base_SV: torch.Tensor) -> dict:
+    """Against base's logits: the largest difference, and the median row's, over the largest logit.
+    A few rows far off and the median near 0: routing flips (a near-tie of the top-k experts)."""
+    row_diff_S, scale = (logits_SV - base_SV).abs().amax(-1), base_SV.abs().max().item() or 1.0
+    return {"max_abs_diff": row_diff_S.max().item(), "max_abs_logit": scale,
+            "rel_diff": row_diff_S.max().item() / scale, "median_row_rel_diff": row_diff_S.median().item() / scale,
+            "argmax_agree": (logits_SV.argmax(-1) == base_SV.argmax(-1)).float().mean().item()}
+
+
+def top_kernels(model, kv: KVPool, workload: Workload, device: torch.device) -> list[dict]:
+    """The TOP_KERNELS kernels by CUDA time of one eager first step (after an unprofiled one);
+    on the CPU the ops by self CPU time."""
+    seqs = workload.first_step()
+    batch, capacity = build_forward_batch(seqs, BLOCK_SIZE, device), model.dispatch_capacity(len(seqs))
+    model.forward_at_capacity(batch, kv, capacity)
+    on_cuda = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        model.forward_at_capacity(batch, kv, capacity)
+        _synchronize(device)
+    if on_cuda:
+        events = [(e.key, e.count, e.device_time_total) for e in prof.key_averages()
+                  if e.device_type == torch.autograd.DeviceType.CUDA]
+    else:
+        events = [(e.key, e.count, e.self_cpu_time_total) for e in prof.key_averages()]
+    events.sort(key=lambda e: -e[2])
+    return [{"name": name, "calls": calls, "total_us": round(us, 1), "us_per_call": round(us / calls, 2)}
+            for name, calls, us in events[:TOP_KERNELS]]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _release(device: torch.device) -> None:
+    """Frees the dropped graphs' memory pools before the next capture."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_batch(model, config, num_seqs: int, variants: dict, args, result: dict, profile: bool) -> None:
+    """Every variant at one batch size on one KV pool (a variant's first step reads only the
+    noise of the cached contexts; later steps read what that variant wrote)."""
+    device = torch.device(args.device)
+    workload = Workload.draw(num_seqs, parse_context(args.context), WARMUP_STEPS + args.steps, args.seed)
+    kv = noise_pool(config, workload.num_blocks, device)
+    base, base_SV = None, None
+    for name, overrides in variants.items():
+        row = {"variant": name, "batch": num_seqs}
+        try:
+            with overridden(overrides):
+                timings, logits_SV = run_variant(model, config, kv, workload, device)
+                if profile:
+                    result["profiles"][name] = top_kernels(model, kv, workload, device)
+        except Exception as error:  # a setting that fails to compile or capture: reported, unless base's
+            if base is None:
+                raise
+            row["error"] = repr(error)[:300]
+        else:
+            if base is None:
+                base, base_SV = timings, logits_SV
+            row |= timings | compare(logits_SV, base_SV)
+            row |= {"speedup_replay": base["replay_ms"] / row["replay_ms"],
+                    "speedup_wall": base["wall_ms"] / row["wall_ms"]}
+            del logits_SV
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        _release(device)
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    sizes = [int(b) for b in text.split(",")]
+    if not all(1 <= b <= BUCKETS[-1] for b in sizes):
+        raise ValueError(f"--batch-sizes must be in 1..{BUCKETS[-1]} (the graph buckets), got {text!r}")
+    return sizes
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    variants, batch_sizes = parse_variants(args.variants), parse_batch_sizes(args.batch_sizes)
+    max_positions = preset(args.preset).max_position_embeddings
+    if args.steps < 1 or parse_context(args.context)[1] + WARMUP_STEPS + args.steps > max_positions:
+        raise ValueError(f"--steps {args.steps} must be positive, and with --context {args.context} and "
+                         f"{WARMUP_STEPS} warm-up steps fit the model's {max_positions} positions")
+    start = time.perf_counter()
+    torch.manual_seed(args.seed)
+    config, model = build(args)
+    if args.device == "cuda" and args.attention != "triton":
+        raise SystemExit("decode graphs need the triton attention backend")
+    print(f"model built in {time.perf_counter() - start:.1f}s: {args.layers} layers, attention {args.attention}",
+          flush=True)
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    env = {"torch": torch.__version__, "triton": _version("triton"), "gpu": gpu, "cuda": torch.version.cuda}
+    result = {"command": "python -m bench.decode_variants " + shlex.join(argv), "env": env, "args": vars(args),
+              "variants": variants, "rows": [], "profiles": {}}
+    for num_seqs in batch_sizes:
+        run_batch(model, config, num_seqs, variants, args, result, args.profile and num_seqs == max(batch_sizes))
+    result["wall_s"] = time.perf_counter() - start
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode_variants.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "decode_variants.md").write_text(markdown(result))
+    print(markdown(result), flush=True)
+    return 0
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.import_module(package).__version__
+    except ImportError:
+        return None
+
+
+def markdown(result: dict) -> str:
+    args, env = result["args"], result["env"]
+    replay = "CUDA events" if args["device"] == "cuda" else "host clock of the eager re-run"
+    lines = [f"# Decode step variants: graph replays under kernel settings ({env['gpu']})", "",
+             f"Command: `{result['command']}`", "", f"Environment: {json.dumps(env)}", "",
+             (f"Model: {args['preset']} shape, {args['layers']} layers, bf16, random weights; attention "
+              f"`{args['attention']}`; contexts {args['context']} cached tokens (KV pool of noise); "
+              f"{WARMUP_STEPS} warm-up then {args['steps']} timed decode steps, medians."), "",
+             "Variants: " + "; ".join(f"`{name}` {overrides or '(no change)'}"
+                                      for name, overrides in result["variants"].items()), "",
+             (f"| variant | batch | graph replay ms ({replay}) | step wall ms | speed-up vs base (replay) "
+              "| speed-up vs base (wall) | logit diff / largest | median row's | argmax agree |"),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | {r['batch']} | error: {r['error']} | | | | | | |")
+            continue
+        lines.append(f"| {r['variant']} | {r['batch']} | {r['replay_ms']:.3f} | {r['wall_ms']:.3f} | "
+                     f"{r['speedup_replay']:.3f}x | {r['speedup_wall']:.3f}x | {r['rel_diff']:.3g} | "
+                     f"{r['median_row_rel_diff']:.3g} | {100 * r['argmax_agree']:.1f}% |")
+    for name, kernels in result["profiles"].items():
+        unit = "CUDA" if args["device"] == "cuda" else "self CPU"
+        lines += ["", f"## Top kernels of one eager step, {name} ({unit} time)", "",
+                  "| kernel | calls | total us | us per call |", "|---|---:|---:|---:|"]
+        lines += [f"| `{k['name'][:100]}` | {k['calls']} | {k['total_us']:.1f} | {k['us_per_call']:.2f} |"
+                  for k in kernels]
+    lines += ["", f"Wall time {result['wall_s']:.0f} s", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
