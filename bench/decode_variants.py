@@ -77,6 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per variant and batch size")
     p.add_argument("--variants", default="", help="name=module.attr:value,...;... (base always runs first)")
     p.add_argument("--profile", action="store_true", help="top kernels of one eager step per variant")
+    p.add_argument("--rounds", type=int, default=1, help="times each variant runs, interleaved with the "
+                   "others (the GPU drifts over a run: base first and once would favour it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = p.parse_args(argv)
@@ -308,32 +310,54 @@ def _release(device: torch.device) -> None:
 
 def run_batch(model, config, num_seqs: int, variants: dict, args, result: dict, profile: bool) -> None:
     """Every variant at one batch size on one KV pool (a variant's first step reads only the
-    noise of the cached contexts; later steps read what that variant wrote)."""
+    noise of the cached contexts; later steps read what that variant wrote), --rounds times in
+    turn; a variant's times are the median over its rounds of each round's median."""
     device = torch.device(args.device)
     workload = Workload.draw(num_seqs, parse_context(args.context), WARMUP_STEPS + args.steps, args.seed)
     kv = noise_pool(config, workload.num_blocks, device)
-    base, base_SV = None, None
-    for name, overrides in variants.items():
-        row = {"variant": name, "batch": num_seqs}
-        try:
-            with overridden(overrides):
-                timings, logits_SV = run_variant(model, config, kv, workload, device)
-                if profile:
-                    result["profiles"][name] = top_kernels(model, kv, workload, device)
-        except Exception as error:  # a setting that fails to compile or capture: reported, unless base's
-            if base is None:
-                raise
-            row["error"] = repr(error)[:300]
-        else:
-            if base is None:
-                base, base_SV = timings, logits_SV
-            row |= timings | compare(logits_SV, base_SV)
-            row |= {"speedup_replay": base["replay_ms"] / row["replay_ms"],
-                    "speedup_wall": base["wall_ms"] / row["wall_ms"]}
-            del logits_SV
-        result["rows"].append(row)
-        print(json.dumps(row), flush=True)
-        _release(device)
+    runs = {name: [] for name in variants}
+    rows = {name: {"variant": name, "batch": num_seqs} for name in variants}
+    base_SV = None
+    for round_ in range(args.rounds):
+        for name, overrides in variants.items():
+            if "error" in rows[name]:
+                continue
+            try:
+                with overridden(overrides):
+                    timings, logits_SV = run_variant(model, config, kv, workload, device)
+                    if profile and not round_:
+                        result["profiles"][name] = top_kernels(model, kv, workload, device)
+            except Exception as error:  # a setting that fails to compile or capture: reported, unless base's
+                if base_SV is None:
+                    raise
+                rows[name]["error"] = repr(error)[:300]
+            else:
+                runs[name].append(timings)
+                if base_SV is None:
+                    base_SV = logits_SV
+                if not round_:
+                    rows[name] |= compare(logits_SV, base_SV)
+                del logits_SV
+            print(json.dumps(rows[name] | {"round": round_} | (runs[name][-1] if runs[name] else {})), flush=True)
+            _release(device)
+    base = _over_rounds(runs[next(iter(variants))])
+    for name in variants:
+        if "error" not in rows[name]:
+            rows[name] |= _over_rounds(runs[name])
+            rows[name] |= {"speedup_replay": base["replay_ms"] / rows[name]["replay_ms"],
+                           "speedup_wall": base["wall_ms"] / rows[name]["wall_ms"]}
+        result["rows"].append(rows[name])
+
+
+def _over_rounds(runs: list[dict]) -> dict:
+    """One variant's timings over its rounds: medians of the rounds' medians, the least minimum,
+    each round's replay median."""
+    return {"bucket": runs[0]["bucket"], "graph_counts": runs[0]["graph_counts"],
+            "replay_ms": statistics.median(r["replay_ms"] for r in runs),
+            "replay_min_ms": min(r["replay_min_ms"] for r in runs),
+            "wall_ms": statistics.median(r["wall_ms"] for r in runs),
+            "wall_min_ms": min(r["wall_min_ms"] for r in runs),
+            "replay_ms_by_round": [round(r["replay_ms"], 3) for r in runs]}
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -387,17 +411,19 @@ def markdown(result: dict) -> str:
              f"Command: `{result['command']}`", "", f"Environment: {json.dumps(env)}", "",
              (f"Model: {args['preset']} shape, {args['layers']} layers, bf16, random weights; attention "
               f"`{args['attention']}`; contexts {args['context']} cached tokens (KV pool of noise); "
-              f"{WARMUP_STEPS} warm-up then {args['steps']} timed decode steps, medians."), "",
+              f"{WARMUP_STEPS} warm-up then {args['steps']} timed decode steps, medians; "
+              f"{args['rounds']} round(s), the variants in turn, the median round."), "",
              "Variants: " + "; ".join(f"`{name}` {overrides or '(no change)'}"
                                       for name, overrides in result["variants"].items()), "",
-             (f"| variant | batch | graph replay ms ({replay}) | step wall ms | speed-up vs base (replay) "
-              "| speed-up vs base (wall) | logit diff / largest | median row's | argmax agree |"),
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             (f"| variant | batch | graph replay ms ({replay}) | by round | step wall ms | speed-up vs base "
+              "(replay) | speed-up vs base (wall) | logit diff / largest | median row's | argmax agree |"),
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['variant']} | {r['batch']} | error: {r['error']} | | | | | | |")
+            lines.append(f"| {r['variant']} | {r['batch']} | error: {r['error']} | | | | | | | |")
             continue
-        lines.append(f"| {r['variant']} | {r['batch']} | {r['replay_ms']:.3f} | {r['wall_ms']:.3f} | "
+        by_round = " / ".join(f"{ms:.2f}" for ms in r["replay_ms_by_round"])
+        lines.append(f"| {r['variant']} | {r['batch']} | {r['replay_ms']:.3f} | {by_round} | {r['wall_ms']:.3f} | "
                      f"{r['speedup_replay']:.3f}x | {r['speedup_wall']:.3f}x | {r['rel_diff']:.3g} | "
                      f"{r['median_row_rel_diff']:.3g} | {100 * r['argmax_agree']:.1f}% |")
     for name, kernels in result["profiles"].items():

@@ -69,10 +69,11 @@ MOE_MAX_TOKENS = 16
 # Single-token steps (batch-1 decode) take gemv, gate_route and ONE_TOKEN_MOE_TILES; False
 # keeps cuBLAS, route and the tl.dot expert kernels for them too (to compare).
 SINGLE_TOKEN_KERNELS = True
-# qkv_norm_rotary: steps up to this many tokens run one program per (token, head), as before
-# (131 us per layer at a 4,096-token prefill on an H200, 6.3 ms of a 55 ms step); bigger ones
-# give each program a block of up to QKV_MAX_TOKENS_PER_PROGRAM tokens of one head.
-QKV_ONE_TOKEN_STEPS = 256
+# qkv_norm_rotary: steps up to this many tokens run one program per (token, head); bigger ones
+# give each program a block of up to QKV_MAX_TOKENS_PER_PROGRAM tokens of one head (a 4,096-token
+# prefill: 28 us per layer against 120 with one token per program). 32: at a 256-token decode
+# step 8 tokens per program took 3.6 us against 8.9 with one (bench/results/decode_variants_h200.md).
+QKV_ONE_TOKEN_STEPS = 32
 QKV_MAX_TOKENS_PER_PROGRAM = 16
 # Single-token steps launch this module's kernels as programmatic dependent launches (PDL; Hopper
 # on): each kernel's programs start while the previous kernel finishes, read only weights until
@@ -189,9 +190,9 @@ def _qkv_norm_rotary_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, q
 
 
 def qkv_tokens_per_program(num_tokens: int) -> int:
-    """Tokens per qkv_norm_rotary program: 1 up to QKV_ONE_TOKEN_STEPS tokens (decode keeps one
-    program per token and head), then enough for about that many token blocks, at most
-    QKV_MAX_TOKENS_PER_PROGRAM (prefill: far fewer, bigger programs)."""
+    """Tokens per qkv_norm_rotary program: 1 up to QKV_ONE_TOKEN_STEPS tokens, then enough for
+    about that many token blocks, at most QKV_MAX_TOKENS_PER_PROGRAM (prefill: far fewer,
+    bigger programs)."""
     return min(QKV_MAX_TOKENS_PER_PROGRAM, triton.next_power_of_2(triton.cdiv(num_tokens, QKV_ONE_TOKEN_STEPS)))
 
 

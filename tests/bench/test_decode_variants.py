@@ -44,14 +44,16 @@ def test_variants_run_against_base_under_their_settings_then_restore(tmp_path, m
 
         monkeypatch.setattr(decode_variants, "run_variant", spy)
         assert decode_variants.main(ARGS + ["--variants", "qkv64=triton_fused.QKV_ONE_TOKEN_STEPS:64", "--profile",
-                                            "--out", str(tmp_path)]) == 0
-    assert seen == [original, 64, original, 64] and triton_fused.QKV_ONE_TOKEN_STEPS == original
+                                            "--rounds", "2", "--out", str(tmp_path)]) == 0
+    # Two rounds per batch size, the variants in turn.
+    assert seen == [original, 64] * 4 and triton_fused.QKV_ONE_TOKEN_STEPS == original
     report = json.loads((tmp_path / "decode_variants.json").read_text())
     rows = report["rows"]
     assert [(r["variant"], r["batch"], r["bucket"]) for r in rows] == [
         ("base", 3, 4), ("qkv64", 3, 4), ("base", 1, 1), ("qkv64", 1, 1)]
     for row in rows:
         assert "error" not in row and 0 < row["replay_ms"] <= row["wall_ms"], row
+        assert len(row["replay_ms_by_round"]) == 2, row
         # One eager step, one capture, then a replay per step: the check's, and each StepRunner step.
         assert row["graph_counts"] == [1, 1, 1 + decode_variants.WARMUP_STEPS + 2], row
         # The CPU runs the torch code whatever the setting: same inputs, same logits.

@@ -80,10 +80,9 @@ def test_qkv_norm_rotary_token_blocks(fused, heads, num_tokens, monkeypatch):
 
 
 def test_qkv_tokens_per_program(fused):
-    """One token per program up to 256 tokens (decode keeps its grid), then about 256 blocks
-    of up to 16 tokens."""
-    assert [fused.qkv_tokens_per_program(t) for t in (1, 255, 256, 257, 512, 513, 2048, 4096, 65536)] == [
-        1, 1, 1, 2, 2, 4, 8, 16, 16]
+    """One token per program up to 32 tokens, then about 32 blocks of up to 16 tokens."""
+    assert [fused.qkv_tokens_per_program(t) for t in (1, 32, 33, 64, 65, 128, 256, 512, 513, 65536)] == [
+        1, 1, 2, 2, 4, 4, 8, 16, 16, 16]
 
 
 @pytest.mark.parametrize("norm", [True, False])
