@@ -90,7 +90,7 @@ for step in $STEPS; do
                 ${N1_ARGS:-} --out "$RESULTS/samp" ;;
         draws) part draws 60 python3 -m bench.sampling_cost --device cuda ;;
         vars) part vars 300 python3 -m bench.decode_variants --batch-sizes "${VAR_BATCHES:-256,128,64}" \
-                --variants "${VARIANTS:-$DECODE_VARIANTS}" --profile --out "$RESULTS/vars" ;;
+                --variants "${VARIANTS:-$DECODE_VARIANTS}" --profile --rounds 2 --out "$RESULTS/vars" ;;
         fp8) part fp8 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 --cases c256 \
                 --expert-arg=--kv-cache-dtype --expert-arg=fp8_e4m3 ${N1_ARGS:-} --out "$RESULTS/fp8" ;;
         *) echo "unknown step $step" >>"$LOG" ;;

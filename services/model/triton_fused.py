@@ -409,6 +409,7 @@ GATE_ROUTE_ROWS_MAX_TOKENS = 512
 GATE_ROUTE_ROWS = 16  # tokens per block: triton_moe.ALIGN_TOKENS, so that the counts are align's
 GATE_ROUTE_ROWS_SPLITS = 8  # splits of the hidden dim per block of rows
 GATE_ROUTE_ROWS_BLOCK_K = 64
+GATE_ROUTE_ROWS_WARPS = 4
 
 
 def _gate_route_counts(device: torch.device, num_counts: int) -> Tensor:
@@ -494,7 +495,7 @@ def gate_route_rows(x_TD: Tensor, w_gate_ED: Tensor, top_k: int, norm_topk_prob:
             x_TD, w_gate_ED, partial, _gate_route_counts(x_TD.device, num_blocks), ids_TK, weights_TK, hit_counts_E,
             counts_CE, num_tokens, hidden, num_experts, x_TD.stride(0), NORM=norm_topk_prob, TOP_K=top_k,
             NUM_SPLITS=GATE_ROUTE_ROWS_SPLITS, SPLIT_K=split_k, BLOCK_T=GATE_ROUTE_ROWS, BLOCK_K=block_k,
-            BLOCK_E=block_e)
+            BLOCK_E=block_e, num_warps=GATE_ROUTE_ROWS_WARPS)
     return ids_TK, weights_TK, counts_CE
 
 
