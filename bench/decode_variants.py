@@ -55,7 +55,7 @@ import torch
 from bench.decode_graph_check import build
 from expert_svc.graph_runner import DecodeGraphRunner, cuda_capture
 from expert_svc.runner import NewSequence, ScheduledSequence, StepPlan, StepRunner
-from services.kv_pool import KVPool
+from services.kv_pool import KVPool, kv_cache_dtype
 from services.model.batch import SeqInput, build_forward_batch
 from services.model.random_weights import preset
 from services.model.sampling import SamplingSpec
@@ -80,6 +80,7 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=1, help="times each variant runs, interleaved with the "
                    "others (the GPU drifts over a run: base first and once would favour it)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-dtype", default="auto", help="the KV pool's type: auto (bf16) or fp8_e4m3")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = p.parse_args(argv)
     args.attention = "triton" if args.device == "cuda" else "torch"
@@ -227,10 +228,12 @@ class Workload:
                           for s in range(2, self.num_steps + 1)]
 
 
-def noise_pool(config, num_blocks: int, device: torch.device) -> KVPool:
-    kv = KVPool.for_model(config, num_blocks, BLOCK_SIZE, torch.bfloat16, device)
-    kv.k_cache.normal_(0, 1)
-    kv.v_cache.normal_(0, 1)
+def noise_pool(config, num_blocks: int, device: torch.device, cache_dtype: str = "auto") -> KVPool:
+    """A KV pool of standard-normal noise in the cache type (kv_pool.kv_cache_dtype's names)."""
+    kv = KVPool.for_model(config, num_blocks, BLOCK_SIZE, kv_cache_dtype(cache_dtype, torch.bfloat16), device)
+    for cache in (kv.k_cache, kv.v_cache):
+        for layer_cache in cache:  # a layer at a time: a bf16 draw of the whole cache would not fit beside it
+            layer_cache.copy_(torch.randn(layer_cache.shape, dtype=torch.bfloat16, device=device))
     return kv
 
 
@@ -314,7 +317,7 @@ def run_batch(model, config, num_seqs: int, variants: dict, args, result: dict, 
     turn; a variant's times are the median over its rounds of each round's median."""
     device = torch.device(args.device)
     workload = Workload.draw(num_seqs, parse_context(args.context), WARMUP_STEPS + args.steps, args.seed)
-    kv = noise_pool(config, workload.num_blocks, device)
+    kv = noise_pool(config, workload.num_blocks, device, args.kv_cache_dtype)
     runs = {name: [] for name in variants}
     rows = {name: {"variant": name, "batch": num_seqs} for name in variants}
     base_SV = None
@@ -410,7 +413,8 @@ def markdown(result: dict) -> str:
     lines = [f"# Decode step variants: graph replays under kernel settings ({env['gpu']})", "",
              f"Command: `{result['command']}`", "", f"Environment: {json.dumps(env)}", "",
              (f"Model: {args['preset']} shape, {args['layers']} layers, bf16, random weights; attention "
-              f"`{args['attention']}`; contexts {args['context']} cached tokens (KV pool of noise); "
+              f"`{args['attention']}`; contexts {args['context']} cached tokens (KV pool of noise, "
+              f"{args['kv_cache_dtype']}); "
               f"{WARMUP_STEPS} warm-up then {args['steps']} timed decode steps, medians; "
               f"{args['rounds']} round(s), the variants in turn, the median round."), "",
              "Variants: " + "; ".join(f"`{name}` {overrides or '(no change)'}"

@@ -51,6 +51,9 @@ DECODE_PROGRAMS_PER_SM = 2
 DECODE_BLOCK_N: int | None = None
 DECODE_NUM_WARPS: int | None = None
 DECODE_NUM_STAGES: int | None = None
+# The decode grid's faster-launched axis: False, the sequences (each KV head over every
+# sequence in turn); True, the KV heads (a sequence's heads, which share its K/V pages, together).
+DECODE_HEADS_FIRST = False
 # The number of SMs assumed off CUDA (the interpreter), for the split count.
 _CPU_NUM_SMS = 4
 
@@ -108,10 +111,12 @@ def _decode_kernel(q_ptr, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_p
                    num_heads, group, head_dim,
                    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP_PAD: tl.constexpr,
                    K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-                   MIXED: tl.constexpr):
+                   MIXED: tl.constexpr, HEADS_FIRST: tl.constexpr):
     if PDL:  # a programmatic dependent launch (triton_fused.PDL): the previous kernel done first
         triton_fused.wait_for_previous_kernel()
     i, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if HEADS_FIRST:
+        i, g = g, i
     b, row = _decode_row(i, seq_map_ptr, cu_q_lens_ptr, MIXED)
     context_len = tl.load(context_lens_ptr + b)
     # Each split takes an equal share of this sequence's context, in whole BLOCK_N steps.
@@ -349,11 +354,12 @@ class TritonPagedAttention(AttentionBackend):
                            "num_warps": DECODE_NUM_WARPS or common["num_warps"]}
         if DECODE_NUM_STAGES:
             launch["num_stages"] = DECODE_NUM_STAGES
-        _decode_kernel[(num_seqs, num_kv_heads, splits)](
+        grid = (num_kv_heads, num_seqs, splits) if DECODE_HEADS_FIRST else (num_seqs, num_kv_heads, splits)
+        _decode_kernel[grid](
             k_new_ptr=k_TGK, v_new_ptr=v_TGK, slot_ptr=slot_mapping_T, seq_map_ptr=seq_map, cu_q_lens_ptr=cu_q_lens,
             stride_nt=k_TGK.stride(0), stride_ng=k_TGK.stride(1), part_acc_ptr=part_acc, part_ml_ptr=part_ml,
             num_heads=num_heads, NUM_SPLITS=splits, GROUP_PAD=group_pad, PDL=pdl, launch_pdl=pdl,
-            MIXED=mixed is not None, **launch)
+            MIXED=mixed is not None, HEADS_FIRST=DECODE_HEADS_FIRST, **launch)
         if splits > 1:
             _decode_reduce_kernel[(num_seqs, num_heads)](
                 part_acc, part_ml, common["o_ptr"], common["context_lens_ptr"], seq_map, cu_q_lens,

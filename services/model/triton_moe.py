@@ -51,6 +51,10 @@ SEGMENT_POSITIONS = 32
 # and takes the next RMSNorm in its combine kernel (False: combine, then the AddNorm's own
 # add_rms_norm_ kernel, e.g. to compare).
 FUSED_ADD_NORM = True
+# The grouped GEMMs' launch order: False, each column tile over every block of rows (experts)
+# in turn; True, each block's column tiles in turn (its expert's weights read by neighbouring
+# programs). A knob for bench/decode_variants.py.
+TILES_FIRST = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -243,9 +247,9 @@ def segments(offsets_L: Tensor, num_rows: int, block_m: int) -> Alignment:
 
 @triton.jit
 def _block_rows(sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, num_experts, BLOCK_M: tl.constexpr,
-                BLOCK_E: tl.constexpr):
+                BLOCK_E: tl.constexpr, TILES_FIRST: tl.constexpr):
     """This block's expert (num_experts: past the last segment), positions, valid rows, routed rows."""
-    block = tl.program_id(0)
+    block = tl.program_id(1) if TILES_FIRST else tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     ends = tl.load(ends_ptr + e, mask=e < num_experts, other=2**30)
     expert = tl.sum((ends <= block * BLOCK_M).to(tl.int32), 0)
@@ -260,12 +264,12 @@ def _block_rows(sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, num_experts, B
 @triton.jit
 def _gate_up_kernel(x_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, w_ptr, act_ptr, num_experts,
                     hidden, width, x_stride, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr):
+                    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, TILES_FIRST: tl.constexpr):
     expert, p, row_mask, r = _block_rows(sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, num_experts,
-                                         BLOCK_M, BLOCK_E)
+                                         BLOCK_M, BLOCK_E, TILES_FIRST)
     if expert >= num_experts:
         return
-    f = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    f = (tl.program_id(0) if TILES_FIRST else tl.program_id(1)) * BLOCK_N + tl.arange(0, BLOCK_N)
     f_mask = f < width
     d = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + (r // TOP_K).to(tl.int64)[:, None] * x_stride
@@ -296,12 +300,12 @@ def _gate_up_kernel(x_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, w_p
 @triton.jit
 def _down_kernel(act_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, w_ptr, y_ptr, num_experts, hidden,
                  width, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr):
+                 BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, TILES_FIRST: tl.constexpr):
     expert, p, row_mask, r = _block_rows(sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, num_experts,
-                                         BLOCK_M, BLOCK_E)
+                                         BLOCK_M, BLOCK_E, TILES_FIRST)
     if expert >= num_experts:
         return
-    o = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    o = (tl.program_id(0) if TILES_FIRST else tl.program_id(1)) * BLOCK_N + tl.arange(0, BLOCK_N)
     o_mask = o < hidden
     f = tl.arange(0, BLOCK_K)
     act_rows = act_ptr + p.to(tl.int64)[:, None] * width
@@ -387,6 +391,11 @@ def combine_add_norm(y_RD: Tensor, weights_TK: Tensor, add_norm: AddNorm) -> Ten
     return h_TD
 
 
+def _grid(num_blocks: int, num_tiles: int) -> tuple[int, int]:
+    """A GEMM's grid: blocks of rows by column tiles, the faster-launched axis first (TILES_FIRST)."""
+    return (num_tiles, num_blocks) if TILES_FIRST else (num_blocks, num_tiles)
+
+
 def gate_up(x_TD: Tensor, a: Alignment, w_gate_up_EGD: Tensor, top_k: int, tile: GemmBlocks) -> Tensor:
     """act_PF = SiLU(x W_gate^T) * (x W_up^T) for each position's routed row, by expert
     (x_TD's rows may have any stride; its columns are contiguous)."""
@@ -396,11 +405,11 @@ def gate_up(x_TD: Tensor, a: Alignment, w_gate_up_EGD: Tensor, top_k: int, tile:
     act_PF = x_TD.new_empty(a.sorted_ids_P.shape[0], width)
     num_blocks = a.sorted_ids_P.shape[0] // a.block_m
     if num_blocks:
-        _gate_up_kernel[(num_blocks, triton.cdiv(width, tile.block_n))](
+        _gate_up_kernel[_grid(num_blocks, triton.cdiv(width, tile.block_n))](
             x_TD, a.sorted_ids_P, a.starts_E, a.counts_E, a.ends_E, w_gate_up_EGD, act_PF, num_experts, hidden,
             width, x_TD.stride(0), TOP_K=top_k, BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             BLOCK_E=triton.next_power_of_2(num_experts), EVEN_K=hidden % tile.block_k == 0,
-            num_warps=tile.num_warps, num_stages=tile.num_stages)
+            TILES_FIRST=TILES_FIRST, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return act_PF
 
 
@@ -410,11 +419,11 @@ def down(act_PF: Tensor, a: Alignment, w_down_EDF: Tensor, num_routed: int, tile
     y_RD = act_PF.new_empty(num_routed, hidden)
     num_blocks = a.sorted_ids_P.shape[0] // a.block_m
     if num_blocks:
-        _down_kernel[(num_blocks, triton.cdiv(hidden, tile.block_n))](
+        _down_kernel[_grid(num_blocks, triton.cdiv(hidden, tile.block_n))](
             act_PF, a.sorted_ids_P, a.starts_E, a.counts_E, a.ends_E, w_down_EDF, y_RD, num_experts, hidden,
             width, BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             BLOCK_E=triton.next_power_of_2(num_experts), EVEN_K=width % tile.block_k == 0,
-            num_warps=tile.num_warps, num_stages=tile.num_stages)
+            TILES_FIRST=TILES_FIRST, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return y_RD
 
 

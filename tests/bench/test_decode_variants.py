@@ -14,6 +14,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import json  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from bench import decode_variants  # noqa: E402
 from tests.triton_interpreter import interpreted  # noqa: E402
@@ -77,3 +78,21 @@ def test_bad_settings_fail_before_anything_runs(tmp_path, monkeypatch, flags, me
     with pytest.raises(ValueError, match=message):
         decode_variants.main(ARGS + flags + ["--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+def test_float8_cache(tmp_path):
+    """--kv-cache-dtype fp8_e4m3: the pool in float8 (noise drawn in bf16, then narrowed)."""
+    pools = []
+    noise_pool = decode_variants.noise_pool
+
+    def spy(*args):
+        pools.append(noise_pool(*args))
+        return pools[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decode_variants, "noise_pool", spy)
+        assert decode_variants.main(ARGS + ["--batch-sizes", "3", "--kv-cache-dtype", "fp8_e4m3",
+                                            "--out", str(tmp_path)]) == 0
+    assert [pool.k_cache.dtype for pool in pools] == [torch.float8_e4m3fn]
+    assert pools[0].k_cache.float().abs().max() > 0 and pools[0].v_cache.float().abs().max() > 0
+    assert "fp8_e4m3" in (tmp_path / "decode_variants.md").read_text()

@@ -84,6 +84,17 @@ def test_decode_matches_reference(triton_attention, shape, splits):
              *shape)
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_heads_first_grid(triton_attention, monkeypatch, splits):
+    """The grid with the KV heads as its first axis (DECODE_HEADS_FIRST) computes the same."""
+    monkeypatch.setattr(triton_attention, "DECODE_HEADS_FIRST", True)
+    tables = _tables([3, 9, 5])
+    seqs = [SeqInput(0, [1], 9, tables[0], True), SeqInput(1, [2], 33, tables[1], True),
+            SeqInput(2, [4], 19, tables[2], True)]
+    _compare(triton_attention.TritonPagedAttention(splits, block_n=16), build_forward_batch(seqs, BLOCK_SIZE, "cpu"),
+             12, 4, 16)
+
+
 def test_decode_steps_one_after_another(triton_attention):
     """Each decode step writes its token's K/V (the split holding it) before reading: the same
     backend and pools step after step, the token landing in every split in turn."""

@@ -92,6 +92,16 @@ def test_grouped_moe_matches_moe_layer(tmoe, num_tokens, shape, gemms):
     assert torch.equal(hits_E - 3, expected_hits_E) and int(expected_hits_E.sum()) == num_tokens * 3
 
 
+def test_tiles_first_grid(tmoe, monkeypatch):
+    """The GEMMs' grid with the column tiles as its first axis (TILES_FIRST): the same bits."""
+    layer = _moe_layer(48, 40)
+    x_TD = torch.randn(33, 48, generator=torch.Generator().manual_seed(3))
+    args = (x_TD, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True)
+    expected_TD = tmoe.grouped_moe(*args, torch.zeros(8, dtype=torch.int64), config=_config(tmoe))
+    monkeypatch.setattr(tmoe, "TILES_FIRST", True)
+    assert torch.equal(tmoe.grouped_moe(*args, torch.zeros(8, dtype=torch.int64), config=_config(tmoe)), expected_TD)
+
+
 def test_default_config_runs(tmoe):
     """The GPU's tiles (block_m 32, wide blocks past D and F) on a small odd batch."""
     layer = _moe_layer(48, 40)
