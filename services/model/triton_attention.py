@@ -51,9 +51,11 @@ DECODE_PROGRAMS_PER_SM = 2
 DECODE_BLOCK_N: int | None = None
 DECODE_NUM_WARPS: int | None = None
 DECODE_NUM_STAGES: int | None = None
-# The decode grid's faster-launched axis: False, the sequences (each KV head over every
-# sequence in turn); True, the KV heads (a sequence's heads, which share its K/V pages, together).
-DECODE_HEADS_FIRST = False
+# The decode grid's faster-launched axis: True, the KV heads (a sequence's heads, which share
+# its K/V pages, together); False, the sequences (each KV head over every sequence in turn).
+# 256 sequences at 1-2K context on an H200: 211 against 216 us a layer
+# (bench/results/decode_variants_h200_order.md).
+DECODE_HEADS_FIRST = True
 # The number of SMs assumed off CUDA (the interpreter), for the split count.
 _CPU_NUM_SMS = 4
 

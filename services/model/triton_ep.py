@@ -193,8 +193,8 @@ def local_partials(recv_JW: Tensor, hidden: int, top_k: int, id_offset: int, w_g
     # Rows per expert as in the one-rank layer at J tokens over the model's E = N * L experts.
     config = config or triton_moe.default_config(num_rows)
     a = triton_moe.align(meta_JM[:, :top_k], num_local, config.block_m, id_offset)
-    act_PF = triton_moe.gate_up(recv_JW[:, :hidden], a, w_gate_up_LGD, top_k, config.gate_up)
-    y_RD = triton_moe.down(act_PF, a, w_down_LDF, num_rows * top_k, config.down)
+    act_PF = triton_moe.gate_up(recv_JW[:, :hidden], a, w_gate_up_LGD, top_k, config.gate_up, config.tiles_first)
+    y_RD = triton_moe.down(act_PF, a, w_down_LDF, num_rows * top_k, config.down, config.tiles_first)
     return partials(y_RD, meta_JM, id_offset, num_local, out)
 
 

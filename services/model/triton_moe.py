@@ -51,10 +51,11 @@ SEGMENT_POSITIONS = 32
 # and takes the next RMSNorm in its combine kernel (False: combine, then the AddNorm's own
 # add_rms_norm_ kernel, e.g. to compare).
 FUSED_ADD_NORM = True
-# The grouped GEMMs' launch order: False, each column tile over every block of rows (experts)
-# in turn; True, each block's column tiles in turn (its expert's weights read by neighbouring
-# programs). A knob for bench/decode_variants.py.
-TILES_FIRST = False
+# The grouped GEMMs' launch order (MoEConfig.tiles_first) for steps of up to this many tokens:
+# each block of rows' column tiles in turn (neighbouring programs read one expert's weights).
+# Bigger steps launch each column tile over every block in turn. At 256 tokens on an H200 the
+# down kernel took 104 against 110 us a layer (bench/results/decode_variants_h200_order.md).
+TILES_FIRST_MAX_TOKENS = 512
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -70,11 +71,13 @@ class GemmBlocks:
 @dataclasses.dataclass(frozen=True, slots=True)
 class MoEConfig:
     """Rows per block (both GEMMs: the segments are padded to it) and each GEMM's tile.
-    gate_up's block_n counts columns of gate and of up each."""
+    gate_up's block_n counts columns of gate and of up each. tiles_first: the GEMMs launch
+    each block's column tiles in turn (else each tile over the blocks)."""
 
     block_m: int
     gate_up: GemmBlocks
     down: GemmBlocks
+    tiles_first: bool = False
 
 
 def default_config(num_tokens: int) -> MoEConfig:
@@ -82,13 +85,14 @@ def default_config(num_tokens: int) -> MoEConfig:
     sweep (Qwen3-30B-A3B's shape on an H200, bench/results/moe_large_batch_h200.json; up to 512
     tokens re-swept with more candidates in bench/results/moe_tile_sweep_h200.json: at 512,
     gate_up (128, 64, 4, 4) took 207 us against 216 for (128, 64, 8, 3))."""
+    tiles_first = num_tokens <= TILES_FIRST_MAX_TOKENS
     if num_tokens <= 128:
-        return MoEConfig(16, GemmBlocks(128, 128, 4, 3), GemmBlocks(128, 128, 4, 4))
+        return MoEConfig(16, GemmBlocks(128, 128, 4, 3), GemmBlocks(128, 128, 4, 4), tiles_first)
     if num_tokens <= 256:
-        return MoEConfig(32, GemmBlocks(128, 128, 4, 3), GemmBlocks(64, 128, 4, 4))
+        return MoEConfig(32, GemmBlocks(128, 128, 4, 3), GemmBlocks(64, 128, 4, 4), tiles_first)
     if num_tokens <= 512:
-        return MoEConfig(64, GemmBlocks(128, 64, 4, 4), GemmBlocks(128, 64, 4, 4))
-    return MoEConfig(128, GemmBlocks(128, 64, 8, 4), GemmBlocks(256, 64, 8, 4))
+        return MoEConfig(64, GemmBlocks(128, 64, 4, 4), GemmBlocks(128, 64, 4, 4), tiles_first)
+    return MoEConfig(128, GemmBlocks(128, 64, 8, 4), GemmBlocks(256, 64, 8, 4), tiles_first)
 
 
 @triton.jit
@@ -391,12 +395,13 @@ def combine_add_norm(y_RD: Tensor, weights_TK: Tensor, add_norm: AddNorm) -> Ten
     return h_TD
 
 
-def _grid(num_blocks: int, num_tiles: int) -> tuple[int, int]:
-    """A GEMM's grid: blocks of rows by column tiles, the faster-launched axis first (TILES_FIRST)."""
-    return (num_tiles, num_blocks) if TILES_FIRST else (num_blocks, num_tiles)
+def _grid(num_blocks: int, num_tiles: int, tiles_first: bool) -> tuple[int, int]:
+    """A GEMM's grid: blocks of rows by column tiles, the faster-launched axis first."""
+    return (num_tiles, num_blocks) if tiles_first else (num_blocks, num_tiles)
 
 
-def gate_up(x_TD: Tensor, a: Alignment, w_gate_up_EGD: Tensor, top_k: int, tile: GemmBlocks) -> Tensor:
+def gate_up(x_TD: Tensor, a: Alignment, w_gate_up_EGD: Tensor, top_k: int, tile: GemmBlocks,
+            tiles_first: bool = False) -> Tensor:
     """act_PF = SiLU(x W_gate^T) * (x W_up^T) for each position's routed row, by expert
     (x_TD's rows may have any stride; its columns are contiguous)."""
     num_experts, double_width, hidden = w_gate_up_EGD.shape
@@ -405,25 +410,26 @@ def gate_up(x_TD: Tensor, a: Alignment, w_gate_up_EGD: Tensor, top_k: int, tile:
     act_PF = x_TD.new_empty(a.sorted_ids_P.shape[0], width)
     num_blocks = a.sorted_ids_P.shape[0] // a.block_m
     if num_blocks:
-        _gate_up_kernel[_grid(num_blocks, triton.cdiv(width, tile.block_n))](
+        _gate_up_kernel[_grid(num_blocks, triton.cdiv(width, tile.block_n), tiles_first)](
             x_TD, a.sorted_ids_P, a.starts_E, a.counts_E, a.ends_E, w_gate_up_EGD, act_PF, num_experts, hidden,
             width, x_TD.stride(0), TOP_K=top_k, BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             BLOCK_E=triton.next_power_of_2(num_experts), EVEN_K=hidden % tile.block_k == 0,
-            TILES_FIRST=TILES_FIRST, num_warps=tile.num_warps, num_stages=tile.num_stages)
+            TILES_FIRST=tiles_first, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return act_PF
 
 
-def down(act_PF: Tensor, a: Alignment, w_down_EDF: Tensor, num_routed: int, tile: GemmBlocks) -> Tensor:
+def down(act_PF: Tensor, a: Alignment, w_down_EDF: Tensor, num_routed: int, tile: GemmBlocks,
+         tiles_first: bool = False) -> Tensor:
     """y_RD: each position's act times its expert's W_down^T, stored at its routed row."""
     num_experts, hidden, width = w_down_EDF.shape
     y_RD = act_PF.new_empty(num_routed, hidden)
     num_blocks = a.sorted_ids_P.shape[0] // a.block_m
     if num_blocks:
-        _down_kernel[_grid(num_blocks, triton.cdiv(hidden, tile.block_n))](
+        _down_kernel[_grid(num_blocks, triton.cdiv(hidden, tile.block_n), tiles_first)](
             act_PF, a.sorted_ids_P, a.starts_E, a.counts_E, a.ends_E, w_down_EDF, y_RD, num_experts, hidden,
             width, BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             BLOCK_E=triton.next_power_of_2(num_experts), EVEN_K=width % tile.block_k == 0,
-            TILES_FIRST=TILES_FIRST, num_warps=tile.num_warps, num_stages=tile.num_stages)
+            TILES_FIRST=tiles_first, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return y_RD
 
 
@@ -440,8 +446,8 @@ def sorted_experts(x_PD: Tensor, offsets_L: Tensor, w_gate_up_LGD: Tensor, w_dow
     assert x_PD.is_contiguous() and w_gate_up_LGD.is_contiguous() and w_down_LDF.is_contiguous()
     config = config or default_config(16 * num_rows // num_local)
     a = segments(offsets_L, num_rows, config.block_m)
-    act_PF = gate_up(x_PD, a, w_gate_up_LGD, 1, config.gate_up)
-    return down(act_PF, a, w_down_LDF, num_rows, config.down)
+    act_PF = gate_up(x_PD, a, w_gate_up_LGD, 1, config.gate_up, config.tiles_first)
+    return down(act_PF, a, w_down_LDF, num_rows, config.down, config.tiles_first)
 
 
 def grouped_moe(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up_EGD: Tensor, w_down_EDF: Tensor, top_k: int,
@@ -470,8 +476,8 @@ def grouped_moe(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up_EGD: Tensor, w_down_E
         out_TD = combine(y_PD, a.pos_R, weights_TK)
         return out_TD if add_norm is None else add_norm(out_TD)
     config = config or default_config(num_tokens)
-    act_PF = gate_up(x_TD, a, w_gate_up_EGD, top_k, config.gate_up)
-    y_RD = down(act_PF, a, w_down_EDF, ids_TK.numel(), config.down)
+    act_PF = gate_up(x_TD, a, w_gate_up_EGD, top_k, config.gate_up, config.tiles_first)
+    y_RD = down(act_PF, a, w_down_EDF, ids_TK.numel(), config.down, config.tiles_first)
     if add_norm is None:
         return combine(y_RD, None, weights_TK)
     if FUSED_ADD_NORM:

@@ -85,9 +85,9 @@ def test_decode_matches_reference(triton_attention, shape, splits):
 
 
 @pytest.mark.parametrize("splits", [1, 4])
-def test_decode_heads_first_grid(triton_attention, monkeypatch, splits):
-    """The grid with the KV heads as its first axis (DECODE_HEADS_FIRST) computes the same."""
-    monkeypatch.setattr(triton_attention, "DECODE_HEADS_FIRST", True)
+def test_decode_sequences_first_grid(triton_attention, monkeypatch, splits):
+    """The grid with the sequences as its first axis (DECODE_HEADS_FIRST off) computes the same."""
+    monkeypatch.setattr(triton_attention, "DECODE_HEADS_FIRST", False)
     tables = _tables([3, 9, 5])
     seqs = [SeqInput(0, [1], 9, tables[0], True), SeqInput(1, [2], 33, tables[1], True),
             SeqInput(2, [4], 19, tables[2], True)]
@@ -183,8 +183,9 @@ def test_mixed_decode_launches(triton_attention):
     backend = triton_attention.TritonPagedAttention(4, block_n=16, prefill_rows=16, mixed_decode=True)
     launched = _launch_grids(triton_attention, ["_prefill_kernel", "_decode_kernel", "_decode_reduce_kernel"],
                              lambda: _compare(backend, batch, 8, 2, 32))
-    # group 4: 4 tokens a tile; chunks of 7, 13 and 20 tokens: 2 + 4 + 5 tiles.
-    assert launched == {"_prefill_kernel": [(11, 2)], "_decode_kernel": [(4, 2, 4)], "_decode_reduce_kernel": [(4, 8)]}
+    # group 4: 4 tokens a tile; chunks of 7, 13 and 20 tokens: 2 + 4 + 5 tiles; the decode grid
+    # KV heads x decodes x splits (DECODE_HEADS_FIRST).
+    assert launched == {"_prefill_kernel": [(11, 2)], "_decode_kernel": [(2, 4, 4)], "_decode_reduce_kernel": [(4, 8)]}
 
 
 def test_padded_decode_rows_write_nothing_and_return_zeros(triton_attention):

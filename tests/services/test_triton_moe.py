@@ -10,6 +10,8 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import dataclasses  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -93,13 +95,17 @@ def test_grouped_moe_matches_moe_layer(tmoe, num_tokens, shape, gemms):
 
 
 def test_tiles_first_grid(tmoe, monkeypatch):
-    """The GEMMs' grid with the column tiles as its first axis (TILES_FIRST): the same bits."""
+    """The GEMMs' grid with the column tiles as its first axis (tiles_first): the same bits;
+    default_config launches so up to TILES_FIRST_MAX_TOKENS tokens."""
     layer = _moe_layer(48, 40)
     x_TD = torch.randn(33, 48, generator=torch.Generator().manual_seed(3))
     args = (x_TD, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True)
-    expected_TD = tmoe.grouped_moe(*args, torch.zeros(8, dtype=torch.int64), config=_config(tmoe))
-    monkeypatch.setattr(tmoe, "TILES_FIRST", True)
-    assert torch.equal(tmoe.grouped_moe(*args, torch.zeros(8, dtype=torch.int64), config=_config(tmoe)), expected_TD)
+    outputs = [tmoe.grouped_moe(*args, torch.zeros(8, dtype=torch.int64), config=dataclasses.replace(
+        _config(tmoe), tiles_first=tiles_first)) for tiles_first in (False, True)]
+    assert torch.equal(outputs[0], outputs[1])
+    assert [tmoe.default_config(t).tiles_first for t in (1, 256, 512, 513)] == [True, True, True, False]
+    monkeypatch.setattr(tmoe, "TILES_FIRST_MAX_TOKENS", 0)
+    assert not tmoe.default_config(1).tiles_first
 
 
 def test_default_config_runs(tmoe):
