@@ -59,9 +59,9 @@ def test_checkpoint_loads_in_moemesh_with_its_own_tokenizer(run_dir):
 def test_moemesh_and_transformers_match_the_training_model(run_dir):
     recorded = json.loads((run_dir / "expert_hits.json").read_text())
     verify.check_tokenizer(run_dir / "checkpoint", recorded["prompts"])
-    moemesh = verify.check_logits(run_dir / "checkpoint", recorded["prompts"])
-    verify.check_hits(recorded, moemesh["hits_LE"], run_dir / "checkpoint")
-    assert sum(map(sum, moemesh["hits_LE"])) == recorded["num_tokens"] * recorded["top_k"] * 2  # 2 layers
+    hits = verify.check_logits(run_dir / "checkpoint", recorded["prompts"])
+    verify.check_hits(recorded, hits, run_dir / "checkpoint")
+    assert sum(map(sum, hits["hits_LE"])) == recorded["num_tokens"] * recorded["top_k"] * 2  # 2 layers
 
 
 def test_loss_log_and_run_record(run_dir):
@@ -98,6 +98,6 @@ INSTALLED = ROOT / "services" / "model" / "demo"
 def test_installed_demo_model_matches_transformers_and_its_record():
     recorded = json.loads((ROOT / "bench" / "demo_model" / "expert_hits.json").read_text())
     verify.check_tokenizer(INSTALLED, recorded["prompts"])
-    moemesh = verify.check_logits(INSTALLED, recorded["prompts"])
-    recount = verify.check_hits(recorded, moemesh["hits_LE"], INSTALLED)
+    hits = verify.check_logits(INSTALLED, recorded["prompts"])
+    recount = verify.check_hits(recorded, hits, INSTALLED)
     assert recount == recorded, "run `python -m bench.demo_model.verify ... --rewrite-hits`"
