@@ -56,6 +56,12 @@ DECODE_NUM_STAGES: int | None = None
 # 256 sequences at 1-2K context on an H200: 211 against 216 us a layer
 # (bench/results/decode_variants_h200_order.md).
 DECODE_HEADS_FIRST = True
+# With a float8 cache the attention dots take fp16 operands (q rounded to fp16 once, K/V and the
+# probabilities converted to it): float8 widens to fp16 in one instruction, to bf16 not, and on an
+# H200 the bf16 conversions made the float8 decode kernel slower than the bf16 one (235 against
+# 216 us a layer at 256 sequences, 1-2K context: bench/results/decode_variants_h200_fp8.md).
+# False: bf16 operands (the model dtype), e.g. to compare.
+FP8_DOTS_IN_FP16 = True
 # The number of SMs assumed off CUDA (the interpreter), for the split count.
 _CPU_NUM_SMS = 4
 
@@ -113,7 +119,7 @@ def _decode_kernel(q_ptr, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_p
                    num_heads, group, head_dim,
                    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP_PAD: tl.constexpr,
                    K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-                   MIXED: tl.constexpr, HEADS_FIRST: tl.constexpr):
+                   MIXED: tl.constexpr, HEADS_FIRST: tl.constexpr, F16_DOTS: tl.constexpr):
     if PDL:  # a programmatic dependent launch (triton_fused.PDL): the previous kernel done first
         triton_fused.wait_for_previous_kernel()
     i, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -146,6 +152,8 @@ def _decode_kernel(q_ptr, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_p
     heads = g * group + h
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    if F16_DOTS:  # the dots' operand type (FP8_DOTS_IN_FP16): _attend_block converts K/V to q's
+        q = q.to(tl.float16)
     # A finite floor: a split with no token ends with l = 0 and no NaN.
     m_i = tl.full([GROUP_PAD], -1e30, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -199,7 +207,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, co
                     tiles_ptr, num_tiles, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     stride_slot, group, head_dim,
                     BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-                    K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, F16_DOTS: tl.constexpr):
     # tiles_ptr: [2, num_tiles] int32, each program's sequence and its tile within the sequence.
     w, g = tl.program_id(0), tl.program_id(1)
     b, tile = tl.load(tiles_ptr + w), tl.load(tiles_ptr + num_tiles + w)
@@ -215,6 +223,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, co
     heads = g * group + h
     q = tl.load(q_ptr + (q_start + qi)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    if F16_DOTS:
+        q = q.to(tl.float16)
     # The new tokens are the context's last q_len: token qi sits at position context_len - q_len + qi.
     q_pos = context_len - q_len + qi
     end = tl.minimum(context_len, context_len - q_len + (tile + 1) * BLOCK_Q)
@@ -296,6 +306,7 @@ class TritonPagedAttention(AttentionBackend):
             stride_ot=o_THK.stride(0), stride_oh=o_THK.stride(1), stride_bt=batch.block_tables_BM.stride(0),
             stride_slot=stride_slot, group=group, head_dim=head_dim, BLOCK_SIZE=kv.block_size, K_PAD=k_pad,
             BLOCK_N=self.block_n, DOT_PRECISION="ieee" if q_THK.dtype == torch.float32 else "tf32",
+            F16_DOTS=FP8_DOTS_IN_FP16 and k_cache.element_size() == 1,
             num_warps=self.num_warps)
         max_context = batch.block_tables_BM.shape[1] * kv.block_size
         if batch.is_decode:

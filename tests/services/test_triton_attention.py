@@ -95,6 +95,30 @@ def test_decode_sequences_first_grid(triton_attention, monkeypatch, splits):
              12, 4, 16)
 
 
+@pytest.mark.parametrize("decode", [True, False])
+def test_float8_cache_dots_in_half_precision(triton_attention, decode):
+    """A float8 cache: the dots take fp16 operands (FP8_DOTS_IN_FP16), against the reference
+    reading the same float8 cache (inputs exactly representable in float8, so the interpreter's
+    float8 stores round nothing; fp16 q and probabilities: a looser tolerance)."""
+    generator = torch.Generator().manual_seed(5)
+    tables = _tables([3, 9, 7])
+    seqs = [SeqInput(0, [1], 9, tables[0], True), SeqInput(1, [2], 33, tables[1], True),
+            SeqInput(2, list(range(6)) if not decode else [4], 19, tables[2], True)]
+    batch = build_forward_batch(seqs, BLOCK_SIZE, "cpu")
+    q, k, v = (torch.randn(batch.num_tokens, h, 16, generator=generator).to(torch.float8_e4m3fn).float()
+               for h in (12, 4, 4))
+    pools = [KVPool(1, NUM_BLOCKS, BLOCK_SIZE, 4, 16, torch.float8_e4m3fn, "cpu") for _ in range(2)]
+    noise_k, noise_v = (torch.randn(pools[0].k_cache.shape, generator=generator).to(torch.float8_e4m3fn)
+                        for _ in range(2))
+    for pool in pools:
+        pool.k_cache.copy_(noise_k)
+        pool.v_cache.copy_(noise_v)
+    expected = TorchReferenceAttention().forward(0, q, k, v, batch, pools[0], 0.25)
+    out = triton_attention.TritonPagedAttention(1, block_n=16).forward(0, q, k, v, batch, pools[1], 0.25)
+    torch.testing.assert_close(out, expected, atol=3e-3, rtol=3e-3)
+    assert torch.equal(pools[1].k_cache.float(), pools[0].k_cache.float())
+
+
 def test_decode_steps_one_after_another(triton_attention):
     """Each decode step writes its token's K/V (the split holding it) before reading: the same
     backend and pools step after step, the token landing in every split in turn."""
