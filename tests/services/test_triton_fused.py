@@ -141,6 +141,18 @@ def test_linear_takes_the_tiles_of_its_weight_shape(fused, monkeypatch):
     assert not fused.uses_pdl(_randn(1, 48))
 
 
+def _assert_routes_like_route(fused, x, w_gate, norm, ids, weights, hits):
+    """ids and weights as route's from F.linear's logits; hits (from 5) counted; counters reset."""
+    num_experts = w_gate.shape[0]
+    ids_ref, weights_ref, pos_ref = fused.route(torch.nn.functional.linear(x, w_gate), 3, norm,
+                                                torch.zeros(num_experts, dtype=torch.int64), torch.float32)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(weights, weights_ref, atol=1e-6, rtol=1e-5)
+    assert torch.equal(hits - 5, torch.bincount(ids.flatten(), minlength=num_experts))
+    assert not fused._GATE_ROUTE_COUNTS[x.device].any()  # set back for the next step
+    return pos_ref
+
+
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("num_experts", [12, 40])
 def test_gate_route_matches_route(fused, norm, num_experts):
@@ -149,23 +161,7 @@ def test_gate_route_matches_route(fused, norm, num_experts):
     x, w_gate = _randn(1, 72, seed=26), _randn(num_experts, 72, seed=27)
     hits = torch.full((num_experts,), 5, dtype=torch.int64)
     ids, weights, pos = fused.gate_route(x, w_gate, 3, norm, hits)
-    ids_ref, weights_ref, pos_ref = fused.route(torch.nn.functional.linear(x, w_gate), 3, norm,
-                                                torch.zeros(num_experts, dtype=torch.int64), torch.float32)
-    assert torch.equal(ids, ids_ref) and torch.equal(pos, pos_ref)
-    torch.testing.assert_close(weights, weights_ref, atol=1e-6, rtol=1e-5)
-    assert torch.equal(hits - 5, torch.bincount(ids.flatten(), minlength=num_experts))
-    assert not fused._GATE_ROUTE_COUNTS[x.device].any()  # set back for the next step
-
-
-def test_gate_route_rounds_the_logits_like_f_linear(fused):
-    """fp16: the logits rounded to fp16 before the softmax, as moe.gate's F.linear output."""
-    half = torch.float16
-    x, w_gate = _randn(1, 64, seed=28).to(half), _randn(16, 64, seed=29).to(half)
-    ids_ref, weights_ref, _ = gate(x, w_gate, 4, True)
-    ids, weights, _ = fused.gate_route(x, w_gate, 4, True, torch.zeros(16, dtype=torch.int64))
-    order = ids_ref.argsort(dim=1)
-    assert torch.equal(ids, ids_ref.gather(1, order))
-    assert torch.equal(weights, weights_ref.gather(1, order))
+    assert torch.equal(pos, _assert_routes_like_route(fused, x, w_gate, norm, ids, weights, hits))
 
 
 @pytest.mark.parametrize("norm", [True, False])
@@ -179,22 +175,20 @@ def test_gate_route_rows_matches_route(fused, norm, num_experts, num_tokens):
     w_gate = _randn(num_experts, 72, seed=31)
     hits = torch.full((num_experts,), 5, dtype=torch.int64)
     ids, weights, counts = fused.gate_route_rows(x, w_gate, 3, norm, hits)
-    ids_ref, weights_ref, _ = fused.route(torch.nn.functional.linear(x, w_gate), 3, norm,
-                                          torch.zeros(num_experts, dtype=torch.int64), torch.float32)
-    assert torch.equal(ids, ids_ref)
-    torch.testing.assert_close(weights, weights_ref, atol=1e-6, rtol=1e-5)
-    assert torch.equal(hits - 5, torch.bincount(ids.flatten(), minlength=num_experts))
+    _assert_routes_like_route(fused, x, w_gate, norm, ids, weights, hits)
     blocks = [torch.bincount(ids[i:i + 16].flatten(), minlength=num_experts) for i in range(0, num_tokens, 16)]
     assert torch.equal(counts, torch.stack(blocks).int())
-    assert not fused._GATE_ROUTE_COUNTS[x.device].any()  # set back for the next step
 
 
-def test_gate_route_rows_rounds_the_logits_like_f_linear(fused):
-    """fp16: each row's logits rounded to fp16 before the softmax, as moe.gate's F.linear output."""
+@pytest.mark.parametrize("num_tokens", [1, 20])
+def test_gate_routing_rounds_the_logits_like_f_linear(fused, num_tokens):
+    """fp16: each row's logits rounded to fp16 before the softmax, as moe.gate's F.linear output
+    (one token: gate_route; more: gate_route_rows)."""
     half = torch.float16
-    x, w_gate = _randn(20, 64, seed=32).to(half), _randn(16, 64, seed=33).to(half)
+    x, w_gate = _randn(num_tokens, 64, seed=28).to(half), _randn(16, 64, seed=29).to(half)
     ids_ref, weights_ref, _ = gate(x, w_gate, 4, True)
-    ids, weights, _ = fused.gate_route_rows(x, w_gate, 4, True, torch.zeros(16, dtype=torch.int64))
+    route = fused.gate_route if num_tokens == 1 else fused.gate_route_rows
+    ids, weights, _ = route(x, w_gate, 4, True, torch.zeros(16, dtype=torch.int64))
     order = ids_ref.argsort(dim=1)
     assert torch.equal(ids, ids_ref.gather(1, order))
     assert torch.equal(weights, weights_ref.gather(1, order))
