@@ -19,6 +19,9 @@ CUDA graph, no host reads.
   dtype as F.linear rounds them) and route's routing in one kernel: programs over
   (expert block, split of the hidden dim) write fp32 partial sums, the last to
   finish (an atomic count) adds them in a fixed order and routes the token.
+- gate_route_rows: the same for each block of 16 tokens of a bigger step (tl.dot partials
+  over hidden-dim splits), which also counts the block's rows per expert for
+  triton_moe.align.
 - fused_moe: the small-batch MoE of one rank holding every expert, bound by
   reading the weights of the experts the step touches, each once. A routing
   kernel (softmax, top-k, renormalise, ids in increasing order, hit counts,

@@ -6,13 +6,18 @@ local, so the layer is five short steps, with no host sync and every grid and bu
 T alone (capturable in a CUDA graph):
 
 1. route (triton_fused.route): each token's K experts in increasing order, weights, hit counts.
-2. align (two small kernels): a counting sort of the R = T * K routed rows by expert into
-   segments padded to a multiple of BLOCK_M rows: sorted_ids_P (the routed row r = t * K + k at
-   each position), each expert's segment start, row count and padded end.
+   Up to triton_fused.GATE_ROUTE_ROWS_MAX_TOKENS tokens, gate_route_rows does the gate matmul
+   and this in one kernel, and counts each ALIGN_TOKENS tokens' rows per expert for step 2.
+2. align (two small kernels, one after gate_route_rows): a counting sort of the R = T * K
+   routed rows by expert into segments padded to a multiple of BLOCK_M rows: sorted_ids_P (the
+   routed row r = t * K + k at each position), each expert's segment start, row count and
+   padded end.
 3. gate_up: a grouped GEMM over the segments that gathers x rows by index (vLLM's fused_moe
    layout, one expert per block of rows) with SiLU(gate) * up in its epilogue: act_PF.
 4. down: the grouped GEMM on act_PF, storing each output row at its routed row r: y_RD.
-5. combine: each token's K outputs times their weights, summed in increasing expert order.
+5. combine: each token's K outputs times their weights, summed in increasing expert order;
+   given an AddNorm (the fused layer loop), also added into the residual stream and normed for
+   the next layer in the same kernel.
 
 Each intermediate the torch code stores in the model dtype is rounded the same way here (gate
 and up, SiLU, its product, the down output, each weighted output), so outputs match moe.py to
