@@ -52,6 +52,7 @@ from collections.abc import Callable
 
 import torch
 
+from bench import kernel_profile
 from bench.decode_graph_check import build
 from expert_svc.graph_runner import DecodeGraphRunner, cuda_capture
 from expert_svc.runner import NewSequence, ScheduledSequence, StepPlan, StepRunner
@@ -284,24 +285,7 @@ def top_kernels(model, kv: KVPool, workload: Workload, device: torch.device) -> 
     seqs = workload.first_step()
     batch, capacity = build_forward_batch(seqs, BLOCK_SIZE, device), model.dispatch_capacity(len(seqs))
     model.forward_at_capacity(batch, kv, capacity)
-    on_cuda = device.type == "cuda"
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_cuda else [])
-    with torch.profiler.profile(activities=activities) as prof:
-        model.forward_at_capacity(batch, kv, capacity)
-        _synchronize(device)
-    if on_cuda:
-        events = [(e.key, e.count, e.device_time_total) for e in prof.key_averages()
-                  if e.device_type == torch.autograd.DeviceType.CUDA]
-    else:
-        events = [(e.key, e.count, e.self_cpu_time_total) for e in prof.key_averages()]
-    events.sort(key=lambda e: -e[2])
-    return [{"name": name, "calls": calls, "total_us": round(us, 1), "us_per_call": round(us / calls, 2)}
-            for name, calls, us in events[:TOP_KERNELS]]
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    return kernel_profile.top_kernels(lambda: model.forward_at_capacity(batch, kv, capacity), device, TOP_KERNELS)
 
 
 def _release(device: torch.device) -> None:

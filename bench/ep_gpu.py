@@ -27,6 +27,10 @@ and each rank materialises only its own experts.
    token's K weighted rows up to fp32 regrouping: its largest difference is
    reported, with the bytes one rank sends per layer (both all-to-alls).
 
+3. CUDA only: one whole MoE layer replayed as a CUDA graph through each path, and at
+   --profile-batch tokens per rank the kernels of one eager call of the gathered paths
+   (torch.profiler: where the layer's time goes beyond reading its experts' weights).
+
 Rank 0 prints a markdown table and writes `<name>.json` and `<name>.md` under
 --out (default bench/results/). Exit status 1 if the correctness check fails.
 Uses only APIs of torch 2.11 and older.
@@ -50,6 +54,7 @@ import torch.distributed as dist
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.kernel_profile import top_kernels  # noqa: E402
 from services.kv_pool import KVPool  # noqa: E402
 from services.model.batch import SeqInput, build_forward_batch  # noqa: E402
 from services.model.checkpoint import expected_tensors  # noqa: E402
@@ -111,6 +116,7 @@ class Settings:
     iters: int
     out: str
     port: int
+    profile_batch: int = 128
 
     @property
     def config(self) -> ModelConfig:
@@ -344,6 +350,8 @@ def time_moe_layer(rank: int, settings: Settings, device) -> list[dict]:
                    "total_us": 1e3 * statistics.median(total_ms),
                    "max_abs_diff": (out_TD.float() - expected_TD.float()).abs().max().item(),
                    "max_abs_out": expected_TD.float().abs().max().item()}
+            if gathered and batch_size == settings.profile_batch:  # where the layer's time goes
+                row["kernels"] = top_kernels(lambda: layer(x_TD, capacity), device)
             if exchange is not None:  # the same sums as NCCL's, rounded the same: the same bits
                 row["equal_to_nccl"] = torch.equal(out_TD, outputs[modes[1][0]])
             rows.append(row)
@@ -493,6 +501,11 @@ def _report(settings: Settings, correctness: dict, rows: list[dict], seconds: fl
         for row in layer_rows:
             relative = max_diffs[row["batch_per_rank"], row["mode"]] / max(row["max_abs_out"], 1e-30)
             lines.append(f"| {row['batch_per_rank']} | {row['mode']} | {row['total_us']:.1f} | {relative:.3g} |")
+        for row in layer_rows:
+            if row.get("kernels"):  # the slower rank's
+                lines += ["", f"### Kernels of one eager call, rank {row['rank']}, {row['batch_per_rank']} tokens per "
+                          f"rank: {row['mode']}", "", "| kernel | calls | total us |", "|---|---:|---:|"]
+                lines += [f"| `{k['name'][:90]}` | {k['calls']} | {k['total_us']:.1f} |" for k in row["kernels"]]
         equal = [r["equal_to_nccl"] for r in rows if "equal_to_nccl" in r]
         if equal:
             lines += ["", f"Symmetric memory against NCCL (gather + reduce-scatter), every batch size and rank: "
@@ -528,6 +541,8 @@ def parse_args(argv=None) -> Settings:
     p.add_argument("--batch-sizes", default="1,32,256", help="decode tokens per rank to time")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--profile-batch", type=int, default=128,
+                   help="CUDA: the batch per rank whose whole MoE layer (gathered modes) gets a kernel profile")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = p.parse_args(argv)
     if args.device == "cuda" and torch.cuda.device_count() < WORLD_SIZE:
@@ -539,7 +554,7 @@ def parse_args(argv=None) -> Settings:
                     dtype=args.dtype or ("bfloat16" if args.device == "cuda" else "float32"), seed=args.seed,
                     init_std=args.init_std, num_prompts=args.num_prompts, num_steps=args.num_steps,
                     batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")), warmup=args.warmup,
-                    iters=args.iters, out=args.out, port=port)
+                    iters=args.iters, out=args.out, port=port, profile_batch=args.profile_batch)
 
 
 def main(argv=None) -> int:

@@ -84,7 +84,7 @@ for step in $STEPS; do
                 --gateway-arg=--stream-interval --gateway-arg=4 ${N2_ARGS:-} --out "$RESULTS/si4" ;;
         symm) two_ranks symm --expert-arg=--ep-exchange --expert-arg=symmetric ;;
         nccl) two_ranks nccl --expert-arg=--ep-exchange --expert-arg=nccl ;;
-        ep) part ep 180 python3 bench/ep_gpu.py --batch-sizes 1,32,128,256 --out "$RESULTS/ep" ;;
+        ep) part ep 180 python3 bench/ep_gpu.py --batch-sizes 1,32,128,256 --profile-batch 128 --out "$RESULTS/ep" ;;
         moe) part moe 300 python3 bench/moe_large_batch.py --tokens "${MOE_TOKENS:-128,256,4096}" --sweep --out "$RESULTS/moe" ;;
         samp) part samp 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 --cases c256 --sampling 0.8,0.95 \
                 ${N1_ARGS:-} --out "$RESULTS/samp" ;;
