@@ -432,14 +432,35 @@ class MoELayer:
     def __call__(self, x_TD: Tensor, capacity: int | None = None, add_norm: AddNorm | None = None) -> Tensor:
         """The layer on this rank's tokens; `capacity` picks the dispatch mode (see dispatch).
         With add_norm, add_norm(the output) (the grouped kernels fuse it into their combine)."""
-        if self.comm.world_size == 1 and x_TD.is_cuda and self.slot_map is None:
-            from services.model import triton_fused, triton_moe  # import triton: CUDA only
+        if self._takes_grouped_moe(x_TD):
+            from services.model import triton_moe  # imports triton: CUDA only
 
-            if triton_fused.ENABLED and triton_moe.ENABLED and x_TD.shape[0] > triton_fused.MOE_MAX_TOKENS:
-                return triton_moe.grouped_moe(x_TD, self.w_gate_ED, self.w_gate_up_LGD, self.w_down_LDF,
-                                              self.top_k, self.norm_topk_prob, self.hit_counts_E, add_norm=add_norm)
+            return triton_moe.grouped_moe(x_TD, self.w_gate_ED, self.w_gate_up_LGD, self.w_down_LDF,
+                                          self.top_k, self.norm_topk_prob, self.hit_counts_E, add_norm=add_norm)
         out_TD = self._output(x_TD, capacity)
         return out_TD if add_norm is None else add_norm(out_TD)
+
+    def routed_ids(self, x_TD: Tensor) -> Tensor:
+        """Each token's experts as a step of the layer routes them, not counted anywhere:
+        the grouped kernels' own gate (triton_fused.gate_route_rows: its logits round
+        otherwise than F.linear's, which a near tie shows) where the layer takes them, else
+        moe.gate's (the same logits as the other paths'). The order within a row is not kept."""
+        if self._takes_grouped_moe(x_TD):
+            from services.model import triton_fused  # imports triton: CUDA only
+
+            if 1 < x_TD.shape[0] <= triton_fused.GATE_ROUTE_ROWS_MAX_TOKENS:
+                return triton_fused.gate_route_rows(x_TD, self.w_gate_ED, self.top_k, self.norm_topk_prob,
+                                                    torch.zeros_like(self.hit_counts_E))[0]
+        return gate(x_TD, self.w_gate_ED, self.top_k, self.norm_topk_prob)[0]
+
+    def _takes_grouped_moe(self, x_TD: Tensor) -> bool:
+        """Whether a step of x_TD's tokens runs triton_moe.grouped_moe: one rank on CUDA holding
+        every expert in its slot, more tokens than triton_fused.fused_moe takes."""
+        if self.comm.world_size != 1 or not x_TD.is_cuda or self.slot_map is not None:
+            return False
+        from services.model import triton_fused, triton_moe  # import triton: CUDA only
+
+        return triton_fused.ENABLED and triton_moe.ENABLED and x_TD.shape[0] > triton_fused.MOE_MAX_TOKENS
 
     def _output(self, x_TD: Tensor, capacity: int | None) -> Tensor:
         if self.comm.world_size > 1 and capacity is not None and gathers_on(x_TD.device):

@@ -20,7 +20,7 @@ from services.model.batch import ForwardBatch
 from services.model.config import ModelConfig
 from services.model.layers import AddNorm, RotaryEmbedding, apply_rotary, rms_norm, swiglu_mlp
 from services.model.expert_map import SlotMap
-from services.model.moe import ExpertComm, MoELayer, gate, gathers_on, local_expert_ids, step_capacity
+from services.model.moe import ExpertComm, MoELayer, gathers_on, local_expert_ids, step_capacity
 
 # Steps whose largest rank batch has at most this many tokens dispatch with
 # fixed-capacity buffers (decode); bigger ones with host splits (prefill).
@@ -245,10 +245,10 @@ def _logits(x_SD: Tensor, lm_head_VD: Tensor, logits_SV: Tensor | None) -> Tenso
 
 
 def _add_last_row_hits(layer: MoELayer, h_TD: Tensor, hits_E: Tensor) -> None:
-    """Adds the experts of h_TD's last row to hits_E: the layer's own gate over the
-    same rows (row-wise the same numbers as the layer's routing)."""
-    ids_TK, _, _ = gate(h_TD, layer.w_gate_ED, layer.top_k, layer.norm_topk_prob)
-    hits_E.scatter_add_(0, ids_TK[-1], torch.ones_like(ids_TK[-1]))
+    """Adds the experts of h_TD's last row to hits_E, as the layer's step routes them
+    (MoELayer.routed_ids: the same kernels over the same rows)."""
+    ids_K = layer.routed_ids(h_TD)[-1]
+    hits_E.scatter_add_(0, ids_K, torch.ones_like(ids_K))
 
 
 def _dense_mlp(x_TD: Tensor, _capacity: int | None, add_norm: AddNorm | None = None, **weights: Tensor) -> Tensor:

@@ -108,6 +108,24 @@ def test_tiles_first_grid(tmoe, monkeypatch):
     assert not tmoe.default_config(1).tiles_first
 
 
+def test_routed_ids_route_as_the_grouped_layer(tmoe, monkeypatch):
+    """MoELayer.routed_ids (the CUDA graph runner's probe of a padding row) routes a row as the
+    layer's grouped kernels do (gate_route_rows), here forced on the CPU: the last row's experts
+    are what the layer's step over every row counts beyond its step over the others."""
+    monkeypatch.setattr(MoELayer, "_takes_grouped_moe", lambda self, x_TD: True)
+    layer = _moe_layer(48, 40)
+    x_TD = torch.randn(21, 48, generator=torch.Generator().manual_seed(6))
+    counted = []
+    for rows in (x_TD, x_TD[:-1]):
+        before = layer.hit_counts_E.clone()
+        layer(rows.contiguous())
+        counted.append(layer.hit_counts_E - before)
+    before = layer.hit_counts_E.clone()
+    ids_K = layer.routed_ids(x_TD)[-1]
+    assert torch.equal(layer.hit_counts_E, before)  # not counted
+    assert torch.equal(torch.bincount(ids_K, minlength=8), counted[0] - counted[1])
+
+
 def test_default_config_runs(tmoe):
     """The GPU's tiles (block_m 32, wide blocks past D and F) on a small odd batch."""
     layer = _moe_layer(48, 40)
