@@ -442,15 +442,14 @@ class MoELayer:
 
     def routed_ids(self, x_TD: Tensor) -> Tensor:
         """Each token's experts as a step of the layer routes them, not counted anywhere:
-        the grouped kernels' own gate (triton_fused.gate_route_rows: its logits round
+        the grouped kernels' own routing (triton_moe.route: gate_route_rows' logits round
         otherwise than F.linear's, which a near tie shows) where the layer takes them, else
         moe.gate's (the same logits as the other paths'). The order within a row is not kept."""
         if self._takes_grouped_moe(x_TD):
-            from services.model import triton_fused  # imports triton: CUDA only
+            from services.model import triton_moe  # imports triton: CUDA only
 
-            if 1 < x_TD.shape[0] <= triton_fused.GATE_ROUTE_ROWS_MAX_TOKENS:
-                return triton_fused.gate_route_rows(x_TD, self.w_gate_ED, self.top_k, self.norm_topk_prob,
-                                                    torch.zeros_like(self.hit_counts_E))[0]
+            return triton_moe.route(x_TD, self.w_gate_ED, self.top_k, self.norm_topk_prob,
+                                    torch.zeros_like(self.hit_counts_E))[0]
         return gate(x_TD, self.w_gate_ED, self.top_k, self.norm_topk_prob)[0]
 
     def _takes_grouped_moe(self, x_TD: Tensor) -> bool:

@@ -46,11 +46,6 @@ _MAX_SPLITS = 64
 # Decode programs wanted per SM: the split count makes about this many (sequences x KV
 # heads x splits), e.g. raised to compare more splits at big batches (bench/decode_variants.py).
 DECODE_PROGRAMS_PER_SM = 2
-# The decode kernel's context tokens per loop step, warps and pipeline stages; None: the
-# backend's block_n and num_warps, Triton's default stages (knobs for bench/decode_variants.py).
-DECODE_BLOCK_N: int | None = None
-DECODE_NUM_WARPS: int | None = None
-DECODE_NUM_STAGES: int | None = None
 # The decode grid's faster-launched axis: True, the KV heads (a sequence's heads, which share
 # its K/V pages, together); False, the sequences (each KV head over every sequence in turn).
 # 256 sequences at 1-2K context on an H200: 211 against 216 us a layer
@@ -363,21 +358,17 @@ class TritonPagedAttention(AttentionBackend):
         # Single-token steps, as triton_fused's kernels around these (a mixed step is not one).
         pdl = mixed is None and triton_fused.uses_pdl(k_TGK)
         seq_map, cu_q_lens = mixed or (slot_mapping_T, slot_mapping_T)  # unread without MIXED
-        launch = common | {"BLOCK_N": DECODE_BLOCK_N or common["BLOCK_N"],
-                           "num_warps": DECODE_NUM_WARPS or common["num_warps"]}
-        if DECODE_NUM_STAGES:
-            launch["num_stages"] = DECODE_NUM_STAGES
         grid = (num_kv_heads, num_seqs, splits) if DECODE_HEADS_FIRST else (num_seqs, num_kv_heads, splits)
         _decode_kernel[grid](
             k_new_ptr=k_TGK, v_new_ptr=v_TGK, slot_ptr=slot_mapping_T, seq_map_ptr=seq_map, cu_q_lens_ptr=cu_q_lens,
             stride_nt=k_TGK.stride(0), stride_ng=k_TGK.stride(1), part_acc_ptr=part_acc, part_ml_ptr=part_ml,
             num_heads=num_heads, NUM_SPLITS=splits, GROUP_PAD=group_pad, PDL=pdl, launch_pdl=pdl,
-            MIXED=mixed is not None, HEADS_FIRST=DECODE_HEADS_FIRST, **launch)
+            MIXED=mixed is not None, HEADS_FIRST=DECODE_HEADS_FIRST, **common)
         if splits > 1:
             _decode_reduce_kernel[(num_seqs, num_heads)](
                 part_acc, part_ml, common["o_ptr"], common["context_lens_ptr"], seq_map, cu_q_lens,
                 common["stride_ot"], common["stride_oh"], num_heads, common["head_dim"], NUM_SPLITS=splits,
-                K_PAD=k_pad, BLOCK_N=launch["BLOCK_N"], PDL=pdl, launch_pdl=pdl, MIXED=mixed is not None)
+                K_PAD=k_pad, BLOCK_N=common["BLOCK_N"], PDL=pdl, launch_pdl=pdl, MIXED=mixed is not None)
 
     def _sms(self, device: torch.device) -> int:
         if device.type != "cuda":

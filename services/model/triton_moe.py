@@ -455,6 +455,19 @@ def sorted_experts(x_PD: Tensor, offsets_L: Tensor, w_gate_up_LGD: Tensor, w_dow
     return down(act_PF, a, w_down_LDF, num_rows, config.down, config.tiles_first)
 
 
+def route(x_TD: Tensor, w_gate_ED: Tensor, top_k: int, norm_topk_prob: bool,
+          hit_counts_E: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    """grouped_moe's routing (step 1): ids_TK, weights_TK and, where gate_route_rows counted
+    them, each ALIGN_TOKENS tokens' rows per expert for align (else None); adds the routed
+    experts to hit_counts_E."""
+    if 1 < x_TD.shape[0] <= triton_fused.GATE_ROUTE_ROWS_MAX_TOKENS:
+        assert triton_fused.GATE_ROUTE_ROWS == ALIGN_TOKENS
+        return triton_fused.gate_route_rows(x_TD, w_gate_ED, top_k, norm_topk_prob, hit_counts_E)
+    logits_TE = torch.nn.functional.linear(x_TD, w_gate_ED)
+    ids_TK, weights_TK = triton_fused.route(logits_TE, top_k, norm_topk_prob, hit_counts_E, x_TD.dtype)[:2]
+    return ids_TK, weights_TK, None
+
+
 def grouped_moe(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up_EGD: Tensor, w_down_EDF: Tensor, top_k: int,
                 norm_topk_prob: bool, hit_counts_E: Tensor, config: MoEConfig | None = None,
                 gemms: str = "triton", add_norm: AddNorm | None = None) -> Tensor:
@@ -467,15 +480,8 @@ def grouped_moe(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up_EGD: Tensor, w_down_E
     if gemms not in ("triton", "torch"):
         raise ValueError(f"gemms must be 'triton' or 'torch', not {gemms!r}")
     block_m = 1 if gemms == "torch" else (config or default_config(num_tokens)).block_m
-    if 1 < num_tokens <= triton_fused.GATE_ROUTE_ROWS_MAX_TOKENS:
-        assert triton_fused.GATE_ROUTE_ROWS == ALIGN_TOKENS
-        ids_TK, weights_TK, counts_CE = triton_fused.gate_route_rows(x_TD, w_gate_ED, top_k, norm_topk_prob,
-                                                                     hit_counts_E)
-        a = align(ids_TK, num_experts, block_m, chunk_counts=counts_CE)
-    else:
-        logits_TE = torch.nn.functional.linear(x_TD, w_gate_ED)
-        ids_TK, weights_TK = triton_fused.route(logits_TE, top_k, norm_topk_prob, hit_counts_E, x_TD.dtype)[:2]
-        a = align(ids_TK, num_experts, block_m)
+    ids_TK, weights_TK, counts_CE = route(x_TD, w_gate_ED, top_k, norm_topk_prob, hit_counts_E)
+    a = align(ids_TK, num_experts, block_m, chunk_counts=counts_CE)
     if gemms == "torch":
         y_PD = moe.experts(x_TD[a.sorted_ids_P // top_k], a.ends_E, w_gate_up_EGD, w_down_EDF, kernels=False)
         out_TD = combine(y_PD, a.pos_R, weights_TK)
