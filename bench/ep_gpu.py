@@ -59,6 +59,7 @@ from services.kv_pool import KVPool  # noqa: E402
 from services.model.batch import SeqInput, build_forward_batch  # noqa: E402
 from services.model.checkpoint import expected_tensors  # noqa: E402
 from services.model.config import ModelConfig  # noqa: E402
+from services.model.layers import AddNorm  # noqa: E402
 from services.model.moe import (  # noqa: E402
     ExpertComm, MoELayer, combine, dispatch, gate, local_expert_ids, step_capacity,
 )
@@ -302,7 +303,7 @@ def time_moe_layer(rank: int, settings: Settings, device) -> list[dict]:
     CUDA graph per batch size, through moe.py's dispatch / sorted_experts / combine and through
     triton_ep's gather / reduce-scatter; each output's largest difference from the one-rank
     layer holding every expert (triton_moe.grouped_moe on the same tokens)."""
-    from services.model import triton_ep
+    from services.model import triton_ep, triton_fused
     from services.model.symm_exchange import SymmetricExchange
 
     hidden, comm = LARGE.hidden_size, ExpertComm(dist.group.WORLD)
@@ -320,26 +321,33 @@ def time_moe_layer(rank: int, settings: Settings, device) -> list[dict]:
     one_rank = MoELayer(w_gate_ED, w_gate_up_EGD, w_down_EDF, top_k=LAYER_TOP_K, norm_topk_prob=True,
                         comm=ExpertComm.local(), hit_counts_E=hits_E.clone())
     capacities = {b: step_capacity(b, LAYER_TOP_K, len(mine), max_fixed_tokens=1 << 30) for b in settings.batch_sizes}
-    modes = [("dispatch + combine (moe.py)", False, None), ("gather + reduce-scatter (triton_ep)", True, None)]
+    modes = [("dispatch + combine (moe.py)", False, None), (NCCL_MODE, True, None)]
     rows, (mark, elapsed) = [], _timer(device)
-    try:  # last: a machine without symmetric memory still gets the other rows
-        modes.append((SYMMETRIC_MODE, True, SymmetricExchange(
-            dist.group.WORLD, max(c // min(LAYER_TOP_K, len(mine)) for c in capacities.values()),
-            triton_ep.row_width(hidden, LAYER_TOP_K, settings.torch_dtype), hidden, settings.torch_dtype, device,
-            timeout_ms=20_000)))  # a rank that fails traps the other after 20 s, not forever
-    except Exception as error:  # noqa: BLE001 (reported in the table)
-        rows.append({"mode": SYMMETRIC_MODE, "rank": rank, "error": repr(error)[:500]})
+    for name, push in ((PULL_MODE, False), (PUSH_MODE, True)):  # last: a machine without it gets the other rows
+        try:
+            modes.append((name, True, SymmetricExchange(
+                dist.group.WORLD, max(c // min(LAYER_TOP_K, len(mine)) for c in capacities.values()),
+                triton_ep.row_width(hidden, LAYER_TOP_K, settings.torch_dtype), hidden, settings.torch_dtype, device,
+                timeout_ms=20_000, push=push)))  # a rank that fails traps the other after 20 s, not forever
+        except Exception as error:  # noqa: BLE001 (reported in the table)
+            rows.append({"mode": name, "rank": rank, "error": repr(error)[:500]})
+    norm_D = torch.rand(hidden, generator=g, device=device).to(settings.torch_dtype) + 0.5
     for batch_size in settings.batch_sizes:
         x_TD = torch.randn(batch_size, hidden, generator=torch.Generator(device=device).manual_seed(rank),
                            device=device, dtype=settings.torch_dtype)
+        residual_TD = torch.randn_like(x_TD)
         capacity = capacities[batch_size]
         expected_TD = one_rank(x_TD)
         outputs = {}
         for name, gathered, exchange in modes:
             triton_ep.ENABLED, comm.exchange = gathered, exchange
+            # As the fused layer loop calls it: the residual add and the next layer's norm handed over.
+            add_norm = AddNorm(residual_TD.clone(), norm_D, 1e-6, triton_fused.add_rms_norm_)
             try:
                 run = _graphed(lambda: (layer(x_TD, capacity), None), mark)
                 _, total_ms, out_TD = _time(run, settings, device, mark, elapsed)
+                run = _graphed(lambda: (layer(x_TD, capacity, add_norm), None), mark)
+                add_norm_ms = _time(run, settings, device, mark, elapsed)[1]
             except RuntimeError as error:
                 if exchange is None:
                     raise
@@ -347,21 +355,26 @@ def time_moe_layer(rank: int, settings: Settings, device) -> list[dict]:
                 continue
             outputs[name] = out_TD.clone()
             row = {"batch_per_rank": batch_size, "mode": name, "rank": rank,
-                   "total_us": 1e3 * statistics.median(total_ms),
+                   "total_us": 1e3 * statistics.median(total_ms), "add_norm_us": 1e3 * statistics.median(add_norm_ms),
                    "max_abs_diff": (out_TD.float() - expected_TD.float()).abs().max().item(),
                    "max_abs_out": expected_TD.float().abs().max().item()}
             if gathered and batch_size == settings.profile_batch:  # where the layer's time goes
-                row["kernels"] = top_kernels(lambda: layer(x_TD, capacity), device)
+                row["kernels"] = top_kernels(lambda: layer(x_TD, capacity, add_norm), device)
             if exchange is not None:  # the same sums as NCCL's, rounded the same: the same bits
-                row["equal_to_nccl"] = torch.equal(out_TD, outputs[modes[1][0]])
+                row["equal_to_nccl"] = torch.equal(out_TD, outputs[NCCL_MODE])
+                # the add and norm fused into the exchange's sum: the bits of add_rms_norm_ after it
+                fused_x_TD, unfused_x_TD = residual_TD.clone(), residual_TD.clone()
+                h_TD = layer(x_TD, capacity, AddNorm(fused_x_TD, norm_D, 1e-6, triton_fused.add_rms_norm_))
+                unfused_h_TD = triton_fused.add_rms_norm_(unfused_x_TD, layer(x_TD, capacity), norm_D, 1e-6)
+                row["add_norm_equal"] = torch.equal(fused_x_TD, unfused_x_TD) and torch.equal(h_TD, unfused_h_TD)
             rows.append(row)
     triton_ep.ENABLED, comm.exchange = True, None
     return rows
 
 
-SYMMETRIC_MODE = "gather + reduce-scatter over symmetric memory (triton_ep + symm_exchange)"
-
-
+NCCL_MODE = "gather + reduce-scatter (triton_ep)"
+PULL_MODE = "gather + reduce-scatter over symmetric memory, each rank reading its peers' buffers (pull)"
+PUSH_MODE = "gather + reduce-scatter over symmetric memory, each rank writing into its peers' buffers (push)"
 def _time(run, settings: Settings, device, mark, elapsed) -> tuple[list[float], list[float], torch.Tensor]:
     """ms from start to the middle mark and to the end, per iteration, after a warm-up;
     and the last iteration's output."""
@@ -496,11 +509,15 @@ def _report(settings: Settings, correctness: dict, rows: list[dict], seconds: fl
     if layer_rows:
         lines += ["", f"## One whole MoE layer, {LAYER_EXPERTS} experts ({LAYER_EXPERTS // WORLD_SIZE} per rank), "
                   f"top-{LAYER_TOP_K}, width {LAYER_WIDTH}: CUDA graph replays (median, slower rank, microseconds)", "",
-                  "max diff: the largest |output - one-rank layer| of any rank, relative to the largest output.", "",
-                  "| batch per rank | mode | total | max diff (relative) |", "|---:|---|---:|---:|"]
+                  "max diff: the largest |output - one-rank layer| of any rank, relative to the largest output;",
+                  "with add + norm: the layer as the fused layer loop calls it, handed the residual add and the "
+                  "next layer's RMSNorm (the exchange fuses them into its sum; the other paths run add_rms_norm_ "
+                  "after).", "",
+                  "| batch per rank | mode | total | with add + norm | max diff (relative) |", "|---:|---|---:|---:|---:|"]
         for row in layer_rows:
             relative = max_diffs[row["batch_per_rank"], row["mode"]] / max(row["max_abs_out"], 1e-30)
-            lines.append(f"| {row['batch_per_rank']} | {row['mode']} | {row['total_us']:.1f} | {relative:.3g} |")
+            lines.append(f"| {row['batch_per_rank']} | {row['mode']} | {row['total_us']:.1f} | "
+                         f"{row.get('add_norm_us', float('nan')):.1f} | {relative:.3g} |")
         for row in layer_rows:
             if row.get("kernels"):  # the slower rank's
                 lines += ["", f"### Kernels of one eager call, rank {row['rank']}, {row['batch_per_rank']} tokens per "
@@ -508,8 +525,13 @@ def _report(settings: Settings, correctness: dict, rows: list[dict], seconds: fl
                 lines += [f"| `{k['name'][:90]}` | {k['calls']} | {k['total_us']:.1f} |" for k in row["kernels"]]
         equal = [r["equal_to_nccl"] for r in rows if "equal_to_nccl" in r]
         if equal:
-            lines += ["", f"Symmetric memory against NCCL (gather + reduce-scatter), every batch size and rank: "
-                      f"{'bit-identical' if all(equal) else 'DIFFERENT'} outputs ({sum(equal)} of {len(equal)} equal)."]
+            lines += ["", f"Symmetric memory (pull and push) against NCCL (gather + reduce-scatter), every batch size "
+                      f"and rank: {'bit-identical' if all(equal) else 'DIFFERENT'} outputs ({sum(equal)} of "
+                      f"{len(equal)} equal)."]
+        fused = [r["add_norm_equal"] for r in rows if "add_norm_equal" in r]
+        if fused:
+            lines += ["", f"The exchange's sum with the add and norm fused against add_rms_norm_ after it: "
+                      f"{'bit-identical' if all(fused) else 'DIFFERENT'} ({sum(fused)} of {len(fused)} equal)."]
     lines += [f"\n{row['mode']} failed on rank {row['rank']}: {row['error']}" for row in errors]
     lines += ["", f"Wall time: {seconds:.1f} s", ""]
     text = "\n".join(lines)

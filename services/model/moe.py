@@ -92,8 +92,8 @@ class ExpertComm:
         self.group = group
         self.rank = 0 if group is None else dist.get_rank(group)
         self.world_size = 1 if group is None else dist.get_world_size(group)
-        # triton_ep's buffers in symmetric memory (services/model/symm_exchange.py), if set:
-        # all_gather / reduce_scatter of its buffers go through it instead of NCCL.
+        # triton_ep's exchange over symmetric memory (services/model/symm_exchange.py), if set:
+        # the decode steps that fit its buffers go through it instead of NCCL.
         self.exchange = None
 
     @classmethod
@@ -115,18 +115,13 @@ class ExpertComm:
         """Every rank's inp, stacked along dim 0 in rank order, into out."""
         if self.group is None:
             out.copy_(inp)
-        elif self.exchange is not None and self.exchange.owns(inp):
-            self.exchange.all_gather(out, inp)
         else:
             dist.all_gather_into_tensor(out, inp, group=self.group)
 
     def reduce_scatter(self, out: Tensor, inp: Tensor) -> None:
-        """out = the sum over the ranks of their inp's rank-th block of rows (dim 0); from
-        the exchange's buffer out may have a narrower dtype (the fp32 sum, rounded once)."""
+        """out = the sum over the ranks of their inp's rank-th block of rows (dim 0)."""
         if self.group is None:
             out.copy_(inp)
-        elif self.exchange is not None and self.exchange.owns(inp):
-            self.exchange.reduce_scatter(out, inp)
         else:
             dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=self.group)
 
@@ -431,12 +426,18 @@ class MoELayer:
 
     def __call__(self, x_TD: Tensor, capacity: int | None = None, add_norm: AddNorm | None = None) -> Tensor:
         """The layer on this rank's tokens; `capacity` picks the dispatch mode (see dispatch).
-        With add_norm, add_norm(the output) (the grouped kernels fuse it into their combine)."""
+        With add_norm, add_norm(the output) (the grouped kernels fuse it into their combine, the
+        symmetric-memory exchange into its sum)."""
         if self._takes_grouped_moe(x_TD):
             from services.model import triton_moe  # imports triton: CUDA only
 
             return triton_moe.grouped_moe(x_TD, self.w_gate_ED, self.w_gate_up_LGD, self.w_down_LDF,
                                           self.top_k, self.norm_topk_prob, self.hit_counts_E, add_norm=add_norm)
+        if self.comm.world_size > 1 and capacity is not None and gathers_on(x_TD.device):
+            from services.model import triton_ep  # imports triton: CUDA only
+
+            return triton_ep.gathered_moe(self, x_TD, capacity // min(self.top_k, self.w_gate_up_LGD.shape[0]),
+                                          add_norm)
         out_TD = self._output(x_TD, capacity)
         return out_TD if add_norm is None else add_norm(out_TD)
 
@@ -462,10 +463,6 @@ class MoELayer:
         return triton_fused.ENABLED and triton_moe.ENABLED and x_TD.shape[0] > triton_fused.MOE_MAX_TOKENS
 
     def _output(self, x_TD: Tensor, capacity: int | None) -> Tensor:
-        if self.comm.world_size > 1 and capacity is not None and gathers_on(x_TD.device):
-            from services.model import triton_ep  # imports triton: CUDA only
-
-            return triton_ep.gathered_moe(self, x_TD, capacity // min(self.top_k, self.w_gate_up_LGD.shape[0]))
         if self.comm.world_size == 1 and x_TD.is_cuda:  # one rank, a small step: fused kernels
             from services.model import triton_fused  # imports triton: CUDA only
 

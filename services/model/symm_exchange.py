@@ -1,31 +1,42 @@
 """triton_ep's gather and reduce-scatter over symmetric memory (issue 8, CUDA only).
 
-triton_ep's MoE layer moves two messages a layer between the ranks: the
-all_gather of the packed rows and the reduce_scatter of the fp32 partials.
-Through NCCL each is a collective of its own; at decode sizes (a few MB)
-their time is mostly latency. Here each rank's two buffers (packed rows,
+triton_ep's MoE layer moves two messages a layer between the ranks: every
+rank's packed rows to every rank, and the fp32 partials of each rank's rows
+back to it. Through NCCL each is a collective of its own; at decode sizes (a
+few MB) their time is mostly latency. Here each rank's two buffers (rows,
 fp32 partials) are allocated in symmetric memory
 (torch.distributed._symmetric_memory: every rank maps every peer's buffer
-into its address space, over NVLink), and a layer is:
+into its address space, over NVLink). With PUSH (the default) each rank
+writes into its peers' buffers, and a layer is:
 
-1. route_pack writes the rank's B packed rows into its row buffer (send_rows);
+1. route_pack writes the rank's B packed rows into slot `rank` (rows
+   rank * B ..) of every rank's row buffer, its own included (row_target);
 2. a barrier (torch's symmetric-memory barrier kernel: every rank signals every
-   peer and waits for theirs); then one kernel copies every rank's B rows,
-   in rank order, into the gathered J = N * B rows (the peers' over NVLink);
-3. the local experts write their fp32 partials of the J rows into the rank's
-   partial buffer (partial_rows);
-4. a barrier; then one kernel sums, for each of this rank's B rows, every
-   rank's partial in rank order in fp32 and rounds once to the model dtype.
+   peer and waits for theirs); the rank's buffer now holds the J = N * B
+   gathered rows in rank order (gathered_rows): the experts read them there;
+3. the local experts' fp32 partial of gathered row j goes to its owner,
+   rank j // B, into slot `rank` of that rank's partial buffer (partial_target);
+4. a barrier; then one kernel sums, for each of this rank's B rows, the N slots
+   of its own partial buffer in rank order in fp32 and rounds once to the model
+   dtype (reduce), and may add the sum into the residual stream and take the
+   next layer's RMSNorm (triton_fused's add_rms_norm_, the same bits).
    With two ranks that is one fp32 addition, which is commutative: the bits
    of NCCL's reduce_scatter followed by the cast.
 
-One buffer of each serves every layer: a rank rewrites its rows (step 1 of
-the next layer) only after the barrier of step 4, which every peer reaches
-after its copy of step 2 has read them; and it rewrites its partials (step 3)
-only after the next layer's barrier of step 2, which every peer reaches after
-its sum of step 4. The buffers hold `max_rows_per_rank` rows per rank (the
-decode graphs' largest bucket); bigger steps (prefill chunks) take NCCL.
-Every rank makes the same choice, since B is the same on every rank.
+Without PUSH each rank writes only its own buffers and reads its peers'
+(sessions 6-8): step 1 writes the rank's own row buffer, step 2 adds a kernel
+that copies every rank's rows into a gathered tensor, step 3 keeps the
+partials local and step 4 reads the peers' slots. PUSH saves that copy, and
+its reads are local, while the writes over NVLink need no round trip.
+
+One buffer of each serves every layer. With PUSH, rank s writes rank r's rows
+(step 1 of the next layer) only after the barrier of step 4, which r reaches
+after its experts have read them; and it writes r's partials (step 3 of the
+next layer) only after the next layer's barrier of step 2, which r reaches
+after its sum of step 4. Without PUSH the same two barriers keep the peers'
+reads ahead of the rewrites. The buffers hold `max_rows_per_rank` rows per
+rank (the decode graphs' largest bucket); bigger steps (prefill chunks) take
+NCCL. Every rank makes the same choice, since B is the same on every rank.
 
 Why not NCCL here: each NCCL collective costs a fixed ~15-20 us in a CUDA
 graph on two H200s whatever its size at these sizes (facts.md, and
@@ -42,6 +53,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from services.model.layers import AddNorm
+from services.model.triton_fused import add_residual, store_rms_norm
+
+# Whether the ranks write into their peers' buffers (see the module docstring); False: each
+# reads its peers' (one more kernel a layer), kept to compare the two on two GPUs.
+PUSH = True
+
 
 @triton.jit
 def _gather_kernel(ptrs_ptr, out_ptr, rows_per_rank, width, BLOCK: tl.constexpr):
@@ -57,17 +75,26 @@ def _gather_kernel(ptrs_ptr, out_ptr, rows_per_rank, width, BLOCK: tl.constexpr)
 
 
 @triton.jit
-def _reduce_kernel(ptrs_ptr, out_ptr, first_row, hidden, NUM_RANKS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out row i = the sum over the ranks, in rank order and in fp32, of partial row
-    first_row + i, rounded once to out's dtype."""
+def _reduce_kernel(ptrs_ptr, out_ptr, x_ptr, norm_ptr, first_row, row_step, hidden, eps, NUM_RANKS: tl.constexpr,
+                   ADD_NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Row i: the sum over r, in rank order and in fp32, of row first_row + r * row_step + i
+    of buffer r (its address at ptrs_ptr + r), rounded once to the model dtype. ADD_NORM (one
+    program a row): that sum added into x's row i in place, out = the new row's RMSNorm."""
     i = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = d < hidden
-    offset = (first_row + i) * hidden + d
-    total = tl.load(tl.load(ptrs_ptr).to(tl.pointer_type(tl.float32)) + offset, mask=mask, other=0.0)
+    total = tl.load(tl.load(ptrs_ptr).to(tl.pointer_type(tl.float32)) + (first_row + i) * hidden + d, mask=mask,
+                    other=0.0)
     for r in tl.static_range(1, NUM_RANKS):
-        total += tl.load(tl.load(ptrs_ptr + r).to(tl.pointer_type(tl.float32)) + offset, mask=mask, other=0.0)
-    tl.store(out_ptr + i * hidden + d, total.to(out_ptr.dtype.element_ty), mask=mask)
+        src = tl.load(ptrs_ptr + r).to(tl.pointer_type(tl.float32))
+        total += tl.load(src + (first_row + r * row_step + i) * hidden + d, mask=mask, other=0.0)
+    if ADD_NORM:
+        x = tl.load(x_ptr + i * hidden + d, mask=mask, other=0.0)
+        x = add_residual(x_ptr, i * hidden + d, mask, x, total.to(x_ptr.dtype.element_ty))
+        store_rms_norm(out_ptr, i * hidden + d, mask, x, tl.load(norm_ptr + d, mask=mask, other=0.0).to(tl.float32),
+                       hidden, eps)
+    else:
+        tl.store(out_ptr + i * hidden + d, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def gather_rows(ptrs_N: Tensor, out_JW: Tensor, rows_per_rank: int) -> None:
@@ -81,15 +108,31 @@ def gather_rows(ptrs_N: Tensor, out_JW: Tensor, rows_per_rank: int) -> None:
                                     BLOCK=min(triton.next_power_of_2(width), 1024))
 
 
-def reduce_rows(ptrs_N: Tensor, out_BD: Tensor, first_row: int) -> None:
-    """out_BD = the sum over ranks (in rank order, fp32) of rows first_row.. of each rank's
-    fp32 partial buffer (addresses in ptrs_N), rounded to out_BD's dtype."""
+def reduce_rows(ptrs_N: Tensor, out_BD: Tensor, first_row: int, row_step: int = 0) -> None:
+    """out_BD row i = the sum over ranks r (in rank order, fp32) of row first_row + r * row_step + i
+    of the fp32 buffer at ptrs_N[r] (rows of out_BD's width), rounded to out_BD's dtype: with
+    row_step 0 each rank's partials of this rank's rows (read from the peers), with row_step B
+    the N slots of one buffer (ptrs_N's addresses all this rank's)."""
     num_rows, hidden = out_BD.shape
     assert out_BD.is_contiguous()
     if num_rows:
         block_d = min(triton.next_power_of_2(hidden), 1024)
-        _reduce_kernel[(num_rows, triton.cdiv(hidden, block_d))](ptrs_N, out_BD, first_row, hidden,
-                                                                 NUM_RANKS=ptrs_N.numel(), BLOCK_D=block_d)
+        _reduce_kernel[(num_rows, triton.cdiv(hidden, block_d))](
+            ptrs_N, out_BD, out_BD, out_BD, first_row, row_step, hidden, 0.0, NUM_RANKS=ptrs_N.numel(),
+            ADD_NORM=False, BLOCK_D=block_d)
+
+
+def reduce_add_norm(ptrs_N: Tensor, add_norm: AddNorm, first_row: int, row_step: int = 0) -> Tensor:
+    """add_norm(the sum reduce_rows gives for add_norm.x_TD's rows) in one kernel, the same bits:
+    the sum added into x_TD in place, its RMSNorm returned."""
+    x_TD = add_norm.x_TD
+    assert x_TD.is_contiguous()
+    h_TD = torch.empty_like(x_TD)
+    if x_TD.shape[0]:
+        _reduce_kernel[(x_TD.shape[0], 1)](
+            ptrs_N, h_TD, x_TD, add_norm.weight_D, first_row, row_step, x_TD.shape[1], add_norm.eps,
+            NUM_RANKS=ptrs_N.numel(), ADD_NORM=True, BLOCK_D=triton.next_power_of_2(x_TD.shape[1]), num_warps=8)
+    return h_TD
 
 
 def _rendezvous(symm_mem, tensor: Tensor, group: dist.ProcessGroup):
@@ -108,22 +151,28 @@ def _rendezvous(symm_mem, tensor: Tensor, group: dist.ProcessGroup):
 
 class SymmetricExchange:
     """The row and partial buffers of one rank in symmetric memory, for steps of at most
-    max_rows_per_rank rows per rank (see the module docstring)."""
+    max_rows_per_rank rows per rank (see the module docstring; push: PUSH for None).
+
+    triton_ep.gathered_moe's protocol: route_pack into row_target(B); gathered_rows(B); the
+    partials into partial_target(B); reduce."""
 
     def __init__(self, group: dist.ProcessGroup, max_rows_per_rank: int, row_width: int, hidden: int,
-                 dtype: torch.dtype, device: torch.device | str, timeout_ms: int = 0):
+                 dtype: torch.dtype, device: torch.device | str, timeout_ms: int = 0, push: bool | None = None):
         import torch.distributed._symmetric_memory as symm_mem
 
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.max_rows_per_rank, self.row_width, self.hidden = max_rows_per_rank, row_width, hidden
-        self.timeout_ms = timeout_ms
-        self._rows = symm_mem.empty(max_rows_per_rank, row_width, dtype=dtype, device=device)
-        self._partials = symm_mem.empty(self.world_size * max_rows_per_rank, hidden, dtype=torch.float32,
-                                        device=device)
+        self.timeout_ms, self.push = timeout_ms, PUSH if push is None else push
+        num_rows = self.world_size * max_rows_per_rank
+        self._rows = symm_mem.empty(num_rows if self.push else max_rows_per_rank, row_width, dtype=dtype,
+                                    device=device)
+        self._partials = symm_mem.empty(num_rows, hidden, dtype=torch.float32, device=device)
         self._rows_handle = _rendezvous(symm_mem, self._rows, group)
         self._partials_handle = _rendezvous(symm_mem, self._partials, group)
         self._row_ptrs_N = self._peer_pointers(self._rows_handle, self._rows, group)
         self._partial_ptrs_N = self._peer_pointers(self._partials_handle, self._partials, group)
+        # push's reduce reads the N slots of its own buffer
+        self._own_partial_ptrs_N = self._partial_ptrs_N[self.rank].repeat(self.world_size)
 
     def _peer_pointers(self, handle, local: Tensor, group) -> Tensor:
         """Every rank's address of `local`'s buffer (int64, on the device): the peers' mapped
@@ -140,27 +189,39 @@ class SymmetricExchange:
         """Whether a step of rows_per_rank rows of this width goes through the exchange."""
         return rows_per_rank <= self.max_rows_per_rank and row_width == self.row_width
 
-    def send_rows(self, rows_per_rank: int) -> Tensor:
-        """The rank's row buffer's first rows_per_rank rows: where route_pack / pack write."""
-        return self._rows[:rows_per_rank]
+    def row_target(self, rows_per_rank: int) -> tuple[Tensor, tuple[Tensor, int] | None]:
+        """Where route_pack / pack write this rank's B rows: (out, dests) as they take them."""
+        b = rows_per_rank
+        if self.push:  # slot `rank` of every rank's buffer
+            return self._rows[self.rank * b:(self.rank + 1) * b], (self._row_ptrs_N, self.rank * b)
+        return self._rows[:b], None
 
-    def partial_rows(self, num_rows: int) -> Tensor:
-        """The rank's fp32 partial buffer's first num_rows (= N * B) rows."""
-        return self._partials[:num_rows]
-
-    def owns(self, tensor: Tensor) -> bool:
-        """Whether tensor starts one of this rank's two buffers (a send_rows / partial_rows view)."""
-        return tensor.data_ptr() in (self._rows.data_ptr(), self._partials.data_ptr())
-
-    def all_gather(self, out_JW: Tensor, send_BW: Tensor) -> None:
-        """out_JW = every rank's send_rows(B) in rank order (send_BW must be this rank's)."""
-        assert send_BW.data_ptr() == self._rows.data_ptr(), "all_gather takes send_rows' view"
+    def gathered_rows(self, rows_per_rank: int) -> Tensor:
+        """recv_JW: every rank's B rows in rank order, once every rank has written its own."""
         self._rows_handle.barrier(channel=0, timeout_ms=self.timeout_ms)
-        gather_rows(self._row_ptrs_N, out_JW, send_BW.shape[0])
+        if self.push:
+            return self._rows[:self.world_size * rows_per_rank]
+        recv_JW = self._rows.new_empty(self.world_size * rows_per_rank, self.row_width)
+        gather_rows(self._row_ptrs_N, recv_JW, rows_per_rank)
+        return recv_JW
 
-    def reduce_scatter(self, out_BD: Tensor, partial_JD: Tensor) -> None:
-        """out_BD = the rank-order fp32 sum of every rank's partial rows of this rank (rows
-        rank * B ..), rounded to out_BD's dtype (partial_JD must be partial_rows' view)."""
-        assert partial_JD.data_ptr() == self._partials.data_ptr(), "reduce_scatter takes partial_rows' view"
+    def partial_target(self, rows_per_rank: int) -> tuple[Tensor, tuple[Tensor, int] | None]:
+        """Where triton_ep.partials writes the J gathered rows' partials: (out, owners) as it
+        takes them (push: row j into slot `rank` of its owner j // B's buffer)."""
+        partial_JD = self._partials[:self.world_size * rows_per_rank]
+        return partial_JD, (self._partial_ptrs_N, self.rank * rows_per_rank) if self.push else None
+
+    def reduce(self, num_tokens: int, rows_per_rank: int, dtype: torch.dtype,
+               add_norm: AddNorm | None = None) -> Tensor:
+        """This rank's first num_tokens rows summed over the ranks' partials (fp32, rank order),
+        rounded to dtype, once every rank has written them; add_norm(that), fused, if given."""
         self._partials_handle.barrier(channel=0, timeout_ms=self.timeout_ms)
-        reduce_rows(self._partial_ptrs_N, out_BD, self.rank * out_BD.shape[0])
+        if self.push:
+            ptrs_N, first_row, row_step = self._own_partial_ptrs_N, 0, rows_per_rank
+        else:
+            ptrs_N, first_row, row_step = self._partial_ptrs_N, self.rank * rows_per_rank, 0
+        if add_norm is not None:
+            return reduce_add_norm(ptrs_N, add_norm, first_row, row_step)
+        out_TD = self._partials.new_empty(num_tokens, self.hidden, dtype=dtype)
+        reduce_rows(ptrs_N, out_TD, first_row, row_step)
+        return out_TD

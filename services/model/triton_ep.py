@@ -31,10 +31,12 @@ decode step captures in a CUDA graph with its two collectives, and nothing
 reads back to the host.
 
 With comm.exchange set (services/model/symm_exchange.py, the expert service's
---ep-exchange, symmetric memory on CUDA by default), steps 3 and 6 of the decode
-steps that fit its buffers read the peers' rows and partials over NVLink instead
-of two NCCL collectives: route_pack writes into the exchange's row buffer, the
-partials into its partial buffer, and the sum comes back in the model dtype.
+--ep-exchange, symmetric memory on CUDA by default), the decode steps that fit
+its buffers exchange over NVLink instead of two NCCL collectives: route_pack
+writes the rows straight into every rank's gathered rows, the partials go
+straight to their owners, and the exchange's sum comes back in the model dtype,
+with the residual add and the next layer's RMSNorm fused where the layer loop
+hands them over (add_norm).
 
 Rounding: as moe.py's fixed-capacity mode (each rank sums its own experts'
 products, the partials are summed in fp32, rounded once). The fp32 sum over
@@ -51,6 +53,7 @@ import triton.language as tl
 from torch import Tensor
 
 from services.model import triton_fused, triton_moe
+from services.model.layers import AddNorm
 from services.model.moe import ExpertComm
 
 # The switch moe.MoELayer reads on CUDA with several ranks (False: moe.py's dispatch/combine).
@@ -64,26 +67,50 @@ def row_width(hidden: int, top_k: int, dtype: torch.dtype) -> int:
 
 
 @triton.jit
-def _copy_row(x_ptr, rows_ptr, j, hidden, row_stride, BLOCK_D: tl.constexpr):
-    """x's row j into the hidden part of send row j."""
-    for d0 in range(0, hidden, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        tl.store(rows_ptr + j * row_stride + d, tl.load(x_ptr + j * hidden + d, mask=d < hidden), mask=d < hidden)
+def _buffer(ptr, dests_ptr, d, byte_offset, HAS_DESTS: tl.constexpr):
+    """Destination d's buffer as ptr's type: ptr itself, or with HAS_DESTS the address
+    dests_ptr[d] + byte_offset (a buffer laid out as ptr's: symm_exchange's peers)."""
+    if HAS_DESTS:
+        ptr = (tl.load(dests_ptr + d) + byte_offset).to(ptr.dtype)
+    return ptr
 
 
 @triton.jit
-def _pack_kernel(x_ptr, ids_ptr, weights_ptr, rows_ptr, meta_ptr, num_tokens, hidden, row_stride, meta_stride,
-                 TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+def _copy_row(x_ptr, rows_ptr, dests_ptr, j, row, hidden, row_stride, NUM_DESTS: tl.constexpr,
+              HAS_DESTS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """x's row j into the hidden part of send row `row` of each destination."""
+    for d0 in range(0, hidden, BLOCK_D):
+        c = d0 + tl.arange(0, BLOCK_D)
+        x = tl.load(x_ptr + j * hidden + c, mask=c < hidden)
+        for dest in tl.static_range(NUM_DESTS):
+            tl.store(_buffer(rows_ptr, dests_ptr, dest, 0, HAS_DESTS) + row * row_stride + c, x, mask=c < hidden)
+
+
+@triton.jit
+def _store_meta(meta_ptr, dests_ptr, row, meta_stride, meta_bytes, k, ids, weight_bits, mask,
+                TOP_K: tl.constexpr, NUM_DESTS: tl.constexpr, HAS_DESTS: tl.constexpr):
+    """Send row `row`'s ids + 1 and fp32 weight bits at places k of each destination."""
+    for dest in tl.static_range(NUM_DESTS):
+        meta = _buffer(meta_ptr, dests_ptr, dest, meta_bytes, HAS_DESTS) + row * meta_stride
+        tl.store(meta + k, ids, mask=mask)
+        tl.store(meta + TOP_K + k, weight_bits, mask=mask)
+
+
+@triton.jit
+def _pack_kernel(x_ptr, ids_ptr, weights_ptr, rows_ptr, meta_ptr, dests_ptr, first_row, num_tokens, hidden,
+                 row_stride, meta_stride, meta_bytes, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_D: tl.constexpr, NUM_DESTS: tl.constexpr, HAS_DESTS: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     is_token = j < num_tokens
     k = tl.arange(0, BLOCK_K)
     k_mask = k < TOP_K
     ids = tl.load(ids_ptr + j * TOP_K + k, mask=is_token & k_mask, other=-1).to(tl.int32)
     weights = tl.load(weights_ptr + j * TOP_K + k, mask=is_token & k_mask, other=0.0).to(tl.float32)
-    tl.store(meta_ptr + j * meta_stride + k, ids + 1, mask=k_mask)  # 0: no expert (padding rows)
-    tl.store(meta_ptr + j * meta_stride + TOP_K + k, weights.to(tl.int32, bitcast=True), mask=k_mask)
+    # ids + 1: 0 is no expert (padding rows)
+    _store_meta(meta_ptr, dests_ptr, first_row + j, meta_stride, meta_bytes, k, ids + 1,
+                weights.to(tl.int32, bitcast=True), k_mask, TOP_K, NUM_DESTS, HAS_DESTS)
     if is_token:
-        _copy_row(x_ptr, rows_ptr, j, hidden, row_stride, BLOCK_D)
+        _copy_row(x_ptr, rows_ptr, dests_ptr, j, first_row + j, hidden, row_stride, NUM_DESTS, HAS_DESTS, BLOCK_D)
 
 
 def _send_buffer(x_TD: Tensor, top_k: int, rows_per_rank: int,
@@ -99,23 +126,37 @@ def _send_buffer(x_TD: Tensor, top_k: int, rows_per_rank: int,
     return send_BW, _meta(send_BW, hidden), min(triton.next_power_of_2(max(hidden, 1)), 1024)
 
 
-def pack(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, rows_per_rank: int, out: Tensor | None = None) -> Tensor:
+def _dest_args(x_TD: Tensor, send_BW: Tensor, dests: tuple[Tensor, int] | None) -> dict:
+    """The destination arguments of the pack kernels: send_BW itself, or each buffer of dests."""
+    if dests is None:
+        return dict(dests_ptr=send_BW, first_row=0, meta_bytes=0, NUM_DESTS=1, HAS_DESTS=False)
+    ptrs_N, first_row = dests
+    return dict(dests_ptr=ptrs_N, first_row=first_row, meta_bytes=x_TD.shape[1] * x_TD.element_size(),
+                NUM_DESTS=ptrs_N.numel(), HAS_DESTS=True)
+
+
+def pack(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, rows_per_rank: int, out: Tensor | None = None,
+         dests: tuple[Tensor, int] | None = None) -> Tensor:
     """send_BW (written into out, if given): token t's [x row | ids + 1 | fp32 weights] in row
-    t < T, rows past T with id 0 (their hidden part unset: no expert reads it)."""
+    t < T, rows past T with id 0 (their hidden part unset: no expert reads it). dests: (ptrs_N,
+    first_row): the rows go instead into each of the N buffers at those addresses (laid out as
+    send_BW's), from their row first_row (symm_exchange's push; out then only gives the shape)."""
     (num_tokens, hidden), top_k = x_TD.shape, ids_TK.shape[1]
     assert x_TD.is_contiguous() and ids_TK.is_contiguous() and weights_TK.is_contiguous()
     send_BW, meta_BM, block_d = _send_buffer(x_TD, top_k, rows_per_rank, out)
     if rows_per_rank:
-        _pack_kernel[(rows_per_rank,)](x_TD, ids_TK, weights_TK, send_BW, meta_BM, num_tokens, hidden,
-                                       send_BW.stride(0), meta_BM.stride(0), TOP_K=top_k,
-                                       BLOCK_K=triton.next_power_of_2(top_k), BLOCK_D=block_d)
+        _pack_kernel[(rows_per_rank,)](x_TD, ids_TK, weights_TK, send_BW, meta_BM, num_tokens=num_tokens,
+                                       hidden=hidden, row_stride=send_BW.stride(0), meta_stride=meta_BM.stride(0),
+                                       TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_D=block_d,
+                                       **_dest_args(x_TD, send_BW, dests))
     return send_BW
 
 
 @triton.jit
-def _route_pack_kernel(logits_ptr, x_ptr, rows_ptr, meta_ptr, hits_ptr, num_tokens, num_experts, hidden, row_stride,
-                       meta_stride, NORM: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
-                       BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+def _route_pack_kernel(logits_ptr, x_ptr, rows_ptr, meta_ptr, hits_ptr, dests_ptr, first_row, num_tokens,
+                       num_experts, hidden, row_stride, meta_stride, meta_bytes, NORM: tl.constexpr,
+                       TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+                       NUM_DESTS: tl.constexpr, HAS_DESTS: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, BLOCK_K)
     if j < num_tokens:
@@ -125,26 +166,28 @@ def _route_pack_kernel(logits_ptr, x_ptr, rows_ptr, meta_ptr, hits_ptr, num_toke
         chosen, w, rank = tl.reshape(chosen, [BLOCK_E]), tl.reshape(w, [BLOCK_E]), tl.reshape(rank, [BLOCK_E])
         # As route then pack: ids + 1, the weights rounded to the model dtype, as fp32 bits.
         w = w.to(x_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(meta_ptr + j * meta_stride + rank, (e + 1).to(tl.int32), mask=chosen)
-        tl.store(meta_ptr + j * meta_stride + TOP_K + rank, w.to(tl.int32, bitcast=True), mask=chosen)
+        _store_meta(meta_ptr, dests_ptr, first_row + j, meta_stride, meta_bytes, rank, (e + 1).to(tl.int32),
+                    w.to(tl.int32, bitcast=True), chosen, TOP_K, NUM_DESTS, HAS_DESTS)
         tl.atomic_add(hits_ptr + e, chosen.to(hits_ptr.dtype.element_ty), mask=chosen)
-        _copy_row(x_ptr, rows_ptr, j, hidden, row_stride, BLOCK_D)
+        _copy_row(x_ptr, rows_ptr, dests_ptr, j, first_row + j, hidden, row_stride, NUM_DESTS, HAS_DESTS, BLOCK_D)
     else:  # padding: no expert
-        tl.store(meta_ptr + j * meta_stride + k, tl.zeros([BLOCK_K], tl.int32), mask=k < 2 * TOP_K)
+        _store_meta(meta_ptr, dests_ptr, first_row + j, meta_stride, meta_bytes, k, tl.zeros([BLOCK_K], tl.int32),
+                    tl.zeros([BLOCK_K], tl.int32), k < TOP_K, TOP_K, NUM_DESTS, HAS_DESTS)
 
 
 def route_pack(logits_TE: Tensor, x_TD: Tensor, top_k: int, norm_topk_prob: bool, hit_counts_E: Tensor,
-               rows_per_rank: int, out: Tensor | None = None) -> Tensor:
-    """pack(x_TD, *triton_fused.route(logits_TE, ...)[:2], rows_per_rank, out) in one kernel: the
-    same send_BW, and each token's experts added to hit_counts_E."""
+               rows_per_rank: int, out: Tensor | None = None, dests: tuple[Tensor, int] | None = None) -> Tensor:
+    """pack(x_TD, *triton_fused.route(logits_TE, ...)[:2], rows_per_rank, out, dests) in one
+    kernel: the same rows, and each token's experts added to hit_counts_E."""
     (num_tokens, hidden), num_experts = x_TD.shape, logits_TE.shape[1]
     assert x_TD.is_contiguous() and logits_TE.is_contiguous() and hit_counts_E.is_contiguous() and top_k < 128
     send_BW, meta_BM, block_d = _send_buffer(x_TD, top_k, rows_per_rank, out)
     if rows_per_rank:
         _route_pack_kernel[(rows_per_rank,)](
-            logits_TE, x_TD, send_BW, meta_BM, hit_counts_E, num_tokens, num_experts, hidden, send_BW.stride(0),
-            meta_BM.stride(0), NORM=norm_topk_prob, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(2 * top_k),
-            BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_D=block_d)
+            logits_TE, x_TD, send_BW, meta_BM, hit_counts_E, num_tokens=num_tokens, num_experts=num_experts,
+            hidden=hidden, row_stride=send_BW.stride(0), meta_stride=meta_BM.stride(0), NORM=norm_topk_prob,
+            TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(num_experts),
+            BLOCK_D=block_d, **_dest_args(x_TD, send_BW, dests))
     return send_BW
 
 
@@ -154,8 +197,8 @@ def _meta(rows_JW: Tensor, hidden: int) -> Tensor:
 
 
 @triton.jit
-def _partials_kernel(y_ptr, meta_ptr, out_ptr, hidden, meta_stride, id_offset, num_local, TOP_K: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
+def _partials_kernel(y_ptr, meta_ptr, out_ptr, owners_ptr, first_row, rows_per_rank, hidden, meta_stride, id_offset,
+                     num_local, TOP_K: tl.constexpr, HAS_OWNERS: tl.constexpr, BLOCK_D: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = d < hidden
@@ -167,27 +210,38 @@ def _partials_kernel(y_ptr, meta_ptr, out_ptr, hidden, meta_stride, id_offset, n
             weight = tl.load(meta_ptr + j * meta_stride + TOP_K + k).to(tl.float32, bitcast=True)
             y = tl.load(y_ptr + (j * TOP_K + k) * hidden + d, mask=d_mask, other=0.0).to(tl.float32)
             total += (y * weight.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    tl.store(out_ptr + j * hidden + d, total, mask=d_mask)
+    out = out_ptr + j * hidden
+    if HAS_OWNERS:  # row j's owner, rank j // B, at row first_row + j % B of its buffer
+        out = tl.load(owners_ptr + j // rows_per_rank).to(out_ptr.dtype) + (first_row + j % rows_per_rank) * hidden
+    tl.store(out + d, total, mask=d_mask)
 
 
-def partials(y_RD: Tensor, meta_JM: Tensor, id_offset: int, num_local: int, out: Tensor | None = None) -> Tensor:
+def partials(y_RD: Tensor, meta_JM: Tensor, id_offset: int, num_local: int, out: Tensor | None = None,
+             owners: tuple[Tensor, int] | None = None) -> Tensor:
     """fp32 partial_JD (written into out, if given): each gathered row's weighted outputs of its
-    local experts (y_RD's row j * K + k), each product rounded to y's dtype, summed in increasing k."""
+    local experts (y_RD's row j * K + k), each product rounded to y's dtype, summed in increasing k.
+    owners: (ptrs_N, first_row): row j goes instead to the buffer at ptrs_N[j // B] (B = J / N),
+    at its row first_row + j % B (symm_exchange's push; out then only gives the shape)."""
     num_rows, top_k = meta_JM.shape[0], meta_JM.shape[1] // 2
     hidden = y_RD.shape[1]
     partial_JD = torch.empty(num_rows, hidden, dtype=torch.float32, device=y_RD.device) if out is None else out
     assert partial_JD.shape == (num_rows, hidden) and partial_JD.dtype == torch.float32 and partial_JD.is_contiguous()
+    owners_ptr, first_row, rows_per_rank = partial_JD, 0, 1
+    if owners is not None:
+        (owners_ptr, first_row), rows_per_rank = owners, num_rows // owners[0].numel()
     if num_rows:
         block_d = min(triton.next_power_of_2(hidden), 1024)
         _partials_kernel[(num_rows, triton.cdiv(hidden, block_d))](
-            y_RD, meta_JM, partial_JD, hidden, meta_JM.stride(0), id_offset, num_local, TOP_K=top_k, BLOCK_D=block_d)
+            y_RD, meta_JM, partial_JD, owners_ptr, first_row, rows_per_rank, hidden, meta_JM.stride(0), id_offset,
+            num_local, TOP_K=top_k, HAS_OWNERS=owners is not None, BLOCK_D=block_d)
     return partial_JD
 
 
 def local_partials(recv_JW: Tensor, hidden: int, top_k: int, id_offset: int, w_gate_up_LGD: Tensor,
-                   w_down_LDF: Tensor, config: triton_moe.MoEConfig | None = None, out: Tensor | None = None) -> Tensor:
-    """Steps 4-5 on the gathered rows: the fp32 partial_JD (into out, if given) of this rank's
-    local experts, whose global ids (+ 1, as packed) start at id_offset."""
+                   w_down_LDF: Tensor, config: triton_moe.MoEConfig | None = None, out: Tensor | None = None,
+                   owners: tuple[Tensor, int] | None = None) -> Tensor:
+    """Steps 4-5 on the gathered rows: the fp32 partial_JD (into out or owners, as partials
+    takes them) of this rank's local experts, whose global ids (+ 1, as packed) start at id_offset."""
     num_rows, num_local = recv_JW.shape[0], w_gate_up_LGD.shape[0]
     meta_JM = _meta(recv_JW, hidden)
     # Rows per expert as in the one-rank layer at J tokens over the model's E = N * L experts.
@@ -195,39 +249,50 @@ def local_partials(recv_JW: Tensor, hidden: int, top_k: int, id_offset: int, w_g
     a = triton_moe.align(meta_JM[:, :top_k], num_local, config.block_m, id_offset)
     act_PF = triton_moe.gate_up(recv_JW[:, :hidden], a, w_gate_up_LGD, top_k, config.gate_up, config.tiles_first)
     y_RD = triton_moe.down(act_PF, a, w_down_LDF, num_rows * top_k, config.down, config.tiles_first)
-    return partials(y_RD, meta_JM, id_offset, num_local, out)
+    return partials(y_RD, meta_JM, id_offset, num_local, out, owners)
 
 
-def gathered_moe(layer, x_TD: Tensor, rows_per_rank: int) -> Tensor:
+def _route_and_pack(layer, x_TD: Tensor, rows_per_rank: int, out: Tensor | None = None,
+                    dests: tuple[Tensor, int] | None = None) -> Tensor:
+    """Steps 1-2: this rank's rows, routed by the layer's gate, packed (route_pack / pack's
+    out and dests); their experts added to layer.hit_counts_E."""
+    logits_TE = torch.nn.functional.linear(x_TD, layer.w_gate_ED)
+    if layer.slot_map is None:
+        return route_pack(logits_TE, x_TD, layer.top_k, layer.norm_topk_prob, layer.hit_counts_E, rows_per_rank,
+                          out, dests)
+    # each token-copy to one replica's global slot
+    ids_TK, weights_TK = triton_fused.route(logits_TE, layer.top_k, layer.norm_topk_prob, layer.hit_counts_E,
+                                            x_TD.dtype)[:2]
+    ids_R = ids_TK.flatten()
+    counts_E = torch.zeros(layer.w_gate_ED.shape[0], dtype=torch.int64, device=x_TD.device)
+    counts_E.scatter_add_(0, ids_R, torch.ones_like(ids_R))
+    ids_TK = layer.slot_map.route(ids_TK, counts_E).contiguous()
+    return pack(x_TD, ids_TK, weights_TK, rows_per_rank, out, dests)
+
+
+def gathered_moe(layer, x_TD: Tensor, rows_per_rank: int, add_norm: AddNorm | None = None) -> Tensor:
     """moe.MoELayer's output for this rank's x_TD, every rank passing the same rows_per_rank
-    (>= each rank's token count); adds the routed experts to layer.hit_counts_E. Steps that
-    fit comm.exchange's buffers exchange through symmetric memory, others through NCCL."""
+    (>= each rank's token count); adds the routed experts to layer.hit_counts_E. With add_norm,
+    add_norm(the output) (fused into the exchange's sum). Steps that fit comm.exchange's
+    buffers exchange through it (symm_exchange's protocol), others through NCCL."""
     comm: ExpertComm = layer.comm
     num_tokens, hidden = x_TD.shape
     num_local = layer.w_gate_up_LGD.shape[0]
-    num_rows = comm.world_size * rows_per_rank
-    exchange = comm.exchange
-    if exchange is not None and not exchange.fits(rows_per_rank, row_width(hidden, layer.top_k, x_TD.dtype)):
-        exchange = None
+    id_offset = 1 + comm.rank * num_local
     x_TD = x_TD.contiguous()
-    logits_TE = torch.nn.functional.linear(x_TD, layer.w_gate_ED)
-    send_out = None if exchange is None else exchange.send_rows(rows_per_rank)
-    if layer.slot_map is None:
-        send_BW = route_pack(logits_TE, x_TD, layer.top_k, layer.norm_topk_prob, layer.hit_counts_E, rows_per_rank,
-                             send_out)
-    else:  # each token-copy to one replica's global slot
-        ids_TK, weights_TK = triton_fused.route(logits_TE, layer.top_k, layer.norm_topk_prob, layer.hit_counts_E,
-                                                x_TD.dtype)[:2]
-        ids_R = ids_TK.flatten()
-        counts_E = torch.zeros(layer.w_gate_ED.shape[0], dtype=torch.int64, device=x_TD.device)
-        counts_E.scatter_add_(0, ids_R, torch.ones_like(ids_R))
-        ids_TK = layer.slot_map.route(ids_TK, counts_E).contiguous()
-        send_BW = pack(x_TD, ids_TK, weights_TK, rows_per_rank, send_out)
-    recv_JW = send_BW.new_empty(num_rows, send_BW.shape[1])
+    exchange = comm.exchange
+    if exchange is not None and exchange.fits(rows_per_rank, row_width(hidden, layer.top_k, x_TD.dtype)):
+        _route_and_pack(layer, x_TD, rows_per_rank, *exchange.row_target(rows_per_rank))
+        recv_JW = exchange.gathered_rows(rows_per_rank)
+        local_partials(recv_JW, hidden, layer.top_k, id_offset, layer.w_gate_up_LGD, layer.w_down_LDF, None,
+                       *exchange.partial_target(rows_per_rank))
+        # The exchange rounds the fp32 sum to the model dtype in its own kernel.
+        return exchange.reduce(num_tokens, rows_per_rank, x_TD.dtype, add_norm)
+    send_BW = _route_and_pack(layer, x_TD, rows_per_rank)
+    recv_JW = send_BW.new_empty(comm.world_size * rows_per_rank, send_BW.shape[1])
     comm.all_gather(recv_JW, send_BW)
-    partial_JD = local_partials(recv_JW, hidden, layer.top_k, 1 + comm.rank * num_local, layer.w_gate_up_LGD,
-                                layer.w_down_LDF, out=None if exchange is None else exchange.partial_rows(num_rows))
-    # The exchange rounds the fp32 sum to the model dtype in its own kernel; NCCL sums in fp32.
-    out_BD = (x_TD if exchange is not None else partial_JD).new_empty(rows_per_rank, hidden)
-    comm.reduce_scatter(out_BD, partial_JD)
-    return out_BD[:num_tokens].to(x_TD.dtype)
+    partial_JD = local_partials(recv_JW, hidden, layer.top_k, id_offset, layer.w_gate_up_LGD, layer.w_down_LDF)
+    out_BD = partial_JD.new_empty(rows_per_rank, hidden)
+    comm.reduce_scatter(out_BD, partial_JD)  # NCCL sums in fp32
+    out_TD = out_BD[:num_tokens].to(x_TD.dtype)
+    return out_TD if add_norm is None else add_norm(out_TD)

@@ -6,6 +6,7 @@ torch's and need GPUs: bench/ep_gpu.py checks the whole layer on two H200s.
 TRITON_INTERPRET=1 must be set before the kernels are defined, so this file sets it first.
 """
 
+import importlib
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"
@@ -13,6 +14,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from services.model.layers import AddNorm  # noqa: E402
 from tests.triton_interpreter import interpreted  # noqa: E402
 
 
@@ -61,6 +63,36 @@ def test_reduce_sums_this_ranks_rows_in_rank_order(sx, num_ranks):
         for p in partials[1:]:
             total += p[mine]
         assert torch.equal(out, total)
+
+
+def test_reduce_sums_the_slots_of_one_buffer_with_a_row_step(sx):
+    """Push: rank r's partials of this rank's rows arrive in slot r of this rank's own buffer
+    (rows r * B ..); the pointer table holds that one buffer N times."""
+    num_ranks, rows_per_rank, hidden = 3, 4, 40
+    buffer = torch.randn(num_ranks * rows_per_rank, hidden, generator=torch.Generator().manual_seed(8)) * 3
+    out = torch.empty(rows_per_rank - 1, hidden)  # the rank's tokens: fewer than its B rows
+    sx.reduce_rows(_pointers([buffer] * num_ranks), out, 0, rows_per_rank)
+    slots = buffer.view(num_ranks, rows_per_rank, hidden)[:, :rows_per_rank - 1]
+    assert torch.equal(out, slots[0] + slots[1] + slots[2])
+
+
+@pytest.mark.parametrize("row_step", [0, 3])
+def test_reduce_add_norm_is_the_reduce_then_add_rms_norm_bit_for_bit(sx, row_step):
+    """The sum rounded to the model dtype, added into the residual in place, the RMSNorm of the
+    result returned: triton_fused.add_rms_norm_ after reduce_rows, the same bits (fp16)."""
+    rows_per_rank, hidden = 3, 48
+    generator = torch.Generator().manual_seed(5)
+    partials = [torch.randn(2 * rows_per_rank, hidden, generator=generator) for _ in range(2)]
+    residual = torch.randn(2, hidden, generator=generator).half()
+    norm = (torch.rand(hidden, generator=generator) + 0.5).half()
+    pointers, add_rms_norm_ = _pointers(partials), importlib.import_module("services.model.triton_fused").add_rms_norm_
+    x_fused, x_unfused = residual.clone(), residual.clone()
+    h_fused = sx.reduce_add_norm(pointers, AddNorm(x_fused, norm, 1e-6, add_rms_norm_), 1, row_step)
+    summed = torch.empty(2, hidden, dtype=torch.float16)
+    sx.reduce_rows(pointers, summed, 1, row_step)
+    h_unfused = add_rms_norm_(x_unfused, summed, norm, 1e-6)
+    assert torch.equal(x_fused, x_unfused) and torch.equal(h_fused, h_unfused)
+    assert not torch.equal(x_fused, residual)
 
 
 def test_reduce_writes_the_model_dtype(sx):

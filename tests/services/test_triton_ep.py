@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from services.model.layers import AddNorm  # noqa: E402
 from services.model.moe import ExpertComm, MoELayer  # noqa: E402
 from tests.triton_interpreter import interpreted  # noqa: E402
 
@@ -96,6 +97,52 @@ def test_route_pack_is_route_then_pack(tep, dtype, num_tokens, rows_per_rank, to
         tep.route_pack(logits_TE, x_TD, top_k, True, hits_E, num_tokens - 1)
 
 
+@pytest.mark.parametrize("slot_map", [False, True])
+def test_packed_rows_go_to_every_destination_from_its_first_row(tep, slot_map):
+    """Push (symm_exchange): the rows written into each buffer of the pointer table, in slot
+    first_row.., the same bits as a local send buffer; the rest of each buffer untouched."""
+    num_tokens, rows_per_rank, top_k, first_row = 3, 4, 2, 4
+    x_TD = _tokens(num_tokens, torch.float16, seed=6)
+    logits_TE = torch.randn(num_tokens, NUM_EXPERTS, generator=torch.Generator().manual_seed(7)).half()
+    width = tep.row_width(HIDDEN, top_k, torch.float16)
+    buffers = [torch.full((2 * rows_per_rank, width), -7.0, dtype=torch.float16) for _ in range(3)]
+    pointers = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    hits_E = torch.zeros(NUM_EXPERTS, dtype=torch.int64)
+    if slot_map:
+        ids_TK, weights_TK = tep.triton_fused.route(logits_TE, top_k, True, hits_E, torch.float16)[:2]
+        expected_BW = tep.pack(x_TD, ids_TK, weights_TK, rows_per_rank)
+        tep.pack(x_TD, ids_TK, weights_TK, rows_per_rank, buffers[0][first_row:], (pointers, first_row))
+    else:
+        expected_BW = tep.route_pack(logits_TE, x_TD, top_k, True, hits_E, rows_per_rank)
+        tep.route_pack(logits_TE, x_TD, top_k, True, hits_E, rows_per_rank, buffers[0][first_row:],
+                       (pointers, first_row))
+    for buffer in buffers:
+        assert torch.equal(buffer[first_row:first_row + num_tokens].view(torch.int16),
+                           expected_BW[:num_tokens].view(torch.int16))
+        meta = buffer[first_row:, HIDDEN:].view(torch.int32)
+        assert torch.equal(meta, expected_BW[:, HIDDEN:].view(torch.int32)) and not meta[num_tokens:].any()
+        assert (buffer[:first_row] == -7).all() and (buffer[first_row + num_tokens:, :HIDDEN] == -7).all()
+
+
+def test_partials_go_to_their_owners_slot(tep):
+    """Push: gathered row j's partial into rank j // B's buffer, row first_row + j % B; the same
+    values as the local partials."""
+    num_ranks, rows_per_rank, top_k, num_local, first_row = 2, 3, 2, 4, 3
+    generator = torch.Generator().manual_seed(11)
+    meta_JM = torch.cat((torch.randint(0, NUM_EXPERTS + 1, (num_ranks * rows_per_rank, top_k), dtype=torch.int32,
+                                       generator=generator),
+                         torch.rand(num_ranks * rows_per_rank, top_k, generator=generator).view(torch.int32)), 1)
+    y_RD = torch.randn(num_ranks * rows_per_rank * top_k, HIDDEN, generator=generator)
+    expected_JD = tep.partials(y_RD, meta_JM, 5, num_local)
+    buffers = [torch.full((num_ranks * rows_per_rank, HIDDEN), float("nan")) for _ in range(num_ranks)]
+    pointers = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    tep.partials(y_RD, meta_JM, 5, num_local, owners=(pointers, first_row))
+    for owner, buffer in enumerate(buffers):
+        mine = slice(owner * rows_per_rank, (owner + 1) * rows_per_rank)
+        assert torch.equal(buffer[first_row:first_row + rows_per_rank], expected_JD[mine])
+        assert buffer[:first_row].isnan().all()
+
+
 def test_align_places_only_local_experts(tep):
     """Gathered ids (+ 1, 0 for padding) offset to one rank's experts: the others and the padding
     get no position and count nowhere."""
@@ -151,38 +198,57 @@ def test_simulated_ranks_round_like_torch(tep):
 
 
 class _GlooExchange:
-    """symm_exchange.SymmetricExchange's interface over gloo collectives into its own buffers:
-    gathered_moe's use of an exchange (its buffers, the model-dtype sum) on the CPU, where
-    symmetric memory is not."""
+    """symm_exchange.SymmetricExchange's protocol (push) over gloo, on the CPU where symmetric
+    memory is not: this rank's kernels write into local stand-ins for every rank's buffers (their
+    addresses in the pointer tables, as the peers' mapped ones are on a GPU), and the barriers
+    become gloo all_to_alls that deliver each stand-in's slot to its rank. So gathered_moe's use
+    of an exchange and the kernels' push addressing (rows to every rank, partials to their owner,
+    the reduce over the slots of one buffer) run as on GPUs."""
 
-    def __init__(self, max_rows_per_rank: int, row_width: int, dtype):
-        self.rows = torch.full((max_rows_per_rank, row_width), float("nan"), dtype=dtype)
-        self.partials = torch.full((2 * max_rows_per_rank, HIDDEN), float("nan"))
+    def __init__(self, max_rows_per_rank: int, row_width: int, dtype, rank: int, sx):
+        self.rank, self.num_ranks, self.sx = rank, 2, sx
+        self.row_width, self.max_rows_per_rank = row_width, max_rows_per_rank
+        rows, partials = ((self.num_ranks * max_rows_per_rank, width) for width in (row_width, HIDDEN))
+        self.rows_for = [torch.full(rows, float("nan"), dtype=dtype) for _ in range(self.num_ranks)]
+        self.partials_for = [torch.full(partials, float("nan")) for _ in range(self.num_ranks)]
+        self.rows, self.partials = torch.full(rows, float("nan"), dtype=dtype), torch.full(partials, float("nan"))
         self.calls = []
 
     def fits(self, rows_per_rank: int, row_width: int) -> bool:
-        return rows_per_rank <= self.rows.shape[0] and row_width == self.rows.shape[1]
+        return rows_per_rank <= self.max_rows_per_rank and row_width == self.row_width
 
-    def send_rows(self, rows_per_rank: int):
-        return self.rows[:rows_per_rank]
+    def _deliver(self, stand_ins, mine, rows_per_rank: int):
+        """Slot `rank` of each stand-in to its rank; each rank's slots, in rank order, into mine."""
+        slot = slice(self.rank * rows_per_rank, (self.rank + 1) * rows_per_rank)
+        received = mine[:self.num_ranks * rows_per_rank]
+        dist.all_to_all_single(received, torch.cat([s[slot] for s in stand_ins]))
+        return received
 
-    def partial_rows(self, num_rows: int):
-        return self.partials[:num_rows]
+    def row_target(self, rows_per_rank: int):
+        b = rows_per_rank
+        return self.rows_for[self.rank][self.rank * b:(self.rank + 1) * b], (_pointers(self.rows_for), self.rank * b)
 
-    def owns(self, tensor) -> bool:
-        return tensor.data_ptr() in (self.rows.data_ptr(), self.partials.data_ptr())
+    def gathered_rows(self, rows_per_rank: int):
+        self.calls.append("gathered_rows")
+        return self._deliver(self.rows_for, self.rows, rows_per_rank)
 
-    def all_gather(self, out_JW, send_BW) -> None:
-        assert send_BW.data_ptr() == self.rows.data_ptr()
-        self.calls.append("all_gather")
-        dist.all_gather_into_tensor(out_JW, send_BW)
+    def partial_target(self, rows_per_rank: int):
+        return (self.partials[:self.num_ranks * rows_per_rank],
+                (_pointers(self.partials_for), self.rank * rows_per_rank))
 
-    def reduce_scatter(self, out_BD, partial_JD) -> None:
-        assert partial_JD.data_ptr() == self.partials.data_ptr()
-        self.calls.append("reduce_scatter")
-        total_BD = torch.empty(out_BD.shape)
-        dist.reduce_scatter_tensor(total_BD, partial_JD)
-        out_BD.copy_(total_BD)
+    def reduce(self, num_tokens: int, rows_per_rank: int, dtype, add_norm=None):
+        self.calls.append("reduce")
+        self._deliver(self.partials_for, self.partials, rows_per_rank)
+        own_N = _pointers([self.partials] * self.num_ranks)
+        if add_norm is not None:
+            return self.sx.reduce_add_norm(own_N, add_norm, 0, rows_per_rank)
+        out_TD = torch.empty(num_tokens, HIDDEN, dtype=dtype)
+        self.sx.reduce_rows(own_N, out_TD, 0, rows_per_rank)
+        return out_TD
+
+
+def _pointers(buffers) -> torch.Tensor:
+    return torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
 
 
 def _gloo_worker(rank: int, init_file: str, tokens_N: list[int], top_k: int, exchange: bool) -> None:
@@ -190,28 +256,41 @@ def _gloo_worker(rank: int, init_file: str, tokens_N: list[int], top_k: int, exc
                             timeout=datetime.timedelta(seconds=120))
     try:
         torch.set_num_threads(1)
-        with interpreted("triton_ep") as tep:
+        with interpreted("triton_ep") as tep, interpreted("symm_exchange") as sx:
             tep.triton_moe.default_config = lambda _num_tokens: _config(tep)
             weights = _weights(torch.float32)
             comm = ExpertComm(dist.group.WORLD)
             rows_per_rank = max(tokens_N) + 1
             if exchange:  # buffers for this step exactly: a bigger one takes the collectives
                 comm.exchange = _GlooExchange(rows_per_rank, tep.row_width(HIDDEN, top_k, torch.float32),
-                                              torch.float32)
+                                              torch.float32, rank, sx)
             layer = _layer(weights, top_k, comm)
             reference = _layer(weights, top_k)
             x_TD = _tokens(tokens_N[rank], torch.float32, seed=rank)
             out_TD = tep.gathered_moe(layer, x_TD, rows_per_rank=rows_per_rank)
-            torch.testing.assert_close(out_TD, reference(x_TD), atol=1e-5, rtol=1e-5)
+            expected_TD = reference(x_TD)
+            torch.testing.assert_close(out_TD, expected_TD, atol=1e-5, rtol=1e-5)
             assert torch.equal(layer.hit_counts_E, reference.hit_counts_E)  # this rank's tokens' experts
+            # With the fused layer loop's residual add and next norm: the same bits as after the layer.
+            norm_D = torch.rand(HIDDEN, generator=torch.Generator().manual_seed(9)) + 0.5
+            residual_TD = _tokens(tokens_N[rank], torch.float32, seed=20 + rank)
+            fused_x_TD, unfused_x_TD = residual_TD.clone(), residual_TD.clone()
+            h_TD = tep.gathered_moe(layer, x_TD, rows_per_rank, _add_norm(tep, fused_x_TD, norm_D))
+            expected_h_TD = _add_norm(tep, unfused_x_TD, norm_D)(out_TD)
+            assert torch.equal(fused_x_TD, unfused_x_TD) and torch.equal(h_TD, expected_h_TD)
             if exchange:
-                assert comm.exchange.calls == ["all_gather", "reduce_scatter"]
+                assert comm.exchange.calls == ["gathered_rows", "reduce"] * 2
                 out_TD = tep.gathered_moe(layer, x_TD, rows_per_rank=rows_per_rank + 1)
-                assert comm.exchange.calls == ["all_gather", "reduce_scatter"]  # did not fit: collectives
-                torch.testing.assert_close(out_TD, reference(x_TD), atol=1e-5, rtol=1e-5)
+                assert comm.exchange.calls == ["gathered_rows", "reduce"] * 2  # did not fit: collectives
+                torch.testing.assert_close(out_TD, expected_TD, atol=1e-5, rtol=1e-5)
         dist.barrier()  # both ranks past their last collective before either tears gloo down
     finally:
         dist.destroy_process_group()
+
+
+def _add_norm(tep, x_TD: torch.Tensor, norm_D: torch.Tensor) -> AddNorm:
+    """The fused layer loop's AddNorm (triton_fused.add_rms_norm_, interpreted)."""
+    return AddNorm(x_TD, norm_D, 1e-6, tep.triton_fused.add_rms_norm_)
 
 
 @pytest.mark.parametrize("tokens_N,exchange", [([5, 3], False), ([0, 4], False), ([5, 3], True)])
