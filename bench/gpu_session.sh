@@ -16,6 +16,7 @@
 #     symm   n2 again with the experts' --ep-exchange symmetric (services/model/symm_exchange.py)
 #     nccl   n2 again with the experts' --ep-exchange nccl
 #     ep     bench/ep_gpu.py (the N=2 MoE layer: dispatch/combine against gather/reduce-scatter)
+#     local  bench/ep_local.py --sweep on ONE GPU: one rank's kernels of the N=2 layer, its GEMM tiles
 #     moe    bench/moe_large_batch.py --sweep at decode and prefill sizes (the MoE GEMM tiles)
 #     samp   n1's c256 again, every request sampled (temperature 0.8, top_p 0.95, seeded)
 #     draws  bench/sampling_cost.py on the GPU: one step's draws, 256 rows x 151,936 tokens
@@ -85,6 +86,8 @@ for step in $STEPS; do
         symm) two_ranks symm --expert-arg=--ep-exchange --expert-arg=symmetric ;;
         nccl) two_ranks nccl --expert-arg=--ep-exchange --expert-arg=nccl ;;
         ep) part ep 180 python3 bench/ep_gpu.py --batch-sizes 1,32,128,256 --profile-batch 128 --out "$RESULTS/ep" ;;
+        local) part local 300 python3 -m bench.ep_local --rows-per-rank "${LOCAL_ROWS:-64,128,256}" --sweep \
+                --out "$RESULTS/local" ;;
         moe) part moe 300 python3 bench/moe_large_batch.py --tokens "${MOE_TOKENS:-128,256,4096}" --sweep --out "$RESULTS/moe" ;;
         samp) part samp 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 --cases c256 --sampling 0.8,0.95 \
                 ${N1_ARGS:-} --out "$RESULTS/samp" ;;

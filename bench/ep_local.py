@@ -1,0 +1,210 @@
+"""One rank's share of the expert-parallel MoE layer (triton_ep, symm_exchange's push) on ONE GPU.
+
+    python3 -m bench.ep_local --rows-per-rank 128,256 --sweep     # on a GPU
+
+bench/ep_gpu.py times the whole layer on two GPUs. What a rank computes between
+its two barriers needs no peer, so here the peers' buffers are local stand-ins
+(the pointer tables hold local addresses) and a rank of N runs its kernels as
+on N GPUs, less the NVLink writes and the barriers. Qwen3-30B-A3B's MoE shape
+(128 experts, top-8, D 2048, F 768), bf16 random weights, rank 0 of N (128 / N
+local experts), every rank B tokens (rows per rank), J = N * B gathered rows:
+
+1. the chain, replayed as a CUDA graph: F.linear gate + route_pack into the N
+   row buffers, align + gate_up + down + partials into the N partial buffers
+   (triton_ep.local_partials at default_config(J)), reduce_add_norm; ms, the
+   local experts' weights in GB/s, and the kernels of one eager call;
+2. --sweep: local_partials' two GEMMs alone for each block_m and candidate tile
+   of bench/moe_large_batch.py (eager launches, mean of --reps), both launch
+   orders, against default_config(J)'s.
+
+Writes ep_local_<gpu>.md / .json under --out.
+"""
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.kernel_profile import top_kernels  # noqa: E402
+from bench.moe_large_batch import DOWN_TILES, GATE_UP_TILES, HIDDEN, NUM_EXPERTS, TOP_K, WIDTH, time_ms  # noqa: E402
+from services.model import symm_exchange, triton_ep, triton_fused, triton_moe  # noqa: E402
+from services.model.layers import AddNorm  # noqa: E402
+
+DTYPE = torch.bfloat16
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows-per-rank", default="128,256", help="B: each rank's decode tokens")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--sweep", action="store_true", help="time local_partials' GEMM tiles too")
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    return p.parse_args(argv)
+
+
+class Rank:
+    """Rank 0's weights and its stand-ins for every rank's row and partial buffers."""
+
+    def __init__(self, num_ranks: int, max_rows_per_rank: int, seed: int = 0):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+
+        def randn(*shape):
+            return (torch.randn(*shape, generator=g, device="cuda") * 0.02).to(DTYPE)
+
+        self.num_ranks, self.num_local = num_ranks, NUM_EXPERTS // num_ranks
+        self.w_gate_ED = randn(NUM_EXPERTS, HIDDEN)
+        self.w_gate_up_LGD = randn(self.num_local, 2 * WIDTH, HIDDEN)
+        self.w_down_LDF = randn(self.num_local, HIDDEN, WIDTH)
+        self.norm_D = (torch.rand(HIDDEN, generator=g, device="cuda") + 0.5).to(DTYPE)
+        width = triton_ep.row_width(HIDDEN, TOP_K, DTYPE)
+        rows = num_ranks * max_rows_per_rank
+        self.rows = [torch.zeros(rows, width, dtype=DTYPE, device="cuda") for _ in range(num_ranks)]
+        self.partials = [torch.zeros(rows, HIDDEN, device="cuda") for _ in range(num_ranks)]
+        self.row_ptrs_N, self.partial_ptrs_N = (torch.tensor([b.data_ptr() for b in buffers], device="cuda")
+                                                for buffers in (self.rows, self.partials))
+        self.own_partials_N = self.partial_ptrs_N[:1].repeat(num_ranks)
+        self.hits_E = torch.zeros(NUM_EXPERTS, dtype=torch.int64, device="cuda")
+
+    def tokens(self, rows_per_rank: int, rank: int) -> torch.Tensor:
+        g = torch.Generator(device="cuda").manual_seed(1000 * rows_per_rank + rank)
+        return torch.randn(rows_per_rank, HIDDEN, generator=g, device="cuda").to(DTYPE)
+
+    def pack(self, x_TD: torch.Tensor, rank: int, rows_per_rank: int) -> None:
+        """Rank `rank`'s rows routed and written into slot `rank` of every row buffer."""
+        logits_TE = torch.nn.functional.linear(x_TD, self.w_gate_ED)
+        b = rows_per_rank
+        triton_ep.route_pack(logits_TE, x_TD, TOP_K, True, self.hits_E, b, self.rows[rank][rank * b:(rank + 1) * b],
+                             (self.row_ptrs_N, rank * b))
+
+    def gathered(self, rows_per_rank: int) -> torch.Tensor:
+        return self.rows[0][:self.num_ranks * rows_per_rank]
+
+    def step(self, x_TD: torch.Tensor, add_norm: AddNorm, config: triton_moe.MoEConfig) -> torch.Tensor:
+        """Rank 0's kernels of one layer: its rows to every rank, its experts on the gathered
+        rows, the partials to their owners, the sum over its own slots with the add and norm."""
+        b = x_TD.shape[0]
+        self.pack(x_TD, 0, b)
+        triton_ep.local_partials(self.gathered(b), HIDDEN, TOP_K, 1, self.w_gate_up_LGD, self.w_down_LDF, config,
+                                 self.partials[0][:self.num_ranks * b], (self.partial_ptrs_N, 0))
+        return symm_exchange.reduce_add_norm(self.own_partials_N, add_norm, 0, b)
+
+
+def chain(rank: Rank, rows_per_rank: int, reps: int) -> dict:
+    """The rank's whole layer (as Rank.step) at default_config(J): graph ms and its kernels."""
+    b, num_rows = rows_per_rank, rank.num_ranks * rows_per_rank
+    for peer in range(1, rank.num_ranks):  # the peers' rows, once
+        rank.pack(rank.tokens(b, peer), peer, b)
+    x_TD = rank.tokens(b, 0)
+    add_norm = AddNorm(rank.tokens(b, 99), rank.norm_D, 1e-6, triton_fused.add_rms_norm_)
+    config = triton_moe.default_config(num_rows)
+    ms = time_ms(lambda: rank.step(x_TD, add_norm, config), reps, True)
+    a = triton_moe.align(triton_ep._meta(rank.gathered(b), HIDDEN)[:, :TOP_K], rank.num_local, 1, 1)
+    experts_hit = int((a.counts_E > 0).sum())
+    weight_bytes = experts_hit * 3 * WIDTH * HIDDEN * DTYPE.itemsize
+    return {"rows_per_rank": b, "gathered_rows": num_rows, "local_pairs": int(a.counts_E.sum()),
+            "local_experts_hit": experts_hit, "config": repr(config), "graph_ms": ms,
+            "weights_GB_per_s": weight_bytes / ms / 1e6,
+            "kernels": top_kernels(lambda: rank.step(x_TD, add_norm, config), torch.device("cuda"))}
+
+
+def sweep(rank: Rank, rows_per_rank: int, reps: int) -> dict:
+    """local_partials' gate_up and down alone per block_m, tile and launch order (eager ms)."""
+    recv_JW = rank.gathered(rows_per_rank)
+    num_rows = recv_JW.shape[0]
+    ids_JK = triton_ep._meta(recv_JW, HIDDEN)[:, :TOP_K]
+    x_JD = recv_JW[:, :HIDDEN]
+    default = triton_moe.default_config(num_rows)
+    results = {}
+    for block_m in (16, 32, 64):
+        a = triton_moe.align(ids_JK, rank.num_local, block_m, 1)
+        first = triton_moe.GemmBlocks(*GATE_UP_TILES[block_m][0])
+        act_PF = triton_moe.gate_up(x_JD, a, rank.w_gate_up_LGD, TOP_K, first)
+        for tiles_first in (True, False):
+            gate_up = {tile: time_ms(lambda: triton_moe.gate_up(x_JD, a, rank.w_gate_up_LGD, TOP_K,
+                                                                triton_moe.GemmBlocks(*tile), tiles_first), reps, False)
+                       for tile in GATE_UP_TILES[block_m]}
+            down = {tile: time_ms(lambda: triton_moe.down(act_PF, a, rank.w_down_LDF, ids_JK.numel(),
+                                                          triton_moe.GemmBlocks(*tile), tiles_first), reps, False)
+                    for tile in DOWN_TILES[block_m]}
+            best_gu, best_dn = min(gate_up, key=gate_up.get), min(down, key=down.get)
+            key = f"m{block_m}_{'tiles_first' if tiles_first else 'blocks_first'}"
+            results[key] = {"gate_up": {str(k): v for k, v in gate_up.items()},
+                            "down": {str(k): v for k, v in down.items()}, "best_gate_up": best_gu,
+                            "best_down": best_dn, "gemms_ms": gate_up[best_gu] + down[best_dn]}
+            print(rows_per_rank, key, best_gu, best_dn, f"{results[key]['gemms_ms']:.4f}", flush=True)
+    a = triton_moe.align(ids_JK, rank.num_local, default.block_m, 1)
+    act_PF = triton_moe.gate_up(x_JD, a, rank.w_gate_up_LGD, TOP_K, default.gate_up, default.tiles_first)
+    results["default"] = {"config": repr(default), "gemms_ms": time_ms(
+        lambda: triton_moe.gate_up(x_JD, a, rank.w_gate_up_LGD, TOP_K, default.gate_up, default.tiles_first), reps,
+        False) + time_ms(lambda: triton_moe.down(act_PF, a, rank.w_down_LDF, ids_JK.numel(), default.down,
+                                                 default.tiles_first), reps, False)}
+    return results
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# One rank's share of the N={result['ranks']} expert-parallel MoE layer, on one GPU "
+             f"({result['env']['gpu']})", "", f"Command: `{result['command']}`", "",
+             f"Environment: {json.dumps(result['env'])}", "",
+             "The peers' buffers are local stand-ins: the kernels as on a rank of N GPUs, without the NVLink "
+             "writes and the two barriers. GB/s: the local experts hit, each read once.", "",
+             "| rows per rank | gathered rows | local pairs | local experts hit | layer ms (graph) | GB/s | config |",
+             "|---:|---:|---:|---:|---:|---:|---|"]
+    for row in result["rows"]:
+        c = row["chain"]
+        lines.append(f"| {c['rows_per_rank']} | {c['gathered_rows']} | {c['local_pairs']} | {c['local_experts_hit']} | "
+                     f"{c['graph_ms']:.4f} | {c['weights_GB_per_s']:.0f} | `{c['config']}` |")
+    for row in result["rows"]:
+        c = row["chain"]
+        lines += ["", f"## Kernels of one eager call, {c['rows_per_rank']} rows per rank", "",
+                  "| kernel | calls | us |", "|---|---:|---:|"]
+        lines += [f"| `{k['name'][:90]}` | {k['calls']} | {k['total_us']:.1f} |" for k in c["kernels"]]
+    if any("sweep" in row for row in result["rows"]):
+        lines += ["", "## local_partials' GEMMs alone (eager, mean ms): the best tiles per block_m and order", "",
+                  "| rows per rank | block_m, order | best gate_up (n, k, warps, stages) | best down | ms |",
+                  "|---:|---|---|---|---:|"]
+        for row in result["rows"]:
+            for key, s in row.get("sweep", {}).items():
+                if key == "default":
+                    lines.append(f"| {row['chain']['rows_per_rank']} | default `{s['config']}` | | | "
+                                 f"{s['gemms_ms']:.4f} |")
+                else:
+                    lines.append(f"| {row['chain']['rows_per_rank']} | {key} | {s['best_gate_up']} | "
+                                 f"{s['best_down']} | {s['gemms_ms']:.4f} |")
+    return "\n".join(lines + [""])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    sizes = [int(b) for b in args.rows_per_rank.split(",")]
+    rank = Rank(args.ranks, max(sizes))
+    rows = []
+    for b in sizes:
+        row = {"chain": chain(rank, b, args.reps)}
+        print(b, {k: v for k, v in row["chain"].items() if k != "kernels"}, flush=True)
+        if args.sweep:
+            row["sweep"] = sweep(rank, b, args.reps)
+        rows.append(row)
+    gpu = torch.cuda.get_device_name()
+    result = {"command": " ".join(["python3 -m bench.ep_local"] + sys.argv[1:]), "ranks": args.ranks, "rows": rows,
+              "wall_s": time.perf_counter() - started,
+              "env": {"torch": torch.__version__, "gpu": gpu, "cuda": torch.version.cuda}}
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "ep_local_" + ("h200" if "H200" in gpu else gpu.replace(" ", "_").lower())
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
+    text = markdown(result)
+    (out / f"{stem}.md").write_text(text)
+    print(text, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
