@@ -321,18 +321,14 @@ def time_moe_layer(rank: int, settings: Settings, device) -> list[dict]:
     one_rank = MoELayer(w_gate_ED, w_gate_up_EGD, w_down_EDF, top_k=LAYER_TOP_K, norm_topk_prob=True,
                         comm=ExpertComm.local(), hit_counts_E=hits_E.clone())
     capacities = {b: step_capacity(b, LAYER_TOP_K, len(mine), max_fixed_tokens=1 << 30) for b in settings.batch_sizes}
-    modes = [("dispatch + combine (moe.py)", False, None, False), (NCCL_MODE, True, None, False)]
+    modes = [("dispatch + combine (moe.py)", False, None), (NCCL_MODE, True, None)]
     rows, (mark, elapsed) = [], _timer(device)
     for name, push in ((PULL_MODE, False), (PUSH_MODE, True)):  # last: a machine without it gets the other rows
         try:
-            exchange = SymmetricExchange(
+            modes.append((name, True, SymmetricExchange(
                 dist.group.WORLD, max(c // min(LAYER_TOP_K, len(mine)) for c in capacities.values()),
                 triton_ep.row_width(hidden, LAYER_TOP_K, settings.torch_dtype), hidden, settings.torch_dtype, device,
-                # a rank that fails traps the other after 20 s, not forever
-                timeout_ms=20_000, push=push, num_experts=LAYER_EXPERTS)
-            modes.append((name, True, exchange, False))
-            if push:  # and the gate matmul fused into the packing (triton_ep.gate_route_pack)
-                modes.append((PUSH_FUSED_GATE_MODE, True, exchange, True))
+                timeout_ms=20_000, push=push)))  # a rank that fails traps the other after 20 s, not forever
         except Exception as error:  # noqa: BLE001 (reported in the table)
             rows.append({"mode": name, "rank": rank, "error": repr(error)[:500]})
     norm_D = torch.rand(hidden, generator=g, device=device).to(settings.torch_dtype) + 0.5
@@ -343,8 +339,8 @@ def time_moe_layer(rank: int, settings: Settings, device) -> list[dict]:
         capacity = capacities[batch_size]
         expected_TD = one_rank(x_TD)
         outputs = {}
-        for name, gathered, exchange, fused_gate in modes:
-            triton_ep.ENABLED, comm.exchange, triton_ep.GATE_ROUTE_PACK = gathered, exchange, fused_gate
+        for name, gathered, exchange in modes:
+            triton_ep.ENABLED, comm.exchange = gathered, exchange
             # As the fused layer loop calls it: the residual add and the next layer's norm handed over.
             add_norm = AddNorm(residual_TD.clone(), norm_D, 1e-6, triton_fused.add_rms_norm_)
             try:
@@ -364,7 +360,7 @@ def time_moe_layer(rank: int, settings: Settings, device) -> list[dict]:
                    "max_abs_out": expected_TD.float().abs().max().item()}
             if gathered and batch_size == settings.profile_batch:  # where the layer's time goes
                 row["kernels"] = top_kernels(lambda: layer(x_TD, capacity, add_norm), device)
-            if exchange is not None and not fused_gate:  # NCCL's sums, rounded the same: the same bits
+            if exchange is not None:  # the same sums as NCCL's, rounded the same: the same bits
                 row["equal_to_nccl"] = torch.equal(out_TD, outputs[NCCL_MODE])
                 # the add and norm fused into the exchange's sum: the bits of add_rms_norm_ after it
                 fused_x_TD, unfused_x_TD = residual_TD.clone(), residual_TD.clone()
@@ -372,16 +368,13 @@ def time_moe_layer(rank: int, settings: Settings, device) -> list[dict]:
                 unfused_h_TD = triton_fused.add_rms_norm_(unfused_x_TD, layer(x_TD, capacity), norm_D, 1e-6)
                 row["add_norm_equal"] = torch.equal(fused_x_TD, unfused_x_TD) and torch.equal(h_TD, unfused_h_TD)
             rows.append(row)
-    triton_ep.ENABLED, comm.exchange, triton_ep.GATE_ROUTE_PACK = True, None, True
+    triton_ep.ENABLED, comm.exchange = True, None
     return rows
 
 
 NCCL_MODE = "gather + reduce-scatter (triton_ep)"
 PULL_MODE = "gather + reduce-scatter over symmetric memory, each rank reading its peers' buffers (pull)"
 PUSH_MODE = "gather + reduce-scatter over symmetric memory, each rank writing into its peers' buffers (push)"
-# The default: gate_route_pack's logits round as the one-rank layer's gate_route_rows, not as F.linear's, so
-# this mode is compared with the one-rank layer (max diff), not with NCCL's bits.
-PUSH_FUSED_GATE_MODE = PUSH_MODE[:-1] + ", the gate matmul fused into the packing)"
 def _time(run, settings: Settings, device, mark, elapsed) -> tuple[list[float], list[float], torch.Tensor]:
     """ms from start to the middle mark and to the end, per iteration, after a warm-up;
     and the last iteration's output."""
@@ -520,8 +513,7 @@ def _report(settings: Settings, correctness: dict, rows: list[dict], seconds: fl
                   "with add + norm: the layer as the fused layer loop calls it, handed the residual add and the "
                   "next layer's RMSNorm (the exchange fuses them into its sum; the other paths run add_rms_norm_ "
                   "after).", "",
-                  "| batch per rank | mode | total | with add + norm | max diff (relative) |",
-                  "|---:|---|---:|---:|---:|"]
+                  "| batch per rank | mode | total | with add + norm | max diff (relative) |", "|---:|---|---:|---:|---:|"]
         for row in layer_rows:
             relative = max_diffs[row["batch_per_rank"], row["mode"]] / max(row["max_abs_out"], 1e-30)
             lines.append(f"| {row['batch_per_rank']} | {row['mode']} | {row['total_us']:.1f} | "
@@ -533,9 +525,9 @@ def _report(settings: Settings, correctness: dict, rows: list[dict], seconds: fl
                 lines += [f"| `{k['name'][:90]}` | {k['calls']} | {k['total_us']:.1f} |" for k in row["kernels"]]
         equal = [r["equal_to_nccl"] for r in rows if "equal_to_nccl" in r]
         if equal:
-            lines += ["", f"Symmetric memory (pull and push, the gate unfused) against NCCL (gather + reduce-scatter), "
-                      f"every batch size and rank: {'bit-identical' if all(equal) else 'DIFFERENT'} outputs "
-                      f"({sum(equal)} of {len(equal)} equal)."]
+            lines += ["", f"Symmetric memory (pull and push) against NCCL (gather + reduce-scatter), every batch size "
+                      f"and rank: {'bit-identical' if all(equal) else 'DIFFERENT'} outputs ({sum(equal)} of "
+                      f"{len(equal)} equal)."]
         fused = [r["add_norm_equal"] for r in rows if "add_norm_equal" in r]
         if fused:
             lines += ["", f"The exchange's sum with the add and norm fused against add_rms_norm_ after it: "

@@ -9,11 +9,11 @@ on N GPUs, less the NVLink writes and the barriers. Qwen3-30B-A3B's MoE shape
 (128 experts, top-8, D 2048, F 768), bf16 random weights, rank 0 of N (128 / N
 local experts), every rank B tokens (rows per rank), J = N * B gathered rows:
 
-1. the chain, replayed as a CUDA graph: gate_route_pack (or F.linear gate +
-   route_pack) into the N row buffers, align + gate_up + down + partials into
-   the N partial buffers (triton_ep.local_partials at local_config(J) or
-   triton_moe.default_config(J)), reduce_add_norm; ms, the local experts'
-   weights in GB/s, and the kernels of one eager call;
+1. the chain, replayed as a CUDA graph: F.linear gate + route_pack into the N
+   row buffers, align + gate_up + down + partials into the N partial buffers
+   (triton_ep.local_partials at triton_ep.local_config(J), and at
+   triton_moe.default_config(J) to compare), reduce_add_norm; ms, the local
+   experts' weights in GB/s, and the kernels of one eager call;
 2. --sweep: local_partials' two GEMMs alone for each block_m and candidate tile
    of bench/moe_large_batch.py (eager launches, mean of --reps), both launch
    orders, against default_config(J)'s.
@@ -68,11 +68,8 @@ class Rank:
         rows = num_ranks * max_rows_per_rank
         self.rows = [torch.zeros(rows, width, dtype=DTYPE, device="cuda") for _ in range(num_ranks)]
         self.partials = [torch.zeros(rows, HIDDEN, device="cuda") for _ in range(num_ranks)]
-        self.counts = [torch.zeros(rows // 16, NUM_EXPERTS, dtype=torch.int32, device="cuda")
-                       for _ in range(num_ranks)]
-        self.row_ptrs_N, self.partial_ptrs_N, self.count_ptrs_N = (
-            torch.tensor([b.data_ptr() for b in buffers], device="cuda")
-            for buffers in (self.rows, self.partials, self.counts))
+        self.row_ptrs_N, self.partial_ptrs_N = (torch.tensor([b.data_ptr() for b in buffers], device="cuda")
+                                                for buffers in (self.rows, self.partials))
         self.own_partials_N = self.partial_ptrs_N[:1].repeat(num_ranks)
         self.hits_E = torch.zeros(NUM_EXPERTS, dtype=torch.int64, device="cuda")
 
@@ -80,54 +77,46 @@ class Rank:
         g = torch.Generator(device="cuda").manual_seed(1000 * rows_per_rank + rank)
         return torch.randn(rows_per_rank, HIDDEN, generator=g, device="cuda").to(DTYPE)
 
-    def pack(self, x_TD: torch.Tensor, rank: int, rows_per_rank: int, fused_gate: bool) -> None:
-        """Rank `rank`'s rows routed and written into slot `rank` of every row buffer (and with
-        fused_gate its chunk counts into every count buffer: gate_route_pack)."""
-        b, chunks = rows_per_rank, rows_per_rank // 16
-        out, dests = self.rows[rank][rank * b:(rank + 1) * b], (self.row_ptrs_N, rank * b)
-        if fused_gate:
-            triton_ep.gate_route_pack(x_TD, self.w_gate_ED, TOP_K, True, self.hits_E, b, out, dests,
-                                      self.counts[rank][rank * chunks:(rank + 1) * chunks],
-                                      (self.count_ptrs_N, rank * chunks))
-        else:
-            logits_TE = torch.nn.functional.linear(x_TD, self.w_gate_ED)
-            triton_ep.route_pack(logits_TE, x_TD, TOP_K, True, self.hits_E, b, out, dests)
+    def pack(self, x_TD: torch.Tensor, rank: int, rows_per_rank: int) -> None:
+        """Rank `rank`'s rows routed and written into slot `rank` of every row buffer."""
+        logits_TE = torch.nn.functional.linear(x_TD, self.w_gate_ED)
+        b = rows_per_rank
+        triton_ep.route_pack(logits_TE, x_TD, TOP_K, True, self.hits_E, b, self.rows[rank][rank * b:(rank + 1) * b],
+                             (self.row_ptrs_N, rank * b))
 
     def gathered(self, rows_per_rank: int) -> torch.Tensor:
         return self.rows[0][:self.num_ranks * rows_per_rank]
 
-    def step(self, x_TD: torch.Tensor, add_norm: AddNorm, config: triton_moe.MoEConfig,
-             fused_gate: bool) -> torch.Tensor:
+    def step(self, x_TD: torch.Tensor, add_norm: AddNorm, config: triton_moe.MoEConfig) -> torch.Tensor:
         """Rank 0's kernels of one layer: its rows to every rank, its experts on the gathered
         rows, the partials to their owners, the sum over its own slots with the add and norm."""
         b = x_TD.shape[0]
-        self.pack(x_TD, 0, b, fused_gate)
-        counts = self.counts[0][:self.num_ranks * b // 16] if fused_gate else None
+        self.pack(x_TD, 0, b)
         triton_ep.local_partials(self.gathered(b), HIDDEN, TOP_K, 1, self.w_gate_up_LGD, self.w_down_LDF, config,
-                                 self.partials[0][:self.num_ranks * b], (self.partial_ptrs_N, 0), counts)
+                                 self.partials[0][:self.num_ranks * b], (self.partial_ptrs_N, 0))
         return symm_exchange.reduce_add_norm(self.own_partials_N, add_norm, 0, b)
 
 
 def chain(rank: Rank, rows_per_rank: int, reps: int) -> dict:
-    """The rank's whole layer (as Rank.step) for each variant: graph ms; the kernels of the last
-    (triton_ep's defaults)."""
+    """The rank's whole layer (as Rank.step) at each config: graph ms; the kernels at the
+    default (triton_ep.local_config)."""
     b, num_rows = rows_per_rank, rank.num_ranks * rows_per_rank
-    for peer in range(1, rank.num_ranks):  # the peers' rows and counts, once
-        rank.pack(rank.tokens(b, peer), peer, b, fused_gate=True)
+    for peer in range(1, rank.num_ranks):  # the peers' rows, once
+        rank.pack(rank.tokens(b, peer), peer, b)
     x_TD = rank.tokens(b, 0)
     add_norm = AddNorm(rank.tokens(b, 99), rank.norm_D, 1e-6, triton_fused.add_rms_norm_)
-    variants = {"F.linear + route_pack, default_config(J)": (triton_moe.default_config(num_rows), False),
-                "gate_route_pack, default_config(J)": (triton_moe.default_config(num_rows), True),
-                "gate_route_pack, local_config(J) (the defaults)": (triton_ep.local_config(num_rows), True)}
+    variants = {"triton_moe.default_config(J)": triton_moe.default_config(num_rows),
+                "triton_ep.local_config(J) (the default)": triton_ep.local_config(num_rows)}
     a = triton_moe.align(triton_ep._meta(rank.gathered(b), HIDDEN)[:, :TOP_K], rank.num_local, 1, 1)
     experts_hit = int((a.counts_E > 0).sum())
     weight_bytes = experts_hit * 3 * WIDTH * HIDDEN * DTYPE.itemsize
     result = {"rows_per_rank": b, "gathered_rows": num_rows, "local_pairs": int(a.counts_E.sum()),
               "local_experts_hit": experts_hit, "variants": {}}
-    for name, (config, fused_gate) in variants.items():
-        ms = time_ms(lambda: rank.step(x_TD, add_norm, config, fused_gate), reps, True)
-        result["variants"][name] = {"config": repr(config), "graph_ms": ms, "weights_GB_per_s": weight_bytes / ms / 1e6}
-    result["kernels"] = top_kernels(lambda: rank.step(x_TD, add_norm, config, fused_gate), torch.device("cuda"))
+    for name, config in variants.items():
+        ms = time_ms(lambda: rank.step(x_TD, add_norm, config), reps, True)
+        result["variants"][name] = {"config": repr(config), "graph_ms": ms,
+                                    "weights_GB_per_s": weight_bytes / ms / 1e6}
+    result["kernels"] = top_kernels(lambda: rank.step(x_TD, add_norm, config), torch.device("cuda"))
     return result
 
 
@@ -170,9 +159,9 @@ def markdown(result: dict) -> str:
              f"({result['env']['gpu']})", "", f"Command: `{result['command']}`", "",
              f"Environment: {json.dumps(result['env'])}", "",
              "The peers' buffers are local stand-ins: the kernels as on a rank of N GPUs, without the NVLink "
-             "writes and the two barriers. Each variant's layer replayed as a CUDA graph (mean ms); GB/s: the "
-             "local experts hit, each read once.", "",
-             "| rows per rank | gathered rows | local pairs | local experts hit | variant | layer ms | GB/s |",
+             "writes and the two barriers. The layer replayed as a CUDA graph at each config (mean ms); GB/s: "
+             "the local experts hit, each read once.", "",
+             "| rows per rank | gathered rows | local pairs | local experts hit | config | layer ms | GB/s |",
              "|---:|---:|---:|---:|---|---:|---:|"]
     for row in result["rows"]:
         c = row["chain"]
@@ -181,7 +170,7 @@ def markdown(result: dict) -> str:
                          f"{c['local_experts_hit']} | {name} | {v['graph_ms']:.4f} | {v['weights_GB_per_s']:.0f} |")
     for row in result["rows"]:
         c = row["chain"]
-        lines += ["", f"## Kernels of one eager call (the defaults), {c['rows_per_rank']} rows per rank", "",
+        lines += ["", f"## Kernels of one eager call (the default config), {c['rows_per_rank']} rows per rank", "",
                   "| kernel | calls | us |", "|---|---:|---:|"]
         lines += [f"| `{k['name'][:90]}` | {k['calls']} | {k['total_us']:.1f} |" for k in c["kernels"]]
     if any("sweep" in row for row in result["rows"]):

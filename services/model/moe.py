@@ -433,40 +433,25 @@ class MoELayer:
 
             return triton_moe.grouped_moe(x_TD, self.w_gate_ED, self.w_gate_up_LGD, self.w_down_LDF,
                                           self.top_k, self.norm_topk_prob, self.hit_counts_E, add_norm=add_norm)
-        if self._gathers(x_TD, capacity):
+        if self.comm.world_size > 1 and capacity is not None and gathers_on(x_TD.device):
             from services.model import triton_ep  # imports triton: CUDA only
 
-            return triton_ep.gathered_moe(self, x_TD, self._rows_per_rank(capacity), add_norm)
+            return triton_ep.gathered_moe(self, x_TD, capacity // min(self.top_k, self.w_gate_up_LGD.shape[0]),
+                                          add_norm)
         out_TD = self._output(x_TD, capacity)
         return out_TD if add_norm is None else add_norm(out_TD)
 
-    def routed_ids(self, x_TD: Tensor, capacity: int | None = None) -> Tensor:
-        """Each token's experts as a step of the layer (at this capacity) routes them, not
-        counted anywhere: the grouped kernels' own routing (triton_moe.route: gate_route_rows'
-        logits round otherwise than F.linear's, which a near tie shows) where the layer takes
-        them, gate_route_rows' where the expert-parallel step fuses its gate the same way
-        (triton_ep.gate_route_pack), else moe.gate's (the same logits as the other paths').
-        The order within a row is not kept."""
-        zeros_E = torch.zeros_like(self.hit_counts_E)
+    def routed_ids(self, x_TD: Tensor) -> Tensor:
+        """Each token's experts as a step of the layer routes them, not counted anywhere:
+        the grouped kernels' own routing (triton_moe.route: gate_route_rows' logits round
+        otherwise than F.linear's, which a near tie shows) where the layer takes them, else
+        moe.gate's (the same logits as the other paths'). The order within a row is not kept."""
         if self._takes_grouped_moe(x_TD):
             from services.model import triton_moe  # imports triton: CUDA only
 
-            return triton_moe.route(x_TD, self.w_gate_ED, self.top_k, self.norm_topk_prob, zeros_E)[0]
-        if self._gathers(x_TD, capacity):
-            from services.model import triton_ep, triton_fused  # import triton: CUDA only
-
-            if triton_ep.fused_gate_counts(self, x_TD, self._rows_per_rank(capacity)) is not None:
-                return triton_fused.gate_route_rows(x_TD.contiguous(), self.w_gate_ED, self.top_k,
-                                                    self.norm_topk_prob, zeros_E)[0]
+            return triton_moe.route(x_TD, self.w_gate_ED, self.top_k, self.norm_topk_prob,
+                                    torch.zeros_like(self.hit_counts_E))[0]
         return gate(x_TD, self.w_gate_ED, self.top_k, self.norm_topk_prob)[0]
-
-    def _gathers(self, x_TD: Tensor, capacity: int | None) -> bool:
-        """Whether a step takes triton_ep.gathered_moe: several ranks, a fixed capacity, CUDA."""
-        return self.comm.world_size > 1 and capacity is not None and gathers_on(x_TD.device)
-
-    def _rows_per_rank(self, capacity: int) -> int:
-        """gathered_moe's rows per rank at this capacity: the bucket (see step_capacity)."""
-        return capacity // min(self.top_k, self.w_gate_up_LGD.shape[0])
 
     def _takes_grouped_moe(self, x_TD: Tensor) -> bool:
         """Whether a step of x_TD's tokens runs triton_moe.grouped_moe: one rank on CUDA holding

@@ -182,8 +182,7 @@ class Qwen3MoeModel:
             x_TD = x_TD + self._attention(i, layer, h_TD, cos_TK, sin_TK, batch, kv)
             h_TD = rms_norm(x_TD, layer.post_attention_norm_D, self.config.rms_norm_eps)
             if last_row_hits_LE is not None and self.config.is_moe_layer(i) and h_TD.shape[0]:
-                _add_last_row_hits(layer.feed_forward, h_TD, capacity,
-                                   last_row_hits_LE[self.config.moe_layers.index(i)])
+                _add_last_row_hits(layer.feed_forward, h_TD, last_row_hits_LE[self.config.moe_layers.index(i)])
             x_TD = x_TD + layer.feed_forward(h_TD, capacity)
         x_SD = rms_norm(x_TD[batch.sample_indices_S], self.norm_D, self.config.rms_norm_eps)
         return _logits(x_SD, self.lm_head_VD, logits_SV)
@@ -205,7 +204,7 @@ class Qwen3MoeModel:
             attn_TD = fused.linear(o_THK.reshape(h_TD.shape[0], c.num_attention_heads * c.head_dim), layer.w_o_DHK)
             h_TD = fused.add_rms_norm_(x_TD, attn_TD, layer.post_attention_norm_D, eps)
             if last_row_hits_LE is not None and c.is_moe_layer(i) and h_TD.shape[0]:
-                _add_last_row_hits(layer.feed_forward, h_TD, capacity, last_row_hits_LE[c.moe_layers.index(i)])
+                _add_last_row_hits(layer.feed_forward, h_TD, last_row_hits_LE[c.moe_layers.index(i)])
             if i + 1 < len(self.layers):  # the feed-forward adds its output and takes the next norm
                 add_norm = AddNorm(x_TD, self.layers[i + 1].input_norm_D, eps, fused.add_rms_norm_)
                 h_TD = layer.feed_forward(h_TD, capacity, add_norm)
@@ -245,10 +244,10 @@ def _logits(x_SD: Tensor, lm_head_VD: Tensor, logits_SV: Tensor | None) -> Tenso
     return logits_SV.copy_(F.linear(x_SD, lm_head_VD))
 
 
-def _add_last_row_hits(layer: MoELayer, h_TD: Tensor, capacity: int | None, hits_E: Tensor) -> None:
-    """Adds the experts of h_TD's last row to hits_E, as the layer's step (at this capacity)
-    routes them (MoELayer.routed_ids: the same kernels over the same rows)."""
-    ids_K = layer.routed_ids(h_TD, capacity)[-1]
+def _add_last_row_hits(layer: MoELayer, h_TD: Tensor, hits_E: Tensor) -> None:
+    """Adds the experts of h_TD's last row to hits_E, as the layer's step routes them
+    (MoELayer.routed_ids: the same kernels over the same rows)."""
+    ids_K = layer.routed_ids(h_TD)[-1]
     hits_E.scatter_add_(0, ids_K, torch.ones_like(ids_K))
 
 

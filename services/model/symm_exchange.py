@@ -11,9 +11,6 @@ writes into its peers' buffers, and a layer is:
 
 1. route_pack writes the rank's B packed rows into slot `rank` (rows
    rank * B ..) of every rank's row buffer, its own included (row_target);
-   gate_route_pack (the gate matmul in the same kernel) also writes each block
-   of 16 rows' count per expert into every rank's count buffer (count_target),
-   which spares the experts' align its count kernel;
 2. a barrier (torch's symmetric-memory barrier kernel: every rank signals every
    peer and waits for theirs); the rank's buffer now holds the J = N * B
    gathered rows in rank order (gathered_rows): the experts read them there;
@@ -57,10 +54,7 @@ import triton.language as tl
 from torch import Tensor
 
 from services.model.layers import AddNorm
-from services.model.triton_fused import GATE_ROUTE_ROWS, add_residual, store_rms_norm
-
-# Rows per chunk of the counts (triton_moe.ALIGN_TOKENS = triton_fused.GATE_ROUTE_ROWS).
-CHUNK = GATE_ROUTE_ROWS
+from services.model.triton_fused import add_residual, store_rms_norm
 
 # Whether the ranks write into their peers' buffers (see the module docstring); False: each
 # reads its peers' (one more kernel a layer), kept to compare the two on two GPUs.
@@ -163,8 +157,7 @@ class SymmetricExchange:
     partials into partial_target(B); reduce."""
 
     def __init__(self, group: dist.ProcessGroup, max_rows_per_rank: int, row_width: int, hidden: int,
-                 dtype: torch.dtype, device: torch.device | str, timeout_ms: int = 0, push: bool | None = None,
-                 num_experts: int | None = None):
+                 dtype: torch.dtype, device: torch.device | str, timeout_ms: int = 0, push: bool | None = None):
         import torch.distributed._symmetric_memory as symm_mem
 
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -178,13 +171,6 @@ class SymmetricExchange:
         self._partials_handle = _rendezvous(symm_mem, self._partials, group)
         self._row_ptrs_N = self._peer_pointers(self._rows_handle, self._rows, group)
         self._partial_ptrs_N = self._peer_pointers(self._partials_handle, self._partials, group)
-        # push with num_experts: every block of CHUNK rows' count per expert (triton_ep.gate_route_pack
-        # writes them beside the rows; the rows' barrier covers them)
-        self._counts = self._count_ptrs_N = None
-        if self.push and num_experts:
-            self._counts = symm_mem.empty(triton.cdiv(num_rows, CHUNK), num_experts, dtype=torch.int32,
-                                          device=device)
-            self._count_ptrs_N = self._peer_pointers(_rendezvous(symm_mem, self._counts, group), self._counts, group)
         # push's reduce reads the N slots of its own buffer
         self._own_partial_ptrs_N = self._partial_ptrs_N[self.rank].repeat(self.world_size)
 
@@ -209,19 +195,6 @@ class SymmetricExchange:
         if self.push:  # slot `rank` of every rank's buffer
             return self._rows[self.rank * b:(self.rank + 1) * b], (self._row_ptrs_N, self.rank * b)
         return self._rows[:b], None
-
-    def count_target(self, rows_per_rank: int) -> tuple[Tensor, tuple[Tensor, int]] | None:
-        """Where triton_ep.gate_route_pack writes the counts of this rank's blocks of rows:
-        (counts, count_dests) as it takes them (slot `rank` of every rank's count buffer); None
-        without a count buffer, or for B not a multiple of the blocks (they would straddle ranks)."""
-        if self._counts is None or rows_per_rank % CHUNK:
-            return None
-        chunks = rows_per_rank // CHUNK
-        return self._counts[self.rank * chunks:(self.rank + 1) * chunks], (self._count_ptrs_N, self.rank * chunks)
-
-    def gathered_counts(self, rows_per_rank: int) -> Tensor:
-        """Every gathered chunk's count per expert (after gathered_rows), if count_target took them."""
-        return self._counts[:self.world_size * rows_per_rank // CHUNK]
 
     def gathered_rows(self, rows_per_rank: int) -> Tensor:
         """recv_JW: every rank's B rows in rank order, once every rank has written its own."""

@@ -60,10 +60,6 @@ from services.model.moe import ExpertComm
 
 # The switch moe.MoELayer reads on CUDA with several ranks (False: moe.py's dispatch/combine).
 ENABLED = True
-# Steps through an exchange that keeps chunk counts take gate_route_pack (the gate matmul, the
-# routing, the packing and align's counts in one kernel; False: F.linear, route_pack and align's
-# count kernel, e.g. to compare).
-GATE_ROUTE_PACK = True
 
 
 def row_width(hidden: int, top_k: int, dtype: torch.dtype) -> int:
@@ -197,89 +193,6 @@ def route_pack(logits_TE: Tensor, x_TD: Tensor, top_k: int, norm_topk_prob: bool
     return send_BW
 
 
-@triton.jit
-def _gate_route_pack_kernel(x_ptr, w_ptr, partial_ptr, count_ptr, rows_ptr, meta_ptr, counts_ptr, hits_ptr, dests_ptr,
-                            count_dests_ptr, first_row, num_tokens, hidden, num_experts, row_stride, meta_stride,
-                            meta_bytes, NORM: tl.constexpr, TOP_K: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                            SPLIT_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                            BLOCK_E: tl.constexpr, BLOCK_TOP_K: tl.constexpr, NUM_DESTS: tl.constexpr,
-                            HAS_DESTS: tl.constexpr):
-    block, split = tl.program_id(0), tl.program_id(1)
-    rows = tl.arange(0, BLOCK_T)
-    t = block.to(tl.int64) * BLOCK_T + rows
-    t_mask = t < num_tokens
-    e = tl.arange(0, BLOCK_E)
-    e_mask = e < num_experts
-    k_start = split * SPLIT_K
-    acc = triton_fused.gate_partial_rows(x_ptr, w_ptr, t, t_mask, e, e_mask, k_start, hidden, hidden, SPLIT_K, BLOCK_T,
-                                         BLOCK_K, BLOCK_E)
-    row = first_row + t
-    for k0 in range(k_start, k_start + SPLIT_K, BLOCK_K):  # this split's columns of the rows, packed
-        k = k0 + tl.arange(0, BLOCK_K)
-        mask = t_mask[:, None] & (k < hidden)[None, :]
-        x = tl.load(x_ptr + t[:, None] * hidden + k[None, :], mask=mask)
-        for dest in tl.static_range(NUM_DESTS):
-            tl.store(_buffer(rows_ptr, dests_ptr, dest, 0, HAS_DESTS) + row[:, None] * row_stride + k[None, :], x,
-                     mask=mask)
-    partial_SRE = partial_ptr + (block * NUM_SPLITS * BLOCK_T + rows[:, None]) * BLOCK_E + e[None, :]
-    tl.store(partial_SRE + split * BLOCK_T * BLOCK_E, acc)
-    # As triton_fused.gate_route_rows: the last program of the block to finish routes its rows.
-    tl.debug_barrier()
-    if tl.atomic_add(count_ptr + block, 1) == NUM_SPLITS - 1:
-        tl.store(count_ptr + block, 0)
-        logits = triton_fused.gate_block_logits(partial_SRE, e_mask, x_ptr.dtype.element_ty, NUM_SPLITS, BLOCK_T,
-                                                BLOCK_E)
-        chosen, w, rank = triton_fused.choose_experts(logits, e, num_experts, NORM, TOP_K, BLOCK_E)
-        chosen = chosen & t_mask[:, None]
-        # As route_pack: ids + 1, the weights rounded to the model dtype, as fp32 bits.
-        w = w.to(x_ptr.dtype.element_ty).to(tl.float32)
-        _store_meta(meta_ptr, dests_ptr, row[:, None], meta_stride, meta_bytes, rank,
-                    tl.broadcast_to((e + 1)[None, :], [BLOCK_T, BLOCK_E]), w.to(tl.int32, bitcast=True), chosen,
-                    TOP_K, NUM_DESTS, HAS_DESTS)
-        k = tl.arange(0, BLOCK_TOP_K)
-        no_expert = tl.zeros([BLOCK_T, BLOCK_TOP_K], tl.int32)
-        _store_meta(meta_ptr, dests_ptr, row[:, None], meta_stride, meta_bytes, k[None, :], no_expert, no_expert,
-                    (~t_mask)[:, None] & (k < TOP_K)[None, :], TOP_K, NUM_DESTS, HAS_DESTS)  # padding rows
-        per_expert = tl.sum(chosen.to(tl.int32), 0)
-        tl.atomic_add(hits_ptr + e, per_expert.to(hits_ptr.dtype.element_ty), mask=per_expert > 0)
-        chunk = first_row // BLOCK_T + block  # align's chunk of the gathered rows
-        for dest in tl.static_range(NUM_DESTS):
-            tl.store(_buffer(counts_ptr, count_dests_ptr, dest, 0, HAS_DESTS) + chunk * num_experts + e, per_expert,
-                     mask=e_mask)
-
-
-def gate_route_pack(x_TD: Tensor, w_gate_ED: Tensor, top_k: int, norm_topk_prob: bool, hit_counts_E: Tensor,
-                    rows_per_rank: int, out: Tensor | None = None, dests: tuple[Tensor, int] | None = None,
-                    counts: Tensor | None = None,
-                    count_dests: tuple[Tensor, int] | None = None) -> tuple[Tensor, Tensor]:
-    """route_pack(F.linear(x_TD, w_gate_ED), x_TD, ...) with the gate matmul in the same kernel:
-    (send_BW, counts_CE), the same rows as route_pack's from triton_fused.gate_route_rows'
-    logits (the same bits as its), and counts_CE: each block of GATE_ROUTE_ROWS rows' count per
-    expert (triton_moe.align's chunk counts: rows_per_rank must be a multiple of it). dests and
-    count_dests (ptrs_N, first row / first chunk): the rows and counts go instead into each of
-    those buffers, laid out as send_BW's and counts_CE's (symm_exchange's push; out and counts
-    then only give the shapes)."""
-    (num_tokens, hidden), num_experts = x_TD.shape, w_gate_ED.shape[0]
-    assert x_TD.is_contiguous() and w_gate_ED.is_contiguous() and hit_counts_E.is_contiguous() and top_k < 128
-    assert rows_per_rank % triton_fused.GATE_ROUTE_ROWS == 0, "blocks of rows must not straddle the ranks"
-    send_BW, meta_BM, _ = _send_buffer(x_TD, top_k, rows_per_rank, out)
-    shape = (rows_per_rank // triton_fused.GATE_ROUTE_ROWS, num_experts)
-    counts_CE = torch.empty(shape, dtype=torch.int32, device=x_TD.device) if counts is None else counts
-    assert counts_CE.shape == shape and counts_CE.dtype == torch.int32 and counts_CE.is_contiguous()
-    assert (dests is None) == (count_dests is None)
-    if rows_per_rank:
-        count_ptrs, first_chunk = (counts_CE, 0) if count_dests is None else count_dests
-        assert dests is None or (dests[1] == first_chunk * triton_fused.GATE_ROUTE_ROWS
-                                 and dests[0].numel() == count_ptrs.numel())
-        launch = triton_fused.gate_rows_launch(rows_per_rank, hidden, num_experts, x_TD.device)
-        _gate_route_pack_kernel[launch.pop("grid")](
-            x_ptr=x_TD, w_ptr=w_gate_ED, rows_ptr=send_BW, meta_ptr=meta_BM, counts_ptr=counts_CE,
-            hits_ptr=hit_counts_E, count_dests_ptr=count_ptrs, num_tokens=num_tokens, hidden=hidden,
-            num_experts=num_experts, row_stride=send_BW.stride(0), meta_stride=meta_BM.stride(0), NORM=norm_topk_prob,
-            TOP_K=top_k, BLOCK_TOP_K=triton.next_power_of_2(top_k), **_dest_args(x_TD, send_BW, dests), **launch)
-    return send_BW, counts_CE
-
-
 def _meta(rows_JW: Tensor, hidden: int) -> Tensor:
     """The int32 columns after the hidden part: K ids + 1, then K fp32 weights' bits."""
     return rows_JW.view(torch.int32)[:, hidden * rows_JW.dtype.itemsize // 4:]
@@ -328,17 +241,13 @@ def partials(y_RD: Tensor, meta_JM: Tensor, id_offset: int, num_local: int, out:
 
 def local_partials(recv_JW: Tensor, hidden: int, top_k: int, id_offset: int, w_gate_up_LGD: Tensor,
                    w_down_LDF: Tensor, config: triton_moe.MoEConfig | None = None, out: Tensor | None = None,
-                   owners: tuple[Tensor, int] | None = None, chunk_counts: Tensor | None = None) -> Tensor:
+                   owners: tuple[Tensor, int] | None = None) -> Tensor:
     """Steps 4-5 on the gathered rows: the fp32 partial_JD (into out or owners, as partials
-    takes them) of this rank's local experts, whose global ids (+ 1, as packed) start at id_offset.
-    chunk_counts: gate_route_pack's counts of every gathered chunk for every expert, if it
-    counted them (align then skips its count kernel)."""
+    takes them) of this rank's local experts, whose global ids (+ 1, as packed) start at id_offset."""
     num_rows, num_local = recv_JW.shape[0], w_gate_up_LGD.shape[0]
     meta_JM = _meta(recv_JW, hidden)
     config = config or local_config(num_rows)
-    if chunk_counts is not None:  # the local experts' columns
-        chunk_counts = chunk_counts[:, id_offset - 1:id_offset - 1 + num_local]
-    a = triton_moe.align(meta_JM[:, :top_k], num_local, config.block_m, id_offset, chunk_counts)
+    a = triton_moe.align(meta_JM[:, :top_k], num_local, config.block_m, id_offset)
     act_PF = triton_moe.gate_up(recv_JW[:, :hidden], a, w_gate_up_LGD, top_k, config.gate_up, config.tiles_first)
     y_RD = triton_moe.down(act_PF, a, w_down_LDF, num_rows * top_k, config.down, config.tiles_first)
     return partials(y_RD, meta_JM, id_offset, num_local, out, owners)
@@ -375,17 +284,6 @@ def _route_and_pack(layer, x_TD: Tensor, rows_per_rank: int, out: Tensor | None 
     return pack(x_TD, ids_TK, weights_TK, rows_per_rank, out, dests)
 
 
-def fused_gate_counts(layer, x_TD: Tensor, rows_per_rank: int) -> tuple[Tensor, tuple[Tensor, int]] | None:
-    """Where gate_route_pack writes a step's chunk counts, if the step takes it: through an
-    exchange that keeps them (symm_exchange's push), without replicas (whose slots route after
-    the gate), with GATE_ROUTE_PACK on; else None (the gate matmul, then route_pack)."""
-    exchange = layer.comm.exchange
-    if (not GATE_ROUTE_PACK or layer.slot_map is not None or exchange is None
-            or not exchange.fits(rows_per_rank, row_width(x_TD.shape[1], layer.top_k, x_TD.dtype))):
-        return None
-    return exchange.count_target(rows_per_rank)
-
-
 def gathered_moe(layer, x_TD: Tensor, rows_per_rank: int, add_norm: AddNorm | None = None) -> Tensor:
     """moe.MoELayer's output for this rank's x_TD, every rank passing the same rows_per_rank
     (>= each rank's token count); adds the routed experts to layer.hit_counts_E. With add_norm,
@@ -398,16 +296,10 @@ def gathered_moe(layer, x_TD: Tensor, rows_per_rank: int, add_norm: AddNorm | No
     x_TD = x_TD.contiguous()
     exchange = comm.exchange
     if exchange is not None and exchange.fits(rows_per_rank, row_width(hidden, layer.top_k, x_TD.dtype)):
-        count_target = fused_gate_counts(layer, x_TD, rows_per_rank)
-        if count_target is None:
-            _route_and_pack(layer, x_TD, rows_per_rank, *exchange.row_target(rows_per_rank))
-        else:
-            gate_route_pack(x_TD, layer.w_gate_ED, layer.top_k, layer.norm_topk_prob, layer.hit_counts_E,
-                            rows_per_rank, *exchange.row_target(rows_per_rank), *count_target)
+        _route_and_pack(layer, x_TD, rows_per_rank, *exchange.row_target(rows_per_rank))
         recv_JW = exchange.gathered_rows(rows_per_rank)
         local_partials(recv_JW, hidden, layer.top_k, id_offset, layer.w_gate_up_LGD, layer.w_down_LDF, None,
-                       *exchange.partial_target(rows_per_rank),
-                       chunk_counts=None if count_target is None else exchange.gathered_counts(rows_per_rank))
+                       *exchange.partial_target(rows_per_rank))
         # The exchange rounds the fp32 sum to the model dtype in its own kernel.
         return exchange.reduce(num_tokens, rows_per_rank, x_TD.dtype, add_norm)
     send_BW = _route_and_pack(layer, x_TD, rows_per_rank)

@@ -444,33 +444,6 @@ def gate_route(x_1D: Tensor, w_gate_ED: Tensor, top_k: int, norm_topk_prob: bool
 
 
 @triton.jit
-def gate_partial_rows(x_ptr, w_ptr, t, t_mask, e, e_mask, k_start, hidden, x_stride, SPLIT_K: tl.constexpr,
-                      BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
-    """fp32 [rows, BLOCK_E]: rows t of x times the gate's rows e over k_start .. k_start + SPLIT_K
-    (a multiple of BLOCK_K) of the hidden dim: one split's partial logits (gate_route_rows and
-    triton_ep.gate_route_pack share it, so that their logits are the same bits)."""
-    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
-    for k0 in range(k_start, k_start + SPLIT_K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < hidden
-        x = tl.load(x_ptr + t[:, None] * x_stride + k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptr + e[None, :] * hidden + k[:, None], mask=k_mask[:, None] & e_mask[None, :], other=0.0)
-        acc = tl.dot(x, w, acc, input_precision="ieee")
-    return acc
-
-
-@triton.jit
-def gate_block_logits(partial_SRE, e_mask, dtype, NUM_SPLITS: tl.constexpr, BLOCK_T: tl.constexpr,
-                      BLOCK_E: tl.constexpr):
-    """A block's logits: its splits' partials (at partial_SRE + split * BLOCK_T * BLOCK_E) added
-    in split order, rounded to dtype as F.linear's, -inf past the experts."""
-    logits = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        logits += tl.load(partial_SRE + s * BLOCK_T * BLOCK_E, cache_modifier=".cg")
-    return tl.where(e_mask[None, :], logits.to(dtype).to(tl.float32), float("-inf"))
-
-
-@triton.jit
 def _gate_route_rows_kernel(x_ptr, w_ptr, partial_ptr, count_ptr, ids_ptr, weights_ptr, hits_ptr, counts_ptr,
                             num_tokens, hidden, num_experts, x_stride, NORM: tl.constexpr, TOP_K: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -481,8 +454,13 @@ def _gate_route_rows_kernel(x_ptr, w_ptr, partial_ptr, count_ptr, ids_ptr, weigh
     t_mask = t < num_tokens
     e = tl.arange(0, BLOCK_E)
     e_mask = e < num_experts
-    acc = gate_partial_rows(x_ptr, w_ptr, t, t_mask, e, e_mask, split * SPLIT_K, hidden, x_stride, SPLIT_K, BLOCK_T,
-                            BLOCK_K, BLOCK_E)
+    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    for k0 in range(split * SPLIT_K, (split + 1) * SPLIT_K, BLOCK_K):  # SPLIT_K: a multiple of BLOCK_K
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < hidden
+        x = tl.load(x_ptr + t[:, None] * x_stride + k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptr + e[None, :] * hidden + k[:, None], mask=k_mask[:, None] & e_mask[None, :], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision="ieee")
     partial_SRE = partial_ptr + (block * NUM_SPLITS * BLOCK_T + rows[:, None]) * BLOCK_E + e[None, :]
     tl.store(partial_SRE + split * BLOCK_T * BLOCK_E, acc)
     # As in _gate_route_kernel: the last program of the block to finish sums the splits in
@@ -490,23 +468,12 @@ def _gate_route_rows_kernel(x_ptr, w_ptr, partial_ptr, count_ptr, ids_ptr, weigh
     tl.debug_barrier()
     if tl.atomic_add(count_ptr + block, 1) == NUM_SPLITS - 1:
         tl.store(count_ptr + block, 0)
-        logits = gate_block_logits(partial_SRE, e_mask, x_ptr.dtype.element_ty, NUM_SPLITS, BLOCK_T, BLOCK_E)
+        logits = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+        for s in tl.static_range(NUM_SPLITS):
+            logits += tl.load(partial_SRE + s * BLOCK_T * BLOCK_E, cache_modifier=".cg")
+        logits = tl.where(e_mask[None, :], logits.to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
         _route_rows(logits, t, t_mask, e, ids_ptr, weights_ptr, ids_ptr, hits_ptr, counts_ptr + block * num_experts,
                     num_experts, NORM, TOP_K, BLOCK_E, False, True)
-
-
-def gate_rows_launch(num_tokens: int, hidden: int, num_experts: int, device: torch.device) -> dict:
-    """The launch of a gate_partial_rows kernel over blocks of GATE_ROUTE_ROWS tokens: its grid,
-    fp32 partial buffer, finish counters and tile constants (keyword arguments)."""
-    num_blocks = triton.cdiv(num_tokens, GATE_ROUTE_ROWS)
-    block_e = max(16, triton.next_power_of_2(num_experts))  # tl.dot's least
-    block_k = GATE_ROUTE_ROWS_BLOCK_K
-    split_k = triton.cdiv(triton.cdiv(hidden, GATE_ROUTE_ROWS_SPLITS), block_k) * block_k
-    partial = torch.empty(num_blocks, GATE_ROUTE_ROWS_SPLITS, GATE_ROUTE_ROWS, block_e, dtype=torch.float32,
-                          device=device)
-    return dict(grid=(num_blocks, GATE_ROUTE_ROWS_SPLITS), partial_ptr=partial,
-                count_ptr=_gate_route_counts(device, num_blocks), NUM_SPLITS=GATE_ROUTE_ROWS_SPLITS, SPLIT_K=split_k,
-                BLOCK_T=GATE_ROUTE_ROWS, BLOCK_K=block_k, BLOCK_E=block_e, num_warps=GATE_ROUTE_ROWS_WARPS)
 
 
 def gate_route_rows(x_TD: Tensor, w_gate_ED: Tensor, top_k: int, norm_topk_prob: bool,
@@ -519,14 +486,19 @@ def gate_route_rows(x_TD: Tensor, w_gate_ED: Tensor, top_k: int, norm_topk_prob:
     (num_tokens, hidden), num_experts = x_TD.shape, w_gate_ED.shape[0]
     assert x_TD.stride(1) == 1 and w_gate_ED.is_contiguous() and hit_counts_E.is_contiguous() and top_k < 128
     ids_TK, weights_TK, _ = _routing_outputs(num_tokens, num_experts, top_k, x_TD.dtype, x_TD.device)
-    counts_CE = torch.empty(triton.cdiv(num_tokens, GATE_ROUTE_ROWS), num_experts, dtype=torch.int32,
-                            device=x_TD.device)
+    num_blocks = triton.cdiv(num_tokens, GATE_ROUTE_ROWS)
+    counts_CE = torch.empty(num_blocks, num_experts, dtype=torch.int32, device=x_TD.device)
     if num_tokens:
-        launch = gate_rows_launch(num_tokens, hidden, num_experts, x_TD.device)
-        _gate_route_rows_kernel[launch.pop("grid")](
-            x_ptr=x_TD, w_ptr=w_gate_ED, ids_ptr=ids_TK, weights_ptr=weights_TK, hits_ptr=hit_counts_E,
-            counts_ptr=counts_CE, num_tokens=num_tokens, hidden=hidden, num_experts=num_experts,
-            x_stride=x_TD.stride(0), NORM=norm_topk_prob, TOP_K=top_k, **launch)
+        block_e = max(16, triton.next_power_of_2(num_experts))  # tl.dot's least
+        block_k = GATE_ROUTE_ROWS_BLOCK_K
+        split_k = triton.cdiv(triton.cdiv(hidden, GATE_ROUTE_ROWS_SPLITS), block_k) * block_k
+        partial = torch.empty(num_blocks, GATE_ROUTE_ROWS_SPLITS, GATE_ROUTE_ROWS, block_e, dtype=torch.float32,
+                              device=x_TD.device)
+        _gate_route_rows_kernel[(num_blocks, GATE_ROUTE_ROWS_SPLITS)](
+            x_TD, w_gate_ED, partial, _gate_route_counts(x_TD.device, num_blocks), ids_TK, weights_TK, hit_counts_E,
+            counts_CE, num_tokens, hidden, num_experts, x_TD.stride(0), NORM=norm_topk_prob, TOP_K=top_k,
+            NUM_SPLITS=GATE_ROUTE_ROWS_SPLITS, SPLIT_K=split_k, BLOCK_T=GATE_ROUTE_ROWS, BLOCK_K=block_k,
+            BLOCK_E=block_e, num_warps=GATE_ROUTE_ROWS_WARPS)
     return ids_TK, weights_TK, counts_CE
 
 

@@ -132,8 +132,7 @@ def _count_kernel(ids_ptr, chunk_counts_ptr, num_tokens, num_experts, ids_stride
 
 @triton.jit
 def _place_kernel(ids_ptr, chunk_counts_ptr, sorted_ids_ptr, pos_ptr, starts_ptr, counts_ptr, ends_ptr,
-                  num_tokens, num_experts, num_chunks, ids_stride, counts_stride, id_offset, TOP_K: tl.constexpr,
-                  BLOCK_M: tl.constexpr,
+                  num_tokens, num_experts, num_chunks, ids_stride, id_offset, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr):
     chunk = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
@@ -142,7 +141,7 @@ def _place_kernel(ids_ptr, chunk_counts_ptr, sorted_ids_ptr, pos_ptr, starts_ptr
     before = tl.zeros([BLOCK_E], tl.int32)  # rows of earlier chunks, per expert
     for c0 in range(0, num_chunks, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
-        counts = tl.load(chunk_counts_ptr + c[:, None] * counts_stride + e[None, :],
+        counts = tl.load(chunk_counts_ptr + c[:, None] * num_experts + e[None, :],
                          mask=(c < num_chunks)[:, None] & e_mask[None, :], other=0)
         total += tl.sum(counts, 0)
         before += tl.sum(tl.where((c < chunk)[:, None], counts, 0), 0)
@@ -180,9 +179,8 @@ class Alignment:
 def align(ids_TK: Tensor, num_experts: int, block_m: int, id_offset: int = 0,
           chunk_counts: Tensor | None = None) -> Alignment:
     """Counting sort of the routed rows by expert (each token's ids distinct), stable in r.
-    chunk_counts: each ALIGN_TOKENS tokens' rows per (local) expert, if the routing counted them
-    (triton_fused.gate_route_rows, triton_ep.gate_route_pack; its rows may have any stride): the
-    count kernel is skipped.
+    chunk_counts: each ALIGN_TOKENS tokens' rows per expert, if the routing counted them
+    (triton_fused.gate_route_rows; id_offset 0): the count kernel is skipped.
 
     ids_TK may be a strided view (its rows any stride, its columns contiguous). Expert
     ids_TK[t, k] - id_offset is the local expert; a routed row whose local id is outside
@@ -209,10 +207,11 @@ def align(ids_TK: Tensor, num_experts: int, block_m: int, id_offset: int = 0,
             _count_kernel[(num_chunks,)](ids_TK, chunk_counts, num_tokens, num_experts, ids_stride, id_offset,
                                          TOP_K=top_k, BLOCK_T=ALIGN_TOKENS, BLOCK_E=block_e)
         else:
-            assert chunk_counts.shape == (num_chunks, num_experts) and chunk_counts.stride(1) == 1
+            assert chunk_counts.shape == (num_chunks, num_experts) and id_offset == 0
         _place_kernel[(num_chunks,)](ids_TK, chunk_counts, sorted_ids_P, pos_R, starts_E, counts_E, ends_E,
-                                     num_tokens, num_experts, num_chunks, ids_stride, chunk_counts.stride(0), id_offset,
-                                     TOP_K=top_k, BLOCK_M=block_m, BLOCK_T=ALIGN_TOKENS, BLOCK_E=block_e, BLOCK_C=64)
+                                     num_tokens, num_experts, num_chunks, ids_stride, id_offset, TOP_K=top_k,
+                                     BLOCK_M=block_m,
+                                     BLOCK_T=ALIGN_TOKENS, BLOCK_E=block_e, BLOCK_C=64)
     return Alignment(sorted_ids_P, pos_R, starts_E, counts_E, ends_E, block_m)
 
 

@@ -15,7 +15,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from services.model.layers import AddNorm  # noqa: E402
-from services.model import moe  # noqa: E402
 from services.model.moe import ExpertComm, MoELayer  # noqa: E402
 from tests.triton_interpreter import interpreted  # noqa: E402
 
@@ -125,53 +124,6 @@ def test_packed_rows_go_to_every_destination_from_its_first_row(tep, slot_map):
         assert (buffer[:first_row] == -7).all() and (buffer[first_row + num_tokens:, :HIDDEN] == -7).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_tokens", [0, 5, 16, 27])
-def test_gate_route_pack_is_gate_route_rows_then_pack(tep, monkeypatch, dtype, num_tokens):
-    """The gate matmul, routing, packing and align's chunk counts in one kernel: gate_route_rows'
-    routing (the same logits), pack's rows (padding rows: no expert), gate_route_rows' counts per
-    block of 16 rows (none in a block of padding); locally, and pushed into every destination
-    from slot first_row (rows) / first_row / 16 (counts). Hidden 48 in splits of 16: three of
-    the eight splits copy columns of the rows."""
-    monkeypatch.setattr(tep.triton_fused, "GATE_ROUTE_ROWS_BLOCK_K", 16)
-    rows_per_rank, top_k, first_row = 32, 3, 32
-    x_TD = _tokens(num_tokens, dtype, seed=12)
-    w_gate_ED = _weights(dtype, seed=13)[0]
-    expected_hits_E, hits_E = (torch.full((NUM_EXPERTS,), 3, dtype=torch.int64) for _ in range(2))
-    ids_TK, weights_TK, counts_CE = tep.triton_fused.gate_route_rows(x_TD, w_gate_ED, top_k, True, expected_hits_E)
-    expected_BW = tep.pack(x_TD, ids_TK, weights_TK, rows_per_rank)
-    expected_CE = torch.zeros(2, NUM_EXPERTS, dtype=torch.int32)
-    expected_CE[:counts_CE.shape[0]] = counts_CE
-    width = tep.row_width(HIDDEN, top_k, dtype)
-    rows = [torch.full((2 * rows_per_rank, width), -7.0, dtype=dtype) for _ in range(2)]
-    counts = [torch.full((4, NUM_EXPERTS), -1, dtype=torch.int32) for _ in range(2)]
-    pointers = [torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64) for buffers in (rows, counts)]
-    local = tep.gate_route_pack(x_TD, w_gate_ED, top_k, True, hits_E, rows_per_rank)
-    tep.gate_route_pack(x_TD, w_gate_ED, top_k, True, hits_E, rows_per_rank, rows[0][first_row:],
-                        (pointers[0], first_row), counts[0][2:], (pointers[1], 2))
-    for send_BW, counts_CE in [local] + [(b[first_row:], c[2:]) for b, c in zip(rows, counts)]:
-        assert torch.equal(send_BW[:num_tokens].view(torch.int16), expected_BW[:num_tokens].view(torch.int16))
-        assert torch.equal(send_BW[:, HIDDEN:].view(torch.int32), expected_BW[:, HIDDEN:].view(torch.int32))
-        assert torch.equal(counts_CE, expected_CE)
-    for b, c in zip(rows, counts):
-        assert (b[:first_row] == -7).all() and (c[:2] == -1).all()
-    assert torch.equal(hits_E - 3, 2 * (expected_hits_E - 3))
-
-
-def test_align_takes_the_local_columns_of_every_experts_chunk_counts(tep):
-    """Chunk counts of every expert, sliced to one rank's (a strided view), as its count kernel's."""
-    generator = torch.Generator().manual_seed(14)  # each row's ids + 1 distinct, 0 (padding) in some rows
-    ids_JK = torch.stack([torch.randperm(NUM_EXPERTS + 1, generator=generator)[:3] for _ in range(40)]).int()
-    counts_CE = torch.stack([torch.bincount(ids_JK[i:i + 16].flatten().long(), minlength=NUM_EXPERTS + 1)[1:]
-                             for i in range(0, 40, 16)]).int()
-    for id_offset in (1, 5):
-        expected = tep.triton_moe.align(ids_JK, 4, 4, id_offset)
-        a = tep.triton_moe.align(ids_JK, 4, 4, id_offset, counts_CE[:, id_offset - 1:id_offset + 3])
-        assert torch.equal(a.counts_E, expected.counts_E) and torch.equal(a.starts_E, expected.starts_E)
-        for start, count in zip(a.starts_E.tolist(), a.counts_E.tolist()):  # padding positions are unset
-            assert torch.equal(a.sorted_ids_P[start:start + count], expected.sorted_ids_P[start:start + count])
-
-
 def test_partials_go_to_their_owners_slot(tep):
     """Push: gathered row j's partial into rank j // B's buffer, row first_row + j % B; the same
     values as the local partials."""
@@ -260,9 +212,6 @@ class _GlooExchange:
         self.rows_for = [torch.full(rows, float("nan"), dtype=dtype) for _ in range(self.num_ranks)]
         self.partials_for = [torch.full(partials, float("nan")) for _ in range(self.num_ranks)]
         self.rows, self.partials = torch.full(rows, float("nan"), dtype=dtype), torch.full(partials, float("nan"))
-        chunks = (self.num_ranks * max_rows_per_rank // 16 or 1, NUM_EXPERTS)
-        self.counts_for = [torch.full(chunks, -1, dtype=torch.int32) for _ in range(self.num_ranks)]
-        self.counts = torch.full(chunks, -1, dtype=torch.int32)
         self.calls = []
 
     def fits(self, rows_per_rank: int, row_width: int) -> bool:
@@ -279,21 +228,8 @@ class _GlooExchange:
         b = rows_per_rank
         return self.rows_for[self.rank][self.rank * b:(self.rank + 1) * b], (_pointers(self.rows_for), self.rank * b)
 
-    def count_target(self, rows_per_rank: int):
-        if rows_per_rank % 16:
-            return None
-        chunks = rows_per_rank // 16
-        return (self.counts_for[self.rank][self.rank * chunks:(self.rank + 1) * chunks],
-                (_pointers(self.counts_for), self.rank * chunks))
-
-    def gathered_counts(self, rows_per_rank: int):
-        return self.counts[:self.num_ranks * rows_per_rank // 16]
-
     def gathered_rows(self, rows_per_rank: int):
         self.calls.append("gathered_rows")
-        if rows_per_rank % 16 == 0:
-            self.calls.append("counts")
-            self._deliver(self.counts_for, self.counts, rows_per_rank // 16)
         return self._deliver(self.rows_for, self.rows, rows_per_rank)
 
     def partial_target(self, rows_per_rank: int):
@@ -315,8 +251,7 @@ def _pointers(buffers) -> torch.Tensor:
     return torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
 
 
-def _gloo_worker(rank: int, init_file: str, tokens_N: list[int], top_k: int, exchange: bool,
-                 rows_per_rank: int) -> None:
+def _gloo_worker(rank: int, init_file: str, tokens_N: list[int], top_k: int, exchange: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
     try:
@@ -325,6 +260,7 @@ def _gloo_worker(rank: int, init_file: str, tokens_N: list[int], top_k: int, exc
             tep.triton_moe.default_config = lambda _num_tokens: _config(tep)
             weights = _weights(torch.float32)
             comm = ExpertComm(dist.group.WORLD)
+            rows_per_rank = max(tokens_N) + 1
             if exchange:  # buffers for this step exactly: a bigger one takes the collectives
                 comm.exchange = _GlooExchange(rows_per_rank, tep.row_width(HIDDEN, top_k, torch.float32),
                                               torch.float32, rank, sx)
@@ -343,20 +279,10 @@ def _gloo_worker(rank: int, init_file: str, tokens_N: list[int], top_k: int, exc
             expected_h_TD = _add_norm(tep, unfused_x_TD, norm_D)(out_TD)
             assert torch.equal(fused_x_TD, unfused_x_TD) and torch.equal(h_TD, expected_h_TD)
             if exchange:
-                calls = ["gathered_rows"] + ["counts"] * (rows_per_rank % 16 == 0) + ["reduce"]
-                assert comm.exchange.calls == calls * 2
+                assert comm.exchange.calls == ["gathered_rows", "reduce"] * 2
                 out_TD = tep.gathered_moe(layer, x_TD, rows_per_rank=rows_per_rank + 1)
-                assert comm.exchange.calls == calls * 2  # did not fit: collectives
+                assert comm.exchange.calls == ["gathered_rows", "reduce"] * 2  # did not fit: collectives
                 torch.testing.assert_close(out_TD, expected_TD, atol=1e-5, rtol=1e-5)
-            if exchange and rows_per_rank % 16 == 0:  # the padding-row probe routes as the fused gate did
-                moe.gathers_on = lambda device: True
-                counted = []
-                for rows in (x_TD, x_TD[:-1]):
-                    before = layer.hit_counts_E.clone()
-                    tep.gathered_moe(layer, rows.contiguous(), rows_per_rank)
-                    counted.append(layer.hit_counts_E - before)
-                ids_K = layer.routed_ids(x_TD, rows_per_rank * top_k)[-1]
-                assert torch.equal(torch.bincount(ids_K, minlength=NUM_EXPERTS), counted[0] - counted[1])
         dist.barrier()  # both ranks past their last collective before either tears gloo down
     finally:
         dist.destroy_process_group()
@@ -367,15 +293,12 @@ def _add_norm(tep, x_TD: torch.Tensor, norm_D: torch.Tensor) -> AddNorm:
     return AddNorm(x_TD, norm_D, 1e-6, tep.triton_fused.add_rms_norm_)
 
 
-@pytest.mark.parametrize("tokens_N,exchange,rows_per_rank",
-                         [([5, 3], False, 6), ([0, 4], False, 5), ([5, 3], True, 6), ([5, 13], True, 16)])
-def test_gathered_moe_over_two_gloo_ranks(tmp_path, tokens_N, exchange, rows_per_rank):
-    """The whole layer with its all_gather and reduce_scatter (an idle rank too, and padding rows);
-    through an exchange's buffers where the step fits them, with the gate fused into the packing
-    (gate_route_pack and its chunk counts) where the rows per rank are whole blocks of 16."""
+@pytest.mark.parametrize("tokens_N,exchange", [([5, 3], False), ([0, 4], False), ([5, 3], True)])
+def test_gathered_moe_over_two_gloo_ranks(tmp_path, tokens_N, exchange):
+    """The whole layer with its all_gather and reduce_scatter (an idle rank too, and a padding row);
+    through an exchange's buffers where the step fits them."""
     pytest.importorskip("triton")
-    torch.multiprocessing.spawn(_gloo_worker, args=(str(tmp_path / "rendezvous"), tokens_N, 2, exchange, rows_per_rank),
-                                nprocs=2)
+    torch.multiprocessing.spawn(_gloo_worker, args=(str(tmp_path / "rendezvous"), tokens_N, 2, exchange), nprocs=2)
 
 
 def test_expert_parallel_steps_on_cuda_take_a_fixed_capacity(monkeypatch):

@@ -85,6 +85,20 @@ def test_qkv_tokens_per_program(fused):
         1, 1, 2, 2, 4, 4, 8, 16, 16, 16]
 
 
+@pytest.mark.parametrize("top_k", [3, 4, 8])
+def test_route_breaks_ties_to_the_lowest_expert(fused, top_k):
+    """Equal probabilities (equal logits) are taken lowest expert first, as the K largest are
+    picked, across every one of the K places; 12 experts padded to a block of 16."""
+    logits = torch.tensor([[1.0] * 12,
+                           [0.0, 2.0, 2.0, 1.0, 2.0, 2.0, 1.0, 1.0, 3.0, 1.0, 0.5, 2.0],
+                           [-1.0] * 6 + [4.0] * 6])
+    ids, weights, _ = fused.route(logits, top_k, True, torch.zeros(12, dtype=torch.int64), torch.float32)
+    # stable descending sort: among equal values the lower index comes first
+    expected = logits.argsort(dim=1, descending=True, stable=True)[:, :top_k].sort(dim=1).values
+    assert torch.equal(ids, expected)
+    assert torch.allclose(weights.sum(1), torch.ones(3))
+
+
 @pytest.mark.parametrize("norm", [True, False])
 def test_route_matches_gate(fused, norm):
     x, w_gate = _randn(7, 32, seed=7), _randn(12, 32, seed=8)
