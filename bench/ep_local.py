@@ -11,8 +11,9 @@ local experts), every rank B tokens (rows per rank), J = N * B gathered rows:
 
 1. the chain, replayed as a CUDA graph: F.linear gate + route_pack into the N
    row buffers, align + gate_up + down + partials into the N partial buffers
-   (triton_ep.local_partials at triton_ep.local_config(J), and at
-   triton_moe.default_config(J) to compare), reduce_add_norm; ms, the local
+   (triton_ep.local_partials at triton_ep.local_config(J)), reduce_add_norm,
+   under each --variants setting of module knobs (bench/decode_variants.py's
+   syntax, e.g. "masked=triton_ep.PARTIALS_MASKED:True"); ms, the local
    experts' weights in GB/s, and the kernels of one eager call;
 2. --sweep: local_partials' two GEMMs alone for each block_m and candidate tile
    of bench/moe_large_batch.py (eager launches, mean of --reps), both launch
@@ -24,6 +25,7 @@ Writes ep_local_<gpu>.md / .json under --out.
 import argparse
 import json
 import pathlib
+import statistics
 import sys
 import time
 
@@ -32,6 +34,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.decode_variants import overridden, parse_variants  # noqa: E402
 from bench.kernel_profile import top_kernels  # noqa: E402
 from bench.moe_large_batch import DOWN_TILES, GATE_UP_TILES, HIDDEN, NUM_EXPERTS, TOP_K, WIDTH, time_ms  # noqa: E402
 from services.model import symm_exchange, triton_ep, triton_fused, triton_moe  # noqa: E402
@@ -46,8 +49,13 @@ def parse_args(argv=None):
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--sweep", action="store_true", help="time local_partials' GEMM tiles too")
     p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--variants", default="", help="knob settings to compare, as bench/decode_variants.py's "
+                   "(name=module.attr:value,...;...; base first)")
+    p.add_argument("--rounds", type=int, default=2, help="times each variant runs, in turn with the others")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.variants = parse_variants(args.variants)
+    return args
 
 
 class Rank:
@@ -97,25 +105,32 @@ class Rank:
         return symm_exchange.reduce_add_norm(self.own_partials_N, add_norm, 0, b)
 
 
-def chain(rank: Rank, rows_per_rank: int, reps: int) -> dict:
-    """The rank's whole layer (as Rank.step) at each config: graph ms; the kernels at the
-    default (triton_ep.local_config)."""
+def chain(rank: Rank, rows_per_rank: int, args) -> dict:
+    """The rank's whole layer (as Rank.step, at triton_ep.local_config(J)) under each variant,
+    in turn for --rounds rounds: each variant's median over the rounds of its graph ms; the
+    kernels of one eager call under base."""
     b, num_rows = rows_per_rank, rank.num_ranks * rows_per_rank
     for peer in range(1, rank.num_ranks):  # the peers' rows, once
         rank.pack(rank.tokens(b, peer), peer, b)
     x_TD = rank.tokens(b, 0)
     add_norm = AddNorm(rank.tokens(b, 99), rank.norm_D, 1e-6, triton_fused.add_rms_norm_)
-    variants = {"triton_moe.default_config(J)": triton_moe.default_config(num_rows),
-                "triton_ep.local_config(J) (the default)": triton_ep.local_config(num_rows)}
     a = triton_moe.align(triton_ep._meta(rank.gathered(b), HIDDEN)[:, :TOP_K], rank.num_local, 1, 1)
     experts_hit = int((a.counts_E > 0).sum())
     weight_bytes = experts_hit * 3 * WIDTH * HIDDEN * DTYPE.itemsize
     result = {"rows_per_rank": b, "gathered_rows": num_rows, "local_pairs": int(a.counts_E.sum()),
               "local_experts_hit": experts_hit, "variants": {}}
-    for name, config in variants.items():
-        ms = time_ms(lambda: rank.step(x_TD, add_norm, config), reps, True)
-        result["variants"][name] = {"config": repr(config), "graph_ms": ms,
+    rounds = {name: [] for name in args.variants}
+    for _ in range(args.rounds):
+        for name, overrides in args.variants.items():
+            with overridden(overrides):
+                config = triton_ep.local_config(num_rows)
+                rounds[name].append(time_ms(lambda: rank.step(x_TD, add_norm, config), args.reps, True))
+    for name, times in rounds.items():
+        ms = statistics.median(times)
+        result["variants"][name] = {"overrides": args.variants[name], "graph_ms": ms, "by_round": times,
                                     "weights_GB_per_s": weight_bytes / ms / 1e6}
+    config = triton_ep.local_config(num_rows)
+    result["config"] = repr(config)
     result["kernels"] = top_kernels(lambda: rank.step(x_TD, add_norm, config), torch.device("cuda"))
     return result
 
@@ -159,18 +174,22 @@ def markdown(result: dict) -> str:
              f"({result['env']['gpu']})", "", f"Command: `{result['command']}`", "",
              f"Environment: {json.dumps(result['env'])}", "",
              "The peers' buffers are local stand-ins: the kernels as on a rank of N GPUs, without the NVLink "
-             "writes and the two barriers. The layer replayed as a CUDA graph at each config (mean ms); GB/s: "
-             "the local experts hit, each read once.", "",
-             "| rows per rank | gathered rows | local pairs | local experts hit | config | layer ms | GB/s |",
-             "|---:|---:|---:|---:|---|---:|---:|"]
+             "writes and the two barriers. The layer (at triton_ep.local_config) replayed as a CUDA graph under "
+             "each variant's settings (mean ms of --reps replays; the median of the rounds, the variants in "
+             "turn); GB/s: the local experts hit, each read once.", "",
+             "| rows per rank | gathered rows | local pairs | local experts hit | variant | layer ms | by round "
+             "| GB/s |",
+             "|---:|---:|---:|---:|---|---:|---|---:|"]
     for row in result["rows"]:
         c = row["chain"]
         for name, v in c["variants"].items():
+            overrides = ", ".join(f"{k}={val}" for k, val in v["overrides"].items()) or "base"
             lines.append(f"| {c['rows_per_rank']} | {c['gathered_rows']} | {c['local_pairs']} | "
-                         f"{c['local_experts_hit']} | {name} | {v['graph_ms']:.4f} | {v['weights_GB_per_s']:.0f} |")
+                         f"{c['local_experts_hit']} | {name} (`{overrides}`) | {v['graph_ms']:.4f} | "
+                         f"{' / '.join(f'{t:.4f}' for t in v['by_round'])} | {v['weights_GB_per_s']:.0f} |")
     for row in result["rows"]:
         c = row["chain"]
-        lines += ["", f"## Kernels of one eager call (the default config), {c['rows_per_rank']} rows per rank", "",
+        lines += ["", f"## Kernels of one eager call (base, `{c['config']}`), {c['rows_per_rank']} rows per rank", "",
                   "| kernel | calls | us |", "|---|---:|---:|"]
         lines += [f"| `{k['name'][:90]}` | {k['calls']} | {k['total_us']:.1f} |" for k in c["kernels"]]
     if any("sweep" in row for row in result["rows"]):
@@ -195,7 +214,7 @@ def main(argv=None) -> int:
     rank = Rank(args.ranks, max(sizes))
     rows = []
     for b in sizes:
-        row = {"chain": chain(rank, b, args.reps)}
+        row = {"chain": chain(rank, b, args)}
         print(b, json.dumps(row["chain"]["variants"]), flush=True)
         if args.sweep:
             row["sweep"] = sweep(rank, b, args.reps)

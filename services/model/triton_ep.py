@@ -60,6 +60,11 @@ from services.model.moe import ExpertComm
 
 # The switch moe.MoELayer reads on CUDA with several ranks (False: moe.py's dispatch/combine).
 ENABLED = True
+# Launch settings of the small kernels (bench/ep_local.py --variants compares them).
+ROUTE_PACK_WARPS = 4
+PARTIALS_WARPS = 4
+PARTIALS_MASKED = False  # the partials' loads masked rather than branched around
+LOCAL_TILES = True  # local_config's own tiles where it has them (False: triton_moe.default_config's)
 
 
 def row_width(hidden: int, top_k: int, dtype: torch.dtype) -> int:
@@ -189,7 +194,7 @@ def route_pack(logits_TE: Tensor, x_TD: Tensor, top_k: int, norm_topk_prob: bool
             logits_TE, x_TD, send_BW, meta_BM, hit_counts_E, num_tokens=num_tokens, num_experts=num_experts,
             hidden=hidden, row_stride=send_BW.stride(0), meta_stride=meta_BM.stride(0), NORM=norm_topk_prob,
             TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(num_experts),
-            BLOCK_D=block_d, **_dest_args(x_TD, send_BW, dests))
+            BLOCK_D=block_d, num_warps=ROUTE_PACK_WARPS, **_dest_args(x_TD, send_BW, dests))
     return send_BW
 
 
@@ -200,7 +205,8 @@ def _meta(rows_JW: Tensor, hidden: int) -> Tensor:
 
 @triton.jit
 def _partials_kernel(y_ptr, meta_ptr, out_ptr, owners_ptr, first_row, rows_per_rank, hidden, meta_stride, id_offset,
-                     num_local, TOP_K: tl.constexpr, HAS_OWNERS: tl.constexpr, BLOCK_D: tl.constexpr):
+                     num_local, TOP_K: tl.constexpr, HAS_OWNERS: tl.constexpr, MASKED: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = d < hidden
@@ -208,7 +214,12 @@ def _partials_kernel(y_ptr, meta_ptr, out_ptr, owners_ptr, first_row, rows_per_r
     total = tl.zeros([BLOCK_D], tl.float32)
     for k in tl.static_range(TOP_K):  # increasing expert order, as moe.combine sums
         local = tl.load(meta_ptr + j * meta_stride + k) - id_offset
-        if (local >= 0) & (local < num_local):
+        is_local = (local >= 0) & (local < num_local)
+        if MASKED:  # no branch: every k's loads may issue at once; another rank's expert adds 0
+            weight = tl.load(meta_ptr + j * meta_stride + TOP_K + k).to(tl.float32, bitcast=True)
+            y = tl.load(y_ptr + (j * TOP_K + k) * hidden + d, mask=d_mask & is_local, other=0.0).to(tl.float32)
+            total += (y * weight.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        elif is_local:
             weight = tl.load(meta_ptr + j * meta_stride + TOP_K + k).to(tl.float32, bitcast=True)
             y = tl.load(y_ptr + (j * TOP_K + k) * hidden + d, mask=d_mask, other=0.0).to(tl.float32)
             total += (y * weight.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
@@ -235,7 +246,8 @@ def partials(y_RD: Tensor, meta_JM: Tensor, id_offset: int, num_local: int, out:
         block_d = min(triton.next_power_of_2(hidden), 1024)
         _partials_kernel[(num_rows, triton.cdiv(hidden, block_d))](
             y_RD, meta_JM, partial_JD, owners_ptr, first_row, rows_per_rank, hidden, meta_JM.stride(0), id_offset,
-            num_local, TOP_K=top_k, HAS_OWNERS=owners is not None, BLOCK_D=block_d)
+            num_local, TOP_K=top_k, HAS_OWNERS=owners is not None, MASKED=PARTIALS_MASKED, BLOCK_D=block_d,
+            num_warps=PARTIALS_WARPS)
     return partial_JD
 
 
@@ -260,7 +272,7 @@ def local_config(num_rows: int) -> triton_moe.MoEConfig:
     layer's programs a GEMM) gate_up took 102.6 against 105.4 us and down 57.8 against 59.0
     (bench/ep_local.py --sweep on an H200, bench/results/ep_local_h200.md)."""
     config = triton_moe.default_config(num_rows)
-    if 128 < num_rows <= 256:
+    if LOCAL_TILES and 128 < num_rows <= 256:
         return dataclasses.replace(config, gate_up=triton_moe.GemmBlocks(64, 256, 4, 2),
                                    down=triton_moe.GemmBlocks(128, 64, 4, 5))
     return config

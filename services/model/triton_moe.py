@@ -50,6 +50,7 @@ ENABLED = True
 EP_EXPERTS = True
 # Tokens per program of the align kernels: small, so that a decode step spreads over many SMs.
 ALIGN_TOKENS = 16
+ALIGN_WARPS = 4  # warps per program of the align kernels
 # Positions per program of the segments kernel (each compares its positions with every expert).
 SEGMENT_POSITIONS = 32
 # grouped_moe given an AddNorm (the fused layer loop) adds its output into the residual stream
@@ -205,13 +206,13 @@ def align(ids_TK: Tensor, num_experts: int, block_m: int, id_offset: int = 0,
         if chunk_counts is None:
             chunk_counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=device)
             _count_kernel[(num_chunks,)](ids_TK, chunk_counts, num_tokens, num_experts, ids_stride, id_offset,
-                                         TOP_K=top_k, BLOCK_T=ALIGN_TOKENS, BLOCK_E=block_e)
+                                         TOP_K=top_k, BLOCK_T=ALIGN_TOKENS, BLOCK_E=block_e, num_warps=ALIGN_WARPS)
         else:
             assert chunk_counts.shape == (num_chunks, num_experts) and id_offset == 0
         _place_kernel[(num_chunks,)](ids_TK, chunk_counts, sorted_ids_P, pos_R, starts_E, counts_E, ends_E,
                                      num_tokens, num_experts, num_chunks, ids_stride, id_offset, TOP_K=top_k,
-                                     BLOCK_M=block_m,
-                                     BLOCK_T=ALIGN_TOKENS, BLOCK_E=block_e, BLOCK_C=64)
+                                     BLOCK_M=block_m, BLOCK_T=ALIGN_TOKENS, BLOCK_E=block_e, BLOCK_C=64,
+                                     num_warps=ALIGN_WARPS)
     return Alignment(sorted_ids_P, pos_R, starts_E, counts_E, ends_E, block_m)
 
 

@@ -124,16 +124,26 @@ def test_packed_rows_go_to_every_destination_from_its_first_row(tep, slot_map):
         assert (buffer[:first_row] == -7).all() and (buffer[first_row + num_tokens:, :HIDDEN] == -7).all()
 
 
-def test_partials_go_to_their_owners_slot(tep):
+@pytest.mark.parametrize("masked", [False, True])
+def test_partials_go_to_their_owners_slot(tep, monkeypatch, masked):
     """Push: gathered row j's partial into rank j // B's buffer, row first_row + j % B; the same
-    values as the local partials."""
+    values as the local partials (whether the kernel branches around other ranks' experts or
+    masks their loads)."""
+    monkeypatch.setattr(tep, "PARTIALS_MASKED", masked)
     num_ranks, rows_per_rank, top_k, num_local, first_row = 2, 3, 2, 4, 3
     generator = torch.Generator().manual_seed(11)
     meta_JM = torch.cat((torch.randint(0, NUM_EXPERTS + 1, (num_ranks * rows_per_rank, top_k), dtype=torch.int32,
                                        generator=generator),
                          torch.rand(num_ranks * rows_per_rank, top_k, generator=generator).view(torch.int32)), 1)
     y_RD = torch.randn(num_ranks * rows_per_rank * top_k, HIDDEN, generator=generator)
-    expected_JD = tep.partials(y_RD, meta_JM, 5, num_local)
+    local_JK = meta_JM[:, :top_k] - 5
+    weights_JK = meta_JM[:, top_k:].view(torch.float32)
+    y_JKD = y_RD.view(-1, top_k, HIDDEN)
+    expected_JD = torch.zeros(num_ranks * rows_per_rank, HIDDEN)
+    for k in range(top_k):  # in increasing k, only this rank's experts (local ids 0 .. 3)
+        is_local_J1 = ((local_JK[:, k] >= 0) & (local_JK[:, k] < num_local))[:, None]
+        expected_JD += torch.where(is_local_J1, y_JKD[:, k] * weights_JK[:, k:k + 1], 0.0)
+    assert torch.equal(tep.partials(y_RD, meta_JM, 5, num_local), expected_JD)
     buffers = [torch.full((num_ranks * rows_per_rank, HIDDEN), float("nan")) for _ in range(num_ranks)]
     pointers = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
     tep.partials(y_RD, meta_JM, 5, num_local, owners=(pointers, first_row))
