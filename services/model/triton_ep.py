@@ -63,7 +63,7 @@ ENABLED = True
 # Launch settings of the small kernels (bench/ep_local.py --variants compares them).
 ROUTE_PACK_WARPS = 4
 PARTIALS_WARPS = 4
-PARTIALS_MASKED = False  # the partials' loads masked rather than branched around
+PARTIALS_MASKED = True  # the partials' loads masked rather than branched around (False: a branch per k)
 LOCAL_TILES = True  # local_config's own tiles where it has them (False: triton_moe.default_config's)
 
 
