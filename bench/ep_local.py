@@ -132,7 +132,35 @@ def chain(rank: Rank, rows_per_rank: int, args) -> dict:
     config = triton_ep.local_config(num_rows)
     result["config"] = repr(config)
     result["kernels"] = top_kernels(lambda: rank.step(x_TD, add_norm, config), torch.device("cuda"))
+    result["checks"] = check_push(rank, x_TD, config)
     return result
+
+
+def check_push(rank: Rank, x_TD: torch.Tensor, config: triton_moe.MoEConfig) -> dict:
+    """The push kernels on the GPU against their local forms, bit for bit: the rows route_pack
+    pushed into every stand-in against a local send buffer; each owner's slot of the pushed
+    partials against the local partials; reduce_add_norm against reduce_rows + add_rms_norm_.
+    (The NVLink writes and their order against the barriers need two GPUs: bench/ep_gpu.py.)"""
+    b = x_TD.shape[0]
+    rank.pack(x_TD, 0, b)
+    logits_TE = torch.nn.functional.linear(x_TD, rank.w_gate_ED)
+    send_BW = triton_ep.route_pack(logits_TE, x_TD, TOP_K, True, torch.zeros_like(rank.hits_E), b)
+    words = [buffer[:b].view(torch.int16) for buffer in rank.rows]
+    rows_equal = all(torch.equal(w, send_BW.view(torch.int16)) for w in words)
+    recv_JW = rank.gathered(b)
+    local_JD = triton_ep.local_partials(recv_JW, HIDDEN, TOP_K, 1, rank.w_gate_up_LGD, rank.w_down_LDF, config)
+    triton_ep.local_partials(recv_JW, HIDDEN, TOP_K, 1, rank.w_gate_up_LGD, rank.w_down_LDF, config,
+                             rank.partials[0][:rank.num_ranks * b], (rank.partial_ptrs_N, 0))
+    partials_equal = all(torch.equal(rank.partials[owner][:b], local_JD[owner * b:(owner + 1) * b])
+                         for owner in range(rank.num_ranks))
+    residual_TD = rank.tokens(b, 98)
+    fused_x_TD, unfused_x_TD = residual_TD.clone(), residual_TD.clone()
+    h_TD = symm_exchange.reduce_add_norm(rank.own_partials_N, AddNorm(fused_x_TD, rank.norm_D, 1e-6, None), 0, b)
+    summed_TD = torch.empty_like(x_TD)
+    symm_exchange.reduce_rows(rank.own_partials_N, summed_TD, 0, b)
+    unfused_h_TD = triton_fused.add_rms_norm_(unfused_x_TD, summed_TD, rank.norm_D, 1e-6)
+    return {"rows_equal": rows_equal, "partials_equal": partials_equal,
+            "add_norm_equal": torch.equal(fused_x_TD, unfused_x_TD) and torch.equal(h_TD, unfused_h_TD)}
 
 
 def sweep(rank: Rank, rows_per_rank: int, reps: int) -> dict:
@@ -192,6 +220,10 @@ def markdown(result: dict) -> str:
         lines += ["", f"## Kernels of one eager call (base, `{c['config']}`), {c['rows_per_rank']} rows per rank", "",
                   "| kernel | calls | us |", "|---|---:|---:|"]
         lines += [f"| `{k['name'][:90]}` | {k['calls']} | {k['total_us']:.1f} |" for k in c["kernels"]]
+    checks = {key: all(row["chain"]["checks"][key] for row in result["rows"])
+              for key in ("rows_equal", "partials_equal", "add_norm_equal")}
+    lines += ["", "Push kernels against their local forms, bit for bit, at every size: "
+              + ", ".join(f"{key}: {'yes' if ok else 'NO'}" for key, ok in checks.items()) + "."]
     if any("sweep" in row for row in result["rows"]):
         lines += ["", "## local_partials' GEMMs alone (eager, mean ms): the best tiles per block_m and order", "",
                   "| rows per rank | block_m, order | best gate_up (n, k, warps, stages) | best down | ms |",
