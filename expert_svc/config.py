@@ -89,6 +89,11 @@ class ExpertConfig(MemberConfig):
     # rank of the group sets it up, else NCCL, with a warning). Bigger steps
     # always take NCCL. Must be the same on every rank of a group.
     ep_exchange: str = "auto"
+    # With the symmetric exchange: each rank writes its rows and partials into its
+    # peers' buffers (push: no gather kernel, the sum reads local memory); off, each
+    # rank reads its peers' buffers (pull: one more kernel a layer). Must be the same
+    # on every rank of a group.
+    ep_exchange_push: bool = True
     # Spare expert slots per MoE layer that can hold replicas of hot experts
     # (placed by the router's scaling policy); 0 disables replicas. Must be
     # the same on every rank of a group.

@@ -6,8 +6,8 @@ back to it. Through NCCL each is a collective of its own; at decode sizes (a
 few MB) their time is mostly latency. Here each rank's two buffers (rows,
 fp32 partials) are allocated in symmetric memory
 (torch.distributed._symmetric_memory: every rank maps every peer's buffer
-into its address space, over NVLink). With PUSH (the default) each rank
-writes into its peers' buffers, and a layer is:
+into its address space, over NVLink). Each rank writes into its peers'
+buffers (push, the default), and a layer is:
 
 1. route_pack writes the rank's B packed rows into slot `rank` (rows
    rank * B ..) of every rank's row buffer, its own included (row_target);
@@ -23,17 +23,18 @@ writes into its peers' buffers, and a layer is:
    With two ranks that is one fp32 addition, which is commutative: the bits
    of NCCL's reduce_scatter followed by the cast.
 
-Without PUSH each rank writes only its own buffers and reads its peers'
-(sessions 6-8): step 1 writes the rank's own row buffer, step 2 adds a kernel
-that copies every rank's rows into a gathered tensor, step 3 keeps the
-partials local and step 4 reads the peers' slots. PUSH saves that copy, and
-its reads are local, while the writes over NVLink need no round trip.
+With push=False (the expert service's --no-ep-exchange-push) each rank writes
+only its own buffers and reads its peers' (pull, sessions 6-8): step 1 writes
+the rank's own row buffer, step 2 adds a kernel that copies every rank's rows
+into a gathered tensor, step 3 keeps the partials local and step 4 reads the
+peers' slots. Push saves that copy, and its reads are local, while the writes
+over NVLink need no round trip.
 
-One buffer of each serves every layer. With PUSH, rank s writes rank r's rows
+One buffer of each serves every layer. With push, rank s writes rank r's rows
 (step 1 of the next layer) only after the barrier of step 4, which r reaches
 after its experts have read them; and it writes r's partials (step 3 of the
 next layer) only after the next layer's barrier of step 2, which r reaches
-after its sum of step 4. Without PUSH the same two barriers keep the peers'
+after its sum of step 4. With pull the same two barriers keep the peers'
 reads ahead of the rewrites. The buffers hold `max_rows_per_rank` rows per
 rank (the decode graphs' largest bucket); bigger steps (prefill chunks) take
 NCCL. Every rank makes the same choice, since B is the same on every rank.
@@ -55,10 +56,6 @@ from torch import Tensor
 
 from services.model.layers import AddNorm
 from services.model.triton_fused import add_residual, store_rms_norm
-
-# Whether the ranks write into their peers' buffers (see the module docstring); False: each
-# reads its peers' (one more kernel a layer), kept to compare the two on two GPUs.
-PUSH = True
 
 
 @triton.jit
@@ -151,18 +148,18 @@ def _rendezvous(symm_mem, tensor: Tensor, group: dist.ProcessGroup):
 
 class SymmetricExchange:
     """The row and partial buffers of one rank in symmetric memory, for steps of at most
-    max_rows_per_rank rows per rank (see the module docstring; push: PUSH for None).
+    max_rows_per_rank rows per rank (see the module docstring: push, or pull).
 
     triton_ep.gathered_moe's protocol: route_pack into row_target(B); gathered_rows(B); the
     partials into partial_target(B); reduce."""
 
     def __init__(self, group: dist.ProcessGroup, max_rows_per_rank: int, row_width: int, hidden: int,
-                 dtype: torch.dtype, device: torch.device | str, timeout_ms: int = 0, push: bool | None = None):
+                 dtype: torch.dtype, device: torch.device | str, timeout_ms: int = 0, push: bool = True):
         import torch.distributed._symmetric_memory as symm_mem
 
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.max_rows_per_rank, self.row_width, self.hidden = max_rows_per_rank, row_width, hidden
-        self.timeout_ms, self.push = timeout_ms, PUSH if push is None else push
+        self.timeout_ms, self.push = timeout_ms, push
         num_rows = self.world_size * max_rows_per_rank
         self._rows = symm_mem.empty(num_rows if self.push else max_rows_per_rank, row_width, dtype=dtype,
                                     device=device)

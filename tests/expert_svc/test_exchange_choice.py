@@ -44,8 +44,8 @@ def _rank(ep_exchange: str):
 
 
 class Works:
-    def __init__(self, group, max_rows_per_rank, row_width, hidden, dtype, device, timeout_ms):
-        self.args = (max_rows_per_rank, row_width, hidden, timeout_ms)
+    def __init__(self, group, max_rows_per_rank, row_width, hidden, dtype, device, timeout_ms, push):
+        self.args = (max_rows_per_rank, row_width, hidden, timeout_ms, push)
 
 
 class Fails:
@@ -73,5 +73,7 @@ def test_the_ranks_agree_on_the_exchange(monkeypatch, symm_exchange, mine, other
     else:
         mc = preset("tiny")
         assert isinstance(exchange, Works)
-        # Buffers for the largest decode step, rows of the packed width, the collective timeout.
-        assert exchange.args == (256, mc.hidden_size + 8 * mc.num_experts_per_tok // 2, mc.hidden_size, 120_000)
+        # Buffers for the largest decode step, rows of the packed width, the collective timeout,
+        # each rank writing into its peers' buffers (--ep-exchange-push, the default).
+        assert exchange.args == (256, mc.hidden_size + 8 * mc.num_experts_per_tok // 2, mc.hidden_size, 120_000,
+                                 True)
