@@ -44,6 +44,7 @@ import gc
 import importlib
 import json
 import pathlib
+import re
 import shlex
 import statistics
 import sys
@@ -109,7 +110,8 @@ def parse_variants(text: str) -> dict[str, dict[str, object]]:
         if not name or name in variants:
             raise ValueError(f"variant names must be new and non-empty ('base' is taken), got {name!r} in {text!r}")
         overrides = {}
-        for pair in filter(None, (s.strip() for s in body.split(","))):
+        # a comma starts a new setting only before "module.attr:", so values may be tuples
+        for pair in filter(None, (s.strip() for s in re.split(r",(?=\s*[A-Za-z_][\w.]*\s*:)", body))):
             target, _, value = (s.strip() for s in pair.partition(":"))
             try:
                 overrides[target] = ast.literal_eval(value)

@@ -30,6 +30,7 @@ import sys
 import time
 
 import torch
+import triton
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -48,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--rows-per-rank", default="128,256", help="B: each rank's decode tokens")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--sweep", action="store_true", help="time local_partials' GEMM tiles too")
+    p.add_argument("--wide", action="store_true", help="with --sweep: every tile of WIDE_GATE_UP / WIDE_DOWN "
+                   "at block_m 32 instead")
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--variants", default="", help="knob settings to compare, as bench/decode_variants.py's "
                    "(name=module.attr:value,...;...; base first)")
@@ -163,25 +166,39 @@ def check_push(rank: Rank, x_TD: torch.Tensor, config: triton_moe.MoEConfig) -> 
             "add_norm_equal": torch.equal(fused_x_TD, unfused_x_TD) and torch.equal(h_TD, unfused_h_TD)}
 
 
-def sweep(rank: Rank, rows_per_rank: int, reps: int) -> dict:
-    """local_partials' gate_up and down alone per block_m, tile and launch order (eager ms)."""
+# --wide: every combination of these at block_m 32, each block's tiles launched first.
+WIDE_GATE_UP = [(n, k, w, st) for n in (32, 64, 128) for k in (64, 128, 256) for w in (4, 8) for st in (2, 3, 4, 5)]
+WIDE_DOWN = [(n, k, w, st) for n in (64, 128, 256) for k in (32, 64, 128) for w in (4, 8) for st in (3, 4, 5, 6)]
+
+
+def _tile_ms(fn, reps: int) -> float:
+    """time_ms, or infinity for a tile that needs more shared memory than the GPU has."""
+    try:
+        return time_ms(fn, reps, False)
+    except triton.runtime.errors.OutOfResources:
+        return float("inf")
+
+
+def sweep(rank: Rank, rows_per_rank: int, reps: int, wide: bool = False) -> dict:
+    """local_partials' gate_up and down alone per block_m, tile and launch order (eager ms); wide:
+    WIDE_GATE_UP and WIDE_DOWN at block_m 32, tiles first."""
     recv_JW = rank.gathered(rows_per_rank)
     num_rows = recv_JW.shape[0]
     ids_JK = triton_ep._meta(recv_JW, HIDDEN)[:, :TOP_K]
     x_JD = recv_JW[:, :HIDDEN]
     default = triton_moe.default_config(num_rows)
     results = {}
-    for block_m in (16, 32, 64):
+    for block_m in (32,) if wide else (16, 32, 64):
         a = triton_moe.align(ids_JK, rank.num_local, block_m, 1)
         first = triton_moe.GemmBlocks(*GATE_UP_TILES[block_m][0])
         act_PF = triton_moe.gate_up(x_JD, a, rank.w_gate_up_LGD, TOP_K, first)
-        for tiles_first in (True, False):
-            gate_up = {tile: time_ms(lambda: triton_moe.gate_up(x_JD, a, rank.w_gate_up_LGD, TOP_K,
-                                                                triton_moe.GemmBlocks(*tile), tiles_first), reps, False)
-                       for tile in GATE_UP_TILES[block_m]}
-            down = {tile: time_ms(lambda: triton_moe.down(act_PF, a, rank.w_down_LDF, ids_JK.numel(),
-                                                          triton_moe.GemmBlocks(*tile), tiles_first), reps, False)
-                    for tile in DOWN_TILES[block_m]}
+        for tiles_first in (True,) if wide else (True, False):
+            gate_up = {tile: _tile_ms(lambda: triton_moe.gate_up(x_JD, a, rank.w_gate_up_LGD, TOP_K,
+                                                                 triton_moe.GemmBlocks(*tile), tiles_first), reps)
+                       for tile in (WIDE_GATE_UP if wide else GATE_UP_TILES[block_m])}
+            down = {tile: _tile_ms(lambda: triton_moe.down(act_PF, a, rank.w_down_LDF, ids_JK.numel(),
+                                                           triton_moe.GemmBlocks(*tile), tiles_first), reps)
+                    for tile in (WIDE_DOWN if wide else DOWN_TILES[block_m])}
             best_gu, best_dn = min(gate_up, key=gate_up.get), min(down, key=down.get)
             key = f"m{block_m}_{'tiles_first' if tiles_first else 'blocks_first'}"
             results[key] = {"gate_up": {str(k): v for k, v in gate_up.items()},
@@ -249,7 +266,7 @@ def main(argv=None) -> int:
         row = {"chain": chain(rank, b, args)}
         print(b, json.dumps(row["chain"]["variants"]), flush=True)
         if args.sweep:
-            row["sweep"] = sweep(rank, b, args.reps)
+            row["sweep"] = sweep(rank, b, args.reps, args.wide)
         rows.append(row)
     gpu = torch.cuda.get_device_name()
     result = {"command": " ".join(["python3 -m bench.ep_local"] + sys.argv[1:]), "ranks": args.ranks, "rows": rows,

@@ -65,6 +65,12 @@ ROUTE_PACK_WARPS = 4
 PARTIALS_WARPS = 4
 PARTIALS_MASKED = True  # the partials' loads masked rather than branched around (False: a branch per k)
 LOCAL_TILES = True  # local_config's own tiles where it has them (False: triton_moe.default_config's)
+# local_config's tiles (block_n, block_k, warps, stages) at 129-256 gathered rows: the fastest of
+# bench/ep_local.py --sweep --wide on an H200 (72 candidates each at block_m 32; 99.1 against
+# default_config's 104.5 us for gate_up, 56.3 against 57.9 for down;
+# bench/results/ep_local_h200_s9call6_wide.md).
+LOCAL_GATE_UP = (64, 128, 4, 2)
+LOCAL_DOWN = (128, 128, 4, 3)
 
 
 def row_width(hidden: int, top_k: int, dtype: torch.dtype) -> int:
@@ -267,14 +273,13 @@ def local_partials(recv_JW: Tensor, hidden: int, top_k: int, id_offset: int, w_g
 
 def local_config(num_rows: int) -> triton_moe.MoEConfig:
     """local_partials' tiles at J gathered rows: as the one-rank layer's at J tokens over the
-    model's E = N * L experts (the same rows per expert), except where one rank's share measured
-    faster otherwise. At 129-256 rows (128 tokens per rank on two ranks: half the one-rank
-    layer's programs a GEMM) gate_up took 102.6 against 105.4 us and down 57.8 against 59.0
-    (bench/ep_local.py --sweep on an H200, bench/results/ep_local_h200.md)."""
+    model's E = N * L experts (the same rows per expert), except at 129-256 rows (128 tokens per
+    rank on two ranks), where the GEMMs have half the one-rank layer's programs: LOCAL_GATE_UP
+    and LOCAL_DOWN there, with LOCAL_TILES."""
     config = triton_moe.default_config(num_rows)
     if LOCAL_TILES and 128 < num_rows <= 256:
-        return dataclasses.replace(config, gate_up=triton_moe.GemmBlocks(64, 256, 4, 2),
-                                   down=triton_moe.GemmBlocks(128, 64, 4, 5))
+        return dataclasses.replace(config, gate_up=triton_moe.GemmBlocks(*LOCAL_GATE_UP),
+                                   down=triton_moe.GemmBlocks(*LOCAL_DOWN))
     return config
 
 
