@@ -15,7 +15,7 @@
 #     si4    n2's c512 again with the gateway's --stream-interval 4
 #     symm   n2 again with the experts' --ep-exchange symmetric (services/model/symm_exchange.py)
 #     nccl   n2 again with the experts' --ep-exchange nccl
-#     pull   n2 again with the experts' --no-ep-exchange-push (each rank reads its peers' buffers)
+#     push   n2 again with the experts' --ep-exchange-push (each rank writes into its peers' buffers)
 #     ep     bench/ep_gpu.py (the N=2 MoE layer: dispatch/combine against gather/reduce-scatter)
 #     local  bench/ep_local.py --sweep on ONE GPU: one rank's kernels of the N=2 layer, its GEMM tiles
 #     moe    bench/moe_large_batch.py --sweep at decode and prefill sizes (the MoE GEMM tiles)
@@ -86,7 +86,7 @@ for step in $STEPS; do
                 --gateway-arg=--stream-interval --gateway-arg=4 ${N2_ARGS:-} --out "$RESULTS/si4" ;;
         symm) two_ranks symm --expert-arg=--ep-exchange --expert-arg=symmetric ;;
         nccl) two_ranks nccl --expert-arg=--ep-exchange --expert-arg=nccl ;;
-        pull) two_ranks pull --expert-arg=--no-ep-exchange-push ;;
+        push) two_ranks push --expert-arg=--ep-exchange-push ;;
         ep) part ep 180 python3 bench/ep_gpu.py --batch-sizes 1,32,128,256 --profile-batch 128 --out "$RESULTS/ep" ;;
         local) part local 300 python3 -m bench.ep_local --rows-per-rank "${LOCAL_ROWS:-64,128,256}" --sweep \
                 --out "$RESULTS/local" ;;

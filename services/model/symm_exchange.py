@@ -6,8 +6,8 @@ back to it. Through NCCL each is a collective of its own; at decode sizes (a
 few MB) their time is mostly latency. Here each rank's two buffers (rows,
 fp32 partials) are allocated in symmetric memory
 (torch.distributed._symmetric_memory: every rank maps every peer's buffer
-into its address space, over NVLink). Each rank writes into its peers'
-buffers (push, the default), and a layer is:
+into its address space, over NVLink). With push (the expert service's
+--ep-exchange-push) each rank writes into its peers' buffers, and a layer is:
 
 1. route_pack writes the rank's B packed rows into slot `rank` (rows
    rank * B ..) of every rank's row buffer, its own included (row_target);
@@ -23,8 +23,8 @@ buffers (push, the default), and a layer is:
    With two ranks that is one fp32 addition, which is commutative: the bits
    of NCCL's reduce_scatter followed by the cast.
 
-With push=False (the expert service's --no-ep-exchange-push) each rank writes
-only its own buffers and reads its peers' (pull, sessions 6-8): step 1 writes
+Without push (pull, the default: the exchange measured on two H200s in
+sessions 7-8) each rank writes only its own buffers and reads its peers': step 1 writes
 the rank's own row buffer, step 2 adds a kernel that copies every rank's rows
 into a gathered tensor, step 3 keeps the partials local and step 4 reads the
 peers' slots. Push saves that copy, and its reads are local, while the writes
@@ -154,7 +154,7 @@ class SymmetricExchange:
     partials into partial_target(B); reduce."""
 
     def __init__(self, group: dist.ProcessGroup, max_rows_per_rank: int, row_width: int, hidden: int,
-                 dtype: torch.dtype, device: torch.device | str, timeout_ms: int = 0, push: bool = True):
+                 dtype: torch.dtype, device: torch.device | str, timeout_ms: int = 0, push: bool = False):
         import torch.distributed._symmetric_memory as symm_mem
 
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)

@@ -33,10 +33,11 @@ reads back to the host.
 With comm.exchange set (services/model/symm_exchange.py, the expert service's
 --ep-exchange, symmetric memory on CUDA by default), the decode steps that fit
 its buffers exchange over NVLink instead of two NCCL collectives: route_pack
-writes the rows straight into every rank's gathered rows, the partials go
-straight to their owners, and the exchange's sum comes back in the model dtype,
-with the residual add and the next layer's RMSNorm fused where the layer loop
-hands them over (add_norm).
+writes into the exchange's row target (with push, straight into every rank's
+gathered rows), the partials into its partial target (with push, straight to
+their owners), and the exchange's sum comes back in the model dtype, with the
+residual add and the next layer's RMSNorm fused where the layer loop hands them
+over (add_norm).
 
 Rounding: as moe.py's fixed-capacity mode (each rank sums its own experts'
 products, the partials are summed in fp32, rounded once). The fp32 sum over

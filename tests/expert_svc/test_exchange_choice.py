@@ -74,6 +74,6 @@ def test_the_ranks_agree_on_the_exchange(monkeypatch, symm_exchange, mine, other
         mc = preset("tiny")
         assert isinstance(exchange, Works)
         # Buffers for the largest decode step, rows of the packed width, the collective timeout,
-        # each rank writing into its peers' buffers (--ep-exchange-push, the default).
+        # each rank reading its peers' buffers (pull: --ep-exchange-push is off by default).
         assert exchange.args == (256, mc.hidden_size + 8 * mc.num_experts_per_tok // 2, mc.hidden_size, 120_000,
-                                 True)
+                                 False)
