@@ -30,14 +30,14 @@ import sys
 import time
 
 import torch
-import triton
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.decode_variants import overridden, parse_variants  # noqa: E402
 from bench.kernel_profile import top_kernels  # noqa: E402
-from bench.moe_large_batch import DOWN_TILES, GATE_UP_TILES, HIDDEN, NUM_EXPERTS, TOP_K, WIDTH, time_ms  # noqa: E402
+from bench.moe_large_batch import (  # noqa: E402
+    DOWN_TILES, GATE_UP_TILES, HIDDEN, NUM_EXPERTS, TOP_K, WIDTH, tile_ms, time_ms)
 from services.model import symm_exchange, triton_ep, triton_fused, triton_moe  # noqa: E402
 from services.model.layers import AddNorm  # noqa: E402
 
@@ -171,14 +171,6 @@ WIDE_GATE_UP = [(n, k, w, st) for n in (32, 64, 128) for k in (64, 128, 256) for
 WIDE_DOWN = [(n, k, w, st) for n in (64, 128, 256) for k in (32, 64, 128) for w in (4, 8) for st in (3, 4, 5, 6)]
 
 
-def _tile_ms(fn, reps: int) -> float:
-    """time_ms, or infinity for a tile that needs more shared memory than the GPU has."""
-    try:
-        return time_ms(fn, reps, False)
-    except triton.runtime.errors.OutOfResources:
-        return float("inf")
-
-
 def sweep(rank: Rank, rows_per_rank: int, reps: int, wide: bool = False) -> dict:
     """local_partials' gate_up and down alone per block_m, tile and launch order (eager ms); wide:
     WIDE_GATE_UP and WIDE_DOWN at block_m 32, tiles first."""
@@ -193,11 +185,11 @@ def sweep(rank: Rank, rows_per_rank: int, reps: int, wide: bool = False) -> dict
         first = triton_moe.GemmBlocks(*GATE_UP_TILES[block_m][0])
         act_PF = triton_moe.gate_up(x_JD, a, rank.w_gate_up_LGD, TOP_K, first)
         for tiles_first in (True,) if wide else (True, False):
-            gate_up = {tile: _tile_ms(lambda: triton_moe.gate_up(x_JD, a, rank.w_gate_up_LGD, TOP_K,
-                                                                 triton_moe.GemmBlocks(*tile), tiles_first), reps)
+            gate_up = {tile: tile_ms(lambda: triton_moe.gate_up(x_JD, a, rank.w_gate_up_LGD, TOP_K,
+                                                                triton_moe.GemmBlocks(*tile), tiles_first), reps)
                        for tile in (WIDE_GATE_UP if wide else GATE_UP_TILES[block_m])}
-            down = {tile: _tile_ms(lambda: triton_moe.down(act_PF, a, rank.w_down_LDF, ids_JK.numel(),
-                                                           triton_moe.GemmBlocks(*tile), tiles_first), reps)
+            down = {tile: tile_ms(lambda: triton_moe.down(act_PF, a, rank.w_down_LDF, ids_JK.numel(),
+                                                          triton_moe.GemmBlocks(*tile), tiles_first), reps)
                     for tile in (WIDE_DOWN if wide else DOWN_TILES[block_m])}
             best_gu, best_dn = min(gate_up, key=gate_up.get), min(down, key=down.get)
             key = f"m{block_m}_{'tiles_first' if tiles_first else 'blocks_first'}"

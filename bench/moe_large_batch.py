@@ -129,11 +129,11 @@ def sweep(layer: MoELayer, x_TD: torch.Tensor, reps: int) -> dict:
     for block_m in ((16, 32, 64) if num_tokens <= 512 else (64, 128)):
         a = triton_moe.align(ids_TK, NUM_EXPERTS, block_m)
         act_PF = triton_moe.gate_up(x_TD, a, layer.w_gate_up_LGD, TOP_K, triton_moe.GemmBlocks(*GATE_UP_TILES[block_m][0]))
-        gate_up = {tile: _tile_ms(lambda: triton_moe.gate_up(x_TD, a, layer.w_gate_up_LGD, TOP_K,
-                                                             triton_moe.GemmBlocks(*tile)), reps)
+        gate_up = {tile: tile_ms(lambda: triton_moe.gate_up(x_TD, a, layer.w_gate_up_LGD, TOP_K,
+                                                            triton_moe.GemmBlocks(*tile)), reps)
                    for tile in GATE_UP_TILES[block_m]}
-        down = {tile: _tile_ms(lambda: triton_moe.down(act_PF, a, layer.w_down_LDF, ids_TK.numel(),
-                                                       triton_moe.GemmBlocks(*tile)), reps)
+        down = {tile: tile_ms(lambda: triton_moe.down(act_PF, a, layer.w_down_LDF, ids_TK.numel(),
+                                                      triton_moe.GemmBlocks(*tile)), reps)
                 for tile in DOWN_TILES[block_m]}
         best_gu, best_dn = min(gate_up, key=gate_up.get), min(down, key=down.get)
         best[block_m] = {"gate_up": {str(k): v for k, v in gate_up.items()}, "down": {str(k): v for k, v in down.items()},
@@ -141,7 +141,7 @@ def sweep(layer: MoELayer, x_TD: torch.Tensor, reps: int) -> dict:
     return best
 
 
-def _tile_ms(fn, reps: int) -> float:
+def tile_ms(fn, reps: int) -> float:
     """time_ms, or infinity for a tile that needs more shared memory than the GPU has."""
     try:
         return time_ms(fn, reps, False)
