@@ -13,7 +13,7 @@ local experts), every rank B tokens (rows per rank), J = N * B gathered rows:
    row buffers, align + gate_up + down + partials into the N partial buffers
    (triton_ep.local_partials at triton_ep.local_config(J)), reduce_add_norm,
    under each --variants setting of module knobs (bench/decode_variants.py's
-   syntax, e.g. "masked=triton_ep.PARTIALS_MASKED:True"); ms, the local
+   syntax, e.g. "warps=triton_ep.PARTIALS_WARPS:8"); ms, the local
    experts' weights in GB/s, and the kernels of one eager call;
 2. --sweep: local_partials' two GEMMs alone for each block_m and candidate tile
    of bench/moe_large_batch.py (eager launches, mean of --reps), both launch

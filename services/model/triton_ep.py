@@ -61,10 +61,9 @@ from services.model.moe import ExpertComm
 
 # The switch moe.MoELayer reads on CUDA with several ranks (False: moe.py's dispatch/combine).
 ENABLED = True
-# Launch settings of the small kernels (bench/ep_local.py --variants compares them).
+# Warps of the small kernels: 1, 2 or 8 were no faster (bench/results/ep_local_h200_s9call4_variants.md).
 ROUTE_PACK_WARPS = 4
 PARTIALS_WARPS = 4
-PARTIALS_MASKED = True  # the partials' loads masked rather than branched around (False: a branch per k)
 LOCAL_TILES = True  # local_config's own tiles where it has them (False: triton_moe.default_config's)
 # local_config's tiles (block_n, block_k, warps, stages) at 129-256 gathered rows: the fastest of
 # bench/ep_local.py --sweep --wide on an H200 (72 candidates each at block_m 32; 99.1 against
@@ -212,8 +211,7 @@ def _meta(rows_JW: Tensor, hidden: int) -> Tensor:
 
 @triton.jit
 def _partials_kernel(y_ptr, meta_ptr, out_ptr, owners_ptr, first_row, rows_per_rank, hidden, meta_stride, id_offset,
-                     num_local, TOP_K: tl.constexpr, HAS_OWNERS: tl.constexpr, MASKED: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
+                     num_local, TOP_K: tl.constexpr, HAS_OWNERS: tl.constexpr, BLOCK_D: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = d < hidden
@@ -222,14 +220,12 @@ def _partials_kernel(y_ptr, meta_ptr, out_ptr, owners_ptr, first_row, rows_per_r
     for k in tl.static_range(TOP_K):  # increasing expert order, as moe.combine sums
         local = tl.load(meta_ptr + j * meta_stride + k) - id_offset
         is_local = (local >= 0) & (local < num_local)
-        if MASKED:  # no branch: every k's loads may issue at once; another rank's expert adds 0
-            weight = tl.load(meta_ptr + j * meta_stride + TOP_K + k).to(tl.float32, bitcast=True)
-            y = tl.load(y_ptr + (j * TOP_K + k) * hidden + d, mask=d_mask & is_local, other=0.0).to(tl.float32)
-            total += (y * weight.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        elif is_local:
-            weight = tl.load(meta_ptr + j * meta_stride + TOP_K + k).to(tl.float32, bitcast=True)
-            y = tl.load(y_ptr + (j * TOP_K + k) * hidden + d, mask=d_mask, other=0.0).to(tl.float32)
-            total += (y * weight.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        # Masked rather than branched around (every k's loads may issue at once): another
+        # rank's expert adds 0. One rank's N=2 layer took 0.1835 against 0.1854 ms at 128
+        # tokens per rank (bench/results/ep_local_h200_s9call4_variants.md).
+        weight = tl.load(meta_ptr + j * meta_stride + TOP_K + k).to(tl.float32, bitcast=True)
+        y = tl.load(y_ptr + (j * TOP_K + k) * hidden + d, mask=d_mask & is_local, other=0.0).to(tl.float32)
+        total += (y * weight.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     out = out_ptr + j * hidden
     if HAS_OWNERS:  # row j's owner, rank j // B, at row first_row + j % B of its buffer
         out = tl.load(owners_ptr + j // rows_per_rank).to(out_ptr.dtype) + (first_row + j % rows_per_rank) * hidden
@@ -253,7 +249,7 @@ def partials(y_RD: Tensor, meta_JM: Tensor, id_offset: int, num_local: int, out:
         block_d = min(triton.next_power_of_2(hidden), 1024)
         _partials_kernel[(num_rows, triton.cdiv(hidden, block_d))](
             y_RD, meta_JM, partial_JD, owners_ptr, first_row, rows_per_rank, hidden, meta_JM.stride(0), id_offset,
-            num_local, TOP_K=top_k, HAS_OWNERS=owners is not None, MASKED=PARTIALS_MASKED, BLOCK_D=block_d,
+            num_local, TOP_K=top_k, HAS_OWNERS=owners is not None, BLOCK_D=block_d,
             num_warps=PARTIALS_WARPS)
     return partial_JD
 

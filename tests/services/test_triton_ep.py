@@ -124,12 +124,10 @@ def test_packed_rows_go_to_every_destination_from_its_first_row(tep, slot_map):
         assert (buffer[:first_row] == -7).all() and (buffer[first_row + num_tokens:, :HIDDEN] == -7).all()
 
 
-@pytest.mark.parametrize("masked", [False, True])
-def test_partials_go_to_their_owners_slot(tep, monkeypatch, masked):
-    """Push: gathered row j's partial into rank j // B's buffer, row first_row + j % B; the same
-    values as the local partials (whether the kernel branches around other ranks' experts or
-    masks their loads)."""
-    monkeypatch.setattr(tep, "PARTIALS_MASKED", masked)
+def test_partials_go_to_their_owners_slot(tep):
+    """Each gathered row's local experts' weighted outputs summed in increasing k (the other
+    ranks' experts add nothing); pushed: row j's partial into rank j // B's buffer, row
+    first_row + j % B."""
     num_ranks, rows_per_rank, top_k, num_local, first_row = 2, 3, 2, 4, 3
     generator = torch.Generator().manual_seed(11)
     meta_JM = torch.cat((torch.randint(0, NUM_EXPERTS + 1, (num_ranks * rows_per_rank, top_k), dtype=torch.int32,
