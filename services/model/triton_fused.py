@@ -342,64 +342,15 @@ class GemvTiles:
 # [N, D] weights' fastest: q|k|v 6.8 against cuBLAS's 7.7, o 6.3 against 8.5 (split-K + reduce), the
 # gate logits 2.0 against 4.7 (as PDL launches: 6.4, 5.9, 1.2).
 GEMV_TILES = GemvTiles(block_n=4, block_k=512, stages=3, warps=4)
-# linear takes skinny_linear for steps of 2 up to this many tokens (0: F.linear, e.g. to compare).
-SKINNY_MAX_TOKENS = 0
-SKINNY_TILES = (32, 128, 4, 4)  # (block_n, block_k, stages, warps)
-SKINNY_TILES_BY_SHAPE: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 GEMV_TILES_BY_SHAPE = {(5120, 2048): GemvTiles(block_n=8, block_k=512, stages=3, warps=4),
                        (2048, 4096): GemvTiles(block_n=8, block_k=512, stages=5, warps=4),
                        (128, 2048): GemvTiles(block_n=4, block_k=1024, stages=2, warps=4)}
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class SkinnyTiles:
-    """Launch shape of skinny_linear: every row of x in one block (block_m >= M)."""
-
-    block_n: int  # output columns per program
-    block_k: int
-    stages: int
-    warps: int
-
-
-@triton.jit
-def _skinny_linear_kernel(x_ptr, w_ptr, y_ptr, num_rows, in_features, out_features, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, BLOCK_M)
-    n_mask, m_mask = n < out_features, m < num_rows
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in tl.range(0, in_features, BLOCK_K, num_stages=NUM_STAGES):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < in_features
-        x = tl.load(x_ptr + m[:, None] * in_features + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptr + n[None, :] * in_features + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(x, w, acc)
-    tl.store(y_ptr + m[:, None] * out_features + n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
-
-
-def skinny_linear(x_TD: Tensor, w_ND: Tensor, tiles: SkinnyTiles) -> Tensor:
-    """F.linear(x_TD, w_ND) for a few rows (T <= 256): one program per tiles.block_n output
-    columns over every row, so each weight is read once, streamed at the copy rate; fp32 sums
-    rounded once to x's dtype."""
-    (num_rows, in_features), out_features = x_TD.shape, w_ND.shape[0]
-    assert x_TD.is_contiguous() and w_ND.is_contiguous() and w_ND.shape[1] == in_features
-    y_TN = x_TD.new_empty(num_rows, out_features)
-    block_m = max(16, triton.next_power_of_2(num_rows))
-    _skinny_linear_kernel[(triton.cdiv(out_features, tiles.block_n),)](
-        x_TD, w_ND, y_TN, num_rows, in_features, out_features, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, NUM_STAGES=tiles.stages, num_warps=tiles.warps)
-    return y_TN
-
-
 def linear(x_TD: Tensor, w_ND: Tensor) -> Tensor:
-    """F.linear(x_TD, w_ND); gemv for single-token steps, skinny_linear for up to
-    SKINNY_MAX_TOKENS tokens."""
+    """F.linear(x_TD, w_ND); gemv for single-token steps."""
     if SINGLE_TOKEN_KERNELS and x_TD.shape[0] == 1:
         return gemv(x_TD, w_ND, GEMV_TILES_BY_SHAPE.get(tuple(w_ND.shape), GEMV_TILES))
-    if 1 < x_TD.shape[0] <= SKINNY_MAX_TOKENS:
-        tiles = SkinnyTiles(*SKINNY_TILES_BY_SHAPE.get(tuple(w_ND.shape), SKINNY_TILES))
-        return skinny_linear(x_TD.contiguous(), w_ND, tiles)
     return torch.nn.functional.linear(x_TD, w_ND)
 
 

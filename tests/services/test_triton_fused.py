@@ -395,24 +395,3 @@ def test_op_count_cpu(tmp_path):
     counts = json.loads((tmp_path / "op_count_cpu.json").read_text())["cpu_eager"]
     assert counts["layers"] == 4 and counts["ops_per_step"] == 4 * counts["ops_per_layer"]
     assert 50 < counts["ops_per_layer"] < 500 and counts["top"]["aten::linear"] >= 4
-
-
-@pytest.mark.parametrize("num_rows", [2, 5, 17])
-def test_skinny_linear_matches_f_linear(fused, num_rows):
-    """Every row in one block (17: padded to 32), 40 outputs in blocks of 16 (the last partial),
-    72 inputs in steps of 32 (the last partial)."""
-    x, w = _randn(num_rows, 72, seed=40), _randn(40, 72, seed=41)
-    y = fused.skinny_linear(x, w, fused.SkinnyTiles(16, 32, 2, 4))
-    torch.testing.assert_close(y, torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)
-
-
-def test_linear_takes_skinny_linear_up_to_its_token_limit(fused, monkeypatch):
-    """2..SKINNY_MAX_TOKENS tokens: skinny_linear with the weight shape's tiles; more: F.linear."""
-    calls = []
-    monkeypatch.setattr(fused, "SKINNY_MAX_TOKENS", 4)
-    monkeypatch.setattr(fused, "SKINNY_TILES_BY_SHAPE", {(40, 72): (16, 32, 2, 4)})
-    monkeypatch.setattr(fused, "skinny_linear", lambda x, w, tiles: calls.append((x.shape[0], tiles)) or x @ w.T)
-    w = _randn(40, 72, seed=42)
-    for num_rows in (2, 4, 5):
-        fused.linear(_randn(num_rows, 72, seed=num_rows), w)
-    assert calls == [(2, fused.SkinnyTiles(16, 32, 2, 4)), (4, fused.SkinnyTiles(16, 32, 2, 4))]
