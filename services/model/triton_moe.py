@@ -51,9 +51,6 @@ EP_EXPERTS = True
 # Tokens per program of the align kernels: small, so that a decode step spreads over many SMs.
 ALIGN_TOKENS = 16
 ALIGN_WARPS = 4  # warps per program of the align kernels
-# align without routing counts, up to this many chunks: each place program counts every chunk
-# from the ids itself (no count kernel; 0: the count kernel always, e.g. to compare).
-ALIGN_SCAN_MAX_CHUNKS = 0
 # Positions per program of the segments kernel (each compares its positions with every expert).
 SEGMENT_POSITIONS = 32
 # grouped_moe given an AddNorm (the fused layer loop) adds its output into the residual stream
@@ -137,26 +134,18 @@ def _count_kernel(ids_ptr, chunk_counts_ptr, num_tokens, num_experts, ids_stride
 @triton.jit
 def _place_kernel(ids_ptr, chunk_counts_ptr, sorted_ids_ptr, pos_ptr, starts_ptr, counts_ptr, ends_ptr,
                   num_tokens, num_experts, num_chunks, ids_stride, id_offset, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, SCAN: tl.constexpr):
+                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr):
     chunk = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     e_mask = e < num_experts
     total = tl.zeros([BLOCK_E], tl.int32)
     before = tl.zeros([BLOCK_E], tl.int32)  # rows of earlier chunks, per expert
-    if SCAN:  # every chunk's rows per expert counted here from the ids: no count kernel
-        for c in range(0, num_chunks):
-            tc = c * BLOCK_T + tl.arange(0, BLOCK_T)
-            counts_c = tl.sum(_expert_members(ids_ptr, tc, tc < num_tokens, e, ids_stride, id_offset, num_experts,
-                                              TOP_K, BLOCK_T, BLOCK_E), 0)
-            total += counts_c
-            before += tl.where(c < chunk, counts_c, 0)
-    else:
-        for c0 in range(0, num_chunks, BLOCK_C):
-            c = c0 + tl.arange(0, BLOCK_C)
-            counts = tl.load(chunk_counts_ptr + c[:, None] * num_experts + e[None, :],
-                             mask=(c < num_chunks)[:, None] & e_mask[None, :], other=0)
-            total += tl.sum(counts, 0)
-            before += tl.sum(tl.where((c < chunk)[:, None], counts, 0), 0)
+    for c0 in range(0, num_chunks, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        counts = tl.load(chunk_counts_ptr + c[:, None] * num_experts + e[None, :],
+                         mask=(c < num_chunks)[:, None] & e_mask[None, :], other=0)
+        total += tl.sum(counts, 0)
+        before += tl.sum(tl.where((c < chunk)[:, None], counts, 0), 0)
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
     starts = ends - padded
@@ -214,10 +203,7 @@ def align(ids_TK: Tensor, num_experts: int, block_m: int, id_offset: int = 0,
         num_chunks = triton.cdiv(num_tokens, ALIGN_TOKENS)
         block_e = triton.next_power_of_2(num_experts)
         ids_stride = ids_TK.stride(0)
-        scan = chunk_counts is None and num_chunks <= ALIGN_SCAN_MAX_CHUNKS
-        if scan:
-            chunk_counts = sorted_ids_P  # unread
-        elif chunk_counts is None:
+        if chunk_counts is None:
             chunk_counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=device)
             _count_kernel[(num_chunks,)](ids_TK, chunk_counts, num_tokens, num_experts, ids_stride, id_offset,
                                          TOP_K=top_k, BLOCK_T=ALIGN_TOKENS, BLOCK_E=block_e, num_warps=ALIGN_WARPS)
@@ -225,7 +211,7 @@ def align(ids_TK: Tensor, num_experts: int, block_m: int, id_offset: int = 0,
             assert chunk_counts.shape == (num_chunks, num_experts) and id_offset == 0
         _place_kernel[(num_chunks,)](ids_TK, chunk_counts, sorted_ids_P, pos_R, starts_E, counts_E, ends_E,
                                      num_tokens, num_experts, num_chunks, ids_stride, id_offset, TOP_K=top_k,
-                                     BLOCK_M=block_m, BLOCK_T=ALIGN_TOKENS, BLOCK_E=block_e, BLOCK_C=64, SCAN=scan,
+                                     BLOCK_M=block_m, BLOCK_T=ALIGN_TOKENS, BLOCK_E=block_e, BLOCK_C=64,
                                      num_warps=ALIGN_WARPS)
     return Alignment(sorted_ids_P, pos_R, starts_E, counts_E, ends_E, block_m)
 

@@ -36,13 +36,10 @@ def _routed_ids(num_tokens: int, num_experts: int, top_k: int, seed: int) -> tor
 
 @pytest.mark.parametrize("num_tokens", [0, 1, 5, 130, 1100])
 @pytest.mark.parametrize("block_m", [1, 16])
-@pytest.mark.parametrize("scan", [False, True])
-def test_align_groups_rows_by_expert(tmoe, monkeypatch, num_tokens, block_m, scan):
+def test_align_groups_rows_by_expert(tmoe, num_tokens, block_m):
     """Segments padded to block_m in expert order, rows in increasing r within one (130 tokens:
     several align chunks; 1100: more chunks than the place kernel reads at once), and pos_R the
-    inverse of sorted_ids_P; the chunks counted by the count kernel, or (scan, up to 10 chunks)
-    by each place program from the ids."""
-    monkeypatch.setattr(tmoe, "ALIGN_SCAN_MAX_CHUNKS", 10 if scan else 0)
+    inverse of sorted_ids_P."""
     num_experts, top_k = 12, 3
     ids_TK = _routed_ids(num_tokens, num_experts, top_k, seed=num_tokens)
     a = tmoe.align(ids_TK, num_experts, block_m)
