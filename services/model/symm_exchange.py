@@ -24,11 +24,12 @@ into its address space, over NVLink). With push (the expert service's
    of NCCL's reduce_scatter followed by the cast.
 
 Without push (pull, the default: the exchange measured on two H200s in
-sessions 7-8) each rank writes only its own buffers and reads its peers': step 1 writes
-the rank's own row buffer, step 2 adds a kernel that copies every rank's rows
-into a gathered tensor, step 3 keeps the partials local and step 4 reads the
-peers' slots. Push saves that copy, and its reads are local, while the writes
-over NVLink need no round trip.
+sessions 7-8) each rank writes only its own buffers and reads its peers':
+step 1 writes the rank's own row buffer, step 2 adds a kernel that copies
+every rank's rows into a gathered tensor, step 3 keeps the partials local and
+step 4 reads the peers' slots. Push saves that copy, and its reads are local,
+while the writes over NVLink need no round trip; it is not yet measured on
+two GPUs (bench/ep_gpu.py compares both with NCCL).
 
 One buffer of each serves every layer. With push, rank s writes rank r's rows
 (step 1 of the next layer) only after the barrier of step 4, which r reaches
