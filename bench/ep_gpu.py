@@ -301,8 +301,10 @@ LAYER_EXPERTS, LAYER_WIDTH, LAYER_TOP_K = 128, 768, 8
 def time_moe_layer(rank: int, settings: Settings, device) -> list[dict]:
     """CUDA: one whole MoE layer of Qwen3-30B-A3B's shape (128 experts, 64 per rank) replayed as a
     CUDA graph per batch size, through moe.py's dispatch / sorted_experts / combine and through
-    triton_ep's gather / reduce-scatter; each output's largest difference from the one-rank
-    layer holding every expert (triton_moe.grouped_moe on the same tokens)."""
+    triton_ep's gather / reduce-scatter (NCCL, and symmetric memory pull and push), alone and
+    handed the layer loop's residual add and next norm; each output's largest difference from
+    the one-rank layer holding every expert (triton_moe.grouped_moe on the same tokens), the
+    exchanges' bits against NCCL's, and the fused add and norm's against add_rms_norm_ after."""
     from services.model import triton_ep, triton_fused
     from services.model.symm_exchange import SymmetricExchange
 
@@ -375,6 +377,8 @@ def time_moe_layer(rank: int, settings: Settings, device) -> list[dict]:
 NCCL_MODE = "gather + reduce-scatter (triton_ep)"
 PULL_MODE = "gather + reduce-scatter over symmetric memory, each rank reading its peers' buffers (pull)"
 PUSH_MODE = "gather + reduce-scatter over symmetric memory, each rank writing into its peers' buffers (push)"
+
+
 def _time(run, settings: Settings, device, mark, elapsed) -> tuple[list[float], list[float], torch.Tensor]:
     """ms from start to the middle mark and to the end, per iteration, after a warm-up;
     and the last iteration's output."""
