@@ -3,6 +3,7 @@
     python -m bench.decode_variants --out DIR [--preset qwen3-30b-a3b] [--layers 48]
         [--batch-sizes 256,128,1] [--context 1024:2048] [--steps 30] [--profile]
         [--variants "name=module.attr:value,module.attr:value;name2=..."]
+        [--ranks 2 [--exchanges pull,push,collectives] [--baseline ONE_RANK_DIR/decode_variants.json]]
 
 Lent machines differ by about 6%, so variants are only comparable within one
 run: this builds the serving model once (bench/decode_graph_check.py's build:
@@ -31,6 +32,22 @@ variant then, under its settings (restored after, whatever happens):
 A variant that raises (a setting that does not compile or capture) gets an error
 row and the run goes on; base raising ends it.
 
+--ranks N (expert parallelism, issue 8's N=2): N processes, one GPU each, rank r
+holding experts r * E / N .. as an expert service does (random weights drawn
+per expert: the same model as one rank's), the ranks in one process group
+(NCCL; gloo on the CPU). --batch-sizes are then totals: each rank decodes its
+share of one draw of contexts (the same contexts one rank gets), so a row's
+step makes as many tokens as the one-rank row of its batch, and --baseline (a
+one-rank run's decode_variants.json) gives each row its one-rank base step
+over its own: the speed-up over one GPU of the graph-replayed step. On CUDA
+each variant runs under each of --exchanges: pull and push, symm_exchange's
+symmetric-memory exchange (the expert service's --ep-exchange, with and
+without --ep-exchange-push), collectives its NCCL all_gather and
+reduce_scatter. A row's times are its slower rank's; the logit comparison the
+worst rank's (argmax agreement their mean); --profile gives every rank's
+kernels. A variant that raises ends a run of several ranks (the others would
+wait in a collective).
+
 --device cpu is a smoke test: torch attention, no fused kernels, graphs replaced
 by eager re-runs (timed by the host clock), so every variant computes what base does.
 Writes decode_variants.json and .md to --out.
@@ -40,18 +57,21 @@ import argparse
 import ast
 import contextlib
 import dataclasses
+import datetime
 import gc
 import importlib
 import json
 import pathlib
 import re
 import shlex
+import socket
 import statistics
 import sys
 import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from bench import kernel_profile
 from bench.decode_graph_check import build
@@ -59,7 +79,9 @@ from expert_svc.graph_runner import DecodeGraphRunner, cuda_capture
 from expert_svc.runner import NewSequence, ScheduledSequence, StepPlan, StepRunner
 from services.kv_pool import KVPool, kv_cache_dtype
 from services.model.batch import SeqInput, build_forward_batch
-from services.model.random_weights import preset
+from services.model.moe import ExpertComm, gathers_on, local_expert_ids
+from services.model.qwen3_moe import Qwen3MoeModel
+from services.model.random_weights import RandomWeights, preset
 from services.model.sampling import SamplingSpec
 
 BLOCK_SIZE = 16
@@ -67,6 +89,8 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the serving default (cuda_graph_
 WARMUP_STEPS = 3
 TOP_KERNELS = 20
 MODULE_PACKAGES = ("services.model", "expert_svc")
+# --exchanges of a run of several ranks: symm_exchange's two modes, or NCCL's collectives.
+EXCHANGES = ("pull", "push", "collectives")
 
 
 def parse_args(argv=None):
@@ -84,9 +108,45 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-dtype", default="auto", help="the KV pool's type: auto (bf16) or fp8_e4m3")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--ranks", type=int, default=1, help="expert-parallel ranks, one GPU each (--batch-sizes "
+                   "are then totals over them)")
+    p.add_argument("--exchanges", default="", help=f"with --ranks > 1: comma list of {', '.join(EXCHANGES)} "
+                   "(default: pull on CUDA, the expert service's; collectives on the CPU)")
+    p.add_argument("--baseline", default="", help="a one-rank run's decode_variants.json at the same batch "
+                   "sizes: each row's speed-up over its base step")
     args = p.parse_args(argv)
     args.attention = "triton" if args.device == "cuda" else "torch"
     return args
+
+
+def parse_exchanges(args) -> list[str]:
+    """--exchanges as a list: [""] (none) with one rank; collectives only on the CPU."""
+    if args.ranks < 1:
+        raise ValueError(f"--ranks must be at least 1, got {args.ranks}")
+    if args.ranks == 1:
+        if args.exchanges:
+            raise ValueError("--exchanges needs --ranks > 1")
+        return [""]
+    names = [n.strip() for n in args.exchanges.split(",") if n.strip()] or [
+        "pull" if args.device == "cuda" else "collectives"]
+    allowed = EXCHANGES if args.device == "cuda" else ("collectives",)
+    if len(set(names)) != len(names) or not set(names) <= set(allowed):
+        raise ValueError(f"--exchanges must be distinct names of {allowed} on {args.device}, got {args.exchanges!r}")
+    return names
+
+
+def load_baseline(path: str, batch_sizes: list[int]) -> dict[int, float]:
+    """A one-rank run's base replay ms by batch size ({} without --baseline); ValueError if it
+    is not one or lacks a batch size."""
+    if not path:
+        return {}
+    report = json.loads(pathlib.Path(path).read_text())
+    if report["args"].get("ranks", 1) != 1:
+        raise ValueError(f"--baseline {path} is a run of {report['args']['ranks']} ranks, not one")
+    base = {r["batch"]: r["replay_ms"] for r in report["rows"] if r["variant"] == "base" and "error" not in r}
+    if missing := [b for b in batch_sizes if b not in base]:
+        raise ValueError(f"--baseline {path} has no base row at batch {missing}")
+    return base
 
 
 def parse_context(text: str) -> tuple[int, int]:
@@ -203,12 +263,23 @@ class Workload:
     def draw(cls, num_seqs: int, context: tuple[int, int], num_steps: int, seed: int) -> "Workload":
         g = torch.Generator().manual_seed(seed + num_seqs)
         contexts = torch.randint(context[0], context[1] + 1, (num_seqs,), generator=g).tolist()
+        return cls.of(contexts, num_steps)
+
+    @classmethod
+    def of(cls, contexts: list[int], num_steps: int) -> "Workload":
+        """These contexts, each in its own blocks from block 0 on."""
         tables, start = [], 0
         for c in contexts:
             num_blocks = -(-(c + num_steps) // BLOCK_SIZE)
             tables.append(tuple(range(start, start + num_blocks)))
             start += num_blocks
         return cls(tuple(contexts), tuple(tables), num_steps)
+
+    def shard(self, rank: int, num_ranks: int) -> "Workload":
+        """Rank `rank`'s equal share of the sequences (a contiguous slice), in its own KV pool."""
+        per_rank = len(self.contexts) // num_ranks
+        assert per_rank * num_ranks == len(self.contexts), f"{len(self.contexts)} sequences on {num_ranks} ranks"
+        return Workload.of(list(self.contexts[rank * per_rank:(rank + 1) * per_rank]), self.num_steps)
 
     @property
     def num_blocks(self) -> int:
@@ -249,7 +320,8 @@ def run_variant(model, config, kv: KVPool, workload: Workload, device: torch.dev
     """One variant at one batch size, its settings in force: (timings, the first step's replayed logits)."""
     timer = ReplayTimer(device)
     graphs = DecodeGraphRunner(model, kv, BLOCK_SIZE, buckets=BUCKETS, max_blocks=graph_width(config),
-                               capture=timer.capture)
+                               capture=timer.capture,
+                               pad_to_capacity=model.comm.world_size > 1 and gathers_on(device))
     seqs = workload.first_step()
     capacity = model.dispatch_capacity(len(seqs))
     for _ in range(2):  # eager (warm-up), then capture + replay
@@ -297,92 +369,212 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_batch(model, config, num_seqs: int, variants: dict, args, result: dict, profile: bool) -> None:
-    """Every variant at one batch size on one KV pool (a variant's first step reads only the
-    noise of the cached contexts; later steps read what that variant wrote), --rounds times in
-    turn; a variant's times are the median over its rounds of each round's median."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Place:
+    """This process in a run: rank `rank` of `num_ranks`, and the exchanges its model's
+    comm takes in turn (name -> symm_exchange.SymmetricExchange, or None: collectives;
+    one rank: {"": None})."""
+
+    rank: int
+    num_ranks: int
+    exchanges: dict
+
+    def gather(self, value) -> list:
+        """Every rank's value, in rank order."""
+        if self.num_ranks == 1:
+            return [value]
+        everyone = [None] * self.num_ranks
+        dist.all_gather_object(everyone, value)
+        return everyone
+
+    def label(self, variant: str, exchange: str, rank: int) -> str:
+        """A profile's name: the variant, its exchange and its rank where a run has several."""
+        return variant + (f" / {exchange}" if exchange else "") + (f", rank {rank}" if self.num_ranks > 1 else "")
+
+
+def run_batch(model, config, num_seqs: int, variants: dict, args, result: dict, profile: bool,
+              place: Place) -> None:
+    """Every variant (under every exchange) at one batch size on one KV pool (a variant's first
+    step reads only the noise of the cached contexts; later steps read what that variant
+    wrote), --rounds times in turn; a variant's times are the median over its rounds of each
+    round's median, each round's the slower rank's. Rank 0 keeps the rows."""
     device = torch.device(args.device)
     workload = Workload.draw(num_seqs, parse_context(args.context), WARMUP_STEPS + args.steps, args.seed)
+    workload = workload.shard(place.rank, place.num_ranks)
     kv = noise_pool(config, workload.num_blocks, device, args.kv_cache_dtype)
-    runs = {name: [] for name in variants}
-    rows = {name: {"variant": name, "batch": num_seqs} for name in variants}
+    keys = [(name, exchange) for name in variants for exchange in place.exchanges]
+    runs = {key: [] for key in keys}
+    rows = {key: {"variant": key[0], "batch": num_seqs} | ({"exchange": key[1]} if key[1] else {}) for key in keys}
     base_SV = None
     for round_ in range(args.rounds):
-        for name, overrides in variants.items():
-            if "error" in rows[name]:
+        for name, exchange in keys:
+            row = rows[name, exchange]
+            if "error" in row:
                 continue
+            model.comm.exchange = place.exchanges[exchange]
             try:
-                with overridden(overrides):
+                with overridden(variants[name]):
                     timings, logits_SV = run_variant(model, config, kv, workload, device)
                     if profile and not round_:
-                        result["profiles"][name] = top_kernels(model, kv, workload, device)
+                        for rank, kernels in enumerate(place.gather(top_kernels(model, kv, workload, device))):
+                            result["profiles"][place.label(name, exchange, rank)] = kernels
             except Exception as error:  # a setting that fails to compile or capture: reported, unless base's
-                if base_SV is None:
+                if base_SV is None or place.num_ranks > 1:  # (the other ranks would wait in a collective)
                     raise
-                rows[name]["error"] = repr(error)[:300]
+                row["error"] = repr(error)[:300]
             else:
-                runs[name].append(timings)
+                runs[name, exchange].append(slower_rank(place.gather(timings)))
                 if base_SV is None:
                     base_SV = logits_SV
                 if not round_:
-                    rows[name] |= compare(logits_SV, base_SV)
+                    row |= worst_rank(place.gather(compare(logits_SV, base_SV)))
                 del logits_SV
-            print(json.dumps(rows[name] | {"round": round_} | (runs[name][-1] if runs[name] else {})), flush=True)
+            if place.rank == 0:
+                print(json.dumps(row | {"round": round_} | (runs[name, exchange][-1] if runs[name, exchange] else {})),
+                      flush=True)
             _release(device)
-    base = _over_rounds(runs[next(iter(variants))])
-    for name in variants:
-        if "error" not in rows[name]:
-            rows[name] |= _over_rounds(runs[name])
-            rows[name] |= {"speedup_replay": base["replay_ms"] / rows[name]["replay_ms"],
-                           "speedup_wall": base["wall_ms"] / rows[name]["wall_ms"]}
-        result["rows"].append(rows[name])
+    base = _over_rounds(runs[keys[0]])
+    one_rank_ms = result["baseline_ms"].get(num_seqs)
+    for key in keys:
+        row = rows[key]
+        if "error" not in row:
+            row |= _over_rounds(runs[key])
+            row |= {"speedup_replay": base["replay_ms"] / row["replay_ms"],
+                    "speedup_wall": base["wall_ms"] / row["wall_ms"]}
+            if one_rank_ms:
+                row["vs_one_rank"] = one_rank_ms / row["replay_ms"]
+        result["rows"].append(row)
+
+
+def slower_rank(timings: list[dict]) -> dict:
+    """One run's timings over the ranks: the slower rank's, and each rank's replay median."""
+    return timings[0] | {key: max(t[key] for t in timings) for key in ("replay_ms", "replay_min_ms", "wall_ms",
+                                                                      "wall_min_ms")} | {
+        "replay_ms_by_rank": [round(t["replay_ms"], 3) for t in timings]}
+
+
+def worst_rank(comparisons: list[dict]) -> dict:
+    """compare()'s results over the ranks: the largest differences, the mean argmax agreement
+    (every rank has as many rows)."""
+    worst = {key: max(c[key] for c in comparisons) for key in comparisons[0] if key != "argmax_agree"}
+    return worst | {"argmax_agree": statistics.fmean(c["argmax_agree"] for c in comparisons)}
 
 
 def _over_rounds(runs: list[dict]) -> dict:
     """One variant's timings over its rounds: medians of the rounds' medians, the least minimum,
-    each round's replay median."""
+    each round's replay median (and each rank's, in the median round's order)."""
     return {"bucket": runs[0]["bucket"], "graph_counts": runs[0]["graph_counts"],
             "replay_ms": statistics.median(r["replay_ms"] for r in runs),
             "replay_min_ms": min(r["replay_min_ms"] for r in runs),
             "wall_ms": statistics.median(r["wall_ms"] for r in runs),
             "wall_min_ms": min(r["wall_min_ms"] for r in runs),
-            "replay_ms_by_round": [round(r["replay_ms"], 3) for r in runs]}
+            "replay_ms_by_round": [round(r["replay_ms"], 3) for r in runs],
+            "replay_ms_by_rank": [statistics.median(ms) for ms in zip(*(r["replay_ms_by_rank"] for r in runs))]}
 
 
-def parse_batch_sizes(text: str) -> list[int]:
+def parse_batch_sizes(text: str, num_ranks: int = 1) -> list[int]:
+    """--batch-sizes: totals over the ranks, each an equal share per rank within the graph buckets."""
     sizes = [int(b) for b in text.split(",")]
-    if not all(1 <= b <= BUCKETS[-1] for b in sizes):
-        raise ValueError(f"--batch-sizes must be in 1..{BUCKETS[-1]} (the graph buckets), got {text!r}")
+    if not all(b % num_ranks == 0 and 1 <= b // num_ranks <= BUCKETS[-1] for b in sizes):
+        raise ValueError(f"--batch-sizes must be {num_ranks} x 1..{BUCKETS[-1]} (the graph buckets on each of "
+                         f"{num_ranks} rank(s)), got {text!r}")
     return sizes
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    argv = sys.argv[1:] if argv is None else argv
-    variants, batch_sizes = parse_variants(args.variants), parse_batch_sizes(args.batch_sizes)
-    max_positions = preset(args.preset).max_position_embeddings
-    if args.steps < 1 or parse_context(args.context)[1] + WARMUP_STEPS + args.steps > max_positions:
-        raise ValueError(f"--steps {args.steps} must be positive, and with --context {args.context} and "
-                         f"{WARMUP_STEPS} warm-up steps fit the model's {max_positions} positions")
+def build_rank(args, place_rank: int, exchange_names: list[str]) -> tuple:
+    """(config, model, place) of this rank: one rank, bench.decode_graph_check's build;
+    several, the rank's experts and their exchanges in the default process group."""
+    if args.ranks == 1:
+        config, model = build(args)
+        return config, model, Place(0, 1, {"": None})
+    config = dataclasses.replace(preset(args.preset), num_hidden_layers=args.layers)
+    device = torch.device(args.device)
+    experts = local_expert_ids(config.num_experts, place_rank, args.ranks)
+    weights = RandomWeights(config, experts, args.seed, dtype=torch.bfloat16, device=device)
+    model = Qwen3MoeModel(config, weights, expert_ids=experts, comm=ExpertComm(dist.group.WORLD),
+                          dtype=torch.bfloat16, device=device, attention=args.attention)
+    exchanges = {name: None if name == "collectives" else _symmetric_exchange(model, name == "push")
+                 for name in exchange_names}
+    return config, model, Place(place_rank, args.ranks, exchanges)
+
+
+def _symmetric_exchange(model, push: bool):
+    """The expert service's exchange (expert_svc.rank): buffers for the decode buckets."""
+    from services.model.symm_exchange import SymmetricExchange  # triton: CUDA only
+    from services.model.triton_ep import row_width
+
+    c = model.config
+    return SymmetricExchange(dist.group.WORLD, max(model.max_fixed_capacity_tokens, BUCKETS[-1]),
+                             row_width(c.hidden_size, c.num_experts_per_tok, model.dtype), c.hidden_size,
+                             model.dtype, model.device, push=push)
+
+
+def run_rank(rank: int, args, variants: dict, batch_sizes: list[int], exchanges: list[str], result: dict) -> None:
+    """This rank's part of the run; rank 0 writes the report."""
     start = time.perf_counter()
     torch.manual_seed(args.seed)
-    config, model = build(args)
+    config, model, place = build_rank(args, rank, exchanges)
     if args.device == "cuda" and args.attention != "triton":
         raise SystemExit("decode graphs need the triton attention backend")
-    print(f"model built in {time.perf_counter() - start:.1f}s: {args.layers} layers, attention {args.attention}",
-          flush=True)
-    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    env = {"torch": torch.__version__, "triton": _version("triton"), "gpu": gpu, "cuda": torch.version.cuda}
-    result = {"command": "python -m bench.decode_variants " + shlex.join(argv), "env": env, "args": vars(args),
-              "variants": variants, "rows": [], "profiles": {}}
+    if rank == 0:
+        print(f"model built in {time.perf_counter() - start:.1f}s: {args.layers} layers, attention "
+              f"{args.attention}, {args.ranks} rank(s)", flush=True)
     for num_seqs in batch_sizes:
-        run_batch(model, config, num_seqs, variants, args, result, args.profile and num_seqs == max(batch_sizes))
+        run_batch(model, config, num_seqs, variants, args, result, args.profile and num_seqs == max(batch_sizes),
+                  place)
+    if rank:
+        return
     result["wall_s"] = time.perf_counter() - start
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_variants.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "decode_variants.md").write_text(markdown(result))
     print(markdown(result), flush=True)
+
+
+def _worker(rank: int, args, variants: dict, batch_sizes: list[int], exchanges: list[str], result: dict,
+            port: int) -> None:
+    """One rank of a run of several (torch.multiprocessing.spawn)."""
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+        args.device = f"cuda:{rank}"
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo", rank=rank, world_size=args.ranks,
+                            init_method=f"tcp://127.0.0.1:{port}", timeout=datetime.timedelta(minutes=10))
+    try:
+        run_rank(rank, args, variants, batch_sizes, exchanges, result)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    exchanges = parse_exchanges(args)
+    variants, batch_sizes = parse_variants(args.variants), parse_batch_sizes(args.batch_sizes, args.ranks)
+    baseline_ms = load_baseline(args.baseline, batch_sizes)
+    max_positions = preset(args.preset).max_position_embeddings
+    if args.steps < 1 or parse_context(args.context)[1] + WARMUP_STEPS + args.steps > max_positions:
+        raise ValueError(f"--steps {args.steps} must be positive, and with --context {args.context} and "
+                         f"{WARMUP_STEPS} warm-up steps fit the model's {max_positions} positions")
+    if args.ranks > 1 and args.device == "cuda" and torch.cuda.device_count() < args.ranks:
+        raise ValueError(f"--ranks {args.ranks} needs as many GPUs, this machine has {torch.cuda.device_count()}")
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    env = {"torch": torch.__version__, "triton": _version("triton"), "gpu": gpu, "cuda": torch.version.cuda}
+    result = {"command": "python -m bench.decode_variants " + shlex.join(argv), "env": env, "args": vars(args),
+              "variants": variants, "baseline_ms": baseline_ms, "rows": [], "profiles": {}}
+    if args.ranks == 1:
+        run_rank(0, args, variants, batch_sizes, exchanges, result)
+    else:
+        torch.multiprocessing.spawn(_worker, args=(args, variants, batch_sizes, exchanges, result, _free_port()),
+                                    nprocs=args.ranks)
     return 0
 
 
@@ -395,29 +587,44 @@ def _version(package: str) -> str | None:
 
 def markdown(result: dict) -> str:
     args, env = result["args"], result["env"]
-    replay = "CUDA events" if args["device"] == "cuda" else "host clock of the eager re-run"
+    ranks, one_rank = args.get("ranks", 1), bool(result.get("baseline_ms"))
+    replay = "CUDA events" if args["device"].startswith("cuda") else "host clock of the eager re-run"
+    setup = (f"{ranks} ranks (one GPU each; experts split evenly, each rank decoding its share of the batch; "
+             "times of the slower rank)" if ranks > 1 else "one rank")
     lines = [f"# Decode step variants: graph replays under kernel settings ({env['gpu']})", "",
              f"Command: `{result['command']}`", "", f"Environment: {json.dumps(env)}", "",
              (f"Model: {args['preset']} shape, {args['layers']} layers, bf16, random weights; attention "
-              f"`{args['attention']}`; contexts {args['context']} cached tokens (KV pool of noise, "
+              f"`{args['attention']}`; {setup}; contexts {args['context']} cached tokens (KV pool of noise, "
               f"{args['kv_cache_dtype']}); "
               f"{WARMUP_STEPS} warm-up then {args['steps']} timed decode steps, medians; "
               f"{args['rounds']} round(s), the variants in turn, the median round."), "",
              "Variants: " + "; ".join(f"`{name}` {overrides or '(no change)'}"
-                                      for name, overrides in result["variants"].items()), "",
-             (f"| variant | batch | graph replay ms ({replay}) | by round | step wall ms | speed-up vs base "
-              "(replay) | speed-up vs base (wall) | logit diff / largest | median row's | argmax agree |"),
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+                                      for name, overrides in result["variants"].items()), ""]
+    if one_rank:
+        lines += [f"vs one rank: the one-rank base step of the same batch (`--baseline {args['baseline']}`: "
+                  + ", ".join(f"batch {b}: {ms:.3f} ms" for b, ms in result["baseline_ms"].items())
+                  + ") over this row's: the speed-up of the graph-replayed step over one GPU.", ""]
+    columns = ["variant"] + (["exchange"] if ranks > 1 else []) + ["batch", f"graph replay ms ({replay})", "by round"]
+    columns += (["by rank"] if ranks > 1 else []) + ["step wall ms", "speed-up vs base (replay)",
+                                                     "speed-up vs base (wall)"]
+    columns += (["vs one rank"] if one_rank else []) + ["logit diff / largest", "median row's", "argmax agree"]
+    text_columns = {"variant", "exchange", "by round", "by rank"}
+    lines += ["| " + " | ".join(columns) + " |",
+              "|" + "|".join("---" if c in text_columns else "---:" for c in columns) + "|"]
     for r in result["rows"]:
+        cells = [r["variant"]] + ([r.get("exchange", "")] if ranks > 1 else []) + [str(r["batch"])]
         if "error" in r:
-            lines.append(f"| {r['variant']} | {r['batch']} | error: {r['error']} | | | | | | | |")
+            lines.append("| " + " | ".join(cells + [f"error: {r['error']}"] + [""] * (len(columns) - len(cells) - 1))
+                         + " |")
             continue
-        by_round = " / ".join(f"{ms:.2f}" for ms in r["replay_ms_by_round"])
-        lines.append(f"| {r['variant']} | {r['batch']} | {r['replay_ms']:.3f} | {by_round} | {r['wall_ms']:.3f} | "
-                     f"{r['speedup_replay']:.3f}x | {r['speedup_wall']:.3f}x | {r['rel_diff']:.3g} | "
-                     f"{r['median_row_rel_diff']:.3g} | {100 * r['argmax_agree']:.1f}% |")
+        cells += [f"{r['replay_ms']:.3f}", " / ".join(f"{ms:.2f}" for ms in r["replay_ms_by_round"])]
+        cells += [" / ".join(f"{ms:.2f}" for ms in r["replay_ms_by_rank"])] if ranks > 1 else []
+        cells += [f"{r['wall_ms']:.3f}", f"{r['speedup_replay']:.3f}x", f"{r['speedup_wall']:.3f}x"]
+        cells += [f"{r['vs_one_rank']:.3f}x"] if one_rank else []
+        cells += [f"{r['rel_diff']:.3g}", f"{r['median_row_rel_diff']:.3g}", f"{100 * r['argmax_agree']:.1f}%"]
+        lines.append("| " + " | ".join(cells) + " |")
     for name, kernels in result["profiles"].items():
-        unit = "CUDA" if args["device"] == "cuda" else "self CPU"
+        unit = "CUDA" if args["device"].startswith("cuda") else "self CPU"
         lines += ["", f"## Top kernels of one eager step, {name} ({unit} time)", "",
                   "| kernel | calls | total us | us per call |", "|---|---:|---:|---:|"]
         lines += [f"| `{k['name'][:100]}` | {k['calls']} | {k['total_us']:.1f} | {k['us_per_call']:.2f} |"

@@ -22,6 +22,9 @@
 #     samp   n1's c256 again, every request sampled (temperature 0.8, top_p 0.95, seeded)
 #     draws  bench/sampling_cost.py on the GPU: one step's draws, 256 rows x 151,936 tokens
 #     fp8    n1's c256 again with --kv-cache-dtype fp8_e4m3 (half the KV bytes per decode step)
+#     step   bench/decode_variants.py at 256 sequences on one rank, then on two (--exchanges
+#            ${STEP_EXCHANGES:-pull,push,collectives}, 2 rounds): the 48-layer decode step replayed in a
+#            CUDA graph, each rank's kernels of one eager step, the two-rank step's speed-up over one
 #     vars   bench/decode_variants.py: the 48-layer decode step replayed in a CUDA graph under each
 #            of $VARIANTS (module knobs; default: DECODE_VARIANTS below) at batches $VAR_BATCHES
 #   N1_ARGS / N2_ARGS add arguments to those runs (e.g. N1_ARGS="--max-batch-tokens 8192");
@@ -94,6 +97,10 @@ for step in $STEPS; do
         samp) part samp 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 --cases c256 --sampling 0.8,0.95 \
                 ${N1_ARGS:-} --out "$RESULTS/samp" ;;
         draws) part draws 60 python3 -m bench.sampling_cost --device cuda ;;
+        step) part step1 150 python3 -m bench.decode_variants --batch-sizes 256 --profile --out "$RESULTS/step1" &&
+              part step2 300 python3 -m bench.decode_variants --ranks 2 --batch-sizes 256 --rounds 2 --profile \
+                --exchanges "${STEP_EXCHANGES:-pull,push,collectives}" \
+                --baseline "$RESULTS/step1/decode_variants.json" --out "$RESULTS/step2" ;;
         vars) part vars 300 python3 -m bench.decode_variants --batch-sizes "${VAR_BATCHES:-256,128,64}" \
                 --variants "${VARIANTS:-$DECODE_VARIANTS}" --profile --rounds 2 --out "$RESULTS/vars" ;;
         fp8) part fp8 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 --cases c256 \

@@ -72,6 +72,10 @@ def test_variants_run_against_base_under_their_settings_then_restore(tmp_path, m
     (["--variants", "x=runner.time:1;y=moe.NO_SUCH:2"], "services.model.moe has no attribute"),
     (["--variants", "x=QKV_ONE_TOKEN_STEPS:1"], "must be module.attr"),
     (["--context", "4000:4096"], "fit the model's 4096 positions"),
+    (["--exchanges", "pull"], "needs --ranks > 1"),
+    (["--ranks", "2", "--exchanges", "push"], "distinct names of \\('collectives',\\) on cpu"),
+    (["--ranks", "2", "--batch-sizes", "3"], "must be 2 x 1..256"),
+    (["--ranks", "0"], "at least 1"),
 ])
 def test_bad_settings_fail_before_anything_runs(tmp_path, monkeypatch, flags, message):
     monkeypatch.setattr(decode_variants, "build", lambda args: pytest.fail("built the model"))
@@ -96,3 +100,33 @@ def test_float8_cache(tmp_path):
     assert [pool.k_cache.dtype for pool in pools] == [torch.float8_e4m3fn]
     assert pools[0].k_cache.float().abs().max() > 0 and pools[0].v_cache.float().abs().max() > 0
     assert "fp8_e4m3" in (tmp_path / "decode_variants.md").read_text()
+
+
+def test_two_ranks_split_the_batch_and_compare_with_one(tmp_path):
+    """--ranks 2 (gloo on the CPU): each rank decodes half of each batch, its experts half of
+    the model's; rows carry the slower rank's times and each rank's, the profile every rank's,
+    and --baseline (a one-rank run) the speed-up over one rank. A two-rank baseline is refused."""
+    common = ARGS[:ARGS.index("--batch-sizes")] + ["--batch-sizes", "4,2", "--context", "8:40", "--steps", "2"]
+    assert decode_variants.main(common + ["--out", str(tmp_path / "one")]) == 0
+    one = json.loads((tmp_path / "one" / "decode_variants.json").read_text())
+    assert decode_variants.main(common + ["--ranks", "2", "--variants", "again=", "--profile", "--baseline",
+                                          str(tmp_path / "one" / "decode_variants.json"),
+                                          "--out", str(tmp_path / "two")]) == 0
+    report = json.loads((tmp_path / "two" / "decode_variants.json").read_text())
+    rows = report["rows"]
+    assert [(r["variant"], r["exchange"], r["batch"], r["bucket"]) for r in rows] == [
+        ("base", "collectives", 4, 2), ("again", "collectives", 4, 2),
+        ("base", "collectives", 2, 1), ("again", "collectives", 2, 1)]
+    base_ms = {r["batch"]: r["replay_ms"] for r in one["rows"]}
+    for row in rows:
+        assert "error" not in row and len(row["replay_ms_by_rank"]) == 2, row
+        assert row["replay_ms"] == pytest.approx(max(row["replay_ms_by_rank"]), abs=1e-3), row
+        assert row["vs_one_rank"] == pytest.approx(base_ms[row["batch"]] / row["replay_ms"]), row
+        assert row["graph_counts"] == [1, 1, 1 + decode_variants.WARMUP_STEPS + 2], row
+        assert row["max_abs_diff"] == 0 and row["argmax_agree"] == 1 and row["max_abs_logit"] > 0, row
+    assert set(report["profiles"]) == {f"{v} / collectives, rank {r}" for v in ("base", "again") for r in (0, 1)}
+    table = (tmp_path / "two" / "decode_variants.md").read_text()
+    assert "\n| again | collectives | 2 | " in table and "vs one rank" in table
+    with pytest.raises(ValueError, match="a run of 2 ranks, not one"):
+        decode_variants.main(common + ["--baseline", str(tmp_path / "two" / "decode_variants.json"),
+                                       "--out", str(tmp_path / "three")])
