@@ -40,10 +40,10 @@ share of one draw of contexts (the same contexts one rank gets), so a row's
 step makes as many tokens as the one-rank row of its batch, and --baseline (a
 one-rank run's decode_variants.json) gives each row its one-rank base step
 over its own: the speed-up over one GPU of the graph-replayed step. On CUDA
-each variant runs under each of --exchanges: pull and push, symm_exchange's
-symmetric-memory exchange (the expert service's --ep-exchange, with and
-without --ep-exchange-push), collectives its NCCL all_gather and
-reduce_scatter. A row's times are its slower rank's; the logit comparison the
+each variant runs under each of --exchanges: pull, push and signals,
+symm_exchange's symmetric-memory exchange (the expert service's
+--ep-exchange, alone, with --ep-exchange-push, with --ep-exchange-signals),
+collectives its NCCL all_gather and reduce_scatter. A row's times are its slower rank's; the logit comparison the
 worst rank's (argmax agreement their mean); --profile gives every rank's
 kernels. A variant that raises ends a run of several ranks (the others would
 wait in a collective).
@@ -90,7 +90,7 @@ WARMUP_STEPS = 3
 TOP_KERNELS = 20
 MODULE_PACKAGES = ("services.model", "expert_svc")
 # --exchanges of a run of several ranks: symm_exchange's two modes, or NCCL's collectives.
-EXCHANGES = ("pull", "push", "collectives")
+EXCHANGES = ("pull", "push", "signals", "collectives")
 
 
 def parse_args(argv=None):
@@ -493,20 +493,21 @@ def build_rank(args, place_rank: int, exchange_names: list[str]) -> tuple:
     weights = RandomWeights(config, experts, args.seed, dtype=torch.bfloat16, device=device)
     model = Qwen3MoeModel(config, weights, expert_ids=experts, comm=ExpertComm(dist.group.WORLD),
                           dtype=torch.bfloat16, device=device, attention=args.attention)
-    exchanges = {name: None if name == "collectives" else _symmetric_exchange(model, name == "push")
+    exchanges = {name: None if name == "collectives" else _symmetric_exchange(model, name)
                  for name in exchange_names}
     return config, model, Place(place_rank, args.ranks, exchanges)
 
 
-def _symmetric_exchange(model, push: bool):
-    """The expert service's exchange (expert_svc.rank): buffers for the decode buckets."""
+def _symmetric_exchange(model, name: str):
+    """The expert service's exchange (expert_svc.rank) in mode `name` (pull, push or signals):
+    buffers for the decode buckets."""
     from services.model.symm_exchange import SymmetricExchange  # triton: CUDA only
     from services.model.triton_ep import row_width
 
     c = model.config
     return SymmetricExchange(dist.group.WORLD, max(model.max_fixed_capacity_tokens, BUCKETS[-1]),
                              row_width(c.hidden_size, c.num_experts_per_tok, model.dtype), c.hidden_size,
-                             model.dtype, model.device, push=push)
+                             model.dtype, model.device, push=name != "pull", signals=name == "signals")
 
 
 def run_rank(rank: int, args, variants: dict, batch_sizes: list[int], exchanges: list[str], result: dict) -> None:

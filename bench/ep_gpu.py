@@ -301,7 +301,7 @@ LAYER_EXPERTS, LAYER_WIDTH, LAYER_TOP_K = 128, 768, 8
 def time_moe_layer(rank: int, settings: Settings, device) -> list[dict]:
     """CUDA: one whole MoE layer of Qwen3-30B-A3B's shape (128 experts, 64 per rank) replayed as a
     CUDA graph per batch size, through moe.py's dispatch / sorted_experts / combine and through
-    triton_ep's gather / reduce-scatter (NCCL, and symmetric memory pull and push), alone and
+    triton_ep's gather / reduce-scatter (NCCL, and symmetric memory pull, push and signals), alone and
     handed the layer loop's residual add and next norm; each output's largest difference from
     the one-rank layer holding every expert (triton_moe.grouped_moe on the same tokens), the
     exchanges' bits against NCCL's, and the fused add and norm's against add_rms_norm_ after."""
@@ -325,12 +325,13 @@ def time_moe_layer(rank: int, settings: Settings, device) -> list[dict]:
     capacities = {b: step_capacity(b, LAYER_TOP_K, len(mine), max_fixed_tokens=1 << 30) for b in settings.batch_sizes}
     modes = [("dispatch + combine (moe.py)", False, None), (NCCL_MODE, True, None)]
     rows, (mark, elapsed) = [], _timer(device)
-    for name, push in ((PULL_MODE, False), (PUSH_MODE, True)):  # last: a machine without it gets the other rows
+    # last: a machine without it gets the other rows
+    for name, push, signals in ((PULL_MODE, False, False), (PUSH_MODE, True, False), (SIGNALS_MODE, True, True)):
         try:
             modes.append((name, True, SymmetricExchange(
                 dist.group.WORLD, max(c // min(LAYER_TOP_K, len(mine)) for c in capacities.values()),
                 triton_ep.row_width(hidden, LAYER_TOP_K, settings.torch_dtype), hidden, settings.torch_dtype, device,
-                timeout_ms=20_000, push=push)))  # a rank that fails traps the other after 20 s, not forever
+                timeout_ms=20_000, push=push, signals=signals)))  # a rank that fails traps the other after 20 s
         except Exception as error:  # noqa: BLE001 (reported in the table)
             rows.append({"mode": name, "rank": rank, "error": repr(error)[:500]})
     norm_D = torch.rand(hidden, generator=g, device=device).to(settings.torch_dtype) + 0.5
@@ -377,6 +378,7 @@ def time_moe_layer(rank: int, settings: Settings, device) -> list[dict]:
 NCCL_MODE = "gather + reduce-scatter (triton_ep)"
 PULL_MODE = "gather + reduce-scatter over symmetric memory, each rank reading its peers' buffers (pull)"
 PUSH_MODE = "gather + reduce-scatter over symmetric memory, each rank writing into its peers' buffers (push)"
+SIGNALS_MODE = "push, flags in the kernels instead of barrier kernels (signals)"
 
 
 def _time(run, settings: Settings, device, mark, elapsed) -> tuple[list[float], list[float], torch.Tensor]:

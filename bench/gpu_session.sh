@@ -16,6 +16,8 @@
 #     symm   n2 again with the experts' --ep-exchange symmetric (services/model/symm_exchange.py)
 #     nccl   n2 again with the experts' --ep-exchange nccl
 #     push   n2 again with the experts' --ep-exchange-push (each rank writes into its peers' buffers)
+#     signals n2 again with the experts' --ep-exchange-signals (push, flags instead of barrier kernels)
+#     flags  tests/services/test_triton_flags_cuda.py (the flag kernels on one GPU: compiled, waiting, timing out)
 #     ep     bench/ep_gpu.py (the N=2 MoE layer: dispatch/combine against gather/reduce-scatter)
 #     local  bench/ep_local.py --sweep on ONE GPU: one rank's kernels of the N=2 layer, its GEMM tiles
 #     moe    bench/moe_large_batch.py --sweep at decode and prefill sizes (the MoE GEMM tiles)
@@ -23,7 +25,7 @@
 #     draws  bench/sampling_cost.py on the GPU: one step's draws, 256 rows x 151,936 tokens
 #     fp8    n1's c256 again with --kv-cache-dtype fp8_e4m3 (half the KV bytes per decode step)
 #     step   bench/decode_variants.py at 256 sequences on one rank, then on two (--exchanges
-#            ${STEP_EXCHANGES:-pull,push,collectives}, 2 rounds): the 48-layer decode step replayed in a
+#            ${STEP_EXCHANGES:-pull,push,signals,collectives}, 2 rounds): the 48-layer decode step replayed in a
 #            CUDA graph, each rank's kernels of one eager step, the two-rank step's speed-up over one
 #     vars   bench/decode_variants.py: the 48-layer decode step replayed in a CUDA graph under each
 #            of $VARIANTS (module knobs; default: DECODE_VARIANTS below) at batches $VAR_BATCHES
@@ -90,6 +92,8 @@ for step in $STEPS; do
         symm) two_ranks symm --expert-arg=--ep-exchange --expert-arg=symmetric ;;
         nccl) two_ranks nccl --expert-arg=--ep-exchange --expert-arg=nccl ;;
         push) two_ranks push --expert-arg=--ep-exchange-push ;;
+        signals) two_ranks signals --expert-arg=--ep-exchange-signals ;;
+        flags) part flags 150 python3 -m pytest -q -p no:cacheprovider tests/services/test_triton_flags_cuda.py ;;
         ep) part ep 180 python3 bench/ep_gpu.py --batch-sizes 1,32,128,256 --profile-batch 128 --out "$RESULTS/ep" ;;
         local) part local 300 python3 -m bench.ep_local --rows-per-rank "${LOCAL_ROWS:-64,128,256}" --sweep \
                 --out "$RESULTS/local" ;;
@@ -99,7 +103,7 @@ for step in $STEPS; do
         draws) part draws 60 python3 -m bench.sampling_cost --device cuda ;;
         step) part step1 150 python3 -m bench.decode_variants --batch-sizes 256 --profile --out "$RESULTS/step1" &&
               part step2 300 python3 -m bench.decode_variants --ranks 2 --batch-sizes 256 --rounds 2 --profile \
-                --exchanges "${STEP_EXCHANGES:-pull,push,collectives}" \
+                --exchanges "${STEP_EXCHANGES:-pull,push,signals,collectives}" \
                 --baseline "$RESULTS/step1/decode_variants.json" --out "$RESULTS/step2" ;;
         vars) part vars 300 python3 -m bench.decode_variants --batch-sizes "${VAR_BATCHES:-256,128,64}" \
                 --variants "${VARIANTS:-$DECODE_VARIANTS}" --profile --rounds 2 --out "$RESULTS/vars" ;;

@@ -95,6 +95,12 @@ class ExpertConfig(MemberConfig):
     # measured on two GPUs in sessions 7-8; push is checked kernel by kernel on one GPU
     # but not yet on two, so it is opt-in). Must be the same on every rank of a group.
     ep_exchange_push: bool = False
+    # With push: the producer kernels (route_pack, partials) set a flag in each
+    # peer's signal pad when done, and the consumers (align's count kernel, the
+    # sum) spin on them, instead of two barrier kernels a layer
+    # (services/model/triton_flags.py). Implies push. Opt-in: checked in the
+    # interpreter, not yet on two GPUs. Must be the same on every rank of a group.
+    ep_exchange_signals: bool = False
     # Spare expert slots per MoE layer that can hold replicas of hot experts
     # (placed by the router's scaling policy); 0 disables replicas. Must be
     # the same on every rank of a group.

@@ -363,7 +363,8 @@ class ExpertRank:
             exchange = SymmetricExchange(
                 comm.group, max(cfg.max_fixed_capacity_tokens, cfg.cuda_graph_max_batch),
                 row_width(mc.hidden_size, mc.num_experts_per_tok, self._dtype), mc.hidden_size, self._dtype,
-                cfg.device, timeout_ms=int(cfg.collective_timeout_s * 1000), push=cfg.ep_exchange_push)
+                cfg.device, timeout_ms=int(cfg.collective_timeout_s * 1000),
+                push=cfg.ep_exchange_push or cfg.ep_exchange_signals, signals=cfg.ep_exchange_signals)
         except Exception as caught:  # noqa: BLE001 (a machine without it: the ranks fall back together)
             error = caught
         everyone = -comm.max_over_ranks(-int(exchange is not None), torch.device(cfg.device)) == 1

@@ -40,6 +40,12 @@ reads ahead of the rewrites. The buffers hold `max_rows_per_rank` rows per
 rank (the decode graphs' largest bucket); bigger steps (prefill chunks) take
 NCCL. Every rank makes the same choice, since B is the same on every rank.
 
+With signals (--ep-exchange-signals, push only) the two barriers are not
+kernels: route_pack's and partials' last program sets this rank's flag in
+each peer's signal pad, and the kernels that read the rows (align's count
+kernel) and the partials (the sum) wait for the peers' flags first
+(services/model/triton_flags.py). Not yet measured on two GPUs.
+
 Why not NCCL here: each NCCL collective costs a fixed ~15-20 us in a CUDA
 graph on two H200s whatever its size at these sizes (facts.md, and
 bench/ep_gpu.py), two a layer, 96 a Qwen3-30B-A3B step. This is the usual
@@ -47,6 +53,7 @@ way around it (vLLM's and SGLang's custom all-reduce kernels use the same
 idea over CUDA IPC); the mapping and the barrier are torch's own.
 """
 
+import functools
 import warnings
 
 import torch
@@ -55,6 +62,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from services.model import triton_flags
 from services.model.layers import AddNorm
 from services.model.triton_fused import add_residual, store_rms_norm
 
@@ -73,11 +81,15 @@ def _gather_kernel(ptrs_ptr, out_ptr, rows_per_rank, width, BLOCK: tl.constexpr)
 
 
 @triton.jit
-def _reduce_kernel(ptrs_ptr, out_ptr, x_ptr, norm_ptr, first_row, row_step, hidden, eps, NUM_RANKS: tl.constexpr,
-                   ADD_NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+def _reduce_kernel(ptrs_ptr, out_ptr, x_ptr, norm_ptr, first_row, row_step, hidden, eps, flag_pads_ptr, flag_rank,
+                   flag_channel, flag_timeout_ns, NUM_RANKS: tl.constexpr, ADD_NORM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, FLAG_RANKS: tl.constexpr, WAIT: tl.constexpr):
     """Row i: the sum over r, in rank order and in fp32, of row first_row + r * row_step + i
     of buffer r (its address at ptrs_ptr + r), rounded once to the model dtype. ADD_NORM (one
-    program a row): that sum added into x's row i in place, out = the new row's RMSNorm."""
+    program a row): that sum added into x's row i in place, out = the new row's RMSNorm.
+    WAIT: once the peers' flags say their partials are in (signals)."""
+    if WAIT:
+        triton_flags.wait_flags(flag_pads_ptr, flag_rank, flag_channel, flag_timeout_ns, FLAG_RANKS)
     i = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = d < hidden
@@ -106,21 +118,28 @@ def gather_rows(ptrs_N: Tensor, out_JW: Tensor, rows_per_rank: int) -> None:
                                     BLOCK=min(triton.next_power_of_2(width), 1024))
 
 
-def reduce_rows(ptrs_N: Tensor, out_BD: Tensor, first_row: int, row_step: int = 0) -> None:
+def _wait_args(ptrs_N: Tensor, wait: triton_flags.Flags | None) -> dict:
+    return triton_flags.no_wait_args(ptrs_N) if wait is None else wait.wait_args()
+
+
+def reduce_rows(ptrs_N: Tensor, out_BD: Tensor, first_row: int, row_step: int = 0,
+                wait: triton_flags.Flags | None = None) -> None:
     """out_BD row i = the sum over ranks r (in rank order, fp32) of row first_row + r * row_step + i
     of the fp32 buffer at ptrs_N[r] (rows of out_BD's width), rounded to out_BD's dtype: with
     row_step 0 each rank's partials of this rank's rows (read from the peers), with row_step B
-    the N slots of one buffer (ptrs_N's addresses all this rank's)."""
+    the N slots of one buffer (ptrs_N's addresses all this rank's). wait: the peers' flags it
+    waits for first (signals)."""
     num_rows, hidden = out_BD.shape
     assert out_BD.is_contiguous()
     if num_rows:
         block_d = min(triton.next_power_of_2(hidden), 1024)
         _reduce_kernel[(num_rows, triton.cdiv(hidden, block_d))](
             ptrs_N, out_BD, out_BD, out_BD, first_row, row_step, hidden, 0.0, NUM_RANKS=ptrs_N.numel(),
-            ADD_NORM=False, BLOCK_D=block_d)
+            ADD_NORM=False, BLOCK_D=block_d, **_wait_args(ptrs_N, wait))
 
 
-def reduce_add_norm(ptrs_N: Tensor, add_norm: AddNorm, first_row: int, row_step: int = 0) -> Tensor:
+def reduce_add_norm(ptrs_N: Tensor, add_norm: AddNorm, first_row: int, row_step: int = 0,
+                    wait: triton_flags.Flags | None = None) -> Tensor:
     """add_norm(the sum reduce_rows gives for add_norm.x_TD's rows) in one kernel, the same bits:
     the sum added into x_TD in place, its RMSNorm returned."""
     x_TD = add_norm.x_TD
@@ -129,7 +148,8 @@ def reduce_add_norm(ptrs_N: Tensor, add_norm: AddNorm, first_row: int, row_step:
     if x_TD.shape[0]:
         _reduce_kernel[(x_TD.shape[0], 1)](
             ptrs_N, h_TD, x_TD, add_norm.weight_D, first_row, row_step, x_TD.shape[1], add_norm.eps,
-            NUM_RANKS=ptrs_N.numel(), ADD_NORM=True, BLOCK_D=triton.next_power_of_2(x_TD.shape[1]), num_warps=8)
+            NUM_RANKS=ptrs_N.numel(), ADD_NORM=True, BLOCK_D=triton.next_power_of_2(x_TD.shape[1]), num_warps=8,
+            **_wait_args(ptrs_N, wait))
     return h_TD
 
 
@@ -149,18 +169,23 @@ def _rendezvous(symm_mem, tensor: Tensor, group: dist.ProcessGroup):
 
 class SymmetricExchange:
     """The row and partial buffers of one rank in symmetric memory, for steps of at most
-    max_rows_per_rank rows per rank (see the module docstring: push, or pull).
+    max_rows_per_rank rows per rank (see the module docstring: push, or pull; signals, push
+    with flags instead of barriers).
 
-    triton_ep.gathered_moe's protocol: route_pack into row_target(B); gathered_rows(B); the
-    partials into partial_target(B); reduce."""
+    triton_ep.gathered_moe's protocol: route_pack into row_target(B) (out, dests, signal);
+    gathered_rows(B) (the rows, the flags align waits for); the partials into partial_target(B)
+    (out, owners, signal); reduce."""
 
     def __init__(self, group: dist.ProcessGroup, max_rows_per_rank: int, row_width: int, hidden: int,
-                 dtype: torch.dtype, device: torch.device | str, timeout_ms: int = 0, push: bool = False):
+                 dtype: torch.dtype, device: torch.device | str, timeout_ms: int = 0, push: bool = False,
+                 signals: bool = False):
         import torch.distributed._symmetric_memory as symm_mem
 
+        if signals and not push:
+            raise ValueError("the exchange's signals need push (the flags follow writes into the peers' buffers)")
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.max_rows_per_rank, self.row_width, self.hidden = max_rows_per_rank, row_width, hidden
-        self.timeout_ms, self.push = timeout_ms, push
+        self.timeout_ms, self.push, self.signals = timeout_ms, push, signals
         num_rows = self.world_size * max_rows_per_rank
         self._rows = symm_mem.empty(num_rows if self.push else max_rows_per_rank, row_width, dtype=dtype,
                                     device=device)
@@ -171,6 +196,24 @@ class SymmetricExchange:
         self._partial_ptrs_N = self._peer_pointers(self._partials_handle, self._partials, group)
         # push's reduce reads the N slots of its own buffer
         self._own_partial_ptrs_N = self._partial_ptrs_N[self.rank].repeat(self.world_size)
+        self._flags = self._signal_flags(symm_mem, device) if signals else None
+
+    def _signal_flags(self, symm_mem, device) -> dict[str, triton_flags.Flags]:
+        """The flags of signals (triton_flags), in the row buffer's signal pads: each message's
+        producer's (which clears the other message's) and its consumers'."""
+        words = (1 + max(triton_flags.ROWS_CHANNEL, triton_flags.PARTIALS_CHANNEL)) * self.world_size
+        if 4 * words > symm_mem.get_signal_pad_size():
+            raise RuntimeError(f"{words} flags do not fit a {symm_mem.get_signal_pad_size()}-byte signal pad")
+        pads_N = torch.tensor(self._rows_handle.signal_pad_ptrs, dtype=torch.int64, device=device)
+        flags = functools.partial(triton_flags.Flags, pads_N, self.rank, timeout_ns=self.timeout_ms * 1_000_000)
+        rows, partials = triton_flags.ROWS_CHANNEL, triton_flags.PARTIALS_CHANNEL
+        return {"rows": flags(rows, counter_1=triton_flags.counter(device), clear_channel=partials),
+                "rows_wait": flags(rows),
+                "partials": flags(partials, counter_1=triton_flags.counter(device), clear_channel=rows),
+                "partials_wait": flags(partials)}
+
+    def _flag(self, name: str) -> triton_flags.Flags | None:
+        return None if self._flags is None else self._flags[name]
 
     def _peer_pointers(self, handle, local: Tensor, group) -> Tensor:
         """Every rank's address of `local`'s buffer (int64, on the device): the peers' mapped
@@ -187,39 +230,47 @@ class SymmetricExchange:
         """Whether a step of rows_per_rank rows of this width goes through the exchange."""
         return rows_per_rank <= self.max_rows_per_rank and row_width == self.row_width
 
-    def row_target(self, rows_per_rank: int) -> tuple[Tensor, tuple[Tensor, int] | None]:
-        """Where route_pack / pack write this rank's B rows: (out, dests) as they take them."""
+    def row_target(self, rows_per_rank: int) -> tuple[Tensor, tuple[Tensor, int] | None, triton_flags.Flags | None]:
+        """Where route_pack / pack write this rank's B rows: (out, dests, signal) as they take them."""
         b = rows_per_rank
         if self.push:  # slot `rank` of every rank's buffer
-            return self._rows[self.rank * b:(self.rank + 1) * b], (self._row_ptrs_N, self.rank * b)
-        return self._rows[:b], None
+            return self._rows[self.rank * b:(self.rank + 1) * b], (self._row_ptrs_N, self.rank * b), self._flag("rows")
+        return self._rows[:b], None, None
 
-    def gathered_rows(self, rows_per_rank: int) -> Tensor:
-        """recv_JW: every rank's B rows in rank order, once every rank has written its own."""
+    def gathered_rows(self, rows_per_rank: int) -> tuple[Tensor, triton_flags.Flags | None]:
+        """(recv_JW, wait): every rank's B rows in rank order, once every rank has written its own
+        (after a barrier; with signals, once the flags `wait` says so: align waits for them)."""
+        if self.signals:
+            return self._rows[:self.world_size * rows_per_rank], self._flag("rows_wait")
         self._rows_handle.barrier(channel=0, timeout_ms=self.timeout_ms)
         if self.push:
-            return self._rows[:self.world_size * rows_per_rank]
+            return self._rows[:self.world_size * rows_per_rank], None
         recv_JW = self._rows.new_empty(self.world_size * rows_per_rank, self.row_width)
         gather_rows(self._row_ptrs_N, recv_JW, rows_per_rank)
-        return recv_JW
+        return recv_JW, None
 
-    def partial_target(self, rows_per_rank: int) -> tuple[Tensor, tuple[Tensor, int] | None]:
-        """Where triton_ep.partials writes the J gathered rows' partials: (out, owners) as it
-        takes them (push: row j into slot `rank` of its owner j // B's buffer)."""
+    def partial_target(self, rows_per_rank: int) -> tuple[Tensor, tuple[Tensor, int] | None,
+                                                          triton_flags.Flags | None]:
+        """Where triton_ep.partials writes the J gathered rows' partials: (out, owners, signal) as
+        it takes them (push: row j into slot `rank` of its owner j // B's buffer)."""
         partial_JD = self._partials[:self.world_size * rows_per_rank]
-        return partial_JD, (self._partial_ptrs_N, self.rank * rows_per_rank) if self.push else None
+        if not self.push:
+            return partial_JD, None, None
+        return partial_JD, (self._partial_ptrs_N, self.rank * rows_per_rank), self._flag("partials")
 
     def reduce(self, num_tokens: int, rows_per_rank: int, dtype: torch.dtype,
                add_norm: AddNorm | None = None) -> Tensor:
         """This rank's first num_tokens rows summed over the ranks' partials (fp32, rank order),
         rounded to dtype, once every rank has written them; add_norm(that), fused, if given."""
-        self._partials_handle.barrier(channel=0, timeout_ms=self.timeout_ms)
+        if not self.signals:  # with signals the sum's kernel waits for the flags
+            self._partials_handle.barrier(channel=0, timeout_ms=self.timeout_ms)
         if self.push:
             ptrs_N, first_row, row_step = self._own_partial_ptrs_N, 0, rows_per_rank
         else:
             ptrs_N, first_row, row_step = self._partial_ptrs_N, self.rank * rows_per_rank, 0
+        wait = self._flag("partials_wait")
         if add_norm is not None:
-            return reduce_add_norm(ptrs_N, add_norm, first_row, row_step)
+            return reduce_add_norm(ptrs_N, add_norm, first_row, row_step, wait)
         out_TD = self._partials.new_empty(num_tokens, self.hidden, dtype=dtype)
-        reduce_rows(ptrs_N, out_TD, first_row, row_step)
+        reduce_rows(ptrs_N, out_TD, first_row, row_step, wait)
         return out_TD

@@ -37,7 +37,8 @@ writes into the exchange's row target (with push, straight into every rank's
 gathered rows), the partials into its partial target (with push, straight to
 their owners), and the exchange's sum comes back in the model dtype, with the
 residual add and the next layer's RMSNorm fused where the layer loop hands them
-over (add_norm).
+over (add_norm). With its signals route_pack and partials set the peers' flags
+and align's count kernel waits for them (triton_flags), in place of barriers.
 
 Rounding: as moe.py's fixed-capacity mode (each rank sums its own experts'
 products, the partials are summed in fp32, rounded once). The fp32 sum over
@@ -55,7 +56,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from services.model import triton_fused, triton_moe
+from services.model import triton_flags, triton_fused, triton_moe
 from services.model.layers import AddNorm
 from services.model.moe import ExpertComm
 
@@ -111,8 +112,10 @@ def _store_meta(meta_ptr, dests_ptr, row, meta_stride, meta_bytes, k, ids, weigh
 
 @triton.jit
 def _pack_kernel(x_ptr, ids_ptr, weights_ptr, rows_ptr, meta_ptr, dests_ptr, first_row, num_tokens, hidden,
-                 row_stride, meta_stride, meta_bytes, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_D: tl.constexpr, NUM_DESTS: tl.constexpr, HAS_DESTS: tl.constexpr):
+                 row_stride, meta_stride, meta_bytes, flag_pads_ptr, flag_rank, flag_channel, flag_clear_channel,
+                 flag_counter_ptr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                 NUM_DESTS: tl.constexpr, HAS_DESTS: tl.constexpr, FLAG_RANKS: tl.constexpr,
+                 FLAG_CLEAR: tl.constexpr, SIGNAL: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     is_token = j < num_tokens
     k = tl.arange(0, BLOCK_K)
@@ -124,6 +127,9 @@ def _pack_kernel(x_ptr, ids_ptr, weights_ptr, rows_ptr, meta_ptr, dests_ptr, fir
                 weights.to(tl.int32, bitcast=True), k_mask, TOP_K, NUM_DESTS, HAS_DESTS)
     if is_token:
         _copy_row(x_ptr, rows_ptr, dests_ptr, j, first_row + j, hidden, row_stride, NUM_DESTS, HAS_DESTS, BLOCK_D)
+    if SIGNAL:  # the rows are in every peer's buffer: the last program says so (symm_exchange's signals)
+        triton_flags.signal_peers(flag_pads_ptr, flag_rank, flag_channel, flag_clear_channel, flag_counter_ptr,
+                                  FLAG_RANKS, FLAG_CLEAR)
 
 
 def _send_buffer(x_TD: Tensor, top_k: int, rows_per_rank: int,
@@ -139,21 +145,26 @@ def _send_buffer(x_TD: Tensor, top_k: int, rows_per_rank: int,
     return send_BW, _meta(send_BW, hidden), min(triton.next_power_of_2(max(hidden, 1)), 1024)
 
 
-def _dest_args(x_TD: Tensor, send_BW: Tensor, dests: tuple[Tensor, int] | None) -> dict:
-    """The destination arguments of the pack kernels: send_BW itself, or each buffer of dests."""
+def _dest_args(x_TD: Tensor, send_BW: Tensor, dests: tuple[Tensor, int] | None,
+               signal: triton_flags.Flags | None = None) -> dict:
+    """The destination arguments of the pack kernels: send_BW itself, or each buffer of dests;
+    and signal's flags (symm_exchange's signals), if given."""
+    flags = triton_flags.no_signal_args(send_BW) if signal is None else signal.signal_args()
     if dests is None:
-        return dict(dests_ptr=send_BW, first_row=0, meta_bytes=0, NUM_DESTS=1, HAS_DESTS=False)
+        assert signal is None, "flags signal rows pushed to the peers"
+        return dict(dests_ptr=send_BW, first_row=0, meta_bytes=0, NUM_DESTS=1, HAS_DESTS=False, **flags)
     ptrs_N, first_row = dests
     return dict(dests_ptr=ptrs_N, first_row=first_row, meta_bytes=x_TD.shape[1] * x_TD.element_size(),
-                NUM_DESTS=ptrs_N.numel(), HAS_DESTS=True)
+                NUM_DESTS=ptrs_N.numel(), HAS_DESTS=True, **flags)
 
 
 def pack(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, rows_per_rank: int, out: Tensor | None = None,
-         dests: tuple[Tensor, int] | None = None) -> Tensor:
+         dests: tuple[Tensor, int] | None = None, signal: triton_flags.Flags | None = None) -> Tensor:
     """send_BW (written into out, if given): token t's [x row | ids + 1 | fp32 weights] in row
     t < T, rows past T with id 0 (their hidden part unset: no expert reads it). dests: (ptrs_N,
     first_row): the rows go instead into each of the N buffers at those addresses (laid out as
-    send_BW's), from their row first_row (symm_exchange's push; out then only gives the shape)."""
+    send_BW's), from their row first_row (symm_exchange's push; out then only gives the shape).
+    signal: the peers' flags the kernel sets once every row is written (symm_exchange's signals)."""
     (num_tokens, hidden), top_k = x_TD.shape, ids_TK.shape[1]
     assert x_TD.is_contiguous() and ids_TK.is_contiguous() and weights_TK.is_contiguous()
     send_BW, meta_BM, block_d = _send_buffer(x_TD, top_k, rows_per_rank, out)
@@ -161,15 +172,17 @@ def pack(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, rows_per_rank: int, o
         _pack_kernel[(rows_per_rank,)](x_TD, ids_TK, weights_TK, send_BW, meta_BM, num_tokens=num_tokens,
                                        hidden=hidden, row_stride=send_BW.stride(0), meta_stride=meta_BM.stride(0),
                                        TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_D=block_d,
-                                       **_dest_args(x_TD, send_BW, dests))
+                                       **_dest_args(x_TD, send_BW, dests, signal))
     return send_BW
 
 
 @triton.jit
 def _route_pack_kernel(logits_ptr, x_ptr, rows_ptr, meta_ptr, hits_ptr, dests_ptr, first_row, num_tokens,
-                       num_experts, hidden, row_stride, meta_stride, meta_bytes, NORM: tl.constexpr,
-                       TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
-                       NUM_DESTS: tl.constexpr, HAS_DESTS: tl.constexpr):
+                       num_experts, hidden, row_stride, meta_stride, meta_bytes, flag_pads_ptr, flag_rank, flag_channel,
+                       flag_clear_channel, flag_counter_ptr, NORM: tl.constexpr, TOP_K: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, NUM_DESTS: tl.constexpr,
+                       HAS_DESTS: tl.constexpr, FLAG_RANKS: tl.constexpr, FLAG_CLEAR: tl.constexpr,
+                       SIGNAL: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, BLOCK_K)
     if j < num_tokens:
@@ -186,12 +199,16 @@ def _route_pack_kernel(logits_ptr, x_ptr, rows_ptr, meta_ptr, hits_ptr, dests_pt
     else:  # padding: no expert
         _store_meta(meta_ptr, dests_ptr, first_row + j, meta_stride, meta_bytes, k, tl.zeros([BLOCK_K], tl.int32),
                     tl.zeros([BLOCK_K], tl.int32), k < TOP_K, TOP_K, NUM_DESTS, HAS_DESTS)
+    if SIGNAL:  # as _pack_kernel's
+        triton_flags.signal_peers(flag_pads_ptr, flag_rank, flag_channel, flag_clear_channel, flag_counter_ptr,
+                                  FLAG_RANKS, FLAG_CLEAR)
 
 
 def route_pack(logits_TE: Tensor, x_TD: Tensor, top_k: int, norm_topk_prob: bool, hit_counts_E: Tensor,
-               rows_per_rank: int, out: Tensor | None = None, dests: tuple[Tensor, int] | None = None) -> Tensor:
-    """pack(x_TD, *triton_fused.route(logits_TE, ...)[:2], rows_per_rank, out, dests) in one
-    kernel: the same rows, and each token's experts added to hit_counts_E."""
+               rows_per_rank: int, out: Tensor | None = None, dests: tuple[Tensor, int] | None = None,
+               signal: triton_flags.Flags | None = None) -> Tensor:
+    """pack(x_TD, *triton_fused.route(logits_TE, ...)[:2], rows_per_rank, out, dests, signal) in
+    one kernel: the same rows, and each token's experts added to hit_counts_E."""
     (num_tokens, hidden), num_experts = x_TD.shape, logits_TE.shape[1]
     assert x_TD.is_contiguous() and logits_TE.is_contiguous() and hit_counts_E.is_contiguous() and top_k < 128
     send_BW, meta_BM, block_d = _send_buffer(x_TD, top_k, rows_per_rank, out)
@@ -200,7 +217,7 @@ def route_pack(logits_TE: Tensor, x_TD: Tensor, top_k: int, norm_topk_prob: bool
             logits_TE, x_TD, send_BW, meta_BM, hit_counts_E, num_tokens=num_tokens, num_experts=num_experts,
             hidden=hidden, row_stride=send_BW.stride(0), meta_stride=meta_BM.stride(0), NORM=norm_topk_prob,
             TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(num_experts),
-            BLOCK_D=block_d, num_warps=ROUTE_PACK_WARPS, **_dest_args(x_TD, send_BW, dests))
+            BLOCK_D=block_d, num_warps=ROUTE_PACK_WARPS, **_dest_args(x_TD, send_BW, dests, signal))
     return send_BW
 
 
@@ -211,7 +228,9 @@ def _meta(rows_JW: Tensor, hidden: int) -> Tensor:
 
 @triton.jit
 def _partials_kernel(y_ptr, meta_ptr, out_ptr, owners_ptr, first_row, rows_per_rank, hidden, meta_stride, id_offset,
-                     num_local, TOP_K: tl.constexpr, HAS_OWNERS: tl.constexpr, BLOCK_D: tl.constexpr):
+                     num_local, flag_pads_ptr, flag_rank, flag_channel, flag_clear_channel, flag_counter_ptr,
+                     TOP_K: tl.constexpr, HAS_OWNERS: tl.constexpr, BLOCK_D: tl.constexpr, FLAG_RANKS: tl.constexpr,
+                     FLAG_CLEAR: tl.constexpr, SIGNAL: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = d < hidden
@@ -230,14 +249,18 @@ def _partials_kernel(y_ptr, meta_ptr, out_ptr, owners_ptr, first_row, rows_per_r
     if HAS_OWNERS:  # row j's owner, rank j // B, at row first_row + j % B of its buffer
         out = tl.load(owners_ptr + j // rows_per_rank).to(out_ptr.dtype) + (first_row + j % rows_per_rank) * hidden
     tl.store(out + d, total, mask=d_mask)
+    if SIGNAL:  # every partial is with its owner: the last program says so (symm_exchange's signals)
+        triton_flags.signal_peers(flag_pads_ptr, flag_rank, flag_channel, flag_clear_channel, flag_counter_ptr,
+                                  FLAG_RANKS, FLAG_CLEAR)
 
 
 def partials(y_RD: Tensor, meta_JM: Tensor, id_offset: int, num_local: int, out: Tensor | None = None,
-             owners: tuple[Tensor, int] | None = None) -> Tensor:
+             owners: tuple[Tensor, int] | None = None, signal: triton_flags.Flags | None = None) -> Tensor:
     """fp32 partial_JD (written into out, if given): each gathered row's weighted outputs of its
     local experts (y_RD's row j * K + k), each product rounded to y's dtype, summed in increasing k.
     owners: (ptrs_N, first_row): row j goes instead to the buffer at ptrs_N[j // B] (B = J / N),
-    at its row first_row + j % B (symm_exchange's push; out then only gives the shape)."""
+    at its row first_row + j % B (symm_exchange's push; out then only gives the shape). signal:
+    the peers' flags the kernel sets once every partial is written (symm_exchange's signals)."""
     num_rows, top_k = meta_JM.shape[0], meta_JM.shape[1] // 2
     hidden = y_RD.shape[1]
     partial_JD = torch.empty(num_rows, hidden, dtype=torch.float32, device=y_RD.device) if out is None else out
@@ -245,27 +268,31 @@ def partials(y_RD: Tensor, meta_JM: Tensor, id_offset: int, num_local: int, out:
     owners_ptr, first_row, rows_per_rank = partial_JD, 0, 1
     if owners is not None:
         (owners_ptr, first_row), rows_per_rank = owners, num_rows // owners[0].numel()
+    assert signal is None or owners is not None, "flags signal partials pushed to their owners"
+    flags = triton_flags.no_signal_args(partial_JD) if signal is None else signal.signal_args()
     if num_rows:
         block_d = min(triton.next_power_of_2(hidden), 1024)
         _partials_kernel[(num_rows, triton.cdiv(hidden, block_d))](
             y_RD, meta_JM, partial_JD, owners_ptr, first_row, rows_per_rank, hidden, meta_JM.stride(0), id_offset,
             num_local, TOP_K=top_k, HAS_OWNERS=owners is not None, BLOCK_D=block_d,
-            num_warps=PARTIALS_WARPS)
+            num_warps=PARTIALS_WARPS, **flags)
     return partial_JD
 
 
 def local_partials(recv_JW: Tensor, hidden: int, top_k: int, id_offset: int, w_gate_up_LGD: Tensor,
                    w_down_LDF: Tensor, config: triton_moe.MoEConfig | None = None, out: Tensor | None = None,
-                   owners: tuple[Tensor, int] | None = None) -> Tensor:
-    """Steps 4-5 on the gathered rows: the fp32 partial_JD (into out or owners, as partials
-    takes them) of this rank's local experts, whose global ids (+ 1, as packed) start at id_offset."""
+                   owners: tuple[Tensor, int] | None = None, signal: triton_flags.Flags | None = None,
+                   wait: triton_flags.Flags | None = None) -> Tensor:
+    """Steps 4-5 on the gathered rows: the fp32 partial_JD (into out or owners, and signal, as
+    partials takes them) of this rank's local experts, whose global ids (+ 1, as packed) start at
+    id_offset; with wait, once the peers' flags say their rows are in recv_JW."""
     num_rows, num_local = recv_JW.shape[0], w_gate_up_LGD.shape[0]
     meta_JM = _meta(recv_JW, hidden)
     config = config or local_config(num_rows)
-    a = triton_moe.align(meta_JM[:, :top_k], num_local, config.block_m, id_offset)
+    a = triton_moe.align(meta_JM[:, :top_k], num_local, config.block_m, id_offset, wait=wait)
     act_PF = triton_moe.gate_up(recv_JW[:, :hidden], a, w_gate_up_LGD, top_k, config.gate_up, config.tiles_first)
     y_RD = triton_moe.down(act_PF, a, w_down_LDF, num_rows * top_k, config.down, config.tiles_first)
-    return partials(y_RD, meta_JM, id_offset, num_local, out, owners)
+    return partials(y_RD, meta_JM, id_offset, num_local, out, owners, signal)
 
 
 def local_config(num_rows: int) -> triton_moe.MoEConfig:
@@ -281,13 +308,13 @@ def local_config(num_rows: int) -> triton_moe.MoEConfig:
 
 
 def _route_and_pack(layer, x_TD: Tensor, rows_per_rank: int, out: Tensor | None = None,
-                    dests: tuple[Tensor, int] | None = None) -> Tensor:
+                    dests: tuple[Tensor, int] | None = None, signal: triton_flags.Flags | None = None) -> Tensor:
     """Steps 1-2: this rank's rows, routed by the layer's gate, packed (route_pack / pack's
-    out and dests); their experts added to layer.hit_counts_E."""
+    out, dests and signal); their experts added to layer.hit_counts_E."""
     logits_TE = torch.nn.functional.linear(x_TD, layer.w_gate_ED)
     if layer.slot_map is None:
         return route_pack(logits_TE, x_TD, layer.top_k, layer.norm_topk_prob, layer.hit_counts_E, rows_per_rank,
-                          out, dests)
+                          out, dests, signal)
     # each token-copy to one replica's global slot
     ids_TK, weights_TK = triton_fused.route(logits_TE, layer.top_k, layer.norm_topk_prob, layer.hit_counts_E,
                                             x_TD.dtype)[:2]
@@ -295,7 +322,7 @@ def _route_and_pack(layer, x_TD: Tensor, rows_per_rank: int, out: Tensor | None 
     counts_E = torch.zeros(layer.w_gate_ED.shape[0], dtype=torch.int64, device=x_TD.device)
     counts_E.scatter_add_(0, ids_R, torch.ones_like(ids_R))
     ids_TK = layer.slot_map.route(ids_TK, counts_E).contiguous()
-    return pack(x_TD, ids_TK, weights_TK, rows_per_rank, out, dests)
+    return pack(x_TD, ids_TK, weights_TK, rows_per_rank, out, dests, signal)
 
 
 def gathered_moe(layer, x_TD: Tensor, rows_per_rank: int, add_norm: AddNorm | None = None) -> Tensor:
@@ -311,9 +338,9 @@ def gathered_moe(layer, x_TD: Tensor, rows_per_rank: int, add_norm: AddNorm | No
     exchange = comm.exchange
     if exchange is not None and exchange.fits(rows_per_rank, row_width(hidden, layer.top_k, x_TD.dtype)):
         _route_and_pack(layer, x_TD, rows_per_rank, *exchange.row_target(rows_per_rank))
-        recv_JW = exchange.gathered_rows(rows_per_rank)
+        recv_JW, wait = exchange.gathered_rows(rows_per_rank)
         local_partials(recv_JW, hidden, layer.top_k, id_offset, layer.w_gate_up_LGD, layer.w_down_LDF, None,
-                       *exchange.partial_target(rows_per_rank))
+                       *exchange.partial_target(rows_per_rank), wait=wait)
         # The exchange rounds the fp32 sum to the model dtype in its own kernel.
         return exchange.reduce(num_tokens, rows_per_rank, x_TD.dtype, add_norm)
     send_BW = _route_and_pack(layer, x_TD, rows_per_rank)

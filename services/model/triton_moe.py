@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from services.model import moe, triton_fused
+from services.model import moe, triton_flags, triton_fused
 from services.model.layers import AddNorm
 from services.model.triton_fused import add_residual, store_rms_norm
 
@@ -121,8 +121,11 @@ def _expert_members(ids_ptr, t, t_mask, e, ids_stride, id_offset, num_experts, T
 
 
 @triton.jit
-def _count_kernel(ids_ptr, chunk_counts_ptr, num_tokens, num_experts, ids_stride, id_offset, TOP_K: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+def _count_kernel(ids_ptr, chunk_counts_ptr, num_tokens, num_experts, ids_stride, id_offset, flag_pads_ptr, flag_rank,
+                  flag_channel, flag_timeout_ns, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                  FLAG_RANKS: tl.constexpr, WAIT: tl.constexpr):
+    if WAIT:  # the ids come from the peers (symm_exchange's signals): their flags first
+        triton_flags.wait_flags(flag_pads_ptr, flag_rank, flag_channel, flag_timeout_ns, FLAG_RANKS)
     chunk = tl.program_id(0)
     t = chunk * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, BLOCK_E)
@@ -178,10 +181,11 @@ class Alignment:
 
 
 def align(ids_TK: Tensor, num_experts: int, block_m: int, id_offset: int = 0,
-          chunk_counts: Tensor | None = None) -> Alignment:
+          chunk_counts: Tensor | None = None, wait: triton_flags.Flags | None = None) -> Alignment:
     """Counting sort of the routed rows by expert (each token's ids distinct), stable in r.
     chunk_counts: each ALIGN_TOKENS tokens' rows per expert, if the routing counted them
-    (triton_fused.gate_route_rows; id_offset 0): the count kernel is skipped.
+    (triton_fused.gate_route_rows; id_offset 0): the count kernel is skipped. wait: the peers'
+    flags the count kernel waits for before reading ids_TK (symm_exchange's signals).
 
     ids_TK may be a strided view (its rows any stride, its columns contiguous). Expert
     ids_TK[t, k] - id_offset is the local expert; a routed row whose local id is outside
@@ -205,10 +209,12 @@ def align(ids_TK: Tensor, num_experts: int, block_m: int, id_offset: int = 0,
         ids_stride = ids_TK.stride(0)
         if chunk_counts is None:
             chunk_counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=device)
+            flags = triton_flags.no_wait_args(chunk_counts) if wait is None else wait.wait_args()
             _count_kernel[(num_chunks,)](ids_TK, chunk_counts, num_tokens, num_experts, ids_stride, id_offset,
-                                         TOP_K=top_k, BLOCK_T=ALIGN_TOKENS, BLOCK_E=block_e, num_warps=ALIGN_WARPS)
+                                         TOP_K=top_k, BLOCK_T=ALIGN_TOKENS, BLOCK_E=block_e, num_warps=ALIGN_WARPS,
+                                         **flags)
         else:
-            assert chunk_counts.shape == (num_chunks, num_experts) and id_offset == 0
+            assert chunk_counts.shape == (num_chunks, num_experts) and id_offset == 0 and wait is None
         _place_kernel[(num_chunks,)](ids_TK, chunk_counts, sorted_ids_P, pos_R, starts_E, counts_E, ends_E,
                                      num_tokens, num_experts, num_chunks, ids_stride, id_offset, TOP_K=top_k,
                                      BLOCK_M=block_m, BLOCK_T=ALIGN_TOKENS, BLOCK_E=block_e, BLOCK_C=64,

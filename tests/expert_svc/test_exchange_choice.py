@@ -44,8 +44,8 @@ def _rank(ep_exchange: str):
 
 
 class Works:
-    def __init__(self, group, max_rows_per_rank, row_width, hidden, dtype, device, timeout_ms, push):
-        self.args = (max_rows_per_rank, row_width, hidden, timeout_ms, push)
+    def __init__(self, group, max_rows_per_rank, row_width, hidden, dtype, device, timeout_ms, push, signals):
+        self.args = (max_rows_per_rank, row_width, hidden, timeout_ms, push, signals)
 
 
 class Fails:
@@ -76,4 +76,19 @@ def test_the_ranks_agree_on_the_exchange(monkeypatch, symm_exchange, mine, other
         # Buffers for the largest decode step, rows of the packed width, the collective timeout,
         # each rank reading its peers' buffers (pull: --ep-exchange-push is off by default).
         assert exchange.args == (256, mc.hidden_size + 8 * mc.num_experts_per_tok // 2, mc.hidden_size, 120_000,
-                                 False)
+                                 False, False)
+
+
+@pytest.mark.parametrize("push,signals,expected", [(True, False, (True, False)), (False, True, (True, True)),
+                                                   (True, True, (True, True))])
+def test_signals_imply_push(monkeypatch, symm_exchange, push, signals, expected):
+    monkeypatch.setattr(symm_exchange, "SymmetricExchange", Works)
+    rank = _rank("auto")
+    rank.config = ExpertConfig(member_id="e0", random_weights="tiny", device="cuda", ep_exchange_push=push,
+                               ep_exchange_signals=signals)
+    assert ExpertRank._symmetric_exchange(rank, FakeComm([-1]), required=False).args[4:] == expected
+
+
+def test_signals_without_push_are_refused(symm_exchange):
+    with pytest.raises(ValueError, match="signals need push"):
+        symm_exchange.SymmetricExchange(None, 4, 8, 8, torch.bfloat16, "cpu", push=False, signals=True)

@@ -234,15 +234,16 @@ class _GlooExchange:
 
     def row_target(self, rows_per_rank: int):
         b = rows_per_rank
-        return self.rows_for[self.rank][self.rank * b:(self.rank + 1) * b], (_pointers(self.rows_for), self.rank * b)
+        return (self.rows_for[self.rank][self.rank * b:(self.rank + 1) * b], (_pointers(self.rows_for), self.rank * b),
+                None)
 
     def gathered_rows(self, rows_per_rank: int):
         self.calls.append("gathered_rows")
-        return self._deliver(self.rows_for, self.rows, rows_per_rank)
+        return self._deliver(self.rows_for, self.rows, rows_per_rank), None
 
     def partial_target(self, rows_per_rank: int):
         return (self.partials[:self.num_ranks * rows_per_rank],
-                (_pointers(self.partials_for), self.rank * rows_per_rank))
+                (_pointers(self.partials_for), self.rank * rows_per_rank), None)
 
     def reduce(self, num_tokens: int, rows_per_rank: int, dtype, add_norm=None):
         self.calls.append("reduce")
@@ -329,3 +330,60 @@ def test_expert_parallel_steps_on_cuda_take_a_fixed_capacity(monkeypatch):
     assert two_ranks.dispatch_capacity(5) == 8 * 2  # a decode bucket, as before: min(K, L) = 2 copies per token
     assert two_ranks.dispatch_capacity(300) == 300 * 2
     assert one_rank.dispatch_capacity(300) is None
+
+
+@pytest.mark.parametrize("tokens_N", [[5, 3], [2, 0, 4, 1]])
+def test_signalled_push_layers_match_the_one_rank_layer_and_leave_the_flags_consistent(tep, tokens_N):
+    """symm_exchange's signals, the ranks simulated in one process and run in turn (each kernel
+    of every rank before the next kernel): route_pack pushes the rows and sets this rank's rows
+    flag in each peer's pad, the count kernel waits for the peers' flags, partials pushes and
+    sets the partials flags, the sum waits for them. Over three layers: the one-rank layer's
+    output each time, the producers' counters back at zero, and each channel's flags cleared by
+    the other channel's producer before they are set again."""
+    flags_mod = tep.triton_flags
+    sx = __import__("services.model.symm_exchange", fromlist=["reduce_rows"])
+    num_ranks, top_k = len(tokens_N), 2
+    num_local, rows_per_rank = NUM_EXPERTS // num_ranks, max(tokens_N)
+    weights = _weights(torch.float32)
+    reference = _layer(weights, top_k)
+    layers = [_layer(weights, top_k, _FakeComm(rank, num_ranks)) for rank in range(num_ranks)]
+    width = tep.row_width(HIDDEN, top_k, torch.float32)
+    rows = [torch.full((num_ranks * rows_per_rank, width), float("nan")) for _ in range(num_ranks)]
+    partials = [torch.full((num_ranks * rows_per_rank, HIDDEN), float("nan")) for _ in range(num_ranks)]
+    pads = [torch.zeros(3 * num_ranks, dtype=torch.int32) for _ in range(num_ranks)]
+    row_ptrs, partial_ptrs, pads_N = (torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)
+                                      for ts in (rows, partials, pads))
+    counters = {(rank, c): flags_mod.counter("cpu") for rank in range(num_ranks) for c in ("rows", "partials")}
+    rows_ch, partials_ch = flags_mod.ROWS_CHANNEL, flags_mod.PARTIALS_CHANNEL
+
+    def flags(rank, channel, produced=None):
+        if produced is None:
+            return flags_mod.Flags(pads_N, rank, channel, timeout_ns=10 ** 9)
+        other = partials_ch if channel == rows_ch else rows_ch
+        return flags_mod.Flags(pads_N, rank, channel, counter_1=counters[rank, produced], clear_channel=other)
+
+    def channel(rank, ch):
+        return pads[rank][ch * num_ranks:(ch + 1) * num_ranks].tolist()
+
+    def peers_set(rank):
+        return [int(s != rank) for s in range(num_ranks)]
+
+    for layer_index in range(3):
+        xs = [_tokens(n, torch.float32, seed=30 + 7 * layer_index + rank) for rank, n in enumerate(tokens_N)]
+        for rank, (layer, x_TD) in enumerate(zip(layers, xs)):
+            b = rows_per_rank
+            tep._route_and_pack(layer, x_TD, b, rows[rank][rank * b:(rank + 1) * b], (row_ptrs, rank * b),
+                                flags(rank, rows_ch, "rows"))
+        for rank in range(num_ranks):
+            assert channel(rank, rows_ch) == peers_set(rank) and channel(rank, partials_ch) == [0] * num_ranks
+        for rank, layer in enumerate(layers):
+            tep.local_partials(rows[rank], HIDDEN, top_k, 1 + rank * num_local, layer.w_gate_up_LGD,
+                               layer.w_down_LDF, _config(tep), partials[rank], (partial_ptrs, rank * rows_per_rank),
+                               flags(rank, partials_ch, "partials"), wait=flags(rank, rows_ch))
+        for rank in range(num_ranks):
+            assert channel(rank, rows_ch) == [0] * num_ranks and channel(rank, partials_ch) == peers_set(rank)
+        for rank, x_TD in enumerate(xs):
+            out_TD = torch.empty(tokens_N[rank], HIDDEN)
+            sx.reduce_rows(partial_ptrs[rank].repeat(num_ranks), out_TD, 0, rows_per_rank, flags(rank, partials_ch))
+            torch.testing.assert_close(out_TD, reference(x_TD), atol=1e-5, rtol=1e-5)
+        assert all(int(c) == 0 for c in counters.values())
