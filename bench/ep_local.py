@@ -15,6 +15,10 @@ local experts), every rank B tokens (rows per rank), J = N * B gathered rows:
    under each --variants setting of module knobs (bench/decode_variants.py's
    syntax, e.g. "warps=triton_ep.PARTIALS_WARPS:8"); ms, the local
    experts' weights in GB/s, and the kernels of one eager call;
+   With --signals each variant also with symm_exchange's signals (triton_flags),
+   the pads' table looped back (rank s's pad at this rank's pad + 4 s bytes,
+   so the producers' flags for the peers land where this rank's consumers
+   wait for the peers'): what the flags cost without NVLink, and the same bits;
 2. --sweep: local_partials' two GEMMs alone for each block_m and candidate tile
    of bench/moe_large_batch.py (eager launches, mean of --reps), both launch
    orders, against default_config(J)'s.
@@ -38,7 +42,7 @@ from bench.decode_variants import overridden, parse_variants  # noqa: E402
 from bench.kernel_profile import top_kernels  # noqa: E402
 from bench.moe_large_batch import (  # noqa: E402
     DOWN_TILES, GATE_UP_TILES, HIDDEN, NUM_EXPERTS, TOP_K, WIDTH, tile_ms, time_ms)
-from services.model import symm_exchange, triton_ep, triton_fused, triton_moe  # noqa: E402
+from services.model import symm_exchange, triton_ep, triton_flags, triton_fused, triton_moe  # noqa: E402
 from services.model.layers import AddNorm  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -55,6 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--variants", default="", help="knob settings to compare, as bench/decode_variants.py's "
                    "(name=module.attr:value,...;...; base first)")
     p.add_argument("--rounds", type=int, default=2, help="times each variant runs, in turn with the others")
+    p.add_argument("--signals", action="store_true", help="time each variant with the exchange's flags too "
+                   "(looped back to this rank)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = p.parse_args(argv)
     args.variants = parse_variants(args.variants)
@@ -83,29 +89,45 @@ class Rank:
                                                 for buffers in (self.rows, self.partials))
         self.own_partials_N = self.partial_ptrs_N[:1].repeat(num_ranks)
         self.hits_E = torch.zeros(NUM_EXPERTS, dtype=torch.int64, device="cuda")
+        # Signals looped back: "rank s's pad" is this pad + 4 s bytes, so the flag rank 0 sets in
+        # rank s's pad (word channel * N + 0 there) is word channel * N + s of its own pad: the
+        # flag rank 0's consumers wait for from rank s.
+        self.pad = torch.zeros(3 * num_ranks, dtype=torch.int32, device="cuda")
+        pads_N = torch.tensor([self.pad.data_ptr() + 4 * s for s in range(num_ranks)], device="cuda")
+        rows_ch, partials_ch = triton_flags.ROWS_CHANNEL, triton_flags.PARTIALS_CHANNEL
+        self.flags = {
+            "rows": triton_flags.Flags(pads_N, 0, rows_ch, counter_1=triton_flags.counter("cuda"),
+                                       clear_channel=partials_ch),
+            "rows_wait": triton_flags.Flags(pads_N, 0, rows_ch, timeout_ns=10 ** 10),
+            "partials": triton_flags.Flags(pads_N, 0, partials_ch, counter_1=triton_flags.counter("cuda"),
+                                           clear_channel=rows_ch),
+            "partials_wait": triton_flags.Flags(pads_N, 0, partials_ch, timeout_ns=10 ** 10)}
 
     def tokens(self, rows_per_rank: int, rank: int) -> torch.Tensor:
         g = torch.Generator(device="cuda").manual_seed(1000 * rows_per_rank + rank)
         return torch.randn(rows_per_rank, HIDDEN, generator=g, device="cuda").to(DTYPE)
 
-    def pack(self, x_TD: torch.Tensor, rank: int, rows_per_rank: int) -> None:
+    def pack(self, x_TD: torch.Tensor, rank: int, rows_per_rank: int, signals: bool = False) -> None:
         """Rank `rank`'s rows routed and written into slot `rank` of every row buffer."""
         logits_TE = torch.nn.functional.linear(x_TD, self.w_gate_ED)
         b = rows_per_rank
         triton_ep.route_pack(logits_TE, x_TD, TOP_K, True, self.hits_E, b, self.rows[rank][rank * b:(rank + 1) * b],
-                             (self.row_ptrs_N, rank * b))
+                             (self.row_ptrs_N, rank * b), self.flags["rows"] if signals else None)
 
     def gathered(self, rows_per_rank: int) -> torch.Tensor:
         return self.rows[0][:self.num_ranks * rows_per_rank]
 
-    def step(self, x_TD: torch.Tensor, add_norm: AddNorm, config: triton_moe.MoEConfig) -> torch.Tensor:
+    def step(self, x_TD: torch.Tensor, add_norm: AddNorm, config: triton_moe.MoEConfig,
+             signals: bool = False) -> torch.Tensor:
         """Rank 0's kernels of one layer: its rows to every rank, its experts on the gathered
-        rows, the partials to their owners, the sum over its own slots with the add and norm."""
-        b = x_TD.shape[0]
-        self.pack(x_TD, 0, b)
+        rows, the partials to their owners, the sum over its own slots with the add and norm;
+        with signals, the flags set and waited for (looped back)."""
+        b, flags = x_TD.shape[0], self.flags if signals else {}
+        self.pack(x_TD, 0, b, signals)
         triton_ep.local_partials(self.gathered(b), HIDDEN, TOP_K, 1, self.w_gate_up_LGD, self.w_down_LDF, config,
-                                 self.partials[0][:self.num_ranks * b], (self.partial_ptrs_N, 0))
-        return symm_exchange.reduce_add_norm(self.own_partials_N, add_norm, 0, b)
+                                 self.partials[0][:self.num_ranks * b], (self.partial_ptrs_N, 0),
+                                 flags.get("partials"), wait=flags.get("rows_wait"))
+        return symm_exchange.reduce_add_norm(self.own_partials_N, add_norm, 0, b, flags.get("partials_wait"))
 
 
 def chain(rank: Rank, rows_per_rank: int, args) -> dict:
@@ -122,20 +144,29 @@ def chain(rank: Rank, rows_per_rank: int, args) -> dict:
     weight_bytes = experts_hit * 3 * WIDTH * HIDDEN * DTYPE.itemsize
     result = {"rows_per_rank": b, "gathered_rows": num_rows, "local_pairs": int(a.counts_E.sum()),
               "local_experts_hit": experts_hit, "variants": {}}
-    rounds = {name: [] for name in args.variants}
+    variants = {f"{name}{suffix}": (overrides, signals) for name, overrides in args.variants.items()
+                for suffix, signals in ((("", False), ("+signals", True)) if args.signals else (("", False),))}
+    rounds = {name: [] for name in variants}
     for _ in range(args.rounds):
-        for name, overrides in args.variants.items():
+        for name, (overrides, signals) in variants.items():
             with overridden(overrides):
                 config = triton_ep.local_config(num_rows)
-                rounds[name].append(time_ms(lambda: rank.step(x_TD, add_norm, config), args.reps, True))
+                rounds[name].append(time_ms(lambda: rank.step(x_TD, add_norm, config, signals), args.reps, True))
     for name, times in rounds.items():
         ms = statistics.median(times)
-        result["variants"][name] = {"overrides": args.variants[name], "graph_ms": ms, "by_round": times,
+        result["variants"][name] = {"overrides": variants[name][0], "graph_ms": ms, "by_round": times,
                                     "weights_GB_per_s": weight_bytes / ms / 1e6}
     config = triton_ep.local_config(num_rows)
     result["config"] = repr(config)
     result["kernels"] = top_kernels(lambda: rank.step(x_TD, add_norm, config), torch.device("cuda"))
     result["checks"] = check_push(rank, x_TD, config)
+    if args.signals:  # the same layer's bits with and without the flags
+        outputs = []
+        for signals in (False, True):
+            x_copy = add_norm.x_TD.clone()
+            outputs.append((rank.step(x_TD, AddNorm(x_copy, rank.norm_D, 1e-6, None), config, signals), x_copy))
+        result["checks"]["signals_equal"] = all(torch.equal(a, b) for a, b in zip(*outputs))
+        result["kernels_signals"] = top_kernels(lambda: rank.step(x_TD, add_norm, config, True), torch.device("cuda"))
     return result
 
 
@@ -233,6 +264,16 @@ def markdown(result: dict) -> str:
               for key in ("rows_equal", "partials_equal", "add_norm_equal")}
     lines += ["", "Push kernels against their local forms, bit for bit, at every size: "
               + ", ".join(f"{key}: {'yes' if ok else 'NO'}" for key, ok in checks.items()) + "."]
+    if all("signals_equal" in row["chain"]["checks"] for row in result["rows"]):
+        same = all(row["chain"]["checks"]["signals_equal"] for row in result["rows"])
+        lines += ["", f"The layer with signals (flags looped back) against without, bit for bit: "
+                  f"{'yes' if same else 'NO'}.", ""]
+        for row in result["rows"]:
+            c = row["chain"]
+            lines += [f"Kernels of one eager call with signals, {c['rows_per_rank']} rows per rank:", "",
+                      "| kernel | calls | us |", "|---|---:|---:|"]
+            lines += [f"| `{k['name'][:90]}` | {k['calls']} | {k['total_us']:.1f} |" for k in c["kernels_signals"]]
+            lines.append("")
     if any("sweep" in row for row in result["rows"]):
         lines += ["", "## local_partials' GEMMs alone (eager, mean ms): the best tiles per block_m and order", "",
                   "| rows per rank | block_m, order | best gate_up (n, k, warps, stages) | best down | ms |",

@@ -115,7 +115,7 @@ def _pack_kernel(x_ptr, ids_ptr, weights_ptr, rows_ptr, meta_ptr, dests_ptr, fir
                  row_stride, meta_stride, meta_bytes, flag_pads_ptr, flag_rank, flag_channel, flag_clear_channel,
                  flag_counter_ptr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
                  NUM_DESTS: tl.constexpr, HAS_DESTS: tl.constexpr, FLAG_RANKS: tl.constexpr,
-                 FLAG_CLEAR: tl.constexpr, SIGNAL: tl.constexpr):
+                 FLAG_CLEAR: tl.constexpr, FLAG_SCOPE: tl.constexpr, SIGNAL: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     is_token = j < num_tokens
     k = tl.arange(0, BLOCK_K)
@@ -129,7 +129,7 @@ def _pack_kernel(x_ptr, ids_ptr, weights_ptr, rows_ptr, meta_ptr, dests_ptr, fir
         _copy_row(x_ptr, rows_ptr, dests_ptr, j, first_row + j, hidden, row_stride, NUM_DESTS, HAS_DESTS, BLOCK_D)
     if SIGNAL:  # the rows are in every peer's buffer: the last program says so (symm_exchange's signals)
         triton_flags.signal_peers(flag_pads_ptr, flag_rank, flag_channel, flag_clear_channel, flag_counter_ptr,
-                                  FLAG_RANKS, FLAG_CLEAR)
+                                  FLAG_RANKS, FLAG_CLEAR, FLAG_SCOPE)
 
 
 def _send_buffer(x_TD: Tensor, top_k: int, rows_per_rank: int,
@@ -182,7 +182,7 @@ def _route_pack_kernel(logits_ptr, x_ptr, rows_ptr, meta_ptr, hits_ptr, dests_pt
                        flag_clear_channel, flag_counter_ptr, NORM: tl.constexpr, TOP_K: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, NUM_DESTS: tl.constexpr,
                        HAS_DESTS: tl.constexpr, FLAG_RANKS: tl.constexpr, FLAG_CLEAR: tl.constexpr,
-                       SIGNAL: tl.constexpr):
+                       FLAG_SCOPE: tl.constexpr, SIGNAL: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, BLOCK_K)
     if j < num_tokens:
@@ -201,7 +201,7 @@ def _route_pack_kernel(logits_ptr, x_ptr, rows_ptr, meta_ptr, hits_ptr, dests_pt
                     tl.zeros([BLOCK_K], tl.int32), k < TOP_K, TOP_K, NUM_DESTS, HAS_DESTS)
     if SIGNAL:  # as _pack_kernel's
         triton_flags.signal_peers(flag_pads_ptr, flag_rank, flag_channel, flag_clear_channel, flag_counter_ptr,
-                                  FLAG_RANKS, FLAG_CLEAR)
+                                  FLAG_RANKS, FLAG_CLEAR, FLAG_SCOPE)
 
 
 def route_pack(logits_TE: Tensor, x_TD: Tensor, top_k: int, norm_topk_prob: bool, hit_counts_E: Tensor,
@@ -230,7 +230,7 @@ def _meta(rows_JW: Tensor, hidden: int) -> Tensor:
 def _partials_kernel(y_ptr, meta_ptr, out_ptr, owners_ptr, first_row, rows_per_rank, hidden, meta_stride, id_offset,
                      num_local, flag_pads_ptr, flag_rank, flag_channel, flag_clear_channel, flag_counter_ptr,
                      TOP_K: tl.constexpr, HAS_OWNERS: tl.constexpr, BLOCK_D: tl.constexpr, FLAG_RANKS: tl.constexpr,
-                     FLAG_CLEAR: tl.constexpr, SIGNAL: tl.constexpr):
+                     FLAG_CLEAR: tl.constexpr, FLAG_SCOPE: tl.constexpr, SIGNAL: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = d < hidden
@@ -251,7 +251,7 @@ def _partials_kernel(y_ptr, meta_ptr, out_ptr, owners_ptr, first_row, rows_per_r
     tl.store(out + d, total, mask=d_mask)
     if SIGNAL:  # every partial is with its owner: the last program says so (symm_exchange's signals)
         triton_flags.signal_peers(flag_pads_ptr, flag_rank, flag_channel, flag_clear_channel, flag_counter_ptr,
-                                  FLAG_RANKS, FLAG_CLEAR)
+                                  FLAG_RANKS, FLAG_CLEAR, FLAG_SCOPE)
 
 
 def partials(y_RD: Tensor, meta_JM: Tensor, id_offset: int, num_local: int, out: Tensor | None = None,

@@ -14,8 +14,8 @@ themselves:
 - The producer (signal_peers, at the end of every program): program 0 first
   clears this rank's own flags of the other channel (whose consumer ran
   earlier on this stream); each program then counts itself done (a local
-  counter, acquire-release at system scope after a CTA barrier, so its
-  stores, its peers' included, come before); the last program resets the
+  counter, acquire-release after a CTA barrier, so its
+  stores, its peers' included, come before; COUNTER_SCOPE); the last program resets the
   counter and sets this rank's flag in each peer's pad (release, system
   scope): everything every program wrote is visible to a peer that sees it.
 - The consumer (wait_flags, at the start of every program) spins until each
@@ -57,6 +57,12 @@ from torch import Tensor
 # The flag channels of the exchange (torch's barrier uses channel 0).
 ROWS_CHANNEL = 1
 PARTIALS_CHANNEL = 2
+# The scope of the producers' done-counter (its programs are on one GPU): "gpu", as the
+# last-block pattern of CUDA's threadFenceReduction sample fences each block at device scope;
+# the last program's flag is then released at system scope, which orders every write it has
+# observed through the counter (release is cumulative in PTX's memory model). "sys" releases
+# each program's writes to the system itself (more to wait for at every program's end).
+COUNTER_SCOPE = "gpu"
 
 
 @triton.jit
@@ -91,11 +97,11 @@ def wait_flags(pads_ptr, rank, channel, timeout_ns, NUM_RANKS: tl.constexpr):
 
 @triton.jit
 def signal_peers(pads_ptr, rank, channel, clear_channel, counter_ptr, NUM_RANKS: tl.constexpr,
-                 CLEAR: tl.constexpr):
+                 CLEAR: tl.constexpr, SCOPE: tl.constexpr):
     """The end of a producer program (every program of the grid calls it once, after its
     stores): with CLEAR program 0 first clears this rank's flags of clear_channel; the last
     program to finish sets this rank's flag of `channel` in every peer's pad (see the module
-    docstring)."""
+    docstring). SCOPE: the done-counter's (COUNTER_SCOPE)."""
     pid = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
     if CLEAR:
         if pid == 0:
@@ -103,7 +109,7 @@ def signal_peers(pads_ptr, rank, channel, clear_channel, counter_ptr, NUM_RANKS:
             for source in tl.static_range(NUM_RANKS):
                 tl.atomic_xchg(flags + source, 0, sem="relaxed", scope="sys")
     tl.debug_barrier()  # every thread's stores before this program counts itself done
-    done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
+    done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope=SCOPE)
     if done == tl.num_programs(0) * tl.num_programs(1) - 1:  # the last: every program's stores came before
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
         for dest in tl.static_range(NUM_RANKS):
@@ -135,7 +141,8 @@ class Flags:
         assert self.counter_1 is not None, "a producer's flags need its counter"
         return dict(flag_pads_ptr=self.pads_N, flag_rank=self.rank, flag_channel=self.channel,
                     flag_clear_channel=max(self.clear_channel, 0), flag_counter_ptr=self.counter_1,
-                    FLAG_RANKS=self.pads_N.numel(), FLAG_CLEAR=self.clear_channel >= 0, SIGNAL=True)
+                    FLAG_RANKS=self.pads_N.numel(), FLAG_CLEAR=self.clear_channel >= 0, FLAG_SCOPE=COUNTER_SCOPE,
+                    SIGNAL=True)
 
 
 def no_wait_args(like: Tensor) -> dict:
@@ -146,7 +153,7 @@ def no_wait_args(like: Tensor) -> dict:
 def no_signal_args(like: Tensor) -> dict:
     """A producer kernel's flag keywords when it signals nothing (the pointers unread)."""
     return dict(flag_pads_ptr=like, flag_rank=0, flag_channel=0, flag_clear_channel=0, flag_counter_ptr=like,
-                FLAG_RANKS=1, FLAG_CLEAR=False, SIGNAL=False)
+                FLAG_RANKS=1, FLAG_CLEAR=False, FLAG_SCOPE=COUNTER_SCOPE, SIGNAL=False)
 
 
 def counter(device: torch.device | str) -> Tensor:
