@@ -202,8 +202,9 @@ class SymmetricExchange:
         """The flags of signals (triton_flags), in the row buffer's signal pads: each message's
         producer's (which clears the other message's) and its consumers'."""
         words = (1 + max(triton_flags.ROWS_CHANNEL, triton_flags.PARTIALS_CHANNEL)) * self.world_size
-        if 4 * words > symm_mem.get_signal_pad_size():
-            raise RuntimeError(f"{words} flags do not fit a {symm_mem.get_signal_pad_size()}-byte signal pad")
+        pad_bytes = getattr(symm_mem, "get_signal_pad_size", lambda: None)()  # newer torch only
+        if pad_bytes is not None and 4 * words > pad_bytes:
+            raise RuntimeError(f"{words} flags do not fit a {pad_bytes}-byte signal pad")
         pads_N = torch.tensor(self._rows_handle.signal_pad_ptrs, dtype=torch.int64, device=device)
         flags = functools.partial(triton_flags.Flags, pads_N, self.rank, timeout_ns=self.timeout_ms * 1_000_000)
         rows, partials = triton_flags.ROWS_CHANNEL, triton_flags.PARTIALS_CHANNEL
