@@ -130,3 +130,16 @@ def test_two_ranks_split_the_batch_and_compare_with_one(tmp_path):
     with pytest.raises(ValueError, match="a run of 2 ranks, not one"):
         decode_variants.main(common + ["--baseline", str(tmp_path / "two" / "decode_variants.json"),
                                        "--out", str(tmp_path / "three")])
+
+
+def test_the_gpu_sessions_exchanges_parse():
+    """gpu_session.sh's `step` part asks for every exchange on CUDA: accepted there, in order;
+    pull alone by default; only the collectives on the CPU."""
+    args = decode_variants.parse_args(["--out", "x", "--ranks", "2", "--exchanges", "pull,push,signals,collectives"])
+    assert decode_variants.parse_exchanges(args) == ["pull", "push", "signals", "collectives"]
+    assert decode_variants.parse_exchanges(decode_variants.parse_args(["--out", "x", "--ranks", "2"])) == ["pull"]
+    cpu = decode_variants.parse_args(["--out", "x", "--ranks", "2", "--device", "cpu"])
+    assert decode_variants.parse_exchanges(cpu) == ["collectives"]
+    step = next(line for line in (decode_variants.pathlib.Path(__file__).parents[2] / "bench" / "gpu_session.sh")
+                .read_text().splitlines() if "STEP_EXCHANGES:-" in line and "--exchanges" in line)
+    assert "pull,push,signals,collectives" in step
