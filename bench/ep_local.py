@@ -94,14 +94,7 @@ class Rank:
         # flag rank 0's consumers wait for from rank s.
         self.pad = torch.zeros(3 * num_ranks, dtype=torch.int32, device="cuda")
         pads_N = torch.tensor([self.pad.data_ptr() + 4 * s for s in range(num_ranks)], device="cuda")
-        rows_ch, partials_ch = triton_flags.ROWS_CHANNEL, triton_flags.PARTIALS_CHANNEL
-        self.flags = {
-            "rows": triton_flags.Flags(pads_N, 0, rows_ch, counter_1=triton_flags.counter("cuda"),
-                                       clear_channel=partials_ch),
-            "rows_wait": triton_flags.Flags(pads_N, 0, rows_ch, timeout_ns=10 ** 10),
-            "partials": triton_flags.Flags(pads_N, 0, partials_ch, counter_1=triton_flags.counter("cuda"),
-                                           clear_channel=rows_ch),
-            "partials_wait": triton_flags.Flags(pads_N, 0, partials_ch, timeout_ns=10 ** 10)}
+        self.flags = triton_flags.exchange_flags(pads_N, 0, "cuda", timeout_ns=10 ** 10)
 
     def tokens(self, rows_per_rank: int, rank: int) -> torch.Tensor:
         g = torch.Generator(device="cuda").manual_seed(1000 * rows_per_rank + rank)

@@ -53,7 +53,6 @@ way around it (vLLM's and SGLang's custom all-reduce kernels use the same
 idea over CUDA IPC); the mapping and the barrier are torch's own.
 """
 
-import functools
 import warnings
 
 import torch
@@ -118,10 +117,6 @@ def gather_rows(ptrs_N: Tensor, out_JW: Tensor, rows_per_rank: int) -> None:
                                     BLOCK=min(triton.next_power_of_2(width), 1024))
 
 
-def _wait_args(ptrs_N: Tensor, wait: triton_flags.Flags | None) -> dict:
-    return triton_flags.no_wait_args(ptrs_N) if wait is None else wait.wait_args()
-
-
 def reduce_rows(ptrs_N: Tensor, out_BD: Tensor, first_row: int, row_step: int = 0,
                 wait: triton_flags.Flags | None = None) -> None:
     """out_BD row i = the sum over ranks r (in rank order, fp32) of row first_row + r * row_step + i
@@ -135,7 +130,7 @@ def reduce_rows(ptrs_N: Tensor, out_BD: Tensor, first_row: int, row_step: int = 
         block_d = min(triton.next_power_of_2(hidden), 1024)
         _reduce_kernel[(num_rows, triton.cdiv(hidden, block_d))](
             ptrs_N, out_BD, out_BD, out_BD, first_row, row_step, hidden, 0.0, NUM_RANKS=ptrs_N.numel(),
-            ADD_NORM=False, BLOCK_D=block_d, **_wait_args(ptrs_N, wait))
+            ADD_NORM=False, BLOCK_D=block_d, **triton_flags.wait_args(wait, ptrs_N))
 
 
 def reduce_add_norm(ptrs_N: Tensor, add_norm: AddNorm, first_row: int, row_step: int = 0,
@@ -149,7 +144,7 @@ def reduce_add_norm(ptrs_N: Tensor, add_norm: AddNorm, first_row: int, row_step:
         _reduce_kernel[(x_TD.shape[0], 1)](
             ptrs_N, h_TD, x_TD, add_norm.weight_D, first_row, row_step, x_TD.shape[1], add_norm.eps,
             NUM_RANKS=ptrs_N.numel(), ADD_NORM=True, BLOCK_D=triton.next_power_of_2(x_TD.shape[1]), num_warps=8,
-            **_wait_args(ptrs_N, wait))
+            **triton_flags.wait_args(wait, ptrs_N))
     return h_TD
 
 
@@ -206,12 +201,7 @@ class SymmetricExchange:
         if pad_bytes is not None and 4 * words > pad_bytes:
             raise RuntimeError(f"{words} flags do not fit a {pad_bytes}-byte signal pad")
         pads_N = torch.tensor(self._rows_handle.signal_pad_ptrs, dtype=torch.int64, device=device)
-        flags = functools.partial(triton_flags.Flags, pads_N, self.rank, timeout_ns=self.timeout_ms * 1_000_000)
-        rows, partials = triton_flags.ROWS_CHANNEL, triton_flags.PARTIALS_CHANNEL
-        return {"rows": flags(rows, counter_1=triton_flags.counter(device), clear_channel=partials),
-                "rows_wait": flags(rows),
-                "partials": flags(partials, counter_1=triton_flags.counter(device), clear_channel=rows),
-                "partials_wait": flags(partials)}
+        return triton_flags.exchange_flags(pads_N, self.rank, device, self.timeout_ms * 1_000_000)
 
     def _flag(self, name: str) -> triton_flags.Flags | None:
         return None if self._flags is None else self._flags[name]

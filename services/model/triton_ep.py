@@ -149,7 +149,7 @@ def _dest_args(x_TD: Tensor, send_BW: Tensor, dests: tuple[Tensor, int] | None,
                signal: triton_flags.Flags | None = None) -> dict:
     """The destination arguments of the pack kernels: send_BW itself, or each buffer of dests;
     and signal's flags (symm_exchange's signals), if given."""
-    flags = triton_flags.no_signal_args(send_BW) if signal is None else signal.signal_args()
+    flags = triton_flags.signal_args(signal, send_BW)
     if dests is None:
         assert signal is None, "flags signal rows pushed to the peers"
         return dict(dests_ptr=send_BW, first_row=0, meta_bytes=0, NUM_DESTS=1, HAS_DESTS=False, **flags)
@@ -269,13 +269,12 @@ def partials(y_RD: Tensor, meta_JM: Tensor, id_offset: int, num_local: int, out:
     if owners is not None:
         (owners_ptr, first_row), rows_per_rank = owners, num_rows // owners[0].numel()
     assert signal is None or owners is not None, "flags signal partials pushed to their owners"
-    flags = triton_flags.no_signal_args(partial_JD) if signal is None else signal.signal_args()
     if num_rows:
         block_d = min(triton.next_power_of_2(hidden), 1024)
         _partials_kernel[(num_rows, triton.cdiv(hidden, block_d))](
             y_RD, meta_JM, partial_JD, owners_ptr, first_row, rows_per_rank, hidden, meta_JM.stride(0), id_offset,
             num_local, TOP_K=top_k, HAS_OWNERS=owners is not None, BLOCK_D=block_d,
-            num_warps=PARTIALS_WARPS, **flags)
+            num_warps=PARTIALS_WARPS, **triton_flags.signal_args(signal, partial_JD))
     return partial_JD
 
 

@@ -136,31 +136,38 @@ class Flags:
     counter_1: Tensor | None = None
     clear_channel: int = -1
 
-    def wait_args(self) -> dict:
-        """wait_flags' arguments, as a consumer kernel's (flag_*) keywords."""
-        return dict(flag_pads_ptr=self.pads_N, flag_rank=self.rank, flag_channel=self.channel,
-                    flag_timeout_ns=self.timeout_ns, FLAG_RANKS=self.pads_N.numel(), WAIT=True)
 
-    def signal_args(self) -> dict:
-        """signal_peers' arguments, as a producer kernel's (flag_*) keywords."""
-        assert self.counter_1 is not None, "a producer's flags need its counter"
-        return dict(flag_pads_ptr=self.pads_N, flag_rank=self.rank, flag_channel=self.channel,
-                    flag_clear_channel=max(self.clear_channel, 0), flag_counter_ptr=self.counter_1,
-                    FLAG_RANKS=self.pads_N.numel(), FLAG_CLEAR=self.clear_channel >= 0, FLAG_SCOPE=COUNTER_SCOPE,
-                    SIGNAL=True)
+def wait_args(wait: Flags | None, like: Tensor) -> dict:
+    """A consumer kernel's flag_* keywords: wait_flags' arguments, or with no flags (WAIT off)
+    placeholders (like's address, unread)."""
+    if wait is None:
+        return dict(flag_pads_ptr=like, flag_rank=0, flag_channel=0, flag_timeout_ns=0, FLAG_RANKS=1, WAIT=False)
+    return dict(flag_pads_ptr=wait.pads_N, flag_rank=wait.rank, flag_channel=wait.channel,
+                flag_timeout_ns=wait.timeout_ns, FLAG_RANKS=wait.pads_N.numel(), WAIT=True)
 
 
-def no_wait_args(like: Tensor) -> dict:
-    """A consumer kernel's flag keywords when it waits for nothing (the pointers unread)."""
-    return dict(flag_pads_ptr=like, flag_rank=0, flag_channel=0, flag_timeout_ns=0, FLAG_RANKS=1, WAIT=False)
-
-
-def no_signal_args(like: Tensor) -> dict:
-    """A producer kernel's flag keywords when it signals nothing (the pointers unread)."""
-    return dict(flag_pads_ptr=like, flag_rank=0, flag_channel=0, flag_clear_channel=0, flag_counter_ptr=like,
-                FLAG_RANKS=1, FLAG_CLEAR=False, FLAG_SCOPE=COUNTER_SCOPE, SIGNAL=False)
+def signal_args(signal: Flags | None, like: Tensor) -> dict:
+    """A producer kernel's flag_* keywords: signal_peers' arguments, or with no flags (SIGNAL
+    off) placeholders (like's address, unread)."""
+    if signal is None:
+        return dict(flag_pads_ptr=like, flag_rank=0, flag_channel=0, flag_clear_channel=0, flag_counter_ptr=like,
+                    FLAG_RANKS=1, FLAG_CLEAR=False, FLAG_SCOPE=COUNTER_SCOPE, SIGNAL=False)
+    assert signal.counter_1 is not None, "a producer's flags need its counter"
+    return dict(flag_pads_ptr=signal.pads_N, flag_rank=signal.rank, flag_channel=signal.channel,
+                flag_clear_channel=max(signal.clear_channel, 0), flag_counter_ptr=signal.counter_1,
+                FLAG_RANKS=signal.pads_N.numel(), FLAG_CLEAR=signal.clear_channel >= 0, FLAG_SCOPE=COUNTER_SCOPE,
+                SIGNAL=True)
 
 
 def counter(device: torch.device | str) -> Tensor:
     """A producer's done-counter: one int32, zero."""
     return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def exchange_flags(pads_N: Tensor, rank: int, device: torch.device | str, timeout_ns: int = 0) -> dict[str, Flags]:
+    """The exchange's four: each message's producer's ("rows", "partials": its own counter,
+    clearing the other message's channel) and its consumers' ("rows_wait", "partials_wait")."""
+    return {"rows": Flags(pads_N, rank, ROWS_CHANNEL, timeout_ns, counter(device), PARTIALS_CHANNEL),
+            "rows_wait": Flags(pads_N, rank, ROWS_CHANNEL, timeout_ns),
+            "partials": Flags(pads_N, rank, PARTIALS_CHANNEL, timeout_ns, counter(device), ROWS_CHANNEL),
+            "partials_wait": Flags(pads_N, rank, PARTIALS_CHANNEL, timeout_ns)}

@@ -209,10 +209,9 @@ def align(ids_TK: Tensor, num_experts: int, block_m: int, id_offset: int = 0,
         ids_stride = ids_TK.stride(0)
         if chunk_counts is None:
             chunk_counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=device)
-            flags = triton_flags.no_wait_args(chunk_counts) if wait is None else wait.wait_args()
             _count_kernel[(num_chunks,)](ids_TK, chunk_counts, num_tokens, num_experts, ids_stride, id_offset,
                                          TOP_K=top_k, BLOCK_T=ALIGN_TOKENS, BLOCK_E=block_e, num_warps=ALIGN_WARPS,
-                                         **flags)
+                                         **triton_flags.wait_args(wait, chunk_counts))
         else:
             assert chunk_counts.shape == (num_chunks, num_experts) and id_offset == 0 and wait is None
         _place_kernel[(num_chunks,)](ids_TK, chunk_counts, sorted_ids_P, pos_R, starts_E, counts_E, ends_E,

@@ -353,14 +353,8 @@ def test_signalled_push_layers_match_the_one_rank_layer_and_leave_the_flags_cons
     pads = [torch.zeros(3 * num_ranks, dtype=torch.int32) for _ in range(num_ranks)]
     row_ptrs, partial_ptrs, pads_N = (torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)
                                       for ts in (rows, partials, pads))
-    counters = {(rank, c): flags_mod.counter("cpu") for rank in range(num_ranks) for c in ("rows", "partials")}
+    flags = [flags_mod.exchange_flags(pads_N, rank, "cpu", timeout_ns=10 ** 9) for rank in range(num_ranks)]
     rows_ch, partials_ch = flags_mod.ROWS_CHANNEL, flags_mod.PARTIALS_CHANNEL
-
-    def flags(rank, channel, produced=None):
-        if produced is None:
-            return flags_mod.Flags(pads_N, rank, channel, timeout_ns=10 ** 9)
-        other = partials_ch if channel == rows_ch else rows_ch
-        return flags_mod.Flags(pads_N, rank, channel, counter_1=counters[rank, produced], clear_channel=other)
 
     def channel(rank, ch):
         return pads[rank][ch * num_ranks:(ch + 1) * num_ranks].tolist()
@@ -373,17 +367,17 @@ def test_signalled_push_layers_match_the_one_rank_layer_and_leave_the_flags_cons
         for rank, (layer, x_TD) in enumerate(zip(layers, xs)):
             b = rows_per_rank
             tep._route_and_pack(layer, x_TD, b, rows[rank][rank * b:(rank + 1) * b], (row_ptrs, rank * b),
-                                flags(rank, rows_ch, "rows"))
+                                flags[rank]["rows"])
         for rank in range(num_ranks):
             assert channel(rank, rows_ch) == peers_set(rank) and channel(rank, partials_ch) == [0] * num_ranks
         for rank, layer in enumerate(layers):
             tep.local_partials(rows[rank], HIDDEN, top_k, 1 + rank * num_local, layer.w_gate_up_LGD,
                                layer.w_down_LDF, _config(tep), partials[rank], (partial_ptrs, rank * rows_per_rank),
-                               flags(rank, partials_ch, "partials"), wait=flags(rank, rows_ch))
+                               flags[rank]["partials"], wait=flags[rank]["rows_wait"])
         for rank in range(num_ranks):
             assert channel(rank, rows_ch) == [0] * num_ranks and channel(rank, partials_ch) == peers_set(rank)
         for rank, x_TD in enumerate(xs):
             out_TD = torch.empty(tokens_N[rank], HIDDEN)
-            sx.reduce_rows(partial_ptrs[rank].repeat(num_ranks), out_TD, 0, rows_per_rank, flags(rank, partials_ch))
+            sx.reduce_rows(partial_ptrs[rank].repeat(num_ranks), out_TD, 0, rows_per_rank, flags[rank]["partials_wait"])
             torch.testing.assert_close(out_TD, reference(x_TD), atol=1e-5, rtol=1e-5)
-        assert all(int(c) == 0 for c in counters.values())
+        assert all(int(f[name].counter_1) == 0 for f in flags for name in ("rows", "partials"))

@@ -41,15 +41,7 @@ class _Ranks:
                          for _ in range(num_ranks)]
         self.pads = [torch.zeros(3 * num_ranks, dtype=torch.int32, device="cuda") for _ in range(num_ranks)]
         self.row_ptrs, self.partial_ptrs, self.pads_N = map(_pointers, (self.rows, self.partials, self.pads))
-        self.counters = {(r, c): triton_flags.counter("cuda") for r in range(num_ranks) for c in ("rows", "partials")}
-
-    def producer(self, rank: int, channel: int, name: str):
-        other = self.flags.PARTIALS_CHANNEL if channel == self.flags.ROWS_CHANNEL else self.flags.ROWS_CHANNEL
-        return self.flags.Flags(self.pads_N, rank, channel, counter_1=self.counters[rank, name],
-                                clear_channel=other)
-
-    def consumer(self, rank: int, channel: int, timeout_ns: int = 10 ** 10):
-        return self.flags.Flags(self.pads_N, rank, channel, timeout_ns=timeout_ns)
+        self.of = [triton_flags.exchange_flags(self.pads_N, r, "cuda", timeout_ns=10 ** 10) for r in range(num_ranks)]
 
     def channel(self, rank: int, channel: int) -> list[int]:
         return self.pads[rank][channel * self.num_ranks:(channel + 1) * self.num_ranks].tolist()
@@ -70,24 +62,23 @@ def _run_layer(ranks: _Ranks, inputs, signals: bool) -> list[torch.Tensor]:
 
     w_gate_ED, w_gate_up_EGD, w_down_EDF, xs = inputs
     n, b, local = ranks.num_ranks, ranks.b, NUM_EXPERTS // ranks.num_ranks
-    fl = ranks.flags
     for rank, x_TD in enumerate(xs):
         logits_TE = torch.nn.functional.linear(x_TD, w_gate_ED)
         triton_ep.route_pack(logits_TE, x_TD, TOP_K, True, torch.zeros(NUM_EXPERTS, dtype=torch.int64, device="cuda"),
                              b, ranks.rows[rank][rank * b:(rank + 1) * b], (ranks.row_ptrs, rank * b),
-                             ranks.producer(rank, fl.ROWS_CHANNEL, "rows") if signals else None)
+                             ranks.of[rank]["rows"] if signals else None)
     for rank in range(n):
         experts = slice(rank * local, (rank + 1) * local)
         triton_ep.local_partials(ranks.rows[rank], HIDDEN, TOP_K, 1 + rank * local,
                                  w_gate_up_EGD[experts].contiguous(), w_down_EDF[experts].contiguous(), None,
                                  ranks.partials[rank], (ranks.partial_ptrs, rank * b),
-                                 ranks.producer(rank, fl.PARTIALS_CHANNEL, "partials") if signals else None,
-                                 wait=ranks.consumer(rank, fl.ROWS_CHANNEL) if signals else None)
+                                 ranks.of[rank]["partials"] if signals else None,
+                                 wait=ranks.of[rank]["rows_wait"] if signals else None)
     outs = []
     for rank, x_TD in enumerate(xs):
         out_TD = torch.empty_like(x_TD)
         symm_exchange.reduce_rows(ranks.partial_ptrs[rank].repeat(n), out_TD, 0, b,
-                                  ranks.consumer(rank, fl.PARTIALS_CHANNEL) if signals else None)
+                                  ranks.of[rank]["partials_wait"] if signals else None)
         outs.append(out_TD)
     return outs
 
@@ -105,7 +96,7 @@ def test_signalled_push_layers_give_push_layers_bits(num_ranks):
         for rank in range(num_ranks):  # each sum's flags are set; the rows' were cleared by partials
             assert ranks.channel(rank, fl.PARTIALS_CHANNEL) == peers(rank)
             assert ranks.channel(rank, fl.ROWS_CHANNEL) == [0] * num_ranks
-        assert all(int(c) == 0 for c in ranks.counters.values())
+        assert all(int(f[name].counter_1) == 0 for f in ranks.of for name in ("rows", "partials"))
 
 
 def test_a_consumer_waits_for_its_producer():
@@ -128,16 +119,16 @@ def test_a_consumer_waits_for_its_producer():
     # process, and its producers come before its consumers on its stream).
     scratch = _Ranks(2, b)
     triton_ep.partials(y_RD, meta_JM, 1, NUM_EXPERTS, scratch.partials[1], (scratch.partial_ptrs, b),
-                       scratch.producer(1, fl.PARTIALS_CHANNEL, "partials"))
+                       scratch.of[1]["partials"])
     torch.cuda._sleep(1000)
     consumer, producer = torch.cuda.Stream(), torch.cuda.Stream()
     torch.cuda.synchronize()
     with torch.cuda.stream(consumer):
-        symm_exchange.reduce_rows(ranks.partial_ptrs[0].repeat(2), out_TD, 0, b, ranks.consumer(0, fl.PARTIALS_CHANNEL))
+        symm_exchange.reduce_rows(ranks.partial_ptrs[0].repeat(2), out_TD, 0, b, ranks.of[0]["partials_wait"])
     with torch.cuda.stream(producer):
         torch.cuda._sleep(100_000_000)
         triton_ep.partials(y_RD, meta_JM, 1, NUM_EXPERTS, ranks.partials[1], (ranks.partial_ptrs, b),
-                           ranks.producer(1, fl.PARTIALS_CHANNEL, "partials"))
+                           ranks.of[1]["partials"])
     torch.cuda.synchronize()
     assert torch.equal(out_TD, ranks.partials[0][:b] + expected[:b])
     assert ranks.channel(0, fl.PARTIALS_CHANNEL) == [0, 1]
