@@ -197,10 +197,9 @@ class Qwen3MoeModel:
         for i, layer in enumerate(self.layers):
             if h_TD is None:  # the first layer, or the last feed-forward's output is pending
                 h_TD = fused.add_rms_norm_(x_TD, pending_TD, layer.input_norm_D, eps)
-            qkv_TX = fused.linear(h_TD, layer.w_qkv_XD)
-            self._prefetch_l2(fused, i, h_TD)
-            q_THK, k_TGK, v_TGK = fused.qkv_norm_rotary(qkv_TX, layer.q_norm_K, layer.k_norm_K, cos_TK, sin_TK,
-                                                        c.num_attention_heads, c.num_key_value_heads, eps)
+            q_THK, k_TGK, v_TGK = fused.qkv_norm_rotary(
+                fused.linear(h_TD, layer.w_qkv_XD), layer.q_norm_K, layer.k_norm_K, cos_TK, sin_TK,
+                c.num_attention_heads, c.num_key_value_heads, eps)
             o_THK = self.attention.forward(i, q_THK, k_TGK, v_TGK, batch, kv, c.head_dim ** -0.5)
             attn_TD = fused.linear(o_THK.reshape(h_TD.shape[0], c.num_attention_heads * c.head_dim), layer.w_o_DHK)
             h_TD = fused.add_rms_norm_(x_TD, attn_TD, layer.post_attention_norm_D, eps)
@@ -211,16 +210,8 @@ class Qwen3MoeModel:
                 h_TD = layer.feed_forward(h_TD, capacity, add_norm)
             else:
                 h_TD, pending_TD = None, layer.feed_forward(h_TD, capacity)
-        fused.join_prefetches(x_TD.device)
         x_TD = x_TD if pending_TD is None else x_TD + pending_TD
         return rms_norm(x_TD[batch.sample_indices_S], self.norm_D, eps)
-
-    def _prefetch_l2(self, fused, i: int, h_TD: Tensor) -> None:
-        """Layer i's weights L2 should fetch during its attention (triton_fused.L2_PREFETCH)."""
-        if fused.prefetches("o", h_TD):
-            fused.prefetch_l2(self.layers[i].w_o_DHK)
-        if i + 1 < len(self.layers) and fused.prefetches("next_qkv", h_TD):
-            fused.prefetch_l2(self.layers[i + 1].w_qkv_XD)
 
     def _attention(self, i: int, layer: _DecoderLayer, h_TD: Tensor, cos_TK: Tensor,
                    sin_TK: Tensor, batch: ForwardBatch, kv: KVPool) -> Tensor:

@@ -105,98 +105,6 @@ def wait_for_previous_kernel():
     gdc_launch_dependents()
 
 
-# Single-token steps ask L2 to fetch these weights ahead of the kernels that read them, while
-# latency-bound kernels leave HBM idle (no effect on any value):
-#   "o": the attention's output projection, during q|k|v norm + rotary and the attention;
-#   "next_qkv": the next layer's q|k|v projection, at the same place;
-#   "down": the routed experts' down projections (the token's ids), during gate_up.
-# The prefetch kernels run on a side stream (a branch of the step's graph) joined at the end of
-# the step: in the PDL chain the next kernel waited until the prefetched lines had arrived (+3.6
-# us a layer for "o"). Empty: none (see bench/results for the measurements behind the default).
-L2_PREFETCH: tuple[str, ...] = ()
-# How: "line", prefetch.global.L2::evict_last per 128-byte line; "bulk",
-# cp.async.bulk.prefetch.L2 (Hopper) per L2_PREFETCH_CHUNK bytes; "load", plain loads
-# (evict_last, 16 KB a step) summed into a store that never happens.
-L2_PREFETCH_HOW = "line"
-L2_PREFETCH_CHUNK = 1024  # bytes per bulk prefetch
-L2_PREFETCH_PROGRAM_BYTES = 128 * 1024  # per program: 1,024 lines, or 128 bulk chunks of 1 KB
-L2_PREFETCH_MAX_BYTES: int | None = None  # of each row: the rest not asked for (e.g. to time the fork alone)
-
-
-def prefetches(what: str, x: Tensor) -> bool:
-    """Whether the single-token step of x prefetches L2_PREFETCH's `what`."""
-    return what in L2_PREFETCH and uses_pdl(x)
-
-
-@triton.jit
-def _prefetch_l2_kernel(w_ptr, ids_ptr, sink_ptr, row_bytes, BYTES_PER_PROGRAM: tl.constexpr, CHUNK: tl.constexpr,
-                        HAS_IDS: tl.constexpr, HOW: tl.constexpr):
-    """Program (p, k) asks L2 for bytes [p, p + 1) * BYTES_PER_PROGRAM of row k of w (row ids[k]
-    with HAS_IDS; rows of row_bytes), in CHUNK-byte pieces (HOW: L2_PREFETCH_HOW)."""
-    p, k = tl.program_id(0), tl.program_id(1)
-    row = tl.load(ids_ptr + k).to(tl.int64) if HAS_IDS else k.to(tl.int64)
-    offsets = p.to(tl.int64) * BYTES_PER_PROGRAM + tl.arange(0, BYTES_PER_PROGRAM // CHUNK) * CHUNK
-    ptrs = w_ptr.to(tl.pointer_type(tl.uint8)) + row * row_bytes + tl.minimum(offsets, row_bytes - CHUNK)
-    if HOW == "bulk":
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                                  [ptrs, tl.full(offsets.shape, CHUNK, tl.int32)], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-    elif HOW == "load":  # the program's bytes CHUNK at a time, pipelined, summed as int32 words
-        start = w_ptr.to(tl.pointer_type(tl.int32)) + (row * row_bytes + p.to(tl.int64) * BYTES_PER_PROGRAM) // 4
-        acc = tl.zeros([CHUNK // 4], tl.int32)
-        for w0 in tl.range(0, BYTES_PER_PROGRAM // 4, CHUNK // 4, num_stages=3):
-            w = w0 + tl.arange(0, CHUNK // 4)
-            acc += tl.load(start + w, mask=p.to(tl.int64) * BYTES_PER_PROGRAM + w * 4 < row_bytes, other=0,
-                           eviction_policy="evict_last")
-        total = tl.sum(acc, 0)
-        tl.store(sink_ptr, total, mask=total == 0x7FFFFFFF)  # keeps the loads; practically never stores
-    else:
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
-# Per device: the side stream the prefetches run on, and whether it has work the current
-# stream has not joined yet.
-_PREFETCH_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-_PREFETCH_PENDING: set[torch.device] = set()
-
-
-@functools.cache
-def _prefetch_sink(device: torch.device) -> Tensor:
-    return torch.zeros(1, dtype=torch.int32, device=device)
-
-
-def prefetch_l2(w_RX: Tensor, ids_1K: Tensor | None = None) -> None:
-    """Asks L2 for w_RX (every row, or rows ids_1K[0]) from a kernel on the device's side stream,
-    which starts once the current stream's work so far is done (so ids_1K may be the last
-    kernel's output); join_prefetches brings the current stream after it. Changes no value."""
-    assert w_RX.is_contiguous() and w_RX.is_cuda
-    rows = 1 if ids_1K is None else ids_1K.shape[1]  # the whole tensor as one row without ids
-    row_bytes = (w_RX.numel() if ids_1K is None else w_RX[0].numel()) * w_RX.element_size()
-    chunk = {"line": 128, "bulk": L2_PREFETCH_CHUNK, "load": 16384}[L2_PREFETCH_HOW]
-    assert row_bytes % chunk == 0, "rows of whole chunks (a tail past the row would prefetch the next one)"
-    per_program = min(L2_PREFETCH_PROGRAM_BYTES, triton.next_power_of_2(row_bytes))
-    asked = row_bytes if L2_PREFETCH_MAX_BYTES is None else min(row_bytes, L2_PREFETCH_MAX_BYTES)
-    device = w_RX.device
-    if device not in _PREFETCH_STREAMS:
-        _PREFETCH_STREAMS[device] = torch.cuda.Stream(device)
-    side = _PREFETCH_STREAMS[device]
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        _prefetch_l2_kernel[(triton.cdiv(asked, per_program), rows)](
-            w_RX, w_RX if ids_1K is None else ids_1K, _prefetch_sink(device), row_bytes, BYTES_PER_PROGRAM=per_program,
-            CHUNK=chunk, HAS_IDS=ids_1K is not None, HOW=L2_PREFETCH_HOW, num_warps=4)
-    _PREFETCH_PENDING.add(device)
-
-
-def join_prefetches(device: torch.device) -> None:
-    """The current stream waits for the prefetches prefetch_l2 started on device (a CUDA graph's
-    capture must join every stream it forked)."""
-    if device in _PREFETCH_PENDING:
-        torch.cuda.current_stream(device).wait_stream(_PREFETCH_STREAMS[device])
-        _PREFETCH_PENDING.discard(device)
-
-
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, y_ptr, dim, eps, HAS_RESIDUAL: tl.constexpr,
                          BLOCK_D: tl.constexpr, PDL: tl.constexpr):
@@ -824,8 +732,6 @@ def fused_moe_tiled(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up_EGD: Tensor, w_do
         logits_TE = torch.nn.functional.linear(x_TD, w_gate_ED)
         ids_TK, weights_TK, pos_TE = route(logits_TE, top_k, norm_topk_prob, hit_counts_E, x_TD.dtype)
     if tiles.one_token:
-        if prefetches("down", x_TD):
-            prefetch_l2(w_down_EDF, ids_TK)
         return one_token_experts(x_TD, ids_TK, weights_TK, w_gate_up_EGD, w_down_EDF, tiles)
     out_TD = torch.empty_like(x_TD)
     if not num_tokens:
