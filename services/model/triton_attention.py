@@ -51,11 +51,6 @@ DECODE_PROGRAMS_PER_SM = 2
 # 256 sequences at 1-2K context on an H200: 211 against 216 us a layer
 # (bench/results/decode_variants_h200_order.md).
 DECODE_HEADS_FIRST = True
-# The decode kernel loads its first block of cached K/V before it waits for the kernel before
-# it (PDL: while that kernel ends) and takes the step's new K/V from registers, not from the cache
-# it has just written. False: it waits first, stores the new token, and loads everything after
-# a barrier (the code before, to compare).
-DECODE_PRELOAD = True
 # With a float8 cache the attention dots take fp16 operands (q rounded to fp16 once, K/V and the
 # probabilities converted to it): float8 widens to fp16 in one instruction, to bf16 not, and on an
 # H200 the bf16 conversions made the float8 decode kernel slower than the bf16 one (235 against
@@ -81,45 +76,21 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_t,
 
 
 @triton.jit
-def _load_kv_block(k_cache_ptr, v_cache_ptr, table_ptr, n, n_mask, g, d, d_mask, stride_slot, head_dim,
-                   BLOCK_SIZE: tl.constexpr):
-    """K [K_PAD, BLOCK_N] and V [BLOCK_N, K_PAD] of context tokens n (those of n_mask; zeros else),
-    in the cache's dtype."""
+def _attend_block(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_ptr, n, n_mask, is_key, g, d, d_mask,
+                  scale_log2, stride_slot, head_dim, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step of q's rows over context tokens n (those of n_mask, each row is_key)."""
     block = tl.load(table_ptr + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     slot = block * BLOCK_SIZE + n % BLOCK_SIZE
     kv_offs = slot * stride_slot + g * head_dim
     k_KN = tl.load(k_cache_ptr + kv_offs[None, :] + d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-    v_NK = tl.load(v_cache_ptr + kv_offs[:, None] + d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-    return k_KN, v_NK
-
-
-@triton.jit
-def _attend(q, m_i, l_i, acc, k_KN, v_NK, is_key, scale_log2, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step of q's rows over one block's K and V (each row's keys is_key)."""
     scores = tl.dot(q, k_KN.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
     scores = tl.where(is_key, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
+    v_NK = tl.load(v_cache_ptr + kv_offs[:, None] + d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v_NK.to(q.dtype), input_precision=DOT_PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
-
-
-@triton.jit
-def _attend_block(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_ptr, n, n_mask, is_key, g, d, d_mask,
-                  scale_log2, stride_slot, head_dim, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step of q's rows over context tokens n (those of n_mask, each row is_key)."""
-    k_KN, v_NK = _load_kv_block(k_cache_ptr, v_cache_ptr, table_ptr, n, n_mask, g, d, d_mask, stride_slot,
-                                head_dim, BLOCK_SIZE)
-    return _attend(q, m_i, l_i, acc, k_KN, v_NK, is_key, scale_log2, DOT_PRECISION)
-
-
-@triton.jit
-def _with_new_token(k_KN, v_NK, n, new_pos, k_new, v_new):
-    """K and V of a block with context token new_pos (if among n) taken from k_new, v_new [K_PAD]
-    (in the cache's dtype: the values the cache holds once the kernel has stored them)."""
-    is_new = n == new_pos
-    return tl.where(is_new[None, :], k_new[:, None], k_KN), tl.where(is_new[:, None], v_new[None, :], v_NK)
 
 
 @triton.jit
@@ -143,12 +114,12 @@ def _decode_kernel(q_ptr, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_p
                    num_heads, group, head_dim,
                    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP_PAD: tl.constexpr,
                    K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-                   MIXED: tl.constexpr, HEADS_FIRST: tl.constexpr, F16_DOTS: tl.constexpr, PRELOAD: tl.constexpr):
+                   MIXED: tl.constexpr, HEADS_FIRST: tl.constexpr, F16_DOTS: tl.constexpr):
+    if PDL:  # a programmatic dependent launch (triton_fused.PDL): the previous kernel done first
+        triton_fused.wait_for_previous_kernel()
     i, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if HEADS_FIRST:
         i, g = g, i
-    # Up to the wait (PDL) only what the step's earlier kernels do not write: the batch's rows and
-    # lengths, the block tables and, with PRELOAD, the first block of cached K/V.
     b, row = _decode_row(i, seq_map_ptr, cu_q_lens_ptr, MIXED)
     context_len = tl.load(context_lens_ptr + b)
     # Each split takes an equal share of this sequence's context, in whole BLOCK_N steps.
@@ -156,61 +127,39 @@ def _decode_kernel(q_ptr, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_p
     start = split * split_len
     end = tl.minimum(start + split_len, context_len)
     if (NUM_SPLITS > 1) & (start >= context_len):
-        if PDL:  # every program waits: the grid ends after the previous kernel
-            triton_fused.wait_for_previous_kernel()
         return  # past the context: no partial (the merge reads only the splits with tokens)
     h = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, K_PAD)
     h_mask, d_mask = h < group, d < head_dim
-    table_ptr = block_tables_ptr + b * stride_bt
-    n = start + tl.arange(0, BLOCK_N)
-    if PRELOAD:
-        k_KN, v_NK = _load_kv_block(k_cache_ptr, v_cache_ptr, table_ptr, n, n < end, g, d, d_mask, stride_slot,
-                                    head_dim, BLOCK_SIZE)
-    if PDL:  # a programmatic dependent launch (triton_fused.PDL): the previous kernel done first
-        triton_fused.wait_for_previous_kernel()
-    # The step's token (the context's last): the split that reads it writes its K/V to the cache.
-    # With PRELOAD the split takes it from k_new/v_new for its own use (cast as the cache holds
-    # it), else a barrier makes the stores visible to every thread of the program before the loop
-    # loads them. A padding row (slot -1) writes nothing and takes nothing. In a mixed batch the
-    # token's K/V is in the cache already.
-    new_pos = tl.full([], -1, tl.int32)
-    k_new = tl.zeros([K_PAD], k_cache_ptr.dtype.element_ty)
-    v_new = tl.zeros([K_PAD], v_cache_ptr.dtype.element_ty)
+    # The step's token (the context's last): the split that reads it writes its K/V to the cache
+    # first (a padding row, slot -1, writes nothing); the barrier makes the stores visible to
+    # every thread of the program before the loop loads them.
     if not MIXED:
         slot = tl.load(slot_ptr + b).to(tl.int64)
         if (slot >= 0) & (start < context_len) & (context_len <= end):
-            src = b * stride_nt + g * stride_ng + d
-            k_new = tl.load(k_new_ptr + src, mask=d_mask, other=0.0).to(k_cache_ptr.dtype.element_ty)
-            v_new = tl.load(v_new_ptr + src, mask=d_mask, other=0.0).to(v_cache_ptr.dtype.element_ty)
             dst = slot * stride_slot + g * head_dim + d
-            tl.store(k_cache_ptr + dst, k_new, mask=d_mask)
-            tl.store(v_cache_ptr + dst, v_new, mask=d_mask)
-            new_pos = (context_len - 1).to(tl.int32)
-            if not PRELOAD:
-                tl.debug_barrier()
+            src = b * stride_nt + g * stride_ng + d
+            tl.store(k_cache_ptr + dst, tl.load(k_new_ptr + src, mask=d_mask).to(k_cache_ptr.dtype.element_ty),
+                     mask=d_mask)
+            tl.store(v_cache_ptr + dst, tl.load(v_new_ptr + src, mask=d_mask).to(v_cache_ptr.dtype.element_ty),
+                     mask=d_mask)
+            tl.debug_barrier()
     heads = g * group + h
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
-    if F16_DOTS:  # the dots' operand type (FP8_DOTS_IN_FP16): _attend converts K/V to q's
+    if F16_DOTS:  # the dots' operand type (FP8_DOTS_IN_FP16): _attend_block converts K/V to q's
         q = q.to(tl.float16)
     # A finite floor: a split with no token ends with l = 0 and no NaN.
     m_i = tl.full([GROUP_PAD], -1e30, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, K_PAD], tl.float32)
-    loop_start = start
-    if PRELOAD:
-        k_KN, v_NK = _with_new_token(k_KN, v_NK, n, new_pos, k_new, v_new)
-        m_i, l_i, acc = _attend(q, m_i, l_i, acc, k_KN, v_NK, (n < end)[None, :], scale_log2, DOT_PRECISION)
-        loop_start = start + BLOCK_N
-    for n0 in range(loop_start, end, BLOCK_N):
+    table_ptr = block_tables_ptr + b * stride_bt
+    for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
-        k_KN, v_NK = _load_kv_block(k_cache_ptr, v_cache_ptr, table_ptr, n, n_mask, g, d, d_mask, stride_slot,
-                                    head_dim, BLOCK_SIZE)
-        if PRELOAD:
-            k_KN, v_NK = _with_new_token(k_KN, v_NK, n, new_pos, k_new, v_new)
-        m_i, l_i, acc = _attend(q, m_i, l_i, acc, k_KN, v_NK, n_mask[None, :], scale_log2, DOT_PRECISION)
+        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_ptr, n, n_mask,
+                                      n_mask[None, :], g, d, d_mask, scale_log2, stride_slot, head_dim,
+                                      BLOCK_SIZE, DOT_PRECISION)
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(o_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -414,7 +363,7 @@ class TritonPagedAttention(AttentionBackend):
             k_new_ptr=k_TGK, v_new_ptr=v_TGK, slot_ptr=slot_mapping_T, seq_map_ptr=seq_map, cu_q_lens_ptr=cu_q_lens,
             stride_nt=k_TGK.stride(0), stride_ng=k_TGK.stride(1), part_acc_ptr=part_acc, part_ml_ptr=part_ml,
             num_heads=num_heads, NUM_SPLITS=splits, GROUP_PAD=group_pad, PDL=pdl, launch_pdl=pdl,
-            MIXED=mixed is not None, HEADS_FIRST=DECODE_HEADS_FIRST, PRELOAD=DECODE_PRELOAD, **common)
+            MIXED=mixed is not None, HEADS_FIRST=DECODE_HEADS_FIRST, **common)
         if splits > 1:
             _decode_reduce_kernel[(num_seqs, num_heads)](
                 part_acc, part_ml, common["o_ptr"], common["context_lens_ptr"], seq_map, cu_q_lens,

@@ -95,19 +95,6 @@ def test_decode_sequences_first_grid(triton_attention, monkeypatch, splits):
              12, 4, 16)
 
 
-@pytest.mark.parametrize("splits", [1, 4])
-def test_decode_without_preload(triton_attention, monkeypatch, splits):
-    """DECODE_PRELOAD off (the step's token stored, then read back from the cache after a
-    barrier) computes the same; with it on, the default, the other tests' kernels take the token
-    from registers, their first block loaded before the wait."""
-    monkeypatch.setattr(triton_attention, "DECODE_PRELOAD", False)
-    tables = _tables([3, 9, 5])
-    seqs = [SeqInput(0, [1], 9, tables[0], True), SeqInput(1, [2], 33, tables[1], True),
-            SeqInput(2, [4], 19, tables[2], True)]
-    _compare(triton_attention.TritonPagedAttention(splits, block_n=16), build_forward_batch(seqs, BLOCK_SIZE, "cpu"),
-             8, 2, 32)
-
-
 @pytest.mark.parametrize("decode", [True, False])
 def test_float8_cache_dots_in_half_precision(triton_attention, decode):
     """A float8 cache: the dots take fp16 operands (FP8_DOTS_IN_FP16), against the reference
