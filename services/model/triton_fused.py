@@ -295,28 +295,20 @@ def route(logits_TE: Tensor, top_k: int, norm_topk_prob: bool, hit_counts_E: Ten
 
 @triton.jit
 def _gemv_rows(x_ptr, w_ptr, in_features, n, n_mask, k_start, k_end, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PRE_STEPS: tl.constexpr = 1):
+               NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
     """fp32 [BLOCK_N]: w[n, k_start:k_end] @ x[k_start:k_end] (w rows of in_features), on the
-    CUDA cores: one token has nothing for tensor cores to share. PDL: the first PRE_STEPS (1 or
-    2) steps' weights are loaded before waiting for the previous kernel (which writes x)."""
+    CUDA cores: one token has nothing for tensor cores to share. PDL: the first step's weights
+    are loaded before waiting for the previous kernel (which writes x)."""
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     loop_start = k_start
     if PDL:
         k = k_start + tl.arange(0, BLOCK_K)
         k_mask = k < k_end
         w = tl.load(w_ptr + n[:, None] * in_features + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if PRE_STEPS == 2:
-            k2 = k + BLOCK_K
-            k2_mask = k2 < k_end
-            w2 = tl.load(w_ptr + n[:, None] * in_features + k2[None, :], mask=n_mask[:, None] & k2_mask[None, :],
-                         other=0.0)
         wait_for_previous_kernel()
         x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * x[None, :]
-        if PRE_STEPS == 2:
-            x2 = tl.load(x_ptr + k2, mask=k2_mask, other=0.0).to(tl.float32)
-            acc += w2.to(tl.float32) * x2[None, :]
-        loop_start = k_start + PRE_STEPS * BLOCK_K
+        loop_start = k_start + BLOCK_K
     for k0 in tl.range(loop_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < k_end
@@ -328,11 +320,10 @@ def _gemv_rows(x_ptr, w_ptr, in_features, n, n_mask, k_start, k_end, BLOCK_N: tl
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, in_features, out_features, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PRE_STEPS: tl.constexpr):
+                 NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < out_features
-    y = _gemv_rows(x_ptr, w_ptr, in_features, n, n_mask, 0, in_features, BLOCK_N, BLOCK_K, NUM_STAGES, PDL,
-                   PRE_STEPS)
+    y = _gemv_rows(x_ptr, w_ptr, in_features, n, n_mask, 0, in_features, BLOCK_N, BLOCK_K, NUM_STAGES, PDL)
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -356,10 +347,6 @@ GEMV_TILES_BY_SHAPE = {(5120, 2048): GemvTiles(block_n=8, block_k=512, stages=3,
                        (128, 2048): GemvTiles(block_n=4, block_k=1024, stages=2, warps=4)}
 
 
-# PDL gemv: the weight steps each program loads before it waits for the kernel before it (1 or 2).
-GEMV_PDL_STEPS = 1
-
-
 def linear(x_TD: Tensor, w_ND: Tensor) -> Tensor:
     """F.linear(x_TD, w_ND); gemv for single-token steps."""
     if SINGLE_TOKEN_KERNELS and x_TD.shape[0] == 1:
@@ -374,8 +361,7 @@ def gemv(x_1D: Tensor, w_ND: Tensor, tiles: GemvTiles) -> Tensor:
     y_1N = x_1D.new_empty(1, w_ND.shape[0])
     _gemv_kernel[(triton.cdiv(w_ND.shape[0], tiles.block_n),)](
         x_1D, w_ND, y_1N, w_ND.shape[1], w_ND.shape[0], BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        NUM_STAGES=tiles.stages, PDL=uses_pdl(x_1D), PRE_STEPS=GEMV_PDL_STEPS, num_warps=tiles.warps,
-        launch_pdl=uses_pdl(x_1D))
+        NUM_STAGES=tiles.stages, PDL=uses_pdl(x_1D), num_warps=tiles.warps, launch_pdl=uses_pdl(x_1D))
     return y_1N
 
 
