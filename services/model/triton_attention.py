@@ -51,6 +51,9 @@ DECODE_PROGRAMS_PER_SM = 2
 # 256 sequences at 1-2K context on an H200: 211 against 216 us a layer
 # (bench/results/decode_variants_h200_order.md).
 DECODE_HEADS_FIRST = True
+# The decode kernel's (and its merge's) launch settings over the backend's, e.g. {"BLOCK_N": 128,
+# "num_warps": 8, "num_stages": 2}, to compare (bench/decode_variants.py). Empty: the backend's.
+DECODE_LAUNCH: dict[str, int] = {}
 # With a float8 cache the attention dots take fp16 operands (q rounded to fp16 once, K/V and the
 # probabilities converted to it): float8 widens to fp16 in one instruction, to bf16 not, and on an
 # H200 the bf16 conversions made the float8 decode kernel slower than the bf16 one (235 against
@@ -348,6 +351,7 @@ class TritonPagedAttention(AttentionBackend):
         (capturable), each program writing its token's K/V. `mixed` (seq_map_D, cu_q_lens_B1):
         decode row i is sequence seq_map_D[i] of a mixed batch, its K/V already stored."""
         splits = self.decode_splits or decode_num_splits(num_seqs, num_kv_heads, max_context, self._sms(device))
+        common = {**common, **DECODE_LAUNCH}
         k_pad = common["K_PAD"]
         # Per split: the unnormalised output, the running max and the sum of exponentials.
         part_acc = part_ml = common["o_ptr"]  # unused with one split
