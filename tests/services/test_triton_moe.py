@@ -137,18 +137,22 @@ def test_default_config_runs(tmoe):
 
 
 def test_half_precision_rounds_like_torch(tmoe):
-    """fp16: every intermediate rounded as moe.py rounds it. Products of an exact fp32 sum
-    agree to the bit or to one unit where the reduction order differs; a skipped rounding of
-    gate, SiLU or a weighted output shows as many units on many elements."""
+    """fp16: every intermediate rounded as moe.py rounds it. Products of an exact fp32 sum agree
+    to the bit, or differ where the reduction order does: an intermediate of one token one unit
+    off (the CPU's matmul sums in another order: on an AVX2-only EPYC one token's outputs were up
+    to 4 units off, all other elements within 1), which stays in that token's row. A skipped
+    rounding of gate, SiLU or a weighted output leaves 27-52% of the elements unequal and puts
+    elements more than one unit off in 9-21 of the 21 rows."""
     layer = _moe_layer(64, 32, dtype=torch.float16)
     x_TD = torch.randn(21, 64, generator=torch.Generator().manual_seed(4)).half()
     expected_TD, expected_hits_E = _reference(layer, x_TD)
     hits_E = torch.zeros(8, dtype=torch.int64)
     out_TD = tmoe.grouped_moe(x_TD, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True, hits_E,
                               config=_config(tmoe))
-    ulp_TD = (out_TD.float() - expected_TD.float()).abs() / expected_TD.float().abs().clamp_min(1e-3) * 1024
+    units_TD = (out_TD.view(torch.int16).int() - expected_TD.view(torch.int16).int()).abs()  # same signs: ulps
     assert torch.equal(hits_E, expected_hits_E)
-    assert (out_TD == expected_TD).float().mean() > 0.95 and ulp_TD.max() <= 2
+    assert (out_TD == expected_TD).float().mean() > 0.95
+    assert (units_TD > 1).any(1).sum() <= 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
