@@ -51,6 +51,11 @@ DECODE_PROGRAMS_PER_SM = 2
 # 256 sequences at 1-2K context on an H200: 211 against 216 us a layer
 # (bench/results/decode_variants_h200_order.md).
 DECODE_HEADS_FIRST = True
+# Registers per thread of the decode kernel with a float8 cache: its fp16 copies of each K/V
+# block took 160, three programs an SM (ncu at 256 sequences, 1-2K context); capped at 128 (four
+# programs) the batch-256 step took 26.40 against 27.16 ms, the same bits; 96 was slower, and the
+# bf16 kernel (128 already) gained nothing (bench/results/gpu_session11.md). None: the compiler's.
+FP8_DECODE_MAXNREG: int | None = 128
 # The decode kernel's (and its merge's) launch settings over the backend's, e.g. {"BLOCK_N": 128,
 # "num_warps": 8, "num_stages": 2}, to compare (bench/decode_variants.py). Empty: the backend's.
 DECODE_LAUNCH: dict[str, int] = {}
@@ -351,6 +356,8 @@ class TritonPagedAttention(AttentionBackend):
         (capturable), each program writing its token's K/V. `mixed` (seq_map_D, cu_q_lens_B1):
         decode row i is sequence seq_map_D[i] of a mixed batch, its K/V already stored."""
         splits = self.decode_splits or decode_num_splits(num_seqs, num_kv_heads, max_context, self._sms(device))
+        if FP8_DECODE_MAXNREG and common["k_cache_ptr"].element_size() == 1:
+            common = {**common, "maxnreg": FP8_DECODE_MAXNREG}
         common = {**common, **DECODE_LAUNCH}
         k_pad = common["K_PAD"]
         # Per split: the unnormalised output, the running max and the sum of exponentials.
