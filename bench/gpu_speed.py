@@ -257,14 +257,9 @@ def hf_worker(args) -> dict:
     from services.model.random_weights import RandomWeights, preset
 
     config = preset(args.preset)
-    hub = config.to_hub_dict()
-    hf_config = transformers.AutoConfig.for_model(**{k: v for k, v in hub.items() if k != "model_type"},
-                                                  model_type="qwen3_moe")
     start, device = time.perf_counter(), args.device
-    with torch.device(device):  # its own init (0.9 s on an H200), then overwritten
-        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
-    load_hub_weights(model, RandomWeights(config, range(config.num_experts), args.seed, device=device),
-                     config.num_experts)
+    model = hf_model(config, RandomWeights(config, range(config.num_experts), args.seed, device=device),
+                     torch.bfloat16, device)
     out = {"transformers": transformers.__version__, "init_s": round(time.perf_counter() - start, 1),
            "weights": f"random_weights {args.preset} seed {args.seed} (the mesh's)",
            "experts_implementation": str(getattr(model.config, "_experts_implementation", None))}
@@ -281,6 +276,21 @@ def hf_worker(args) -> dict:
         out[f"b{batch}"] = {"seconds": round(seconds, 2), "tokens_per_s": round(batch * args.hf_new_tokens / seconds, 1)}
         print(f"hf b{batch}: {out[f'b{batch}']}", flush=True)
     return out
+
+
+def hf_model(config, weights, dtype, device, **implementations):
+    """transformers' Qwen3-MoE of `config` on `device` in `dtype`, holding `weights` (hub names,
+    every expert); implementations: from_config's attn_implementation / experts_implementation."""
+    import torch
+    import transformers
+
+    hub = config.to_hub_dict()
+    hf_config = transformers.AutoConfig.for_model(**{k: v for k, v in hub.items() if k != "model_type"},
+                                                  model_type="qwen3_moe")
+    with torch.device(device):  # its own init (0.9 s on an H200), then overwritten
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype, **implementations).eval()
+    load_hub_weights(model, weights, config.num_experts)
+    return model
 
 
 def load_hub_weights(model, weights, num_experts: int) -> None:

@@ -3,10 +3,8 @@ the mesh's weights, the bounds and the step attribution add up."""
 
 import pytest
 import torch
-import transformers
 
-from bench.gpu_speed import (add_ratios, bound, kv_cache_dtype, load_hub_weights, sampling_params,
-                              step_attribution)
+from bench.gpu_speed import add_ratios, bound, hf_model, kv_cache_dtype, sampling_params, step_attribution
 from services.kv_pool import KVPool
 from services.model.batch import SeqInput, build_forward_batch
 from services.model.qwen3_moe import Qwen3MoeModel
@@ -16,12 +14,7 @@ from services.model.random_weights import RandomWeights, preset
 def test_transformers_baseline_runs_the_mesh_weights():
     config = preset("tiny")
     weights = RandomWeights(config, range(config.num_experts), seed=3, dtype=torch.float32)
-    hub = config.to_hub_dict()
-    hf_config = transformers.AutoConfig.for_model(**{k: v for k, v in hub.items() if k != "model_type"},
-                                                  model_type="qwen3_moe")
-    hf = transformers.AutoModelForCausalLM.from_config(
-        hf_config, dtype=torch.float32, attn_implementation="eager").eval()
-    load_hub_weights(hf, weights, config.num_experts)
+    hf = hf_model(config, weights, torch.float32, "cpu", attn_implementation="eager")
     ids = [5, 17, 3, 42, 8, 11]
     with torch.no_grad():
         expected_SV = hf(torch.tensor([ids])).logits[0, -1:]

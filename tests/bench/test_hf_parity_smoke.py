@@ -1,0 +1,35 @@
+"""bench/hf_parity.py on the CPU (tiny model, eager decode steps): the serving model passes against
+transformers on the same weights, and a model with one wrong weight fails."""
+
+import pytest
+
+from bench import hf_parity
+
+
+def _args(tmp_path):
+    return hf_parity.parse_args(["--device", "cpu", "--preset", "tiny", "--batches", "1,3", "--prompt-tokens", "20",
+                                 "--decode-tokens", "4", "--out", str(tmp_path)])
+
+
+def test_the_serving_model_passes_at_every_batch_and_phase(tmp_path):
+    assert hf_parity.main(["--device", "cpu", "--preset", "tiny", "--batches", "1,3", "--prompt-tokens", "20",
+                           "--decode-tokens", "4", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "hf_parity.md").read_text()
+    assert "every row passes" in text
+    # batch 1 decodes MIN_SEQS sequences one by one: 8 x 20 prompt positions, 8 x 4 decode positions
+    assert "| 1 | prefill | 160 |" in text and "| 1 | decode | 32 |" in text and "| 3 | decode | 32 |" in text
+
+
+@pytest.mark.parametrize("fault", ["o_proj", "one_expert"])
+def test_a_wrong_weight_fails(tmp_path, fault):
+    def corrupt(model):
+        layer = model.layers[2]  # a MoE layer (1 is dense)
+        if fault == "o_proj":  # everywhere: every position's error grows
+            layer.w_o_DHK.mul_(1.1)
+        else:  # one expert of one layer: only the positions routed to it
+            layer.feed_forward.w_down_LDF[3].mul_(-1.0)
+        return model
+
+    result = hf_parity.run(_args(tmp_path), corrupt=corrupt)
+    assert not result["ok"]
+    assert all(row["hf_bf16"]["mean_abs_err"] > 0 for row in result["rows"])
