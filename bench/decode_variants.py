@@ -203,12 +203,16 @@ def resolve(target: str) -> tuple[object, str]:
 
 @contextlib.contextmanager
 def overridden(overrides: dict[str, object]):
-    """Sets the module attributes for the block, then puts the originals back."""
+    """Sets the module attributes for the block, then puts the originals back. A dict given
+    to a dataclass attribute replaces those of its fields (MoeTiles, GemvTiles)."""
     originals = []
     try:
         for target, value in overrides.items():
             module, attr = resolve(target)
-            originals.append((module, attr, getattr(module, attr)))
+            original = getattr(module, attr)
+            originals.append((module, attr, original))
+            if isinstance(value, dict) and dataclasses.is_dataclass(original):
+                value = dataclasses.replace(original, **value)
             setattr(module, attr, value)
         yield
     finally:

@@ -66,6 +66,17 @@ def test_variants_run_against_base_under_their_settings_then_restore(tmp_path, m
         assert f"\n| {variant} | {batch} | " in table
 
 
+def test_a_dict_replaces_fields_of_a_dataclass_setting_then_the_original_is_back():
+    with interpreted("triton_fused") as triton_fused:
+        original = triton_fused.ONE_TOKEN_MOE_TILES
+        variants = decode_variants.parse_variants("d=triton_fused.ONE_TOKEN_MOE_TILES:{'down_o': 1, 'down_f': 1024}")
+        with decode_variants.overridden(variants["d"]):
+            tiles = triton_fused.moe_tiles(1)
+            assert (tiles.down_o, tiles.down_f) == (1, 1024)
+            assert tiles.gate_up_d == original.gate_up_d and tiles.one_token
+        assert triton_fused.ONE_TOKEN_MOE_TILES is original
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--variants", "x=graph_runner.NO_SUCH:1"], "has no attribute 'NO_SUCH'"),  # found in expert_svc
     (["--variants", "x=no_such_module.A:1"], "no module 'no_such_module'"),
