@@ -21,7 +21,7 @@ CUDA graph, no host reads.
   finish (an atomic count) adds them in a fixed order and routes the token.
 - gate_route_rows: the same for each block of 16 tokens of a bigger step (tl.dot partials
   over hidden-dim splits), which also counts the block's rows per expert for
-  triton_moe.align, and can write route's pos_TE for fused_moe.
+  triton_moe.align.
 - fused_moe: the small-batch MoE of one rank holding every expert, bound by
   reading the weights of the experts the step touches, each once. A routing
   kernel (softmax, top-k, renormalise, ids in increasing order, hit counts,
@@ -36,8 +36,7 @@ CUDA graph, no host reads.
   each token's K outputs in increasing expert order, as moe.combine does. No
   sort, no permutation, no capacity padding; the grids are the largest the
   step could need (min(T * K, E) experts), the programs of untouched slots exit.
-  gate_route (one token) or gate_route_rows (more) replaces the gate matmul and
-  the routing kernel.
+  For one token, gate_route replaces the gate matmul and the routing kernel.
 - One token (ONE_TOKEN_MOE_TILES): gate_route, then two kernels reading the token's
   experts straight from ids_1K (no pos scan, no plan, no atomics), both on the CUDA
   cores: gate_up with one program per (column block, k), and down with one program per
@@ -405,11 +404,10 @@ _GATE_ROUTE_NUM_COUNTS = 4096
 GATE_ROUTE_SPLITS = 8  # splits of the hidden dim: more programs to read w_gate
 GATE_ROUTE_EXPERTS = 8  # experts per program
 GATE_ROUTE_WARPS = 4  # per program
-# Steps of 2 up to this many tokens (fused_moe's, and the grouped MoE's decode sizes) take
-# gate_route_rows: the gate logits and the routing of each block of GATE_ROUTE_ROWS tokens in one
-# kernel, which also counts the block's rows per expert for triton_moe.align (whose count kernel
-# it replaces) and, for fused_moe, writes route's pos_TE. 0: F.linear and route (with align's own
-# count: 3 kernels), e.g. to compare.
+# Steps of 2 up to this many tokens (the grouped MoE's decode sizes) take gate_route_rows: the
+# gate logits and the routing of each block of GATE_ROUTE_ROWS tokens in one kernel, which also
+# counts the block's rows per expert for triton_moe.align (whose count kernel it replaces). 0:
+# F.linear, route and align's own count (3 kernels), e.g. to compare.
 GATE_ROUTE_ROWS_MAX_TOKENS = 512
 GATE_ROUTE_ROWS = 16  # tokens per block: triton_moe.ALIGN_TOKENS, so that the counts are align's
 GATE_ROUTE_ROWS_SPLITS = 8  # splits of the hidden dim per block of rows
@@ -446,11 +444,10 @@ def gate_route(x_1D: Tensor, w_gate_ED: Tensor, top_k: int, norm_topk_prob: bool
 
 
 @triton.jit
-def _gate_route_rows_kernel(x_ptr, w_ptr, partial_ptr, count_ptr, ids_ptr, weights_ptr, pos_ptr, hits_ptr,
-                            counts_ptr, num_tokens, hidden, num_experts, x_stride, NORM: tl.constexpr,
-                            TOP_K: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_K: tl.constexpr,
-                            BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                            HAS_POS: tl.constexpr):
+def _gate_route_rows_kernel(x_ptr, w_ptr, partial_ptr, count_ptr, ids_ptr, weights_ptr, hits_ptr, counts_ptr,
+                            num_tokens, hidden, num_experts, x_stride, NORM: tl.constexpr, TOP_K: tl.constexpr,
+                            NUM_SPLITS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                            BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
     block, split = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_T)
     t = block.to(tl.int64) * BLOCK_T + rows
@@ -475,21 +472,19 @@ def _gate_route_rows_kernel(x_ptr, w_ptr, partial_ptr, count_ptr, ids_ptr, weigh
         for s in tl.static_range(NUM_SPLITS):
             logits += tl.load(partial_SRE + s * BLOCK_T * BLOCK_E, cache_modifier=".cg")
         logits = tl.where(e_mask[None, :], logits.to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
-        _route_rows(logits, t, t_mask, e, ids_ptr, weights_ptr, pos_ptr, hits_ptr, counts_ptr + block * num_experts,
-                    num_experts, NORM, TOP_K, BLOCK_E, HAS_POS, True)
+        _route_rows(logits, t, t_mask, e, ids_ptr, weights_ptr, ids_ptr, hits_ptr, counts_ptr + block * num_experts,
+                    num_experts, NORM, TOP_K, BLOCK_E, False, True)
 
 
-def gate_route_rows(x_TD: Tensor, w_gate_ED: Tensor, top_k: int, norm_topk_prob: bool, hit_counts_E: Tensor,
-                    pos_TE: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def gate_route_rows(x_TD: Tensor, w_gate_ED: Tensor, top_k: int, norm_topk_prob: bool,
+                    hit_counts_E: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """route(F.linear(x_TD, w_gate_ED), ...)'s ids_TK and weights_TK (x's dtype) in one kernel,
-    and counts_CE: int32 rows of each block of GATE_ROUTE_ROWS tokens routed to each expert;
-    route's pos_TE too if given one to fill (int8 [T, E], contiguous).
+    and counts_CE: int32 rows of each block of GATE_ROUTE_ROWS tokens routed to each expert.
     Programs over (block of rows, split of the hidden dim) write fp32 partial logits; the last
     of a block to finish adds them in a fixed order, rounds them as F.linear does and routes.
     x_TD's rows may have any stride (its columns contiguous)."""
     (num_tokens, hidden), num_experts = x_TD.shape, w_gate_ED.shape[0]
     assert x_TD.stride(1) == 1 and w_gate_ED.is_contiguous() and hit_counts_E.is_contiguous() and top_k < 128
-    assert pos_TE is None or (pos_TE.shape == (num_tokens, num_experts) and pos_TE.is_contiguous())
     ids_TK, weights_TK, _ = _routing_outputs(num_tokens, num_experts, top_k, x_TD.dtype, x_TD.device)
     num_blocks = triton.cdiv(num_tokens, GATE_ROUTE_ROWS)
     counts_CE = torch.empty(num_blocks, num_experts, dtype=torch.int32, device=x_TD.device)
@@ -500,11 +495,10 @@ def gate_route_rows(x_TD: Tensor, w_gate_ED: Tensor, top_k: int, norm_topk_prob:
         partial = torch.empty(num_blocks, GATE_ROUTE_ROWS_SPLITS, GATE_ROUTE_ROWS, block_e, dtype=torch.float32,
                               device=x_TD.device)
         _gate_route_rows_kernel[(num_blocks, GATE_ROUTE_ROWS_SPLITS)](
-            x_TD, w_gate_ED, partial, _gate_route_counts(x_TD.device, num_blocks), ids_TK, weights_TK,
-            ids_TK if pos_TE is None else pos_TE, hit_counts_E, counts_CE, num_tokens, hidden, num_experts,
-            x_TD.stride(0), NORM=norm_topk_prob, TOP_K=top_k, NUM_SPLITS=GATE_ROUTE_ROWS_SPLITS, SPLIT_K=split_k,
-            BLOCK_T=GATE_ROUTE_ROWS, BLOCK_K=block_k, BLOCK_E=block_e, HAS_POS=pos_TE is not None,
-            num_warps=GATE_ROUTE_ROWS_WARPS)
+            x_TD, w_gate_ED, partial, _gate_route_counts(x_TD.device, num_blocks), ids_TK, weights_TK, hit_counts_E,
+            counts_CE, num_tokens, hidden, num_experts, x_TD.stride(0), NORM=norm_topk_prob, TOP_K=top_k,
+            NUM_SPLITS=GATE_ROUTE_ROWS_SPLITS, SPLIT_K=split_k, BLOCK_T=GATE_ROUTE_ROWS, BLOCK_K=block_k,
+            BLOCK_E=block_e, num_warps=GATE_ROUTE_ROWS_WARPS)
     return ids_TK, weights_TK, counts_CE
 
 
@@ -718,8 +712,8 @@ def moe_tiles(num_tokens: int) -> MoeTiles:
 def fused_moe(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up_EGD: Tensor, w_down_EDF: Tensor, top_k: int,
               norm_topk_prob: bool, hit_counts_E: Tensor) -> Tensor:
     """MoELayer on one rank holding every expert (expert e in slot e) for steps of up to
-    MOE_MAX_TOKENS tokens: gate, experts and combine in three kernels (gate_route or
-    gate_route_rows, then the two expert kernels); adds the routed experts to hit_counts_E."""
+    MOE_MAX_TOKENS tokens: gate, experts and combine in a matmul and three kernels (one
+    token: gate_route and two); adds the routed experts to hit_counts_E."""
     return fused_moe_tiled(x_TD, w_gate_ED, w_gate_up_EGD, w_down_EDF, top_k, norm_topk_prob, hit_counts_E,
                            moe_tiles(x_TD.shape[0]))
 
@@ -734,9 +728,6 @@ def fused_moe_tiled(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up_EGD: Tensor, w_do
     num_experts, width = w_gate_ED.shape[0], w_down_EDF.shape[2]
     if SINGLE_TOKEN_KERNELS and num_tokens == 1:
         ids_TK, weights_TK, pos_TE = gate_route(x_TD, w_gate_ED, top_k, norm_topk_prob, hit_counts_E)
-    elif 1 < num_tokens <= GATE_ROUTE_ROWS_MAX_TOKENS:
-        pos_TE = torch.empty(num_tokens, num_experts, dtype=torch.int8, device=x_TD.device)
-        ids_TK, weights_TK, _ = gate_route_rows(x_TD, w_gate_ED, top_k, norm_topk_prob, hit_counts_E, pos_TE)
     else:
         logits_TE = torch.nn.functional.linear(x_TD, w_gate_ED)
         ids_TK, weights_TK, pos_TE = route(logits_TE, top_k, norm_topk_prob, hit_counts_E, x_TD.dtype)

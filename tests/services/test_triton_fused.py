@@ -192,12 +192,6 @@ def test_gate_route_rows_matches_route(fused, norm, num_experts, num_tokens):
     _assert_routes_like_route(fused, x, w_gate, norm, ids, weights, hits)
     blocks = [torch.bincount(ids[i:i + 16].flatten(), minlength=num_experts) for i in range(0, num_tokens, 16)]
     assert torch.equal(counts, torch.stack(blocks).int())
-    # Given a pos_TE (fused_moe's), it fills it as route does, and routes the same.
-    pos = torch.full((num_tokens, num_experts), -1, dtype=torch.int8)
-    hits.fill_(5)
-    ids_pos, weights_pos, counts_pos = fused.gate_route_rows(x, w_gate, 3, norm, hits, pos)
-    assert torch.equal(pos, _assert_routes_like_route(fused, x, w_gate, norm, ids_pos, weights_pos, hits))
-    assert torch.equal(ids_pos, ids) and torch.equal(weights_pos, weights) and torch.equal(counts_pos, counts)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 20])
@@ -246,22 +240,6 @@ def test_fused_moe_matches_moe_layer(fused, num_tokens, tiles):
     out = fused.fused_moe_tiled(x, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True, hits, tiles)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(hits, expected_hits) and hits.sum() == num_tokens * 3
-
-
-@pytest.mark.parametrize("max_tokens", [512, 0])
-def test_fused_moe_routes_small_steps_in_one_kernel_unless_switched_off(fused, monkeypatch, max_tokens):
-    """2-16 tokens: gate_route_rows (gate matmul and routing in one kernel) while
-    GATE_ROUTE_ROWS_MAX_TOKENS covers the step; 0: F.linear then route. Same output."""
-    monkeypatch.setattr(fused, "GATE_ROUTE_ROWS_MAX_TOKENS", max_tokens)
-    calls = []
-    for name in ("gate_route_rows", "route"):
-        monkeypatch.setattr(fused, name, lambda *a, _f=getattr(fused, name), _n=name, **k: calls.append(_n) or _f(*a, **k))
-    layer = _moe_layer()
-    x = _randn(5, 48, seed=10)
-    out = fused.fused_moe(x, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True,
-                          torch.zeros(8, dtype=torch.int64))
-    torch.testing.assert_close(out, layer(x), atol=1e-5, rtol=1e-5)
-    assert calls == (["gate_route_rows"] if max_tokens else ["route"])
 
 
 def test_fused_moe_with_unused_slots(fused):
