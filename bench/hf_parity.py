@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.gpu_speed import hf_model  # noqa: E402
 from expert_svc.graph_runner import make_graph_runner  # noqa: E402
-from services.kv_pool import KVPool  # noqa: E402
+from services.kv_pool import KV_CACHE_DTYPES, KVPool, kv_cache_dtype  # noqa: E402
 from services.model.batch import SeqInput, build_forward_batch  # noqa: E402
 from services.model.qwen3_moe import Qwen3MoeModel  # noqa: E402
 from services.model.random_weights import RandomWeights, preset  # noqa: E402
@@ -72,6 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="the weights' seed (gpu_speed's mesh: 0)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--attention", default="auto", help="moemesh's attention backend (the expert service's default)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", *KV_CACHE_DTYPES),
+                   help="moemesh's KV cache: auto (bf16, the check's setting) or fp8_e4m3 (what it costs in accuracy)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     return p.parse_args(argv)
 
@@ -201,7 +203,8 @@ def run(args, corrupt=None) -> dict:
     timings["hf_bf16_s"] = time.perf_counter() - start - timings["oracle_s"]
     model = corrupt(build_moemesh(config, args)) if corrupt else build_moemesh(config, args)
     per_seq = -(-length // BLOCK_SIZE)
-    kv = KVPool.for_model(config, per_seq * tokens_BL.shape[0], BLOCK_SIZE, torch.bfloat16, args.device)
+    kv = KVPool.for_model(config, per_seq * tokens_BL.shape[0], BLOCK_SIZE,
+                          kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16), args.device)
     # As an expert service decodes: CUDA graphs where the attention backend captures, else eager
     # steps (the CPU smoke run; the graph runner's static batch would feed the torch attention's
     # host loops stale lengths).
@@ -221,7 +224,8 @@ def run(args, corrupt=None) -> dict:
     timings["moemesh_s"] = time.perf_counter() - start - timings["oracle_s"] - timings["hf_bf16_s"]
     return {"config": {"preset": args.preset, "layers": config.num_hidden_layers, "seed": args.seed,
                        "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
-                       "attention": type(model.attention).__name__, "device": args.device},
+                       "attention": type(model.attention).__name__, "device": args.device,
+                       "kv_cache_dtype": str(kv.k_cache.dtype).removeprefix("torch.")},
             "graph_counts": None if graphs is None else [graphs.num_eager, graphs.num_captures, graphs.num_replays],
             "oracle_max_abs_logit": ref_BLV.abs().max().item(), "rows": rows, "timings_s": timings, "ok": all(r["ok"] for r in rows)}
 
@@ -231,7 +235,7 @@ def render(result: dict, command: str) -> str:
     decode = "eager" if counts is None else f"CUDA graphs: eager / captures / replays {counts}"
     lines = ["# moemesh against transformers on the same weights", "", f"Command: `{command}`", "",
              f"Model: {c['preset']} shape, {c['layers']} layers, random weights (seed {c['seed']}), bf16; "
-             f"moemesh attention `{c['attention']}` on {c['device']}; {c['prompt_tokens']} prompt tokens (one "
+             f"moemesh attention `{c['attention']}` on {c['device']}, KV cache {c['kv_cache_dtype']}; {c['prompt_tokens']} prompt tokens (one "
              f"prefill step's logits at every position) then {c['decode_tokens']} decode steps ({decode}), the same "
              "random tokens for every model; "
              f"the oracle's largest |logit| {result['oracle_max_abs_logit']:.3g}.",

@@ -33,3 +33,16 @@ def test_a_wrong_weight_fails(tmp_path, fault):
     result = hf_parity.run(_args(tmp_path), corrupt=corrupt)
     assert not result["ok"]
     assert all(row["hf_bf16"]["mean_abs_err"] > 0 for row in result["rows"])
+
+
+def test_a_float8_cache_costs_decode_accuracy_and_says_so(tmp_path):
+    """The KV cache in float8 (3 mantissa bits): decode steps read it back, so their error
+    against the oracle grows past the bf16 cache's on the same positions."""
+    bf16 = hf_parity.run(_args(tmp_path))
+    args = _args(tmp_path)
+    args.kv_cache_dtype = "fp8_e4m3"
+    fp8 = hf_parity.run(args)
+    assert bf16["config"]["kv_cache_dtype"] == "bfloat16" and fp8["config"]["kv_cache_dtype"] == "float8_e4m3fn"
+    for a, b in zip(bf16["rows"], fp8["rows"]):
+        if a["phase"] == "decode":
+            assert b["moemesh"]["mean_abs_err"] > 1.5 * a["moemesh"]["mean_abs_err"], (a, b)
