@@ -88,7 +88,8 @@ class RowErrors:
 
     @classmethod
     def empty(cls, shape) -> "RowErrors":
-        return cls(torch.full(shape, float("nan")), torch.full(shape, float("nan")), torch.zeros(shape, dtype=torch.bool))
+        nan = float("nan")
+        return cls(torch.full(shape, nan), torch.full(shape, nan), torch.zeros(shape, dtype=torch.bool))
 
     def add(self, seq_N: torch.Tensor, pos_N: torch.Tensor, logits_NV: torch.Tensor, ref_BLV: torch.Tensor) -> None:
         """Scores rows (seq_N[i], pos_N[i]) of a candidate, logits_NV on any device."""
@@ -196,11 +197,11 @@ def run(args, corrupt=None) -> dict:
     batches = sorted({int(b) for b in args.batches.split(",")})
     length = args.prompt_tokens + args.decode_tokens
     tokens_BL = make_tokens(config, max(*batches, MIN_SEQS), length, args.seed)
-    timings, start = {}, time.perf_counter()
+    marks = [time.perf_counter()]
     ref_BLV = oracle(config, args, tokens_BL)
-    timings["oracle_s"] = time.perf_counter() - start
+    marks.append(time.perf_counter())
     hf_errors = score_hf_bf16(config, args, tokens_BL, ref_BLV)
-    timings["hf_bf16_s"] = time.perf_counter() - start - timings["oracle_s"]
+    marks.append(time.perf_counter())
     model = corrupt(build_moemesh(config, args)) if corrupt else build_moemesh(config, args)
     per_seq = -(-length // BLOCK_SIZE)
     kv = KVPool.for_model(config, per_seq * tokens_BL.shape[0], BLOCK_SIZE,
@@ -221,13 +222,15 @@ def run(args, corrupt=None) -> dict:
             candidate = errors.summary(num_seqs, positions)
             rows.append({"batch": batch, "phase": phase, "hf_bf16": baseline, "moemesh": candidate,
                          **verdict(candidate, baseline)})
-    timings["moemesh_s"] = time.perf_counter() - start - timings["oracle_s"] - timings["hf_bf16_s"]
+    marks.append(time.perf_counter())
+    timings = dict(zip(("oracle_s", "hf_bf16_s", "moemesh_s"), (b - a for a, b in zip(marks, marks[1:]))))
     return {"config": {"preset": args.preset, "layers": config.num_hidden_layers, "seed": args.seed,
                        "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
                        "attention": type(model.attention).__name__, "device": args.device,
                        "kv_cache_dtype": str(kv.k_cache.dtype).removeprefix("torch.")},
             "graph_counts": None if graphs is None else [graphs.num_eager, graphs.num_captures, graphs.num_replays],
-            "oracle_max_abs_logit": ref_BLV.abs().max().item(), "rows": rows, "timings_s": timings, "ok": all(r["ok"] for r in rows)}
+            "oracle_max_abs_logit": ref_BLV.abs().max().item(), "rows": rows, "timings_s": timings,
+            "ok": all(r["ok"] for r in rows)}
 
 
 def render(result: dict, command: str) -> str:
@@ -235,9 +238,9 @@ def render(result: dict, command: str) -> str:
     decode = "eager" if counts is None else f"CUDA graphs: eager / captures / replays {counts}"
     lines = ["# moemesh against transformers on the same weights", "", f"Command: `{command}`", "",
              f"Model: {c['preset']} shape, {c['layers']} layers, random weights (seed {c['seed']}), bf16; "
-             f"moemesh attention `{c['attention']}` on {c['device']}, KV cache {c['kv_cache_dtype']}; {c['prompt_tokens']} prompt tokens (one "
-             f"prefill step's logits at every position) then {c['decode_tokens']} decode steps ({decode}), the same "
-             "random tokens for every model; "
+             f"moemesh attention `{c['attention']}` on {c['device']}, KV cache {c['kv_cache_dtype']}; "
+             f"{c['prompt_tokens']} prompt tokens (one prefill step's logits at every position) then "
+             f"{c['decode_tokens']} decode steps ({decode}), the same random tokens for every model; "
              f"the oracle's largest |logit| {result['oracle_max_abs_logit']:.3g}.",
              "", "Logit errors are against transformers fp32 (eager attention and experts) on the same weights: "
              "the mean |error| over positions and vocabulary, the worst position's mean, the largest single "
