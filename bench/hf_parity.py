@@ -20,7 +20,10 @@ candidate's logits at every position are set against the oracle's:
   first max(B, MIN_SEQS) sequences): one prefill step of their prompts (the logits
   of every prompt position), then decode steps as an expert service runs them,
   through expert_svc's DecodeGraphRunner on CUDA (each batch's first step eager,
-  then captured and replayed; 50 rows run in the 64-row graph, padded).
+  then captured and replayed; 50 rows run in the 64-row graph, padded);
+- `moemesh N mixed`: N sequences in the steps the gateway mixes: half of them
+  decoding while the other half's prompts arrive in two chunks (the second
+  attending to the first's cache), each chunk in a step with their decodes.
 
 A run passes when its mean absolute logit error is at most MAX_ERROR_RATIO times
 transformers bf16's on the same positions and its worst row's (one position's
@@ -67,6 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=0, help="cut the preset to this many layers (0: all)")
     p.add_argument("--batches", default="1,8,50,256",
                    help="moemesh runs, each on the first B sequences (50: a graph bucket padded to 64)")
+    p.add_argument("--mixed", type=int, default=16,
+                   help="also a run of this many sequences in mixed steps: half decoding while the other half's "
+                        "prompts arrive in two chunks (0: none)")
     p.add_argument("--prompt-tokens", type=int, default=40)
     p.add_argument("--decode-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0, help="the weights' seed (gpu_speed's mesh: 0)")
@@ -155,29 +161,66 @@ def build_moemesh(config, args) -> Qwen3MoeModel:
                          device=args.device, attention=args.attention)
 
 
-def score_moemesh(model, kv, graphs, group: range, tokens_BL, ref_BLV, args, errors: RowErrors) -> None:
+class MoemeshScorer:
+    """Runs steps of the serving model on one KV pool (each sequence its own blocks) and scores
+    every row they return against the oracle."""
+
+    def __init__(self, model, kv, graphs, ref_BLV, device):
+        self.model, self.kv, self.graphs, self.ref_BLV, self.device = model, kv, graphs, ref_BLV, device
+        self.per_seq = kv.num_blocks // ref_BLV.shape[0]
+
+    def seq(self, i: int, token_ids, num_computed: int) -> SeqInput:
+        return SeqInput(i, [int(t) for t in token_ids], num_computed,
+                        list(range(i * self.per_seq, (i + 1) * self.per_seq)), True)
+
+    def eager_step(self, seqs: list[SeqInput], errors: RowErrors) -> None:
+        """One step as the rank runs a step with prefill rows (no graph), every row's logits scored."""
+        batch = build_forward_batch(seqs, BLOCK_SIZE, self.device)
+        batch = dataclasses.replace(batch, sample_indices_S=torch.arange(batch.num_tokens, device=self.device))
+        logits = self.model.forward_at_capacity(batch, self.kv, self.model.dispatch_capacity(batch.num_tokens))
+        errors.add(torch.tensor([s.seq_id for s in seqs for _ in s.token_ids]),
+                   torch.tensor([s.num_computed + j for s in seqs for j in range(len(s.token_ids))]),
+                   logits, self.ref_BLV)
+
+    def decode_step(self, seqs: list[SeqInput], errors: RowErrors) -> None:
+        """One token per sequence, as expert_svc's StepRunner runs it: by the graph runner where
+        it fits, else eagerly."""
+        capacity = self.model.dispatch_capacity(len(seqs))
+        if self.graphs is not None and self.graphs.fits(seqs, capacity):
+            logits = self.graphs.run(seqs, capacity).logits_SV
+        else:
+            logits = self.model.forward_at_capacity(build_forward_batch(seqs, BLOCK_SIZE, self.device), self.kv,
+                                                    capacity)
+        errors.add(torch.tensor([s.seq_id for s in seqs]), torch.tensor([s.num_computed for s in seqs]), logits,
+                   self.ref_BLV)
+
+
+def score_batch(scorer: MoemeshScorer, group: range, tokens_BL, args, errors: RowErrors) -> None:
     """A group of sequences through the serving model together: prefill steps of their prompts
     (every prompt position's logits), then one decode step of them all per decode token."""
-    prompt, per_seq = args.prompt_tokens, kv.num_blocks // tokens_BL.shape[0]
-    tables = {i: list(range(i * per_seq, (i + 1) * per_seq)) for i in group}
+    prompt = args.prompt_tokens
     per_step = max(1, PREFILL_TOKENS // prompt)
     for first in range(group.start, group.stop, per_step):
-        seq_ids = list(range(first, min(first + per_step, group.stop)))
-        seqs = [SeqInput(i, tokens_BL[i, :prompt].tolist(), 0, tables[i], True) for i in seq_ids]
-        batch = build_forward_batch(seqs, BLOCK_SIZE, args.device)
-        batch = dataclasses.replace(batch, sample_indices_S=torch.arange(batch.num_tokens, device=args.device))
-        logits = model.forward_at_capacity(batch, kv, model.dispatch_capacity(batch.num_tokens))
-        errors.add(torch.tensor(seq_ids).repeat_interleave(prompt), torch.arange(prompt).repeat(len(seq_ids)),
-                   logits, ref_BLV)
-    capacity = model.dispatch_capacity(len(group))
-    for t in range(args.decode_tokens):
-        pos = prompt + t
-        seqs = [SeqInput(i, [int(tokens_BL[i, pos])], pos, tables[i], True) for i in group]
-        if graphs is not None and graphs.fits(seqs, capacity):  # as expert_svc's StepRunner chooses
-            logits = graphs.run(seqs, capacity).logits_SV
-        else:
-            logits = model.forward_at_capacity(build_forward_batch(seqs, BLOCK_SIZE, args.device), kv, capacity)
-        errors.add(torch.tensor(group), torch.full((len(group),), pos), logits, ref_BLV)
+        scorer.eager_step([scorer.seq(i, tokens_BL[i, :prompt], 0)
+                           for i in range(first, min(first + per_step, group.stop))], errors)
+    for pos in range(prompt, prompt + args.decode_tokens):
+        scorer.decode_step([scorer.seq(i, tokens_BL[i, pos:pos + 1], pos) for i in group], errors)
+
+
+def score_mixed(scorer: MoemeshScorer, num_seqs: int, tokens_BL, args, errors: RowErrors) -> None:
+    """Steps as the gateway mixes them: the first half of the sequences prefilled and decoding
+    while the second half's prompts arrive in two chunks (the second attending to the first's
+    cache), each chunk in one step with a decode token of every sequence of the first half;
+    then decode steps of whoever has tokens left (the first half finishes two steps early)."""
+    prompt, length = args.prompt_tokens, tokens_BL.shape[1]
+    early, late, cut = range(num_seqs // 2), range(num_seqs // 2, num_seqs), prompt // 2
+    scorer.eager_step([scorer.seq(i, tokens_BL[i, :prompt], 0) for i in early], errors)
+    for t, (lo, hi) in enumerate(((0, cut), (cut, prompt))):
+        decodes = [scorer.seq(i, tokens_BL[i, prompt + t:prompt + t + 1], prompt + t) for i in early]
+        scorer.eager_step(decodes + [scorer.seq(i, tokens_BL[i, lo:hi], lo) for i in late], errors)
+    for step in range(args.decode_tokens):
+        positions = [(i, prompt + step + 2) for i in early] + [(i, prompt + step) for i in late]
+        scorer.decode_step([scorer.seq(i, tokens_BL[i, p:p + 1], p) for i, p in positions if p < length], errors)
 
 
 def verdict(candidate: dict, baseline: dict) -> dict:
@@ -196,7 +239,12 @@ def run(args, corrupt=None) -> dict:
         config = dataclasses.replace(config, num_hidden_layers=args.layers)
     batches = sorted({int(b) for b in args.batches.split(",")})
     length = args.prompt_tokens + args.decode_tokens
-    tokens_BL = make_tokens(config, max(*batches, MIN_SEQS), length, args.seed)
+    if args.mixed == 1 or args.mixed < 0:
+        raise ValueError(f"--mixed must be 0 or at least 2 sequences, got {args.mixed}")
+    if args.mixed and (args.decode_tokens < 2 or args.prompt_tokens < 2):
+        raise ValueError(f"--mixed needs 2 or more prompt and decode tokens, got {args.prompt_tokens} and "
+                         f"{args.decode_tokens}")
+    tokens_BL = make_tokens(config, max(*batches, MIN_SEQS, args.mixed), length, args.seed)
     marks = [time.perf_counter()]
     ref_BLV = oracle(config, args, tokens_BL)
     marks.append(time.perf_counter())
@@ -212,15 +260,20 @@ def run(args, corrupt=None) -> dict:
     graphs = make_graph_runner(model, kv, BLOCK_SIZE, GRAPH_BUCKETS, max_context=per_seq * BLOCK_SIZE)
     phases = {"prefill": slice(0, args.prompt_tokens), "decode": slice(args.prompt_tokens, length)}
     rows = []
-    for batch in batches:
-        errors, num_seqs = RowErrors.empty(tokens_BL.shape), max(batch, MIN_SEQS)
-        for first in range(0, num_seqs, batch):
-            score_moemesh(model, kv, graphs, range(first, min(first + batch, num_seqs)), tokens_BL, ref_BLV, args,
-                          errors)
+    scorer = MoemeshScorer(model, kv, graphs, ref_BLV, args.device)
+    runs = [(str(b), max(b, MIN_SEQS)) for b in batches] + ([(f"{args.mixed} mixed", args.mixed)] * bool(args.mixed))
+    for name, num_seqs in runs:
+        errors = RowErrors.empty(tokens_BL.shape)
+        if name.endswith("mixed"):
+            score_mixed(scorer, num_seqs, tokens_BL, args, errors)
+        else:
+            batch = int(name)
+            for first in range(0, num_seqs, batch):
+                score_batch(scorer, range(first, min(first + batch, num_seqs)), tokens_BL, args, errors)
         for phase, positions in phases.items():
             baseline = hf_errors.summary(num_seqs, positions)
             candidate = errors.summary(num_seqs, positions)
-            rows.append({"batch": batch, "phase": phase, "hf_bf16": baseline, "moemesh": candidate,
+            rows.append({"batch": name, "phase": phase, "hf_bf16": baseline, "moemesh": candidate,
                          **verdict(candidate, baseline)})
     marks.append(time.perf_counter())
     timings = dict(zip(("oracle_s", "hf_bf16_s", "moemesh_s"), (b - a for a, b in zip(marks, marks[1:]))))

@@ -7,17 +7,25 @@ from bench import hf_parity
 
 
 def _args(tmp_path):
-    return hf_parity.parse_args(["--device", "cpu", "--preset", "tiny", "--batches", "1,3", "--prompt-tokens", "20",
-                                 "--decode-tokens", "4", "--out", str(tmp_path)])
+    return hf_parity.parse_args(["--device", "cpu", "--preset", "tiny", "--batches", "1,3", "--mixed", "4",
+                                 "--prompt-tokens", "20", "--decode-tokens", "4", "--out", str(tmp_path)])
 
 
 def test_the_serving_model_passes_at_every_batch_and_phase(tmp_path):
-    assert hf_parity.main(["--device", "cpu", "--preset", "tiny", "--batches", "1,3", "--prompt-tokens", "20",
-                           "--decode-tokens", "4", "--out", str(tmp_path)]) == 0
+    assert hf_parity.main(["--device", "cpu", "--preset", "tiny", "--batches", "1,3", "--mixed", "5",
+                           "--prompt-tokens", "21", "--decode-tokens", "4", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "hf_parity.md").read_text()
     assert "every row passes" in text
-    # batch 1 decodes MIN_SEQS sequences one by one: 8 x 20 prompt positions, 8 x 4 decode positions
-    assert "| 1 | prefill | 160 |" in text and "| 1 | decode | 32 |" in text and "| 3 | decode | 32 |" in text
+    # batch 1 decodes MIN_SEQS sequences one by one: 8 x 21 prompt positions, 8 x 4 decode positions;
+    # the mixed run's 5 sequences: 2 prefilled whole, 3 in chunks of 10 and 11 beside their decodes
+    assert "| 1 | prefill | 168 |" in text and "| 1 | decode | 32 |" in text and "| 3 | decode | 32 |" in text
+    assert "| 5 mixed | prefill | 105 |" in text and "| 5 mixed | decode | 20 |" in text
+
+
+def test_mixed_runs_need_two_sequences_and_two_decode_tokens(tmp_path):
+    for flags in (["--mixed", "1"], ["--decode-tokens", "1"]):
+        with pytest.raises(ValueError, match="--mixed"):
+            hf_parity.run(hf_parity.parse_args(["--device", "cpu", "--preset", "tiny", *flags]))
 
 
 @pytest.mark.parametrize("fault", ["o_proj", "one_expert"])
