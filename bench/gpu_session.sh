@@ -9,7 +9,7 @@
 #     attn   bench/attention_gpu.py (accuracy and speed)
 #     mixed  bench/mixed_step.py (eager prefill / mixed / decode steps, attention settings)
 #     parity bench/hf_parity.py twice (40- and 1,500-token prompts): the serving model's logits against
-#            transformers fp32 and bf16 on the same weights, at batches 1, 8, 50 and 256 (needs ONE GPU)
+#            transformers fp32 and bf16 on the same weights, at batches 1, 8, 50, 256 and in mixed steps (needs ONE GPU)
 #     n1     bench/gpu_speed.py, one rank: b1 and c256
 #     full   bench/gpu_speed.py, one rank, every case of the issue (b1, c8, c64, c256, mix, the profiled
 #            decode step, transformers' generate) at 1K-in/1K-out; limit 400 s (not yet timed whole)
@@ -81,8 +81,8 @@ attn_programs8=triton_attention.DECODE_PROGRAMS_PER_SM:8;attn_programs16=triton_
 for step in $STEPS; do
     case $step in
         test) part test 150 python3 -m pytest -q -p no:cacheprovider tests/expert_svc/test_pipeline_cuda.py ;;
-        parity) part parity 240 python3 -m bench.hf_parity --out "$RESULTS/parity" &&
-                part parity_long 180 python3 -m bench.hf_parity --prompt-tokens 1500 --batches 1,8 \
+        parity) part parity 240 python3 -m bench.hf_parity --mixed 64 --out "$RESULTS/parity" &&
+                part parity_long 180 python3 -m bench.hf_parity --prompt-tokens 1500 --batches 1,8 --mixed 8 \
                 --out "$RESULTS/parity_long" ;;
         acc) part acc 120 python3 -m bench.attention_gpu --sections checks --out "$RESULTS/acc" ;;
         attn) part attn 240 python3 -m bench.attention_gpu --out "$RESULTS/attn" ;;
