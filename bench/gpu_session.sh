@@ -9,7 +9,8 @@
 #     attn   bench/attention_gpu.py (accuracy and speed)
 #     mixed  bench/mixed_step.py (eager prefill / mixed / decode steps, attention settings)
 #     parity bench/hf_parity.py twice (40- and 1,500-token prompts): the serving model's logits against
-#            transformers fp32 and bf16 on the same weights, at batches 1, 8, 50, 256 and in mixed steps (needs ONE GPU)
+#            transformers fp32 and bf16 on the same weights, at batches 1, 8, 50, 256 and in mixed steps
+#            (one GPU is enough)
 #     n1     bench/gpu_speed.py, one rank: b1 and c256
 #     full   bench/gpu_speed.py, one rank, every case of the issue (b1, c8, c64, c256, mix, the profiled
 #            decode step, transformers' generate) at 1K-in/1K-out; limit 400 s (not yet timed whole)

@@ -69,7 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--layers", type=int, default=0, help="cut the preset to this many layers (0: all)")
     p.add_argument("--batches", default="1,8,50,256",
-                   help="moemesh runs, each on the first B sequences (50: a graph bucket padded to 64)")
+                   help="moemesh runs, each decoding groups of B of the first max(B, MIN_SEQS) sequences "
+                        "(50: a graph bucket padded to 64)")
     p.add_argument("--mixed", type=int, default=16,
                    help="also a run of this many sequences in mixed steps: half decoding while the other half's "
                         "prompts arrive in two chunks (0: none)")
