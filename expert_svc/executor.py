@@ -20,7 +20,8 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 
-from expert_svc.runner import LaunchedStep, StepPlan, StepResult, StepRunner
+from expert_svc.runner import LaunchedStep, StepRunner
+from services.step import StepPlan, StepResult
 
 # The gateway plans one step ahead of the results it has read (gateway/engine.py),
 # so a rank never has more than two unanswered plans anyway.

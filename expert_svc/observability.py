@@ -31,7 +31,7 @@ import time
 import torch
 from opentelemetry import trace
 
-from expert_svc.runner import RankState
+from expert_svc.state import RankState
 from services import metrics, telemetry
 from services.model.moe import ExpertComm
 
@@ -127,7 +127,7 @@ class SequenceTracer:
         return cls(state) if telemetry.is_enabled() else None
 
     def on_plan(self, plan) -> None:
-        """A moe.expert.v1.StepPlan about to run: ends, starts and counts spans."""
+        """A StepPlan (services/step.py) about to run: ends, starts and counts spans."""
         for seq_id in plan.finished_seq_ids:
             span = self._spans.pop(seq_id, None)
             if span is not None:

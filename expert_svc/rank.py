@@ -53,7 +53,8 @@ from expert_svc.rendezvous import ProcessGroupLink, RendezvousError
 from expert_svc import placement
 from expert_svc.executor import StepExecutor
 from expert_svc.graph_runner import make_graph_runner
-from expert_svc.runner import RankState, StepRunner
+from expert_svc.runner import StepRunner
+from expert_svc.state import RankState
 from expert_svc.servicer import ExpertServicer
 from expert_svc.stats_reporter import StatsReporter
 from moe.expert.v1 import expert_pb2, expert_pb2_grpc

@@ -23,7 +23,6 @@ import array
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -31,59 +30,8 @@ from torch import Tensor
 from expert_svc.graph_runner import DecodeGraphRunner, TokenFeed
 from services.kv_pool import KVPool
 from services.model.batch import ForwardBatch, SeqInput, build_forward_batch, to_device
-from services.model.sampling import SamplingSpec, sample_on_device
-
-if TYPE_CHECKING:
-    from expert_svc.executor import StepExecutor
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class NewSequence:
-    """A sequence introduced to the rank, in full."""
-
-    seq_id: int
-    sampling: SamplingSpec
-    block_ids: tuple[int, ...]
-    # Tokens whose KV is already in the blocks (a cached prefix).
-    num_cached_tokens: int = 0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ScheduledSequence:
-    """One sequence's work in a step."""
-
-    seq_id: int
-    # A prompt chunk; empty for a decode step (the last sampled token is fed back).
-    token_ids: tuple[int, ...] = ()
-    # Blocks appended to the block table before the step.
-    new_block_ids: tuple[int, ...] = ()
-    is_sampled: bool = True
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepPlan:
-    """One step: diffs against the rank's state (finished, then new, then scheduled)."""
-
-    step_id: int
-    group_id: str
-    placement_epoch: int
-    new_sequences: tuple[NewSequence, ...] = ()
-    scheduled: tuple[ScheduledSequence, ...] = ()
-    finished_seq_ids: tuple[int, ...] = ()
-    # The largest token count of any rank of the group in this step (the same
-    # in every rank's plan); 0 = unknown, found with an all_reduce.
-    max_tokens_per_rank: int = 0
-    # The expert placement to run the step with (expert_svc/placement.py).
-    expert_placement_epoch: int = 0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepResult:
-    """The outcome of one step: (seq_id, token_id) per sampled sequence, in plan order."""
-
-    step_id: int
-    tokens: tuple[tuple[int, int], ...]
-    execute_seconds: float
+from services.model.sampling import sample_on_device
+from services.step import GREEDY, SamplingSpec, ScheduledSequence, StepPlan, StepResult
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -100,9 +48,6 @@ class LaunchedStep:
     # A torch.cuda.Event recorded after the copy to the host; None when the
     # tokens are complete already (the CPU: the forward ran in launch).
     ready: "torch.cuda.Event | None"
-
-
-_GREEDY = SamplingSpec(temperature=0.0)
 
 
 class StalePlanError(ValueError):
@@ -222,9 +167,9 @@ class StepRunner:
         if not rows:
             return None, ()
         seqs = [self._seqs[s.seq_id] for s in rows]
-        specs = [seq.sampling if s.is_sampled else _GREEDY for s, seq in zip(rows, seqs)]
+        specs = [seq.sampling if s.is_sampled else GREEDY for s, seq in zip(rows, seqs)]
         # The index of the token each row draws: a draw depends on its seed and this only.
-        positions = [seq.num_computed + _num_inputs(s) for s, seq in zip(rows, seqs)]
+        positions = [seq.num_computed + s.num_inputs for s, seq in zip(rows, seqs)]
         token_ids_S = sample_on_device(logits_SV, specs, positions, greedy_S)
         if token_ids_S is greedy_S:  # a graph's static output: the next replay overwrites it
             token_ids_S = token_ids_S.clone()
@@ -283,7 +228,7 @@ class StepRunner:
         scheduled_ids = set()
         for sched in plan.scheduled:
             self._check_scheduled(sched, live, scheduled_ids)
-        num_tokens = sum(map(_num_inputs, plan.scheduled))
+        num_tokens = plan.num_tokens
         if plan.max_tokens_per_rank and num_tokens > plan.max_tokens_per_rank:
             raise ValueError(f"the plan has {num_tokens} tokens, more than its max_tokens_per_rank "
                              f"{plan.max_tokens_per_rank}")
@@ -301,7 +246,7 @@ class StepRunner:
         if bad := [t for t in sched.token_ids if not 0 <= t < self.vocab_size]:
             raise ValueError(f"sequence {seq_id} has token id {bad[0]} outside [0, {self.vocab_size})")
         self._check_block_ids(seq_id, sched.new_block_ids)
-        num_tokens = num_computed + _num_inputs(sched)
+        num_tokens = num_computed + sched.num_inputs
         num_blocks += len(sched.new_block_ids)
         if num_blocks * self.block_size < num_tokens:
             raise ValueError(f"sequence {seq_id} has {num_blocks} blocks of {self.block_size}, "
@@ -311,11 +256,6 @@ class StepRunner:
         if bad := [b for b in block_ids if not 0 <= b < self.kv_pool.num_blocks]:
             raise ValueError(f"sequence {seq_id} has block id {bad[0]} outside the pool's "
                              f"{self.kv_pool.num_blocks} blocks")
-
-
-def _num_inputs(sched: ScheduledSequence) -> int:
-    """A scheduled sequence's input tokens this step: its new ones, or the one fed back."""
-    return len(sched.token_ids) or 1
 
 
 def _token_feed(rows_F: list[int], tokens: list[tuple[Tensor, int]], device: torch.device) -> TokenFeed | None:
@@ -355,24 +295,3 @@ def _to_host(token_ids_S: Tensor) -> tuple[Tensor, "torch.cuda.Event | None"]:
     ready = torch.cuda.Event()
     ready.record()
     return host_S, ready
-
-
-@dataclasses.dataclass(slots=True)
-class RankState:
-    """What the rank is, as GetRankInfo reports it; `executor` is set once ready."""
-
-    member_id: str
-    model_name: str
-    group_id: str = ""
-    rank: int = 0
-    world_size: int = 0
-    placement_epoch: int = 0
-    expert_ids: tuple[int, ...] = ()
-    num_kv_blocks: int = 0
-    kv_block_size: int = 0
-    executor: "StepExecutor | None" = None
-
-    @property
-    def is_ready(self) -> bool:
-        """True once the weights are loaded and the process group is up."""
-        return self.executor is not None

@@ -1,4 +1,4 @@
-"""ExpertService over gRPC: protobuf <-> the runner's domain objects, errors -> status codes.
+"""ExpertService over gRPC: protobuf <-> the step contract (services/step_codec.py), errors -> status codes.
 
 One ExecuteSteps stream at a time: a second stream while one is open gets
 FAILED_PRECONDITION (the rank's sequences belong to the open stream, and two
@@ -22,47 +22,12 @@ import grpc
 
 from expert_svc.executor import StepFailedError
 from expert_svc.observability import SequenceTracer, observe_step
-from expert_svc.runner import NewSequence, RankState, ScheduledSequence, StalePlanError, StepPlan, StepResult
+from expert_svc.runner import StalePlanError
+from expert_svc.state import RankState
 from moe.expert.v1 import expert_pb2, expert_pb2_grpc
-from services.model.sampling import SamplingSpec
+from services import step_codec
 
 log = logging.getLogger("expert_svc")
-
-
-def plan_from_pb(plan: expert_pb2.StepPlan) -> StepPlan:
-    """The domain StepPlan of a protobuf plan."""
-    return StepPlan(
-        step_id=plan.step_id,
-        group_id=plan.group_id,
-        placement_epoch=plan.placement_epoch,
-        new_sequences=tuple(
-            NewSequence(
-                seq_id=s.seq_id,
-                sampling=SamplingSpec(temperature=s.sampling.temperature, top_p=s.sampling.top_p,
-                                      top_k=s.sampling.top_k, seed=s.sampling.seed),
-                block_ids=tuple(s.block_ids),
-                num_cached_tokens=s.num_cached_tokens,
-            )
-            for s in plan.new_sequences
-        ),
-        scheduled=tuple(
-            ScheduledSequence(seq_id=s.seq_id, token_ids=tuple(s.token_ids),
-                              new_block_ids=tuple(s.new_block_ids), is_sampled=s.is_sampled)
-            for s in plan.scheduled
-        ),
-        finished_seq_ids=tuple(plan.finished_seq_ids),
-        max_tokens_per_rank=plan.max_tokens_per_rank,
-        expert_placement_epoch=plan.expert_placement_epoch,
-    )
-
-
-def result_to_pb(result: StepResult) -> expert_pb2.ExecuteStepsResponse:
-    """The protobuf response of a step result."""
-    return expert_pb2.ExecuteStepsResponse(result=expert_pb2.StepResult(
-        step_id=result.step_id,
-        tokens=[expert_pb2.SampledToken(seq_id=s, token_id=t) for s, t in result.tokens],
-        execute_seconds=result.execute_seconds,
-    ))
 
 
 class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
@@ -93,17 +58,18 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
 
         async def plans():
             async for request in request_iterator:
-                if tracer is not None:
-                    tracer.on_plan(request.plan)
                 unanswered.append(request.plan.step_id)
-                yield plan_from_pb(request.plan)
+                plan = step_codec.plan_from_pb(request.plan)
+                if tracer is not None:
+                    tracer.on_plan(plan)
+                yield plan
 
         try:
             async with contextlib.aclosing(executor.run(plans())) as results:
                 async for result in results:
                     unanswered.popleft()
                     observe_step(result.execute_seconds)
-                    yield result_to_pb(result)
+                    yield step_codec.result_to_response(result)
         except StalePlanError as error:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         except ValueError as error:  # the oldest unanswered plan is the bad one

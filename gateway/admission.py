@@ -1,7 +1,8 @@
 """Admission: which waiting requests start in this step, and on which rank.
 
-Part of the batcher (batcher.Batcher calls `admit` after scheduling the
-running sequences). The policy orders the waiting requests; each is started
+Part of the batcher: batcher.Batcher calls `admit` after scheduling the
+running sequences and is, to admission, only the narrow `AdmissionHost`
+below (what it reads, and the two calls that start a sequence). The policy orders the waiting requests; each is started
 on a rank that has room for its first prefill chunk: a free running slot,
 token budget left in the step, and KV blocks for the chunk beyond its cached
 prefix, keeping `watermark` blocks spare for the decodes of the running
@@ -18,10 +19,15 @@ this is what makes a burst of requests with one system prompt prefill it once.
 """
 
 import dataclasses
+from collections.abc import Sequence as Seq
+from typing import Protocol
 
 from gateway.kv_accounting import PrefixMatch, RankKV
-from gateway.plan import NewSequencePlan, StepBatch
+from gateway.plan import RankPlan, StepBatch
+from gateway.policy import SchedulePolicy
 from gateway.requests import Sequence
+from gateway.stats import GatewayStats
+from services.step import NewSequence
 
 AFFINITY_SLACK = 0.125
 # Requests skipped for a block being prefilled, per step, before admission stops looking.
@@ -58,12 +64,39 @@ class _Placement:
 _DEFER = object()
 
 
+class AdmissionHost(Protocol):
+    """What admission reads of the batcher, and the calls it makes to start a sequence."""
+
+    ranks: Seq[RankKV]
+    running: Seq[list[Sequence]]
+    policy: SchedulePolicy
+    stats: GatewayStats
+    max_running_requests: int
+    max_batch_tokens: int
+    prefill_chunk_size: int
+
+    @property
+    def num_ranks(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def waiting(self) -> list[Sequence]: ...
+
+    def start(self, plan: RankPlan, seq: Sequence) -> None:
+        """Moves seq from waiting to running on plan's rank."""
+
+    def schedule_seq(self, plan: RankPlan, step: "StepState", seq: Sequence, num_tokens: int) -> None:
+        """Adds num_tokens of seq's input to plan."""
+
+
 def watermark(kv: RankKV) -> int:
     """Blocks kept free at admission for the running sequences' next decode blocks."""
     return max(1, kv.num_blocks // 100)
 
 
-def admit(batcher, batch: StepBatch, step: StepState) -> None:
+def admit(batcher: AdmissionHost, batch: StepBatch, step: StepState) -> None:
     """Starts waiting sequences while they fit, in the policy's order."""
     if not batcher.num_waiting:
         return
@@ -92,13 +125,13 @@ def admit(batcher, batch: StepBatch, step: StepState) -> None:
         running_tokens[placement.rank] += seq.num_tokens
 
 
-def _is_open(batcher, batch: StepBatch, step: StepState, rank: int) -> bool:
+def _is_open(batcher: AdmissionHost, batch: StepBatch, step: StepState, rank: int) -> bool:
     return (not step.is_preempting[rank]
             and len(batcher.running[rank]) < batcher.max_running_requests
             and batch.plans[rank].num_tokens < batcher.max_batch_tokens)
 
 
-def _place(batcher, batch: StepBatch, step: StepState, seq: Sequence, running_tokens: list[int]):
+def _place(batcher: AdmissionHost, batch: StepBatch, step: StepState, seq: Sequence, running_tokens: list[int]):
     """The rank to start seq on (a _Placement), _DEFER, or None if it fits nowhere."""
     fitting: list[_Placement] = []
     is_deferred = False
@@ -129,7 +162,7 @@ def _place(batcher, batch: StepBatch, step: StepState, seq: Sequence, running_to
     return min(fitting, key=lambda p: (running_tokens[p.rank], -batcher.ranks[p.rank].num_available, p.rank))
 
 
-def _start(batcher, batch: StepBatch, step: StepState, seq: Sequence, placement: _Placement) -> None:
+def _start(batcher: AdmissionHost, batch: StepBatch, step: StepState, seq: Sequence, placement: _Placement) -> None:
     plan = batch.plans[placement.rank]
     kv = batcher.ranks[placement.rank]
     match = placement.match
@@ -137,10 +170,8 @@ def _start(batcher, batch: StepBatch, step: StepState, seq: Sequence, placement:
     block_ids = kv.open(seq.seq_id, match)
     block_ids += kv.grow(seq.seq_id, match.num_cached_tokens + placement.num_tokens)
     seq.num_computed = match.num_cached_tokens
-    request = seq.request
-    plan.new_sequences.append(NewSequencePlan(
-        seq.seq_id, request.temperature, request.top_p, request.top_k, request.seed, tuple(block_ids),
-        match.num_cached_tokens))
+    plan.new_sequences.append(NewSequence(seq.seq_id, seq.request.sampling, tuple(block_ids),
+                                          match.num_cached_tokens))
     stats = batcher.stats
     if seq.num_preemptions == 0:
         stats.num_prompt_tokens += seq.num_tokens

@@ -42,11 +42,12 @@ from collections.abc import Callable, Collection, Mapping
 
 from gateway import admission
 from gateway.kv_accounting import RankKV
-from gateway.plan import RankPlan, ScheduledSequencePlan, SeqEvent, StepBatch
+from gateway.plan import RankPlan, SeqEvent, StepBatch
 from gateway.policy import SchedulePolicy, make_policy
 from gateway.prefix_cache import extend_block_hashes
 from gateway.requests import ErrorCode, GenerationError, Sequence, SeqStatus
 from gateway.stats import GatewayStats
+from services.step import ScheduledSequence
 
 
 def _arrival(seq: Sequence) -> int:
@@ -265,7 +266,7 @@ class Batcher:
         new_block_ids = kv.grow(seq.seq_id, num_after)
         is_sampled = not num_tokens or num_after == seq.num_tokens
         token_ids = tuple(seq.token_ids[start:num_after]) if num_tokens else ()
-        plan.scheduled.append(ScheduledSequencePlan(seq.seq_id, token_ids, tuple(new_block_ids), is_sampled))
+        plan.scheduled.append(ScheduledSequence(seq.seq_id, token_ids, tuple(new_block_ids), is_sampled))
         plan.num_tokens += max(1, num_tokens)
         seq.num_computed = num_after
         step.scheduled.append(seq)

@@ -1,8 +1,8 @@
 """The step loop of one worker group: schedule, execute on every rank, apply.
 
 `Engine` owns the batcher of its group and one ExecuteSteps stream per rank
-(anything with `async write(ExecuteStepsRequest)` and `async read()`, as a
-grpc.aio stream-stream call has; the tests use in-process fakes). Each step
+(gateway/step_stream.py holds the wire: the engine sends StepPlans and reads
+StepResults; the tests use in-process fakes). Each step
 sends one plan to every rank (idle plans included, so that the ranks'
 collectives line up), reads all their results, feeds the sampled tokens to
 the batcher and pushes the outputs to the requests' handles.
@@ -41,15 +41,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence as Seq
-from typing import Protocol
-
-import grpc
 
 from gateway.batcher import Batcher
 from gateway.observability import EngineObserver
-from gateway.plan import RankPlan, SeqEvent, StepBatch
+from gateway.plan import SeqEvent, StepBatch
 from gateway.requests import ErrorCode, GenerationError, RequestHandle, Sequence
-from moe.expert.v1 import expert_pb2
+from gateway.step_stream import RankStream, StepStream, StreamClosed
+from services.step import StepPlan, StepResult
 
 log = logging.getLogger("gateway.engine")
 
@@ -59,43 +57,8 @@ _RETRY_PLAN_S = 0.05
 _WAKE_BATCH = 32
 
 
-class RankStream(Protocol):
-    """One rank's ExecuteSteps stream, as grpc.aio's StreamStreamCall exposes it."""
-
-    async def write(self, request: expert_pb2.ExecuteStepsRequest) -> None: ...
-
-    async def read(self) -> "expert_pb2.ExecuteStepsResponse | object": ...
-
-
 class GroupFailure(Exception):
     """The worker group can no longer execute steps."""
-
-
-def plan_to_proto(plan: RankPlan, step_id: int, group_id: str, epoch: int, *,
-                  max_tokens_per_rank: int = 0, expert_placement_epoch: int = 0) -> expert_pb2.ExecuteStepsRequest:
-    """The wire form of one rank's plan; max_tokens_per_rank is the step's (StepBatch's), 0 = unknown.
-
-    Built in place (repeated fields' add/extend): a step plan holds hundreds of
-    sequences, and message objects built first and then copied in cost 3 to 4 times more.
-    """
-    request = expert_pb2.ExecuteStepsRequest()
-    pb = request.plan
-    pb.step_id, pb.group_id, pb.placement_epoch = step_id, group_id, epoch
-    pb.max_tokens_per_rank, pb.expert_placement_epoch = max_tokens_per_rank, expert_placement_epoch
-    for s in plan.new_sequences:
-        new = pb.new_sequences.add(seq_id=s.seq_id, num_cached_tokens=s.num_cached_tokens)
-        sampling = new.sampling
-        sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed = s.temperature, s.top_p, s.top_k, s.seed
-        new.block_ids.extend(s.block_ids)
-    add = pb.scheduled.add
-    for s in plan.scheduled:
-        scheduled = add(seq_id=s.seq_id, is_sampled=s.is_sampled)
-        if s.token_ids:
-            scheduled.token_ids.extend(s.token_ids)
-        if s.new_block_ids:
-            scheduled.new_block_ids.extend(s.new_block_ids)
-    pb.finished_seq_ids.extend(plan.finished_seq_ids)
-    return request
 
 
 class Engine:
@@ -122,7 +85,7 @@ class Engine:
         self.placement_epoch = placement_epoch
         # The expert placement the ranks run (gateway/placement_watch.py sets it once all staged it).
         self.expert_placement_epoch = 0
-        self._streams = list(rank_streams)
+        self._streams = [StepStream(call) for call in rank_streams]
         self._make_detokenizer = make_detokenizer
         self._step_timeout_s = step_timeout_s
         # Steps on the wire at once: 2 plans step k+1 while step k runs.
@@ -261,47 +224,44 @@ class Engine:
         """Plans the next step and writes it to every rank; False if there was nothing
         to send. `events` (the outputs of the step just applied), then the
         scheduler's, are delivered once the writes are queued."""
-        batch, requests = self._plan()
+        batch, plans = self._plan()
         events = [*events, *batch.events]
         if batch.is_empty:
             self._deliver(events, is_paced=True)
             return False
-        writes = self._start_on_every_rank(lambda stream, i: stream.write(requests[i]))
-        in_flight.append((batch, requests))
+        writes = self._start_on_every_rank(lambda stream, i: stream.send(plans[i]))
+        in_flight.append((batch, plans))
         # The writes' tasks were queued first: they run before any stream woken here.
         self._deliver(events, is_paced=True)
         await self._wait_every_rank(writes, "write its plan")
         return True
 
-    def _plan(self) -> tuple[StepBatch, list]:
-        """Schedules the next step: the batch and its protobuf per rank (none if it is empty)."""
+    def _plan(self) -> tuple[StepBatch, list[StepPlan]]:
+        """Schedules the next step: the batch and its plan per rank (none if it is empty)."""
         start = time.perf_counter()
         batch = self.batcher.schedule()
         if batch.is_empty:
             return batch, []
-        requests = [plan_to_proto(p, batch.step_id, self.group_id, self.placement_epoch,
-                                  max_tokens_per_rank=batch.max_tokens_per_rank,
-                                  expert_placement_epoch=self.expert_placement_epoch)
-                    for p in batch.plans]
+        if self._observer is not None:  # may stamp traceparents on the new sequences
+            self._observer.on_step_planned(batch)
+        plans = [p.to_step_plan(batch.step_id, self.group_id, self.placement_epoch,
+                                max_tokens_per_rank=batch.max_tokens_per_rank,
+                                expert_placement_epoch=self.expert_placement_epoch)
+                 for p in batch.plans]
         self.stats.record_step(sum(p.num_tokens for p in batch.plans), time.perf_counter() - start)
-        if self._observer is not None:
-            self._observer.on_step_planned(batch, requests)
-        return batch, requests
+        return batch, plans
 
-    async def _receive(self, planned: tuple[StepBatch, list]) -> list[SeqEvent]:
+    async def _receive(self, planned: tuple[StepBatch, list[StepPlan]]) -> list[SeqEvent]:
         """Reads one result per rank for the step and applies them: the outputs, to deliver."""
         batch, _ = planned
-        read = self._observer.read if self._observer is not None else (lambda stream, i: stream.read())
-        responses = await self._wait_every_rank(self._start_on_every_rank(read), "answer")
+        read = self._observer.read if self._observer is not None else (lambda stream, i: stream.receive())
+        results: list[StepResult] = await self._wait_every_rank(self._start_on_every_rank(read), "answer")
         start = time.perf_counter()
         tokens: dict[int, int] = {}
-        for rank, response in enumerate(responses):
-            if not isinstance(response, expert_pb2.ExecuteStepsResponse):
-                raise GroupFailure(f"rank {rank} closed its step stream")
-            if response.result.step_id != batch.step_id:
-                raise GroupFailure(
-                    f"rank {rank} answered step {response.result.step_id}, expected {batch.step_id}")
-            tokens.update((t.seq_id, t.token_id) for t in response.result.tokens)
+        for rank, result in enumerate(results):
+            if result.step_id != batch.step_id:
+                raise GroupFailure(f"rank {rank} answered step {result.step_id}, expected {batch.step_id}")
+            tokens.update(result.tokens)
         try:
             events = self.batcher.apply_results(batch.step_id, tokens)
         except ValueError as error:
@@ -309,7 +269,7 @@ class Engine:
         self.num_steps += 1
         self.stats.apply_s.append(time.perf_counter() - start)
         if self._observer is not None:
-            self._observer.on_step_done(batch, responses)
+            self._observer.on_step_done(batch, results)
         return events
 
     def _start_on_every_rank(self, call) -> list[asyncio.Future]:
@@ -338,7 +298,9 @@ class Engine:
     async def _raise_failure(self, rank: int, error: BaseException) -> None:
         if not isinstance(error, Exception):
             raise error
-        reason = await _stream_error(self._streams[rank], error)
+        if isinstance(error, StreamClosed):
+            raise GroupFailure(f"rank {rank} {error}") from error
+        reason = await self._streams[rank].failure_reason(error)
         raise GroupFailure(f"rank {rank} step stream broke: {reason}") from error
 
     def _deliver(self, events: list[SeqEvent], *, is_paced: bool = False) -> None:
@@ -383,18 +345,3 @@ class Engine:
         handle = self._to_wake.popleft()
         self._to_wake_ids.discard(id(handle))
         handle.wake()
-
-
-async def _stream_error(stream, error: Exception) -> str:
-    """Why a stream failed: its gRPC status once the call has ended (a write
-    after the end only says "RPC already finished"), else the error."""
-    if isinstance(stream, grpc.aio.Call) and stream.done():
-        return f"{(await stream.code()).name}: {await stream.details()}"
-    return error_text(error)
-
-
-def error_text(error: BaseException) -> str:
-    """One line for a log or a status message; a gRPC error as CODE: details."""
-    if isinstance(error, grpc.aio.AioRpcError):
-        return f"{error.code().name}: {error.details()}"
-    return str(error) or repr(error)

@@ -28,7 +28,8 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 
 from gateway import placement_watch
-from gateway.engine import Engine, GroupFailure, error_text
+from gateway.engine import Engine, GroupFailure
+from gateway.step_stream import error_text
 from moe.expert.v1 import expert_pb2, expert_pb2_grpc
 from services import grpc_util, telemetry
 from services.cluster import ClusterClient, GroupAssignment

@@ -34,6 +34,7 @@ nothing waits or nothing is free.
 
 import asyncio
 import contextvars
+import dataclasses
 import functools
 import logging
 import time
@@ -229,10 +230,10 @@ class EngineObserver:
         self._requests.pop(observation.seq_id, None)
         self._traced.pop(observation.seq_id, None)
 
-    def on_step_planned(self, batch, requests) -> None:
-        """The step's plans are built (not yet sent): queue times, spans, traceparents."""
-        for plan, request in zip(batch.plans, requests):
-            for new in request.plan.new_sequences:
+    def on_step_planned(self, batch) -> None:
+        """The step is scheduled (its plans not yet frozen): queue times, spans, traceparents."""
+        for plan in batch.plans:
+            for i, new in enumerate(plan.new_sequences):
                 observation = self._requests.get(new.seq_id)
                 if observation is None:
                     continue
@@ -240,7 +241,7 @@ class EngineObserver:
                     self._metrics.request_queue_time.observe(time.monotonic() - observation.queued_at)
                     observation.queued_at = 0.0
                 if observation.trace is not None:
-                    new.traceparent = observation.trace.traceparent
+                    plan.new_sequences[i] = dataclasses.replace(new, traceparent=observation.trace.traceparent)
             if self._traced:
                 self._trace_plan(batch.step_id, plan)
 
@@ -253,14 +254,14 @@ class EngineObserver:
                                            chunk_spans)
 
     async def read(self, stream, rank: int):
-        """Reads a rank's step result, noting when it arrived."""
-        response = await stream.read()
+        """Reads a rank's step result (a step_stream.StepStream), noting when it arrived."""
+        result = await stream.receive()
         self._arrivals[rank] = time.perf_counter()
-        return response
+        return result
 
-    def on_step_done(self, batch, responses) -> None:
-        """Every rank answered the step (responses by rank, checked by the engine)."""
-        self._metrics.step_duration.observe(max(r.result.execute_seconds for r in responses))
+    def on_step_done(self, batch, results) -> None:
+        """Every rank answered the step (StepResults by rank, checked by the engine)."""
+        self._metrics.step_duration.observe(max(r.execute_seconds for r in results))
         first = min(self._arrivals)
         for lag, arrived in zip(self._lag, self._arrivals):
             lag.observe(arrived - first)

@@ -1,44 +1,23 @@
-"""What the batcher produces for one step: one plan per rank, as diffs (the step protocol).
+"""What the batcher produces for one step: one plan per rank, as diffs.
 
-Domain types only; engine.plan_to_proto writes them as moe.expert.v1.StepPlan.
+The batcher fills a mutable RankPlan per rank with the step contract's own
+types (services/step.py); `RankPlan.to_step_plan` freezes it into the
+StepPlan the rank executes.
 """
 
 import dataclasses
 
 from gateway.requests import GenerationError, RequestOutput, Sequence
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class NewSequencePlan:
-    """A sequence a rank sees for the first time, in full."""
-
-    seq_id: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
-    block_ids: tuple[int, ...]
-    # Tokens whose KV is already in the first blocks (a cached prefix).
-    num_cached_tokens: int = 0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ScheduledSequencePlan:
-    """One sequence's work in a step: new input tokens ([] = decode) and appended blocks."""
-
-    seq_id: int
-    token_ids: tuple[int, ...]
-    new_block_ids: tuple[int, ...]
-    is_sampled: bool
+from services.step import NewSequence, ScheduledSequence, StepPlan
 
 
 @dataclasses.dataclass(slots=True)
 class RankPlan:
-    """One rank's step: diffs against the rank's state. Empty = an idle step."""
+    """One rank's step as the batcher builds it: diffs against the rank's state. Empty = an idle step."""
 
     rank: int
-    new_sequences: list[NewSequencePlan] = dataclasses.field(default_factory=list)
-    scheduled: list[ScheduledSequencePlan] = dataclasses.field(default_factory=list)
+    new_sequences: list[NewSequence] = dataclasses.field(default_factory=list)
+    scheduled: list[ScheduledSequence] = dataclasses.field(default_factory=list)
     finished_seq_ids: list[int] = dataclasses.field(default_factory=list)
     # Input tokens of the step (a decode counts one), kept as sequences are scheduled.
     num_tokens: int = 0
@@ -46,6 +25,12 @@ class RankPlan:
     @property
     def is_empty(self) -> bool:
         return not (self.scheduled or self.finished_seq_ids)
+
+    def to_step_plan(self, step_id: int, group_id: str, placement_epoch: int, *,
+                     max_tokens_per_rank: int = 0, expert_placement_epoch: int = 0) -> StepPlan:
+        """The frozen StepPlan of this rank's step."""
+        return StepPlan(step_id, group_id, placement_epoch, tuple(self.new_sequences), tuple(self.scheduled),
+                        tuple(self.finished_seq_ids), max_tokens_per_rank, expert_placement_epoch)
 
 
 # What happened to one request: an output, or the error that failed it.

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from typing import NoReturn, Protocol
 
 from moe.gateway.v1 import gateway_pb2
+from services.step import SamplingSpec, SpecError
 from services.tokenizer import CHAT_ROLES, Tokenizer
 
-MAX_TEMPERATURE = 2.0
 # Inputs at least this long (characters, or token ids) are validated off the
 # event loop (the servicer runs validate_request in a thread): tokenizing a
 # 1M-character prompt takes seconds.
@@ -110,14 +110,8 @@ class ValidatedRequest:
     request_id: str
     prompt_ids: list[int]
     max_new_tokens: int
-    # 0 means greedy.
-    temperature: float
-    # In (0, 1]; 1.0 means disabled.
-    top_p: float
-    # 0 means disabled.
-    top_k: int
-    # The client's seed, or a random 63-bit one.
-    seed: int
+    # The step contract's sampling (services/step.py); the seed is the client's or a random 63-bit one.
+    sampling: SamplingSpec
     stops: tuple[str, ...]
     ignore_eos: bool
 
@@ -127,10 +121,7 @@ def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
     """Check `req` against `limits` and tokenize its prompt; raise RequestError."""
     request_id = _check_request_id(req.request_id, limits)
     sampling = req.sampling
-    temperature = _check_range("sampling.temperature", sampling.temperature, 0.0, MAX_TEMPERATURE)
-    top_p = _check_range("sampling.top_p", sampling.top_p, 0.0, 1.0) or 1.0
-    if not 0 <= sampling.top_k <= limits.vocab_size:
-        _fail("sampling.top_k", f"must be in [0, {limits.vocab_size}], got {sampling.top_k}")
+    spec = _sampling_spec(sampling, limits)
     if sampling.max_new_tokens > limits.max_new_tokens_limit:
         _fail("sampling.max_new_tokens",
               f"must be at most {limits.max_new_tokens_limit}, got {sampling.max_new_tokens}")
@@ -141,10 +132,7 @@ def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
         request_id=request_id,
         prompt_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=sampling.top_k,
-        seed=sampling.seed if sampling.HasField("seed") else secrets.randbits(63),
+        sampling=spec,
         stops=stops,
         ignore_eos=sampling.ignore_eos,
     )
@@ -160,11 +148,19 @@ def _check_request_id(request_id: str, limits: RequestLimits) -> str:
     return request_id or uuid.uuid4().hex
 
 
-def _check_range(field: str, value: float, low: float, high: float) -> float:
-    value = _shortest_float32(value)
-    if not low <= value <= high:    # also false for NaN
-        _fail(field, f"must be in [{low:g}, {high:g}], got {value!r}")
-    return value
+def _sampling_spec(sampling: gateway_pb2.SamplingParams, limits: RequestLimits) -> SamplingSpec:
+    """The request's SamplingSpec, whose own checks are the contract's; the vocabulary is this server's limit."""
+    if not 0 <= sampling.top_k <= limits.vocab_size:
+        _fail("sampling.top_k", f"must be in [0, {limits.vocab_size}], got {sampling.top_k}")
+    try:
+        return SamplingSpec(
+            temperature=_shortest_float32(sampling.temperature),
+            # 0 is the proto's unset value: top_p disabled.
+            top_p=_shortest_float32(sampling.top_p) or 1.0,
+            top_k=sampling.top_k,
+            seed=sampling.seed if sampling.HasField("seed") else secrets.randbits(63))
+    except SpecError as error:
+        raise RequestError(error.field, str(error)) from error
 
 
 def _shortest_float32(value: float) -> float:

@@ -20,45 +20,13 @@ sequence's draws depend on how many it had made on this rank: a resumed
 sequence repeated its first ones.
 """
 
-import dataclasses
 import threading
 
 import torch
 from torch import Tensor
 
 from services.model.batch import to_device
-
-# Temperatures below it sample greedily (as vLLM does): dividing the logits by
-# a subnormal temperature overflows them to inf and the softmax to NaN, and at
-# such a temperature every token but the argmax has a probability of ~0 anyway.
-MIN_TEMPERATURE = 1e-5
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SamplingSpec:
-    """How one sequence samples."""
-
-    # 0 (or below MIN_TEMPERATURE) means greedy (argmax); otherwise the logits are divided by it.
-    temperature: float = 1.0
-    # Keep the smallest set of most likely tokens whose probability reaches top_p.
-    top_p: float = 1.0
-    # Keep the top_k most likely tokens; 0 keeps all.
-    top_k: int = 0
-    # Seeds the sequence's own torch.Generator (the caller keeps it across steps).
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must not be negative, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must not be negative (0 keeps all), got {self.top_k}")
-
-    @property
-    def is_greedy(self) -> bool:
-        """True if sampling is argmax."""
-        return self.temperature < MIN_TEMPERATURE
+from services.step import SamplingSpec
 
 
 def sample(logits_SV: Tensor, specs: list[SamplingSpec], positions: list[int]) -> list[int]:
@@ -128,7 +96,7 @@ def _generator(device: torch.device) -> torch.Generator:
 def _filtered_scores(logits_DV: Tensor, specs: list[SamplingSpec]) -> tuple[Tensor, Tensor | None]:
     """Log-probabilities up to a constant per row, -inf for the tokens top-k and then
     top-p drop; sorted by decreasing logit (with the order) if any row filters."""
-    if all(not s.top_k and s.top_p >= 1 for s in specs):
+    if not any(s.is_filtered for s in specs):
         return logits_DV, None
     device, vocab = logits_DV.device, logits_DV.shape[1]
     sorted_DV, order_DV = logits_DV.sort(dim=-1, descending=True)

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from expert_svc.executor import StepExecutor, StepFailedError
-from expert_svc.runner import LaunchedStep, StepPlan, StepResult, StepRunner
+from expert_svc.runner import LaunchedStep, StepRunner
 from tests.expert_svc.conftest import plan_stream
+from services.step import StepPlan, StepResult
 
 BAD_STEP_ERROR = "sequence 9 is unknown"
 

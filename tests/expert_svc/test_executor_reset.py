@@ -11,8 +11,8 @@ import concurrent.futures
 import threading
 
 from expert_svc.executor import StepExecutor
-from expert_svc.runner import StepPlan, StepResult
 from tests.expert_svc.conftest import plan_stream
+from services.step import StepPlan, StepResult
 
 
 class _BlockingRunner:

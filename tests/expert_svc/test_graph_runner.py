@@ -15,15 +15,15 @@ import torch
 import torch.distributed as dist
 
 from expert_svc.graph_runner import DecodeGraphRunner, captures_decode, make_graph_runner
-from expert_svc.runner import NewSequence, ScheduledSequence, StepPlan, StepRunner
+from expert_svc.runner import StepRunner
 from services.kv_pool import KVPool
 from services.model.attention import TorchReferenceAttention
 from services.model.batch import SeqInput
 from services.model.checkpoint import load_weights
 from services.model.moe import ExpertComm, local_expert_ids
 from services.model.qwen3_moe import Qwen3MoeModel
-from services.model.sampling import SamplingSpec
 from tests.expert_svc.conftest import SMALL
+from services.step import NewSequence, SamplingSpec, ScheduledSequence, StepPlan
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64

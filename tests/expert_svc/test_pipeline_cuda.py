@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from expert_svc.graph_runner import DecodeGraphRunner
-from expert_svc.runner import NewSequence, ScheduledSequence, StepPlan, StepRunner
+from expert_svc.runner import StepRunner
 from services.kv_pool import KVPool
 from services.model.qwen3_moe import Qwen3MoeModel
 from services.model.random_weights import RandomWeights, preset
-from services.model.sampling import SamplingSpec
+from services.step import NewSequence, SamplingSpec, ScheduledSequence, StepPlan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -19,7 +19,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from expert_svc.executor import StepExecutor, StepFailedError
-from expert_svc.runner import StepPlan, StepResult
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services import launcher
 from services.cluster import ClusterClient, GroupAssignment, Keys, RankInfo
@@ -27,6 +26,7 @@ from services.etcd_server import start_etcd
 from tests.conftest import hf_greedy
 from tests.expert_svc.conftest import plan_stream
 from tests.test_mesh_e2e import greedy
+from services.step import StepPlan, StepResult
 
 COLLECTIVE_TIMEOUT_S = 5
 

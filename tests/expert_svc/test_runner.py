@@ -12,14 +12,13 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import hf_greedy
-from expert_svc.runner import (NewSequence, ScheduledSequence, StalePlanError, StepPlan,
-                               StepRunner)
+from expert_svc.runner import StalePlanError, StepRunner
 from services.kv_pool import KVPool
 from services.model.checkpoint import load_weights
 from tests.expert_svc.conftest import SMALL
 from services.model.moe import ExpertComm
 from services.model.qwen3_moe import Qwen3MoeModel
-from services.model.sampling import SamplingSpec
+from services.step import NewSequence, SamplingSpec, ScheduledSequence, StepPlan
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 128

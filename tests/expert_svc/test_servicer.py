@@ -12,7 +12,8 @@ import torch
 
 from tests.conftest import hf_greedy
 from expert_svc.executor import StepExecutor
-from expert_svc.runner import RankState, StepRunner
+from expert_svc.runner import StepRunner
+from expert_svc.state import RankState
 from expert_svc.servicer import ExpertServicer
 from expert_svc.stats_reporter import StatsReporter
 from moe.expert.v1 import expert_pb2 as pb

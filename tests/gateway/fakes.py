@@ -12,9 +12,10 @@ writes into a block that another live sequence's table holds.
 import asyncio
 import dataclasses
 
-from gateway.engine import plan_to_proto
 from gateway.validation import ValidatedRequest
 from moe.expert.v1 import expert_pb2
+from services import step_codec
+from services.step import SamplingSpec
 
 EOS = 1
 
@@ -39,7 +40,7 @@ def make_request(num_prompt=4, *, max_new_tokens=8, stops=(), ignore_eos=False, 
                  prompt_ids=None) -> ValidatedRequest:
     return ValidatedRequest(
         request_id=request_id, prompt_ids=list(prompt_ids or [30] * num_prompt),
-        max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=5, stops=tuple(stops),
+        max_new_tokens=max_new_tokens, sampling=SamplingSpec(temperature=0.0, seed=5), stops=tuple(stops),
         ignore_eos=ignore_eos)
 
 
@@ -146,5 +147,5 @@ def run_batch(ranks: list[SimRank], batch) -> dict[int, int]:
     """Runs a StepBatch's plans on the simulated ranks: the step's sampled tokens."""
     tokens = {}
     for rank, plan in zip(ranks, batch.plans):
-        tokens.update(rank.run(plan_to_proto(plan, batch.step_id, "g", 1).plan))
+        tokens.update(rank.run(step_codec.plan_to_request(plan.to_step_plan(batch.step_id, "g", 1)).plan))
     return tokens

@@ -1,7 +1,7 @@
 """The host side of a step at high concurrency (issue 8): the next plan is written
 before the last step's outputs wake their streams, which are woken a batch per
 event-loop turn; the request handle's queue; streams that fall behind send
-their queued outputs as one message; plan_to_proto built in place."""
+their queued outputs as one message."""
 
 import asyncio
 import types
@@ -10,8 +10,6 @@ import grpc
 import pytest
 
 from gateway import engine as engine_module
-from gateway.engine import plan_to_proto
-from gateway.plan import NewSequencePlan, RankPlan, ScheduledSequencePlan
 from gateway.requests import ErrorCode, FinishReason, GenerationError, RequestHandle, RequestOutput, merge_outputs
 from moe.expert.v1 import expert_pb2
 from moe.gateway.v1 import gateway_pb2
@@ -257,19 +255,3 @@ def test_coalesced_streams_carry_every_token_and_the_text_once():
         assert all(m.finish_reason == gateway_pb2.FINISH_REASON_UNSPECIFIED for m in messages[:-1])
         assert messages[-1].finish_reason == gateway_pb2.FINISH_REASON_LENGTH
         assert messages[-1].usage.completion_tokens == 12
-
-
-def test_plan_to_proto_writes_every_field():
-    plan = RankPlan(1, [NewSequencePlan(7, 0.5, 0.9, 4, 11, (3, 4), 16)],
-                    [ScheduledSequencePlan(7, (30, 31), (3, 4), True), ScheduledSequencePlan(8, (), (), True),
-                     ScheduledSequencePlan(9, (5,), (), False)], [2, 6], 4)
-    request = plan_to_proto(plan, 5, "g", 2, max_tokens_per_rank=4, expert_placement_epoch=3)
-    S = expert_pb2.ScheduledSequence
-    assert request == expert_pb2.ExecuteStepsRequest(plan=expert_pb2.StepPlan(
-        step_id=5, group_id="g", placement_epoch=2, max_tokens_per_rank=4, expert_placement_epoch=3,
-        new_sequences=[expert_pb2.NewSequence(
-            seq_id=7, sampling=expert_pb2.SequenceSampling(temperature=0.5, top_p=0.9, top_k=4, seed=11),
-            block_ids=[3, 4], num_cached_tokens=16)],
-        scheduled=[S(seq_id=7, token_ids=[30, 31], new_block_ids=[3, 4], is_sampled=True),
-                   S(seq_id=8, is_sampled=True), S(seq_id=9, token_ids=[5], is_sampled=False)],
-        finished_seq_ids=[2, 6]))

@@ -7,6 +7,7 @@ import pytest
 
 from gateway.validation import RequestError, RequestLimits, ValidatedRequest, validate_request
 from moe.gateway.v1 import gateway_pb2
+from services.step import SamplingSpec
 from services.tokenizer import Tokenizer
 
 LIMITS = RequestLimits(
@@ -47,28 +48,28 @@ def rejected(req, tokenizer, limits=LIMITS) -> RequestError:
 def test_prompt_request_with_defaults(tokenizer):
     v = validate_request(request(), LIMITS, tokenizer)
     assert v == ValidatedRequest(
-        request_id="r1", prompt_ids=[9707, 11, 1879, 0], max_new_tokens=16, temperature=0.0,
-        top_p=1.0, top_k=0, seed=v.seed, stops=(), ignore_eos=False)
-    assert 0 <= v.seed < 2**63
+        request_id="r1", prompt_ids=[9707, 11, 1879, 0], max_new_tokens=16,
+        sampling=SamplingSpec(temperature=0.0, top_p=1.0, top_k=0, seed=v.sampling.seed), stops=(), ignore_eos=False)
+    assert 0 <= v.sampling.seed < 2**63
 
 
 def test_random_seeds_differ_and_explicit_seed_is_kept(tokenizer):
-    assert len({validate_request(request(), LIMITS, tokenizer).seed for _ in range(4)}) == 4
-    assert validate_request(request(seed=2**64 - 1), LIMITS, tokenizer).seed == 2**64 - 1
-    assert validate_request(request(seed=0), LIMITS, tokenizer).seed == 0
+    assert len({validate_request(request(), LIMITS, tokenizer).sampling.seed for _ in range(4)}) == 4
+    assert validate_request(request(seed=2**64 - 1), LIMITS, tokenizer).sampling.seed == 2**64 - 1
+    assert validate_request(request(seed=0), LIMITS, tokenizer).sampling.seed == 0
 
 
 def test_sampling_values_are_kept(tokenizer):
     v = validate_request(request(max_new_tokens=48, temperature=0.7, top_p=0.9, top_k=151_936,
                                  stop=["\n\n", "END"], ignore_eos=True), LIMITS, tokenizer)
-    assert (v.max_new_tokens, v.temperature, v.top_p, v.top_k) == (48, 0.7, 0.9, 151_936)
+    assert (v.max_new_tokens, v.sampling.temperature, v.sampling.top_p, v.sampling.top_k) == (48, 0.7, 0.9, 151_936)
     assert v.stops == ("\n\n", "END") and v.ignore_eos
 
 
 def test_unset_sampling_is_greedy_with_default_length(tokenizer):
     req = gateway_pb2.GenerateRequest(request_id="r", prompt="hi")
     v = validate_request(req, LIMITS, tokenizer)
-    assert (v.temperature, v.top_p, v.top_k, v.max_new_tokens) == (0.0, 1.0, 0, 16)
+    assert (v.sampling.temperature, v.sampling.top_p, v.sampling.top_k, v.max_new_tokens) == (0.0, 1.0, 0, 16)
 
 
 def test_empty_request_id_gets_one(tokenizer):
@@ -97,14 +98,14 @@ def test_temperature_out_of_range(tokenizer, temperature):
 
 
 def test_temperature_limits_are_inclusive(tokenizer):
-    assert validate_request(request(temperature=2.0), LIMITS, tokenizer).temperature == 2.0
+    assert validate_request(request(temperature=2.0), LIMITS, tokenizer).sampling.temperature == 2.0
 
 
 @pytest.mark.parametrize("top_p", [-0.1, 1.5, math.nan])
 def test_top_p_out_of_range(tokenizer, top_p):
     e = rejected(request(top_p=top_p), tokenizer)
     assert e.field == "sampling.top_p"
-    assert str(e) == f"sampling.top_p must be in [0, 1], got {top_p!r}"
+    assert str(e) == f"sampling.top_p must be in (0, 1], got {top_p!r}"
 
 
 @pytest.mark.parametrize("top_k", [-1, 151_937])

@@ -26,7 +26,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, generate_lat
 from prometheus_client.parser import text_string_to_metric_families
 
 from expert_svc import observability as expert_observability
-from expert_svc.runner import RankState
+from expert_svc.state import RankState
 from gateway.kv_accounting import RankKV
 from gateway.observability import GatewayReadiness, fragmentation_ratio, kv_utilization
 from moe.expert.v1 import expert_pb2

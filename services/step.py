@@ -1,0 +1,137 @@
+"""The step contract: what a gateway asks of a rank in one step, and what the rank answers.
+
+One set of torch-free, frozen types shared by the gateway, which plans in
+them, and the expert service, which executes them; services/step_codec.py
+is the one translation to and from moe.expert.v1. A new per-sequence option
+is one field here, one field in the proto and one line in the codec.
+
+A plan carries diffs against the rank's state (architecture.md, "One decode
+step"): new sequences in full, known ones as appended blocks, finished ids.
+Values are checked once, when a type is built: SamplingSpec raises
+SpecError naming the field; the rank's own checks of a plan against its
+state (known ids, block counts) are in expert_svc/runner.py.
+"""
+
+import dataclasses
+
+# Temperatures below it sample greedily (as vLLM does): dividing the logits by
+# a subnormal temperature overflows them to inf and the softmax to NaN, and at
+# such a temperature every token but the argmax has a probability of ~0 anyway.
+MIN_TEMPERATURE = 1e-5
+# The highest temperature a request may ask for.
+MAX_TEMPERATURE = 2.0
+# Seeds are uint64 on the wire.
+MAX_SEED = 2**64 - 1
+
+
+class SpecError(ValueError):
+    """A value breaks the step contract; `field` names it as the public API spells it."""
+
+    def __init__(self, field: str, detail: str) -> None:
+        super().__init__(f"{field} {detail}")
+        self.field = field
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    """How one sequence chooses its tokens."""
+
+    # 0 (or below MIN_TEMPERATURE) means greedy (argmax); otherwise the logits are divided by it.
+    temperature: float = 1.0
+    # Keep the smallest set of most likely tokens whose probability reaches top_p; 1 keeps all.
+    top_p: float = 1.0
+    # Keep the top_k most likely tokens; 0 keeps all.
+    top_k: int = 0
+    # Keys the sequence's draws together with each token's position (services/model/sampling.py).
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # also false for NaN
+            raise SpecError("sampling.temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise SpecError("sampling.top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise SpecError("sampling.top_k", f"must not be negative (0 keeps all), got {self.top_k}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise SpecError("sampling.seed", f"must be in [0, 2**64), got {self.seed}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True if sampling is argmax."""
+        return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def is_filtered(self) -> bool:
+        """True if top-k or top-p removes tokens before the draw."""
+        return bool(self.top_k) or self.top_p < 1
+
+
+GREEDY = SamplingSpec(temperature=0.0)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NewSequence:
+    """A sequence a rank sees for the first time, in full."""
+
+    seq_id: int
+    sampling: SamplingSpec
+    # The sequence's KV blocks, in order.
+    block_ids: tuple[int, ...]
+    # Tokens whose KV is already in the first blocks (a cached prefix).
+    num_cached_tokens: int = 0
+    # W3C traceparent of the request's root span at the gateway; empty when untraced.
+    traceparent: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScheduledSequence:
+    """One sequence's work in a step."""
+
+    seq_id: int
+    # A prompt chunk; empty for a decode step (the rank feeds back the token it sampled last).
+    token_ids: tuple[int, ...] = ()
+    # Blocks appended to the block table before the step.
+    new_block_ids: tuple[int, ...] = ()
+    # Sample a token after this chunk (false for all but a prompt's last chunk).
+    is_sampled: bool = True
+
+    @property
+    def num_inputs(self) -> int:
+        """Input tokens this step: the chunk's, or the one token fed back."""
+        return len(self.token_ids) or 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One step of one rank: diffs against its state, applied as finished, then new, then scheduled."""
+
+    # Consecutive within a step stream, from 1.
+    step_id: int
+    # The worker group and its placement epoch; a rank refuses a plan for another.
+    group_id: str
+    placement_epoch: int
+    new_sequences: tuple[NewSequence, ...] = ()
+    # The step's work; empty is an idle step, which the rank still runs so the collectives line up.
+    scheduled: tuple[ScheduledSequence, ...] = ()
+    finished_seq_ids: tuple[int, ...] = ()
+    # The largest input token count of any rank in this step (the same in every rank's plan);
+    # it picks the MoE dispatch capacity without a collective. 0 = unknown (found with an all_reduce).
+    max_tokens_per_rank: int = 0
+    # The expert placement (replicas in spare slots) to run the step with.
+    expert_placement_epoch: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Input tokens of the step on this rank (a decode counts one)."""
+        return sum(s.num_inputs for s in self.scheduled)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepResult:
+    """The outcome of one step on one rank."""
+
+    step_id: int
+    # (seq_id, token_id) of every scheduled sequence that sampled, in plan order.
+    tokens: tuple[tuple[int, int], ...]
+    # Time the rank spent executing the step.
+    execute_seconds: float

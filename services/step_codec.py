@@ -1,0 +1,74 @@
+"""The step contract (services/step.py) on the wire: moe.expert.v1 messages to and from it.
+
+The only place that knows both shapes. Plans are encoded in place (repeated
+fields' add/extend): a step plan holds hundreds of sequences, and message
+objects built first and then copied in cost several times more.
+"""
+
+from moe.expert.v1 import expert_pb2
+from services.step import NewSequence, SamplingSpec, ScheduledSequence, StepPlan, StepResult
+
+
+def plan_to_request(plan: StepPlan) -> expert_pb2.ExecuteStepsRequest:
+    """The ExecuteStepsRequest that carries `plan`."""
+    request = expert_pb2.ExecuteStepsRequest()
+    pb = request.plan
+    pb.step_id, pb.group_id, pb.placement_epoch = plan.step_id, plan.group_id, plan.placement_epoch
+    pb.max_tokens_per_rank, pb.expert_placement_epoch = plan.max_tokens_per_rank, plan.expert_placement_epoch
+    for s in plan.new_sequences:
+        new = pb.new_sequences.add(seq_id=s.seq_id, num_cached_tokens=s.num_cached_tokens,
+                                   traceparent=s.traceparent)
+        sampling, spec = new.sampling, s.sampling
+        sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed = (
+            spec.temperature, spec.top_p, spec.top_k, spec.seed)
+        new.block_ids.extend(s.block_ids)
+    add = pb.scheduled.add
+    for s in plan.scheduled:
+        scheduled = add(seq_id=s.seq_id, is_sampled=s.is_sampled)
+        if s.token_ids:
+            scheduled.token_ids.extend(s.token_ids)
+        if s.new_block_ids:
+            scheduled.new_block_ids.extend(s.new_block_ids)
+    pb.finished_seq_ids.extend(plan.finished_seq_ids)
+    return request
+
+
+def plan_from_pb(pb: expert_pb2.StepPlan) -> StepPlan:
+    """The StepPlan of a wire plan; SpecError (a ValueError) for a value the contract refuses."""
+    return StepPlan(
+        step_id=pb.step_id,
+        group_id=pb.group_id,
+        placement_epoch=pb.placement_epoch,
+        new_sequences=tuple(
+            NewSequence(seq_id=s.seq_id, sampling=_sampling_from_pb(s.sampling), block_ids=tuple(s.block_ids),
+                        num_cached_tokens=s.num_cached_tokens, traceparent=s.traceparent)
+            for s in pb.new_sequences),
+        scheduled=tuple(
+            ScheduledSequence(seq_id=s.seq_id, token_ids=tuple(s.token_ids),
+                              new_block_ids=tuple(s.new_block_ids), is_sampled=s.is_sampled)
+            for s in pb.scheduled),
+        finished_seq_ids=tuple(pb.finished_seq_ids),
+        max_tokens_per_rank=pb.max_tokens_per_rank,
+        expert_placement_epoch=pb.expert_placement_epoch,
+    )
+
+
+def _sampling_from_pb(pb: expert_pb2.SequenceSampling) -> SamplingSpec:
+    return SamplingSpec(temperature=pb.temperature, top_p=pb.top_p, top_k=pb.top_k, seed=pb.seed)
+
+
+def result_to_response(result: StepResult) -> expert_pb2.ExecuteStepsResponse:
+    """The ExecuteStepsResponse that carries `result`."""
+    response = expert_pb2.ExecuteStepsResponse()
+    pb = response.result
+    pb.step_id, pb.execute_seconds = result.step_id, result.execute_seconds
+    add = pb.tokens.add
+    for seq_id, token_id in result.tokens:
+        add(seq_id=seq_id, token_id=token_id)
+    return response
+
+
+def result_from_pb(pb: expert_pb2.StepResult) -> StepResult:
+    """The StepResult of a wire result."""
+    return StepResult(step_id=pb.step_id, tokens=tuple((t.seq_id, t.token_id) for t in pb.tokens),
+                      execute_seconds=pb.execute_seconds)

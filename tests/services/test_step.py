@@ -1,0 +1,73 @@
+"""The step contract (services/step.py) and its codec (services/step_codec.py)."""
+
+import pytest
+
+from gateway.plan import RankPlan
+from moe.expert.v1 import expert_pb2
+from services import step_codec
+from services.step import NewSequence, SamplingSpec, ScheduledSequence, SpecError, StepPlan, StepResult
+
+PLAN = StepPlan(
+    step_id=5, group_id="g", placement_epoch=2,
+    new_sequences=(NewSequence(7, SamplingSpec(temperature=0.5, top_p=0.25, top_k=4, seed=2**64 - 1), (3, 4),
+                               num_cached_tokens=16, traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01"),),
+    scheduled=(ScheduledSequence(7, (30, 31), (3, 4), True), ScheduledSequence(8),
+               ScheduledSequence(9, (5,), (), False)),
+    finished_seq_ids=(2, 6), max_tokens_per_rank=4, expert_placement_epoch=3)
+
+
+def test_a_plan_is_written_field_by_field():
+    S = expert_pb2.ScheduledSequence
+    assert step_codec.plan_to_request(PLAN) == expert_pb2.ExecuteStepsRequest(plan=expert_pb2.StepPlan(
+        step_id=5, group_id="g", placement_epoch=2, max_tokens_per_rank=4, expert_placement_epoch=3,
+        new_sequences=[expert_pb2.NewSequence(
+            seq_id=7, sampling=expert_pb2.SequenceSampling(temperature=0.5, top_p=0.25, top_k=4, seed=2**64 - 1),
+            block_ids=[3, 4], num_cached_tokens=16, traceparent=PLAN.new_sequences[0].traceparent)],
+        scheduled=[S(seq_id=7, token_ids=[30, 31], new_block_ids=[3, 4], is_sampled=True),
+                   S(seq_id=8, is_sampled=True), S(seq_id=9, token_ids=[5], is_sampled=False)],
+        finished_seq_ids=[2, 6]))
+
+
+def test_a_plan_reads_back_equal():
+    wire = step_codec.plan_to_request(PLAN).SerializeToString()
+    assert step_codec.plan_from_pb(expert_pb2.ExecuteStepsRequest.FromString(wire).plan) == PLAN
+
+
+def test_a_result_reads_back_equal():
+    result = StepResult(step_id=9, tokens=((7, 151_643), (3, 0)), execute_seconds=0.25)
+    wire = step_codec.result_to_response(result).SerializeToString()
+    assert step_codec.result_from_pb(expert_pb2.ExecuteStepsResponse.FromString(wire).result) == result
+
+
+def test_the_gateway_plan_freezes_into_the_contract():
+    plan = RankPlan(0, list(PLAN.new_sequences), list(PLAN.scheduled), list(PLAN.finished_seq_ids))
+    assert plan.to_step_plan(5, "g", 2, max_tokens_per_rank=4, expert_placement_epoch=3) == PLAN
+    assert PLAN.num_tokens == 2 + 1 + 1
+
+
+def test_a_wire_plan_with_bad_sampling_is_refused_naming_the_field():
+    request = step_codec.plan_to_request(PLAN)
+    request.plan.new_sequences[0].sampling.top_p = 0.0
+    with pytest.raises(SpecError, match=r"sampling.top_p must be in \(0, 1\], got 0.0") as info:
+        step_codec.plan_from_pb(request.plan)
+    assert info.value.field == "sampling.top_p"
+
+
+@pytest.mark.parametrize("field, kwargs", [
+    ("sampling.temperature", {"temperature": 2.5}),
+    ("sampling.temperature", {"temperature": float("nan")}),
+    ("sampling.top_k", {"top_k": -1}),
+    ("sampling.seed", {"seed": 2**64}),
+])
+def test_sampling_spec_names_the_bad_field(field, kwargs):
+    with pytest.raises(SpecError) as info:
+        SamplingSpec(**kwargs)
+    assert info.value.field == field and str(info.value).startswith(field)
+
+
+def test_the_contract_does_not_import_torch():
+    import subprocess
+    import sys
+    code = "import sys, services.step, services.step_codec; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
