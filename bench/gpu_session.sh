@@ -1,4 +1,4 @@
-# One device call that checks and measures what issue 8 needs, on nvidia-h200-x2
+# One device call that checks and measures the GPU path (docs/performance.md), on nvidia-h200-x2
 # (two GPUs: N=1 and N=2 in the same call, so the speed-up compares one machine's runs).
 #
 #   device run, kind nvidia-h200-x2, carry [".whl"], timeout_s 600:
@@ -16,7 +16,7 @@
 #            decode step, transformers' generate) at 1K-in/1K-out; limit 400 s (not yet timed whole)
 #     n2     bench/serving/gpu_speed.py, two ranks: c256 and c512 against n1's c256
 #     si4    n2's c512 again with the gateway's --stream-interval 4
-#     symm   n2 again with the experts' --ep-exchange symmetric (services/model/symm_exchange.py)
+#     symm   n2 again with the experts' --ep-exchange symmetric (the symmetric-memory exchange)
 #     nccl   n2 again with the experts' --ep-exchange nccl
 #     push   n2 again with the experts' --ep-exchange-push (each rank writes into its peers' buffers)
 #     signals n2 again with the experts' --ep-exchange-signals (push, flags instead of barrier kernels)
