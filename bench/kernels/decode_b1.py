@@ -48,7 +48,7 @@ from services.model.random_weights import RandomWeights, preset  # noqa: E402
 
 COPIES = 48
 # GemvTiles (block_n, block_k, stages, warps), the default first (the one-stage variants of
-# bench/results/decode_b1_h200.md all lost to it).
+# the first run, in the git history of bench/results/decode_b1_h200.md, all lost to it).
 SWEEP = [(8, 512, 3, 4), (4, 512, 3, 4), (8, 512, 4, 4), (8, 256, 4, 4), (4, 1024, 2, 4), (8, 512, 5, 4),
          (16, 512, 3, 8)]
 SHAPES = {"qkv": (5120, 2048), "o_proj": (2048, 4096), "gate": (128, 2048)}
@@ -285,7 +285,7 @@ def moe_diagnostics(x, w_gate_up, w_down, routes, acts, tiles) -> dict:
 
 SETTINGS = ("GEMV_TILES", "GEMV_TILES_BY_SHAPE", "GATE_ROUTE_SPLITS", "GATE_ROUTE_EXPERTS", "GATE_ROUTE_WARPS",
             "ONE_TOKEN_MOE_TILES", "PDL")
-# The code before this script's second version: bench/results/decode_b1_h200.md's picks, plain launches.
+# The code before this script's second version: the first run's picks (git history of bench/results/decode_b1_h200.md), plain launches.
 BEFORE = dict(GEMV_TILES=triton_fused.GemvTiles(8, 512, 3, 4), GEMV_TILES_BY_SHAPE={}, GATE_ROUTE_SPLITS=16,
               GATE_ROUTE_EXPERTS=8, GATE_ROUTE_WARPS=4, ONE_TOKEN_MOE_TILES=triton_fused.FMA_MOE_TILES, PDL=False)
 

@@ -2,7 +2,7 @@
 
     python -m bench.serving.mixed_step --out DIR [--preset qwen3-30b-a3b] [--device cuda]
 
-At c256 on one H200 (bench/results/gpu_speed_nvidia-h200-c256-fresh.md) the steps
+At c256 on one H200 (a gpu_speed run of 2026-11-30, commit 32a624f) the steps
 that carry prefill chunks took about 104 ms each (by subtraction: the case's 36.6 s
 less 1,024 decode steps at the ITL p50, over the other 69 steps) against 52 ms for
 a prefill-only step of the same 4,096 tokens (bench/serving/gpu_speed.py's profile). This times, on the
