@@ -285,7 +285,8 @@ def moe_diagnostics(x, w_gate_up, w_down, routes, acts, tiles) -> dict:
 
 SETTINGS = ("GEMV_TILES", "GEMV_TILES_BY_SHAPE", "GATE_ROUTE_SPLITS", "GATE_ROUTE_EXPERTS", "GATE_ROUTE_WARPS",
             "ONE_TOKEN_MOE_TILES", "PDL")
-# The code before this script's second version: the first run's picks (git history of bench/results/decode_b1_h200.md), plain launches.
+# The code before this script's second version: the first run's picks (in the git history of
+# bench/results/decode_b1_h200.md), plain launches.
 BEFORE = dict(GEMV_TILES=triton_fused.GemvTiles(8, 512, 3, 4), GEMV_TILES_BY_SHAPE={}, GATE_ROUTE_SPLITS=16,
               GATE_ROUTE_EXPERTS=8, GATE_ROUTE_WARPS=4, ONE_TOKEN_MOE_TILES=triton_fused.FMA_MOE_TILES, PDL=False)
 

@@ -295,8 +295,8 @@ def main(argv=None) -> int:
             row["sweep"] = sweep(rank, b, args.reps, args.wide)
         rows.append(row)
     gpu = torch.cuda.get_device_name()
-    result = {"command": " ".join(["python3 -m bench.kernels.ep_local"] + sys.argv[1:]), "ranks": args.ranks, "rows": rows,
-              "wall_s": time.perf_counter() - started,
+    result = {"command": " ".join(["python3 -m bench.kernels.ep_local"] + sys.argv[1:]), "ranks": args.ranks,
+              "rows": rows, "wall_s": time.perf_counter() - started,
               "env": {"torch": torch.__version__, "gpu": gpu, "cuda": torch.version.cuda}}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -223,7 +223,8 @@ def main(argv=None) -> int:
               for t in sorted(set(tokens) | set(SWEEP_TOKENS))}
     result = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
               "layers": args.layers, "reps": args.reps,
-              "command": "python bench/kernels/moe_small_batch.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+              "command": "python bench/kernels/moe_small_batch.py "
+                         + " ".join(argv if argv is not None else sys.argv[1:])}
     if args.sweep:
         jobs = [(t, tiles) for t in SWEEP_TOKENS for tiles in candidate_tiles(t) + candidate_tiles(t, {}, {})]
         precompile(jobs, args.compile_workers)
