@@ -1,36 +1,36 @@
-# One device call that checks and measures what issue 8 needs, on nvidia-h200-x2
+# One device call that checks and measures the GPU path (docs/performance.md), on nvidia-h200-x2
 # (two GPUs: N=1 and N=2 in the same call, so the speed-up compares one machine's runs).
 #
 #   device run, kind nvidia-h200-x2, carry [".whl"], timeout_s 600:
 #       bash bench/gpu_session.sh
 #   STEPS="test acc n1 n2 draws samp" (the default) picks the parts, in that order:
 #     test   tests/expert_svc/test_pipeline_cuda.py (the decode graph's inputs, launched-ahead steps)
-#     acc    bench/attention_gpu.py --sections checks (the triton attention's bf16 accuracy)
-#     attn   bench/attention_gpu.py (accuracy and speed)
-#     mixed  bench/mixed_step.py (eager prefill / mixed / decode steps, attention settings)
-#     parity bench/hf_parity.py twice (40- and 1,500-token prompts): the serving model's logits against
+#     acc    bench/kernels/attention_gpu.py --sections checks (the triton attention's bf16 accuracy)
+#     attn   bench/kernels/attention_gpu.py (accuracy and speed)
+#     mixed  bench/serving/mixed_step.py (eager prefill / mixed / decode steps, attention settings)
+#     parity bench/accuracy/hf_parity.py twice (40- and 1,500-token prompts): the serving model's logits against
 #            transformers fp32 and bf16 on the same weights, at batches 1, 8, 50, 256 and in mixed steps
 #            (one GPU is enough)
-#     n1     bench/gpu_speed.py, one rank: b1 and c256
-#     full   bench/gpu_speed.py, one rank, every case of the issue (b1, c8, c64, c256, mix, the profiled
+#     n1     bench/serving/gpu_speed.py, one rank: b1 and c256
+#     full   bench/serving/gpu_speed.py, one rank, every case of the issue (b1, c8, c64, c256, mix, the profiled
 #            decode step, transformers' generate) at 1K-in/1K-out; limit 400 s (not yet timed whole)
-#     n2     bench/gpu_speed.py, two ranks: c256 and c512 against n1's c256
+#     n2     bench/serving/gpu_speed.py, two ranks: c256 and c512 against n1's c256
 #     si4    n2's c512 again with the gateway's --stream-interval 4
-#     symm   n2 again with the experts' --ep-exchange symmetric (services/model/symm_exchange.py)
+#     symm   n2 again with the experts' --ep-exchange symmetric (the symmetric-memory exchange)
 #     nccl   n2 again with the experts' --ep-exchange nccl
 #     push   n2 again with the experts' --ep-exchange-push (each rank writes into its peers' buffers)
 #     signals n2 again with the experts' --ep-exchange-signals (push, flags instead of barrier kernels)
 #     flags  tests/services/test_triton_flags_cuda.py (the flag kernels on one GPU: compiled, waiting, timing out)
-#     ep     bench/ep_gpu.py (the N=2 MoE layer: dispatch/combine against gather/reduce-scatter)
-#     local  bench/ep_local.py --sweep on ONE GPU: one rank's kernels of the N=2 layer, its GEMM tiles
-#     moe    bench/moe_large_batch.py --sweep at decode and prefill sizes (the MoE GEMM tiles)
+#     ep     bench/kernels/ep_gpu.py (the N=2 MoE layer: dispatch/combine against gather/reduce-scatter)
+#     local  bench/kernels/ep_local.py --sweep on ONE GPU: one rank's kernels of the N=2 layer, its GEMM tiles
+#     moe    bench/kernels/moe_large_batch.py --sweep at decode and prefill sizes (the MoE GEMM tiles)
 #     samp   n1's c256 again, every request sampled (temperature 0.8, top_p 0.95, seeded)
-#     draws  bench/sampling_cost.py on the GPU: one step's draws, 256 rows x 151,936 tokens
+#     draws  bench/serving/sampling_cost.py on the GPU: one step's draws, 256 rows x 151,936 tokens
 #     fp8    n1's c256 again with --kv-cache-dtype fp8_e4m3 (half the KV bytes per decode step)
-#     step   bench/decode_variants.py at 256 sequences on one rank, then on two (--exchanges
+#     step   bench/kernels/decode_variants.py at 256 sequences on one rank, then on two (--exchanges
 #            ${STEP_EXCHANGES:-pull,push,signals,collectives}, 2 rounds): the 48-layer decode step replayed in a
 #            CUDA graph, each rank's kernels of one eager step, the two-rank step's speed-up over one
-#     vars   bench/decode_variants.py: the 48-layer decode step replayed in a CUDA graph under each
+#     vars   bench/kernels/decode_variants.py: the 48-layer decode step replayed in a CUDA graph under each
 #            of $VARIANTS (module knobs; default: DECODE_VARIANTS below) at batches $VAR_BATCHES
 #   N1_ARGS / N2_ARGS add arguments to those runs (e.g. N1_ARGS="--max-batch-tokens 8192");
 #   MOE_TOKENS picks the moe sweep's step sizes (default 128,256,4096).
@@ -68,11 +68,11 @@ part() {  # part NAME LIMIT_S COMMAND...: runs one part, logging its time and ex
 two_ranks() {  # two_ranks NAME ARGS...: gpu_speed on two ranks, c256 and c512, against n1's c256
     local name=$1
     shift
-    part "$name" 240 python3 -m bench.gpu_speed --kind "$KIND" --ranks 2 --cases c256,c512 "$@" \
+    part "$name" 240 python3 -m bench.serving.gpu_speed --kind "$KIND" --ranks 2 --cases c256,c512 "$@" \
         --baseline-json "$RESULTS/n1/gpu_speed_$KIND.json" ${N2_ARGS:-} --out "$RESULTS/$name"
 }
 
-# The kernel knobs bench/decode_variants.py compares with the defaults, on one machine.
+# The kernel knobs bench/kernels/decode_variants.py compares with the defaults, on one machine.
 DECODE_VARIANTS="unfused=triton_fused.GATE_ROUTE_ROWS_MAX_TOKENS:0,triton_moe.FUSED_ADD_NORM:False;\
 no_gate_route_rows=triton_fused.GATE_ROUTE_ROWS_MAX_TOKENS:0;no_fused_add_norm=triton_moe.FUSED_ADD_NORM:False;\
 qkv_blocks64=triton_fused.QKV_ONE_TOKEN_STEPS:64;qkv_blocks32=triton_fused.QKV_ONE_TOKEN_STEPS:32;\
@@ -82,38 +82,38 @@ attn_programs8=triton_attention.DECODE_PROGRAMS_PER_SM:8;attn_programs16=triton_
 for step in $STEPS; do
     case $step in
         test) part test 150 python3 -m pytest -q -p no:cacheprovider tests/expert_svc/test_pipeline_cuda.py ;;
-        parity) part parity 240 python3 -m bench.hf_parity --mixed 64 --out "$RESULTS/parity" &&
-                part parity_long 180 python3 -m bench.hf_parity --prompt-tokens 1500 --batches 1,8 --mixed 8 \
+        parity) part parity 240 python3 -m bench.accuracy.hf_parity --mixed 64 --out "$RESULTS/parity" &&
+                part parity_long 180 python3 -m bench.accuracy.hf_parity --prompt-tokens 1500 --batches 1,8 --mixed 8 \
                 --out "$RESULTS/parity_long" ;;
-        acc) part acc 120 python3 -m bench.attention_gpu --sections checks --out "$RESULTS/acc" ;;
-        attn) part attn 240 python3 -m bench.attention_gpu --out "$RESULTS/attn" ;;
-        mixed) part mixed 240 python3 -m bench.mixed_step --out "$RESULTS/mixed" ;;
-        n1) part n1 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 --cases b1,c256 \
+        acc) part acc 120 python3 -m bench.kernels.attention_gpu --sections checks --out "$RESULTS/acc" ;;
+        attn) part attn 240 python3 -m bench.kernels.attention_gpu --out "$RESULTS/attn" ;;
+        mixed) part mixed 240 python3 -m bench.serving.mixed_step --out "$RESULTS/mixed" ;;
+        n1) part n1 200 python3 -m bench.serving.gpu_speed --kind "$KIND" --ranks 1 --cases b1,c256 \
                 ${N1_ARGS:-} --out "$RESULTS/n1" ;;
-        full) part full 400 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 \
+        full) part full 400 python3 -m bench.serving.gpu_speed --kind "$KIND" --ranks 1 \
                 --cases b1,c8,c64,c256,mix,profile,hf ${N1_ARGS:-} --out "$RESULTS/full" ;;
         n2) two_ranks n2 ;;
-        si4) part si4 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 2 --cases c512 \
+        si4) part si4 200 python3 -m bench.serving.gpu_speed --kind "$KIND" --ranks 2 --cases c512 \
                 --gateway-arg=--stream-interval --gateway-arg=4 ${N2_ARGS:-} --out "$RESULTS/si4" ;;
         symm) two_ranks symm --expert-arg=--ep-exchange --expert-arg=symmetric ;;
         nccl) two_ranks nccl --expert-arg=--ep-exchange --expert-arg=nccl ;;
         push) two_ranks push --expert-arg=--ep-exchange-push ;;
         signals) two_ranks signals --expert-arg=--ep-exchange-signals ;;
         flags) part flags 150 python3 -m pytest -q -p no:cacheprovider tests/services/test_triton_flags_cuda.py ;;
-        ep) part ep 180 python3 bench/ep_gpu.py --batch-sizes 1,32,128,256 --profile-batch 128 --out "$RESULTS/ep" ;;
-        local) part local 300 python3 -m bench.ep_local --rows-per-rank "${LOCAL_ROWS:-64,128,256}" --sweep \
+        ep) part ep 180 python3 bench/kernels/ep_gpu.py --batch-sizes 1,32,128,256 --profile-batch 128 --out "$RESULTS/ep" ;;
+        local) part local 300 python3 -m bench.kernels.ep_local --rows-per-rank "${LOCAL_ROWS:-64,128,256}" --sweep \
                 --out "$RESULTS/local" ;;
-        moe) part moe 300 python3 bench/moe_large_batch.py --tokens "${MOE_TOKENS:-128,256,4096}" --sweep --out "$RESULTS/moe" ;;
-        samp) part samp 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 --cases c256 --sampling 0.8,0.95 \
+        moe) part moe 300 python3 bench/kernels/moe_large_batch.py --tokens "${MOE_TOKENS:-128,256,4096}" --sweep --out "$RESULTS/moe" ;;
+        samp) part samp 200 python3 -m bench.serving.gpu_speed --kind "$KIND" --ranks 1 --cases c256 --sampling 0.8,0.95 \
                 ${N1_ARGS:-} --out "$RESULTS/samp" ;;
-        draws) part draws 60 python3 -m bench.sampling_cost --device cuda ;;
-        step) part step1 150 python3 -m bench.decode_variants --batch-sizes 256 --profile --out "$RESULTS/step1" &&
-              part step2 300 python3 -m bench.decode_variants --ranks 2 --batch-sizes 256 --rounds 2 --profile \
+        draws) part draws 60 python3 -m bench.serving.sampling_cost --device cuda ;;
+        step) part step1 150 python3 -m bench.kernels.decode_variants --batch-sizes 256 --profile --out "$RESULTS/step1" &&
+              part step2 300 python3 -m bench.kernels.decode_variants --ranks 2 --batch-sizes 256 --rounds 2 --profile \
                 --exchanges "${STEP_EXCHANGES:-pull,push,signals,collectives}" \
                 --baseline "$RESULTS/step1/decode_variants.json" --out "$RESULTS/step2" ;;
-        vars) part vars 300 python3 -m bench.decode_variants --batch-sizes "${VAR_BATCHES:-256,128,64}" \
+        vars) part vars 300 python3 -m bench.kernels.decode_variants --batch-sizes "${VAR_BATCHES:-256,128,64}" \
                 --variants "${VARIANTS:-$DECODE_VARIANTS}" --profile --rounds 2 --out "$RESULTS/vars" ;;
-        fp8) part fp8 200 python3 -m bench.gpu_speed --kind "$KIND" --ranks 1 --cases c256 \
+        fp8) part fp8 200 python3 -m bench.serving.gpu_speed --kind "$KIND" --ranks 1 --cases c256 \
                 --expert-arg=--kv-cache-dtype --expert-arg=fp8_e4m3 ${N1_ARGS:-} --out "$RESULTS/fp8" ;;
         *) echo "unknown step $step" >>"$LOG" ;;
     esac

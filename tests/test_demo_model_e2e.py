@@ -1,6 +1,6 @@
 """The bundled demo model through the whole mesh: it writes English, stops at
 its end-of-turn token, and the router's statistics show the expert hits
-recorded when it was trained (bench/demo_model/expert_hits.json)."""
+recorded when it was trained (tools/demo_model/expert_hits.json)."""
 
 import json
 import pathlib
@@ -15,7 +15,7 @@ from services import launcher
 from services.cli import default_model_dir
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-HITS = json.loads((ROOT / "bench" / "demo_model" / "expert_hits.json").read_text())
+HITS = json.loads((ROOT / "tools" / "demo_model" / "expert_hits.json").read_text())
 
 
 @pytest.fixture(scope="module")

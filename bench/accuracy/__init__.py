@@ -1,0 +1,1 @@
+"""Accuracy checks: the served model's logits against transformers on the same weights."""

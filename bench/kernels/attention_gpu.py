@@ -1,0 +1,356 @@
+"""The Triton paged attention on one GPU: bf16 accuracy against the torch reference, and speed.
+
+    PYTHONUNBUFFERED=1 python3 -m bench.kernels.attention_gpu --out bench/results
+
+1. Accuracy (bf16, block size 16, scrambled block tables). Decode batches
+   (padding rows included, several split counts) and mixed prefill batches
+   (chunks starting mid-sequence, a decode token, a whole prompt) for the
+   Qwen3-30B-A3B (32 query / 4 KV heads) and 235B-A22B (64 / 4) attention
+   shapes, head_dim 128. The Triton output is compared with the bf16 torch
+   reference and with an fp32 reference (the same inputs upcast): max abs
+   difference. A CUDA graph of a decode step replayed on a batch with other
+   lengths (copied into its static batch) must equal the eager result.
+2. Decode speed, Qwen3-30B-A3B shape: batch 1, 64, 256 at context 1K and 4K
+   (every sequence that long). One timed unit is the backend's forward (KV
+   write, decode, split reduce) over L layers of a pool larger than the L2
+   cache, so the KV really comes from HBM, as in a decode step; per-layer
+   time = total / L. Eager and replayed as one CUDA graph; medians of CUDA
+   event timings. Bandwidth = KV bytes read (context x KV heads x head_dim x
+   2 (K and V) x 2 bytes) / time, against the H200's ~4.3 TB/s (a
+   device-to-device copy measures 4.25 TB/s, shared facts).
+   Three more rows use a block table 32K tokens wide (as a CUDA graph's
+   static batch has), to show the split count chosen from the width still
+   fits short contexts. Sweeps of the split count and tile shape show how
+   good the defaults are.
+3. Prefill speed: one 2048-token prompt and a 512-token chunk at offset 3584,
+   Triton against the torch reference.
+
+Writes attention_gpu.md and attention_gpu.json under --out. Exit status 1 if
+an accuracy check fails. Needs CUDA, torch and triton only.
+"""
+
+import argparse
+import json
+import pathlib
+import random
+import statistics
+import sys
+import traceback
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from services.kv_pool import KVPool  # noqa: E402
+from services.model.attention import TorchReferenceAttention  # noqa: E402
+from services.model.batch import SeqInput, build_decode_batch, build_forward_batch, copy_batch_  # noqa: E402
+from services.model.triton_attention import TritonPagedAttention, decode_num_splits  # noqa: E402
+
+BLOCK_SIZE = 16
+HEAD_DIM = 128
+SHAPES = {"30B-A3B": (32, 4), "235B-A22B": (64, 4)}
+HBM_TBPS = 4.3
+# bf16 outputs of unit-scale attention: the reference itself rounds at ~4e-3.
+TOLERANCE = 2e-2
+L2_BYTES = 50 * 2**20
+DEVICE = torch.device("cuda")
+
+
+def _seqs(specs, num_blocks, rng) -> list[SeqInput]:
+    """SeqInputs of (new tokens, cached tokens) each, over disjoint scrambled blocks."""
+    blocks = rng.sample(range(num_blocks), sum(-(-(q + c) // BLOCK_SIZE) for q, c in specs))
+    seqs, used = [], 0
+    for i, (q_len, cached) in enumerate(specs):
+        n = -(-(q_len + cached) // BLOCK_SIZE)
+        seqs.append(SeqInput(i, [1] * q_len, cached, blocks[used:used + n], True))
+        used += n
+    return seqs
+
+
+def _inputs(num_tokens, num_heads, num_kv_heads, dtype, seed=0):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    return [torch.randn(num_tokens, h, HEAD_DIM, generator=g, device=DEVICE, dtype=dtype)
+            for h in (num_heads, num_kv_heads, num_kv_heads)]
+
+
+def _pool(num_layers, num_blocks, num_kv_heads, dtype, seed=0) -> KVPool:
+    pool = KVPool(num_layers, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, dtype, DEVICE)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    for cache in (pool.k_cache, pool.v_cache):
+        if cache.element_size() == 1:  # float8: no randn of its own
+            cache.copy_(torch.randn(cache.shape, generator=g, device=DEVICE).to(dtype))
+        else:
+            cache.copy_(torch.randn(cache.shape, generator=g, device=DEVICE, dtype=dtype))
+    return pool
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _check(name, backend, batch, num_heads, num_kv_heads, cache_dtype=torch.bfloat16) -> dict:
+    """Triton vs the bf16 and the fp32 reference on one batch. With a float8 cache_dtype
+    both references read the same float8 cache (the fp32 one widened, its new K/V rounded
+    through float8 as the cache stores them)."""
+    num_blocks = 512
+    q, k, v = _inputs(batch.num_tokens, num_heads, num_kv_heads, torch.bfloat16)
+    pool = _pool(1, num_blocks, num_kv_heads, cache_dtype)
+    ref_pool = _pool(1, num_blocks, num_kv_heads, cache_dtype)
+    ref32_pool = KVPool(1, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, torch.float32, DEVICE)
+    ref32_pool.k_cache.copy_(ref_pool.k_cache.float())
+    ref32_pool.v_cache.copy_(ref_pool.v_cache.float())
+    scale = HEAD_DIM ** -0.5
+    out = backend.forward(0, q, k, v, batch, pool, scale).float()
+    ref = TorchReferenceAttention().forward(0, q, k, v, batch, ref_pool, scale).float()
+    k32, v32 = (x.to(cache_dtype).float() for x in (k, v))
+    ref32 = TorchReferenceAttention().forward(0, q.float(), k32, v32, batch, ref32_pool, scale)
+    row = {"check": name, "max_abs_diff_vs_bf16_ref": (out - ref).abs().max().item(),
+           "max_abs_diff_vs_fp32_ref": (out - ref32).abs().max().item(),
+           "bf16_ref_vs_fp32_ref": (ref - ref32).abs().max().item(),
+           "kv_equal": _same_bits(pool.k_cache, ref_pool.k_cache) and _same_bits(pool.v_cache, ref_pool.v_cache),
+           "finite": bool(torch.isfinite(out).all())}
+    row["ok"] = row["kv_equal"] and row["finite"] and row["max_abs_diff_vs_fp32_ref"] <= TOLERANCE
+    return row
+
+
+def accuracy() -> list[dict]:
+    rows, rng = [], random.Random(0)
+    decode_specs = [(1, c) for c in (0, 15, 16, 100, 1000, 2047, 3000, 511)]
+    mixed_specs = [(300, 500), (1, 1200), (1000, 0), (17, 33), (64, 1)]
+    mixed_decode_specs = [(1, 700), (300, 500), (1, 1200), (1000, 0), (1, 40), (17, 33), (1, 2000), (1, 0)]
+    for shape_name, (num_heads, num_kv_heads) in SHAPES.items():
+        for splits in (1, 8, None):
+            batch = build_decode_batch(_seqs(decode_specs, 512, rng), BLOCK_SIZE, DEVICE, num_rows=11, max_blocks=200)
+            rows.append(_check(f"{shape_name} decode, 8 seqs + 3 padding rows, splits {splits or 'auto'}",
+                               TritonPagedAttention(splits), batch, num_heads, num_kv_heads))
+        batch = build_forward_batch(_seqs(mixed_specs, 512, rng), BLOCK_SIZE, DEVICE)
+        rows.append(_check(f"{shape_name} mixed prefill (chunks mid-sequence + decode)", TritonPagedAttention(),
+                           batch, num_heads, num_kv_heads))
+        # Decodes first, between chunks and last, and a one-token prompt, through the decode kernel.
+        batch = build_forward_batch(_seqs(mixed_decode_specs, 512, rng), BLOCK_SIZE, DEVICE)
+        rows.append(_check(f"{shape_name} mixed prefill, mixed_decode (5 decodes via the decode kernel)",
+                           TritonPagedAttention(mixed_decode=True), batch, num_heads, num_kv_heads))
+        # --kv-cache-dtype fp8_e4m3: the same kernels over a float8 cache.
+        batch = build_decode_batch(_seqs(decode_specs, 512, rng), BLOCK_SIZE, DEVICE, num_rows=11, max_blocks=200)
+        rows.append(_check(f"{shape_name} decode, fp8 KV cache", TritonPagedAttention(), batch, num_heads,
+                           num_kv_heads, torch.float8_e4m3fn))
+        batch = build_forward_batch(_seqs(mixed_specs, 512, rng), BLOCK_SIZE, DEVICE)
+        rows.append(_check(f"{shape_name} mixed prefill, fp8 KV cache", TritonPagedAttention(), batch, num_heads,
+                           num_kv_heads, torch.float8_e4m3fn))
+    rows.append(_graph_replay_check())
+    return rows
+
+
+def _graph_replay_check() -> dict:
+    """A decode graph replayed on other lengths equals the eager forward."""
+    num_heads, num_kv_heads = SHAPES["30B-A3B"]
+    rng, backend, scale = random.Random(1), TritonPagedAttention(), HEAD_DIM ** -0.5
+    pool = _pool(1, 8192, num_kv_heads, torch.bfloat16)
+    first = _seqs([(1, rng.randrange(1, 1500)) for _ in range(50)], 8192, rng)
+    second = _seqs([(1, rng.randrange(1, 1500)) for _ in range(60)], 8192, rng)
+    static = build_decode_batch(first, BLOCK_SIZE, DEVICE, num_rows=64, max_blocks=100)
+    q, k, v = _inputs(64, num_heads, num_kv_heads, torch.bfloat16)
+    graph, out = _capture(lambda: backend.forward(0, q, k, v, static, pool, scale))
+    batch = build_decode_batch(second, BLOCK_SIZE, DEVICE, num_rows=64, max_blocks=100)
+    copy_batch_(static, batch)
+    graph.replay()
+    eager = backend.forward(0, q, k, v, batch, pool, scale)
+    diff = (out.float() - eager.float()).abs().max().item()
+    return {"check": "30B-A3B decode CUDA graph replayed on other lengths vs eager (batch 64)",
+            "max_abs_diff_vs_bf16_ref": diff, "ok": diff == 0.0}
+
+
+def _capture(fn):
+    """fn captured in a CUDA graph (after a warm-up that compiles the kernels) and its output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def _time_ms(fn, iters) -> float:
+    """Median of CUDA-event timings of fn(), after a warm-up."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _decode_setup(batch_size, context, num_kv_heads, table_tokens):
+    num_blocks = batch_size * context // BLOCK_SIZE
+    layer_bytes = 2 * num_blocks * BLOCK_SIZE * num_kv_heads * HEAD_DIM * 2
+    num_layers = max(1, min(48, -(-4 * L2_BYTES // layer_bytes)))
+    pool = KVPool(num_layers, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, torch.bfloat16, DEVICE)
+    pool.k_cache.normal_()
+    pool.v_cache.normal_()
+    blocks = list(range(num_blocks))
+    random.Random(2).shuffle(blocks)
+    per_seq = context // BLOCK_SIZE
+    seqs = [SeqInput(i, [1], context - 1, blocks[i * per_seq:(i + 1) * per_seq], True) for i in range(batch_size)]
+    batch = build_decode_batch(seqs, BLOCK_SIZE, DEVICE, num_rows=batch_size, max_blocks=table_tokens // BLOCK_SIZE)
+    return pool, batch, layer_bytes
+
+
+# Variants timed beside the default (auto splits, block_n 64, 4 warps) on some shapes.
+SPLIT_SWEEP = [dict(decode_splits=n) for n in (1, 2, 4, 8, 16, 32, 64)]
+TILE_SWEEP = [dict(block_n=n, num_warps=w) for n, w in ((32, 4), (128, 4), (64, 8), (128, 8), (32, 2))]
+SWEPT = {(1, 1024): SPLIT_SWEEP, (1, 4096): SPLIT_SWEEP, (64, 1024): SPLIT_SWEEP,
+         (64, 4096): SPLIT_SWEEP + TILE_SWEEP, (256, 4096): TILE_SWEEP + SPLIT_SWEEP[:3]}
+
+
+def decode_speed(iters) -> tuple[list[dict], list[dict]]:
+    num_heads, num_kv_heads = SHAPES["30B-A3B"]
+    rows, sweep = [], []
+    num_sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    # (batch, context, block table width in tokens): a CUDA graph's table is as
+    # wide as the longest context it takes, whatever the step's real contexts.
+    shapes = [(b, c, c) for b in (1, 64, 256) for c in (1024, 4096)]
+    shapes += [(1, 1024, 32768), (1, 4096, 32768), (64, 1024, 32768)]
+    for batch_size, context, table_tokens in shapes:
+        pool, batch, layer_bytes = _decode_setup(batch_size, context, num_kv_heads, table_tokens)
+        num_layers = pool.k_cache.shape[0]
+        q, k, v = _inputs(batch_size, num_heads, num_kv_heads, torch.bfloat16)
+        auto = decode_num_splits(batch_size, num_kv_heads, table_tokens, num_sms)
+        swept = SWEPT.get((batch_size, context), []) if table_tokens == context else []
+        for variant in [{}] + swept:
+            backend = TritonPagedAttention(**variant)
+
+            def step():
+                for layer in range(num_layers):
+                    backend.forward(layer, q, k, v, batch, pool, HEAD_DIM ** -0.5)
+
+            try:
+                graph, _ = _capture(step)
+            except Exception as error:  # noqa: BLE001 - a variant that does not compile is a result
+                sweep.append({"batch": batch_size, "context": context, **variant, "error": repr(error)[:200]})
+                continue
+            per_layer_graph = _time_ms(graph.replay, iters) / num_layers
+            row = {"batch": batch_size, "context": context, "table_tokens": table_tokens,
+                   "splits": variant.get("decode_splits", auto),
+                   "block_n": backend.block_n, "num_warps": backend.num_warps, "layers_per_timing": num_layers,
+                   "graph_us": 1e3 * per_layer_graph, "graph_tbps": layer_bytes / per_layer_graph / 1e9}
+            del graph
+            if variant:
+                sweep.append(row)
+                continue
+            per_layer_eager = _time_ms(step, max(5, iters // 4)) / num_layers
+            row |= {"eager_us": 1e3 * per_layer_eager, "eager_tbps": layer_bytes / per_layer_eager / 1e9,
+                    "kv_mib_per_layer": layer_bytes / 2**20}
+            if batch_size <= 64 and context == table_tokens == 1024:
+                ref = TorchReferenceAttention()
+                row["torch_ref_us"] = 1e3 * _time_ms(lambda: ref.forward(0, q, k, v, batch, pool, HEAD_DIM ** -0.5), 5)
+            rows.append(row)
+            print(f"decode b={batch_size} ctx={context}: {row}", flush=True)
+        del pool
+        torch.cuda.empty_cache()
+    return rows, sweep
+
+
+def prefill_speed(iters) -> list[dict]:
+    num_heads, num_kv_heads = SHAPES["30B-A3B"]
+    rows = []
+    for q_len, cached in ((2048, 0), (512, 3584)):
+        seqs = _seqs([(q_len, cached)], 4096 // BLOCK_SIZE, random.Random(3))
+        batch = build_forward_batch(seqs, BLOCK_SIZE, DEVICE)
+        pool = _pool(1, 4096 // BLOCK_SIZE, num_kv_heads, torch.bfloat16)
+        q, k, v = _inputs(q_len, num_heads, num_kv_heads, torch.bfloat16)
+        row = {"new_tokens": q_len, "cached_tokens": cached}
+        backends = {"triton": TritonPagedAttention(), "torch_ref": TorchReferenceAttention(),
+                    "triton_128x4": TritonPagedAttention(prefill_rows=128),
+                    "triton_128x8": TritonPagedAttention(prefill_rows=128, num_warps=8)}
+        for name, backend in backends.items():
+            if name.startswith("triton_1"):  # a variant; one that does not compile is a result
+                try:
+                    backend.forward(0, q, k, v, batch, pool, HEAD_DIM ** -0.5)
+                except Exception as error:  # noqa: BLE001
+                    row[f"{name}_us"] = repr(error)[:100]
+                    continue
+            ms = _time_ms(lambda: backend.forward(0, q, k, v, batch, pool, HEAD_DIM ** -0.5), iters)
+            # Causal: each new token attends to its position + 1 keys; 4 flops per (head, key, dim).
+            flops = 4 * num_heads * HEAD_DIM * sum(cached + i + 1 for i in range(q_len))
+            row |= {f"{name}_us": 1e3 * ms, f"{name}_tflops": flops / ms / 1e9}
+        rows.append(row)
+        print(f"prefill {row}", flush=True)
+    return rows
+
+
+def _table(rows: list[dict], columns: list[str]) -> str:
+    def fmt(value):
+        return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results"), help="directory of the result files")
+    parser.add_argument("--iters", type=int, default=50, help="timed iterations per measurement")
+    parser.add_argument("--sections", default="checks,decode,prefill",
+                        help="which of checks (accuracy), decode, prefill to run")
+    args = parser.parse_args()
+    wanted = set(args.sections.split(","))
+    if not torch.cuda.is_available():
+        print("attention_gpu needs CUDA", file=sys.stderr)
+        return 2
+    props = torch.cuda.get_device_properties(DEVICE)
+    result = {"device": props.name, "num_sms": props.multi_processor_count, "torch": torch.__version__,
+              "triton": __import__("triton").__version__, "errors": []}
+    sections = (("checks", accuracy), ("decode", lambda: decode_speed(args.iters)),
+                ("prefill", lambda: prefill_speed(args.iters)))
+    for name, run in sections:
+        if name not in wanted:
+            result[name] = []
+            continue
+        try:  # one failing section still leaves the others' results
+            result[name] = run()
+        except Exception as error:  # noqa: BLE001 - reported in the results, and the exit status
+            traceback.print_exc()
+            result["errors"].append(f"{name}: {error!r}")
+            result[name] = []
+    result["decode"], result["split_sweep"] = result["decode"] or ([], [])
+    checks, decode, sweep, prefill = result["checks"], result["decode"], result["split_sweep"], result["prefill"]
+    md = "\n\n".join([
+        f"# Triton paged attention on {props.name} ({props.multi_processor_count} SMs), "
+        f"torch {result['torch']}, triton {result['triton']}",
+        "Produced by `python3 -m bench.kernels.attention_gpu` (see its docstring for the method).",
+        "## Accuracy (bf16; tolerance vs the fp32 reference %g)" % TOLERANCE,
+        _table(checks, ["check", "max_abs_diff_vs_bf16_ref", "max_abs_diff_vs_fp32_ref", "bf16_ref_vs_fp32_ref",
+                        "kv_equal", "ok"]),
+        f"## Decode, Qwen3-30B-A3B attention (32 q / 4 KV heads, head_dim 128, block 16), per layer; "
+        f"HBM peak ~{HBM_TBPS} TB/s",
+        _table(decode, ["batch", "context", "table_tokens", "splits", "kv_mib_per_layer", "graph_us", "graph_tbps", "eager_us",
+                        "eager_tbps", "torch_ref_us", "layers_per_timing"]),
+        "## Decode variants: split count, block_n, warps (CUDA graph, per layer)",
+        _table(sweep, ["batch", "context", "splits", "block_n", "num_warps", "graph_us", "graph_tbps", "error"]),
+        "## Prefill, one sequence (32 q / 4 KV heads; triton_RxW: R rows per program, W warps)",
+        _table(prefill, ["new_tokens", "cached_tokens", "triton_us", "triton_tflops", "triton_128x4_us",
+                         "triton_128x8_us", "torch_ref_us", "torch_ref_tflops"]),
+        "Errors: " + ("; ".join(result["errors"]) or "none"),
+    ]) + "\n"
+    print(md, flush=True)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "attention_gpu.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "attention_gpu.md").write_text(md)
+    checked = checks or "checks" not in wanted
+    return 0 if checked and all(c["ok"] for c in checks) and not result["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

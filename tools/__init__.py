@@ -1,0 +1,1 @@
+"""Tools that are neither the mesh nor its benchmarks."""
