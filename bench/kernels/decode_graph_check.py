@@ -36,12 +36,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from expert_svc.graph_runner import DecodeGraphRunner  # noqa: E402
-from expert_svc.runner import NewSequence, ScheduledSequence, StepPlan, StepRunner  # noqa: E402
+from expert_svc.runner import StepRunner  # noqa: E402
 from services.kv_pool import KVPool  # noqa: E402
 from services.model.batch import SeqInput, build_forward_batch  # noqa: E402
 from services.model.qwen3_moe import Qwen3MoeModel  # noqa: E402
 from services.model.random_weights import RandomWeights, preset  # noqa: E402
-from services.model.sampling import SamplingSpec  # noqa: E402
+from services.step import NewSequence, SamplingSpec, ScheduledSequence, StepPlan  # noqa: E402
 
 BLOCK_SIZE = 16
 REL_TOLERANCE = 5e-2  # bf16, as bench/kernels/ep_gpu.py

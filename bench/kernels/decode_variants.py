@@ -76,13 +76,13 @@ import torch.distributed as dist
 from bench.kernels import kernel_profile
 from bench.kernels.decode_graph_check import build
 from expert_svc.graph_runner import DecodeGraphRunner, cuda_capture
-from expert_svc.runner import NewSequence, ScheduledSequence, StepPlan, StepRunner
+from expert_svc.runner import StepRunner
 from services.kv_pool import KVPool, kv_cache_dtype
 from services.model.batch import SeqInput, build_forward_batch
 from services.model.moe import ExpertComm, gathers_on, local_expert_ids
 from services.model.qwen3_moe import Qwen3MoeModel
 from services.model.random_weights import RandomWeights, preset
-from services.model.sampling import SamplingSpec
+from services.step import NewSequence, SamplingSpec, ScheduledSequence, StepPlan
 
 BLOCK_SIZE = 16
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the serving default (cuda_graph_max_batch 256)

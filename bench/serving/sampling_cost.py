@@ -12,7 +12,8 @@ import time
 
 import torch
 
-from services.model.sampling import SamplingSpec, sample_on_device
+from services.model.sampling import sample_on_device
+from services.step import SamplingSpec
 
 
 def main(argv=None) -> int:
