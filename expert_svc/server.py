@@ -47,25 +47,21 @@ import socket
 
 import torch
 
+from expert_svc import observability, placement
 from expert_svc.config import ExpertConfig
-from expert_svc.observability import MeteredExpertComm, step_hook
-from expert_svc.rendezvous import ProcessGroupLink, RendezvousError
-from expert_svc import placement
 from expert_svc.executor import StepExecutor
-from expert_svc.graph_runner import make_graph_runner
+from expert_svc.model_builder import ModelBuilder
+from expert_svc.observability import step_hook
+from expert_svc.rendezvous import ProcessGroupLink, RendezvousError
+from expert_svc.router_client import RouterClient
 from expert_svc.runner import RankState, StepRunner
 from expert_svc.servicer import ExpertServicer
 from expert_svc.stats_reporter import StatsReporter
 from moe.expert.v1 import expert_pb2, expert_pb2_grpc
-from services import gc_pauses, grpc_util, metrics, telemetry
+from services import gc_pauses, grpc_util, http_probes, telemetry
 from services.cluster import ClusterClient, GroupAssignment
-from services.kv_pool import KVPool, kv_cache_dtype
-from services.model.checkpoint import load_weights
-from services.model.config import DTYPES
 from services.model.moe import local_expert_ids
-from services.model.qwen3_moe import Qwen3MoeModel
-from services.model.random_weights import RandomWeights, serving_model_config
-from services.settings import announce_port
+from services.process import announce_port, stop_on_signals
 
 log = logging.getLogger("expert_svc")
 
@@ -74,6 +70,22 @@ EXIT_ASSIGNMENT_LOST = 3
 EXIT_RANK_FAILED = 4
 # How long a failing rank tries to write its failure report before it exits anyway.
 FAILURE_REPORT_TIMEOUT_S = 5.0
+
+
+async def serve(config: ExpertConfig) -> tuple[int, bool]:
+    """Runs one rank, with its /metrics and probes, until SIGTERM or SIGINT (or a failure);
+    returns (exit status, whether its model thread finished: see ExpertRank.stop)."""
+    stop = stop_on_signals()
+    rank = ExpertRank(config)
+    probes = await http_probes.start_probes("expert", config, observability.readiness(rank.state))
+    probes.add_collector(observability.ExpertStateCollector(rank.state, lambda: rank.reporter))
+    try:
+        await rank.start()
+        code = await rank.run(stop)
+    finally:
+        is_clean = await rank.stop()
+        await probes.close()
+    return code, is_clean
 
 
 class AssignmentLostError(RuntimeError):
@@ -91,10 +103,10 @@ class ExpertRank:
 
     def __init__(self, config: ExpertConfig):
         self.config = config
-        self.model_config = serving_model_config(config.model, config.random_weights)
+        self._builder = ModelBuilder(config)
+        self.model_config = self._builder.model_config
         self.state = RankState(member_id=config.member_id,
                                model_name=pathlib.Path(config.model).name or config.random_weights)
-        self._dtype = DTYPES[config.dtype_name]
         self._thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="model", initializer=self._init_model_thread)
         self._reader = concurrent.futures.ThreadPoolExecutor(
@@ -212,25 +224,23 @@ class ExpertRank:
                  group.world_size, group.group_id, group.epoch, expert_ids.start, expert_ids.stop - 1)
         self._joined = _placement(group, member_id)
         try:
-            model, kv_pool = await self._on_model_thread(self._load_and_connect, group, rank, expert_ids)
+            model, kv_pool = await self._on_model_thread(
+                self._builder.build, expert_ids, lambda: self._link.connect(group, rank))
         except RendezvousError as error:  # the weights go; the next epoch loads them again
             self._report_failure(group.epoch, str(error))
             return
         self._model, self._loaded = model, (group.group_id, rank, group.world_size)
-        graphs = make_graph_runner(model, kv_pool, cfg.kv_block_size, () if cfg.debug_collective_timing
-                                   else cfg.cuda_graph_bucket_sizes, cfg.cuda_graph_max_context)
-        runner = StepRunner(model, kv_pool, cfg.kv_block_size, vocab_size=mc.vocab_size,
-                            group_id=group.group_id, placement_epoch=group.epoch, device=cfg.device, graphs=graphs)
-        self._reporter = StatsReporter(
-            model.hit_counts_LE, mc.moe_layers, group_id=group.group_id, rank=rank,
-            every_steps=cfg.stats_every_steps, deadline_s=cfg.stats_deadline_s,
-            resolve_router=self._router_address, loop=asyncio.get_running_loop())
+        runner = self._builder.runner(model, kv_pool, group)
+        router = RouterClient(self._router_address, group_id=group.group_id, rank=rank,
+                              moe_layers=mc.moe_layers, deadline_s=cfg.stats_deadline_s)
+        self._reporter = StatsReporter(model.hit_counts_LE, mc.moe_layers, every_steps=cfg.stats_every_steps,
+                                       router=router, loop=asyncio.get_running_loop())
         s.num_kv_blocks, s.kv_block_size = kv_pool.num_blocks, cfg.kv_block_size
         self._runner = runner
         if cfg.num_spare_expert_slots:  # expert replicas: stage and install placements
             self._placement_task = placement.start_following(
                 model, runner, self._cluster, group_id=group.group_id, rank=rank, member_id=member_id,
-                load_experts=placement.expert_loader(cfg, mc, self._dtype))
+                load_experts=self._builder.expert_loader())
         self._new_executor(runner)
         gc_pauses.freeze("loading the weights", enabled=cfg.gc_freeze, young_threshold=cfg.gc_young_threshold)
         await self._mark_ready(group)
@@ -320,68 +330,6 @@ class ExpertRank:
 
     async def _set_serving(self, is_serving: bool) -> None:
         await self._server.set_serving(is_serving)
-
-    def _load_and_connect(self, group: GroupAssignment, rank: int, expert_ids: range):
-        """Model thread: weights, then the rendezvous, then the model and the KV pool."""
-        cfg, mc = self.config, self.model_config
-        if cfg.random_weights:  # benchmarks: drawn on the device as the model reads them
-            weights = RandomWeights(mc, expert_ids, cfg.random_weights_seed, dtype=self._dtype, device=cfg.device)
-        else:
-            weights = load_weights(cfg.model, mc, expert_ids, dtype=self._dtype, device=cfg.device)
-        comm = MeteredExpertComm(self._link.connect(group, rank),
-                                 is_timed=not cfg.is_cuda or cfg.debug_collective_timing,
-                                 is_cuda=cfg.is_cuda)
-        model = Qwen3MoeModel(mc, weights, expert_ids=expert_ids, comm=comm,
-                              dtype=self._dtype, device=cfg.device, attention=cfg.attention_backend,
-                              max_fixed_capacity_tokens=cfg.max_fixed_capacity_tokens,
-                              num_spare_expert_slots=cfg.num_spare_expert_slots)
-        del weights
-        if cfg.is_cuda and cfg.ep_exchange != "nccl" and comm.world_size > 1:
-            comm.exchange = self._symmetric_exchange(comm, required=cfg.ep_exchange == "symmetric")
-        if comm.world_size > 1:
-            exchange = "symmetric_memory" if comm.exchange is not None else "collectives"
-            for name in ("collectives", "symmetric_memory"):
-                metrics.expert_metrics().exchange.labels(name).set(int(name == exchange))
-        cache_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self._dtype)
-        num_blocks = cfg.kv_blocks or KVPool.blocks_for_memory(
-            mc, cfg.kv_block_size, self._kv_memory_bytes(), cache_dtype)
-        if num_blocks <= 0:
-            raise ValueError(f"the KV memory ({self._kv_memory_bytes()} bytes) holds no block; "
-                             f"raise kv_memory_bytes/kv_memory_fraction or set kv_blocks")
-        return model, KVPool.for_model(mc, num_blocks, cfg.kv_block_size, cache_dtype, cfg.device)
-
-    def _symmetric_exchange(self, comm, *, required: bool):
-        """triton_ep's buffers in symmetric memory for the steps of up to the decode steps'
-        tokens per rank, or None (NCCL) unless every rank set them up: a collective, and the
-        ranks agree (one all_reduce), so they all take the same path. Raises if `required`."""
-        from services.model.symm_exchange import SymmetricExchange  # triton: CUDA only
-        from services.model.triton_ep import row_width
-
-        cfg, mc = self.config, self.model_config
-        exchange, error = None, None
-        try:
-            exchange = SymmetricExchange(
-                comm.group, max(cfg.max_fixed_capacity_tokens, cfg.cuda_graph_max_batch),
-                row_width(mc.hidden_size, mc.num_experts_per_tok, self._dtype), mc.hidden_size, self._dtype,
-                cfg.device, timeout_ms=int(cfg.collective_timeout_s * 1000),
-                push=cfg.ep_exchange_push or cfg.ep_exchange_signals, signals=cfg.ep_exchange_signals)
-        except Exception as caught:  # noqa: BLE001 (a machine without it: the ranks fall back together)
-            error = caught
-        everyone = -comm.max_over_ranks(-int(exchange is not None), torch.device(cfg.device)) == 1
-        if everyone:
-            log.info("expert exchange of decode steps: symmetric memory")
-            return exchange
-        reason = f"here: {error!r}" if error is not None else "on another rank"
-        if required:
-            raise RuntimeError(f"--ep-exchange symmetric: symmetric memory could not be set up ({reason})")
-        log.warning("expert exchange: NCCL (symmetric memory could not be set up %s)", reason)
-        return None
-
-    def _kv_memory_bytes(self) -> int:
-        if not self.config.is_cuda:
-            return self.config.kv_memory_bytes
-        free_bytes, _ = torch.cuda.mem_get_info(torch.device(self.config.device))
-        return int(free_bytes * self.config.kv_memory_fraction)
 
     async def _router_address(self) -> str | None:
         routers = await self._cluster.list_members("router")
