@@ -1,4 +1,4 @@
-"""The gateway process: `python -m gateway.main --member-id gw0 --model DIR --etcd HOST:PORT`.
+"""The gateway's lifecycle: servers up, follow the worker group, drain on stop.
 
 Wiring: the GenerationService servicer asks the GroupManager for the engine
 of the ready worker group; the manager registers the gateway in etcd, follows
@@ -16,7 +16,6 @@ UNAVAILABLE), the server stops and the etcd lease is revoked (deregistered).
 
 import asyncio
 import logging
-import sys
 
 from gateway.batcher import Batcher
 from gateway.config import GatewayConfig
@@ -28,7 +27,7 @@ from gateway.servicer import SERVICE_NAME, GenerationServicer
 from gateway.stats import GatewayStats
 from gateway.validation import GilFreeTokenizer, RequestLimits
 from moe.gateway.v1 import gateway_pb2_grpc
-from services import gc_pauses, grpc_util, http_probes, settings
+from services import gc_pauses, grpc_util, http_probes, process
 from services.cluster import ClusterClient
 from services.model.config import ModelConfig
 from services.text import IncrementalDetokenizer
@@ -104,7 +103,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         await server.set_serving(is_serving and not is_stopping)
 
     await set_serving(False)
-    settings.announce_port(ROLE, config, server.port)
+    process.announce_port(ROLE, config, server.port)
     gc_pauses.freeze("startup (tokenizer, servers)", enabled=config.gc_freeze,
                      young_threshold=config.gc_young_threshold)
     cluster = ClusterClient(config.etcd, prefix=config.key_prefix)
@@ -182,11 +181,3 @@ async def drain(engine: Engine | None, grace_s: float) -> None:
     except TimeoutError:
         log.warning("%d requests still running after %.0f s; failing them", engine.num_active, grace_s)
         engine.fail_all("the gateway is shutting down")
-
-
-def main(argv: list[str] | None = None) -> None:
-    settings.run_role(ROLE, GatewayConfig, serve, argv, prog="python -m gateway.main")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
