@@ -254,8 +254,8 @@ def test_hit_counts_reach_the_router_every_n_steps(model, thread, reader, is_pip
         async def resolve():
             return f"127.0.0.1:{router_server.port}"
 
-        router = RouterClient(resolve, group_id=GROUP, rank=0, moe_layers=SMALL.moe_layers, deadline_s=5)
-        reporter = StatsReporter(model.hit_counts_LE, SMALL.moe_layers, every_steps=3, router=router,
+        client = RouterClient(resolve, group_id=GROUP, rank=0, moe_layers=SMALL.moe_layers, deadline_s=5)
+        reporter = StatsReporter(model.hit_counts_LE, SMALL.moe_layers, every_steps=3, router=client,
                                  loop=asyncio.get_running_loop())
         state = make_state(model, thread, reporter.after_step, reader if is_pipelined else None)
         await serve(state, lambda stub: (run_stream_ahead if is_pipelined else run_stream)(stub, plans()))
