@@ -127,7 +127,9 @@ class SequenceTracer:
         return cls(state) if telemetry.is_enabled() else None
 
     def on_plan(self, plan) -> None:
-        """A moe.expert.v1.StepPlan about to run: ends, starts and counts spans."""
+        """A step plan about to run: ends, starts and counts spans. Reads its step_id,
+        finished_seq_ids, new_sequences (seq_id, traceparent, num_cached_tokens) and
+        scheduled sequences (seq_id, token_ids)."""
         for seq_id in plan.finished_seq_ids:
             span = self._spans.pop(seq_id, None)
             if span is not None:

@@ -6,8 +6,8 @@
 3. Watch for the group assignment. Once assigned rank r of N: load only the
    experts [r*E/N, (r+1)*E/N) plus the trunk and gates, join the group's
    torch.distributed process group (gloo on the CPU, NCCL on CUDA) at the
-   rendezvous, build the model and the KV pool, mark the rank ready in etcd
-   and turn health SERVING.
+   rendezvous, build the model and the KV pool (expert_svc/model_builder.py),
+   mark the rank ready in etcd and turn health SERVING.
 4. Serve step plans until stopped.
 5. If a step fails (a collective timed out after `collective_timeout_s` or
    errored, e.g. a peer was killed, or a step overran twice that), the rank
