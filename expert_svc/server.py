@@ -48,6 +48,7 @@ import socket
 import torch
 
 from expert_svc import observability, placement
+from expert_svc.assignment import Action, AssignmentLostError, joined_placement, next_action
 from expert_svc.config import ExpertConfig
 from expert_svc.executor import StepExecutor
 from expert_svc.model_builder import ModelBuilder
@@ -86,16 +87,6 @@ async def serve(config: ExpertConfig) -> tuple[int, bool]:
         is_clean = await rank.stop()
         await probes.close()
     return code, is_clean
-
-
-class AssignmentLostError(RuntimeError):
-    """The group this rank joined was deleted or changed under it (not just re-formed)."""
-
-
-def _placement(group: GroupAssignment, member_id: str) -> tuple:
-    """What a joined rank depends on; term and gateway changes do not matter."""
-    return (group.group_id, group.epoch, group.world_size, group.rendezvous_address,
-            group.rank_of(member_id))
 
 
 class ExpertRank:
@@ -191,26 +182,13 @@ class ExpertRank:
     async def _follow_assignment(self) -> None:
         member_id = self.config.member_id
         async for group in self._cluster.watch_group_for_member(member_id):
-            rank = None if group is None else group.rank_of(member_id)
-            if rank is not None:
-                self._check_group_size(group)
-            if rank is not None and group.ranks[rank].address != self._address:
-                rank = None  # placed as an earlier process of this member id: not yet re-formed with us
-            if self._loaded is None:
-                if rank is not None and _placement(group, member_id) != self._joined:
-                    await self._join(group)
-                continue
-            if group is not None and _placement(group, member_id) == self._joined:
-                continue  # a new term or gateway: nothing to do
-            if rank is None or (group.group_id, rank, group.world_size) != self._loaded or self.config.is_cuda:
-                raise AssignmentLostError(f"the assignment {self._joined} was deleted or changed to {group}")
-            await self._rejoin(group)
-
-    def _check_group_size(self, group: GroupAssignment) -> None:
-        num_experts = self.model_config.num_experts
-        if num_experts % group.world_size:
-            raise ValueError(f"group {group.group_id!r} has {group.world_size} ranks, which does not divide "
-                             f"the model's {num_experts} experts; use a group size that divides it")
+            action = next_action(group, member_id=member_id, address=self._address,
+                                 num_experts=self.model_config.num_experts, joined=self._joined,
+                                 loaded=self._loaded, can_rejoin=not self.config.is_cuda)
+            if action is Action.JOIN:
+                await self._join(group)
+            elif action is Action.REJOIN:
+                await self._rejoin(group)
 
     @telemetry.traced("expert.join")
     async def _join(self, group: GroupAssignment) -> None:
@@ -222,7 +200,7 @@ class ExpertRank:
         s.expert_ids = tuple(expert_ids)
         log.info("assigned rank %d of %d in group %s epoch %d (experts %d..%d); loading", rank,
                  group.world_size, group.group_id, group.epoch, expert_ids.start, expert_ids.stop - 1)
-        self._joined = _placement(group, member_id)
+        self._joined = joined_placement(group, member_id)
         try:
             model, kv_pool = await self._on_model_thread(
                 self._builder.build, expert_ids, lambda: self._link.connect(group, rank))
@@ -271,7 +249,7 @@ class ExpertRank:
             # Plans of the old epoch that are still queued must not run on the new process group.
             old.failure = f"superseded by epoch {group.epoch}"
         await self._set_serving(False)
-        self._joined = _placement(group, self.config.member_id)
+        self._joined = joined_placement(group, self.config.member_id)
         s.placement_epoch = group.epoch
         log.info("group %s re-formed: joining epoch %d as rank %d (weights kept) at %s", group.group_id,
                  group.epoch, rank, group.rendezvous_address)
