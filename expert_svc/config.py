@@ -92,7 +92,7 @@ class ExpertConfig(MemberConfig):
     # With the symmetric exchange: each rank writes its rows and partials into its
     # peers' buffers (push: no gather kernel, the sum reads local memory); off, each
     # rank reads its peers' buffers (pull: one more kernel a layer, the exchange
-    # measured on two GPUs in sessions 7-8; push is checked kernel by kernel on one GPU
+    # that was measured on two GPUs; push is checked kernel by kernel on one GPU
     # but not yet on two, so it is opt-in). Must be the same on every rank of a group.
     ep_exchange_push: bool = False
     # With push: the producer kernels (route_pack, partials) set a flag in each

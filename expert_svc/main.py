@@ -13,25 +13,11 @@ import logging
 import os
 import sys
 
-from expert_svc import observability
 from expert_svc.config import ExpertConfig
-from expert_svc.rank import ExpertRank
-from services import http_probes, telemetry
-from services.settings import configure_telemetry, parse_config, stop_on_signals
-
-
-async def _serve(config: ExpertConfig) -> tuple[int, bool]:
-    stop = stop_on_signals()
-    rank = ExpertRank(config)
-    probes = await http_probes.start_probes("expert", config, observability.readiness(rank.state))
-    probes.add_collector(observability.ExpertStateCollector(rank.state, lambda: rank.reporter))
-    try:
-        await rank.start()
-        code = await rank.run(stop)
-    finally:
-        is_clean = await rank.stop()
-        await probes.close()
-    return code, is_clean
+from expert_svc.server import serve
+from services import telemetry
+from services.process import configure_telemetry
+from services.settings import parse_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_config(ExpertConfig, argv, prog="expert_svc")
     configure_telemetry("expert", config)
     try:
-        code, is_clean = asyncio.run(_serve(config))
+        code, is_clean = asyncio.run(serve(config))
     finally:
         telemetry.shutdown_tracing()
     if not is_clean:

@@ -4,7 +4,8 @@ Every `every_steps` steps the model thread copies `hit_counts_LE` to the host
 (one transfer for all layers) and takes the delta since the last report. On
 CUDA the copy is queued behind the step's kernels into pinned memory and read
 at a later step once it has landed, so the rank never waits for the device
-here (a launched-ahead next step keeps the GPU busy). The event loop sends it with a deadline in a background task. A slow or absent
+here (a launched-ahead next step keeps the GPU busy). The event loop sends it
+(expert_svc/router_client.py, with a deadline) in a background task. A slow or absent
 router never stalls the steps: while a send is in flight, or after one
 failed, new deltas merge into the one pending report, which goes with the
 next send (counts are never dropped, only delayed; merging bounds memory).
@@ -13,13 +14,10 @@ next send (counts are never dropped, only delayed; merging bounds memory).
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
-import grpc
 import torch
-
-from moe.router.v1 import router_pb2, router_pb2_grpc
-from services import grpc_util
 
 log = logging.getLogger("expert_svc.stats")
 
@@ -38,19 +36,26 @@ class HitReport:
         self.counts_LE += later.counts_LE
 
 
-class StatsReporter:
-    """Turns the model's hit counters into ReportExpertHits calls to the router."""
+class HitSink(Protocol):
+    """Where reports go: the router (expert_svc/router_client.py's RouterClient)."""
 
-    def __init__(self, hit_counts_LE: torch.Tensor, moe_layers: Sequence[int], *, group_id: str,
-                 rank: int, every_steps: int, deadline_s: float,
-                 resolve_router: Callable[[], Awaitable[str | None]],
-                 loop: asyncio.AbstractEventLoop):
+    async def report_hits(self, report: HitReport) -> bool:
+        """Sends one report; False if it did not arrive (the reporter keeps its counts)."""
+
+    async def close(self) -> None:
+        """Stops sending."""
+
+
+class StatsReporter:
+    """Turns the model's hit counters into reports to the router."""
+
+    def __init__(self, hit_counts_LE: torch.Tensor, moe_layers: Sequence[int], *, every_steps: int,
+                 router: HitSink, loop: asyncio.AbstractEventLoop):
         assert hit_counts_LE.shape[0] == len(moe_layers)
         self._device_counts_LE = hit_counts_LE
         self._moe_layers = list(moe_layers)
-        self._group_id, self._rank = group_id, rank
-        self._every_steps, self._deadline_s = every_steps, deadline_s
-        self._resolve_router = resolve_router
+        self._every_steps = every_steps
+        self._router = router
         self._loop = loop
         self._last_counts_LE = hit_counts_LE.to("cpu", copy=True)
         self._first_step_id: int | None = None
@@ -59,9 +64,7 @@ class StatsReporter:
         # CUDA: a copy of the counters on its way to the host (event, host tensor, first and last step).
         self._in_flight: tuple[torch.cuda.Event, torch.Tensor, int, int] | None = None
         self._sender: asyncio.Task | None = None
-        self._channel: grpc.aio.Channel | None = None
-        self._router_address: str | None = None
-        self.num_sent = 0
+        self.num_sent = 0  # reports that reached the router
 
     @property
     def counts_LE(self) -> torch.Tensor:
@@ -134,56 +137,13 @@ class StatsReporter:
     async def _send_pending(self) -> None:
         while self._pending is not None:
             report, self._pending = self._pending, None
-            if not await self._send(report):
+            if not await self._router.report_hits(report):
                 # Keep the counts; the next delta retries them.
                 if self._pending is not None:
                     report.merge(self._pending)
                 self._pending = report
                 return
-
-    async def _send(self, report: HitReport) -> bool:
-        stub = await self._router_stub()
-        if stub is None:
-            log.debug("no router registered; holding hit counts")
-            return False
-        try:
-            await stub.ReportExpertHits(self.to_request(report), timeout=self._deadline_s)
-        except grpc.aio.AioRpcError as error:
-            log.warning("ReportExpertHits to %s failed: %s %s", self._router_address,
-                        error.code().name, error.details())
-            await self._drop_channel()
-            return False
-        self.num_sent += 1
-        return True
-
-    def to_request(self, report: HitReport) -> router_pb2.ReportExpertHitsRequest:
-        """The protobuf of a report; layers are the model's MoE layer indices."""
-        return router_pb2.ReportExpertHitsRequest(
-            group_id=self._group_id,
-            rank=self._rank,
-            first_step_id=report.first_step_id,
-            last_step_id=report.last_step_id,
-            layers=[router_pb2.LayerHits(layer=layer, counts=row)
-                    for layer, row in zip(self._moe_layers, report.counts_LE.tolist())],
-        )
-
-    async def _router_stub(self) -> router_pb2_grpc.RouterServiceStub | None:
-        if self._channel is None:
-            try:
-                self._router_address = await asyncio.wait_for(self._resolve_router(), self._deadline_s)
-            except (TimeoutError, OSError) as error:
-                log.warning("cannot look up the router: %r", error)
-                return None
-            if self._router_address is None:
-                return None
-            self._channel = grpc_util.channel(self._router_address)
-        return router_pb2_grpc.RouterServiceStub(self._channel)
-
-    async def _drop_channel(self) -> None:
-        """Forgets the router, so the next send looks it up again (it may have moved)."""
-        channel, self._channel = self._channel, None
-        if channel is not None:
-            await channel.close()
+            self.num_sent += 1
 
     async def close(self) -> None:
         """Stops sending; counts not yet sent are dropped."""
@@ -193,4 +153,4 @@ class StatsReporter:
                 await self._sender
             except asyncio.CancelledError:
                 pass
-        await self._drop_channel()
+        await self._router.close()

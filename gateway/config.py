@@ -22,9 +22,8 @@ class GatewayConfig(MemberConfig):
     max_running_requests: int = 64
     # Input tokens one rank processes in one step: one per decoding sequence
     # plus prefill chunks. Longer prompts are prefilled over several steps.
-    # 8192: at c256 on an H200, 8,137 output tok/s in 1,061 steps (ITL p99 51 ms)
-    # against 7,828 in 1,093 steps (ITL p99 140 ms) at 4096: two calls, maybe on two
-    # machines (bench/results/gpu_speed_h200x2_n1_mbt8192.md, _mbt4096.md).
+    # Larger steps mean fewer of them under a high concurrency, and a lower
+    # inter-token latency tail (docs/performance.md has the figures).
     max_batch_tokens: int = 8192
     # The most prompt tokens of one sequence prefilled in one step; longer
     # prompts are prefilled in chunks, interleaved with the decodes of others.

@@ -2,9 +2,9 @@
 
 `GroupManager.run()` registers the gateway in etcd, watches its group
 assignment, and for each assignment: waits until every rank of the group's
-epoch is ready, asks each rank for its KV pool (GetRankInfo, rejecting a rank
-that runs another group, epoch or rank), opens one ExecuteSteps stream per
-rank and starts an Engine on them. The gateway is SERVING exactly while that
+epoch is ready, asks each rank for its KV pool (gateway/rank_client.py,
+rejecting a rank that runs another group, epoch or rank), opens one step
+stream per rank and starts an Engine on them. The gateway is SERVING exactly while that
 engine runs.
 
 When the assignment changes (the scheduler re-formed the group after a
@@ -25,13 +25,11 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
-import grpc
-
 from gateway import placement_watch
 from gateway.engine import Engine, GroupFailure
+from gateway.rank_client import GroupConnection, RankCallError, RankStatus
 from gateway.step_stream import error_text
-from moe.expert.v1 import expert_pb2, expert_pb2_grpc
-from services import grpc_util, telemetry
+from services import telemetry
 from services.cluster import ClusterClient, GroupAssignment
 
 log = logging.getLogger("gateway.group")
@@ -40,15 +38,15 @@ log = logging.getLogger("gateway.group")
 _RETRY_MIN_S = 0.5
 _RETRY_MAX_S = 10.0
 
-# Builds the engine of a ready group from its rank infos (by rank) and step streams.
-EngineFactory = Callable[[GroupAssignment, Sequence[expert_pb2.GetRankInfoResponse], Sequence], Engine]
+# Builds the engine of a ready group from its rank statuses (by rank) and step streams.
+EngineFactory = Callable[[GroupAssignment, Sequence[RankStatus], Sequence], Engine]
 
 
 class GroupSetupError(Exception):
     """A rank of the assigned group is not what the assignment says."""
 
 
-def check_rank_info(group: GroupAssignment, rank: int, info: expert_pb2.GetRankInfoResponse) -> None:
+def check_rank_info(group: GroupAssignment, rank: int, info: RankStatus) -> None:
     """Raises GroupSetupError unless the rank runs this group, epoch and rank with a KV pool."""
     expected = (group.group_id, group.epoch, rank, group.world_size)
     actual = (info.group_id, info.placement_epoch, info.rank, info.world_size)
@@ -198,7 +196,7 @@ class GroupManager:
             await self._cluster.wait_group_ready(group)
             try:
                 num_steps = await self._serve_once(group)
-            except (GroupSetupError, GroupFailure, grpc.RpcError) as error:
+            except (GroupSetupError, GroupFailure, RankCallError) as error:
                 log.error("%s is not usable: %s; retrying in %.1f s", name, error_text(error), delay_s)
                 num_steps = 0
             delay_s = _RETRY_MIN_S if num_steps else min(2 * delay_s, _RETRY_MAX_S)
@@ -207,13 +205,11 @@ class GroupManager:
     async def _serve_once(self, group: GroupAssignment) -> int:
         """Sets up the group's engine and runs it until it fails; returns its step count."""
         name = _describe(group)
-        channels = [grpc_util.channel(r.address) for r in group.ranks]
-        streams = []
+        connection = GroupConnection(group)
         engine = None
         try:
-            infos = await self._connect(group, channels)
-            streams = [expert_pb2_grpc.ExpertServiceStub(c).ExecuteSteps() for c in channels]
-            engine = self._make_engine(group, infos, streams)
+            infos = await self._connect(group, connection)
+            engine = self._make_engine(group, infos, connection.open_step_streams())
             self._adopt_parked(engine)
             await self._set_serving(True)
             log.info("serving %s: %s", name, ", ".join(
@@ -226,22 +222,15 @@ class GroupManager:
             await self._set_serving(False)
             if engine is not None:
                 self._park(engine, name)
-            for stream in streams:
-                stream.cancel()
-            await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
+            await connection.close()
 
     @telemetry.traced("gateway.connect_group")
-    async def _connect(self, group: GroupAssignment, channels) -> list[expert_pb2.GetRankInfoResponse]:
-        """GetRankInfo on every rank, checked against the assignment."""
-        calls = [
-            expert_pb2_grpc.ExpertServiceStub(c).GetRankInfo(
-                expert_pb2.GetRankInfoRequest(), timeout=self._rank_call_timeout_s, wait_for_ready=True)
-            for c in channels
-        ]
-        infos = await asyncio.gather(*calls)
+    async def _connect(self, group: GroupAssignment, connection: GroupConnection) -> list[RankStatus]:
+        """Every rank's status, checked against the assignment."""
+        infos = await connection.rank_statuses(self._rank_call_timeout_s)
         for rank, info in enumerate(infos):
             check_rank_info(group, rank, info)
-        return list(infos)
+        return infos
 
 
 def _describe(group: GroupAssignment | None) -> str:

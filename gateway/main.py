@@ -1,191 +1,19 @@
 """The gateway process: `python -m gateway.main --member-id gw0 --model DIR --etcd HOST:PORT`.
 
-Wiring: the GenerationService servicer asks the GroupManager for the engine
-of the ready worker group; the manager registers the gateway in etcd, follows
-its assignment and builds that engine (a Batcher over one RankKV per rank,
-the ranks' ExecuteSteps streams) with `engine_factory`. Health ("" and the
-GenerationService) is SERVING exactly while an engine runs. One GatewayStats
-collects the counters of every engine; with --stats-file it is written as
-JSON every stats_interval_s and at exit (bench/serve.py reads it), and a
-summary is logged at exit.
-
-SIGTERM/SIGINT drain: health goes NOT_SERVING, new requests get UNAVAILABLE,
-requests in flight finish within shutdown_grace_s (then fail with
-UNAVAILABLE), the server stops and the etcd lease is revoked (deregistered).
+Flags and env (MOEMESH_*) only; see gateway/config.py for every field and
+gateway/server.py for what the process does until SIGTERM or SIGINT drains it.
 """
 
-import asyncio
-import logging
 import sys
 
-from gateway.batcher import Batcher
 from gateway.config import GatewayConfig
-from gateway.engine import Engine
-from gateway.group import EngineFactory, GroupManager
-from gateway.kv_accounting import RankKV
-from gateway.observability import EngineObserver, GatewayReadiness, GatewayStateCollector
-from gateway.servicer import SERVICE_NAME, GenerationServicer
-from gateway.stats import GatewayStats
-from gateway.validation import GilFreeTokenizer, RequestLimits
-from moe.gateway.v1 import gateway_pb2_grpc
-from services import gc_pauses, grpc_util, http_probes, settings
-from services.cluster import ClusterClient
-from services.model.config import ModelConfig
-from services.text import IncrementalDetokenizer
-from services.tokenizer import Tokenizer
-
-ROLE = "gateway"
-log = logging.getLogger(ROLE)
-
-
-def request_limits(config: GatewayConfig, model: ModelConfig) -> RequestLimits:
-    """The per-request limits from the gateway's flags and the model."""
-    max_context = model.max_position_embeddings
-    limit = config.max_new_tokens_limit or max_context
-    return RequestLimits(
-        vocab_size=model.vocab_size,
-        max_context=max_context,
-        max_new_tokens_default=min(config.max_new_tokens_default, limit),
-        max_new_tokens_limit=limit,
-    )
-
-
-def engine_factory(config: GatewayConfig, model: ModelConfig, tokenizer: Tokenizer,
-                   stats: GatewayStats) -> EngineFactory:
-    """Builds the engine of a ready group: one KV accounting (and prefix cache) per rank."""
-    eos_token_ids = set(model.eos_token_ids) | set(tokenizer.eos_token_ids)
-
-    def make(group, infos, streams) -> Engine:
-        batcher = Batcher(
-            [RankKV(info.num_kv_blocks, info.kv_block_size, enable_prefix_cache=config.enable_prefix_cache)
-             for info in infos],
-            max_running_requests=config.max_running_requests,
-            max_batch_tokens=config.max_batch_tokens,
-            max_context=model.max_position_embeddings,
-            eos_token_ids=eos_token_ids,
-            prefill_chunk_size=config.prefill_chunk_size,
-            max_waiting_requests=config.max_waiting_requests,
-            policy=config.policy,
-            stats=stats,
-        )
-        return Engine(batcher, streams, make_detokenizer=lambda: IncrementalDetokenizer(tokenizer),
-                      group_id=group.group_id, placement_epoch=group.epoch,
-                      step_timeout_s=config.step_timeout_s, overlap=config.overlap_steps,
-                      stream_interval=config.stream_interval,
-                      observer=EngineObserver(len(infos)))
-
-    return make
-
-
-async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
-    """Runs the gateway until stop is set; raises if following the group fails for good."""
-    model = ModelConfig.from_model_dir(config.model)
-    tokenizer = GilFreeTokenizer(Tokenizer.from_model_dir(config.model).backend)
-    manager: GroupManager | None = None
-    stats = GatewayStats()
-    is_stopping = False
-    draining: Engine | None = None
-
-    def get_engine() -> Engine | None:
-        # While stopping: only the draining engine, which refuses with "shutting down".
-        if is_stopping:
-            return draining
-        return None if manager is None else manager.engine
-
-    probes = await http_probes.start_probes(ROLE, config)
-    probes.add_collector(GatewayStateCollector(get_engine, stats))
-    servicer = GenerationServicer(tokenizer=tokenizer, limits=request_limits(config, model),
-                                  get_engine=get_engine, coalesce_outputs=config.coalesce_stream_outputs)
-    server = await grpc_util.start_server(
-        [lambda s: gateway_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, s)],
-        [SERVICE_NAME], host=config.host, port=config.port)
-
-    async def set_serving(is_serving: bool) -> None:
-        await server.set_serving(is_serving and not is_stopping)
-
-    await set_serving(False)
-    settings.announce_port(ROLE, config, server.port)
-    gc_pauses.freeze("startup (tokenizer, servers)", enabled=config.gc_freeze,
-                     young_threshold=config.gc_young_threshold)
-    cluster = ClusterClient(config.etcd, prefix=config.key_prefix)
-    manager = GroupManager(
-        cluster, member_id=config.member_id, address=config.address(server.port),
-        make_engine=engine_factory(config, model, tokenizer, stats), set_serving=set_serving,
-        rank_call_timeout_s=config.rank_call_timeout_s, lease_ttl_s=config.lease_ttl_s,
-        resume_timeout_s=config.resume_timeout_s)
-    probes.set_readiness(GatewayReadiness(manager, model.num_experts, cluster))
-
-    async def follow_groups() -> None:
-        await cluster.connect(wait_s=None)
-        await manager.run()
-
-    manager_task = asyncio.create_task(follow_groups(), name="group-manager")
-    stop_task = asyncio.create_task(stop.wait(), name="stop-signal")
-    stats_task = asyncio.create_task(write_stats_periodically(config, stats), name="stats-writer")
-    try:
-        await asyncio.wait([manager_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
-        if manager_task.done():
-            log.error("following the worker group failed: %r", manager_task.exception())
-        log.info("stopping: draining requests in flight (up to %.0f s)", config.shutdown_grace_s)
-        is_stopping, draining = True, manager.engine
-        await set_serving(False)
-        await drain(draining, config.shutdown_grace_s)
-    finally:
-        stop_task.cancel()
-        stats_task.cancel()
-        manager_task.cancel()
-        await asyncio.gather(manager_task, stats_task, return_exceptions=True)
-        await server.stop(1.0)
-        await cluster.close()  # revokes the lease: deregistered at once
-        await probes.close()
-        write_stats(config, stats)
-        log.info("stopped; %s", summary(stats))
-    if not manager_task.cancelled() and manager_task.exception() is not None:
-        raise manager_task.exception()
-
-
-def summary(stats: GatewayStats) -> str:
-    """One log line of the counters an operator looks at first."""
-    snap = stats.snapshot()
-    return (f"{snap['num_requests']} requests, {snap['num_steps']} steps, prefix-cache hit rate "
-            f"{snap['prefix_hit_rate']:.1%}, {snap['num_preemptions']} preemptions, "
-            f"planning {snap['plan_ms_mean']:.3f} ms/step (p99 {snap['plan_ms_p99']:.3f})")
-
-
-def write_stats(config: GatewayConfig, stats: GatewayStats) -> None:
-    """Writes the stats file if one is configured; a failure is logged, not raised."""
-    if not config.stats_file:
-        return
-    try:
-        stats.write_json(config.stats_file)
-    except OSError as error:
-        log.warning("cannot write the stats file %s: %s", config.stats_file, error)
-
-
-async def write_stats_periodically(config: GatewayConfig, stats: GatewayStats) -> None:
-    """Rewrites the stats file every stats_interval_s until cancelled."""
-    if not config.stats_file or not config.stats_interval_s:
-        return
-    while True:
-        write_stats(config, stats)
-        await asyncio.sleep(config.stats_interval_s)
-
-
-async def drain(engine: Engine | None, grace_s: float) -> None:
-    """Lets the engine finish its requests within grace_s, then fails the rest."""
-    if engine is None:
-        return
-    engine.stop_accepting()
-    try:
-        async with asyncio.timeout(grace_s):
-            await engine.wait_idle()
-    except TimeoutError:
-        log.warning("%d requests still running after %.0f s; failing them", engine.num_active, grace_s)
-        engine.fail_all("the gateway is shutting down")
+from gateway.server import ROLE, serve
+from services import process
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings.run_role(ROLE, GatewayConfig, serve, argv, prog="python -m gateway.main")
+    """Runs the gateway until SIGTERM or SIGINT."""
+    process.run_role(ROLE, GatewayConfig, serve, argv, prog="python -m gateway.main")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from router_svc.observability import RouterStatsCollector
 from router_svc.servicer import RouterServicer
 from router_svc.stats import ExpertStats
 from router_svc.windows import SlidingWindows
-from services import cluster, http_probes, settings
+from services import cluster, http_probes, process
 from services.grpc_util import start_server
 from services.model.expert_map import Placement
 
@@ -61,7 +61,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
                                       ttl=config.lease_ttl_s, prefix=config.key_prefix) as client:
             await server.set_serving(True)
             is_registered = True
-            settings.announce_port(ROLE, config, server.port)
+            process.announce_port(ROLE, config, server.port)
             if config.policy_interval_s > 0:
                 autoscaler = Autoscaler(config, windows, client)
                 scaling = asyncio.create_task(autoscaler.run(), name="autoscaler")
@@ -82,7 +82,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings.run_role(ROLE, RouterConfig, serve, argv, prog="python -m router_svc.main")
+    process.run_role(ROLE, RouterConfig, serve, argv, prog="python -m router_svc.main")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from scheduler_svc.leader_probe import HealthCheck
 from scheduler_svc.observability import LeaderWatch
 from scheduler_svc.servicer import ClusterView, SchedulerServicer
 from scheduler_svc.state import RepairState, lead_groups
-from services import http_probes, settings
+from services import http_probes, process
 from services.cluster import ClusterClient, cancel_and_wait
 from services.grpc_util import start_server
 
@@ -69,7 +69,7 @@ async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
             client, config, lead_groups(client, leadership, config.group_size, RepairState(
                 reform_wait_s=config.reform_wait_s, reform_settle_s=config.reform_settle_s)))))
         await server.set_serving(True)
-        settings.announce_port(ROLE, config, server.port)
+        process.announce_port(ROLE, config, server.port)
         await stop.wait()
     finally:
         # First of all: a leader hands its term to a follower (which leads
@@ -113,7 +113,7 @@ def leader_probe(config: SchedulerConfig, check: HealthCheck) -> LeaderProbe | N
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings.run_role(ROLE, SchedulerConfig, serve, argv, prog="python -m scheduler_svc.main")
+    process.run_role(ROLE, SchedulerConfig, serve, argv, prog="python -m scheduler_svc.main")
 
 
 if __name__ == "__main__":

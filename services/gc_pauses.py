@@ -10,7 +10,7 @@ the tokenizer, the servers).
 
 - `observe()`: every collection's pause goes to the histogram
   moemesh_gc_pause_seconds{generation} (every role, from
-  settings.configure_telemetry).
+  process.configure_telemetry).
 - `recording()`: the pauses while inside, as a list (benchmarks).
 - `freeze(what)`: once a process is ready, a full collection, then
   gc.freeze(): the objects alive now move to a permanent generation that

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 
-from services import metrics, settings
+from services import metrics, process, settings
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,6 @@ async def start_probes(role: str, config: settings.MemberConfig,
     port = await server.start(host, config.metrics_port)
     metrics.common_metrics().set_info(role, config.member_id)
     if config.port_file:
-        settings.write_port_file(settings.metrics_port_file(config.port_file), port)
+        process.write_port_file(process.metrics_port_file(config.port_file), port)
     logging.getLogger(role).info("metrics and probes on http://%s:%d (/metrics /healthz /readyz)", host, port)
     return server

@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import etcd_server
-from services.settings import metrics_port_file, read_port_file
+from services.process import metrics_port_file, read_port_file
 
 log = logging.getLogger(__name__)
 

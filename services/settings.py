@@ -10,28 +10,22 @@ else from the `#` comment lines right above the field in the class body.
 The dataclass's `__post_init__` validates; its ValueError becomes a usage
 error (exit status 2) naming the bad value.
 
-`MemberConfig` holds the fields every registered process shares; the few
-helpers at the end are what every role's main.py does the same way
-(logging and tracing, stop signals, announcing the bound port: a process
-started with `--port 0 --port-file PATH` writes the port it bound to PATH,
-and the port of its metrics server to PATH.metrics).
+`MemberConfig` holds the fields every registered process shares. What a
+role's process does with its config at start-up (logging, signals, the port
+file) is in services/process.py.
 """
 
 import argparse
-import asyncio
 import dataclasses
 import inspect
-import logging
 import os
 import pathlib
 import re
-import signal
-import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
 
-from services import gc_pauses, logging_json, telemetry
+from services import gc_pauses
 
 ENV_PREFIX = "MOEMESH_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -168,32 +162,6 @@ def _field_comments(cls: type) -> dict[str, str]:
     return comments
 
 
-def write_port_file(path: str | os.PathLike, port: int) -> None:
-    """Writes the bound port (decimal and a newline) to path, atomically.
-
-    A launcher that starts a server with `--port 0 --port-file PATH` waits
-    until PATH exists and reads the port from it: the rename makes a
-    half-written file impossible.
-    """
-    target = pathlib.Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_text(f"{port}\n")
-    os.replace(tmp, target)
-
-
-def metrics_port_file(port_file: str | os.PathLike) -> str:
-    """Where a process started with --port-file PATH writes its metrics port: PATH.metrics."""
-    return f"{port_file}.metrics"
-
-
-def read_port_file(path: str | os.PathLike) -> int | None:
-    """The port in a file written by write_port_file, None if not there yet."""
-    try:
-        return int(pathlib.Path(path).read_text().strip())
-    except FileNotFoundError:
-        return None
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class MemberConfig:
     """Fields every process registered in etcd shares; roles subclass this
@@ -268,53 +236,3 @@ class MemberConfig:
     def address(self, port: int) -> str:
         """The address registered in etcd for a server bound to port."""
         return f"{self.public_host}:{port}"
-
-
-def run_role(role: str, cls: type[T], serve, argv: Sequence[str] | None = None, *,
-             prog: str | None = None) -> None:
-    """What a role's main() does: parse cls from argv and env, set up logging
-    (lines tagged with role) and tracing (from the OTEL_* environment), then
-    run `await serve(config, stop)` until it returns, stop being set on
-    SIGTERM or SIGINT; the spans still buffered are exported at the end."""
-    config = parse_config(cls, argv, prog=prog)
-    configure_telemetry(role, config)
-
-    async def main() -> None:
-        await serve(config, stop_on_signals())
-
-    try:
-        asyncio.run(main())
-    finally:
-        telemetry.shutdown_tracing()
-
-
-def configure_logging(role: str, config: MemberConfig) -> None:
-    """Logs to stderr in config.log_format, each line naming the role and member
-    (and the request and trace ids on lines about a request)."""
-    logging_json.configure(role, config.member_id, config.log_level, config.log_format)
-
-
-def configure_telemetry(role: str, config: MemberConfig) -> None:
-    """Logging, then tracing from the OTEL_* environment (services/telemetry.py), then the
-    garbage collector's pauses as a metric (services/gc_pauses.py)."""
-    configure_logging(role, config)
-    telemetry.configure_tracing(role)
-    gc_pauses.observe()
-
-
-def stop_on_signals() -> asyncio.Event:
-    """An event set by SIGTERM or SIGINT (call from within the running loop)."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    return stop
-
-
-def announce_port(role: str, config: MemberConfig, port: int) -> None:
-    """Tells the operator and the launcher where the server listens: a line
-    on stdout, a log line, and the port file if config.port_file is set."""
-    print(f"{role} {config.member_id} listening on {config.address(port)}", file=sys.stdout, flush=True)
-    logging.getLogger(role).info("listening on %s (bound %s:%d)", config.address(port), config.host, port)
-    if config.port_file:
-        write_port_file(config.port_file, port)

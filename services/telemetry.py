@@ -1,7 +1,7 @@
 """OpenTelemetry tracing for every role: setup from the standard OTEL_* variables,
 trace context in gRPC metadata and in the step protocol, spans around control calls.
 
-Setup (`configure_tracing`, called once per process by `settings.run_role`
+Setup (`configure_tracing`, called once per process by `process.run_role`
 and the expert service's main): tracing is on only when an OTLP endpoint is
 configured (`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or
 `OTEL_EXPORTER_OTLP_ENDPOINT`), the SDK is not disabled (`OTEL_SDK_DISABLED`)

@@ -20,7 +20,7 @@ import time
 import grpc
 import pytest
 
-from expert_svc.rank import EXIT_ASSIGNMENT_LOST
+from expert_svc.server import EXIT_ASSIGNMENT_LOST
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services import launcher
 from services.cluster import ClusterClient, GroupAssignment

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services import launcher
-from services.settings import metrics_port_file, read_port_file
+from services.process import metrics_port_file, read_port_file
 
 NUM_RANKS = 2
 NUM_NEW_TOKENS = 6

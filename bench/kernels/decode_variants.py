@@ -503,7 +503,7 @@ def build_rank(args, place_rank: int, exchange_names: list[str]) -> tuple:
 
 
 def _symmetric_exchange(model, name: str):
-    """The expert service's exchange (expert_svc.rank) in mode `name` (pull, push or signals):
+    """The expert service's exchange (expert_svc.model_builder) in mode `name` (pull, push or signals):
     buffers for the decode buckets."""
     from services.model.symm_exchange import SymmetricExchange  # triton: CUDA only
     from services.model.triton_ep import row_width

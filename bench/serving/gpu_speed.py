@@ -244,7 +244,7 @@ def run_mesh(args, cases: list[str], model_dir: pathlib.Path) -> dict:
 
 
 def _exchange_line(log_path) -> str:
-    """What an expert service logged about its expert exchange (expert_svc/rank.py), if anything."""
+    """What an expert service logged about its expert exchange (expert_svc/model_builder.py), if anything."""
     lines = [line for line in log_path.read_text(errors="replace").splitlines() if "expert exchange" in line]
     return lines[-1].split("expert exchange", 1)[1].strip(" :") if lines else ""
 

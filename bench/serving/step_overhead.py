@@ -156,7 +156,7 @@ async def serve_rank(args) -> None:
     state.executor = StepExecutor(runner, model_thread, reader=reader)
     server = await grpc_util.start_server(
         [lambda s: expert_pb2_grpc.add_ExpertServiceServicer_to_server(ExpertServicer(state), s)], [])
-    gc_pauses.freeze("the rank's set-up", enabled=args.gc_freeze == "true")  # as expert_svc/rank.py once ready
+    gc_pauses.freeze("the rank's set-up", enabled=args.gc_freeze == "true")  # as expert_svc/server.py once ready
     print(server.port, flush=True)
     with gc_pauses.recording() as pauses:
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)

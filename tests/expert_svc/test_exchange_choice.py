@@ -1,9 +1,9 @@
-"""How an expert rank picks its group's exchange (expert_svc/rank.py, _symmetric_exchange): the ranks
+"""How an expert rank picks its group's exchange (expert_svc/model_builder.py, symmetric_exchange): the ranks
 agree through one all_reduce, so a rank that could not set up symmetric memory takes the whole group
 to the collectives under --ep-exchange auto, and fails it under symmetric. Symmetric memory itself
 needs GPUs (bench/ep_gpu.py); here SymmetricExchange is replaced.
 
-TRITON_INTERPRET=1 must be set before any kernel module is imported (rank.py imports
+TRITON_INTERPRET=1 must be set before any kernel module is imported (model_builder.py imports
 services.model.triton_ep and symm_exchange), as the kernel tests' modules do.
 """
 
@@ -11,13 +11,12 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import types  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from expert_svc.config import ExpertConfig  # noqa: E402
-from expert_svc.rank import ExpertRank  # noqa: E402
+from expert_svc.model_builder import ModelBuilder  # noqa: E402
 from services.model.random_weights import preset  # noqa: E402
 from tests.triton_interpreter import interpreted  # noqa: E402
 
@@ -38,9 +37,9 @@ class FakeComm:
         return max([value, *self.others])
 
 
-def _rank(ep_exchange: str):
-    config = ExpertConfig(member_id="e0", random_weights="tiny", device="cuda", ep_exchange=ep_exchange)
-    return types.SimpleNamespace(config=config, model_config=preset("tiny"), _dtype=torch.bfloat16)
+def _builder(ep_exchange: str = "auto", **fields) -> ModelBuilder:
+    return ModelBuilder(ExpertConfig(member_id="e0", random_weights="tiny", device="cuda", ep_exchange=ep_exchange,
+                                     **fields))
 
 
 class Works:
@@ -62,12 +61,12 @@ class Fails:
 ])
 def test_the_ranks_agree_on_the_exchange(monkeypatch, symm_exchange, mine, others, required, expected):
     monkeypatch.setattr(symm_exchange, "SymmetricExchange", mine)
-    rank = _rank("symmetric" if required else "auto")
+    builder = _builder("symmetric" if required else "auto")
     if expected == "error":
         with pytest.raises(RuntimeError, match="--ep-exchange symmetric: symmetric memory could not be set up"):
-            ExpertRank._symmetric_exchange(rank, FakeComm(others), required=True)
+            builder.symmetric_exchange(FakeComm(others), required=True)
         return
-    exchange = ExpertRank._symmetric_exchange(rank, FakeComm(others), required=required)
+    exchange = builder.symmetric_exchange(FakeComm(others), required=required)
     if expected is None:
         assert exchange is None
     else:
@@ -83,10 +82,8 @@ def test_the_ranks_agree_on_the_exchange(monkeypatch, symm_exchange, mine, other
                                                    (True, True, (True, True))])
 def test_signals_imply_push(monkeypatch, symm_exchange, push, signals, expected):
     monkeypatch.setattr(symm_exchange, "SymmetricExchange", Works)
-    rank = _rank("auto")
-    rank.config = ExpertConfig(member_id="e0", random_weights="tiny", device="cuda", ep_exchange_push=push,
-                               ep_exchange_signals=signals)
-    assert ExpertRank._symmetric_exchange(rank, FakeComm([-1]), required=False).args[4:] == expected
+    builder = _builder(ep_exchange_push=push, ep_exchange_signals=signals)
+    assert builder.symmetric_exchange(FakeComm([-1]), required=False).args[4:] == expected
 
 
 def test_signals_without_push_are_refused(symm_exchange):

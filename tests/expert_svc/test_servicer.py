@@ -15,6 +15,7 @@ from expert_svc.executor import StepExecutor
 from expert_svc.runner import StepRunner
 from expert_svc.state import RankState
 from expert_svc.servicer import ExpertServicer
+from expert_svc.router_client import RouterClient
 from expert_svc.stats_reporter import StatsReporter
 from moe.expert.v1 import expert_pb2 as pb
 from moe.expert.v1 import expert_pb2_grpc
@@ -254,8 +255,8 @@ def test_hit_counts_reach_the_router_every_n_steps(model, thread, reader, is_pip
         async def resolve():
             return f"127.0.0.1:{router_server.port}"
 
-        reporter = StatsReporter(model.hit_counts_LE, SMALL.moe_layers, group_id=GROUP, rank=0,
-                                 every_steps=3, deadline_s=5, resolve_router=resolve,
+        client = RouterClient(resolve, group_id=GROUP, rank=0, moe_layers=SMALL.moe_layers, deadline_s=5)
+        reporter = StatsReporter(model.hit_counts_LE, SMALL.moe_layers, every_steps=3, router=client,
                                  loop=asyncio.get_running_loop())
         state = make_state(model, thread, reporter.after_step, reader if is_pipelined else None)
         await serve(state, lambda stub: (run_stream_ahead if is_pipelined else run_stream)(stub, plans()))

@@ -6,6 +6,7 @@ import asyncio
 import pytest
 import torch
 
+from expert_svc.router_client import RouterClient
 from expert_svc.stats_reporter import StatsReporter
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -19,8 +20,8 @@ def test_each_delta_holds_exactly_its_steps(device):
     async def resolve():
         return None
 
-    reporter = StatsReporter(counts_LE, [0, 1], group_id="g", rank=0, every_steps=3, deadline_s=1.0,
-                             resolve_router=resolve, loop=asyncio.new_event_loop())
+    router = RouterClient(resolve, group_id="g", rank=0, moe_layers=[0, 1], deadline_s=1.0)
+    reporter = StatsReporter(counts_LE, [0, 1], every_steps=3, router=router, loop=asyncio.new_event_loop())
     reporter._deliver = delivered.append  # the event loop's side is tested in test_servicer.py
     for step in range(1, 11):
         if device == "cuda":  # a long kernel ahead of the increment: the copy cannot land at once

@@ -1,6 +1,7 @@
 """The step loop against in-process fake ranks, and the servicer over real gRPC."""
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
@@ -9,6 +10,7 @@ from gateway.batcher import Batcher
 from gateway.engine import Engine, GroupFailure
 from gateway.group import GroupManager, GroupSetupError, check_rank_info
 from gateway.kv_accounting import RankKV
+from gateway.rank_client import status_from_proto
 from gateway.requests import ErrorCode, FinishReason, GenerationError
 from gateway.servicer import SERVICE_NAME, GenerationServicer
 from gateway.validation import RequestLimits
@@ -545,11 +547,10 @@ def test_requests_resume_on_the_re_formed_group_of_a_new_epoch():
 
 
 def test_a_rank_of_another_epoch_is_rejected():
-    info = expert_pb2.GetRankInfoResponse(group_id="g1", rank=0, world_size=1, placement_epoch=1,
-                                          num_kv_blocks=8, kv_block_size=4, is_ready=True)
+    info = status_from_proto(expert_pb2.GetRankInfoResponse(
+        group_id="g1", rank=0, world_size=1, placement_epoch=1, num_kv_blocks=8, kv_block_size=4, is_ready=True))
     check_rank_info(assignment("x:1"), 0, info)
     with pytest.raises(GroupSetupError, match="epoch"):
         check_rank_info(assignment("x:1", epoch=2), 0, info)
-    info.is_ready = False
     with pytest.raises(GroupSetupError, match="not ready"):
-        check_rank_info(assignment("x:1"), 0, info)
+        check_rank_info(assignment("x:1"), 0, dataclasses.replace(info, is_ready=False))

@@ -16,7 +16,7 @@ from router_svc.main import serve
 from services.cluster import ClusterClient
 from services.etcd_server import start_etcd
 from services.grpc_util import channel
-from services.settings import read_port_file
+from services.process import read_port_file
 
 
 @pytest.fixture(scope="module")

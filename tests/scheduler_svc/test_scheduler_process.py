@@ -15,7 +15,7 @@ from moe.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.main import SERVICE_NAME
 from services.cluster import ClusterClient
 from services.grpc_util import SERVING, channel
-from services.settings import read_port_file
+from services.process import read_port_file
 from tests.bounded import run
 
 

@@ -35,7 +35,7 @@ from router_svc.observability import RouterStatsCollector, imbalance, rank_loads
 from router_svc.servicer import RouterServicer
 from router_svc.stats import ExpertStats
 from scheduler_svc.observability import LeaderWatch
-from services import grpc_util, http_probes, logging_json, metrics, settings, telemetry
+from services import grpc_util, http_probes, logging_json, metrics, process, settings, telemetry
 from services.cluster import GroupAssignment, LeaderInfo, RankInfo
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -259,7 +259,7 @@ def test_start_probes_writes_the_metrics_port_file(tmp_path):
     async def body():
         server = await http_probes.start_probes("router", config)
         try:
-            assert settings.read_port_file(settings.metrics_port_file(config.port_file)) == server.port
+            assert process.read_port_file(process.metrics_port_file(config.port_file)) == server.port
             status, text = await http_get(server.port, "/metrics")
             assert 'moemesh_build_info{member_id="m0",role="router"' in text
         finally:

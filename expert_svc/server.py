@@ -6,8 +6,8 @@
 3. Watch for the group assignment. Once assigned rank r of N: load only the
    experts [r*E/N, (r+1)*E/N) plus the trunk and gates, join the group's
    torch.distributed process group (gloo on the CPU, NCCL on CUDA) at the
-   rendezvous, build the model and the KV pool, mark the rank ready in etcd
-   and turn health SERVING.
+   rendezvous, build the model and the KV pool (expert_svc/model_builder.py),
+   mark the rank ready in etcd and turn health SERVING.
 4. Serve step plans until stopped.
 5. If a step fails (a collective timed out after `collective_timeout_s` or
    errored, e.g. a peer was killed, or a step overran twice that), the rank
@@ -47,26 +47,23 @@ import socket
 
 import torch
 
+from expert_svc import observability, placement
+from expert_svc.assignment import Action, AssignmentLostError, joined_placement, next_action
 from expert_svc.config import ExpertConfig
-from expert_svc.observability import MeteredExpertComm, step_hook
-from expert_svc.rendezvous import ProcessGroupLink, RendezvousError
-from expert_svc import placement
 from expert_svc.executor import StepExecutor
-from expert_svc.graph_runner import make_graph_runner
+from expert_svc.model_builder import ModelBuilder
+from expert_svc.observability import step_hook
+from expert_svc.rendezvous import ProcessGroupLink, RendezvousError
+from expert_svc.router_client import RouterClient
 from expert_svc.runner import StepRunner
 from expert_svc.state import RankState
 from expert_svc.servicer import ExpertServicer
 from expert_svc.stats_reporter import StatsReporter
 from moe.expert.v1 import expert_pb2, expert_pb2_grpc
-from services import gc_pauses, grpc_util, metrics, telemetry
+from services import gc_pauses, grpc_util, http_probes, telemetry
 from services.cluster import ClusterClient, GroupAssignment
-from services.kv_pool import KVPool, kv_cache_dtype
-from services.model.checkpoint import load_weights
-from services.model.config import DTYPES
 from services.model.moe import local_expert_ids
-from services.model.qwen3_moe import Qwen3MoeModel
-from services.model.random_weights import RandomWeights, serving_model_config
-from services.settings import announce_port
+from services.process import announce_port, stop_on_signals
 
 log = logging.getLogger("expert_svc")
 
@@ -77,14 +74,20 @@ EXIT_RANK_FAILED = 4
 FAILURE_REPORT_TIMEOUT_S = 5.0
 
 
-class AssignmentLostError(RuntimeError):
-    """The group this rank joined was deleted or changed under it (not just re-formed)."""
-
-
-def _placement(group: GroupAssignment, member_id: str) -> tuple:
-    """What a joined rank depends on; term and gateway changes do not matter."""
-    return (group.group_id, group.epoch, group.world_size, group.rendezvous_address,
-            group.rank_of(member_id))
+async def serve(config: ExpertConfig) -> tuple[int, bool]:
+    """Runs one rank, with its /metrics and probes, until SIGTERM or SIGINT (or a failure);
+    returns (exit status, whether its model thread finished: see ExpertRank.stop)."""
+    stop = stop_on_signals()
+    rank = ExpertRank(config)
+    probes = await http_probes.start_probes("expert", config, observability.readiness(rank.state))
+    probes.add_collector(observability.ExpertStateCollector(rank.state, lambda: rank.reporter))
+    try:
+        await rank.start()
+        code = await rank.run(stop)
+    finally:
+        is_clean = await rank.stop()
+        await probes.close()
+    return code, is_clean
 
 
 class ExpertRank:
@@ -92,10 +95,10 @@ class ExpertRank:
 
     def __init__(self, config: ExpertConfig):
         self.config = config
-        self.model_config = serving_model_config(config.model, config.random_weights)
+        self._builder = ModelBuilder(config)
+        self.model_config = self._builder.model_config
         self.state = RankState(member_id=config.member_id,
                                model_name=pathlib.Path(config.model).name or config.random_weights)
-        self._dtype = DTYPES[config.dtype_name]
         self._thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="model", initializer=self._init_model_thread)
         self._reader = concurrent.futures.ThreadPoolExecutor(
@@ -180,26 +183,13 @@ class ExpertRank:
     async def _follow_assignment(self) -> None:
         member_id = self.config.member_id
         async for group in self._cluster.watch_group_for_member(member_id):
-            rank = None if group is None else group.rank_of(member_id)
-            if rank is not None:
-                self._check_group_size(group)
-            if rank is not None and group.ranks[rank].address != self._address:
-                rank = None  # placed as an earlier process of this member id: not yet re-formed with us
-            if self._loaded is None:
-                if rank is not None and _placement(group, member_id) != self._joined:
-                    await self._join(group)
-                continue
-            if group is not None and _placement(group, member_id) == self._joined:
-                continue  # a new term or gateway: nothing to do
-            if rank is None or (group.group_id, rank, group.world_size) != self._loaded or self.config.is_cuda:
-                raise AssignmentLostError(f"the assignment {self._joined} was deleted or changed to {group}")
-            await self._rejoin(group)
-
-    def _check_group_size(self, group: GroupAssignment) -> None:
-        num_experts = self.model_config.num_experts
-        if num_experts % group.world_size:
-            raise ValueError(f"group {group.group_id!r} has {group.world_size} ranks, which does not divide "
-                             f"the model's {num_experts} experts; use a group size that divides it")
+            action = next_action(group, member_id=member_id, address=self._address,
+                                 num_experts=self.model_config.num_experts, joined=self._joined,
+                                 loaded=self._loaded, can_rejoin=not self.config.is_cuda)
+            if action is Action.JOIN:
+                await self._join(group)
+            elif action is Action.REJOIN:
+                await self._rejoin(group)
 
     @telemetry.traced("expert.join")
     async def _join(self, group: GroupAssignment) -> None:
@@ -211,27 +201,25 @@ class ExpertRank:
         s.expert_ids = tuple(expert_ids)
         log.info("assigned rank %d of %d in group %s epoch %d (experts %d..%d); loading", rank,
                  group.world_size, group.group_id, group.epoch, expert_ids.start, expert_ids.stop - 1)
-        self._joined = _placement(group, member_id)
+        self._joined = joined_placement(group, member_id)
         try:
-            model, kv_pool = await self._on_model_thread(self._load_and_connect, group, rank, expert_ids)
+            model, kv_pool = await self._on_model_thread(
+                self._builder.build, expert_ids, lambda: self._link.connect(group, rank))
         except RendezvousError as error:  # the weights go; the next epoch loads them again
             self._report_failure(group.epoch, str(error))
             return
         self._model, self._loaded = model, (group.group_id, rank, group.world_size)
-        graphs = make_graph_runner(model, kv_pool, cfg.kv_block_size, () if cfg.debug_collective_timing
-                                   else cfg.cuda_graph_bucket_sizes, cfg.cuda_graph_max_context)
-        runner = StepRunner(model, kv_pool, cfg.kv_block_size, vocab_size=mc.vocab_size,
-                            group_id=group.group_id, placement_epoch=group.epoch, device=cfg.device, graphs=graphs)
-        self._reporter = StatsReporter(
-            model.hit_counts_LE, mc.moe_layers, group_id=group.group_id, rank=rank,
-            every_steps=cfg.stats_every_steps, deadline_s=cfg.stats_deadline_s,
-            resolve_router=self._router_address, loop=asyncio.get_running_loop())
+        runner = self._builder.runner(model, kv_pool, group)
+        router = RouterClient(self._router_address, group_id=group.group_id, rank=rank,
+                              moe_layers=mc.moe_layers, deadline_s=cfg.stats_deadline_s)
+        self._reporter = StatsReporter(model.hit_counts_LE, mc.moe_layers, every_steps=cfg.stats_every_steps,
+                                       router=router, loop=asyncio.get_running_loop())
         s.num_kv_blocks, s.kv_block_size = kv_pool.num_blocks, cfg.kv_block_size
         self._runner = runner
         if cfg.num_spare_expert_slots:  # expert replicas: stage and install placements
             self._placement_task = placement.start_following(
                 model, runner, self._cluster, group_id=group.group_id, rank=rank, member_id=member_id,
-                load_experts=placement.expert_loader(cfg, mc, self._dtype))
+                load_experts=self._builder.expert_loader())
         self._new_executor(runner)
         gc_pauses.freeze("loading the weights", enabled=cfg.gc_freeze, young_threshold=cfg.gc_young_threshold)
         await self._mark_ready(group)
@@ -262,7 +250,7 @@ class ExpertRank:
             # Plans of the old epoch that are still queued must not run on the new process group.
             old.failure = f"superseded by epoch {group.epoch}"
         await self._set_serving(False)
-        self._joined = _placement(group, self.config.member_id)
+        self._joined = joined_placement(group, self.config.member_id)
         s.placement_epoch = group.epoch
         log.info("group %s re-formed: joining epoch %d as rank %d (weights kept) at %s", group.group_id,
                  group.epoch, rank, group.rendezvous_address)
@@ -321,68 +309,6 @@ class ExpertRank:
 
     async def _set_serving(self, is_serving: bool) -> None:
         await self._server.set_serving(is_serving)
-
-    def _load_and_connect(self, group: GroupAssignment, rank: int, expert_ids: range):
-        """Model thread: weights, then the rendezvous, then the model and the KV pool."""
-        cfg, mc = self.config, self.model_config
-        if cfg.random_weights:  # benchmarks: drawn on the device as the model reads them
-            weights = RandomWeights(mc, expert_ids, cfg.random_weights_seed, dtype=self._dtype, device=cfg.device)
-        else:
-            weights = load_weights(cfg.model, mc, expert_ids, dtype=self._dtype, device=cfg.device)
-        comm = MeteredExpertComm(self._link.connect(group, rank),
-                                 is_timed=not cfg.is_cuda or cfg.debug_collective_timing,
-                                 is_cuda=cfg.is_cuda)
-        model = Qwen3MoeModel(mc, weights, expert_ids=expert_ids, comm=comm,
-                              dtype=self._dtype, device=cfg.device, attention=cfg.attention_backend,
-                              max_fixed_capacity_tokens=cfg.max_fixed_capacity_tokens,
-                              num_spare_expert_slots=cfg.num_spare_expert_slots)
-        del weights
-        if cfg.is_cuda and cfg.ep_exchange != "nccl" and comm.world_size > 1:
-            comm.exchange = self._symmetric_exchange(comm, required=cfg.ep_exchange == "symmetric")
-        if comm.world_size > 1:
-            exchange = "symmetric_memory" if comm.exchange is not None else "collectives"
-            for name in ("collectives", "symmetric_memory"):
-                metrics.expert_metrics().exchange.labels(name).set(int(name == exchange))
-        cache_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self._dtype)
-        num_blocks = cfg.kv_blocks or KVPool.blocks_for_memory(
-            mc, cfg.kv_block_size, self._kv_memory_bytes(), cache_dtype)
-        if num_blocks <= 0:
-            raise ValueError(f"the KV memory ({self._kv_memory_bytes()} bytes) holds no block; "
-                             f"raise kv_memory_bytes/kv_memory_fraction or set kv_blocks")
-        return model, KVPool.for_model(mc, num_blocks, cfg.kv_block_size, cache_dtype, cfg.device)
-
-    def _symmetric_exchange(self, comm, *, required: bool):
-        """triton_ep's buffers in symmetric memory for the steps of up to the decode steps'
-        tokens per rank, or None (NCCL) unless every rank set them up: a collective, and the
-        ranks agree (one all_reduce), so they all take the same path. Raises if `required`."""
-        from services.model.symm_exchange import SymmetricExchange  # triton: CUDA only
-        from services.model.triton_ep import row_width
-
-        cfg, mc = self.config, self.model_config
-        exchange, error = None, None
-        try:
-            exchange = SymmetricExchange(
-                comm.group, max(cfg.max_fixed_capacity_tokens, cfg.cuda_graph_max_batch),
-                row_width(mc.hidden_size, mc.num_experts_per_tok, self._dtype), mc.hidden_size, self._dtype,
-                cfg.device, timeout_ms=int(cfg.collective_timeout_s * 1000),
-                push=cfg.ep_exchange_push or cfg.ep_exchange_signals, signals=cfg.ep_exchange_signals)
-        except Exception as caught:  # noqa: BLE001 (a machine without it: the ranks fall back together)
-            error = caught
-        everyone = -comm.max_over_ranks(-int(exchange is not None), torch.device(cfg.device)) == 1
-        if everyone:
-            log.info("expert exchange of decode steps: symmetric memory")
-            return exchange
-        reason = f"here: {error!r}" if error is not None else "on another rank"
-        if required:
-            raise RuntimeError(f"--ep-exchange symmetric: symmetric memory could not be set up ({reason})")
-        log.warning("expert exchange: NCCL (symmetric memory could not be set up %s)", reason)
-        return None
-
-    def _kv_memory_bytes(self) -> int:
-        if not self.config.is_cuda:
-            return self.config.kv_memory_bytes
-        free_bytes, _ = torch.cuda.mem_get_info(torch.device(self.config.device))
-        return int(free_bytes * self.config.kv_memory_fraction)
 
     async def _router_address(self) -> str | None:
         routers = await self._cluster.list_members("router")

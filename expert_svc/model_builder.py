@@ -1,0 +1,121 @@
+"""What a rank serves with, built from its config: weights, model, expert exchange, KV pool, step runner.
+
+`ModelBuilder.build` runs on the rank's model thread once the rank has its
+place in a group: it reads (or, for benchmarks, draws) the weights of the
+rank's experts plus the trunk and gates, then joins the group's process
+group (the rendezvous, through the `connect` callable of the lifecycle), then
+builds the model on it, picks the expert exchange of decode steps and sizes
+the KV pool. `runner` wraps the model and the pool in the StepRunner that
+executes the gateway's plans, with its CUDA graphs. The lifecycle
+(expert_svc/server.py) decides when; this module decides what.
+"""
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from expert_svc import placement
+from expert_svc.config import ExpertConfig
+from expert_svc.graph_runner import make_graph_runner
+from expert_svc.observability import MeteredExpertComm
+from expert_svc.runner import StepRunner
+from services import metrics
+from services.cluster import GroupAssignment
+from services.kv_pool import KVPool, kv_cache_dtype
+from services.model.checkpoint import load_weights
+from services.model.config import DTYPES
+from services.model.qwen3_moe import Qwen3MoeModel
+from services.model.random_weights import RandomWeights, serving_model_config
+
+log = logging.getLogger("expert_svc")
+
+
+class ModelBuilder:
+    """Builds the model, KV pool and step runner of one rank from its ExpertConfig."""
+
+    def __init__(self, config: ExpertConfig):
+        self.config = config
+        self.model_config = serving_model_config(config.model, config.random_weights)
+        self.dtype = DTYPES[config.dtype_name]
+
+    def build(self, expert_ids: range, connect: Callable[[], object]) -> tuple[Qwen3MoeModel, KVPool]:
+        """Model thread: the weights of expert_ids, then the rendezvous (`connect()` returns
+        the group's process group), then the model and the KV pool."""
+        cfg, mc = self.config, self.model_config
+        if cfg.random_weights:  # benchmarks: drawn on the device as the model reads them
+            weights = RandomWeights(mc, expert_ids, cfg.random_weights_seed, dtype=self.dtype, device=cfg.device)
+        else:
+            weights = load_weights(cfg.model, mc, expert_ids, dtype=self.dtype, device=cfg.device)
+        comm = MeteredExpertComm(connect(), is_timed=not cfg.is_cuda or cfg.debug_collective_timing,
+                                 is_cuda=cfg.is_cuda)
+        model = Qwen3MoeModel(mc, weights, expert_ids=expert_ids, comm=comm,
+                              dtype=self.dtype, device=cfg.device, attention=cfg.attention_backend,
+                              max_fixed_capacity_tokens=cfg.max_fixed_capacity_tokens,
+                              num_spare_expert_slots=cfg.num_spare_expert_slots)
+        del weights
+        if cfg.is_cuda and cfg.ep_exchange != "nccl" and comm.world_size > 1:
+            comm.exchange = self.symmetric_exchange(comm, required=cfg.ep_exchange == "symmetric")
+        if comm.world_size > 1:
+            exchange = "symmetric_memory" if comm.exchange is not None else "collectives"
+            for name in ("collectives", "symmetric_memory"):
+                metrics.expert_metrics().exchange.labels(name).set(int(name == exchange))
+        return model, self.kv_pool()
+
+    def kv_pool(self) -> KVPool:
+        """The KV pool: kv_blocks blocks, or as many as the KV memory holds."""
+        cfg, mc = self.config, self.model_config
+        cache_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)
+        num_blocks = cfg.kv_blocks or KVPool.blocks_for_memory(
+            mc, cfg.kv_block_size, self.kv_memory_bytes(), cache_dtype)
+        if num_blocks <= 0:
+            raise ValueError(f"the KV memory ({self.kv_memory_bytes()} bytes) holds no block; "
+                             f"raise kv_memory_bytes/kv_memory_fraction or set kv_blocks")
+        return KVPool.for_model(mc, num_blocks, cfg.kv_block_size, cache_dtype, cfg.device)
+
+    def symmetric_exchange(self, comm, *, required: bool):
+        """triton_ep's buffers in symmetric memory for the steps of up to the decode steps'
+        tokens per rank, or None (NCCL) unless every rank set them up: a collective, and the
+        ranks agree (one all_reduce), so they all take the same path. Raises if `required`."""
+        from services.model.symm_exchange import SymmetricExchange  # triton: CUDA only
+        from services.model.triton_ep import row_width
+
+        cfg, mc = self.config, self.model_config
+        exchange, error = None, None
+        try:
+            exchange = SymmetricExchange(
+                comm.group, max(cfg.max_fixed_capacity_tokens, cfg.cuda_graph_max_batch),
+                row_width(mc.hidden_size, mc.num_experts_per_tok, self.dtype), mc.hidden_size, self.dtype,
+                cfg.device, timeout_ms=int(cfg.collective_timeout_s * 1000),
+                push=cfg.ep_exchange_push or cfg.ep_exchange_signals, signals=cfg.ep_exchange_signals)
+        except Exception as caught:  # noqa: BLE001 (a machine without it: the ranks fall back together)
+            error = caught
+        everyone = -comm.max_over_ranks(-int(exchange is not None), torch.device(cfg.device)) == 1
+        if everyone:
+            log.info("expert exchange of decode steps: symmetric memory")
+            return exchange
+        reason = f"here: {error!r}" if error is not None else "on another rank"
+        if required:
+            raise RuntimeError(f"--ep-exchange symmetric: symmetric memory could not be set up ({reason})")
+        log.warning("expert exchange: NCCL (symmetric memory could not be set up %s)", reason)
+        return None
+
+    def kv_memory_bytes(self) -> int:
+        """Bytes for the KV pool: kv_memory_bytes on the CPU, a fraction of the free memory on CUDA."""
+        if not self.config.is_cuda:
+            return self.config.kv_memory_bytes
+        free_bytes, _ = torch.cuda.mem_get_info(torch.device(self.config.device))
+        return int(free_bytes * self.config.kv_memory_fraction)
+
+    def runner(self, model: Qwen3MoeModel, kv_pool: KVPool, group: GroupAssignment) -> StepRunner:
+        """The StepRunner of a built model in `group`'s epoch, with its decode CUDA graphs
+        (none when timing collectives: a replayed graph runs no Python to time)."""
+        cfg = self.config
+        graphs = make_graph_runner(model, kv_pool, cfg.kv_block_size, () if cfg.debug_collective_timing
+                                   else cfg.cuda_graph_bucket_sizes, cfg.cuda_graph_max_context)
+        return StepRunner(model, kv_pool, cfg.kv_block_size, vocab_size=self.model_config.vocab_size,
+                          group_id=group.group_id, placement_epoch=group.epoch, device=cfg.device, graphs=graphs)
+
+    def expert_loader(self) -> placement.LoadExperts:
+        """Where replicas of experts are read from: the same source as the primaries."""
+        return placement.expert_loader(self.config, self.model_config, self.dtype)
