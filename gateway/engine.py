@@ -1,7 +1,7 @@
 """The step loop of one worker group: schedule, execute on every rank, apply.
 
 `Engine` owns the batcher of its group and one ExecuteSteps stream per rank
-(gateway/step_stream.py holds the wire: the engine sends StepPlans and reads
+(gateway/rank_client.py holds the wire: the engine sends StepPlans and reads
 StepResults; the tests use in-process fakes). Each step
 sends one plan to every rank (idle plans included, so that the ranks'
 collectives line up), reads all their results, feeds the sampled tokens to
@@ -46,7 +46,7 @@ from gateway.batcher import Batcher
 from gateway.observability import EngineObserver
 from gateway.plan import SeqEvent, StepBatch
 from gateway.requests import ErrorCode, GenerationError, RequestHandle, Sequence
-from gateway.step_stream import RankStream, StepStream, StreamClosed
+from gateway.rank_client import RankStream, StepStream, StreamClosed
 from services.step import StepPlan, StepResult
 
 log = logging.getLogger("gateway.engine")

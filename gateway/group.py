@@ -27,8 +27,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from gateway import placement_watch
 from gateway.engine import Engine, GroupFailure
-from gateway.rank_client import GroupConnection, RankCallError, RankStatus
-from gateway.step_stream import error_text
+from gateway.rank_client import GroupConnection, RankCallError, RankStatus, error_text
 from services import telemetry
 from services.cluster import ClusterClient, GroupAssignment
 

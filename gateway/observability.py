@@ -254,7 +254,7 @@ class EngineObserver:
                                            chunk_spans)
 
     async def read(self, stream, rank: int):
-        """Reads a rank's step result (a step_stream.StepStream), noting when it arrived."""
+        """Reads a rank's step result (a rank_client.StepStream), noting when it arrived."""
         result = await stream.receive()
         self._arrivals[rank] = time.perf_counter()
         return result
