@@ -21,8 +21,8 @@ import torch
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from moe.router.v1 import router_pb2, router_pb2_grpc
 from moe.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from moemesh import launcher
 from router_svc.policy import imbalance
-from services import launcher
 from services.model.config import ModelConfig
 from services.model.expert_map import Placement
 from tests.conftest import hf_greedy

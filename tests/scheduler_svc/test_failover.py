@@ -12,11 +12,11 @@ import time
 
 import pytest
 
+from moemesh.etcd import free_port
 from scheduler_svc.election import SILENT, LeaderProbe, LeadershipLost
 from scheduler_svc.leader_probe import HealthCheck
 from scheduler_svc.state import reconcile_once
 from services.cluster import ClusterClient, GroupAssignment, RankInfo
-from services.etcd_server import free_port
 from services.grpc_util import start_server
 from tests.bounded import run
 from tests.scheduler_svc.candidates import Candidate, FakeProbe, eventually, leaders, start_all, start_three

@@ -7,9 +7,9 @@ import asyncio
 import json
 import time
 
+from moemesh.etcd import free_port
 from scheduler_svc.gateway_probe import GatewayProbe, probe_gateways
 from services.cluster import ClusterClient, cancel_and_wait
-from services.etcd_server import free_port
 from services.grpc_util import start_server
 from tests.bounded import run
 

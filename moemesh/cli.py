@@ -10,7 +10,7 @@ import threading
 
 import grpc
 
-from services import launcher
+from moemesh import launcher
 
 DEFAULT_GATEWAY_PORT = 50051
 DEFAULT_MODEL_NAME = "tiny-seed0"
