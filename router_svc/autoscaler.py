@@ -25,7 +25,7 @@ from router_svc.config import RouterConfig
 from router_svc.windows import SlidingWindows
 from services import grpc_util
 from services.cluster import ClusterClient, ClusterSnapshot, ClusterUnavailableError, GroupAssignment
-from services.model.expert_map import Placement
+from services.placement import Placement
 from services.placement_store import PlacementStore
 
 log = logging.getLogger("router_svc.autoscaler")

@@ -22,7 +22,7 @@ from router_svc.stats import ExpertStats
 from router_svc.windows import SlidingWindows
 from services import cluster, http_probes, settings
 from services.grpc_util import start_server
-from services.model.expert_map import Placement
+from services.placement import Placement
 
 ROLE = "router"
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name

@@ -9,7 +9,7 @@ from moe.router.v1 import router_pb2, router_pb2_grpc
 from router_svc.policy import imbalance
 from router_svc.stats import ExpertStats, hit_rates
 from router_svc.windows import SlidingWindows
-from services.model.expert_map import Placement
+from services.placement import Placement
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):

@@ -19,7 +19,7 @@ from moe.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc import placement
 from scheduler_svc.election import Leadership
 from services.cluster import ClusterClient, ClusterSnapshot, ClusterUnavailableError
-from services.model.expert_map import Placement
+from services.placement import Placement
 
 _ROLES = {
     "scheduler": scheduler_pb2.MEMBER_ROLE_SCHEDULER,

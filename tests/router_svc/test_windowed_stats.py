@@ -9,7 +9,7 @@ from moe.router.v1 import router_pb2
 from router_svc.servicer import RouterServicer
 from router_svc.stats import ExpertStats
 from router_svc.windows import SlidingWindows
-from services.model.expert_map import EMPTY, Placement
+from services.placement import EMPTY, Placement
 
 
 class Aborted(Exception):

@@ -7,7 +7,7 @@ import pytest
 
 from scheduler_svc.placement import LeaderTermError, NotLeaderError, StaleProposalError, commit_proposal
 from services.cluster import ClusterClient, GroupAssignment, RankInfo
-from services.model.expert_map import EMPTY, Placement
+from services.placement import EMPTY, Placement
 from services.placement_store import PlacementStore
 from tests.bounded import eventually, run
 
