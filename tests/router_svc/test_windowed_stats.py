@@ -6,6 +6,7 @@ import grpc
 import pytest
 
 from moe.router.v1 import router_pb2
+from router_svc.load import ExpertLoad
 from router_svc.servicer import RouterServicer
 from router_svc.stats import ExpertStats
 from router_svc.windows import SlidingWindows
@@ -24,8 +25,8 @@ class FakeContext:
 def test_window_counts_and_rank_loads_follow_the_placement():
     now = [0.0]
     placement = Placement(4, 2, 1, {0: (EMPTY, 0)})  # rank 1's spare holds a replica of expert 0
-    servicer = RouterServicer(ExpertStats(), windows=SlidingWindows(60), clock=lambda: now[0],
-                              placement_of=lambda group_id: placement if group_id == "g" else None)
+    servicer = RouterServicer(ExpertLoad(ExpertStats(), windows=SlidingWindows(60), clock=lambda: now[0],
+                                         placement_of=lambda group_id: placement if group_id == "g" else None))
 
     def report(rank, counts):
         request = router_pb2.ReportExpertHitsRequest(group_id="g", rank=rank,

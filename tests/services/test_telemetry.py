@@ -31,6 +31,7 @@ from gateway.kv_accounting import RankKV
 from gateway.observability import GatewayReadiness, GatewayStateCollector, fragmentation_ratio, kv_utilization
 from moe.expert.v1 import expert_pb2
 from moe.router.v1 import router_pb2, router_pb2_grpc
+from router_svc.load import ExpertLoad
 from router_svc.observability import RouterStatsCollector, imbalance, rank_loads
 from router_svc.servicer import RouterServicer
 from router_svc.stats import ExpertStats
@@ -126,7 +127,7 @@ def spans_named(exporter, name):
 
 def test_interceptors_carry_the_context_and_spare_health(tracing):
     async def body():
-        servicer = RouterServicer(ExpertStats())
+        servicer = RouterServicer(ExpertLoad(ExpertStats()))
         server = await grpc_util.start_server(
             [lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, s)], [ROUTER_SERVICE])
         await server.set_serving(True)
