@@ -105,7 +105,8 @@ def test_propose_placement_over_grpc_maps_the_errors_to_status_codes(etcd, key_p
     import grpc
 
     from moe.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-    from scheduler_svc.servicer import ClusterView, SchedulerServicer
+    from scheduler_svc.cluster_view import ClusterView
+    from scheduler_svc.servicer import SchedulerServicer
     from services import grpc_util
 
     def request(expected_epoch: int, term: int, spares=(4, 0)) -> scheduler_pb2.ProposePlacementRequest:
