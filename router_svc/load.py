@@ -7,7 +7,7 @@ windows (router_svc/windows.py) and each group's placement as last read
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from router_svc.policy import imbalance
 from router_svc.stats import ExpertStats, hit_rates
@@ -26,6 +26,19 @@ class LayerLoad:
     rank_loads: Sequence[float] = ()
     # The largest rank load over the mean; 0.0 if rank_loads is empty.
     rank_load_imbalance: float = 0.0
+
+
+def group_placement(group_id: str, placements: Mapping[str, Placement], windows: SlidingWindows,
+                    stats: ExpertStats) -> Placement | None:
+    """The group's placement as last read (placements), else its primaries over the ranks that
+    reported; None if nothing reported, or the experts do not split evenly over those ranks."""
+    if group_id in placements:
+        return placements[group_id]
+    num_ranks = windows.num_reporting_ranks(group_id)
+    layers = stats.layer_stats(group_id)
+    if not num_ranks or not layers or len(layers[0].counts) % num_ranks:
+        return None
+    return Placement(len(layers[0].counts), num_ranks, 0)
 
 
 class ExpertLoad:

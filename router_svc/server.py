@@ -15,7 +15,7 @@ import logging
 from moe.router.v1 import router_pb2, router_pb2_grpc
 from router_svc.autoscaler import Autoscaler
 from router_svc.config import RouterConfig
-from router_svc.load import ExpertLoad
+from router_svc.load import ExpertLoad, group_placement
 from router_svc.observability import RouterStatsCollector
 from router_svc.scheduler_client import SchedulerClient
 from router_svc.servicer import RouterServicer
@@ -38,14 +38,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
     autoscaler: Autoscaler | None = None
 
     def placement_of(group_id: str) -> Placement | None:
-        """The group's placement as last read, else its primaries over the ranks that reported."""
-        if autoscaler is not None and group_id in autoscaler.placements:
-            return autoscaler.placements[group_id]
-        num_ranks = windows.num_reporting_ranks(group_id)
-        layers = stats.layer_stats(group_id)
-        if not num_ranks or not layers or len(layers[0].counts) % num_ranks:
-            return None
-        return Placement(len(layers[0].counts), num_ranks, 0)
+        return group_placement(group_id, {} if autoscaler is None else autoscaler.placements, windows, stats)
 
     collector = RouterStatsCollector(stats, windows=windows, placement_of=placement_of,
                                      window_s=config.scale_up_window_s)
