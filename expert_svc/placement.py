@@ -24,8 +24,9 @@ from torch import Tensor
 
 from services.cluster import ClusterUnavailableError
 from services.model.checkpoint import CheckpointError, load_weights
-from services.model.expert_map import Placement, apply_placement, replica_tensor_names
+from services.model.expert_map import apply_placement, replica_tensor_names
 from services.model.random_weights import RandomWeights
+from services.placement import Placement
 from services.placement_store import PlacementStore
 
 log = logging.getLogger("expert_svc.placement")

@@ -5,7 +5,8 @@ services registered spare slots (member info `num_spare_expert_slots`),
 reads the group's committed placement, runs the policy on the hit windows
 (router_svc/policy.py) and, if the placement should change, proposes it to
 the scheduler leader with the epoch it was computed against and the
-leader's term (ProposePlacement). After a change the group's windows must
+leader's term, through a `PlacementProposer` (router_svc/scheduler_client.py
+speaks gRPC for it). After a change the group's windows must
 fill again before the next scale decision, so one burst of traffic adds one
 replica, not three. Errors (no leader yet, a stale epoch, etcd away) are
 logged and retried at the next tick.
@@ -13,22 +14,48 @@ logged and retried at the next tick.
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
-import grpc
-
-from moe.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from router_svc import policy
 from router_svc.config import RouterConfig
 from router_svc.windows import SlidingWindows
-from services import grpc_util
 from services.cluster import ClusterClient, ClusterSnapshot, ClusterUnavailableError, GroupAssignment
-from services.model.expert_map import Placement
+from services.placement import Placement
 from services.placement_store import PlacementStore
 
 log = logging.getLogger("router_svc.autoscaler")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Proposal:
+    """A placement for a group, computed against its epoch expected_epoch, for the leader of term."""
+
+    group_id: str
+    expected_epoch: int
+    term: int
+    placement: Placement
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Committed:
+    """What the leader committed: the group's new placement epoch, and the term that wrote it."""
+
+    epoch: int
+    term: int
+
+
+class ProposalError(Exception):
+    """The leader did not commit a proposal (unreachable, not the leader, a stale epoch, ...)."""
+
+
+class PlacementProposer(Protocol):
+    """Sends a proposal to the scheduler leader at an address."""
+
+    async def propose(self, address: str, proposal: Proposal) -> Committed: ...
 
 
 def spare_slots_of(snapshot: ClusterSnapshot, group: GroupAssignment) -> int:
@@ -41,10 +68,12 @@ class Autoscaler:
     """Runs the scaling policy over every group and proposes placement changes."""
 
     def __init__(self, config: RouterConfig, windows: SlidingWindows, cluster: ClusterClient,
-                 clock: Callable[[], float] = time.monotonic):
+                 proposer: PlacementProposer, clock: Callable[[], float] = time.monotonic,
+                 store: PlacementStore | None = None):
         self._config, self._policy = config, config.policy
-        self._windows, self._cluster, self._clock = windows, cluster, clock
-        self._store = PlacementStore(cluster)
+        self._windows, self._cluster, self._proposer, self._clock = windows, cluster, proposer, clock
+        # Where the groups' committed placements are read (etcd through the cluster client).
+        self._store = store or PlacementStore(cluster)
         self._last_change_s: dict[str, float] = {}
         self._last_rebalance_s: dict[str, float] = {}
         # The latest placement read per group (GetExpertStats models rank loads with it).
@@ -57,7 +86,7 @@ class Autoscaler:
         while not self._stopping.is_set():
             try:
                 await self.tick()
-            except (ClusterUnavailableError, grpc.aio.AioRpcError) as error:
+            except (ClusterUnavailableError, ProposalError) as error:
                 log.warning("scaling tick failed: %r; retrying at the next one", error)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._config.policy_interval_s):
@@ -111,15 +140,8 @@ class Autoscaler:
         if leader is None:
             log.info("group %s: no scheduler leader to propose a placement to", group_id)
             return
-        request = scheduler_pb2.ProposePlacementRequest(
-            group_id=group_id, expected_epoch=current.epoch, term=leader.term,
-            num_experts=proposal.num_experts, num_ranks=proposal.num_ranks,
-            num_spare_slots=proposal.num_spare_slots,
-            layers=[scheduler_pb2.LayerPlacement(layer=layer, spare_experts=spares)
-                    for layer, spares in sorted(proposal.layers.items())])
-        async with grpc_util.channel(leader.address) as channel:
-            response = await scheduler_pb2_grpc.SchedulerServiceStub(channel).ProposePlacement(
-                request, timeout=self._config.propose_deadline_s)
+        committed = await self._proposer.propose(leader.address, Proposal(group_id, current.epoch, leader.term,
+                                                                           proposal))
         self.num_proposed += 1
         self._last_change_s[group_id] = self._clock()
-        log.info("group %s: placement epoch %d committed by term %d", group_id, response.epoch, response.term)
+        log.info("group %s: placement epoch %d committed by term %d", group_id, committed.epoch, committed.term)

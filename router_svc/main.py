@@ -1,84 +1,14 @@
 """Entry point of the router service: python -m router_svc.main --member-id r0 ...
 
-Serves RouterService, registers in etcd as role `router` (health SERVING
-once registered) and, unless --policy-interval-s is 0, runs the expert
-scaling loop (router_svc/autoscaler.py). SIGTERM/SIGINT drains: the
-scaling loop stops first (no proposal is cut off half way: a proposal in
-flight finishes within its deadline), then the lease is revoked and the
-server stops.
+Parses the flags and the environment (services.settings) and runs the
+router (router_svc/server.py) until SIGTERM or SIGINT.
 """
 
-import asyncio
-import contextlib
-import logging
 import sys
 
-from moe.router.v1 import router_pb2, router_pb2_grpc
-from router_svc.autoscaler import Autoscaler
 from router_svc.config import RouterConfig
-from router_svc.observability import RouterStatsCollector
-from router_svc.servicer import RouterServicer
-from router_svc.stats import ExpertStats
-from router_svc.windows import SlidingWindows
-from services import cluster, http_probes, process
-from services.grpc_util import start_server
-from services.model.expert_map import Placement
-
-ROLE = "router"
-SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
-log = logging.getLogger("router_svc")
-
-
-async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
-    """Runs the router until stop is set."""
-    stats = ExpertStats()
-    windows = SlidingWindows(config.window_horizon_s)
-    is_registered = False
-    autoscaler: Autoscaler | None = None
-
-    def placement_of(group_id: str) -> Placement | None:
-        """The group's placement as last read, else its primaries over the ranks that reported."""
-        if autoscaler is not None and group_id in autoscaler.placements:
-            return autoscaler.placements[group_id]
-        num_ranks = windows.num_reporting_ranks(group_id)
-        layers = stats.layer_stats(group_id)
-        if not num_ranks or not layers or len(layers[0].counts) % num_ranks:
-            return None
-        return Placement(len(layers[0].counts), num_ranks, 0)
-
-    collector = RouterStatsCollector(stats, windows=windows, placement_of=placement_of,
-                                     window_s=config.scale_up_window_s)
-    probes = await http_probes.start_probes(ROLE, config, lambda: {"ready": is_registered})
-    probes.add_collector(collector)
-    servicer = RouterServicer(stats, on_report=collector.on_report, windows=windows, placement_of=placement_of)
-    server = await start_server(
-        [lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, s)],
-        [SERVICE_NAME], host=config.host, port=config.port,
-    )
-    scaling: asyncio.Task | None = None
-    try:
-        async with cluster.registered(config.etcd, ROLE, config.member_id, config.address(server.port),
-                                      ttl=config.lease_ttl_s, prefix=config.key_prefix) as client:
-            await server.set_serving(True)
-            is_registered = True
-            process.announce_port(ROLE, config, server.port)
-            if config.policy_interval_s > 0:
-                autoscaler = Autoscaler(config, windows, client)
-                scaling = asyncio.create_task(autoscaler.run(), name="autoscaler")
-            await stop.wait()
-            log.info("stopping: the scaling loop first, then the server")
-            is_registered = False
-            if autoscaler is not None:
-                autoscaler.stop()
-                await asyncio.wait([scaling], timeout=config.propose_deadline_s + 1.0)
-            await server.set_serving(False)
-    finally:
-        if scaling is not None and not scaling.done():
-            scaling.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await scaling
-        await server.stop(grace_s=1.0)
-        await probes.close()
+from router_svc.server import ROLE, serve
+from services import process
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,7 +26,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from router_svc.stats import hit_rates
-from services.model.expert_map import EMPTY, Placement
+from services.placement import EMPTY, Placement
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

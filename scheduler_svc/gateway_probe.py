@@ -2,7 +2,7 @@
 standby within a few hundred milliseconds instead of a lease TTL.
 
 While it leads, the scheduler health-checks every registered gateway every
-`interval_s` (one channel each, leader_probe.HealthCheck). A gateway whose
+`interval_s` (one HealthChecker each: health_client.HealthCheck). A gateway whose
 checks are refused `misses` times in a row (nothing listens at its address:
 the process is gone; it did answer before, so it is not one still starting
 or registered at an address where nothing ever listened) has its lease revoked (ClusterClient.depose_member,
@@ -17,8 +17,9 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Callable
 
-from scheduler_svc.leader_probe import REFUSED, HealthCheck
+from scheduler_svc.health import Health, HealthChecker
 from services.cluster import ClusterClient, Member, cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -39,10 +40,12 @@ class GatewayProbe:
                              f"{self.interval_s}, {self.timeout_s}, {self.misses}")
 
 
-async def probe_gateways(client: ClusterClient, probe: GatewayProbe) -> None:
-    """Checks the registered gateways until cancelled (see the module docstring)."""
+async def probe_gateways(client: ClusterClient, probe: GatewayProbe,
+                         new_check: Callable[[float], HealthChecker]) -> None:
+    """Checks the registered gateways until cancelled (see the module docstring);
+    new_check(timeout_s) makes the checker of one gateway."""
     gateways: dict[str, Member] = {}
-    checks: dict[str, HealthCheck] = {}
+    checks: dict[str, HealthChecker] = {}
     refused: dict[str, int] = {}
     answered: set[str] = set()  # gateways (id@address) that answered a check once
 
@@ -55,8 +58,8 @@ async def probe_gateways(client: ClusterClient, probe: GatewayProbe) -> None:
     async def check(gateway: Member) -> None:
         key = f"{gateway.member_id}@{gateway.address}"
         if key not in checks:
-            checks[key] = HealthCheck(probe.timeout_s)
-        if await checks[key].status(gateway.address) != REFUSED:
+            checks[key] = new_check(probe.timeout_s)
+        if await checks[key].health(gateway.address) is not Health.REFUSED:
             answered.add(key)
             refused.pop(key, None)
             return

@@ -1,7 +1,7 @@
 """Leadership metrics and readiness of one scheduler replica.
 
 `LeaderWatch.observe` is fed every leader the replica's watch of the whole
-prefix sees (servicer.ClusterView, independent of the election, whose logic
+prefix sees (cluster_view.ClusterView, independent of the election, whose logic
 it does not touch) and keeps the gauges:
 is this replica the leader, is there a leader, its term; counts each new
 term seen (leader changes, the first leader this replica sees excluded) and

@@ -10,7 +10,7 @@ older placement writes nothing. No gRPC here: the servicer maps the errors.
 import logging
 
 from services.cluster import ClusterClient
-from services.model.expert_map import Placement
+from services.placement import Placement
 from services.placement_store import LeaderTermError, PlacementStore, StaleProposalError
 
 log = logging.getLogger(__name__)

@@ -1,25 +1,21 @@
-"""SchedulerService over gRPC: the cluster state from etcd as protobuf.
+"""SchedulerService over gRPC: protobuf to the scheduler's domain and back, nothing else.
 
-GetClusterState answers from the replica's watch of the whole prefix
-(ClusterView), not from an etcd read per call: during a failover the new
-leader's first answers would otherwise queue behind the new term's start-up
-reads, and a client polling the replicas would add a read of everything per
-poll. A replica whose etcd session is not live (etcd unreachable, or the
-keepalive failing) reads etcd instead, so it answers UNAVAILABLE rather
-than from a view it cannot vouch for.
+GetClusterState answers from the replica's ClusterView
+(scheduler_svc/cluster_view.py); ProposePlacement hands the proposal to the
+leader's commit (scheduler_svc/placement.py) and maps its errors to status
+codes.
 """
 
-import asyncio
-import contextlib
 from collections.abc import Callable
 
 import grpc
 
 from moe.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc import placement
+from scheduler_svc.cluster_view import ClusterView
 from scheduler_svc.election import Leadership
 from services.cluster import ClusterClient, ClusterSnapshot, ClusterUnavailableError
-from services.model.expert_map import Placement
+from services.placement import Placement
 
 _ROLES = {
     "scheduler": scheduler_pb2.MEMBER_ROLE_SCHEDULER,
@@ -27,47 +23,6 @@ _ROLES = {
     "expert": scheduler_pb2.MEMBER_ROLE_EXPERT,
     "router": scheduler_pb2.MEMBER_ROLE_ROUTER,
 }
-
-
-class ClusterView:
-    """The cluster state as this replica's watch of the prefix last saw it
-    (ClusterClient.watch_snapshot): one revision, milliseconds behind etcd."""
-
-    def __init__(self, client: ClusterClient, on_change: Callable[[ClusterSnapshot], None] = lambda _: None):
-        self._client = client
-        self._on_change = on_change
-        self._snapshot: ClusterSnapshot | None = None
-        self._is_warm = asyncio.Event()  # the first snapshot is in
-
-    async def run(self) -> None:
-        """Follows the prefix until cancelled (or the client is closed)."""
-        async with contextlib.aclosing(self._client.watch_snapshot()) as snapshots:
-            async for snapshot in snapshots:
-                self._snapshot = snapshot
-                self._on_change(snapshot)
-                self._is_warm.set()
-
-    async def wait_warm(self, running: asyncio.Task) -> None:
-        """Returns once the first snapshot is in; `running` is this view's
-        run(), whose error is raised if it ends first. The replica registers
-        (and may be handed a term) only then: a new leader never answers late
-        because its view is still being built."""
-        warm = asyncio.create_task(self._is_warm.wait(), name="cluster-view-warm")
-        try:
-            await asyncio.wait([warm, running], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            warm.cancel()
-        if not self._is_warm.is_set():
-            running.result()  # raises what run() raised
-            raise RuntimeError("the cluster view ended before its first snapshot")
-
-    def current(self) -> ClusterSnapshot | None:
-        """The watched snapshot; None before the first one, and while this
-        replica's session is not live (its watch may be cut off as well)."""
-        session = self._client.session
-        if session is None or session.lost.is_set() or self._client.is_closed:
-            return None
-        return self._snapshot
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
@@ -85,12 +40,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self._view = view
 
     async def GetClusterState(self, request, context):
-        snapshot = self._view.current()
-        if snapshot is None:
-            try:
-                snapshot = await self._client.snapshot()
-            except ClusterUnavailableError as error:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unreachable: {error}")
+        try:
+            snapshot = await self._view.read()
+        except ClusterUnavailableError as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unreachable: {error}")
         held = self._leadership()
         return cluster_state_pb(snapshot, self._replica_id, None if held is None else held.term)
 

@@ -3,4 +3,4 @@
 # Run after changing any .proto: bash scripts/gen_protos.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec python -m services.protogen "$@"
+exec python -m moemesh.protogen "$@"

@@ -11,8 +11,9 @@ Each role's metrics are a class built on first use (`gateway_metrics()`,
 live in the role's state (queue length, KV utilization, prefix-cache
 counters, expert hit counts) are not updated on the step path: a collector
 reads them when Prometheus scrapes (see the roles' observability modules).
-`all_metric_families()` builds every role's metrics in a private registry:
-the documentation and rule-file tests check names against it.
+The library never imports a role: the test that checks the documentation
+and the rule files against every role's metrics builds them itself
+(tests/services/test_telemetry.py).
 """
 
 import functools
@@ -170,24 +171,3 @@ def counter_family(name: str, documentation: str, labels=()) -> CounterMetricFam
 def gauge_family(name: str, documentation: str, labels=()) -> GaugeMetricFamily:
     """A gauge family for a scrape-time collector."""
     return GaugeMetricFamily(PREFIX + name, documentation, labels=list(labels))
-
-
-def all_metric_families() -> dict[str, str]:
-    """Every moemesh metric family any role exports: name -> type."""
-    from expert_svc.observability import ExpertStateCollector
-    from gateway.observability import GatewayStateCollector
-    from router_svc.observability import RouterStatsCollector
-
-    registry = CollectorRegistry()
-    for cls in (CommonMetrics, GatewayMetrics, ExpertMetrics, SchedulerMetrics):
-        cls(registry)
-    for collector in (GatewayStateCollector(lambda: None, None), ExpertStateCollector(None),
-                      RouterStatsCollector(None)):
-        registry.register(collector)
-    return {family.name: family.type for family in registry.collect()}
-
-
-def sample_names(families: dict[str, str]) -> set[str]:
-    """The series names Prometheus stores for metric families (name -> type)."""
-    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
-    return {name + suffix for name, kind in families.items() for suffix in suffixes.get(kind, ("",))}

@@ -22,7 +22,7 @@ import aetcd
 
 from services.cluster import ClusterClient
 from services.cluster.session import raise_unless_lease_gone as _raise_unless_lease_gone
-from services.model.expert_map import Placement
+from services.placement import Placement
 
 
 class StaleProposalError(Exception):

@@ -8,7 +8,7 @@ import os
 import pathlib
 import tempfile
 
-# Before anything imports services.launcher: keep the tests' built tokenizer,
+# Before anything imports moemesh.launcher: keep the tests' built tokenizer,
 # models and mesh state out of the user's ~/.cache.
 os.environ.setdefault("MOEMESH_CACHE_DIR", tempfile.mkdtemp(prefix="moemesh-test-cache-"))
 # Role processes the tests start themselves bind a free metrics port, not 9090.
@@ -43,7 +43,7 @@ def tiny_model_dir(cache_dir) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def mesh(tiny_model_dir):
     """One running mesh (1 rank, CPU) on the tiny model, shared by the session."""
-    from services import launcher
+    from moemesh import launcher
 
     spec = launcher.MeshSpec(model_dir=str(tiny_model_dir), num_ranks=1, device="cpu")
     with launcher.Mesh(spec) as running:

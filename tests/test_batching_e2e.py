@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from services import launcher
+from moemesh import launcher
 from tests.conftest import hf_greedy
 
 NEW_TOKENS = 12

@@ -22,7 +22,7 @@ import pytest
 
 from expert_svc.server import EXIT_ASSIGNMENT_LOST
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from services import launcher
+from moemesh import launcher
 from services.cluster import ClusterClient, GroupAssignment
 from tests.bounded import eventually, run
 from tests.conftest import hf_greedy

@@ -11,8 +11,8 @@ import pytest
 
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from moe.router.v1 import router_pb2, router_pb2_grpc
-from services import launcher
-from services.cli import default_model_dir
+from moemesh import launcher
+from moemesh.cli import default_model_dir
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HITS = json.loads((ROOT / "tools" / "demo_model" / "expert_hits.json").read_text())

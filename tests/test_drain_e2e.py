@@ -23,7 +23,7 @@ import pytest
 
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from moe.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services import launcher
+from moemesh import launcher
 from services.grpc_util import channel
 from tests.bounded import eventually, run
 from tests.conftest import hf_greedy

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from services import launcher
+from moemesh import launcher
 from services.model.config import ModelConfig
 from tests.conftest import hf_greedy
 from tests.test_mesh_e2e import generate, greedy
@@ -171,7 +171,7 @@ def test_ranks_that_do_not_divide_the_experts_are_refused_before_anything_starts
     with pytest.raises(ValueError, match=r"--ranks 3 does not divide the 8 experts.*\[1, 2, 4, 8\]"):
         launcher.MeshSpec(model_dir=str(tiny_model_dir), num_ranks=3)
     work_dir = tmp_path / "mesh"
-    out = subprocess.run([sys.executable, "-m", "services.cli", "up", "--ranks", "3", "--model", str(tiny_model_dir),
+    out = subprocess.run([sys.executable, "-m", "moemesh.cli", "up", "--ranks", "3", "--model", str(tiny_model_dir),
                           "--port", "0", "--work-dir", str(work_dir)], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "--ranks 3 does not divide the 8 experts" in out.stderr

@@ -213,7 +213,7 @@ def test_gateway_without_group_is_unavailable(mesh, tiny_model_dir, tmp_path):
 
 
 def test_status_shows_leader_group_and_ready_rank(mesh):
-    out = subprocess.run([sys.executable, "-m", "services.cli", "status", "--target", mesh.scheduler_addresses[0]],
+    out = subprocess.run([sys.executable, "-m", "moemesh.cli", "status", "--target", mesh.scheduler_addresses[0]],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "leader: scheduler-" in out.stdout and "term" in out.stdout

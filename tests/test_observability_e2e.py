@@ -17,7 +17,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from prometheus_client.parser import text_string_to_metric_families
 
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from services import launcher
+from moemesh import launcher
 from services.process import metrics_port_file, read_port_file
 
 NUM_RANKS = 2

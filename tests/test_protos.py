@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from services import protogen
+from moemesh import protogen
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BUF = shutil.which("buf", path=str(pathlib.Path(sys.executable).parent)) or shutil.which("buf")

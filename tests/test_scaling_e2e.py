@@ -21,10 +21,10 @@ import torch
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from moe.router.v1 import router_pb2, router_pb2_grpc
 from moe.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from moemesh import launcher
 from router_svc.policy import imbalance
-from services import launcher
 from services.model.config import ModelConfig
-from services.model.expert_map import Placement
+from services.placement import Placement
 from tests.conftest import hf_greedy
 from tests.test_expert_parallel_e2e import _write_one_rank_routing_variant
 from tests.test_mesh_e2e import generate, greedy

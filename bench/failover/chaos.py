@@ -2,7 +2,7 @@
 
     python -m bench.failover.chaos --model DIR [--iterations 10] [--cases kill,hang] [--clients 16]
 
-Starts a mesh (services.launcher.Mesh) of 2 ranks and 1 standby expert
+Starts a mesh (moemesh.launcher.Mesh) of 2 ranks and 1 standby expert
 service on the CPU and keeps `--clients` greedy Generate streams in flight
 the whole time (closed loop, one prompt per client). Each client's first
 answer, before any disruption, is its reference; every later answer must
@@ -37,7 +37,7 @@ import grpc
 
 from gateway.stats import percentile
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from services import launcher
+from moemesh import launcher
 from services.cluster import ClusterClient, GroupAssignment
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parents[1] / "results"

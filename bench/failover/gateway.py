@@ -2,7 +2,7 @@
 
     python -m bench.failover.gateway [--iterations 10] [--streams 2]
 
-Starts a mesh (services.launcher.Mesh: etcd, three schedulers, the router,
+Starts a mesh (moemesh.launcher.Mesh: etcd, three schedulers, the router,
 one expert service and two gateways) on the tiny model. Per iteration it
 opens `--streams` long Generate streams on the gateway serving the group,
 SIGKILLs that gateway, and measures from the signal:
@@ -211,7 +211,7 @@ async def run_bench(mesh, args) -> Bench:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.launcher import Mesh, MeshSpec
+    from moemesh.launcher import Mesh, MeshSpec
 
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)

@@ -2,7 +2,7 @@
 
     python -m bench.failover.scheduler [--iterations 20] [--cases crash,graceful,hung] [--clients 2]
 
-Starts a mesh (services.launcher.Mesh: etcd, three schedulers, the router,
+Starts a mesh (moemesh.launcher.Mesh: etcd, three schedulers, the router,
 one expert service and the gateway, as `moemesh up` does) on the tiny model
 and keeps `--clients` Generate streams in flight through the gateway the
 whole time, counting every failed request by status code. Then, per case
@@ -312,7 +312,7 @@ def tiny_model(path: pathlib.Path | None) -> pathlib.Path:
     """--model, or the tiny preset built once under the moemesh cache."""
     if path is not None:
         return path
-    from services import launcher
+    from moemesh import launcher
     from services.model import make_model
 
     path = launcher.cache_dir() / "models" / "tiny-seed1234"
@@ -351,7 +351,7 @@ async def run_bench(mesh, args) -> tuple[Bench, Load]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.launcher import Mesh, MeshSpec
+    from moemesh.launcher import Mesh, MeshSpec
 
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)

@@ -4,7 +4,7 @@
         --cases b1,c8,c64,c256,mix,hf,profile --output-scale 0.25
     python -m bench.serving.gpu_speed --kind nvidia-h200-x2 --ranks 2 --cases c256,c512
 
-Starts a mesh (services.launcher.Mesh: etcd, schedulers, router, gateway, one
+Starts a mesh (moemesh.launcher.Mesh: etcd, schedulers, router, gateway, one
 expert service per GPU started with `--random-weights PRESET`), drives it with
 bench/serving/serve.py's client and bench/serving/workloads.py's requests, then stops it:
 
@@ -213,7 +213,7 @@ async def _drive(target: str, args, cases: list[str], max_context: int, metrics:
 
 def run_mesh(args, cases: list[str], model_dir: pathlib.Path) -> dict:
     """Starts the mesh on random weights, runs the serving cases, stops it."""
-    from services.launcher import Mesh, MeshSpec, tail
+    from moemesh.launcher import Mesh, MeshSpec, tail
     from services.model.config import ModelConfig
 
     max_conc = max([_case_concurrency(c) for c in cases if c != "mix"] + [args.mix_concurrency, 8])

@@ -44,10 +44,11 @@ from router_svc.policy import imbalance, rebalance
 from services.kv_pool import KVPool
 from services.model.attention import make_attention_backend
 from services.model.batch import SeqInput, build_forward_batch
-from services.model.expert_map import Placement, apply_placement, replica_tensor_names
+from services.model.expert_map import apply_placement, replica_tensor_names
 from services.model.moe import ExpertComm, local_expert_ids
 from services.model.qwen3_moe import Qwen3MoeModel
 from services.model.random_weights import RandomWeights, preset
+from services.placement import Placement
 
 WORLD_SIZE = 2
 BLOCK_SIZE = 16

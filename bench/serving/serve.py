@@ -18,7 +18,7 @@ table and writes JSON plus the table under bench/results/ (or --out).
 The gateway's own counters (prefix-cache hit rate, preemptions, host time to
 plan a step) are not in the public API: the gateway writes them to its
 `--stats-file`. With `--model DIR` the benchmark starts its own mesh
-(services.launcher.Mesh) with that flag, reads the file after the warm-up
+(moemesh.launcher.Mesh) with that flag, reads the file after the warm-up
 and again once the mesh has stopped, and reports the difference (the
 per-step timing percentiles cover the gateway's last 20,000 steps, warm-up
 included). With `--target`, pass `--gateway-stats FILE` to read a gateway's
@@ -279,7 +279,7 @@ async def measure(target: str, args, stats_path) -> tuple[list[RequestResult], f
 def run_with_own_mesh(args) -> tuple[list[RequestResult], float, dict | None, dict | None]:
     """Starts a mesh on --model, measures, stops it: (results, seconds, gateway stats
     after the warm-up, gateway stats at exit)."""
-    from services.launcher import Mesh, MeshSpec
+    from moemesh.launcher import Mesh, MeshSpec
     from services.model.config import ModelConfig
 
     max_context = ModelConfig.from_model_dir(args.model).max_position_embeddings

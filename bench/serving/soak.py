@@ -3,7 +3,7 @@
     python -m bench.serving.soak --model DIR --minutes 10
     python -m bench.serving.soak --model DIR --minutes 0.25 --rate 15 --burst-every-s 5 --burst-size 120   # CI
 
-Starts its own mesh (services.launcher.Mesh, 127.0.0.1 only) with a small
+Starts its own mesh (moemesh.launcher.Mesh, 127.0.0.1 only) with a small
 gateway queue, then sends greedy requests open loop: Poisson arrivals at
 `--rate` per second, plus every `--burst-every-s` a burst of `--burst-size`
 requests at once, well beyond what the gateway queues, so backpressure
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    from services.launcher import Mesh, MeshSpec
+    from moemesh.launcher import Mesh, MeshSpec
 
     load_start = os.getloadavg()
     mesh = Mesh(MeshSpec(model_dir=args.model, extra_args={"gateway": [*GATEWAY_ARGS, *args.gateway_arg]}))

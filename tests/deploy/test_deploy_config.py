@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-from services import launcher, settings
+from moemesh import launcher
+from services import settings
 from tests.deploy.kube import ROLES, ROOT, role_config, role_container
 
 DOCS = ROOT / "docs" / "deploy.md"

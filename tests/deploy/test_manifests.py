@@ -10,7 +10,8 @@ from importlib import metadata
 import kubernetes_validate
 import pytest
 
-from services import etcd_server, settings
+from moemesh import etcd
+from services import settings
 from services.model.make_model import PRESETS
 from tests.deploy.dockerfile import DOCKERFILE, ROLE_MODULES, entrypoint, stages
 from tests.deploy.kube import (
@@ -109,8 +110,8 @@ def test_every_workload_has_a_disruption_budget_over_its_pods(rendered, name):
 def test_etcd_runs_with_the_raft_timing_of_the_local_etcd(rendered):
     for name in ALL:
         args = main_container(workloads(rendered[name])["etcd"], "etcd")["args"]
-        assert f"--heartbeat-interval={etcd_server._HEARTBEAT_MS}" in args
-        assert f"--election-timeout={etcd_server._ELECTION_TIMEOUT_MS}" in args
+        assert f"--heartbeat-interval={etcd._HEARTBEAT_MS}" in args
+        assert f"--election-timeout={etcd._ELECTION_TIMEOUT_MS}" in args
         members = next(a for a in args if a.startswith("--initial-cluster="))
         assert members.count("=http://") == 3
 

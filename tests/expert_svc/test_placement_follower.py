@@ -7,13 +7,13 @@ import asyncio
 import pytest
 import torch
 
-from expert_svc.placement import PlacementFollower, expert_loader
 from expert_svc.config import ExpertConfig
+from expert_svc.placement import PlacementFollower, expert_loader
 from services.model.checkpoint import load_weights
 from services.model.config import ModelConfig
-from services.model.expert_map import EMPTY, Placement
 from services.model.moe import local_expert_ids
 from services.model.qwen3_moe import Qwen3MoeModel
+from services.placement import EMPTY, Placement
 from tests.bounded import eventually, run
 
 

@@ -20,9 +20,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from expert_svc.executor import StepExecutor, StepFailedError
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from services import launcher
+from moemesh import launcher
+from moemesh.etcd import start_etcd
 from services.cluster import ClusterClient, GroupAssignment, Keys, RankInfo
-from services.etcd_server import start_etcd
 from tests.conftest import hf_greedy
 from tests.expert_svc.conftest import plan_stream
 from tests.test_mesh_e2e import greedy

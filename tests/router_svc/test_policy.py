@@ -6,7 +6,7 @@ import pytest
 
 from router_svc.policy import ScalingPolicy, imbalance, max_imbalance, rebalance, scale
 from router_svc.windows import SlidingWindows
-from services.model.expert_map import EMPTY, Placement
+from services.placement import EMPTY, Placement
 
 POLICY = ScalingPolicy(scale_up_hit_rate=0.10, scale_up_window_s=300, scale_down_hit_rate=0.03,
                        scale_down_window_s=600, max_replicas=3)

@@ -11,10 +11,10 @@ import grpc
 import pytest
 
 from moe.router.v1 import router_pb2, router_pb2_grpc
+from moemesh.etcd import start_etcd
 from router_svc.config import RouterConfig
-from router_svc.main import serve
+from router_svc.server import serve
 from services.cluster import ClusterClient
-from services.etcd_server import start_etcd
 from services.grpc_util import channel
 from services.process import read_port_file
 

@@ -6,10 +6,11 @@ import grpc
 import pytest
 
 from moe.router.v1 import router_pb2
+from router_svc.load import ExpertLoad, group_placement
 from router_svc.servicer import RouterServicer
 from router_svc.stats import ExpertStats
 from router_svc.windows import SlidingWindows
-from services.model.expert_map import EMPTY, Placement
+from services.placement import EMPTY, Placement
 
 
 class Aborted(Exception):
@@ -24,8 +25,8 @@ class FakeContext:
 def test_window_counts_and_rank_loads_follow_the_placement():
     now = [0.0]
     placement = Placement(4, 2, 1, {0: (EMPTY, 0)})  # rank 1's spare holds a replica of expert 0
-    servicer = RouterServicer(ExpertStats(), windows=SlidingWindows(60), clock=lambda: now[0],
-                              placement_of=lambda group_id: placement if group_id == "g" else None)
+    servicer = RouterServicer(ExpertLoad(ExpertStats(), windows=SlidingWindows(60), clock=lambda: now[0],
+                                         placement_of=lambda group_id: placement if group_id == "g" else None))
 
     def report(rank, counts):
         request = router_pb2.ReportExpertHitsRequest(group_id="g", rank=rank,
@@ -48,3 +49,16 @@ def test_window_counts_and_rank_loads_follow_the_placement():
         with pytest.raises(Aborted) as error:
             stats(**bad)
         assert error.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_group_without_a_placement_read_is_modelled_by_its_primaries():
+    stats, windows = ExpertStats(), SlidingWindows(60)
+    assert group_placement("g", {}, windows, stats) is None  # nothing reported
+    for rank in (0, 1):
+        stats.add_report("g", [(0, [1, 2, 3, 4])])
+        windows.add("g", rank, [(0, [1, 2, 3, 4])], 0.0)
+    assert group_placement("g", {}, windows, stats) == Placement(4, 2, 0)
+    read = Placement(4, 2, 1, {0: (EMPTY, 0)}, epoch=3)
+    assert group_placement("g", {"g": read}, windows, stats) is read
+    windows.add("g", 2, [(0, [1, 2, 3, 4])], 1.0)  # three ranks: 4 experts do not split evenly
+    assert group_placement("g", {}, windows, stats) is None

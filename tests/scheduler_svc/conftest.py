@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.etcd_server import start_etcd
+from moemesh.etcd import start_etcd
 
 
 @pytest.fixture(scope="module")

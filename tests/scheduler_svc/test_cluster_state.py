@@ -3,8 +3,9 @@
 import asyncio
 
 from moe.scheduler.v1 import scheduler_pb2
+from scheduler_svc.cluster_view import ClusterView
 from scheduler_svc.election import Leadership
-from scheduler_svc.servicer import ClusterView, SchedulerServicer, cluster_state_pb
+from scheduler_svc.servicer import SchedulerServicer, cluster_state_pb
 from services.cluster import ClusterClient, ClusterSnapshot, LeaderInfo, Member, cancel_and_wait
 from tests.bounded import eventually, run
 

@@ -12,11 +12,12 @@ import time
 
 import pytest
 
+from moemesh.etcd import free_port
 from scheduler_svc.election import SILENT, LeaderProbe, LeadershipLost
-from scheduler_svc.leader_probe import HealthCheck
+from scheduler_svc.health import Health
+from scheduler_svc.health_client import HealthCheck
 from scheduler_svc.state import reconcile_once
 from services.cluster import ClusterClient, GroupAssignment, RankInfo
-from services.etcd_server import free_port
 from services.grpc_util import start_server
 from tests.bounded import run
 from tests.scheduler_svc.candidates import Candidate, FakeProbe, eventually, leaders, start_all, start_three
@@ -200,11 +201,14 @@ def test_health_check_answers_whether_the_address_serves():
         address = f"127.0.0.1:{server.port}"
         check = HealthCheck(timeout_s=0.2)
         assert await check(address) is False  # servers start NOT_SERVING
+        assert await check.health(address) is Health.NOT_SERVING
         await server.set_serving(True)
         assert await check(address) is True
+        assert await check.health(address) is Health.SERVING
         await server.stop(grace_s=0)
         started = loop.time()
         assert await check(address) is False  # refused: definite, not SILENT
+        assert await check.health(address) is Health.REFUSED
         assert await check(f"127.0.0.1:{free_port()}") is False  # another address: a channel of its own
         assert loop.time() - started < 1.0
         await check.close()

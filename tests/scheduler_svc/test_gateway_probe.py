@@ -7,9 +7,10 @@ import asyncio
 import json
 import time
 
+from moemesh.etcd import free_port
 from scheduler_svc.gateway_probe import GatewayProbe, probe_gateways
+from scheduler_svc.health_client import HealthCheck
 from services.cluster import ClusterClient, cancel_and_wait
-from services.etcd_server import free_port
 from services.grpc_util import start_server
 from tests.bounded import run
 
@@ -35,7 +36,7 @@ def test_a_gateway_that_dies_loses_its_lease_and_a_standby_keeps_it(etcd, key_pr
             await leader._etcd.put(leader.keys.member("gateway", member_id).encode(), json.dumps(
                 {"member_id": member_id, "role": "gateway", "address": f"127.0.0.1:{port}"}).encode(),
                 lease=lease.id)
-        probing = asyncio.create_task(probe_gateways(leader, GatewayProbe(interval_s=0.05, timeout_s=0.1, misses=2)))
+        probing = asyncio.create_task(probe_gateways(leader, GatewayProbe(interval_s=0.05, timeout_s=0.1, misses=2), HealthCheck))
 
         async def gateway_ids() -> set[str]:
             return {m.member_id for m in await leader.list_members("gateway")}

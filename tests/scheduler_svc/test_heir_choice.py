@@ -9,8 +9,8 @@ after a handover, among them)."""
 
 import asyncio
 
+from scheduler_svc.cluster_view import ClusterView
 from scheduler_svc.election import Leadership
-from scheduler_svc.servicer import ClusterView
 from scheduler_svc.state import lead_groups
 from services.cluster import ClusterClient, ClusterSnapshot, Member, cancel_and_wait
 from services.cluster.leadership import heir_order

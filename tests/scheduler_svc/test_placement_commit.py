@@ -7,7 +7,7 @@ import pytest
 
 from scheduler_svc.placement import LeaderTermError, NotLeaderError, StaleProposalError, commit_proposal
 from services.cluster import ClusterClient, GroupAssignment, RankInfo
-from services.model.expert_map import EMPTY, Placement
+from services.placement import EMPTY, Placement
 from services.placement_store import PlacementStore
 from tests.bounded import eventually, run
 
@@ -105,7 +105,8 @@ def test_propose_placement_over_grpc_maps_the_errors_to_status_codes(etcd, key_p
     import grpc
 
     from moe.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-    from scheduler_svc.servicer import ClusterView, SchedulerServicer
+    from scheduler_svc.cluster_view import ClusterView
+    from scheduler_svc.servicer import SchedulerServicer
     from services import grpc_util
 
     def request(expected_epoch: int, term: int, spares=(4, 0)) -> scheduler_pb2.ProposePlacementRequest:

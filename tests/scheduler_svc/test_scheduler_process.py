@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-from scheduler_svc.main import SERVICE_NAME
+from scheduler_svc.server import SERVICE_NAME
 from services.cluster import ClusterClient
 from services.grpc_util import SERVING, channel
 from services.process import read_port_file
@@ -176,7 +176,7 @@ def test_sigterm_resigns_at_once(etcd, schedulers, key_prefix):
 
 def test_config_from_flags_then_env_then_defaults():
     from scheduler_svc.config import SchedulerConfig
-    from scheduler_svc.main import leader_probe
+    from scheduler_svc.server import leader_probe
     from services.settings import parse_config
 
     env = {"MOEMESH_GROUP_SIZE": "4", "MOEMESH_ETCD": "10.0.0.1:2379", "MOEMESH_MEMBER_ID": "s9"}

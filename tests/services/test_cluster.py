@@ -9,8 +9,8 @@ import signal
 
 import pytest
 
+from moemesh.etcd import free_port, start_etcd
 from services.cluster import ClusterClient, ClusterUnavailableError, GroupAssignment, RankInfo, cancel_and_wait
-from services.etcd_server import free_port, start_etcd
 from tests.bounded import eventually, run
 
 

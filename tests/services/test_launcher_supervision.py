@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from services import launcher
+from moemesh import launcher
 
 # A stand-in role (named "gateway", which the mesh state file needs): reports a port in its port file, then exits with argv[2] after argv[3] seconds.
 _ROLE = ("import pathlib, sys, time; pathlib.Path(sys.argv[1]).write_text('4242'); "
@@ -71,7 +71,7 @@ def test_the_data_plane_runs_niced_and_the_schedulers_do_not(tmp_path, tiny_mode
 
     monkeypatch.setattr(mesh, "_launch", launch)
     monkeypatch.setattr(mesh, "_wait_port", lambda role, timeout_s: 0)
-    monkeypatch.setattr(launcher.etcd_server, "start_etcd", lambda work_dir: type("E", (), {"endpoint": "x:1"}))
+    monkeypatch.setattr(launcher.etcd, "start_etcd", lambda work_dir: type("E", (), {"endpoint": "x:1"}))
     mesh.roles = []
     mesh._start_all()
     niced = {name for name, cmd in launched.items() if cmd[:3] == ["nice", "-n", str(nice)]}

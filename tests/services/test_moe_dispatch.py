@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from services.model.expert_map import EMPTY, Placement, SlotMap
+from services.model.expert_map import SlotMap
+from services.placement import EMPTY, Placement
 from services.model.moe import (
     ExpertComm, MoELayer, combine, dispatch, experts, gate, grouped_mm, local_expert_ids, step_capacity,
 )

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from expert_svc.config import ExpertConfig
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from services import launcher
+from moemesh import launcher
 from services.model import random_weights
 from services.model.checkpoint import expected_tensors
 from services.model.config import ModelConfig

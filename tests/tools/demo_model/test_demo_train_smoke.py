@@ -85,7 +85,7 @@ def test_pack_fits_the_device_limits_and_unpacks_to_the_same_files(run_dir, tmp_
 
 
 def test_moemesh_up_serves_the_demo_model_once_installed(run_dir, tmp_path):
-    from services import cli
+    from moemesh import cli
 
     pack.unpack(run_dir.parent / "packed", tmp_path / "demo", tmp_path / "records")
     assert cli.default_model_dir(tmp_path / "demo") == str(tmp_path / "demo")

@@ -10,7 +10,7 @@ import threading
 
 import grpc
 
-from services import launcher
+from moemesh import launcher
 
 DEFAULT_GATEWAY_PORT = 50051
 DEFAULT_MODEL_NAME = "tiny-seed0"
@@ -20,7 +20,7 @@ def default_model_dir(demo: pathlib.Path | None = None) -> str:
     """The model `moemesh up` serves without --model.
 
     The bundled demo model (`demo`, by default services/model/demo/, trained by
-    bench/demo_model; see docs/demo_model.md) when it is there, else a tiny
+    the demo model pipeline; see docs/demo_model.md) when it is there, else a tiny
     random Qwen3-MoE generated on first use.
     """
     from services.model import make_model

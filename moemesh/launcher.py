@@ -22,7 +22,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services import etcd_server
+from moemesh import etcd
 from services.process import metrics_port_file, read_port_file
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class Mesh:
     def __init__(self, spec: MeshSpec):
         self.spec = spec
         self.roles: list[Role] = []
-        self.etcd: etcd_server.EtcdProcess | None = None
+        self.etcd: etcd.EtcdProcess | None = None
         self.etcd_endpoint = spec.etcd
         self._tmp = None if spec.work_dir else tempfile.TemporaryDirectory(prefix="moemesh-")
         self.work_dir = pathlib.Path(spec.work_dir or self._tmp.name)
@@ -145,7 +145,7 @@ class Mesh:
 
     def _start_all(self) -> None:
         if not self.etcd_endpoint:
-            self.etcd = etcd_server.start_etcd(self.work_dir / "etcd")
+            self.etcd = etcd.start_etcd(self.work_dir / "etcd")
             self.etcd_endpoint = self.etcd.endpoint
         common = ["--etcd", self.etcd_endpoint]
         for i in range(NUM_SCHEDULERS):

@@ -5,7 +5,7 @@ Python package `moe` (see pyproject.toml). `--check` regenerates into a
 temporary directory and fails if any committed stub differs: the test suite
 runs it so stale stubs never land.
 
-Usage: python -m services.protogen [--check]
+Usage: python -m moemesh.protogen [--check]
 """
 
 import argparse
