@@ -63,6 +63,9 @@ WRONG_IMPORTS = [
     ("protos/moe/__init__.py", "import services", "bench > tooling > roles", "moe -> services"),
     # A logic module speaks gRPC itself.
     ("router_svc/autoscaler.py", "import grpc", "no gRPC, no protobuf", "router_svc.autoscaler -> grpc"),
+    ("gateway/engine.py", "from moe.expert.v1 import expert_pb2", "no gRPC, no protobuf", "gateway.engine -> moe"),
+    # The step contract pulls in torch.
+    ("services/step.py", "import torch", "torch-free", "services.step -> torch"),
 ]
 
 
