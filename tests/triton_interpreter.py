@@ -25,7 +25,7 @@ def _needs_index_fix() -> bool:
 
 @contextlib.contextmanager
 def interpreted(module_name: str):
-    """Yields services.model.<module_name> imported under the (fixed) interpreter."""
+    """Yields services.model.<module_name> (e.g. "kernels.moe_ep") imported under the (fixed) interpreter."""
     pytest.importorskip("triton")
     import triton.runtime.interpreter as interpreter
 

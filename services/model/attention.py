@@ -6,7 +6,7 @@ ones causally. A sequence's chunk may start mid-sequence (chunked prefill, a
 prefix-cache hit), and one batch mixes prefill chunks and decode tokens.
 
 Backends: "torch" (this module's reference: exact, host loops, any device),
-"triton" (services/model/triton_attention.py: paged kernels, CUDA graph
+"triton" (services/model/kernels/attention.py: paged kernels, CUDA graph
 capturable decode; imported only when asked for, since it needs triton) and
 "auto" (triton for CUDA tensors, torch otherwise).
 
@@ -117,7 +117,7 @@ ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
     "auto": AutoAttention,
 }
 # Backends whose module registers them on import (it needs a package CI lacks).
-_LAZY_BACKEND_MODULES = {"triton": "services.model.triton_attention"}
+_LAZY_BACKEND_MODULES = {"triton": "services.model.kernels.attention"}
 ATTENTION_BACKEND_NAMES = ("auto", "torch", "triton")
 
 

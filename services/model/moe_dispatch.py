@@ -1,4 +1,4 @@
-"""The expert-parallel MoE layer as four steps: gate -> dispatch -> experts -> combine.
+"""The expert-parallel MoE layer's four steps in torch: gate -> dispatch -> experts -> combine.
 
 Legend: T tokens of this rank, D hidden, F expert width, G = 2F (gate and up
 fused), E experts, N ranks, L = E / N local experts, K experts per token,
@@ -11,11 +11,12 @@ experts compute.
 Expert e lives on rank e // L. Every rank runs every step of every MoE layer,
 even with no tokens (an idle step), so that the collectives of all ranks line
 up. With one rank, `ExpertComm.local()` turns the exchanges into copies but the
-same dispatch/combine code runs.
+same dispatch/combine code runs. experts is moe_experts.experts (or, on CUDA,
+its Triton form): this module holds the other three steps.
 
-On CUDA with several ranks MoELayer takes services/model/triton_ep.py instead:
-every rank gathers every rank's rows and reduce-scatters fp32 partials (a few
-kernels and two collectives a layer, the same roundings as the
+On CUDA with several ranks the Triton MoE backend takes kernels/moe_ep.py
+instead: every rank gathers every rank's rows and reduce-scatters fp32
+partials (a few kernels and two collectives a layer, the same roundings as the
 fixed-capacity mode below); what follows is the CPU's path and the fallback.
 
 Dispatch sends a token's row at most once to each rank, whatever number of
@@ -64,74 +65,14 @@ token's logical expert order, and each rank sums its products in that
 order. Which replica ran changes only which rank's partial an expert's
 product falls in, so only the fp32 grouping above (never with K <= 2).
 """
-
 import dataclasses
-import functools
-from collections.abc import Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from services.model.exchange.comm import ExpertComm
 from services.model.expert_map import SlotMap
-from services.model.layers import AddNorm
-
-
-# Rows per block of the expert matmuls of a layer with spare slots on the CPU (see experts):
-# products of at least this many rows gave each row the same bits whatever the row count,
-# for Qwen3-30B-A3B's and -235B-A22B's expert shapes (D 2048/4096, F 768/1536) with torch
-# 2.13's CPU BLAS, one thread.
-CPU_REPLICA_ROW_BLOCK = 32
-
-
-class ExpertComm:
-    """The process group the experts are spread over (None: a single local rank)."""
-
-    def __init__(self, group: dist.ProcessGroup | None):
-        self.group = group
-        self.rank = 0 if group is None else dist.get_rank(group)
-        self.world_size = 1 if group is None else dist.get_world_size(group)
-        # triton_ep's exchange over symmetric memory (services/model/symm_exchange.py), if set:
-        # the decode steps that fit its buffers go through it instead of NCCL.
-        self.exchange = None
-
-    @classmethod
-    def local(cls) -> "ExpertComm":
-        """One rank holding every expert; no torch.distributed needed."""
-        return cls(None)
-
-    def all_to_all(self, out: Tensor, inp: Tensor, out_splits: Sequence[int] | None = None,
-                   in_splits: Sequence[int] | None = None) -> None:
-        """all_to_all_single along dim 0: in_splits[r] rows go to rank r, out_splits[r]
-        come from it; None splits dim 0 into equal parts."""
-        if self.group is None:
-            out.copy_(inp)
-        else:
-            dist.all_to_all_single(out, inp, None if out_splits is None else list(out_splits),
-                                   None if in_splits is None else list(in_splits), group=self.group)
-
-    def all_gather(self, out: Tensor, inp: Tensor) -> None:
-        """Every rank's inp, stacked along dim 0 in rank order, into out."""
-        if self.group is None:
-            out.copy_(inp)
-        else:
-            dist.all_gather_into_tensor(out, inp, group=self.group)
-
-    def reduce_scatter(self, out: Tensor, inp: Tensor) -> None:
-        """out = the sum over the ranks of their inp's rank-th block of rows (dim 0)."""
-        if self.group is None:
-            out.copy_(inp)
-        else:
-            dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=self.group)
-
-    def max_over_ranks(self, value: int, device) -> int:
-        """The largest `value` any rank passes (one small all_reduce and a host sync)."""
-        if self.group is None:
-            return value
-        value_1 = torch.tensor([value], dtype=torch.int64, device=device)
-        dist.all_reduce(value_1, op=dist.ReduceOp.MAX, group=self.group)
-        return int(value_1.item())
 
 
 def local_expert_ids(num_experts: int, rank: int, world_size: int) -> range:
@@ -299,30 +240,6 @@ def _unpack(recv_JW: Tensor, hidden: int, rank: int, num_local: int,
     return x_PD, offsets_L, pairs_JK, weights_JK
 
 
-def experts(x_PD: Tensor, offsets_L: Tensor, w_gate_up_LGD: Tensor, w_down_LDF: Tensor,
-            row_block: int = 0, *, kernels: bool = True) -> Tensor:
-    """The local experts' SwiGLU MLPs over rows grouped by expert: y_PD (rows past
-    offsets_L[-1], fixed-capacity padding, hold anything: combine gives them weight 0).
-
-    row_block > 0 multiplies every group in blocks of exactly that many rows
-    (zero padded), so that a row's result does not depend on how many rows
-    share its expert: CPU BLAS takes other kernels for small matrices (a
-    1-row product differs from the same row in a 16-row one in the last bit),
-    and with replicas an expert's rows split over slots differently.
-
-    On CUDA with row_block 0, triton_moe.sorted_experts' Triton GEMMs with SiLU * up
-    fused (the same roundings), unless triton_fused.ENABLED, triton_moe.EP_EXPERTS or
-    `kernels` (False: what triton_moe's gemms="torch" compares) is off.
-    """
-    if kernels and x_PD.is_cuda and not row_block:
-        from services.model import triton_fused, triton_moe  # import triton: CUDA only
-
-        if triton_fused.ENABLED and triton_moe.EP_EXPERTS:
-            return triton_moe.sorted_experts(x_PD, offsets_L, w_gate_up_LGD, w_down_LDF)
-    gate_PF, up_PF = grouped_mm(x_PD, w_gate_up_LGD, offsets_L, row_block).chunk(2, dim=-1)
-    return grouped_mm(F.silu(gate_PF) * up_PF, w_down_LDF, offsets_L, row_block)
-
-
 def combine(y_PD: Tensor, meta: DispatchMeta, comm: ExpertComm) -> Tensor:
     """Weights and sums each received row's outputs into one fp32 partial, returns the
     partials to their tokens' ranks, and sums each token's over the ranks: out_TD."""
@@ -336,141 +253,3 @@ def combine(y_PD: Tensor, meta: DispatchMeta, comm: ExpertComm) -> Tensor:
         comm.all_to_all(returned_ID, partial_JD)
     partials_TND = returned_ID[meta.returned_TN].where(meta.is_sent_TN[..., None], 0)
     return partials_TND.sum(dim=1).to(y_PD.dtype)
-
-
-def grouped_mm(x_PI: Tensor, w_LOI: Tensor, offsets_L: Tensor, row_block: int = 0) -> Tensor:
-    """Row group l of x (ending at offsets_L[l]) times w_LOI[l].T: [P, O]
-    (row_block > 0: in zero-padded blocks of that many rows, see experts)."""
-    if row_block:
-        return _blocked_grouped_mm(x_PI, w_LOI, offsets_L, row_block)
-    if _has_grouped_mm(x_PI.device.type, x_PI.dtype):
-        return torch._grouped_mm(x_PI, w_LOI.transpose(-2, -1), offs=offsets_L)
-    out_PO = x_PI.new_empty(x_PI.shape[0], w_LOI.shape[1])
-    start = 0
-    for expert, end in enumerate(offsets_L.tolist()):
-        out_PO[start:end] = x_PI[start:end] @ w_LOI[expert].T
-        start = end
-    return out_PO
-
-
-def _blocked_grouped_mm(x_PI: Tensor, w_LOI: Tensor, offsets_L: Tensor, row_block: int) -> Tensor:
-    out_PO = x_PI.new_zeros(x_PI.shape[0], w_LOI.shape[1])
-    start = 0
-    for expert, end in enumerate(offsets_L.tolist()):
-        for first in range(start, end, row_block):
-            rows = min(row_block, end - first)
-            block_BI = x_PI.new_zeros(row_block, x_PI.shape[1])
-            block_BI[:rows] = x_PI[first:first + rows]
-            out_PO[first:first + rows] = (block_BI @ w_LOI[expert].T)[:rows]
-        start = end
-    return out_PO
-
-
-def gathers_on(device: torch.device) -> bool:
-    """Whether expert-parallel layers on this device take triton_ep's gather / reduce-scatter
-    (CUDA with triton_fused and triton_ep ENABLED), at a fixed capacity for every step."""
-    if device.type != "cuda":
-        return False
-    from services.model import triton_ep, triton_fused  # imports triton: CUDA only
-
-    return triton_fused.ENABLED and triton_ep.ENABLED
-
-
-@functools.cache
-def _has_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm runs for this device and dtype (probed once)."""
-    try:
-        torch._grouped_mm(torch.zeros(16, 16, dtype=dtype, device=device_type),
-                          torch.zeros(1, 16, 16, dtype=dtype, device=device_type),
-                          offs=torch.tensor([16], dtype=torch.int32, device=device_type))
-    except (AttributeError, NotImplementedError, RuntimeError):
-        return False
-    return True
-
-
-class MoELayer:
-    """One MoE feed-forward holding its rank's slice of experts."""
-
-    def __init__(self, w_gate_ED: Tensor, w_gate_up_LGD: Tensor, w_down_LDF: Tensor, *,
-                 top_k: int, norm_topk_prob: bool, comm: ExpertComm, hit_counts_E: Tensor,
-                 slot_map: SlotMap | None = None):
-        # With spare slots (slot_map set) the expert weights have Q = L + S rows, spares last.
-        self.w_gate_ED, self.w_gate_up_LGD, self.w_down_LDF = w_gate_ED, w_gate_up_LGD, w_down_LDF
-        self.top_k, self.norm_topk_prob, self.comm = top_k, norm_topk_prob, comm
-        # A view into the model's hit_counts_LE: tokens this rank routed to each (logical) expert.
-        self.hit_counts_E = hit_counts_E
-        self.slot_map = slot_map
-        # With replicas on the CPU: fixed-size row blocks, so outputs do not depend on the replica.
-        self.row_block = CPU_REPLICA_ROW_BLOCK if slot_map is not None and w_gate_ED.device.type == "cpu" else 0
-
-    @classmethod
-    def from_weights(cls, weights: Mapping[str, Tensor], prefix: str, expert_ids: Sequence[int], *,
-                     num_spare_slots: int = 0, **kwargs) -> "MoELayer":
-        """Stacks the hub's per-expert tensors under `prefix` (`model.layers.N.mlp.`),
-        plus `num_spare_slots` zero slots for replicas (kwargs then need a slot_map)."""
-        def stack(proj: str) -> Tensor:
-            w_LOI = torch.stack([weights[f"{prefix}experts.{e}.{proj}.weight"] for e in expert_ids])
-            if not num_spare_slots:
-                return w_LOI
-            return torch.cat((w_LOI, w_LOI.new_zeros(num_spare_slots, *w_LOI.shape[1:])))
-
-        w_gate_up_LGD = torch.cat((stack("gate_proj"), stack("up_proj")), dim=1)
-        return cls(weights[f"{prefix}gate.weight"], w_gate_up_LGD, stack("down_proj"), **kwargs)
-
-    def load_slot(self, slot: int, weights: Mapping[str, Tensor], expert_prefix: str) -> None:
-        """Copies one expert's hub tensors (`expert_prefix` = `...mlp.experts.E.`) into local slot `slot`."""
-        w_gate_up_GD = torch.cat((weights[expert_prefix + "gate_proj.weight"],
-                                  weights[expert_prefix + "up_proj.weight"]))
-        self.w_gate_up_LGD[slot].copy_(w_gate_up_GD)
-        self.w_down_LDF[slot].copy_(weights[expert_prefix + "down_proj.weight"])
-
-    def __call__(self, x_TD: Tensor, capacity: int | None = None, add_norm: AddNorm | None = None) -> Tensor:
-        """The layer on this rank's tokens; `capacity` picks the dispatch mode (see dispatch).
-        With add_norm, add_norm(the output) (the grouped kernels fuse it into their combine, the
-        symmetric-memory exchange into its sum)."""
-        if self._takes_grouped_moe(x_TD):
-            from services.model import triton_moe  # imports triton: CUDA only
-
-            return triton_moe.grouped_moe(x_TD, self.w_gate_ED, self.w_gate_up_LGD, self.w_down_LDF,
-                                          self.top_k, self.norm_topk_prob, self.hit_counts_E, add_norm=add_norm)
-        if self.comm.world_size > 1 and capacity is not None and gathers_on(x_TD.device):
-            from services.model import triton_ep  # imports triton: CUDA only
-
-            return triton_ep.gathered_moe(self, x_TD, capacity // min(self.top_k, self.w_gate_up_LGD.shape[0]),
-                                          add_norm)
-        out_TD = self._output(x_TD, capacity)
-        return out_TD if add_norm is None else add_norm(out_TD)
-
-    def routed_ids(self, x_TD: Tensor) -> Tensor:
-        """Each token's experts as a step of the layer routes them, not counted anywhere:
-        the grouped kernels' own routing (triton_moe.route: gate_route_rows' logits round
-        otherwise than F.linear's, which a near tie shows) where the layer takes them, else
-        moe.gate's (the same logits as the other paths'). The order within a row is not kept."""
-        if self._takes_grouped_moe(x_TD):
-            from services.model import triton_moe  # imports triton: CUDA only
-
-            return triton_moe.route(x_TD, self.w_gate_ED, self.top_k, self.norm_topk_prob,
-                                    torch.zeros_like(self.hit_counts_E))[0]
-        return gate(x_TD, self.w_gate_ED, self.top_k, self.norm_topk_prob)[0]
-
-    def _takes_grouped_moe(self, x_TD: Tensor) -> bool:
-        """Whether a step of x_TD's tokens runs triton_moe.grouped_moe: one rank on CUDA holding
-        every expert in its slot, more tokens than triton_fused.fused_moe takes."""
-        if self.comm.world_size != 1 or not x_TD.is_cuda or self.slot_map is not None:
-            return False
-        from services.model import triton_fused, triton_moe  # import triton: CUDA only
-
-        return triton_fused.ENABLED and triton_moe.ENABLED and x_TD.shape[0] > triton_fused.MOE_MAX_TOKENS
-
-    def _output(self, x_TD: Tensor, capacity: int | None) -> Tensor:
-        if self.comm.world_size == 1 and x_TD.is_cuda:  # one rank, a small step: fused kernels
-            from services.model import triton_fused  # imports triton: CUDA only
-
-            if triton_fused.ENABLED and x_TD.shape[0] <= triton_fused.MOE_MAX_TOKENS:
-                return triton_fused.fused_moe(x_TD, self.w_gate_ED, self.w_gate_up_LGD, self.w_down_LDF,
-                                              self.top_k, self.norm_topk_prob, self.hit_counts_E)
-        ids_TK, weights_TK, counts_E = gate(x_TD, self.w_gate_ED, self.top_k, self.norm_topk_prob)
-        self.hit_counts_E += counts_E
-        x_PD, meta = dispatch(x_TD, ids_TK, weights_TK, counts_E, self.comm, capacity, self.slot_map)
-        y_PD = experts(x_PD, meta.offsets_L, self.w_gate_up_LGD, self.w_down_LDF, self.row_block)
-        return combine(y_PD, meta, self.comm)

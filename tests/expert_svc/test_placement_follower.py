@@ -12,7 +12,7 @@ from expert_svc.config import ExpertConfig
 from services.model.checkpoint import load_weights
 from services.model.config import ModelConfig
 from services.model.expert_map import EMPTY, Placement
-from services.model.moe import local_expert_ids
+from services.model.moe_dispatch import local_expert_ids
 from services.model.qwen3_moe import Qwen3MoeModel
 from tests.bounded import eventually, run
 
