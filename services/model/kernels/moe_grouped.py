@@ -30,8 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from services.model.kernels import moe_align, routing
-from services.model.kernels.moe_gemm import MoEConfig, default_config, down, gate_up
+from services.model.kernels import moe_align, moe_gemm, routing
 from services.model.kernels.norm import add_residual, store_rms_norm
 from services.model.layers import AddNorm
 from services.model.moe_experts import experts
@@ -125,7 +124,7 @@ def route(x_TD: Tensor, w_gate_ED: Tensor, top_k: int, norm_topk_prob: bool,
 
 
 def grouped_moe(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up_EGD: Tensor, w_down_EDF: Tensor, top_k: int,
-                norm_topk_prob: bool, hit_counts_E: Tensor, config: MoEConfig | None = None,
+                norm_topk_prob: bool, hit_counts_E: Tensor, config: moe_gemm.MoEConfig | None = None,
                 gemms: str = "triton", add_norm: AddNorm | None = None) -> Tensor:
     """MoELayer on one rank holding every expert (expert e in slot e), for any T; adds the
     routed experts to hit_counts_E. gemms "torch": the expert GEMMs as moe_experts.experts. With
@@ -135,16 +134,16 @@ def grouped_moe(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up_EGD: Tensor, w_down_E
     assert x_TD.is_contiguous() and w_gate_up_EGD.is_contiguous() and w_down_EDF.is_contiguous()
     if gemms not in ("triton", "torch"):
         raise ValueError(f"gemms must be 'triton' or 'torch', not {gemms!r}")
-    block_m = 1 if gemms == "torch" else (config or default_config(num_tokens)).block_m
+    block_m = 1 if gemms == "torch" else (config or moe_gemm.default_config(num_tokens)).block_m
     ids_TK, weights_TK, counts_CE = route(x_TD, w_gate_ED, top_k, norm_topk_prob, hit_counts_E)
     a = moe_align.align(ids_TK, num_experts, block_m, chunk_counts=counts_CE)
     if gemms == "torch":
         y_PD = experts(x_TD[a.sorted_ids_P // top_k], a.ends_E, w_gate_up_EGD, w_down_EDF)
         out_TD = combine(y_PD, a.pos_R, weights_TK)
         return out_TD if add_norm is None else add_norm(out_TD)
-    config = config or default_config(num_tokens)
-    act_PF = gate_up(x_TD, a, w_gate_up_EGD, top_k, config.gate_up, config.tiles_first)
-    y_RD = down(act_PF, a, w_down_EDF, ids_TK.numel(), config.down, config.tiles_first)
+    config = config or moe_gemm.default_config(num_tokens)
+    act_PF = moe_gemm.gate_up(x_TD, a, w_gate_up_EGD, top_k, config.gate_up, config.tiles_first)
+    y_RD = moe_gemm.down(act_PF, a, w_down_EDF, ids_TK.numel(), config.down, config.tiles_first)
     if add_norm is None:
         return combine(y_RD, None, weights_TK)
     if FUSED_ADD_NORM:

@@ -37,10 +37,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from services.model.kernels import launch
+from services.model.kernels import launch, routing
 from services.model.kernels.gemv import gemv_rows
 from services.model.kernels.launch import uses_pdl, wait_for_previous_kernel
-from services.model.kernels.routing import gate_route, route
 
 # Steps of at most this many tokens take fused_moe (one rank, CUDA); bigger ones
 # moe_grouped.grouped_moe (one rank) or the dispatch path. Both read each touched expert's
@@ -270,10 +269,10 @@ def fused_moe_tiled(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up_EGD: Tensor, w_do
     num_tokens, hidden = x_TD.shape
     num_experts, width = w_gate_ED.shape[0], w_down_EDF.shape[2]
     if launch.SINGLE_TOKEN_KERNELS and num_tokens == 1:
-        ids_TK, weights_TK, pos_TE = gate_route(x_TD, w_gate_ED, top_k, norm_topk_prob, hit_counts_E)
+        ids_TK, weights_TK, pos_TE = routing.gate_route(x_TD, w_gate_ED, top_k, norm_topk_prob, hit_counts_E)
     else:
         logits_TE = torch.nn.functional.linear(x_TD, w_gate_ED)
-        ids_TK, weights_TK, pos_TE = route(logits_TE, top_k, norm_topk_prob, hit_counts_E, x_TD.dtype)
+        ids_TK, weights_TK, pos_TE = routing.route(logits_TE, top_k, norm_topk_prob, hit_counts_E, x_TD.dtype)
     if tiles.one_token:
         return one_token_experts(x_TD, ids_TK, weights_TK, w_gate_up_EGD, w_down_EDF, tiles)
     out_TD = torch.empty_like(x_TD)
