@@ -15,12 +15,12 @@ sequence, Q new tokens of one sequence.
 """
 
 import abc
-import importlib
 
 import torch
 from torch import Tensor
 
 from services.kv_pool import KVPool
+from services.model.backends import registered
 from services.model.batch import ForwardBatch
 
 
@@ -123,11 +123,4 @@ ATTENTION_BACKEND_NAMES = ("auto", "torch", "triton")
 
 def make_attention_backend(name: str = "torch") -> AttentionBackend:
     """The registered backend called `name`: one of ATTENTION_BACKEND_NAMES."""
-    if name not in ATTENTION_BACKENDS and name in _LAZY_BACKEND_MODULES:
-        try:
-            importlib.import_module(_LAZY_BACKEND_MODULES[name])
-        except ImportError as error:
-            raise ValueError(f"attention backend {name!r} cannot be loaded: {error}") from error
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend {name!r} is not one of {list(ATTENTION_BACKEND_NAMES)}")
-    return ATTENTION_BACKENDS[name]()
+    return registered("attention", name, ATTENTION_BACKENDS, _LAZY_BACKEND_MODULES, ATTENTION_BACKEND_NAMES)()

@@ -14,13 +14,13 @@ Legend as in moe_dispatch.py: T tokens of this rank, D hidden, E experts, K expe
 """
 
 import abc
-import importlib
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from services.model.backends import registered
 from services.model.exchange.comm import ExpertComm
 from services.model.expert_map import SlotMap
 from services.model.layers import AddNorm
@@ -93,14 +93,7 @@ def make_moe_backend(name: str, device: torch.device | str) -> MoEBackend:
     """The registered backend called `name` (one of MOE_BACKEND_NAMES) for layers on `device`."""
     if name == "auto":
         name = "triton" if torch.device(device).type == "cuda" else "torch"
-    if name not in MOE_BACKENDS and name in _LAZY_BACKEND_MODULES:
-        try:
-            importlib.import_module(_LAZY_BACKEND_MODULES[name])
-        except ImportError as error:
-            raise ValueError(f"MoE backend {name!r} cannot be loaded: {error}") from error
-    if name not in MOE_BACKENDS:
-        raise ValueError(f"MoE backend {name!r} is not one of {list(MOE_BACKEND_NAMES)}")
-    return MOE_BACKENDS[name]()
+    return registered("MoE", name, MOE_BACKENDS, _LAZY_BACKEND_MODULES, MOE_BACKEND_NAMES)()
 
 
 def gathers_on(device: torch.device | str) -> bool:

@@ -19,42 +19,15 @@ from services.model.batch import SeqInput, build_decode_batch, build_forward_bat
 from services.model.config import ModelConfig  # noqa: E402
 from services.model.layers import RotaryEmbedding, apply_rotary, rms_norm  # noqa: E402
 from services.model.make_model import random_weights  # noqa: E402
-from tests.triton_interpreter import interpreted  # noqa: E402
+from tests.triton_interpreter import interpreted_fixture  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def norm():
-    """services.model.kernels.norm under the interpreter, or a skip without triton."""
-    with interpreted("kernels.norm") as module:
-        yield module
-
-
-@pytest.fixture(scope="module")
-def rotary():
-    """services.model.kernels.rotary under the interpreter, or a skip without triton."""
-    with interpreted("kernels.rotary") as module:
-        yield module
-
-
-@pytest.fixture(scope="module")
-def gemv():
-    """services.model.kernels.gemv under the interpreter, or a skip without triton."""
-    with interpreted("kernels.gemv") as module:
-        yield module
-
-
-@pytest.fixture(scope="module")
-def launch():
-    """services.model.kernels.launch under the interpreter, or a skip without triton."""
-    with interpreted("kernels.launch") as module:
-        yield module
-
-
-@pytest.fixture(scope="module")
-def fused_layer():
-    """services.model.kernels.fused_layer under the interpreter, or a skip without triton."""
-    with interpreted("kernels.fused_layer") as module:
-        yield module
+# The kernel modules, each imported under the interpreter (or the test skipped without triton).
+norm = interpreted_fixture("kernels.norm")
+rotary = interpreted_fixture("kernels.rotary")
+gemv = interpreted_fixture("kernels.gemv")
+launch = interpreted_fixture("kernels.launch")
+fused_layer = interpreted_fixture("kernels.fused_layer")
 
 
 def _randn(*shape, seed=0):

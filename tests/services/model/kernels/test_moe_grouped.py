@@ -15,47 +15,20 @@ import dataclasses  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from services.model.layers import AddNorm, rms_norm  # noqa: E402
 from services.model.exchange.comm import ExpertComm  # noqa: E402
+from services.model.layers import AddNorm, rms_norm  # noqa: E402
 from services.model.moe import MoELayer  # noqa: E402
 from services.model.moe_dispatch import combine, dispatch, gate, step_capacity  # noqa: E402
 from services.model.moe_experts import experts  # noqa: E402
-from tests.triton_interpreter import interpreted  # noqa: E402
+from tests.triton_interpreter import interpreted_fixture  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def moe_align():
-    """services.model.kernels.moe_align under the interpreter, or a skip without triton."""
-    with interpreted("kernels.moe_align") as module:
-        yield module
-
-
-@pytest.fixture(scope="module")
-def moe_gemm():
-    """services.model.kernels.moe_gemm under the interpreter, or a skip without triton."""
-    with interpreted("kernels.moe_gemm") as module:
-        yield module
-
-
-@pytest.fixture(scope="module")
-def moe_grouped():
-    """services.model.kernels.moe_grouped under the interpreter, or a skip without triton."""
-    with interpreted("kernels.moe_grouped") as module:
-        yield module
-
-
-@pytest.fixture(scope="module")
-def moe_triton():
-    """services.model.kernels.moe_triton under the interpreter, or a skip without triton."""
-    with interpreted("kernels.moe_triton") as module:
-        yield module
-
-
-@pytest.fixture(scope="module")
-def norm():
-    """services.model.kernels.norm under the interpreter, or a skip without triton."""
-    with interpreted("kernels.norm") as module:
-        yield module
+# The kernel modules, each imported under the interpreter (or the test skipped without triton).
+moe_align = interpreted_fixture("kernels.moe_align")
+moe_gemm = interpreted_fixture("kernels.moe_gemm")
+moe_grouped = interpreted_fixture("kernels.moe_grouped")
+moe_triton = interpreted_fixture("kernels.moe_triton")
+norm = interpreted_fixture("kernels.norm")
 
 
 def _routed_ids(num_tokens: int, num_experts: int, top_k: int, seed: int) -> torch.Tensor:

@@ -17,28 +17,13 @@ from services.model.exchange.comm import ExpertComm  # noqa: E402
 from services.model.moe import MoELayer  # noqa: E402
 from services.model.moe_backend import TorchMoE  # noqa: E402
 from services.model.moe_dispatch import gate  # noqa: E402
-from tests.triton_interpreter import interpreted  # noqa: E402
+from tests.triton_interpreter import interpreted_fixture  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def routing():
-    """services.model.kernels.routing under the interpreter, or a skip without triton."""
-    with interpreted("kernels.routing") as module:
-        yield module
-
-
-@pytest.fixture(scope="module")
-def moe_small():
-    """services.model.kernels.moe_small under the interpreter, or a skip without triton."""
-    with interpreted("kernels.moe_small") as module:
-        yield module
-
-
-@pytest.fixture(scope="module")
-def launch():
-    """services.model.kernels.launch under the interpreter, or a skip without triton."""
-    with interpreted("kernels.launch") as module:
-        yield module
+# The kernel modules, each imported under the interpreter (or the test skipped without triton).
+routing = interpreted_fixture("kernels.routing")
+moe_small = interpreted_fixture("kernels.moe_small")
+launch = interpreted_fixture("kernels.launch")
 
 
 def _randn(*shape, seed=0):
