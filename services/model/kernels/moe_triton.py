@@ -60,10 +60,11 @@ class TritonMoE(MoEBackend):
             if launch.ENABLED and x_TD.shape[0] <= moe_small.MOE_MAX_TOKENS:
                 return moe_small.fused_moe(x_TD, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF,
                                            layer.top_k, layer.norm_topk_prob, layer.hit_counts_E)
-        return dispatched_moe(layer, x_TD, capacity, _experts)
+        return dispatched_moe(layer, x_TD, capacity, dispatched_experts)
 
 
-def _experts(x_PD: Tensor, offsets_L: Tensor, w_gate_up_LGD: Tensor, w_down_LDF: Tensor, row_block: int) -> Tensor:
+def dispatched_experts(x_PD: Tensor, offsets_L: Tensor, w_gate_up_LGD: Tensor, w_down_LDF: Tensor,
+                       row_block: int = 0) -> Tensor:
     """The dispatch path's experts: moe_gemm.sorted_experts' Triton GEMMs with SiLU * up fused (the
     same roundings) on CUDA without row blocks, while launch.ENABLED and moe_gemm.EP_EXPERTS."""
     if x_PD.is_cuda and not row_block and launch.ENABLED and moe_gemm.EP_EXPERTS:
