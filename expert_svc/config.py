@@ -84,7 +84,7 @@ class ExpertConfig(MemberConfig):
     # steps of up to max(max_fixed_capacity_tokens, cuda_graph_max_batch) tokens
     # per rank (decode): "nccl" (an all_gather and a reduce_scatter a layer),
     # "symmetric" (buffers in torch's symmetric memory, read by the peers over
-    # NVLink after a barrier kernel: services/model/symm_exchange.py; the rank
+    # NVLink after a barrier kernel: services/model/exchange/symmetric.py; the rank
     # fails to start if that cannot be set up) or "auto" (symmetric if every
     # rank of the group sets it up, else NCCL, with a warning). Bigger steps
     # always take NCCL. Must be the same on every rank of a group.
@@ -98,7 +98,7 @@ class ExpertConfig(MemberConfig):
     # With push: the producer kernels (route_pack, partials) set a flag in each
     # peer's signal pad when done, and the consumers (align's count kernel, the
     # sum) spin on them, instead of two barrier kernels a layer
-    # (services/model/triton_flags.py). Implies push. Opt-in: checked in the
+    # (services/model/kernels/flags.py). Implies push. Opt-in: checked in the
     # interpreter, not yet on two GPUs. Must be the same on every rank of a group.
     ep_exchange_signals: bool = False
     # Spare expert slots per MoE layer that can hold replicas of hot experts

@@ -15,7 +15,7 @@ n real sequences (B - n padding rows), M block-table columns, V vocab.
 - Key: (B, capacity); the capacity comes from the group's largest batch, so
   every rank uses the same one. B * min(K, slots) must fit in it (it does
   when the buckets are powers of two, the capacity's rounding). With
-  pad_to_capacity (the ranks of triton_ep's expert-parallel MoE on CUDA) B is
+  pad_to_capacity (the ranks of kernels/moe_ep.py's expert-parallel MoE on CUDA) B is
   the capacity's own bucket: one key per capacity, whatever the rank's share.
 - Static inputs: one batch of the largest bucket; bucket B uses its first B
   rows and all M columns (M from the model's context length). The input ids,
@@ -60,7 +60,7 @@ from torch import Tensor
 from services.kv_pool import KVPool
 from services.model.attention import ATTENTION_BACKENDS, AttentionBackend, AutoAttention
 from services.model.batch import ForwardBatch, SeqInput, check_decode_seqs
-from services.model.moe import gathers_on
+from services.model.moe_backend import gathers_on
 
 log = logging.getLogger("expert_svc")
 
@@ -151,7 +151,7 @@ class DecodeGraphRunner:
         # Every step takes the bucket of its capacity (the group's largest rank batch, rounded up)
         # when that is a bucket: one key per capacity, so the ranks of a group never meet a new
         # (bucket, capacity) pair when their batch sizes drift apart (each new key costs an eager
-        # step and a capture). For the ranks of triton_ep's MoE, which pads every rank's rows to
+        # step and a capture). For the ranks of moe_ep's MoE, which pads every rank's rows to
         # that count anyway.
         self._pad_to_capacity = pad_to_capacity
         rows = self.buckets[-1]

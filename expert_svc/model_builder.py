@@ -74,11 +74,11 @@ class ModelBuilder:
         return KVPool.for_model(mc, num_blocks, cfg.kv_block_size, cache_dtype, cfg.device)
 
     def symmetric_exchange(self, comm, *, required: bool):
-        """triton_ep's buffers in symmetric memory for the steps of up to the decode steps'
+        """kernels/moe_ep.py's buffers in symmetric memory for the steps of up to the decode steps'
         tokens per rank, or None (NCCL) unless every rank set them up: a collective, and the
         ranks agree (one all_reduce), so they all take the same path. Raises if `required`."""
-        from services.model.symm_exchange import SymmetricExchange  # triton: CUDA only
-        from services.model.triton_ep import row_width
+        from services.model.exchange.symmetric import SymmetricExchange  # triton: CUDA only
+        from services.model.kernels.moe_ep import row_width
 
         cfg, mc = self.config, self.model_config
         exchange, error = None, None

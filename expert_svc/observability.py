@@ -15,7 +15,7 @@ is not created at all.
 
 All-to-all: `MeteredExpertComm` counts the bytes of every all_to_all the
 MoE layers send (on CUDA with several ranks: of every all_gather and
-reduce_scatter of services/model/triton_ep.py, which replace them) (the size of the send buffer, the rank's own share
+reduce_scatter of services/model/kernels/moe_ep.py, which replace them) (the size of the send buffer, the rank's own share
 included: a host-side product of the tensor's shape, no device access) and,
 when timed, the host time around each call. The CPU's gloo collectives are
 synchronous, so they are always timed; on CUDA the calls only enqueue work,
@@ -33,12 +33,12 @@ from opentelemetry import trace
 
 from expert_svc.state import RankState
 from services import metrics, telemetry
-from services.model.moe import ExpertComm
+from services.model.exchange.comm import ExpertComm
 
 
 class MeteredExpertComm(ExpertComm):
     """ExpertComm that adds up the bytes (and, if timed, seconds) of its MoE collectives: the
-    all-to-alls, and on CUDA with several ranks triton_ep's all_gather and reduce_scatter."""
+    all-to-alls, and on CUDA with several ranks moe_ep's all_gather and reduce_scatter."""
 
     def __init__(self, group, *, is_timed: bool, is_cuda: bool = False):
         super().__init__(group)

@@ -62,7 +62,7 @@ from expert_svc.stats_reporter import StatsReporter
 from moe.expert.v1 import expert_pb2, expert_pb2_grpc
 from services import gc_pauses, grpc_util, http_probes, telemetry
 from services.cluster import ClusterClient, GroupAssignment
-from services.model.moe import local_expert_ids
+from services.model.moe_dispatch import local_expert_ids
 from services.process import announce_port, stop_on_signals
 
 log = logging.getLogger("expert_svc")

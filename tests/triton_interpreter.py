@@ -25,7 +25,7 @@ def _needs_index_fix() -> bool:
 
 @contextlib.contextmanager
 def interpreted(module_name: str):
-    """Yields services.model.<module_name> imported under the (fixed) interpreter."""
+    """Yields services.model.<module_name> (e.g. "kernels.moe_ep") imported under the (fixed) interpreter."""
     pytest.importorskip("triton")
     import triton.runtime.interpreter as interpreter
 
@@ -39,3 +39,15 @@ def interpreted(module_name: str):
 
             patch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
         yield importlib.import_module(f"services.model.{module_name}")
+
+
+def interpreted_fixture(module_name: str):
+    """A module-scoped fixture of interpreted(module_name)'s module, named as the test module's
+    attribute it is assigned to (`norm = interpreted_fixture("kernels.norm")`)."""
+
+    @pytest.fixture(scope="module")
+    def fixture():
+        with interpreted(module_name) as module:
+            yield module
+
+    return fixture

@@ -6,7 +6,7 @@ ones causally. A sequence's chunk may start mid-sequence (chunked prefill, a
 prefix-cache hit), and one batch mixes prefill chunks and decode tokens.
 
 Backends: "torch" (this module's reference: exact, host loops, any device),
-"triton" (services/model/triton_attention.py: paged kernels, CUDA graph
+"triton" (services/model/kernels/attention.py: paged kernels, CUDA graph
 capturable decode; imported only when asked for, since it needs triton) and
 "auto" (triton for CUDA tensors, torch otherwise).
 
@@ -15,12 +15,12 @@ sequence, Q new tokens of one sequence.
 """
 
 import abc
-import importlib
 
 import torch
 from torch import Tensor
 
 from services.kv_pool import KVPool
+from services.model.backends import registered
 from services.model.batch import ForwardBatch
 
 
@@ -117,17 +117,10 @@ ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
     "auto": AutoAttention,
 }
 # Backends whose module registers them on import (it needs a package CI lacks).
-_LAZY_BACKEND_MODULES = {"triton": "services.model.triton_attention"}
+_LAZY_BACKEND_MODULES = {"triton": "services.model.kernels.attention"}
 ATTENTION_BACKEND_NAMES = ("auto", "torch", "triton")
 
 
 def make_attention_backend(name: str = "torch") -> AttentionBackend:
     """The registered backend called `name`: one of ATTENTION_BACKEND_NAMES."""
-    if name not in ATTENTION_BACKENDS and name in _LAZY_BACKEND_MODULES:
-        try:
-            importlib.import_module(_LAZY_BACKEND_MODULES[name])
-        except ImportError as error:
-            raise ValueError(f"attention backend {name!r} cannot be loaded: {error}") from error
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend {name!r} is not one of {list(ATTENTION_BACKEND_NAMES)}")
-    return ATTENTION_BACKENDS[name]()
+    return registered("attention", name, ATTENTION_BACKENDS, _LAZY_BACKEND_MODULES, ATTENTION_BACKEND_NAMES)()

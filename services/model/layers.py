@@ -24,7 +24,7 @@ class AddNorm:
     """A residual add and the RMSNorm after it, handed to a feed-forward by the fused layer
     loop (CUDA), which may fuse them into its last kernel: add_norm(out_TD) adds out_TD into
     x_TD in place and returns rms_norm(x_TD, weight_D, eps), the next layer's input, by
-    add_rms_norm_ (triton_fused.add_rms_norm_: one kernel)."""
+    add_rms_norm_ (kernels/norm.py's add_rms_norm_: one kernel)."""
 
     x_TD: Tensor
     weight_D: Tensor

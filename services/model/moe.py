@@ -1,399 +1,35 @@
-"""The expert-parallel MoE layer as four steps: gate -> dispatch -> experts -> combine.
+"""The MoE feed-forward of one rank: its slice of the experts, computed by an MoE backend.
 
-Legend: T tokens of this rank, D hidden, F expert width, G = 2F (gate and up
-fused), E experts, N ranks, L = E / N local experts, K experts per token,
-W = D + 8K / itemsize columns of a dispatched row (the token's hidden row,
-then its K expert ids and K fp32 weights bit-cast), J rows this rank
-receives (one per (token, source rank); N * C / min(K, L) in the
-fixed-capacity mode), P (received row, local expert) pairs this rank's
-experts compute.
+MoELayer holds the layer's gate, its rank's expert weights (plus spare slots
+for replicas, expert_map.py) and the group its experts are spread over; each
+step it hands to the backend it was built with (moe_backend.py: "torch", the
+dispatch path of moe_dispatch.py in torch; "triton", kernels/moe_triton.py on
+CUDA). Every rank runs every step of every MoE layer, even with no tokens, so
+that the collectives of all ranks line up.
 
-Expert e lives on rank e // L. Every rank runs every step of every MoE layer,
-even with no tokens (an idle step), so that the collectives of all ranks line
-up. With one rank, `ExpertComm.local()` turns the exchanges into copies but the
-same dispatch/combine code runs.
-
-On CUDA with several ranks MoELayer takes services/model/triton_ep.py instead:
-every rank gathers every rank's rows and reduce-scatters fp32 partials (a few
-kernels and two collectives a layer, the same roundings as the
-fixed-capacity mode below); what follows is the CPU's path and the fallback.
-
-Dispatch sends a token's row at most once to each rank, whatever number of
-its K experts live there, with the token's K expert ids and weights appended
-(one all_to_all: no separate metadata message). The receiving rank expands
-its rows to one (row, local expert) pair per expert it holds, sorted by
-expert for the grouped GEMM. Combine weights each pair's output, sums a
-row's pairs into ONE fp32 partial (in the token's expert order), sends the
-partials back (one row per token and rank again), and the token's rank adds
-its partials over the ranks and rounds once to the model dtype.
-
-Two modes, picked per step and the same on every rank (the caller passes
-`capacity`, see `step_capacity`):
-
-- Host splits (capacity None): one all_to_all of the per-peer row and pair
-  counts, the split sizes come to the host (a device sync per layer), then
-  one all_to_all of exactly the rows. No padding: for big steps (prefill).
-- Fixed capacity (capacity C): C counts (token, expert) copies per peer, as
-  before the deduplication: C = bucket * min(K, L), the bucket being the
-  most tokens of any rank rounded up (step_capacity). Every rank sends every
-  peer C / min(K, L) = bucket rows, its tokens for that peer in token order,
-  then zero rows (ids travel plus one, so a zero id is no expert: padding
-  reaches no expert). One all_to_all with equal splits, fixed shapes, no
-  host sync: what a CUDA graph can capture (decode). A token sends at most
-  one row to a peer, so nothing is ever dropped. The expert buffers hold
-  the most pairs the rows can carry, N * bucket * min(K, L).
-
-Rounding. The products weight * output are rounded to the model dtype as
-before the deduplication and summed in fp32 with one final rounding, as
-before; what changed is how the fp32 additions associate: each rank sums its
-own experts' products (in increasing expert order), then the token's rank
-sums the partials of the ranks in one reduction. With one rank, when a
-token's experts all live on one rank, or with K <= 2 (additions commute) the
-bits equal a single sum over the K products; otherwise they may differ by the
-fp32 rounding of the regrouping (about 1e-7 relative), which can flip the
-final bf16 rounding of an element. Both modes compute the same sums (the
-CPU tests check them bit for bit).
-
-Replicas (expert_map.py): with S spare slots per rank, a rank holds Q = L + S
-physical slots, and dispatch works on slots instead of experts: a `SlotMap`
-turns each token-copy's expert into one of its replicas' global slot, and
-from there on "expert" above reads "slot" (pairs and GEMM groups are per
-slot, C = bucket * min(K, Q)). A rank's spares need not follow its
-primaries in logical expert order: the ids a row carries stay in the
-token's logical expert order, and each rank sums its products in that
-order. Which replica ran changes only which rank's partial an expert's
-product falls in, so only the fp32 grouping above (never with K <= 2).
+Legend as in moe_dispatch.py: T tokens of this rank, D hidden, F expert width, G = 2F,
+E experts, L local experts (Q = L + S slots with spares).
 """
 
-import dataclasses
-import functools
 from collections.abc import Mapping, Sequence
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
+from services.model.exchange.comm import ExpertComm
 from services.model.expert_map import SlotMap
 from services.model.layers import AddNorm
-
-
-# Rows per block of the expert matmuls of a layer with spare slots on the CPU (see experts):
-# products of at least this many rows gave each row the same bits whatever the row count,
-# for Qwen3-30B-A3B's and -235B-A22B's expert shapes (D 2048/4096, F 768/1536) with torch
-# 2.13's CPU BLAS, one thread.
-CPU_REPLICA_ROW_BLOCK = 32
-
-
-class ExpertComm:
-    """The process group the experts are spread over (None: a single local rank)."""
-
-    def __init__(self, group: dist.ProcessGroup | None):
-        self.group = group
-        self.rank = 0 if group is None else dist.get_rank(group)
-        self.world_size = 1 if group is None else dist.get_world_size(group)
-        # triton_ep's exchange over symmetric memory (services/model/symm_exchange.py), if set:
-        # the decode steps that fit its buffers go through it instead of NCCL.
-        self.exchange = None
-
-    @classmethod
-    def local(cls) -> "ExpertComm":
-        """One rank holding every expert; no torch.distributed needed."""
-        return cls(None)
-
-    def all_to_all(self, out: Tensor, inp: Tensor, out_splits: Sequence[int] | None = None,
-                   in_splits: Sequence[int] | None = None) -> None:
-        """all_to_all_single along dim 0: in_splits[r] rows go to rank r, out_splits[r]
-        come from it; None splits dim 0 into equal parts."""
-        if self.group is None:
-            out.copy_(inp)
-        else:
-            dist.all_to_all_single(out, inp, None if out_splits is None else list(out_splits),
-                                   None if in_splits is None else list(in_splits), group=self.group)
-
-    def all_gather(self, out: Tensor, inp: Tensor) -> None:
-        """Every rank's inp, stacked along dim 0 in rank order, into out."""
-        if self.group is None:
-            out.copy_(inp)
-        else:
-            dist.all_gather_into_tensor(out, inp, group=self.group)
-
-    def reduce_scatter(self, out: Tensor, inp: Tensor) -> None:
-        """out = the sum over the ranks of their inp's rank-th block of rows (dim 0)."""
-        if self.group is None:
-            out.copy_(inp)
-        else:
-            dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=self.group)
-
-    def max_over_ranks(self, value: int, device) -> int:
-        """The largest `value` any rank passes (one small all_reduce and a host sync)."""
-        if self.group is None:
-            return value
-        value_1 = torch.tensor([value], dtype=torch.int64, device=device)
-        dist.all_reduce(value_1, op=dist.ReduceOp.MAX, group=self.group)
-        return int(value_1.item())
-
-
-def local_expert_ids(num_experts: int, rank: int, world_size: int) -> range:
-    """The global experts rank `rank` of `world_size` holds: a contiguous slice."""
-    if num_experts % world_size:
-        raise ValueError(f"{num_experts} experts do not split evenly over {world_size} ranks")
-    per_rank = num_experts // world_size
-    return range(rank * per_rank, (rank + 1) * per_rank)
-
-
-def step_capacity(max_tokens_per_rank: int, top_k: int, num_local_experts: int,
-                  max_fixed_tokens: int) -> int | None:
-    """The dispatch capacity of a step (C (token, expert) copies per peer), or None for
-    host splits.
-
-    `max_tokens_per_rank` is the largest token count of any rank in the step,
-    so every rank computes the same answer. Steps up to `max_fixed_tokens`
-    tokens per rank (0 disables the mode) get the fixed-capacity mode with
-    the token count rounded up to a power of two (the batch-size buckets a
-    CUDA graph is captured for), times min(K, L): the most copies one rank
-    can route to one peer. Its messages carry C / min(K, L) token rows, the
-    bucket. Bigger steps take host splits, which send no padding.
-    """
-    if max_fixed_tokens <= 0 or max_tokens_per_rank > max_fixed_tokens:
-        return None
-    bucket = 1 << max(max_tokens_per_rank - 1, 0).bit_length()
-    return bucket * min(top_k, num_local_experts)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class DispatchMeta:
-    """What experts and combine need: the received rows' pairs, and where partials come back."""
-
-    offsets_L: Tensor  # int32 cumulative pairs per local expert: the grouped-GEMM offsets
-    # Per received row and k: the row of y_PD holding that expert's output and its weight (model
-    # dtype). An expert of another rank gets weight 0 and a row of the same token (a finite value).
-    pairs_JK: Tensor
-    weights_JK: Tensor
-    # Per token and rank: whether the token went there, and the row of combine's returned buffer
-    # holding that rank's partial sum.
-    is_sent_TN: Tensor
-    returned_TN: Tensor
-    # Host splits: rows sent to and received from each rank (None in fixed-capacity mode).
-    send_splits: tuple[int, ...] | None = None
-    recv_splits: tuple[int, ...] | None = None
-    # Fixed capacity: copies per peer, as dispatch got it (None in host-split mode).
-    capacity: int | None = None
-
-
-def gate(x_TD: Tensor, w_gate_ED: Tensor, top_k: int,
-         norm_topk_prob: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Softmax top-k routing: (ids_TK, weights_TK in x's dtype, int64 counts_E)."""
-    probs_TE = torch.softmax(F.linear(x_TD, w_gate_ED), dim=-1, dtype=torch.float32)
-    weights_TK, ids_TK = torch.topk(probs_TE, top_k, dim=-1)
-    if norm_topk_prob:
-        weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
-    ids_R = ids_TK.flatten()
-    # scatter_add rather than bincount: no host sync on CUDA.
-    counts_E = torch.zeros(w_gate_ED.shape[0], dtype=torch.int64, device=x_TD.device)
-    counts_E.scatter_add_(0, ids_R, torch.ones_like(ids_R))
-    return ids_TK, weights_TK.to(x_TD.dtype), counts_E
-
-
-def dispatch(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, counts_E: Tensor,
-             comm: ExpertComm, capacity: int | None = None,
-             slot_map: SlotMap | None = None) -> tuple[Tensor, DispatchMeta]:
-    """Sends each token's row once to every rank holding one of its experts; returns
-    x_PD, the received rows once per local expert they need, sorted by local expert.
-
-    capacity None: host splits; an int: fixed capacity, C (token, expert) copies
-    per peer, so C / min(K, L) token rows per peer (ValueError if that is zero or
-    fewer than this rank's tokens). With a slot_map the tokens go to replica
-    slots and x_PD is sorted by local slot. See the module doc.
-    """
-    # Each token's experts in increasing order, so that combine sums in that order.
-    ids_TK, perm_TK = ids_TK.sort(dim=1)
-    weights_TK = weights_TK.gather(1, perm_TK)
-    num_slots = counts_E.shape[0]
-    if slot_map is not None:  # from here on, "expert" means physical slot
-        ids_TK, num_slots = slot_map.route(ids_TK, counts_E), slot_map.num_slots
-    num_ranks, num_tokens = comm.world_size, x_TD.shape[0]
-    num_local = num_slots // num_ranks
-    dest_TK = ids_TK // num_local
-    is_sent_TN = torch.zeros(num_tokens, num_ranks, dtype=torch.bool, device=x_TD.device).scatter_(1, dest_TK, True)
-    if capacity is None:
-        sent_N, send_splits, recv_splits, num_pairs = _exchange_counts(is_sent_TN, dest_TK, comm)
-        before_N = sent_N.cumsum(0) - sent_N - 1
-        num_send, num_recv = sum(send_splits), sum(recv_splits)
-    else:
-        copies_per_token = min(ids_TK.shape[1], num_local)
-        rows_per_peer = capacity // copies_per_token
-        if rows_per_peer < max(num_tokens, 1):
-            raise ValueError(f"the capacity of {capacity} copies per peer holds {rows_per_peer} tokens of up to "
-                             f"{copies_per_token} copies each, not {max(num_tokens, 1)}")
-        send_splits = recv_splits = None
-        before_N = torch.arange(-1, num_ranks * rows_per_peer - 1, rows_per_peer, device=x_TD.device)
-        num_send = num_recv = num_ranks * rows_per_peer
-        num_pairs = num_recv * copies_per_token
-    # A token's row of the send buffer per rank: the rank's block (before_N: the row before
-    # it), then the token's place in it. Where the token does not go, a row of another token
-    # or -1 (the last row): in bounds for combine's gather, which discards it.
-    returned_TN = is_sent_TN.cumsum(0) + before_N
-    send_JW = _pack(x_TD, ids_TK, weights_TK, is_sent_TN, returned_TN, num_send)
-    recv_JW = send_JW.new_empty(num_recv, send_JW.shape[1])
-    comm.all_to_all(recv_JW, send_JW, recv_splits, send_splits)
-    x_PD, offsets_L, pairs_JK, recv_weights_JK = _unpack(recv_JW, x_TD.shape[1], comm.rank, num_local, num_pairs)
-    return x_PD, DispatchMeta(offsets_L=offsets_L, pairs_JK=pairs_JK, weights_JK=recv_weights_JK,
-                              is_sent_TN=is_sent_TN, returned_TN=returned_TN, send_splits=send_splits,
-                              recv_splits=recv_splits, capacity=capacity)
-
-
-def _exchange_counts(is_sent_TN: Tensor, dest_TK: Tensor,
-                     comm: ExpertComm) -> tuple[Tensor, tuple[int, ...], tuple[int, ...], int]:
-    """Host splits: rows to each rank, then on the host the send and receive splits and the
-    pairs this rank's experts compute (one small all_to_all and one device sync)."""
-    num_ranks = comm.world_size
-    sent_N = is_sent_TN.sum(0)
-    dest_R = dest_TK.flatten()
-    pairs_N = torch.zeros_like(sent_N).scatter_add_(0, dest_R, torch.ones_like(dest_R))
-    recv_N2 = torch.empty(num_ranks, 2, dtype=sent_N.dtype, device=sent_N.device)
-    comm.all_to_all(recv_N2, torch.stack((sent_N, pairs_N), dim=1))
-    host = torch.cat((sent_N, recv_N2[:, 0], recv_N2[:, 1].sum(0, keepdim=True))).tolist()
-    return sent_N, tuple(host[:num_ranks]), tuple(host[num_ranks:-1]), host[-1]
-
-
-def _pack(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, is_sent_TN: Tensor, rows_TN: Tensor,
-          num_rows: int) -> Tensor:
-    """The send buffer [num_rows, W]: each token's [hidden row | ids + 1 | fp32 weights] at
-    its rows_TN where it is sent, zero rows elsewhere (id 0: no expert)."""
-    (num_tokens, hidden), top_k, dtype = x_TD.shape, ids_TK.shape[1], x_TD.dtype
-    assert 4 % dtype.itemsize == 0 and hidden * dtype.itemsize % 4 == 0, f"int32 ids do not fit {dtype} rows"
-    table_UW = x_TD.new_zeros(num_tokens + 1, hidden + 8 * top_k // dtype.itemsize)  # U = T + 1: a zero row last
-    table_UW[:num_tokens, :hidden] = x_TD
-    meta_UM = table_UW[:num_tokens, hidden:].view(torch.int32)
-    meta_UM[:, :top_k] = ids_TK + 1
-    meta_UM[:, top_k:].view(torch.float32).copy_(weights_TK)
-    # The token of each row (T: the zero row); tokens not sent to a rank write row num_rows, cut off.
-    token_J = torch.full((num_rows + 1,), num_tokens, dtype=torch.int64, device=x_TD.device)
-    tokens_TN = torch.arange(num_tokens, device=x_TD.device)[:, None].expand_as(rows_TN)
-    token_J.scatter_(0, rows_TN.where(is_sent_TN, num_rows).flatten(), tokens_TN.flatten())
-    return table_UW[token_J[:num_rows]]
-
-
-def _unpack(recv_JW: Tensor, hidden: int, rank: int, num_local: int,
-            num_pairs: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The received rows as x_PD: one row per (row, local expert) pair, sorted by local expert,
-    then by row (the first num_pairs: all pairs there are); offsets_L, pairs_JK, weights_JK."""
-    x_JD, meta_JM = recv_JW[:, :hidden], recv_JW[:, hidden:].view(torch.int32)
-    top_k = meta_JM.shape[1] // 2
-    local_JK = meta_JM[:, :top_k] - (1 + rank * num_local)
-    is_here_JK = (local_JK >= 0) & (local_JK < num_local)
-    key_X = local_JK.where(is_here_JK, num_local).flatten()  # X = J * K; padding and other ranks last
-    sorted_X, order_X = key_X.sort(stable=True)
-    x_PD = x_JD[order_X[:num_pairs] // top_k]
-    # Pairs up to each local expert: the grouped-GEMM offsets.
-    local_ids_L = torch.arange(num_local, dtype=sorted_X.dtype, device=recv_JW.device)
-    offsets_L = torch.searchsorted(sorted_X, local_ids_L, right=True, out_int32=True)
-    # Where each (row, k) pair landed. A pair of another rank (weight 0) reads the row's first
-    # pair here, so never a row the grouped GEMM left unset (a padding row: the last, unread).
-    pairs_JK = torch.empty_like(order_X).scatter_(0, order_X, torch.arange(key_X.shape[0], device=recv_JW.device))
-    pairs_JK = pairs_JK.view(local_JK.shape)
-    first_J1 = pairs_JK.where(is_here_JK, max(num_pairs - 1, 0)).amin(dim=1, keepdim=True)
-    pairs_JK = pairs_JK.where(is_here_JK, first_J1)
-    weights_JK = meta_JM[:, top_k:].view(torch.float32).where(is_here_JK, 0).to(recv_JW.dtype)
-    return x_PD, offsets_L, pairs_JK, weights_JK
-
-
-def experts(x_PD: Tensor, offsets_L: Tensor, w_gate_up_LGD: Tensor, w_down_LDF: Tensor,
-            row_block: int = 0, *, kernels: bool = True) -> Tensor:
-    """The local experts' SwiGLU MLPs over rows grouped by expert: y_PD (rows past
-    offsets_L[-1], fixed-capacity padding, hold anything: combine gives them weight 0).
-
-    row_block > 0 multiplies every group in blocks of exactly that many rows
-    (zero padded), so that a row's result does not depend on how many rows
-    share its expert: CPU BLAS takes other kernels for small matrices (a
-    1-row product differs from the same row in a 16-row one in the last bit),
-    and with replicas an expert's rows split over slots differently.
-
-    On CUDA with row_block 0, triton_moe.sorted_experts' Triton GEMMs with SiLU * up
-    fused (the same roundings), unless triton_fused.ENABLED, triton_moe.EP_EXPERTS or
-    `kernels` (False: what triton_moe's gemms="torch" compares) is off.
-    """
-    if kernels and x_PD.is_cuda and not row_block:
-        from services.model import triton_fused, triton_moe  # import triton: CUDA only
-
-        if triton_fused.ENABLED and triton_moe.EP_EXPERTS:
-            return triton_moe.sorted_experts(x_PD, offsets_L, w_gate_up_LGD, w_down_LDF)
-    gate_PF, up_PF = grouped_mm(x_PD, w_gate_up_LGD, offsets_L, row_block).chunk(2, dim=-1)
-    return grouped_mm(F.silu(gate_PF) * up_PF, w_down_LDF, offsets_L, row_block)
-
-
-def combine(y_PD: Tensor, meta: DispatchMeta, comm: ExpertComm) -> Tensor:
-    """Weights and sums each received row's outputs into one fp32 partial, returns the
-    partials to their tokens' ranks, and sums each token's over the ranks: out_TD."""
-    # The products in y's dtype (as a single-rank sum rounds them), summed in fp32.
-    partial_JD = (y_PD[meta.pairs_JK] * meta.weights_JK[..., None]).sum(dim=1, dtype=torch.float32)
-    if meta.capacity is None:
-        returned_ID = partial_JD.new_empty(sum(meta.send_splits), partial_JD.shape[1])
-        comm.all_to_all(returned_ID, partial_JD, meta.send_splits, meta.recv_splits)
-    else:
-        returned_ID = torch.empty_like(partial_JD)
-        comm.all_to_all(returned_ID, partial_JD)
-    partials_TND = returned_ID[meta.returned_TN].where(meta.is_sent_TN[..., None], 0)
-    return partials_TND.sum(dim=1).to(y_PD.dtype)
-
-
-def grouped_mm(x_PI: Tensor, w_LOI: Tensor, offsets_L: Tensor, row_block: int = 0) -> Tensor:
-    """Row group l of x (ending at offsets_L[l]) times w_LOI[l].T: [P, O]
-    (row_block > 0: in zero-padded blocks of that many rows, see experts)."""
-    if row_block:
-        return _blocked_grouped_mm(x_PI, w_LOI, offsets_L, row_block)
-    if _has_grouped_mm(x_PI.device.type, x_PI.dtype):
-        return torch._grouped_mm(x_PI, w_LOI.transpose(-2, -1), offs=offsets_L)
-    out_PO = x_PI.new_empty(x_PI.shape[0], w_LOI.shape[1])
-    start = 0
-    for expert, end in enumerate(offsets_L.tolist()):
-        out_PO[start:end] = x_PI[start:end] @ w_LOI[expert].T
-        start = end
-    return out_PO
-
-
-def _blocked_grouped_mm(x_PI: Tensor, w_LOI: Tensor, offsets_L: Tensor, row_block: int) -> Tensor:
-    out_PO = x_PI.new_zeros(x_PI.shape[0], w_LOI.shape[1])
-    start = 0
-    for expert, end in enumerate(offsets_L.tolist()):
-        for first in range(start, end, row_block):
-            rows = min(row_block, end - first)
-            block_BI = x_PI.new_zeros(row_block, x_PI.shape[1])
-            block_BI[:rows] = x_PI[first:first + rows]
-            out_PO[first:first + rows] = (block_BI @ w_LOI[expert].T)[:rows]
-        start = end
-    return out_PO
-
-
-def gathers_on(device: torch.device) -> bool:
-    """Whether expert-parallel layers on this device take triton_ep's gather / reduce-scatter
-    (CUDA with triton_fused and triton_ep ENABLED), at a fixed capacity for every step."""
-    if device.type != "cuda":
-        return False
-    from services.model import triton_ep, triton_fused  # imports triton: CUDA only
-
-    return triton_fused.ENABLED and triton_ep.ENABLED
-
-
-@functools.cache
-def _has_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm runs for this device and dtype (probed once)."""
-    try:
-        torch._grouped_mm(torch.zeros(16, 16, dtype=dtype, device=device_type),
-                          torch.zeros(1, 16, 16, dtype=dtype, device=device_type),
-                          offs=torch.tensor([16], dtype=torch.int32, device=device_type))
-    except (AttributeError, NotImplementedError, RuntimeError):
-        return False
-    return True
+from services.model.moe_backend import make_moe_backend
+from services.model.moe_experts import CPU_REPLICA_ROW_BLOCK
 
 
 class MoELayer:
-    """One MoE feed-forward holding its rank's slice of experts."""
+    """One MoE feed-forward holding its rank's slice of experts; `backend` names the registered
+    MoE backend that computes its steps (moe_backend.MOE_BACKEND_NAMES)."""
 
     def __init__(self, w_gate_ED: Tensor, w_gate_up_LGD: Tensor, w_down_LDF: Tensor, *,
                  top_k: int, norm_topk_prob: bool, comm: ExpertComm, hit_counts_E: Tensor,
-                 slot_map: SlotMap | None = None):
+                 slot_map: SlotMap | None = None, backend: str = "auto"):
         # With spare slots (slot_map set) the expert weights have Q = L + S rows, spares last.
         self.w_gate_ED, self.w_gate_up_LGD, self.w_down_LDF = w_gate_ED, w_gate_up_LGD, w_down_LDF
         self.top_k, self.norm_topk_prob, self.comm = top_k, norm_topk_prob, comm
@@ -402,6 +38,7 @@ class MoELayer:
         self.slot_map = slot_map
         # With replicas on the CPU: fixed-size row blocks, so outputs do not depend on the replica.
         self.row_block = CPU_REPLICA_ROW_BLOCK if slot_map is not None and w_gate_ED.device.type == "cpu" else 0
+        self.backend = make_moe_backend(backend, w_gate_ED.device)
 
     @classmethod
     def from_weights(cls, weights: Mapping[str, Tensor], prefix: str, expert_ids: Sequence[int], *,
@@ -425,52 +62,13 @@ class MoELayer:
         self.w_down_LDF[slot].copy_(weights[expert_prefix + "down_proj.weight"])
 
     def __call__(self, x_TD: Tensor, capacity: int | None = None, add_norm: AddNorm | None = None) -> Tensor:
-        """The layer on this rank's tokens; `capacity` picks the dispatch mode (see dispatch).
-        With add_norm, add_norm(the output) (the grouped kernels fuse it into their combine, the
-        symmetric-memory exchange into its sum)."""
-        if self._takes_grouped_moe(x_TD):
-            from services.model import triton_moe  # imports triton: CUDA only
-
-            return triton_moe.grouped_moe(x_TD, self.w_gate_ED, self.w_gate_up_LGD, self.w_down_LDF,
-                                          self.top_k, self.norm_topk_prob, self.hit_counts_E, add_norm=add_norm)
-        if self.comm.world_size > 1 and capacity is not None and gathers_on(x_TD.device):
-            from services.model import triton_ep  # imports triton: CUDA only
-
-            return triton_ep.gathered_moe(self, x_TD, capacity // min(self.top_k, self.w_gate_up_LGD.shape[0]),
-                                          add_norm)
-        out_TD = self._output(x_TD, capacity)
-        return out_TD if add_norm is None else add_norm(out_TD)
+        """The layer on this rank's tokens; `capacity` picks the dispatch mode (see
+        moe_dispatch.dispatch). With add_norm, add_norm(the output) (the Triton backend may fuse
+        it into its last kernel)."""
+        return self.backend.forward(self, x_TD, capacity, add_norm)
 
     def routed_ids(self, x_TD: Tensor) -> Tensor:
-        """Each token's experts as a step of the layer routes them, not counted anywhere:
-        the grouped kernels' own routing (triton_moe.route: gate_route_rows' logits round
-        otherwise than F.linear's, which a near tie shows) where the layer takes them, else
-        moe.gate's (the same logits as the other paths'). The order within a row is not kept."""
-        if self._takes_grouped_moe(x_TD):
-            from services.model import triton_moe  # imports triton: CUDA only
-
-            return triton_moe.route(x_TD, self.w_gate_ED, self.top_k, self.norm_topk_prob,
-                                    torch.zeros_like(self.hit_counts_E))[0]
-        return gate(x_TD, self.w_gate_ED, self.top_k, self.norm_topk_prob)[0]
-
-    def _takes_grouped_moe(self, x_TD: Tensor) -> bool:
-        """Whether a step of x_TD's tokens runs triton_moe.grouped_moe: one rank on CUDA holding
-        every expert in its slot, more tokens than triton_fused.fused_moe takes."""
-        if self.comm.world_size != 1 or not x_TD.is_cuda or self.slot_map is not None:
-            return False
-        from services.model import triton_fused, triton_moe  # import triton: CUDA only
-
-        return triton_fused.ENABLED and triton_moe.ENABLED and x_TD.shape[0] > triton_fused.MOE_MAX_TOKENS
-
-    def _output(self, x_TD: Tensor, capacity: int | None) -> Tensor:
-        if self.comm.world_size == 1 and x_TD.is_cuda:  # one rank, a small step: fused kernels
-            from services.model import triton_fused  # imports triton: CUDA only
-
-            if triton_fused.ENABLED and x_TD.shape[0] <= triton_fused.MOE_MAX_TOKENS:
-                return triton_fused.fused_moe(x_TD, self.w_gate_ED, self.w_gate_up_LGD, self.w_down_LDF,
-                                              self.top_k, self.norm_topk_prob, self.hit_counts_E)
-        ids_TK, weights_TK, counts_E = gate(x_TD, self.w_gate_ED, self.top_k, self.norm_topk_prob)
-        self.hit_counts_E += counts_E
-        x_PD, meta = dispatch(x_TD, ids_TK, weights_TK, counts_E, self.comm, capacity, self.slot_map)
-        y_PD = experts(x_PD, meta.offsets_L, self.w_gate_up_LGD, self.w_down_LDF, self.row_block)
-        return combine(y_PD, meta, self.comm)
+        """Each token's experts as a step of the layer routes them, not counted anywhere (the
+        backend's own routing: a fused kernel's logits may round otherwise than F.linear's,
+        which a near tie shows). The order within a row is not kept."""
+        return self.backend.routed_ids(self, x_TD)

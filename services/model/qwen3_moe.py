@@ -8,6 +8,7 @@ S sampled rows, V vocab.
 
 import dataclasses
 import functools
+import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -20,7 +21,10 @@ from services.model.batch import ForwardBatch
 from services.model.config import ModelConfig
 from services.model.layers import AddNorm, RotaryEmbedding, apply_rotary, rms_norm, swiglu_mlp
 from services.model.expert_map import SlotMap
-from services.model.moe import ExpertComm, MoELayer, gathers_on, local_expert_ids, step_capacity
+from services.model.exchange.comm import ExpertComm
+from services.model.moe import MoELayer
+from services.model.moe_backend import gathers_on
+from services.model.moe_dispatch import local_expert_ids, step_capacity
 
 # Steps whose largest rank batch has at most this many tokens dispatch with
 # fixed-capacity buffers (decode); bigger ones with host splits (prefill).
@@ -66,7 +70,7 @@ class Qwen3MoeModel:
     `weights` holds this rank's experts only (`expert_ids` must be its slice for
     `comm`); the experts are stacked into new tensors, so the caller may drop
     the dict afterwards. `attention` names a registered attention backend.
-    `max_fixed_capacity_tokens` is the `max_fixed_tokens` of moe.step_capacity
+    `max_fixed_capacity_tokens` is the `max_fixed_tokens` of moe_dispatch.step_capacity
     (0: always host splits); it must be the same on every rank of a group.
     `num_spare_expert_slots` spare slots per MoE layer hold expert replicas
     (services/model/expert_map.py; all empty at start); the same on every rank.
@@ -151,8 +155,8 @@ class Qwen3MoeModel:
 
     def dispatch_capacity(self, max_tokens_per_rank: int) -> int | None:
         """The MoE dispatch capacity of a step whose largest rank batch has this many
-        tokens (moe.step_capacity): None for host splits. The same on every rank.
-        Expert-parallel layers on CUDA (moe.gathers_on) take every step at a fixed
+        tokens (moe_dispatch.step_capacity): None for host splits. The same on every rank.
+        Expert-parallel layers on CUDA (moe_backend.gathers_on) take every step at a fixed
         capacity: bigger steps than the decode buckets at exactly their largest rank's
         tokens."""
         capacity = step_capacity(max_tokens_per_rank, self.config.num_experts_per_tok,
@@ -189,7 +193,7 @@ class Qwen3MoeModel:
 
     def _layers_fused(self, fused, x_TD: Tensor, cos_TK: Tensor, sin_TK: Tensor, batch: ForwardBatch,
                       kv: KVPool, capacity: int | None, last_row_hits_LE: Tensor | None) -> Tensor:
-        """The layer loop with triton_fused's kernels (CUDA): each residual add fused with
+        """The layer loop with kernels/fused_layer.py's kernels (CUDA): each residual add fused with
         the next RMSNorm, one q|k|v matmul, the projections through fused.linear (a GEMV
         kernel for one token); returns the sampled rows, final-normed."""
         c, eps, pending_TD, h_TD = self.config, self.config.rms_norm_eps, None, None
@@ -228,13 +232,16 @@ class Qwen3MoeModel:
         return F.linear(o_THK.reshape(num_tokens, c.num_attention_heads * c.head_dim), layer.w_o_DHK)
 
 
+# The fused layer loop's kernels, loaded on CUDA only: they need triton, which CPU installs lack.
+_FUSED_LAYER_MODULE = "services.model.kernels.fused_layer"
+
+
 def _fused_kernels(device: torch.device):
-    """services.model.triton_fused on CUDA while it is ENABLED, else None (the torch code)."""
+    """kernels/fused_layer.py's FusedLayerKernels on CUDA while they are enabled, else None
+    (the torch code)."""
     if device.type != "cuda":
         return None
-    from services.model import triton_fused  # imports triton: CUDA only
-
-    return triton_fused if triton_fused.ENABLED else None
+    return importlib.import_module(_FUSED_LAYER_MODULE).fused_layer_kernels()
 
 
 def _logits(x_SD: Tensor, lm_head_VD: Tensor, logits_SV: Tensor | None) -> Tensor:

@@ -4,7 +4,7 @@ to the collectives under --ep-exchange auto, and fails it under symmetric. Symme
 needs GPUs (bench/ep_gpu.py); here SymmetricExchange is replaced.
 
 TRITON_INTERPRET=1 must be set before any kernel module is imported (model_builder.py imports
-services.model.triton_ep and symm_exchange), as the kernel tests' modules do.
+services.model.kernels.moe_ep and exchange.symmetric), as the kernel tests' modules do.
 """
 
 import os
@@ -23,7 +23,7 @@ from tests.triton_interpreter import interpreted  # noqa: E402
 
 @pytest.fixture
 def symm_exchange():
-    with interpreted("symm_exchange") as module:
+    with interpreted("exchange.symmetric") as module:
         yield module
 
 

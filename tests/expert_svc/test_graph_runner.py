@@ -20,7 +20,8 @@ from services.kv_pool import KVPool
 from services.model.attention import TorchReferenceAttention
 from services.model.batch import SeqInput
 from services.model.checkpoint import load_weights
-from services.model.moe import ExpertComm, local_expert_ids
+from services.model.exchange.comm import ExpertComm
+from services.model.moe_dispatch import local_expert_ids
 from services.model.qwen3_moe import Qwen3MoeModel
 from tests.expert_svc.conftest import SMALL
 from services.step import NewSequence, SamplingSpec, ScheduledSequence, StepPlan

@@ -11,7 +11,7 @@ from expert_svc.config import ExpertConfig
 from expert_svc.placement import PlacementFollower, expert_loader
 from services.model.checkpoint import load_weights
 from services.model.config import ModelConfig
-from services.model.moe import local_expert_ids
+from services.model.moe_dispatch import local_expert_ids
 from services.model.qwen3_moe import Qwen3MoeModel
 from services.placement import EMPTY, Placement
 from tests.bounded import eventually, run

@@ -16,7 +16,7 @@ from expert_svc.runner import StalePlanError, StepRunner
 from services.kv_pool import KVPool
 from services.model.checkpoint import load_weights
 from tests.expert_svc.conftest import SMALL
-from services.model.moe import ExpertComm
+from services.model.exchange.comm import ExpertComm
 from services.model.qwen3_moe import Qwen3MoeModel
 from services.step import NewSequence, SamplingSpec, ScheduledSequence, StepPlan
 

@@ -15,7 +15,7 @@ from moemesh import launcher
 from services.model import random_weights
 from services.model.checkpoint import expected_tensors
 from services.model.config import ModelConfig
-from services.model.moe import local_expert_ids
+from services.model.moe_dispatch import local_expert_ids
 from tests.conftest import hf_greedy
 from tests.test_mesh_e2e import generate, greedy
 

@@ -15,9 +15,10 @@ import torch.nn.functional as F
 
 from services.model.expert_map import SlotMap
 from services.placement import EMPTY, Placement
-from services.model.moe import (
-    ExpertComm, MoELayer, combine, dispatch, experts, gate, grouped_mm, local_expert_ids, step_capacity,
-)
+from services.model.exchange.comm import ExpertComm
+from services.model.moe import MoELayer
+from services.model.moe_dispatch import combine, dispatch, gate, local_expert_ids, step_capacity
+from services.model.moe_experts import experts, grouped_mm
 
 HIDDEN, WIDTH, NUM_EXPERTS, TOP_K = 16, 8, 8, 2
 

@@ -1,5 +1,5 @@
-"""The expert-parallel MoE by gather and reduce-scatter (services/model/triton_ep.py) against
-moe.py's layer, on the CPU through Triton's interpreter: the kernels with the ranks simulated in
+"""The expert-parallel MoE by gather and reduce-scatter (services/model/kernels/moe_ep.py) against
+the torch MoE layer, on the CPU through Triton's interpreter: the kernels with the ranks simulated in
 one process, and the whole layer over two gloo processes.
 
 TRITON_INTERPRET=1 must be set before the kernels are defined, so this file sets it first.
@@ -14,8 +14,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from services.model.exchange.comm import ExpertComm  # noqa: E402
 from services.model.layers import AddNorm  # noqa: E402
-from services.model.moe import ExpertComm, MoELayer  # noqa: E402
+from services.model.moe import MoELayer  # noqa: E402
 from tests.triton_interpreter import interpreted  # noqa: E402
 
 HIDDEN, WIDTH, NUM_EXPERTS = 48, 40, 8
@@ -23,8 +24,8 @@ HIDDEN, WIDTH, NUM_EXPERTS = 48, 40, 8
 
 @pytest.fixture(scope="module")
 def tep():
-    """services.model.triton_ep under the interpreter, or a skip without triton."""
-    with interpreted("triton_ep") as module:
+    """services.model.kernels.moe_ep under the interpreter, or a skip without triton."""
+    with interpreted("kernels.moe_ep") as module:
         yield module
 
 
@@ -60,7 +61,7 @@ def _tokens(num_tokens: int, dtype, seed: int) -> torch.Tensor:
 
 def _config(tep):
     """Small tiles (the interpreter is slow) that still split D and F."""
-    moe = tep.triton_moe
+    moe = tep.moe_gemm
     return moe.MoEConfig(16, moe.GemmBlocks(16, 16, 4, 2), moe.GemmBlocks(32, 16, 4, 2))
 
 
@@ -86,7 +87,7 @@ def test_route_pack_is_route_then_pack(tep, dtype, num_tokens, rows_per_rank, to
     x_TD = _tokens(num_tokens, dtype, seed=3)
     logits_TE = torch.randn(num_tokens, NUM_EXPERTS, generator=torch.Generator().manual_seed(4)).to(dtype)
     hits_E, expected_hits_E = (torch.zeros(NUM_EXPERTS, dtype=torch.int64) for _ in range(2))
-    ids_TK, weights_TK = tep.triton_fused.route(logits_TE, top_k, True, expected_hits_E, dtype)[:2]
+    ids_TK, weights_TK = tep.routing.route(logits_TE, top_k, True, expected_hits_E, dtype)[:2]
     expected_BW = tep.pack(x_TD, ids_TK, weights_TK, rows_per_rank)
     send_BW = tep.route_pack(logits_TE, x_TD, top_k, True, hits_E, rows_per_rank)
     assert send_BW.shape == expected_BW.shape
@@ -99,7 +100,7 @@ def test_route_pack_is_route_then_pack(tep, dtype, num_tokens, rows_per_rank, to
 
 @pytest.mark.parametrize("slot_map", [False, True])
 def test_packed_rows_go_to_every_destination_from_its_first_row(tep, slot_map):
-    """Push (symm_exchange): the rows written into each buffer of the pointer table, in slot
+    """Push (the symmetric exchange): the rows written into each buffer of the pointer table, in slot
     first_row.., the same bits as a local send buffer; the rest of each buffer untouched."""
     num_tokens, rows_per_rank, top_k, first_row = 3, 4, 2, 4
     x_TD = _tokens(num_tokens, torch.float16, seed=6)
@@ -109,7 +110,7 @@ def test_packed_rows_go_to_every_destination_from_its_first_row(tep, slot_map):
     pointers = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
     hits_E = torch.zeros(NUM_EXPERTS, dtype=torch.int64)
     if slot_map:
-        ids_TK, weights_TK = tep.triton_fused.route(logits_TE, top_k, True, hits_E, torch.float16)[:2]
+        ids_TK, weights_TK = tep.routing.route(logits_TE, top_k, True, hits_E, torch.float16)[:2]
         expected_BW = tep.pack(x_TD, ids_TK, weights_TK, rows_per_rank)
         tep.pack(x_TD, ids_TK, weights_TK, rows_per_rank, buffers[0][first_row:], (pointers, first_row))
     else:
@@ -155,7 +156,7 @@ def test_align_places_only_local_experts(tep):
     """Gathered ids (+ 1, 0 for padding) offset to one rank's experts: the others and the padding
     get no position and count nowhere."""
     ids_JK = torch.tensor([[1, 4, 6], [0, 0, 0], [2, 5, 8], [3, 5, 7]], dtype=torch.int32)
-    a = tep.triton_moe.align(ids_JK, 4, 1, id_offset=5)  # local experts 0..3 = global 4..7, ids + 1 5..8
+    a = tep.moe_align.align(ids_JK, 4, 1, id_offset=5)  # local experts 0..3 = global 4..7, ids + 1 5..8
     assert a.counts_E.tolist() == [2, 1, 1, 1]
     # Routed rows j * 3 + k by local expert: (2, 1), (3, 1); (0, 2); (3, 2); (2, 2).
     assert a.sorted_ids_P[:5].tolist() == [7, 10, 2, 11, 8]
@@ -170,7 +171,7 @@ def _simulated(tep, weights, top_k: int, tokens_N: list[int], dtype) -> list[tor
     xs = [_tokens(n, dtype, seed=10 + rank) for rank, n in enumerate(tokens_N)]
     sends = []
     for x_TD in xs:
-        ids_TK, weights_TK = tep.triton_fused.route(torch.nn.functional.linear(x_TD, reference.w_gate_ED), top_k,
+        ids_TK, weights_TK = tep.routing.route(torch.nn.functional.linear(x_TD, reference.w_gate_ED), top_k,
                                                     True, torch.zeros(NUM_EXPERTS, dtype=torch.int64), dtype)[:2]
         sends.append(tep.pack(x_TD, ids_TK, weights_TK, rows_per_rank))
     recv_JW = torch.cat(sends)
@@ -200,13 +201,13 @@ def test_simulated_ranks_match_the_one_rank_layer(tep, tokens_N, top_k):
 
 def test_simulated_ranks_round_like_torch(tep):
     """fp16 with every sum exact: the roundings of gate, up, SiLU, the product, the down output,
-    the weighted output and the final one are moe.py's, bit for bit."""
+    the weighted output and the final one are the torch layer's, bit for bit."""
     for out_TD, expected_TD in _simulated(tep, _weights(torch.float16, coarse=True), 3, [6, 2], torch.float16):
         assert torch.equal(out_TD, expected_TD)
 
 
 class _GlooExchange:
-    """symm_exchange.SymmetricExchange's protocol (push) over gloo, on the CPU where symmetric
+    """exchange.symmetric.SymmetricExchange's protocol (push) over gloo, on the CPU where symmetric
     memory is not: this rank's kernels write into local stand-ins for every rank's buffers (their
     addresses in the pointer tables, as the peers' mapped ones are on a GPU), and the barriers
     become gloo all_to_alls that deliver each stand-in's slot to its rank. So gathered_moe's use
@@ -265,8 +266,9 @@ def _gloo_worker(rank: int, init_file: str, tokens_N: list[int], top_k: int, exc
                             timeout=datetime.timedelta(seconds=120))
     try:
         torch.set_num_threads(1)
-        with interpreted("triton_ep") as tep, interpreted("symm_exchange") as sx:
-            tep.triton_moe.default_config = lambda _num_tokens: _config(tep)
+        with (interpreted("kernels.moe_ep") as tep, interpreted("exchange.symmetric") as sx,
+              interpreted("kernels.norm") as norm):
+            tep.moe_gemm.default_config = lambda _num_tokens: _config(tep)
             weights = _weights(torch.float32)
             comm = ExpertComm(dist.group.WORLD)
             rows_per_rank = max(tokens_N) + 1
@@ -284,8 +286,8 @@ def _gloo_worker(rank: int, init_file: str, tokens_N: list[int], top_k: int, exc
             norm_D = torch.rand(HIDDEN, generator=torch.Generator().manual_seed(9)) + 0.5
             residual_TD = _tokens(tokens_N[rank], torch.float32, seed=20 + rank)
             fused_x_TD, unfused_x_TD = residual_TD.clone(), residual_TD.clone()
-            h_TD = tep.gathered_moe(layer, x_TD, rows_per_rank, _add_norm(tep, fused_x_TD, norm_D))
-            expected_h_TD = _add_norm(tep, unfused_x_TD, norm_D)(out_TD)
+            h_TD = tep.gathered_moe(layer, x_TD, rows_per_rank, _add_norm(norm, fused_x_TD, norm_D))
+            expected_h_TD = _add_norm(norm, unfused_x_TD, norm_D)(out_TD)
             assert torch.equal(fused_x_TD, unfused_x_TD) and torch.equal(h_TD, expected_h_TD)
             if exchange:
                 assert comm.exchange.calls == ["gathered_rows", "reduce"] * 2
@@ -297,9 +299,9 @@ def _gloo_worker(rank: int, init_file: str, tokens_N: list[int], top_k: int, exc
         dist.destroy_process_group()
 
 
-def _add_norm(tep, x_TD: torch.Tensor, norm_D: torch.Tensor) -> AddNorm:
-    """The fused layer loop's AddNorm (triton_fused.add_rms_norm_, interpreted)."""
-    return AddNorm(x_TD, norm_D, 1e-6, tep.triton_fused.add_rms_norm_)
+def _add_norm(norm, x_TD: torch.Tensor, norm_D: torch.Tensor) -> AddNorm:
+    """The fused layer loop's AddNorm (kernels/norm.py's add_rms_norm_, interpreted)."""
+    return AddNorm(x_TD, norm_D, 1e-6, norm.add_rms_norm_)
 
 
 @pytest.mark.parametrize("tokens_N,exchange", [([5, 3], False), ([0, 4], False), ([5, 3], True)])
@@ -311,7 +313,7 @@ def test_gathered_moe_over_two_gloo_ranks(tmp_path, tokens_N, exchange):
 
 
 def test_expert_parallel_steps_on_cuda_take_a_fixed_capacity(monkeypatch):
-    """Where triton_ep takes the layers (moe.gathers_on), a step bigger than the decode buckets
+    """Where moe_ep takes the layers (moe_backend.gathers_on), a step bigger than the decode buckets
     gets a capacity too (its largest rank batch, not rounded), never host splits; one rank, or
     the CPU path, keeps host splits for big steps."""
     from services.model import qwen3_moe
@@ -334,14 +336,14 @@ def test_expert_parallel_steps_on_cuda_take_a_fixed_capacity(monkeypatch):
 
 @pytest.mark.parametrize("tokens_N", [[5, 3], [2, 0, 4, 1]])
 def test_signalled_push_layers_match_the_one_rank_layer_and_leave_the_flags_consistent(tep, tokens_N):
-    """symm_exchange's signals, the ranks simulated in one process and run in turn (each kernel
+    """The symmetric exchange's signals, the ranks simulated in one process and run in turn (each kernel
     of every rank before the next kernel): route_pack pushes the rows and sets this rank's rows
     flag in each peer's pad, the count kernel waits for the peers' flags, partials pushes and
     sets the partials flags, the sum waits for them. Over three layers: the one-rank layer's
     output each time, the producers' counters back at zero, and each channel's flags cleared by
     the other channel's producer before they are set again."""
-    flags_mod = tep.triton_flags
-    sx = __import__("services.model.symm_exchange", fromlist=["reduce_rows"])
+    flags_mod = tep.flags
+    sx = __import__("services.model.exchange.symmetric", fromlist=["reduce_rows"])
     num_ranks, top_k = len(tokens_N), 2
     num_local, rows_per_rank = NUM_EXPERTS // num_ranks, max(tokens_N)
     weights = _weights(torch.float32)

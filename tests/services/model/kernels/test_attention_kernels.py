@@ -1,10 +1,11 @@
-"""The Triton paged attention against the torch reference, on the CPU through Triton's interpreter.
+"""The Triton paged attention (services/model/kernels/attention.py) against the torch reference,
+on the CPU through Triton's interpreter.
 
 TRITON_INTERPRET=1 must be set before the kernels are defined (the module's
 import), so this file sets it first. The interpreter runs fp32 only here: its
-bf16 tl.dot gives garbage on the CPU (bench/attention_gpu.py checks bf16 on
-a GPU). Also covered without triton: the padded decode batch, the reference
-skipping slot -1, and the backend registry.
+bf16 tl.dot gives garbage on the CPU (a GPU benchmark checks bf16). Also covered
+without triton: the padded decode batch, the reference skipping slot -1, and
+the backend registry.
 """
 
 import os
@@ -33,8 +34,8 @@ NUM_BLOCKS = 40
 
 @pytest.fixture(scope="module")
 def triton_attention():
-    """services.model.triton_attention, or a skip where triton is not installed."""
-    with interpreted("triton_attention") as module:
+    """services.model.kernels.attention, or a skip where triton is not installed."""
+    with interpreted("kernels.attention") as module:
         yield module
 
 

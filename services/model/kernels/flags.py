@@ -1,6 +1,6 @@
 """Flags between the ranks' kernels over symmetric memory: a barrier without a kernel (issue 8).
 
-symm_exchange's push exchange moves two messages a layer, each written
+The symmetric exchange's push (exchange/symmetric.py) moves two messages a layer, each written
 straight into the peers' buffers by one kernel (the producer: route_pack's
 rows, the partials) and read by a later one (the consumer: align's count
 kernel, the reduce). Between them torch's symmetric-memory barrier is a kernel
@@ -38,16 +38,14 @@ kernels in the same order, each message's producer before its consumer, so a
 rank only ever waits for a producer that its peers reach without waiting for
 it: no cycle. Within one process a spinning kernel can hold up the first
 launch of another (CUDA loads kernels lazily, and that load waited for the
-spinning kernel on an H200: bench/flag_wait_probe.py), so a single-GPU test
+spinning kernel on an H200), so a single-GPU test
 of these flags loads its producers before it waits.
 
 A wait longer than timeout_ns (0: none) traps, failing the rank's CUDA
 context as torch's barrier kernel does at its timeout: the rank's step then
-raises instead of hanging (tests/services/test_triton_flags_cuda.py).
+raises instead of hanging (tests/services/model/kernels/test_flags_cuda.py).
 
-What the flags cost on one H200 without NVLink (bench/ep_local.py --signals,
-flags looped back to the rank): 4.6 us a layer at 128 tokens per rank, most
-of it in the producers' tails (bench/results/ep_local_h200_s10_signals.md).
+What the flags cost is mostly in the producers' tails (docs/performance.md).
 
 Legend: N ranks.
 """

@@ -1,4 +1,4 @@
-"""The exchange's flags (services/model/triton_flags.py) compiled on one GPU (skipped without CUDA).
+"""The exchange's flags (services/model/kernels/flags.py) compiled on one GPU (skipped without CUDA).
 
 The ranks are simulated on one device: each rank's buffers and signal pad are plain allocations,
 their addresses in the pointer tables as the peers' mapped ones are on several GPUs.
@@ -31,17 +31,17 @@ class _Ranks:
     """num_ranks simulated ranks' buffers, signal pads and producer counters."""
 
     def __init__(self, num_ranks: int, rows_per_rank: int):
-        from services.model import triton_ep, triton_flags
+        from services.model.kernels import flags, moe_ep
 
-        self.flags, self.num_ranks, self.b = triton_flags, num_ranks, rows_per_rank
-        width = triton_ep.row_width(HIDDEN, TOP_K, torch.bfloat16)
+        self.flags, self.num_ranks, self.b = flags, num_ranks, rows_per_rank
+        width = moe_ep.row_width(HIDDEN, TOP_K, torch.bfloat16)
         self.rows = [torch.full((num_ranks * rows_per_rank, width), float("nan"), dtype=torch.bfloat16,
                                 device="cuda") for _ in range(num_ranks)]
         self.partials = [torch.full((num_ranks * rows_per_rank, HIDDEN), float("nan"), device="cuda")
                          for _ in range(num_ranks)]
         self.pads = [torch.zeros(3 * num_ranks, dtype=torch.int32, device="cuda") for _ in range(num_ranks)]
         self.row_ptrs, self.partial_ptrs, self.pads_N = map(_pointers, (self.rows, self.partials, self.pads))
-        self.of = [triton_flags.exchange_flags(self.pads_N, r, "cuda", timeout_ns=10 ** 10) for r in range(num_ranks)]
+        self.of = [flags.exchange_flags(self.pads_N, r, "cuda", timeout_ns=10 ** 10) for r in range(num_ranks)]
 
     def channel(self, rank: int, channel: int) -> list[int]:
         return self.pads[rank][channel * self.num_ranks:(channel + 1) * self.num_ranks].tolist()
@@ -58,27 +58,28 @@ def _layer_inputs(num_ranks: int, tokens: int, seed: int):
 
 def _run_layer(ranks: _Ranks, inputs, signals: bool) -> list[torch.Tensor]:
     """Every rank's push layer, kernel by kernel in rank order on the current stream."""
-    from services.model import symm_exchange, triton_ep
+    from services.model.exchange import symmetric
+    from services.model.kernels import moe_ep
 
     w_gate_ED, w_gate_up_EGD, w_down_EDF, xs = inputs
     n, b, local = ranks.num_ranks, ranks.b, NUM_EXPERTS // ranks.num_ranks
     for rank, x_TD in enumerate(xs):
         logits_TE = torch.nn.functional.linear(x_TD, w_gate_ED)
-        triton_ep.route_pack(logits_TE, x_TD, TOP_K, True, torch.zeros(NUM_EXPERTS, dtype=torch.int64, device="cuda"),
-                             b, ranks.rows[rank][rank * b:(rank + 1) * b], (ranks.row_ptrs, rank * b),
-                             ranks.of[rank]["rows"] if signals else None)
+        moe_ep.route_pack(logits_TE, x_TD, TOP_K, True, torch.zeros(NUM_EXPERTS, dtype=torch.int64, device="cuda"),
+                          b, ranks.rows[rank][rank * b:(rank + 1) * b], (ranks.row_ptrs, rank * b),
+                          ranks.of[rank]["rows"] if signals else None)
     for rank in range(n):
         experts = slice(rank * local, (rank + 1) * local)
-        triton_ep.local_partials(ranks.rows[rank], HIDDEN, TOP_K, 1 + rank * local,
-                                 w_gate_up_EGD[experts].contiguous(), w_down_EDF[experts].contiguous(), None,
-                                 ranks.partials[rank], (ranks.partial_ptrs, rank * b),
-                                 ranks.of[rank]["partials"] if signals else None,
-                                 wait=ranks.of[rank]["rows_wait"] if signals else None)
+        moe_ep.local_partials(ranks.rows[rank], HIDDEN, TOP_K, 1 + rank * local,
+                              w_gate_up_EGD[experts].contiguous(), w_down_EDF[experts].contiguous(), None,
+                              ranks.partials[rank], (ranks.partial_ptrs, rank * b),
+                              ranks.of[rank]["partials"] if signals else None,
+                              wait=ranks.of[rank]["rows_wait"] if signals else None)
     outs = []
     for rank, x_TD in enumerate(xs):
         out_TD = torch.empty_like(x_TD)
-        symm_exchange.reduce_rows(ranks.partial_ptrs[rank].repeat(n), out_TD, 0, b,
-                                  ranks.of[rank]["partials_wait"] if signals else None)
+        symmetric.reduce_rows(ranks.partial_ptrs[rank].repeat(n), out_TD, 0, b,
+                              ranks.of[rank]["partials_wait"] if signals else None)
         outs.append(out_TD)
     return outs
 
@@ -102,7 +103,8 @@ def test_signalled_push_layers_give_push_layers_bits(num_ranks):
 def test_a_consumer_waits_for_its_producer():
     """Rank 0's sum, launched first, spins until rank 1's partials kernel (another stream, after a
     sleep of about 50 ms) has written rank 0's slot 1 and set the flag."""
-    from services.model import symm_exchange, triton_ep
+    from services.model.exchange import symmetric
+    from services.model.kernels import moe_ep
 
     ranks, b = _Ranks(2, 4), 4
     fl = ranks.flags
@@ -112,23 +114,23 @@ def test_a_consumer_waits_for_its_producer():
     ids = torch.arange(1, TOP_K + 1, dtype=torch.int32, device="cuda").repeat(2 * b, 1)  # experts 0..K-1: local
     weights = torch.full((2 * b, TOP_K), 0.5, device="cuda").view(torch.int32)
     meta_JM = torch.cat([ids, weights], 1)
-    expected = triton_ep.partials(y_RD, meta_JM, 1, NUM_EXPERTS)  # rank 1's partials of every row
+    expected = moe_ep.partials(y_RD, meta_JM, 1, NUM_EXPERTS)  # rank 1's partials of every row
     out_TD = torch.empty(b, HIDDEN, device="cuda")
     # The producer's kernels loaded first: CUDA loads a kernel lazily at its first launch, and in
     # one process that load waits for the spinning consumer (on several GPUs each rank is its own
     # process, and its producers come before its consumers on its stream).
     scratch = _Ranks(2, b)
-    triton_ep.partials(y_RD, meta_JM, 1, NUM_EXPERTS, scratch.partials[1], (scratch.partial_ptrs, b),
-                       scratch.of[1]["partials"])
+    moe_ep.partials(y_RD, meta_JM, 1, NUM_EXPERTS, scratch.partials[1], (scratch.partial_ptrs, b),
+                    scratch.of[1]["partials"])
     torch.cuda._sleep(1000)
     consumer, producer = torch.cuda.Stream(), torch.cuda.Stream()
     torch.cuda.synchronize()
     with torch.cuda.stream(consumer):
-        symm_exchange.reduce_rows(ranks.partial_ptrs[0].repeat(2), out_TD, 0, b, ranks.of[0]["partials_wait"])
+        symmetric.reduce_rows(ranks.partial_ptrs[0].repeat(2), out_TD, 0, b, ranks.of[0]["partials_wait"])
     with torch.cuda.stream(producer):
         torch.cuda._sleep(100_000_000)
-        triton_ep.partials(y_RD, meta_JM, 1, NUM_EXPERTS, ranks.partials[1], (ranks.partial_ptrs, b),
-                           ranks.of[1]["partials"])
+        moe_ep.partials(y_RD, meta_JM, 1, NUM_EXPERTS, ranks.partials[1], (ranks.partial_ptrs, b),
+                        ranks.of[1]["partials"])
     torch.cuda.synchronize()
     assert torch.equal(out_TD, ranks.partials[0][:b] + expected[:b])
     assert ranks.channel(0, fl.PARTIALS_CHANNEL) == [0, 1]
@@ -137,13 +139,14 @@ def test_a_consumer_waits_for_its_producer():
 def test_an_unanswered_wait_traps_after_its_timeout():
     script = textwrap.dedent("""
         import torch
-        from services.model import symm_exchange, triton_flags
+        from services.model.exchange import symmetric
+        from services.model.kernels import flags
         pads = [torch.zeros(6, dtype=torch.int32, device="cuda") for _ in range(2)]
         pads_N = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64, device="cuda")
         partials = torch.zeros(8, 64, device="cuda")
-        flags = triton_flags.Flags(pads_N, 0, triton_flags.PARTIALS_CHANNEL, timeout_ns=200_000_000)
-        symm_exchange.reduce_rows(torch.tensor([partials.data_ptr()] * 2, device="cuda"),
-                                  torch.empty(4, 64, device="cuda"), 0, 4, flags)
+        wait = flags.Flags(pads_N, 0, flags.PARTIALS_CHANNEL, timeout_ns=200_000_000)
+        symmetric.reduce_rows(torch.tensor([partials.data_ptr()] * 2, device="cuda"),
+                              torch.empty(4, 64, device="cuda"), 0, 4, wait)
         torch.cuda.synchronize()
         print("RETURNED")
     """)

@@ -1,9 +1,9 @@
-"""The one-rank grouped MoE (services/model/triton_moe.py) against moe.py's torch path, on the
-CPU through Triton's interpreter.
+"""The one-rank grouped MoE and its pieces (services/model/kernels/moe_align.py, moe_gemm.py,
+moe_grouped.py) against the torch MoE layer, on the CPU through Triton's interpreter.
 
 TRITON_INTERPRET=1 must be set before the kernels are defined, so this file sets it first.
 fp32 (the model's CPU dtype) and fp16 (rounded by the interpreter as a GPU rounds it); bf16 on
-the GPU is checked by bench/moe_large_batch.py.
+the GPU is checked by the benchmarks.
 """
 
 import os
@@ -15,16 +15,20 @@ import dataclasses  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from services.model.exchange.comm import ExpertComm  # noqa: E402
 from services.model.layers import AddNorm, rms_norm  # noqa: E402
-from services.model.moe import ExpertComm, MoELayer, combine, dispatch, experts, gate, step_capacity  # noqa: E402
-from tests.triton_interpreter import interpreted  # noqa: E402
+from services.model.moe import MoELayer  # noqa: E402
+from services.model.moe_dispatch import combine, dispatch, gate, step_capacity  # noqa: E402
+from services.model.moe_experts import experts  # noqa: E402
+from tests.triton_interpreter import interpreted_fixture  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def tmoe():
-    """services.model.triton_moe under the interpreter, or a skip without triton."""
-    with interpreted("triton_moe") as module:
-        yield module
+# The kernel modules, each imported under the interpreter (or the test skipped without triton).
+moe_align = interpreted_fixture("kernels.moe_align")
+moe_gemm = interpreted_fixture("kernels.moe_gemm")
+moe_grouped = interpreted_fixture("kernels.moe_grouped")
+moe_triton = interpreted_fixture("kernels.moe_triton")
+norm = interpreted_fixture("kernels.norm")
 
 
 def _routed_ids(num_tokens: int, num_experts: int, top_k: int, seed: int) -> torch.Tensor:
@@ -36,13 +40,13 @@ def _routed_ids(num_tokens: int, num_experts: int, top_k: int, seed: int) -> tor
 
 @pytest.mark.parametrize("num_tokens", [0, 1, 5, 130, 1100])
 @pytest.mark.parametrize("block_m", [1, 16])
-def test_align_groups_rows_by_expert(tmoe, num_tokens, block_m):
+def test_align_groups_rows_by_expert(moe_align, num_tokens, block_m):
     """Segments padded to block_m in expert order, rows in increasing r within one (130 tokens:
     several align chunks; 1100: more chunks than the place kernel reads at once), and pos_R the
     inverse of sorted_ids_P."""
     num_experts, top_k = 12, 3
     ids_TK = _routed_ids(num_tokens, num_experts, top_k, seed=num_tokens)
-    a = tmoe.align(ids_TK, num_experts, block_m)
+    a = moe_align.align(ids_TK, num_experts, block_m)
     counts_E = torch.bincount(ids_TK.flatten(), minlength=num_experts)
     padded_E = (counts_E + block_m - 1) // block_m * block_m
     assert torch.equal(a.counts_E.long(), counts_E)
@@ -56,17 +60,18 @@ def test_align_groups_rows_by_expert(tmoe, num_tokens, block_m):
     assert torch.equal(a.sorted_ids_P[a.pos_R.long()].long(), torch.arange(num_tokens * top_k))
 
 
-def _moe_layer(hidden: int, width: int, dtype=torch.float32, num_experts=8, top_k=3, seed=9) -> MoELayer:
+def _moe_layer(hidden: int, width: int, dtype=torch.float32, num_experts=8, top_k=3, seed=9,
+               backend="auto") -> MoELayer:
     generator = torch.Generator().manual_seed(seed)
     w_gate_up = torch.randn(num_experts, 2 * width, hidden, generator=generator) / hidden ** 0.5
     w_down = torch.randn(num_experts, hidden, width, generator=generator) / width ** 0.5
     w_gate = torch.randn(num_experts, hidden, generator=generator)
     return MoELayer(w_gate.to(dtype), w_gate_up.to(dtype), w_down.to(dtype), top_k=top_k, norm_topk_prob=True,
-                    comm=ExpertComm.local(), hit_counts_E=torch.zeros(num_experts, dtype=torch.int64))
+                    comm=ExpertComm.local(), hit_counts_E=torch.zeros(num_experts, dtype=torch.int64), backend=backend)
 
 
 def _reference(layer: MoELayer, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """moe.py's output and hit counts, in fixed-capacity mode as the model picks it."""
+    """The torch layer's output and hit counts, in fixed-capacity mode as the model picks it."""
     capacity = step_capacity(x_TD.shape[0], layer.top_k, layer.w_gate_ED.shape[0], 256)
     out_TD = layer(x_TD, capacity)
     return out_TD, layer.hit_counts_E.clone()
@@ -74,46 +79,46 @@ def _reference(layer: MoELayer, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch
 
 # Small tiles (the interpreter is slow) that still split D and F: uneven shapes take the masked
 # loads, even ones (D, F multiples of block_k) the unmasked ones.
-def _config(tmoe, block_m=16, gate_up=(16, 16, 4, 2), down=(32, 16, 4, 2)):
-    return tmoe.MoEConfig(block_m, tmoe.GemmBlocks(*gate_up), tmoe.GemmBlocks(*down))
+def _config(moe_gemm, block_m=16, gate_up=(16, 16, 4, 2), down=(32, 16, 4, 2)):
+    return moe_gemm.MoEConfig(block_m, moe_gemm.GemmBlocks(*gate_up), moe_gemm.GemmBlocks(*down))
 
 
 @pytest.mark.parametrize("num_tokens", [0, 1, 7, 33, 70])
 @pytest.mark.parametrize("shape", [(48, 40), (64, 32)])
 @pytest.mark.parametrize("gemms", ["triton", "torch"])
-def test_grouped_moe_matches_moe_layer(tmoe, num_tokens, shape, gemms):
+def test_grouped_moe_matches_moe_layer(moe_gemm, moe_grouped, num_tokens, shape, gemms):
     hidden, width = shape
     layer = _moe_layer(hidden, width)
     x_TD = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(num_tokens))
     expected_TD, expected_hits_E = _reference(layer, x_TD)
     hits_E = torch.full((8,), 3, dtype=torch.int64)
-    out_TD = tmoe.grouped_moe(x_TD, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True, hits_E,
-                              config=_config(tmoe), gemms=gemms)
+    out_TD = moe_grouped.grouped_moe(x_TD, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True, hits_E,
+                              config=_config(moe_gemm), gemms=gemms)
     assert out_TD.shape == (num_tokens, hidden)
     torch.testing.assert_close(out_TD, expected_TD, atol=1e-5, rtol=1e-5)
     assert torch.equal(hits_E - 3, expected_hits_E) and int(expected_hits_E.sum()) == num_tokens * 3
 
 
-def test_tiles_first_grid(tmoe, monkeypatch):
+def test_tiles_first_grid(moe_gemm, moe_grouped, monkeypatch):
     """The GEMMs' grid with the column tiles as its first axis (tiles_first): the same bits;
     default_config launches so up to TILES_FIRST_MAX_TOKENS tokens."""
     layer = _moe_layer(48, 40)
     x_TD = torch.randn(33, 48, generator=torch.Generator().manual_seed(3))
     args = (x_TD, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True)
-    outputs = [tmoe.grouped_moe(*args, torch.zeros(8, dtype=torch.int64), config=dataclasses.replace(
-        _config(tmoe), tiles_first=tiles_first)) for tiles_first in (False, True)]
+    outputs = [moe_grouped.grouped_moe(*args, torch.zeros(8, dtype=torch.int64), config=dataclasses.replace(
+        _config(moe_gemm), tiles_first=tiles_first)) for tiles_first in (False, True)]
     assert torch.equal(outputs[0], outputs[1])
-    assert [tmoe.default_config(t).tiles_first for t in (1, 256, 512, 513)] == [True, True, True, False]
-    monkeypatch.setattr(tmoe, "TILES_FIRST_MAX_TOKENS", 0)
-    assert not tmoe.default_config(1).tiles_first
+    assert [moe_gemm.default_config(t).tiles_first for t in (1, 256, 512, 513)] == [True, True, True, False]
+    monkeypatch.setattr(moe_gemm, "TILES_FIRST_MAX_TOKENS", 0)
+    assert not moe_gemm.default_config(1).tiles_first
 
 
-def test_routed_ids_route_as_the_grouped_layer(tmoe, monkeypatch):
+def test_routed_ids_route_as_the_grouped_layer(moe_triton, monkeypatch):
     """MoELayer.routed_ids (the CUDA graph runner's probe of a padding row) routes a row as the
     layer's grouped kernels do (gate_route_rows), here forced on the CPU: the last row's experts
     are what the layer's step over every row counts beyond its step over the others."""
-    monkeypatch.setattr(MoELayer, "_takes_grouped_moe", lambda self, x_TD: True)
-    layer = _moe_layer(48, 40)
+    monkeypatch.setattr(moe_triton.TritonMoE, "_takes_grouped_moe", lambda self, layer, x_TD: True)
+    layer = _moe_layer(48, 40, backend="triton")
     x_TD = torch.randn(21, 48, generator=torch.Generator().manual_seed(6))
     counted = []
     for rows in (x_TD, x_TD[:-1]):
@@ -126,18 +131,18 @@ def test_routed_ids_route_as_the_grouped_layer(tmoe, monkeypatch):
     assert torch.equal(torch.bincount(ids_K, minlength=8), counted[0] - counted[1])
 
 
-def test_default_config_runs(tmoe):
+def test_default_config_runs(moe_grouped):
     """The GPU's tiles (block_m 32, wide blocks past D and F) on a small odd batch."""
     layer = _moe_layer(48, 40)
     x_TD = torch.randn(37, 48, generator=torch.Generator().manual_seed(2))
     expected_TD, _ = _reference(layer, x_TD)
-    out_TD = tmoe.grouped_moe(x_TD, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True,
+    out_TD = moe_grouped.grouped_moe(x_TD, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True,
                               torch.zeros(8, dtype=torch.int64))
     torch.testing.assert_close(out_TD, expected_TD, atol=1e-5, rtol=1e-5)
 
 
-def test_half_precision_rounds_like_torch(tmoe):
-    """fp16: every intermediate rounded as moe.py rounds it. Products of an exact fp32 sum agree
+def test_half_precision_rounds_like_torch(moe_gemm, moe_grouped):
+    """fp16: every intermediate rounded as the torch layer rounds it. Products of an exact fp32 sum agree
     to the bit, or differ where the reduction order does: an intermediate of one token one unit
     off (the CPU's matmul sums in another order: on an AVX2-only EPYC one token's outputs were up
     to 4 units off, all other elements within 1), which stays in that token's row. A skipped
@@ -147,8 +152,8 @@ def test_half_precision_rounds_like_torch(tmoe):
     x_TD = torch.randn(21, 64, generator=torch.Generator().manual_seed(4)).half()
     expected_TD, expected_hits_E = _reference(layer, x_TD)
     hits_E = torch.zeros(8, dtype=torch.int64)
-    out_TD = tmoe.grouped_moe(x_TD, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True, hits_E,
-                              config=_config(tmoe))
+    out_TD = moe_grouped.grouped_moe(x_TD, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True, hits_E,
+                              config=_config(moe_gemm))
     units_TD = (out_TD.view(torch.int16).int() - expected_TD.view(torch.int16).int()).abs()  # same signs: ulps
     assert torch.equal(hits_E, expected_hits_E)
     assert (out_TD == expected_TD).float().mean() > 0.95
@@ -157,25 +162,24 @@ def test_half_precision_rounds_like_torch(tmoe):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_tokens", [1, 21])
-def test_combine_adds_and_norms_like_add_rms_norm(tmoe, monkeypatch, dtype, num_tokens):
+def test_combine_adds_and_norms_like_add_rms_norm(moe_gemm, moe_grouped, norm, monkeypatch, dtype, num_tokens):
     """grouped_moe given an AddNorm: the combine kernel adds the output into the residual stream
     and takes the next RMSNorm; the same bits as the combine kernel, then add_rms_norm_, and in
     fp16 as the torch add and rms_norm (hidden 48: the row's block partly masked)."""
-    fused = tmoe.triton_fused
     layer = _moe_layer(48, 40, dtype=dtype)
     generator = torch.Generator().manual_seed(7)
     x_TD, h_TD = (torch.randn(num_tokens, 48, generator=generator).to(dtype) for _ in range(2))
     norm_D = torch.randn(48, generator=generator).to(dtype)
     outputs = {}
     for fuse in (True, False):
-        monkeypatch.setattr(tmoe, "FUSED_ADD_NORM", fuse)
+        monkeypatch.setattr(moe_grouped, "FUSED_ADD_NORM", fuse)
         residual_TD = x_TD.clone()
-        add_norm = AddNorm(residual_TD, norm_D, 1e-6, fused.add_rms_norm_)
-        normed_TD = tmoe.grouped_moe(h_TD, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True,
-                                     torch.zeros(8, dtype=torch.int64), config=_config(tmoe), add_norm=add_norm)
+        add_norm = AddNorm(residual_TD, norm_D, 1e-6, norm.add_rms_norm_)
+        normed_TD = moe_grouped.grouped_moe(h_TD, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True,
+                                     torch.zeros(8, dtype=torch.int64), config=_config(moe_gemm), add_norm=add_norm)
         outputs[fuse] = residual_TD, normed_TD
-    out_TD = tmoe.grouped_moe(h_TD, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True,
-                              torch.zeros(8, dtype=torch.int64), config=_config(tmoe))
+    out_TD = moe_grouped.grouped_moe(h_TD, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True,
+                              torch.zeros(8, dtype=torch.int64), config=_config(moe_gemm))
     assert torch.equal(outputs[True][0], x_TD + out_TD)
     expected_TD = rms_norm(x_TD + out_TD, norm_D, 1e-6)  # fp32 on the CPU: rsqrt against 1 / sqrt
     if dtype == torch.float16:
@@ -226,11 +230,11 @@ def _sorted_rows(counts_L: list[int], num_padding: int, hidden: int, dtype, seed
 
 
 @pytest.mark.parametrize("block_m", [1, 4, 16])
-def test_segments_pad_sorted_rows(tmoe, block_m):
+def test_segments_pad_sorted_rows(moe_align, block_m):
     """Each expert's rows (empty ones too) in a segment padded to block_m, positions naming their row."""
     counts_L = [3, 0, 17, 1, 0, 0, 40, 16]
     _, offsets_L = _sorted_rows(counts_L, 0, 1, torch.float32, seed=0)
-    a = tmoe.segments(offsets_L, sum(counts_L) + 5, block_m)  # 5 padding rows: no segment
+    a = moe_align.segments(offsets_L, sum(counts_L) + 5, block_m)  # 5 padding rows: no segment
     counts_L = torch.tensor(counts_L)
     padded_L = (counts_L + block_m - 1) // block_m * block_m
     assert torch.equal(a.counts_E.long(), counts_L)
@@ -246,9 +250,9 @@ def test_segments_pad_sorted_rows(tmoe, block_m):
                                                   ([5, 0, 9, 1, 0, 22, 2, 0], 6), ([19, 40, 11], 3)])
 @pytest.mark.parametrize("shape", [(48, 40), (64, 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_sorted_experts_matches_experts(tmoe, counts_L, num_padding, shape, dtype):
+def test_sorted_experts_matches_experts(moe_gemm, counts_L, num_padding, shape, dtype):
     """Expert-parallel rows (sorted by local expert, NaN padding rows after them, empty experts, P 0)
-    against moe.experts' torch code. Coarse inputs make gate and up exact sums; the down sums still
+    against moe_experts.experts' torch code. Coarse inputs make gate and up exact sums; the down sums still
     differ in order (numpy's blocks of 16 against the CPU BLAS), and in fp32 so does exp."""
     hidden, width = shape
     num_local = max(len(counts_L), 1)
@@ -258,7 +262,7 @@ def test_sorted_experts_matches_experts(tmoe, counts_L, num_padding, shape, dtyp
         offsets_L = torch.zeros(1, dtype=torch.int32)  # one expert, no rows
     num_valid = int(offsets_L[-1])
     expected_PD = experts(x_PD, offsets_L, layer.w_gate_up_LGD, layer.w_down_LDF)
-    y_PD = tmoe.sorted_experts(x_PD, offsets_L, layer.w_gate_up_LGD, layer.w_down_LDF, config=_config(tmoe))
+    y_PD = moe_gemm.sorted_experts(x_PD, offsets_L, layer.w_gate_up_LGD, layer.w_down_LDF, config=_config(moe_gemm))
     assert y_PD.shape == (num_valid + num_padding, hidden) and y_PD.dtype == dtype
     if dtype == torch.float16:
         _assert_within_one_unit(y_PD[:num_valid], expected_PD[:num_valid])
@@ -267,20 +271,20 @@ def test_sorted_experts_matches_experts(tmoe, counts_L, num_padding, shape, dtyp
 
 
 @pytest.mark.parametrize("counts_L,num_padding", [([5, 0, 9, 1, 0, 22, 2, 0], 6), ([19, 40, 11], 3)])
-def test_sorted_experts_rounds_like_torch(tmoe, counts_L, num_padding):
+def test_sorted_experts_rounds_like_torch(moe_gemm, counts_L, num_padding):
     """fp16 with every sum exact (coarse rows and weights, one product per down output): only the
     roundings of gate, up, SiLU, the product and the down output remain, and they are torch's."""
     layer = _coarse_layer(64, 32, torch.float16, len(counts_L), exact_down=True)
     x_PD, offsets_L = _sorted_rows(counts_L, num_padding, 64, torch.float16, seed=7)
     num_valid = sum(counts_L)
     expected_PD = experts(x_PD, offsets_L, layer.w_gate_up_LGD, layer.w_down_LDF)
-    y_PD = tmoe.sorted_experts(x_PD, offsets_L, layer.w_gate_up_LGD, layer.w_down_LDF, config=_config(tmoe))
+    y_PD = moe_gemm.sorted_experts(x_PD, offsets_L, layer.w_gate_up_LGD, layer.w_down_LDF, config=_config(moe_gemm))
     assert torch.equal(y_PD[:num_valid], expected_PD[:num_valid])
 
 
 @pytest.mark.parametrize("num_tokens,fixed,has_padding", [(0, True, True), (1, True, False), (13, True, True),
                                                           (13, False, False), (40, False, False)])
-def test_sorted_experts_in_the_layer(tmoe, num_tokens, fixed, has_padding):
+def test_sorted_experts_in_the_layer(moe_gemm, num_tokens, fixed, has_padding):
     """gate -> dispatch -> sorted_experts -> combine against the torch experts (fp16), in both
     dispatch modes: the fixed-capacity buffer's padding pairs (left unset) never reach a token."""
     top_k, dtype = 3, torch.float16
@@ -291,16 +295,17 @@ def test_sorted_experts_in_the_layer(tmoe, num_tokens, fixed, has_padding):
     x_PD, meta = dispatch(x_TD, ids_TK, weights_TK, counts_E, layer.comm, capacity)
     assert has_padding == (x_PD.shape[0] > int(meta.offsets_L[-1]))  # pairs past the last expert's
     expected_TD = combine(experts(x_PD, meta.offsets_L, layer.w_gate_up_LGD, layer.w_down_LDF), meta, layer.comm)
-    y_PD = tmoe.sorted_experts(x_PD, meta.offsets_L, layer.w_gate_up_LGD, layer.w_down_LDF, config=_config(tmoe))
+    y_PD = moe_gemm.sorted_experts(x_PD, meta.offsets_L, layer.w_gate_up_LGD, layer.w_down_LDF,
+                                   config=_config(moe_gemm))
     out_TD = combine(y_PD, meta, layer.comm)
     assert torch.equal(out_TD, expected_TD) and bool(out_TD.isfinite().all())
 
 
-def test_sorted_experts_default_config(tmoe):
+def test_sorted_experts_default_config(moe_gemm):
     """The GPU's tiles for 20 rows per expert (block_m 64: wide blocks past D and F)."""
     layer = _moe_layer(48, 40, num_experts=4)
     x_PD, offsets_L = _sorted_rows([30, 0, 41, 9], 2, 48, torch.float32, seed=3)
-    assert tmoe.default_config(16 * x_PD.shape[0] // 4).block_m == 64
-    y_PD = tmoe.sorted_experts(x_PD, offsets_L, layer.w_gate_up_LGD, layer.w_down_LDF)
+    assert moe_gemm.default_config(16 * x_PD.shape[0] // 4).block_m == 64
+    y_PD = moe_gemm.sorted_experts(x_PD, offsets_L, layer.w_gate_up_LGD, layer.w_down_LDF)
     expected_PD = experts(x_PD, offsets_L, layer.w_gate_up_LGD, layer.w_down_LDF)
     torch.testing.assert_close(y_PD[:80], expected_PD[:80], atol=1e-5, rtol=1e-5)

@@ -1,6 +1,6 @@
-"""triton_ep's gather and reduce-scatter over symmetric memory (issue 8, CUDA only).
+"""kernels/moe_ep.py's gather and reduce-scatter over symmetric memory (issue 8, CUDA only).
 
-triton_ep's MoE layer moves two messages a layer between the ranks: every
+moe_ep's MoE layer moves two messages a layer between the ranks: every
 rank's packed rows to every rank, and the fp32 partials of each rank's rows
 back to it. Through NCCL each is a collective of its own; at decode sizes (a
 few MB) their time is mostly latency. Here each rank's two buffers (rows,
@@ -19,17 +19,17 @@ into its address space, over NVLink). With push (the expert service's
 4. a barrier; then one kernel sums, for each of this rank's B rows, the N slots
    of its own partial buffer in rank order in fp32 and rounds once to the model
    dtype (reduce), and may add the sum into the residual stream and take the
-   next layer's RMSNorm (triton_fused's add_rms_norm_, the same bits).
+   next layer's RMSNorm (kernels/norm.py's add_rms_norm_, the same bits).
    With two ranks that is one fp32 addition, which is commutative: the bits
    of NCCL's reduce_scatter followed by the cast.
 
-Without push (pull, the default: the exchange measured on two H200s in
-sessions 7-8) each rank writes only its own buffers and reads its peers':
+Without push (pull, the default, and the mode measured on two GPUs) each
+rank writes only its own buffers and reads its peers':
 step 1 writes the rank's own row buffer, step 2 adds a kernel that copies
 every rank's rows into a gathered tensor, step 3 keeps the partials local and
 step 4 reads the peers' slots. Push saves that copy, and its reads are local,
 while the writes over NVLink need no round trip; it is not yet measured on
-two GPUs (bench/ep_gpu.py compares both with NCCL).
+two GPUs.
 
 One buffer of each serves every layer. With push, rank s writes rank r's rows
 (step 1 of the next layer) only after the barrier of step 4, which r reaches
@@ -44,11 +44,11 @@ With signals (--ep-exchange-signals, push only) the two barriers are not
 kernels: route_pack's and partials' last program sets this rank's flag in
 each peer's signal pad, and the kernels that read the rows (align's count
 kernel) and the partials (the sum) wait for the peers' flags first
-(services/model/triton_flags.py). Not yet measured on two GPUs.
+(services/model/kernels/flags.py). Not yet measured on two GPUs.
 
-Why not NCCL here: each NCCL collective costs a fixed ~15-20 us in a CUDA
-graph on two H200s whatever its size at these sizes (facts.md, and
-bench/ep_gpu.py), two a layer, 96 a Qwen3-30B-A3B step. This is the usual
+Why not NCCL here: each NCCL collective costs a fixed latency in a CUDA
+graph whatever its size at these sizes (docs/performance.md), two a layer,
+96 a Qwen3-30B-A3B step. This is the usual
 way around it (vLLM's and SGLang's custom all-reduce kernels use the same
 idea over CUDA IPC); the mapping and the barrier are torch's own.
 """
@@ -61,9 +61,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from services.model import triton_flags
+from services.model.kernels import flags
+from services.model.kernels.norm import add_residual, store_rms_norm
 from services.model.layers import AddNorm
-from services.model.triton_fused import add_residual, store_rms_norm
 
 
 @triton.jit
@@ -88,7 +88,7 @@ def _reduce_kernel(ptrs_ptr, out_ptr, x_ptr, norm_ptr, first_row, row_step, hidd
     program a row): that sum added into x's row i in place, out = the new row's RMSNorm.
     WAIT: once the peers' flags say their partials are in (signals)."""
     if WAIT:
-        triton_flags.wait_flags(flag_pads_ptr, flag_rank, flag_channel, flag_timeout_ns, FLAG_RANKS)
+        flags.wait_flags(flag_pads_ptr, flag_rank, flag_channel, flag_timeout_ns, FLAG_RANKS)
     i = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = d < hidden
@@ -118,7 +118,7 @@ def gather_rows(ptrs_N: Tensor, out_JW: Tensor, rows_per_rank: int) -> None:
 
 
 def reduce_rows(ptrs_N: Tensor, out_BD: Tensor, first_row: int, row_step: int = 0,
-                wait: triton_flags.Flags | None = None) -> None:
+                wait: flags.Flags | None = None) -> None:
     """out_BD row i = the sum over ranks r (in rank order, fp32) of row first_row + r * row_step + i
     of the fp32 buffer at ptrs_N[r] (rows of out_BD's width), rounded to out_BD's dtype: with
     row_step 0 each rank's partials of this rank's rows (read from the peers), with row_step B
@@ -130,11 +130,11 @@ def reduce_rows(ptrs_N: Tensor, out_BD: Tensor, first_row: int, row_step: int = 
         block_d = min(triton.next_power_of_2(hidden), 1024)
         _reduce_kernel[(num_rows, triton.cdiv(hidden, block_d))](
             ptrs_N, out_BD, out_BD, out_BD, first_row, row_step, hidden, 0.0, NUM_RANKS=ptrs_N.numel(),
-            ADD_NORM=False, BLOCK_D=block_d, **triton_flags.wait_args(wait, ptrs_N))
+            ADD_NORM=False, BLOCK_D=block_d, **flags.wait_args(wait, ptrs_N))
 
 
 def reduce_add_norm(ptrs_N: Tensor, add_norm: AddNorm, first_row: int, row_step: int = 0,
-                    wait: triton_flags.Flags | None = None) -> Tensor:
+                    wait: flags.Flags | None = None) -> Tensor:
     """add_norm(the sum reduce_rows gives for add_norm.x_TD's rows) in one kernel, the same bits:
     the sum added into x_TD in place, its RMSNorm returned."""
     x_TD = add_norm.x_TD
@@ -144,7 +144,7 @@ def reduce_add_norm(ptrs_N: Tensor, add_norm: AddNorm, first_row: int, row_step:
         _reduce_kernel[(x_TD.shape[0], 1)](
             ptrs_N, h_TD, x_TD, add_norm.weight_D, first_row, row_step, x_TD.shape[1], add_norm.eps,
             NUM_RANKS=ptrs_N.numel(), ADD_NORM=True, BLOCK_D=triton.next_power_of_2(x_TD.shape[1]), num_warps=8,
-            **triton_flags.wait_args(wait, ptrs_N))
+            **flags.wait_args(wait, ptrs_N))
     return h_TD
 
 
@@ -167,7 +167,7 @@ class SymmetricExchange:
     max_rows_per_rank rows per rank (see the module docstring: push, or pull; signals, push
     with flags instead of barriers).
 
-    triton_ep.gathered_moe's protocol: route_pack into row_target(B) (out, dests, signal);
+    moe_ep.gathered_moe's protocol: route_pack into row_target(B) (out, dests, signal);
     gathered_rows(B) (the rows, the flags align waits for); the partials into partial_target(B)
     (out, owners, signal); reduce."""
 
@@ -193,17 +193,17 @@ class SymmetricExchange:
         self._own_partial_ptrs_N = self._partial_ptrs_N[self.rank].repeat(self.world_size)
         self._flags = self._signal_flags(symm_mem, device) if signals else None
 
-    def _signal_flags(self, symm_mem, device) -> dict[str, triton_flags.Flags]:
-        """The flags of signals (triton_flags), in the row buffer's signal pads: each message's
+    def _signal_flags(self, symm_mem, device) -> dict[str, flags.Flags]:
+        """The flags of signals (kernels/flags.py), in the row buffer's signal pads: each message's
         producer's (which clears the other message's) and its consumers'."""
-        words = (1 + max(triton_flags.ROWS_CHANNEL, triton_flags.PARTIALS_CHANNEL)) * self.world_size
+        words = (1 + max(flags.ROWS_CHANNEL, flags.PARTIALS_CHANNEL)) * self.world_size
         pad_bytes = getattr(symm_mem, "get_signal_pad_size", lambda: None)()  # newer torch only
         if pad_bytes is not None and 4 * words > pad_bytes:
             raise RuntimeError(f"{words} flags do not fit a {pad_bytes}-byte signal pad")
         pads_N = torch.tensor(self._rows_handle.signal_pad_ptrs, dtype=torch.int64, device=device)
-        return triton_flags.exchange_flags(pads_N, self.rank, device, self.timeout_ms * 1_000_000)
+        return flags.exchange_flags(pads_N, self.rank, device, self.timeout_ms * 1_000_000)
 
-    def _flag(self, name: str) -> triton_flags.Flags | None:
+    def _flag(self, name: str) -> flags.Flags | None:
         return None if self._flags is None else self._flags[name]
 
     def _peer_pointers(self, handle, local: Tensor, group) -> Tensor:
@@ -221,14 +221,14 @@ class SymmetricExchange:
         """Whether a step of rows_per_rank rows of this width goes through the exchange."""
         return rows_per_rank <= self.max_rows_per_rank and row_width == self.row_width
 
-    def row_target(self, rows_per_rank: int) -> tuple[Tensor, tuple[Tensor, int] | None, triton_flags.Flags | None]:
+    def row_target(self, rows_per_rank: int) -> tuple[Tensor, tuple[Tensor, int] | None, flags.Flags | None]:
         """Where route_pack / pack write this rank's B rows: (out, dests, signal) as they take them."""
         b = rows_per_rank
         if self.push:  # slot `rank` of every rank's buffer
             return self._rows[self.rank * b:(self.rank + 1) * b], (self._row_ptrs_N, self.rank * b), self._flag("rows")
         return self._rows[:b], None, None
 
-    def gathered_rows(self, rows_per_rank: int) -> tuple[Tensor, triton_flags.Flags | None]:
+    def gathered_rows(self, rows_per_rank: int) -> tuple[Tensor, flags.Flags | None]:
         """(recv_JW, wait): every rank's B rows in rank order, once every rank has written its own
         (after a barrier; with signals, once the flags `wait` says so: align waits for them)."""
         if self.signals:
@@ -241,8 +241,8 @@ class SymmetricExchange:
         return recv_JW, None
 
     def partial_target(self, rows_per_rank: int) -> tuple[Tensor, tuple[Tensor, int] | None,
-                                                          triton_flags.Flags | None]:
-        """Where triton_ep.partials writes the J gathered rows' partials: (out, owners, signal) as
+                                                          flags.Flags | None]:
+        """Where moe_ep.partials writes the J gathered rows' partials: (out, owners, signal) as
         it takes them (push: row j into slot `rank` of its owner j // B's buffer)."""
         partial_JD = self._partials[:self.world_size * rows_per_rank]
         if not self.push:

@@ -1,4 +1,4 @@
-"""services/model/symm_exchange.py's kernels on the CPU through Triton's interpreter, the ranks'
+"""services/model/exchange/symmetric.py's kernels on the CPU through Triton's interpreter, the ranks'
 symmetric buffers simulated by separate tensors of one process (their addresses in the pointer
 table, as the peers' mapped addresses are on a GPU). The barriers and the mapping itself are
 torch's and need GPUs: bench/ep_gpu.py checks the whole layer on two H200s.
@@ -20,7 +20,7 @@ from tests.triton_interpreter import interpreted  # noqa: E402
 
 @pytest.fixture(scope="module")
 def sx():
-    with interpreted("symm_exchange") as module:
+    with interpreted("exchange.symmetric") as module:
         yield module
 
 
@@ -79,13 +79,13 @@ def test_reduce_sums_the_slots_of_one_buffer_with_a_row_step(sx):
 @pytest.mark.parametrize("row_step", [0, 3])
 def test_reduce_add_norm_is_the_reduce_then_add_rms_norm_bit_for_bit(sx, row_step):
     """The sum rounded to the model dtype, added into the residual in place, the RMSNorm of the
-    result returned: triton_fused.add_rms_norm_ after reduce_rows, the same bits (fp16)."""
+    result returned: kernels/norm.py's add_rms_norm_ after reduce_rows, the same bits (fp16)."""
     rows_per_rank, hidden = 3, 48
     generator = torch.Generator().manual_seed(5)
     partials = [torch.randn(2 * rows_per_rank, hidden, generator=generator) for _ in range(2)]
     residual = torch.randn(2, hidden, generator=generator).half()
     norm = (torch.rand(hidden, generator=generator) + 0.5).half()
-    pointers, add_rms_norm_ = _pointers(partials), importlib.import_module("services.model.triton_fused").add_rms_norm_
+    pointers, add_rms_norm_ = _pointers(partials), importlib.import_module("services.model.kernels.norm").add_rms_norm_
     x_fused, x_unfused = residual.clone(), residual.clone()
     h_fused = sx.reduce_add_norm(pointers, AddNorm(x_fused, norm, 1e-6, add_rms_norm_), 1, row_step)
     summed = torch.empty(2, hidden, dtype=torch.float16)

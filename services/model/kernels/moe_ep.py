@@ -1,36 +1,35 @@
 """The expert-parallel MoE layer on CUDA as a gather and a reduce-scatter (issue 8).
 
-moe.py's dispatch sends each token's row once to each rank holding one of its
-experts, and combine returns one fp32 partial per (token, rank): about fifty
-small torch ops a layer around the two all_to_alls (193 us a layer at 128
-tokens per rank on two H200s, bench/results/ep_gpu_cuda.md). With few ranks a
+moe_dispatch's dispatch sends each token's row once to each rank holding one
+of its experts, and combine returns one fp32 partial per (token, rank): about
+fifty small torch ops a layer around the two all_to_alls. With few ranks a
 token reaches nearly every rank anyway (top-8 of 128 experts over 2 ranks: a
 token misses a rank with probability C(64, 8) / C(128, 8), about 0.3%), so
 here every rank gathers every rank's rows and the layer is a few kernels:
 
-1. route (triton_fused.route) this rank's tokens: K expert ids in increasing
+1. route (routing.route) this rank's tokens: K expert ids in increasing
    order, weights in the model dtype, hit counts; with replicas the slot map
    turns ids into global slots.
-2. pack (one kernel) B rows: [hidden row | ids + 1 | fp32 weights] (moe.py's
+2. pack (one kernel) B rows: [hidden row | ids + 1 | fp32 weights] (moe_dispatch's
    row layout; ids 0 past the rank's T tokens: padding, no expert). Without
    replicas steps 1 and 2 are one kernel (route_pack).
 3. all_gather the N * B rows (one collective, equal sizes).
-4. align (triton_moe.align on the gathered ids, offset to local experts: the
+4. align (moe_align.align on the gathered ids, offset to local experts: the
    other ranks' experts and padding get no place), gate_up (reading x in place
-   from the gathered rows) and down: triton_moe's grouped GEMMs.
+   from the gathered rows) and down: moe_gemm's grouped GEMMs.
 5. partials (one kernel): per gathered row, the sum over its local experts of
    weight * output, each product rounded to the model dtype and summed in fp32
-   in increasing expert order: moe.combine's rounding.
+   in increasing expert order: moe_dispatch.combine's rounding.
 6. reduce_scatter (sum) the fp32 partials: this rank's B rows, summed over the
    ranks and rounded once to the model dtype.
 
 B (rows per rank) is the step's fixed row count, the same on every rank: the
-decode bucket (moe.step_capacity's capacity / min(K, L)) or, for bigger
+decode bucket (moe_dispatch.step_capacity's capacity / min(K, L)) or, for bigger
 steps, the largest token count of any rank. Every shape comes from B, so a
 decode step captures in a CUDA graph with its two collectives, and nothing
 reads back to the host.
 
-With comm.exchange set (services/model/symm_exchange.py, the expert service's
+With comm.exchange set (services/model/exchange/symmetric.py, the expert service's
 --ep-exchange, symmetric memory on CUDA by default), the decode steps that fit
 its buffers exchange over NVLink instead of two NCCL collectives: route_pack
 writes into the exchange's row target (with push, straight into every rank's
@@ -38,13 +37,13 @@ gathered rows), the partials into its partial target (with push, straight to
 their owners), and the exchange's sum comes back in the model dtype, with the
 residual add and the next layer's RMSNorm fused where the layer loop hands them
 over (add_norm). With its signals route_pack and partials set the peers' flags
-and align's count kernel waits for them (triton_flags), in place of barriers.
+and align's count kernel waits for them (kernels/flags.py), in place of barriers.
 
-Rounding: as moe.py's fixed-capacity mode (each rank sums its own experts'
+Rounding: as moe_dispatch's fixed-capacity mode (each rank sums its own experts'
 products, the partials are summed in fp32, rounded once). The fp32 sum over
-ranks is NCCL's: with two ranks one addition, the same bits as moe.combine.
+ranks is NCCL's: with two ranks one addition, the same bits as moe_dispatch.combine.
 
-Legend as in moe.py: T tokens of this rank, B rows per rank, N ranks, D hidden,
+Legend as in moe_dispatch.py: T tokens of this rank, B rows per rank, N ranks, D hidden,
 K experts per token, L local experts (slots), W row width in the model dtype,
 J = N * B gathered rows.
 """
@@ -56,20 +55,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from services.model import triton_flags, triton_fused, triton_moe
+from services.model.exchange.comm import ExpertComm
+from services.model.kernels import flags, moe_align, moe_gemm, routing
 from services.model.layers import AddNorm
-from services.model.moe import ExpertComm
 
-# The switch moe.MoELayer reads on CUDA with several ranks (False: moe.py's dispatch/combine).
+# The switch the Triton MoE backend reads on CUDA with several ranks (False: the dispatch path).
 ENABLED = True
-# Warps of the small kernels: 1, 2 or 8 were no faster (bench/results/ep_local_h200_s9call4_variants.md).
+# Warps of the small kernels: 1, 2 or 8 were no faster on an H200.
 ROUTE_PACK_WARPS = 4
 PARTIALS_WARPS = 4
-LOCAL_TILES = True  # local_config's own tiles where it has them (False: triton_moe.default_config's)
+LOCAL_TILES = True  # local_config's own tiles where it has them (False: moe_gemm.default_config's)
 # local_config's tiles (block_n, block_k, warps, stages) at 129-256 gathered rows: the fastest of
-# bench/ep_local.py --sweep --wide on an H200 (72 candidates each at block_m 32; 99.1 against
-# default_config's 104.5 us for gate_up, 56.3 against 57.9 for down;
-# bench/results/ep_local_h200_s9call6_wide.md).
+# a sweep on an H200 (block_m 32), faster there than default_config's (docs/performance.md).
 LOCAL_GATE_UP = (64, 128, 4, 2)
 LOCAL_DOWN = (128, 128, 4, 3)
 
@@ -83,7 +80,7 @@ def row_width(hidden: int, top_k: int, dtype: torch.dtype) -> int:
 @triton.jit
 def _buffer(ptr, dests_ptr, d, byte_offset, HAS_DESTS: tl.constexpr):
     """Destination d's buffer as ptr's type: ptr itself, or with HAS_DESTS the address
-    dests_ptr[d] + byte_offset (a buffer laid out as ptr's: symm_exchange's peers)."""
+    dests_ptr[d] + byte_offset (a buffer laid out as ptr's: the exchange's peers)."""
     if HAS_DESTS:
         ptr = (tl.load(dests_ptr + d) + byte_offset).to(ptr.dtype)
     return ptr
@@ -127,8 +124,8 @@ def _pack_kernel(x_ptr, ids_ptr, weights_ptr, rows_ptr, meta_ptr, dests_ptr, fir
                 weights.to(tl.int32, bitcast=True), k_mask, TOP_K, NUM_DESTS, HAS_DESTS)
     if is_token:
         _copy_row(x_ptr, rows_ptr, dests_ptr, j, first_row + j, hidden, row_stride, NUM_DESTS, HAS_DESTS, BLOCK_D)
-    if SIGNAL:  # the rows are in every peer's buffer: the last program says so (symm_exchange's signals)
-        triton_flags.signal_peers(flag_pads_ptr, flag_rank, flag_channel, flag_clear_channel, flag_counter_ptr,
+    if SIGNAL:  # the rows are in every peer's buffer: the last program says so (the exchange's signals)
+        flags.signal_peers(flag_pads_ptr, flag_rank, flag_channel, flag_clear_channel, flag_counter_ptr,
                                   FLAG_RANKS, FLAG_CLEAR, FLAG_SCOPE)
 
 
@@ -146,25 +143,25 @@ def _send_buffer(x_TD: Tensor, top_k: int, rows_per_rank: int,
 
 
 def _dest_args(x_TD: Tensor, send_BW: Tensor, dests: tuple[Tensor, int] | None,
-               signal: triton_flags.Flags | None = None) -> dict:
+               signal: flags.Flags | None = None) -> dict:
     """The destination arguments of the pack kernels: send_BW itself, or each buffer of dests;
-    and signal's flags (symm_exchange's signals), if given."""
-    flags = triton_flags.signal_args(signal, send_BW)
+    and signal's flags (the exchange's signals), if given."""
+    flag_args = flags.signal_args(signal, send_BW)
     if dests is None:
         assert signal is None, "flags signal rows pushed to the peers"
-        return dict(dests_ptr=send_BW, first_row=0, meta_bytes=0, NUM_DESTS=1, HAS_DESTS=False, **flags)
+        return dict(dests_ptr=send_BW, first_row=0, meta_bytes=0, NUM_DESTS=1, HAS_DESTS=False, **flag_args)
     ptrs_N, first_row = dests
     return dict(dests_ptr=ptrs_N, first_row=first_row, meta_bytes=x_TD.shape[1] * x_TD.element_size(),
-                NUM_DESTS=ptrs_N.numel(), HAS_DESTS=True, **flags)
+                NUM_DESTS=ptrs_N.numel(), HAS_DESTS=True, **flag_args)
 
 
 def pack(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, rows_per_rank: int, out: Tensor | None = None,
-         dests: tuple[Tensor, int] | None = None, signal: triton_flags.Flags | None = None) -> Tensor:
+         dests: tuple[Tensor, int] | None = None, signal: flags.Flags | None = None) -> Tensor:
     """send_BW (written into out, if given): token t's [x row | ids + 1 | fp32 weights] in row
     t < T, rows past T with id 0 (their hidden part unset: no expert reads it). dests: (ptrs_N,
     first_row): the rows go instead into each of the N buffers at those addresses (laid out as
-    send_BW's), from their row first_row (symm_exchange's push; out then only gives the shape).
-    signal: the peers' flags the kernel sets once every row is written (symm_exchange's signals)."""
+    send_BW's), from their row first_row (the exchange's push; out then only gives the shape).
+    signal: the peers' flags the kernel sets once every row is written (the exchange's signals)."""
     (num_tokens, hidden), top_k = x_TD.shape, ids_TK.shape[1]
     assert x_TD.is_contiguous() and ids_TK.is_contiguous() and weights_TK.is_contiguous()
     send_BW, meta_BM, block_d = _send_buffer(x_TD, top_k, rows_per_rank, out)
@@ -188,7 +185,7 @@ def _route_pack_kernel(logits_ptr, x_ptr, rows_ptr, meta_ptr, hits_ptr, dests_pt
     if j < num_tokens:
         e = tl.arange(0, BLOCK_E)
         logits = tl.load(logits_ptr + j * num_experts + e, mask=e < num_experts, other=float("-inf")).to(tl.float32)
-        chosen, w, rank = triton_fused.choose_experts(logits[None, :], e, num_experts, NORM, TOP_K, BLOCK_E)
+        chosen, w, rank = routing.choose_experts(logits[None, :], e, num_experts, NORM, TOP_K, BLOCK_E)
         chosen, w, rank = tl.reshape(chosen, [BLOCK_E]), tl.reshape(w, [BLOCK_E]), tl.reshape(rank, [BLOCK_E])
         # As route then pack: ids + 1, the weights rounded to the model dtype, as fp32 bits.
         w = w.to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -200,14 +197,14 @@ def _route_pack_kernel(logits_ptr, x_ptr, rows_ptr, meta_ptr, hits_ptr, dests_pt
         _store_meta(meta_ptr, dests_ptr, first_row + j, meta_stride, meta_bytes, k, tl.zeros([BLOCK_K], tl.int32),
                     tl.zeros([BLOCK_K], tl.int32), k < TOP_K, TOP_K, NUM_DESTS, HAS_DESTS)
     if SIGNAL:  # as _pack_kernel's
-        triton_flags.signal_peers(flag_pads_ptr, flag_rank, flag_channel, flag_clear_channel, flag_counter_ptr,
+        flags.signal_peers(flag_pads_ptr, flag_rank, flag_channel, flag_clear_channel, flag_counter_ptr,
                                   FLAG_RANKS, FLAG_CLEAR, FLAG_SCOPE)
 
 
 def route_pack(logits_TE: Tensor, x_TD: Tensor, top_k: int, norm_topk_prob: bool, hit_counts_E: Tensor,
                rows_per_rank: int, out: Tensor | None = None, dests: tuple[Tensor, int] | None = None,
-               signal: triton_flags.Flags | None = None) -> Tensor:
-    """pack(x_TD, *triton_fused.route(logits_TE, ...)[:2], rows_per_rank, out, dests, signal) in
+               signal: flags.Flags | None = None) -> Tensor:
+    """pack(x_TD, *routing.route(logits_TE, ...)[:2], rows_per_rank, out, dests, signal) in
     one kernel: the same rows, and each token's experts added to hit_counts_E."""
     (num_tokens, hidden), num_experts = x_TD.shape, logits_TE.shape[1]
     assert x_TD.is_contiguous() and logits_TE.is_contiguous() and hit_counts_E.is_contiguous() and top_k < 128
@@ -236,12 +233,11 @@ def _partials_kernel(y_ptr, meta_ptr, out_ptr, owners_ptr, first_row, rows_per_r
     d_mask = d < hidden
     dtype = y_ptr.dtype.element_ty
     total = tl.zeros([BLOCK_D], tl.float32)
-    for k in tl.static_range(TOP_K):  # increasing expert order, as moe.combine sums
+    for k in tl.static_range(TOP_K):  # increasing expert order, as moe_dispatch.combine sums
         local = tl.load(meta_ptr + j * meta_stride + k) - id_offset
         is_local = (local >= 0) & (local < num_local)
         # Masked rather than branched around (every k's loads may issue at once): another
-        # rank's expert adds 0. One rank's N=2 layer took 0.1835 against 0.1854 ms at 128
-        # tokens per rank (bench/results/ep_local_h200_s9call4_variants.md).
+        # rank's expert adds 0: the faster of the two on an H200.
         weight = tl.load(meta_ptr + j * meta_stride + TOP_K + k).to(tl.float32, bitcast=True)
         y = tl.load(y_ptr + (j * TOP_K + k) * hidden + d, mask=d_mask & is_local, other=0.0).to(tl.float32)
         total += (y * weight.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
@@ -249,18 +245,18 @@ def _partials_kernel(y_ptr, meta_ptr, out_ptr, owners_ptr, first_row, rows_per_r
     if HAS_OWNERS:  # row j's owner, rank j // B, at row first_row + j % B of its buffer
         out = tl.load(owners_ptr + j // rows_per_rank).to(out_ptr.dtype) + (first_row + j % rows_per_rank) * hidden
     tl.store(out + d, total, mask=d_mask)
-    if SIGNAL:  # every partial is with its owner: the last program says so (symm_exchange's signals)
-        triton_flags.signal_peers(flag_pads_ptr, flag_rank, flag_channel, flag_clear_channel, flag_counter_ptr,
+    if SIGNAL:  # every partial is with its owner: the last program says so (the exchange's signals)
+        flags.signal_peers(flag_pads_ptr, flag_rank, flag_channel, flag_clear_channel, flag_counter_ptr,
                                   FLAG_RANKS, FLAG_CLEAR, FLAG_SCOPE)
 
 
 def partials(y_RD: Tensor, meta_JM: Tensor, id_offset: int, num_local: int, out: Tensor | None = None,
-             owners: tuple[Tensor, int] | None = None, signal: triton_flags.Flags | None = None) -> Tensor:
+             owners: tuple[Tensor, int] | None = None, signal: flags.Flags | None = None) -> Tensor:
     """fp32 partial_JD (written into out, if given): each gathered row's weighted outputs of its
     local experts (y_RD's row j * K + k), each product rounded to y's dtype, summed in increasing k.
     owners: (ptrs_N, first_row): row j goes instead to the buffer at ptrs_N[j // B] (B = J / N),
-    at its row first_row + j % B (symm_exchange's push; out then only gives the shape). signal:
-    the peers' flags the kernel sets once every partial is written (symm_exchange's signals)."""
+    at its row first_row + j % B (the exchange's push; out then only gives the shape). signal:
+    the peers' flags the kernel sets once every partial is written (the exchange's signals)."""
     num_rows, top_k = meta_JM.shape[0], meta_JM.shape[1] // 2
     hidden = y_RD.shape[1]
     partial_JD = torch.empty(num_rows, hidden, dtype=torch.float32, device=y_RD.device) if out is None else out
@@ -274,40 +270,40 @@ def partials(y_RD: Tensor, meta_JM: Tensor, id_offset: int, num_local: int, out:
         _partials_kernel[(num_rows, triton.cdiv(hidden, block_d))](
             y_RD, meta_JM, partial_JD, owners_ptr, first_row, rows_per_rank, hidden, meta_JM.stride(0), id_offset,
             num_local, TOP_K=top_k, HAS_OWNERS=owners is not None, BLOCK_D=block_d,
-            num_warps=PARTIALS_WARPS, **triton_flags.signal_args(signal, partial_JD))
+            num_warps=PARTIALS_WARPS, **flags.signal_args(signal, partial_JD))
     return partial_JD
 
 
 def local_partials(recv_JW: Tensor, hidden: int, top_k: int, id_offset: int, w_gate_up_LGD: Tensor,
-                   w_down_LDF: Tensor, config: triton_moe.MoEConfig | None = None, out: Tensor | None = None,
-                   owners: tuple[Tensor, int] | None = None, signal: triton_flags.Flags | None = None,
-                   wait: triton_flags.Flags | None = None) -> Tensor:
+                   w_down_LDF: Tensor, config: moe_gemm.MoEConfig | None = None, out: Tensor | None = None,
+                   owners: tuple[Tensor, int] | None = None, signal: flags.Flags | None = None,
+                   wait: flags.Flags | None = None) -> Tensor:
     """Steps 4-5 on the gathered rows: the fp32 partial_JD (into out or owners, and signal, as
     partials takes them) of this rank's local experts, whose global ids (+ 1, as packed) start at
     id_offset; with wait, once the peers' flags say their rows are in recv_JW."""
     num_rows, num_local = recv_JW.shape[0], w_gate_up_LGD.shape[0]
     meta_JM = _meta(recv_JW, hidden)
     config = config or local_config(num_rows)
-    a = triton_moe.align(meta_JM[:, :top_k], num_local, config.block_m, id_offset, wait=wait)
-    act_PF = triton_moe.gate_up(recv_JW[:, :hidden], a, w_gate_up_LGD, top_k, config.gate_up, config.tiles_first)
-    y_RD = triton_moe.down(act_PF, a, w_down_LDF, num_rows * top_k, config.down, config.tiles_first)
+    a = moe_align.align(meta_JM[:, :top_k], num_local, config.block_m, id_offset, wait=wait)
+    act_PF = moe_gemm.gate_up(recv_JW[:, :hidden], a, w_gate_up_LGD, top_k, config.gate_up, config.tiles_first)
+    y_RD = moe_gemm.down(act_PF, a, w_down_LDF, num_rows * top_k, config.down, config.tiles_first)
     return partials(y_RD, meta_JM, id_offset, num_local, out, owners, signal)
 
 
-def local_config(num_rows: int) -> triton_moe.MoEConfig:
+def local_config(num_rows: int) -> moe_gemm.MoEConfig:
     """local_partials' tiles at J gathered rows: as the one-rank layer's at J tokens over the
     model's E = N * L experts (the same rows per expert), except at 129-256 rows (128 tokens per
     rank on two ranks), where the GEMMs have half the one-rank layer's programs: LOCAL_GATE_UP
     and LOCAL_DOWN there, with LOCAL_TILES."""
-    config = triton_moe.default_config(num_rows)
+    config = moe_gemm.default_config(num_rows)
     if LOCAL_TILES and 128 < num_rows <= 256:
-        return dataclasses.replace(config, gate_up=triton_moe.GemmBlocks(*LOCAL_GATE_UP),
-                                   down=triton_moe.GemmBlocks(*LOCAL_DOWN))
+        return dataclasses.replace(config, gate_up=moe_gemm.GemmBlocks(*LOCAL_GATE_UP),
+                                   down=moe_gemm.GemmBlocks(*LOCAL_DOWN))
     return config
 
 
 def _route_and_pack(layer, x_TD: Tensor, rows_per_rank: int, out: Tensor | None = None,
-                    dests: tuple[Tensor, int] | None = None, signal: triton_flags.Flags | None = None) -> Tensor:
+                    dests: tuple[Tensor, int] | None = None, signal: flags.Flags | None = None) -> Tensor:
     """Steps 1-2: this rank's rows, routed by the layer's gate, packed (route_pack / pack's
     out, dests and signal); their experts added to layer.hit_counts_E."""
     logits_TE = torch.nn.functional.linear(x_TD, layer.w_gate_ED)
@@ -315,7 +311,7 @@ def _route_and_pack(layer, x_TD: Tensor, rows_per_rank: int, out: Tensor | None 
         return route_pack(logits_TE, x_TD, layer.top_k, layer.norm_topk_prob, layer.hit_counts_E, rows_per_rank,
                           out, dests, signal)
     # each token-copy to one replica's global slot
-    ids_TK, weights_TK = triton_fused.route(logits_TE, layer.top_k, layer.norm_topk_prob, layer.hit_counts_E,
+    ids_TK, weights_TK = routing.route(logits_TE, layer.top_k, layer.norm_topk_prob, layer.hit_counts_E,
                                             x_TD.dtype)[:2]
     ids_R = ids_TK.flatten()
     counts_E = torch.zeros(layer.w_gate_ED.shape[0], dtype=torch.int64, device=x_TD.device)
@@ -325,10 +321,10 @@ def _route_and_pack(layer, x_TD: Tensor, rows_per_rank: int, out: Tensor | None 
 
 
 def gathered_moe(layer, x_TD: Tensor, rows_per_rank: int, add_norm: AddNorm | None = None) -> Tensor:
-    """moe.MoELayer's output for this rank's x_TD, every rank passing the same rows_per_rank
+    """MoELayer's output for this rank's x_TD, every rank passing the same rows_per_rank
     (>= each rank's token count); adds the routed experts to layer.hit_counts_E. With add_norm,
     add_norm(the output) (fused into the exchange's sum). Steps that fit comm.exchange's
-    buffers exchange through it (symm_exchange's protocol), others through NCCL."""
+    buffers exchange through it (the exchange's protocol), others through NCCL."""
     comm: ExpertComm = layer.comm
     num_tokens, hidden = x_TD.shape
     num_local = layer.w_gate_up_LGD.shape[0]

@@ -11,9 +11,9 @@ the launch grid and the split count depend on tensor shapes alone.
   first (no KV-write kernel in decode steps). With several splits a second
   kernel merges the partial results, so one long sequence still fills the
   GPU; splits past a row's context (a graph's split count comes from its
-  block-table width, not the row's length) exit at once and are not read. (Merging in the last split to finish, by an atomic count, was tried:
-  one program merging serially took 13.9 us a layer at batch 1 against 8.8
-  for the two kernels plus the KV write, bench/results/decode_b1_h200_v2.md.)
+  block-table width, not the row's length) exit at once and are not read.
+  (Merging in the last split to finish, by an atomic count, was tried: one
+  program merging serially was slower than the two kernels plus the KV write.)
 - Prefill: one program per (tile of BLOCK_Q new tokens of a sequence, KV
   head), rows = tile tokens x group heads; a chunk may start mid-sequence and
   attends to every cached token plus its own tokens causally. The tiles are
@@ -33,36 +33,34 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from services.model import triton_fused
 from services.model.attention import ATTENTION_BACKENDS, AttentionBackend
 from services.model.batch import to_device
+from services.model.kernels import launch
 
 _LOG2E = 1.4426950408889634
-# A split covers at least this many tokens, at most this many splits. Measured on
-# an H200 (bench/results/attention_gpu.md): batch 1 is fastest with 16 splits
-# at 1K context and 64 at 4K, batch 64 with 2, batch 256 with 1.
+# A split covers at least this many tokens, at most this many splits: on an H200 one sequence
+# wants many splits at long contexts, big batches few or one (docs/performance.md).
 _MIN_SPLIT_TOKENS = 64
 _MAX_SPLITS = 64
 # Decode programs wanted per SM: the split count makes about this many (sequences x KV
-# heads x splits), e.g. raised to compare more splits at big batches (bench/decode_variants.py).
+# heads x splits), e.g. raised to compare more splits at big batches.
 DECODE_PROGRAMS_PER_SM = 2
 # The decode grid's faster-launched axis: True, the KV heads (a sequence's heads, which share
 # its K/V pages, together); False, the sequences (each KV head over every sequence in turn).
-# 256 sequences at 1-2K context on an H200: 211 against 216 us a layer
-# (bench/results/decode_variants_h200_order.md).
+# True was the faster on an H200 at big batches (docs/performance.md).
 DECODE_HEADS_FIRST = True
 # Registers per thread of the decode kernel with a float8 cache: its fp16 copies of each K/V
-# block took 160, three programs an SM (ncu at 256 sequences, 1-2K context); capped at 128 (four
-# programs) the batch-256 step took 26.40 against 27.16 ms, the same bits; 96 was slower, and the
-# bf16 kernel (128 already) gained nothing (bench/results/gpu_session11.md). None: the compiler's.
+# block take more than 128 (three programs an SM); capped at 128 (four programs) the step is
+# faster with the same bits; 96 was slower, and the bf16 kernel (128 already) gained nothing
+# (docs/performance.md). None: the compiler's.
 FP8_DECODE_MAXNREG: int | None = 128
 # The decode kernel's (and its merge's) launch settings over the backend's, e.g. {"BLOCK_N": 128,
-# "num_warps": 8, "num_stages": 2}, to compare (bench/decode_variants.py). Empty: the backend's.
+# "num_warps": 8, "num_stages": 2}, to compare. Empty: the backend's.
 DECODE_LAUNCH: dict[str, int] = {}
 # With a float8 cache the attention dots take fp16 operands (q rounded to fp16 once, K/V and the
 # probabilities converted to it): float8 widens to fp16 in one instruction, to bf16 not, and on an
-# H200 the bf16 conversions made the float8 decode kernel slower than the bf16 one (235 against
-# 216 us a layer at 256 sequences, 1-2K context: bench/results/decode_variants_h200_fp8.md).
+# H200 the bf16 conversions made the float8 decode kernel slower than the bf16 one
+# (docs/performance.md).
 # False: bf16 operands (the model dtype), e.g. to compare.
 FP8_DOTS_IN_FP16 = True
 # The number of SMs assumed off CUDA (the interpreter), for the split count.
@@ -123,8 +121,8 @@ def _decode_kernel(q_ptr, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_p
                    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP_PAD: tl.constexpr,
                    K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
                    MIXED: tl.constexpr, HEADS_FIRST: tl.constexpr, F16_DOTS: tl.constexpr):
-    if PDL:  # a programmatic dependent launch (triton_fused.PDL): the previous kernel done first
-        triton_fused.wait_for_previous_kernel()
+    if PDL:  # a programmatic dependent launch (launch.PDL): the previous kernel done first
+        launch.wait_for_previous_kernel()
     i, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if HEADS_FIRST:
         i, g = g, i
@@ -184,7 +182,7 @@ def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, o_ptr, context_lens_ptr, se
                           stride_ot, stride_oh, num_heads, head_dim, NUM_SPLITS: tl.constexpr, K_PAD: tl.constexpr,
                           BLOCK_N: tl.constexpr, PDL: tl.constexpr, MIXED: tl.constexpr):
     if PDL:
-        triton_fused.wait_for_previous_kernel()
+        launch.wait_for_previous_kernel()
     i, h = tl.program_id(0), tl.program_id(1)
     b, row = _decode_row(i, seq_map_ptr, cu_q_lens_ptr, MIXED)
     # The splits the decode kernel gave tokens (its split length; the others wrote nothing).
@@ -366,8 +364,8 @@ class TritonPagedAttention(AttentionBackend):
             part_acc = torch.empty((num_seqs, num_heads, splits, k_pad), dtype=torch.float32, device=device)
             part_ml = torch.empty((num_seqs, num_heads, splits, 2), dtype=torch.float32, device=device)
         group_pad = max(16, triton.next_power_of_2(common["group"]))
-        # Single-token steps, as triton_fused's kernels around these (a mixed step is not one).
-        pdl = mixed is None and triton_fused.uses_pdl(k_TGK)
+        # Single-token steps, as the layer loop's kernels around these (a mixed step is not one).
+        pdl = mixed is None and launch.uses_pdl(k_TGK)
         seq_map, cu_q_lens = mixed or (slot_mapping_T, slot_mapping_T)  # unread without MIXED
         grid = (num_kv_heads, num_seqs, splits) if DECODE_HEADS_FIRST else (num_seqs, num_kv_heads, splits)
         _decode_kernel[grid](

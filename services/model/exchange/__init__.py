@@ -1,0 +1,6 @@
+"""How the ranks of an expert-parallel group exchange MoE rows.
+
+comm: ExpertComm, the process group and its collectives (NCCL, gloo, or copies
+for one rank). symmetric: the exchange over symmetric memory on CUDA (imports
+triton; the expert service loads it on CUDA only).
+"""
