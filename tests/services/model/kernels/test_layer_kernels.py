@@ -206,18 +206,6 @@ def test_half_precision_token_blocks(rotary, monkeypatch):
     assert torch.equal(v, qkv[:, 768:].reshape(9, 2, 128))
 
 
-def test_op_count_cpu(tmp_path):
-    """bench/op_count.py on the CPU: the eager path's aten ops per decode layer, written out."""
-    import json
-
-    from bench import op_count
-
-    assert op_count.main(["--out", str(tmp_path)]) == 0
-    counts = json.loads((tmp_path / "op_count_cpu.json").read_text())["cpu_eager"]
-    assert counts["layers"] == 4 and counts["ops_per_step"] == 4 * counts["ops_per_layer"]
-    assert 50 < counts["ops_per_layer"] < 500 and counts["top"]["aten::linear"] >= 4
-
-
 def test_fused_layer_kernels_follow_the_switch(fused_layer, gemv, launch, monkeypatch):
     """The loop's kernels are the modules' own, read at each step; none while launch.ENABLED is
     off; and none on the CPU, which keeps the torch loop."""
