@@ -25,7 +25,7 @@ from moemesh.etcd import start_etcd
 from services.cluster import ClusterClient, GroupAssignment, Keys, RankInfo
 from tests.conftest import hf_greedy
 from tests.expert_svc.conftest import plan_stream
-from tests.test_mesh_e2e import greedy
+from tests.e2e.test_mesh_e2e import greedy
 from services.step import StepPlan, StepResult
 
 COLLECTIVE_TIMEOUT_S = 5

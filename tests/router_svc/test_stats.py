@@ -42,7 +42,7 @@ def test_bad_reports_are_rejected_whole():
 
 
 def test_counts_saturate_at_the_wire_uint64():
-    # Found by tests/test_fuzz_e2e.py: two groups' counts summed past 2**64 - 1, and
+    # Found by tests/e2e/test_fuzz_e2e.py: two groups' counts summed past 2**64 - 1, and
     # GetExpertStats failed with UNKNOWN ("Value out of range") for every client after.
     stats = ExpertStats()
     stats.add_report("g0", [(0, [MAX_COUNT, 1])])

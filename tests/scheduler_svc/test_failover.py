@@ -4,7 +4,7 @@ followers' probes, their guards, a leader cut off from etcd, fencing.
 Candidates probe each other through a FakeProbe (tests/scheduler_svc/
 candidates.py); a TcpProxy between one candidate and etcd partitions it.
 Process-level failover (kill -9, SIGSTOP, etcd restarted under a mesh) is
-in tests/test_failover_e2e.py.
+in tests/e2e/test_failover_e2e.py.
 """
 
 import asyncio

@@ -26,8 +26,8 @@ from router_svc.policy import imbalance
 from services.model.config import ModelConfig
 from services.placement import Placement
 from tests.conftest import hf_greedy
-from tests.test_expert_parallel_e2e import _write_one_rank_routing_variant
-from tests.test_mesh_e2e import generate, greedy
+from tests.e2e.test_expert_parallel_e2e import _write_one_rank_routing_variant
+from tests.e2e.test_mesh_e2e import generate, greedy
 
 NUM_NEW_TOKENS = 8
 PROMPTS = [[9707, 11, 1879, 0], [785, 3974, 13876, 38835], [1, 2, 3, 4, 5, 6, 7, 8, 9], [151644, 872, 198, 13048],

@@ -10,7 +10,7 @@ import pytest
 
 from moemesh import protogen
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 BUF = shutil.which("buf", path=str(pathlib.Path(sys.executable).parent)) or shutil.which("buf")
 
 

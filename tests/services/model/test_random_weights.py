@@ -17,7 +17,7 @@ from services.model.checkpoint import expected_tensors
 from services.model.config import ModelConfig
 from services.model.moe_dispatch import local_expert_ids
 from tests.conftest import hf_greedy
-from tests.test_mesh_e2e import generate, greedy
+from tests.e2e.test_mesh_e2e import generate, greedy
 
 TINY = random_weights.PRESETS["tiny"]
 SEED = 7

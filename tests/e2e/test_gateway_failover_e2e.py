@@ -25,7 +25,7 @@ from moemesh import launcher
 from services.grpc_util import channel
 from tests.bounded import run
 from tests.conftest import hf_greedy
-from tests.test_drain_e2e import cluster_state
+from tests.e2e.test_drain_e2e import cluster_state
 
 PROMPT_IDS = [9707, 11, 1879, 0, 220, 1234, 5678]
 NUM_TOKENS = 8

@@ -76,7 +76,7 @@ def test_rejects_bad_specs(kwargs):
 
 @pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-10])
 def test_a_vanishing_temperature_is_greedy_not_nan(temperature):
-    # Found by tests/test_fuzz_e2e.py: logits / 1e-45 overflowed to inf, the softmax
+    # Found by tests/e2e/test_fuzz_e2e.py: logits / 1e-45 overflowed to inf, the softmax
     # gave NaN and torch.multinomial raised, which failed the step and killed the rank.
     logits = _logits(3) * 100
     specs = [SamplingSpec(temperature=temperature, top_p=p, top_k=k, seed=1) for p, k in ((1.0, 0), (0.5, 0), (1.0, 5))]

@@ -14,7 +14,7 @@ from moe.router.v1 import router_pb2, router_pb2_grpc
 from moemesh import launcher
 from moemesh.cli import default_model_dir
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 HITS = json.loads((ROOT / "tools" / "demo_model" / "expert_hits.json").read_text())
 
 

@@ -22,7 +22,7 @@ from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from moemesh import launcher
 from services.model.config import ModelConfig
 from tests.conftest import hf_greedy
-from tests.test_mesh_e2e import generate, greedy
+from tests.e2e.test_mesh_e2e import generate, greedy
 
 NUM_NEW_TOKENS = 12
 # Different lengths, many short and one long (more than 256 tokens).
