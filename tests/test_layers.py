@@ -150,3 +150,14 @@ def test_the_control_plane_starts_without_torch(module):
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_every_module_has_its_row_in_the_ownership_table():
+    """docs/internals.md's ownership table names every module of the library, the roles and the tooling."""
+    table = (ROOT / "docs" / "internals.md").read_text()
+    modules = [path.relative_to(ROOT).as_posix()
+               for name in ("services", "gateway", "expert_svc", "router_svc", "scheduler_svc", "moemesh")
+               for path in sorted((ROOT / name).rglob("*.py"))
+               if path.name != "__init__.py" or path.stat().st_size]
+    missing = [module for module in modules if f"| `{module}` |" not in table]
+    assert not missing, f"modules without a row in docs/internals.md's ownership table: {missing}"
