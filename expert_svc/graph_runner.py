@@ -272,7 +272,7 @@ class StaticInputs:
     int32 where a step's block tables arrive packed to the columns they use
     ([B, C]); each part starts 16-byte aligned. `upload` packs a step's rows
     the same way on the host (Python arrays: a torch.tensor of nested lists
-    took 2 ms for 256 tables of 128 blocks), sends the prefix it fills in one
+    costs milliseconds at a big batch's tables), sends the prefix it fills in one
     non-blocking copy from pinned memory, and copies the packed tables into
     block_tables_RM[:B, :C] on the device: two operations in the stream, no
     sync. The copy is ordered after the replays already queued, which read

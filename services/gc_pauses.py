@@ -2,9 +2,9 @@
 
 A collection of the oldest generation walks every container object the process
 tracks, and nothing else runs meanwhile: in a gateway (tokenizer, gRPC,
-OpenTelemetry, hundreds of streams) such pauses took 100 to 200 ms on the
-2-core CPU box in the middle of serving, each one a stall of the step loop and
-so of the GPU (bench/results/step_overhead.md). Most of what they walk is
+OpenTelemetry, hundreds of streams) such pauses are long enough to stall the
+step loop, and so the GPU, in the middle of serving (docs/performance.md,
+host time). Most of what they walk is
 alive for the life of the process: what startup built (modules, the model,
 the tokenizer, the servers).
 
@@ -34,9 +34,10 @@ from services import metrics
 
 log = logging.getLogger("moemesh.gc")
 
-# The services' young-generation threshold (MemberConfig.gc_young_threshold). With
-# Python's 700 the gateway at 2 ranks x 512 streams (bench/step_overhead.py, CPU) spent
-# 275-293 ms in collections, pauses up to 18 ms; with 20,000: 15-17 ms, at most 4.8 ms.
+# The services' young-generation threshold (MemberConfig.gc_young_threshold): Python's
+# 700 collects so often under hundreds of streams that the pauses add up to a visible
+# share of the step loop; this one cuts both their total and their longest
+# (bench/serving/step_overhead.py measures it; docs/performance.md has the figures).
 DEFAULT_YOUNG_THRESHOLD = 20_000
 
 _started_at = 0.0
