@@ -19,16 +19,11 @@ class SchedulerClient:
         if deadline_s <= 0:
             raise ValueError(f"deadline_s must be positive, got {deadline_s}")
         self._deadline_s = deadline_s
-        self._address: str | None = None
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: scheduler_pb2_grpc.SchedulerServiceStub | None = None
+        self._stubs = grpc_util.LastAddressStub(scheduler_pb2_grpc.SchedulerServiceStub)
 
     async def propose(self, address: str, proposal: Proposal) -> Committed:
         """ProposePlacement to the leader at address; ProposalError if it did not commit."""
-        if address != self._address:
-            await self.close()
-            self._address, self._channel = address, grpc_util.channel(address)
-            self._stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
+        stub = await self._stubs.to(address)
         placement = proposal.placement
         request = scheduler_pb2.ProposePlacementRequest(
             group_id=proposal.group_id, expected_epoch=proposal.expected_epoch, term=proposal.term,
@@ -37,13 +32,11 @@ class SchedulerClient:
             layers=[scheduler_pb2.LayerPlacement(layer=layer, spare_experts=spares)
                     for layer, spares in sorted(placement.layers.items())])
         try:
-            response = await self._stub.ProposePlacement(request, timeout=self._deadline_s)
+            response = await stub.ProposePlacement(request, timeout=self._deadline_s)
         except grpc.aio.AioRpcError as error:
             raise ProposalError(f"{error.code().name}: {error.details()}") from error
         return Committed(epoch=response.epoch, term=response.term)
 
     async def close(self) -> None:
         """Closes the channel (a later proposal opens a new one)."""
-        channel, self._channel, self._stub, self._address = self._channel, None, None, None
-        if channel is not None:
-            await channel.close()
+        await self._stubs.close()

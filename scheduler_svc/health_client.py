@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from scheduler_svc.health import Health, leader_answer
+from services import grpc_util
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +39,8 @@ class HealthCheck:
         if timeout_s <= 0:
             raise ValueError(f"the leader probe's timeout must be > 0, got {timeout_s}")
         self._timeout_s = timeout_s
-        self._address: str | None = None
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: health_pb2_grpc.HealthStub | None = None
+        self._stubs = grpc_util.LastAddressStub(
+            health_pb2_grpc.HealthStub, lambda address: grpc.aio.insecure_channel(address, options=_OPTIONS))
 
     async def __call__(self, address: str) -> "bool | object":
         """The leader probe's answer (health.leader_answer)."""
@@ -50,19 +50,13 @@ class HealthCheck:
         """What the address answered within the deadline: REFUSED if nothing
         listens there (UNAVAILABLE), NO_ANSWER for no answer in time or any
         other error or status."""
-        if address != self._address:
-            await self.close()
-            self._address = address
-            self._channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
-            self._stub = health_pb2_grpc.HealthStub(self._channel)
+        stub = await self._stubs.to(address)
         try:
-            reply = await self._stub.Check(_REQUEST, timeout=self._timeout_s)
+            reply = await stub.Check(_REQUEST, timeout=self._timeout_s)
         except grpc.RpcError as error:
             log.debug("health check of %s failed: %s", address, error.code())
             return Health.REFUSED if error.code() == grpc.StatusCode.UNAVAILABLE else Health.NO_ANSWER
         return _ANSWERS.get(reply.status, Health.NO_ANSWER)
 
     async def close(self) -> None:
-        channel, self._channel, self._stub, self._address = self._channel, None, None, None
-        if channel is not None:
-            await channel.close()
+        await self._stubs.close()

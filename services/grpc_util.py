@@ -87,3 +87,30 @@ def channel(target: str) -> grpc.aio.Channel:
     tracing is on, the trace context sent with every unary call)."""
     return grpc.aio.insecure_channel(target, options=_OPTIONS,
                                      interceptors=telemetry.client_interceptors() or None)
+
+
+class LastAddressStub:
+    """One stub on one channel to the address called last: a caller that talks to
+    one peer at a time (the scheduler leader, a probed process) reuses it while
+    the address stays, and a new address closes the old channel first."""
+
+    def __init__(self, make_stub, open_channel=channel):
+        self._make_stub = make_stub
+        self._open_channel = open_channel
+        self._address: str | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._stub = None
+
+    async def to(self, address: str):
+        """The stub for address, on the kept channel or a new one."""
+        if address != self._address:
+            await self.close()
+            self._address, self._channel = address, self._open_channel(address)
+            self._stub = self._make_stub(self._channel)
+        return self._stub
+
+    async def close(self) -> None:
+        """Closes the channel (the next call opens a new one)."""
+        channel, self._channel, self._stub, self._address = self._channel, None, None, None
+        if channel is not None:
+            await channel.close()
