@@ -233,7 +233,7 @@ def moe_one_token() -> dict:
 
     plain = dict(PDL=False)
     dot = dataclasses.replace(moe_small.FMA_MOE_TILES, gate_up_f=32, gate_up_d=256, gate_up_stages=4,
-                              gate_up_fma=False)  # moe_tiles' tl.dot tiles below 16 tokens
+                           gate_up_fma=False)  # moe_tiles' tl.dot tiles below 16 tokens
     with switches(**plain):
         layers = {"tl.dot": layer_row(dot), "fma (before)": layer_row(moe_small.FMA_MOE_TILES),
                   "one_token default": layer_row(moe_small.ONE_TOKEN_MOE_TILES)}

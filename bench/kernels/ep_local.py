@@ -107,7 +107,7 @@ class Rank:
         logits_TE = torch.nn.functional.linear(x_TD, self.w_gate_ED)
         b = rows_per_rank
         moe_ep.route_pack(logits_TE, x_TD, TOP_K, True, self.hits_E, b, self.rows[rank][rank * b:(rank + 1) * b],
-                             (self.row_ptrs_N, rank * b), self.flags["rows"] if signals else None)
+                          (self.row_ptrs_N, rank * b), self.flags["rows"] if signals else None)
 
     def gathered(self, rows_per_rank: int) -> torch.Tensor:
         return self.rows[0][:self.num_ranks * rows_per_rank]
@@ -120,8 +120,8 @@ class Rank:
         b, flags = x_TD.shape[0], self.flags if signals else {}
         self.pack(x_TD, 0, b, signals)
         moe_ep.local_partials(self.gathered(b), HIDDEN, TOP_K, 1, self.w_gate_up_LGD, self.w_down_LDF, config,
-                                 self.partials[0][:self.num_ranks * b], (self.partial_ptrs_N, 0),
-                                 flags.get("partials"), wait=flags.get("rows_wait"))
+                              self.partials[0][:self.num_ranks * b], (self.partial_ptrs_N, 0),
+                              flags.get("partials"), wait=flags.get("rows_wait"))
         return symmetric.reduce_add_norm(self.own_partials_N, add_norm, 0, b, flags.get("partials_wait"))
 
 
@@ -179,7 +179,7 @@ def check_push(rank: Rank, x_TD: torch.Tensor, config: moe_gemm.MoEConfig) -> di
     recv_JW = rank.gathered(b)
     local_JD = moe_ep.local_partials(recv_JW, HIDDEN, TOP_K, 1, rank.w_gate_up_LGD, rank.w_down_LDF, config)
     moe_ep.local_partials(recv_JW, HIDDEN, TOP_K, 1, rank.w_gate_up_LGD, rank.w_down_LDF, config,
-                             rank.partials[0][:rank.num_ranks * b], (rank.partial_ptrs_N, 0))
+                          rank.partials[0][:rank.num_ranks * b], (rank.partial_ptrs_N, 0))
     partials_equal = all(torch.equal(rank.partials[owner][:b], local_JD[owner * b:(owner + 1) * b])
                          for owner in range(rank.num_ranks))
     residual_TD = rank.tokens(b, 98)
@@ -228,7 +228,7 @@ def sweep(rank: Rank, rows_per_rank: int, reps: int, wide: bool = False) -> dict
     results["default"] = {"config": repr(default), "gemms_ms": time_ms(
         lambda: moe_gemm.gate_up(x_JD, a, rank.w_gate_up_LGD, TOP_K, default.gate_up, default.tiles_first), reps,
         False) + time_ms(lambda: moe_gemm.down(act_PF, a, rank.w_down_LDF, ids_JK.numel(), default.down,
-                                                 default.tiles_first), reps, False)}
+                                               default.tiles_first), reps, False)}
     return results
 
 
