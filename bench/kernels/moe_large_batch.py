@@ -15,8 +15,8 @@ random weights) on one GPU, per token count T:
 With --ep-ranks N (> 1) it times instead the expert step of rank 0 of N expert-parallel
 ranks (L = 128 / N local experts), the experts on the rows dispatch would give it when every
 rank has T tokens: torch._grouped_mm (moe_experts.experts) against moe_gemm.sorted_experts
-(moe_triton.dispatched_experts, the default on CUDA), in the fixed-capacity buffer up to 256 tokens (graphed) and exactly sized
-above, with the largest difference between the two on the real rows.
+(moe_triton.dispatched_experts, the default on CUDA), in the fixed-capacity buffer up to 256
+tokens (graphed) and exactly sized above, with the largest difference between the two on the real rows.
 
 Reports ms per layer (eager, and CUDA-graph replay up to 256 tokens), GB/s of
 expert weights read (every expert the step routes to, once) and TFLOP/s of the

@@ -1,6 +1,6 @@
 """The fused MoE against the grouped MoE, one Qwen3-30B-A3B layer at small batches, on CUDA (issue 8).
 
-    python bench/kernels/moe_small_batch.py --out bench/results            # the fixed tiles (kernels.moe_small.moe_tiles)
+    python bench/kernels/moe_small_batch.py --out bench/results            # the fixed tiles (moe_small.moe_tiles)
     python bench/kernels/moe_small_batch.py --sweep --out bench/results    # first time candidate tiles, keep the best
 
 Random bf16 weights of one MoE layer of Qwen3-30B-A3B (D 2048, F 768, 128

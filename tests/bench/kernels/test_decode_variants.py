@@ -12,6 +12,8 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 import json  # noqa: E402
+import pathlib  # noqa: E402
+import re  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -69,12 +71,22 @@ def test_variants_run_against_base_under_their_settings_then_restore(tmp_path, m
 def test_a_dict_replaces_fields_of_a_dataclass_setting_then_the_original_is_back():
     with interpreted("kernels.moe_small") as moe_small:
         original = moe_small.ONE_TOKEN_MOE_TILES
-        variants = decode_variants.parse_variants("d=kernels.moe_small.ONE_TOKEN_MOE_TILES:{'down_o': 1, 'down_f': 1024}")
+        variants = decode_variants.parse_variants(
+            "d=kernels.moe_small.ONE_TOKEN_MOE_TILES:{'down_o': 1, 'down_f': 1024}")
         with decode_variants.overridden(variants["d"]):
             tiles = moe_small.moe_tiles(1)
             assert (tiles.down_o, tiles.down_f) == (1, 1024)
             assert tiles.gate_up_d == original.gate_up_d and tiles.one_token
         assert moe_small.ONE_TOKEN_MOE_TILES is original
+
+
+def test_the_gpu_sessions_variants_name_existing_knobs():
+    """bench/gpu_session.sh's vars step: every knob of DECODE_VARIANTS resolves (else the run
+    fails only on the lent GPU machine)."""
+    script = (pathlib.Path(__file__).resolve().parents[3] / "bench" / "gpu_session.sh").read_text()
+    text = re.search(r'^DECODE_VARIANTS="(.*?)"$', script, re.M | re.S).group(1).replace("\\\n", "")
+    variants = decode_variants.parse_variants(text)
+    assert len(variants) == 10 and "kernels.rotary.QKV_ONE_TOKEN_STEPS" in variants["qkv_blocks64"]
 
 
 @pytest.mark.parametrize("flags, message", [
