@@ -26,8 +26,8 @@ ARGS = ["--device", "cpu", "--preset", "tiny", "--layers", "2", "--batch-sizes",
 
 
 def test_parse_variants_reads_literals_and_puts_base_first():
-    assert decode_variants.parse_variants("a = graph_runner.log:None, runner._GREEDY:1.5; b=; c=runner.time:True") == {
-        "base": {}, "a": {"graph_runner.log": None, "runner._GREEDY": 1.5}, "b": {}, "c": {"runner.time": True}}
+    assert decode_variants.parse_variants("a = graph_runner.log:None, runner.GREEDY:1.5; b=; c=runner.time:True") == {
+        "base": {}, "a": {"graph_runner.log": None, "runner.GREEDY": 1.5}, "b": {}, "c": {"runner.time": True}}
     assert decode_variants.parse_variants("") == {"base": {}}
     for text in ("base=runner.time:1", "a=;a=", "=runner.time:1"):
         with pytest.raises(ValueError, match="variant names"):
