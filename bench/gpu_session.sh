@@ -20,7 +20,7 @@
 #     nccl   n2 again with the experts' --ep-exchange nccl
 #     push   n2 again with the experts' --ep-exchange-push (each rank writes into its peers' buffers)
 #     signals n2 again with the experts' --ep-exchange-signals (push, flags instead of barrier kernels)
-#     flags  tests/services/test_triton_flags_cuda.py (the flag kernels on one GPU: compiled, waiting, timing out)
+#     flags  tests/services/model/kernels/test_flags_cuda.py (the flag kernels on one GPU: compiled, waiting, timing out)
 #     ep     bench/kernels/ep_gpu.py (the N=2 MoE layer: dispatch/combine against gather/reduce-scatter)
 #     local  bench/kernels/ep_local.py --sweep on ONE GPU: one rank's kernels of the N=2 layer, its GEMM tiles
 #     moe    bench/kernels/moe_large_batch.py --sweep at decode and prefill sizes (the MoE GEMM tiles)
@@ -72,12 +72,13 @@ two_ranks() {  # two_ranks NAME ARGS...: gpu_speed on two ranks, c256 and c512, 
         --baseline-json "$RESULTS/n1/gpu_speed_$KIND.json" ${N2_ARGS:-} --out "$RESULTS/$name"
 }
 
-# The kernel knobs bench/kernels/decode_variants.py compares with the defaults, on one machine.
-DECODE_VARIANTS="unfused=triton_fused.GATE_ROUTE_ROWS_MAX_TOKENS:0,triton_moe.FUSED_ADD_NORM:False;\
-no_gate_route_rows=triton_fused.GATE_ROUTE_ROWS_MAX_TOKENS:0;no_fused_add_norm=triton_moe.FUSED_ADD_NORM:False;\
-qkv_blocks64=triton_fused.QKV_ONE_TOKEN_STEPS:64;qkv_blocks32=triton_fused.QKV_ONE_TOKEN_STEPS:32;\
-route_splits16=triton_fused.GATE_ROUTE_ROWS_SPLITS:16;route_splits4=triton_fused.GATE_ROUTE_ROWS_SPLITS:4;\
-attn_programs8=triton_attention.DECODE_PROGRAMS_PER_SM:8;attn_programs16=triton_attention.DECODE_PROGRAMS_PER_SM:16"
+# The kernel knobs bench/kernels/decode_variants.py compares with the defaults, on one machine
+# (module paths under services.model; tests/bench/kernels/test_decode_variants.py resolves each).
+DECODE_VARIANTS="unfused=kernels.routing.GATE_ROUTE_ROWS_MAX_TOKENS:0,kernels.moe_grouped.FUSED_ADD_NORM:False;\
+no_gate_route_rows=kernels.routing.GATE_ROUTE_ROWS_MAX_TOKENS:0;no_fused_add_norm=kernels.moe_grouped.FUSED_ADD_NORM:False;\
+qkv_blocks64=kernels.rotary.QKV_ONE_TOKEN_STEPS:64;qkv_blocks32=kernels.rotary.QKV_ONE_TOKEN_STEPS:32;\
+route_splits16=kernels.routing.GATE_ROUTE_ROWS_SPLITS:16;route_splits4=kernels.routing.GATE_ROUTE_ROWS_SPLITS:4;\
+attn_programs8=kernels.attention.DECODE_PROGRAMS_PER_SM:8;attn_programs16=kernels.attention.DECODE_PROGRAMS_PER_SM:16"
 
 for step in $STEPS; do
     case $step in
@@ -99,7 +100,7 @@ for step in $STEPS; do
         nccl) two_ranks nccl --expert-arg=--ep-exchange --expert-arg=nccl ;;
         push) two_ranks push --expert-arg=--ep-exchange-push ;;
         signals) two_ranks signals --expert-arg=--ep-exchange-signals ;;
-        flags) part flags 150 python3 -m pytest -q -p no:cacheprovider tests/services/test_triton_flags_cuda.py ;;
+        flags) part flags 150 python3 -m pytest -q -p no:cacheprovider tests/services/model/kernels/test_flags_cuda.py ;;
         ep) part ep 180 python3 bench/kernels/ep_gpu.py --batch-sizes 1,32,128,256 --profile-batch 128 --out "$RESULTS/ep" ;;
         local) part local 300 python3 -m bench.kernels.ep_local --rows-per-rank "${LOCAL_ROWS:-64,128,256}" --sweep \
                 --out "$RESULTS/local" ;;

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 from services.kv_pool import KVPool  # noqa: E402
 from services.model.attention import TorchReferenceAttention  # noqa: E402
 from services.model.batch import SeqInput, build_decode_batch, build_forward_batch, copy_batch_  # noqa: E402
-from services.model.triton_attention import TritonPagedAttention, decode_num_splits  # noqa: E402
+from services.model.kernels.attention import TritonPagedAttention, decode_num_splits  # noqa: E402
 
 BLOCK_SIZE = 16
 HEAD_DIM = 128

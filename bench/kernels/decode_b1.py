@@ -1,4 +1,4 @@
-"""The batch-1 decode step on one GPU with triton_fused's single-token kernels (issue 8).
+"""The batch-1 decode step on one GPU with the single-token kernels of services/model/kernels/ (issue 8).
 
     python -m bench.kernels.decode_b1 --out DIR [--parts kernels,moe,model]
 
@@ -41,7 +41,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from services.kv_pool import KVPool  # noqa: E402
-from services.model import triton_fused  # noqa: E402
+from services.model.kernels import gemv, launch, moe_small, routing  # noqa: E402
 from services.model.batch import SeqInput, build_forward_batch  # noqa: E402
 from services.model.qwen3_moe import Qwen3MoeModel  # noqa: E402
 from services.model.random_weights import RandomWeights, preset  # noqa: E402
@@ -104,11 +104,11 @@ def pdl_rows() -> dict:
     for name, (n, k) in SHAPES.items():
         w = torch.randn(COPIES, n, k, generator=g, device="cuda").to(torch.bfloat16) / k ** 0.5
         xk = torch.randn(1, k, generator=g, device="cuda").to(torch.bfloat16)
-        tiles = triton_fused.GEMV_TILES_BY_SHAPE.get((n, k), triton_fused.GEMV_TILES)
-        rows[name] = round(graph_us(lambda i: triton_fused.gemv(xk, w[i], tiles)), 2)
+        tiles = gemv.GEMV_TILES_BY_SHAPE.get((n, k), gemv.GEMV_TILES)
+        rows[name] = round(graph_us(lambda i: gemv.gemv(xk, w[i], tiles)), 2)
         if name == "gate":
             hits = torch.zeros(n, dtype=torch.int64, device="cuda")
-            rows["gate_route"] = round(graph_us(lambda i: triton_fused.gate_route(xk, w[i], 8, True, hits)), 2)
+            rows["gate_route"] = round(graph_us(lambda i: routing.gate_route(xk, w[i], 8, True, hits)), 2)
     return rows
 
 
@@ -122,9 +122,9 @@ def gemv_and_gate_sweep() -> dict:
         rows = {"F.linear": {"us": graph_us(lambda i: F.linear(xk, w[i]))}}
         ref = F.linear(xk, w[0])
         for tiles in SWEEP:
-            t = triton_fused.GemvTiles(*tiles)
-            rows[str(tiles)] = {"us": graph_us(lambda i: triton_fused.gemv(xk, w[i], t)),
-                                "rel_diff": rel_diff(triton_fused.gemv(xk, w[0], t), ref)}
+            t = gemv.GemvTiles(*tiles)
+            rows[str(tiles)] = {"us": graph_us(lambda i: gemv.gemv(xk, w[i], t)),
+                                "rel_diff": rel_diff(gemv.gemv(xk, w[0], t), ref)}
         for row in rows.values():
             row["TB_s"] = round(n * k * 2 / row["us"] / 1e6, 2)
             row["us"] = round(row["us"], 2)
@@ -136,31 +136,31 @@ def gemv_and_gate_sweep() -> dict:
                         "us_f_linear": round(sum(out[name]["F.linear"]["us"] for name in SHAPES), 2)}
     best_per_shape = {name: min(SWEEP, key=lambda c: out[name][str(c)]["us"]) for name in SHAPES}
     out["gemv_best_per_shape"] = best_per_shape
-    triton_fused.GEMV_TILES = triton_fused.GemvTiles(*best)
-    triton_fused.GEMV_TILES_BY_SHAPE = {SHAPES[name]: triton_fused.GemvTiles(*c) for name, c in best_per_shape.items()
+    gemv.GEMV_TILES = gemv.GemvTiles(*best)
+    gemv.GEMV_TILES_BY_SHAPE = {SHAPES[name]: gemv.GemvTiles(*c) for name, c in best_per_shape.items()
                                         if c != best}
     w, xk = weights["gate"], x[2048]
     hits = torch.zeros(128, dtype=torch.int64, device="cuda")
-    ref = triton_fused.route(F.linear(xk, w[0]), 8, True, hits, xk.dtype)
+    ref = routing.route(F.linear(xk, w[0]), 8, True, hits, xk.dtype)
     rows = {"F.linear+route": {"us": graph_us(
-                lambda i: triton_fused.route(F.linear(xk, w[i]), 8, True, hits, xk.dtype))},
-            "gemv+route": {"us": graph_us(lambda i: triton_fused.route(
-                triton_fused.gemv(xk, w[i], triton_fused.GEMV_TILES), 8, True, hits, xk.dtype))}}
-    got = triton_fused.route(triton_fused.gemv(xk, w[0], triton_fused.GEMV_TILES), 8, True, hits, xk.dtype)
+                lambda i: routing.route(F.linear(xk, w[i]), 8, True, hits, xk.dtype))},
+            "gemv+route": {"us": graph_us(lambda i: routing.route(
+                gemv.gemv(xk, w[i], gemv.GEMV_TILES), 8, True, hits, xk.dtype))}}
+    got = routing.route(gemv.gemv(xk, w[0], gemv.GEMV_TILES), 8, True, hits, xk.dtype)
     rows["gemv+route"].update(ids_equal=bool(torch.equal(got[0], ref[0])), weights_rel_diff=rel_diff(got[1], ref[1]))
     for splits, experts, warps in GATE_ROUTE_SWEEP:
-        triton_fused.GATE_ROUTE_SPLITS, triton_fused.GATE_ROUTE_EXPERTS = splits, experts
-        triton_fused.GATE_ROUTE_WARPS = warps
-        got = triton_fused.gate_route(xk, w[0], 8, True, hits)
+        routing.GATE_ROUTE_SPLITS, routing.GATE_ROUTE_EXPERTS = splits, experts
+        routing.GATE_ROUTE_WARPS = warps
+        got = routing.gate_route(xk, w[0], 8, True, hits)
         rows[f"gate_route {splits} {experts} {warps}"] = {
-            "us": graph_us(lambda i: triton_fused.gate_route(xk, w[i], 8, True, hits)),
+            "us": graph_us(lambda i: routing.gate_route(xk, w[i], 8, True, hits)),
             "ids_equal": bool(torch.equal(got[0], ref[0])), "weights_rel_diff": rel_diff(got[1], ref[1]),
             "splits": splits, "experts": experts, "warps": warps}
     for row in rows.values():
         row["us"] = round(row["us"], 2)
     pick = min((r for r in rows.values() if "splits" in r), key=lambda r: r["us"])
-    triton_fused.GATE_ROUTE_SPLITS, triton_fused.GATE_ROUTE_EXPERTS = pick["splits"], pick["experts"]
-    triton_fused.GATE_ROUTE_WARPS = pick["warps"]
+    routing.GATE_ROUTE_SPLITS, routing.GATE_ROUTE_EXPERTS = pick["splits"], pick["experts"]
+    routing.GATE_ROUTE_WARPS = pick["warps"]
     out["gate_route"] = rows
     out["gate_pick"] = {"splits": pick["splits"], "experts": pick["experts"], "warps": pick["warps"],
                         "faster_than_gemv_route": pick["us"] < rows["gemv+route"]["us"]}
@@ -169,7 +169,7 @@ def gemv_and_gate_sweep() -> dict:
 
 
 def moe_reference(x, w_gate_up, w_down, ids, weights):
-    """One token's experts in torch, rounded as moe.experts and moe.combine round."""
+    """One token's experts in torch, rounded as moe_experts.experts and moe_dispatch.combine round."""
     total = torch.zeros_like(x, dtype=torch.float32)
     for k, e in enumerate(ids[0].tolist()):
         gate, up = F.linear(x, w_gate_up[e]).chunk(2, dim=-1)
@@ -196,15 +196,19 @@ def kernel_profile(fn, calls: int) -> dict:
 
 @contextlib.contextmanager
 def switches(**values):
-    """triton_fused's module switches set to values inside the block."""
-    saved = {name: getattr(triton_fused, name) for name in values}
-    for name, value in values.items():
-        setattr(triton_fused, name, value)
+    """The kernel modules' switches (SWITCH_MODULES) set to values inside the block."""
+    saved = {name: getattr(SWITCH_MODULES[name], name) for name in values}
+    set_switches(values)
     try:
         yield
     finally:
-        for name, value in saved.items():
-            setattr(triton_fused, name, value)
+        set_switches(saved)
+
+
+def set_switches(values: dict) -> None:
+    """Each switch `name` set on its module (SWITCH_MODULES)."""
+    for name, value in values.items():
+        setattr(SWITCH_MODULES[name], name, value)
 
 
 def moe_one_token() -> dict:
@@ -218,33 +222,33 @@ def moe_one_token() -> dict:
     w_down = torch.randn(MOE_COPIES, e, d, f, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(1, d, device="cuda", dtype=torch.bfloat16)
     hits = torch.zeros(e, dtype=torch.int64, device="cuda")
-    routes = [triton_fused.gate_route(x, w_gate[i], 8, True, hits)[:2] for i in range(MOE_COPIES)]
+    routes = [routing.gate_route(x, w_gate[i], 8, True, hits)[:2] for i in range(MOE_COPIES)]
     ref = moe_reference(x, w_gate_up[0], w_down[0], *routes[0])
 
     def run(tiles, i):
-        return triton_fused.fused_moe_tiled(x, w_gate[i], w_gate_up[i], w_down[i], 8, True, hits, tiles)
+        return moe_small.fused_moe_tiled(x, w_gate[i], w_gate_up[i], w_down[i], 8, True, hits, tiles)
 
     def layer_row(tiles):
         return {"us": round(graph_us(lambda i: run(tiles, i), calls=MOE_COPIES), 2), **versus(run(tiles, 0), ref)}
 
     plain = dict(PDL=False)
-    dot = dataclasses.replace(triton_fused.FMA_MOE_TILES, gate_up_f=32, gate_up_d=256, gate_up_stages=4,
-                              gate_up_fma=False)  # moe_tiles' tl.dot tiles below 16 tokens
+    dot = dataclasses.replace(moe_small.FMA_MOE_TILES, gate_up_f=32, gate_up_d=256, gate_up_stages=4,
+                           gate_up_fma=False)  # moe_tiles' tl.dot tiles below 16 tokens
     with switches(**plain):
-        layers = {"tl.dot": layer_row(dot), "fma (before)": layer_row(triton_fused.FMA_MOE_TILES),
-                  "one_token default": layer_row(triton_fused.ONE_TOKEN_MOE_TILES)}
+        layers = {"tl.dot": layer_row(dot), "fma (before)": layer_row(moe_small.FMA_MOE_TILES),
+                  "one_token default": layer_row(moe_small.ONE_TOKEN_MOE_TILES)}
         print("moe layers", json.dumps(layers), flush=True)
-        sweep, best = {"gate_up": {}, "down": {}}, triton_fused.ONE_TOKEN_MOE_TILES
-        acts = [triton_fused.one_token_gate_up(x, routes[i][0], w_gate_up[i], best) for i in range(MOE_COPIES)]
-        launches = {"gate_up": lambda t, i: triton_fused.one_token_gate_up(x, routes[i][0], w_gate_up[i], t),
-                     "down": lambda t, i: triton_fused.one_token_down(acts[i], *routes[i], w_down[i], t)}
+        sweep, best = {"gate_up": {}, "down": {}}, moe_small.ONE_TOKEN_MOE_TILES
+        acts = [moe_small.one_token_gate_up(x, routes[i][0], w_gate_up[i], best) for i in range(MOE_COPIES)]
+        launches = {"gate_up": lambda t, i: moe_small.one_token_gate_up(x, routes[i][0], w_gate_up[i], t),
+                     "down": lambda t, i: moe_small.one_token_down(acts[i], *routes[i], w_down[i], t)}
         for kernel, candidates, fields in (("gate_up", GATE_UP_SWEEP, GATE_UP_FIELDS),
                                            ("down", DOWN_SWEEP, DOWN_FIELDS)):
             for cand in candidates:
                 t = dataclasses.replace(best, **dict(zip(fields, cand)))
                 try:
                     row = {"us": round(graph_us(lambda i: launches[kernel](t, i), calls=MOE_COPIES), 2),
-                           **versus(triton_fused.one_token_experts(x, *routes[0], w_gate_up[0], w_down[0], t), ref)}
+                           **versus(moe_small.one_token_experts(x, *routes[0], w_gate_up[0], w_down[0], t), ref)}
                 except Exception as err:  # a candidate that fails to compile or run is recorded, not fatal
                     row = {"error": repr(err)[:300]}
                 sweep[kernel][str(cand)] = row
@@ -257,17 +261,17 @@ def moe_one_token() -> dict:
         diagnostics = moe_diagnostics(x, w_gate_up, w_down, routes, acts, best)
     with switches(PDL=True):
         layers["one_token pick pdl"] = dict(layer_row(best), equal_to_pick=bool(torch.equal(run(best, 0), plain_out)))
-    triton_fused.ONE_TOKEN_MOE_TILES = best
-    triton_fused.PDL = layers["one_token pick pdl"]["us"] < layers["one_token pick"]["us"]
+    moe_small.ONE_TOKEN_MOE_TILES = best
+    launch.PDL = layers["one_token pick pdl"]["us"] < layers["one_token pick"]["us"]
     kernels_us = {}
-    for name, tiles, pdl in (("fma (before)", triton_fused.FMA_MOE_TILES, False), ("one_token pick", best, False),
+    for name, tiles, pdl in (("fma (before)", moe_small.FMA_MOE_TILES, False), ("one_token pick", best, False),
                              ("one_token pick pdl", best, True)):
         with switches(PDL=pdl):
             kernels_us[name] = kernel_profile(lambda i: run(tiles, i), MOE_COPIES)
     print("moe layers", json.dumps(layers), "\nkernels", json.dumps(kernels_us), "\ndiagnostics",
           json.dumps(diagnostics), flush=True)
     return {"layers": layers, "sweep": sweep, "kernel_us": kernels_us, "diagnostics": diagnostics,
-            "pick": repr(best), "pdl": triton_fused.PDL}
+            "pick": repr(best), "pdl": launch.PDL}
 
 
 def moe_diagnostics(x, w_gate_up, w_down, routes, acts, tiles) -> dict:
@@ -275,24 +279,28 @@ def moe_diagnostics(x, w_gate_up, w_down, routes, acts, tiles) -> dict:
     only (each call other experts of the same 805 MB: fewer address translations to cache), and
     gate_up on experts 0-7 of each copy (one contiguous 50 MB)."""
     first8 = torch.arange(8, device="cuda")[None]
-    calls = {"gate_up": lambda i: triton_fused.one_token_gate_up(x, routes[i][0], w_gate_up[i], tiles),
-             "gate_up copy 0": lambda i: triton_fused.one_token_gate_up(x, routes[i][0], w_gate_up[0], tiles),
-             "gate_up experts 0-7": lambda i: triton_fused.one_token_gate_up(x, first8, w_gate_up[i], tiles),
-             "down": lambda i: triton_fused.one_token_down(acts[i], *routes[i], w_down[i], tiles),
-             "down copy 0": lambda i: triton_fused.one_token_down(acts[i], *routes[i], w_down[0], tiles)}
+    calls = {"gate_up": lambda i: moe_small.one_token_gate_up(x, routes[i][0], w_gate_up[i], tiles),
+             "gate_up copy 0": lambda i: moe_small.one_token_gate_up(x, routes[i][0], w_gate_up[0], tiles),
+             "gate_up experts 0-7": lambda i: moe_small.one_token_gate_up(x, first8, w_gate_up[i], tiles),
+             "down": lambda i: moe_small.one_token_down(acts[i], *routes[i], w_down[i], tiles),
+             "down copy 0": lambda i: moe_small.one_token_down(acts[i], *routes[i], w_down[0], tiles)}
     return {name: round(graph_us(fn, calls=MOE_COPIES), 2) for name, fn in calls.items()}
 
 
+# The module switches this script sets, by name: where each is read at call time.
+SWITCH_MODULES = {"GEMV_TILES": gemv, "GEMV_TILES_BY_SHAPE": gemv, "GATE_ROUTE_SPLITS": routing,
+                  "GATE_ROUTE_EXPERTS": routing, "GATE_ROUTE_WARPS": routing, "ONE_TOKEN_MOE_TILES": moe_small,
+                  "PDL": launch, "ENABLED": launch, "SINGLE_TOKEN_KERNELS": launch}
 SETTINGS = ("GEMV_TILES", "GEMV_TILES_BY_SHAPE", "GATE_ROUTE_SPLITS", "GATE_ROUTE_EXPERTS", "GATE_ROUTE_WARPS",
             "ONE_TOKEN_MOE_TILES", "PDL")
 # The code before this script's second version: the first run's picks (in the git history of
 # bench/results/decode_b1_h200.md), plain launches.
-BEFORE = dict(GEMV_TILES=triton_fused.GemvTiles(8, 512, 3, 4), GEMV_TILES_BY_SHAPE={}, GATE_ROUTE_SPLITS=16,
-              GATE_ROUTE_EXPERTS=8, GATE_ROUTE_WARPS=4, ONE_TOKEN_MOE_TILES=triton_fused.FMA_MOE_TILES, PDL=False)
+BEFORE = dict(GEMV_TILES=gemv.GemvTiles(8, 512, 3, 4), GEMV_TILES_BY_SHAPE={}, GATE_ROUTE_SPLITS=16,
+              GATE_ROUTE_EXPERTS=8, GATE_ROUTE_WARPS=4, ONE_TOKEN_MOE_TILES=moe_small.FMA_MOE_TILES, PDL=False)
 
 
 def settings() -> dict:
-    return {name: getattr(triton_fused, name) for name in SETTINGS}
+    return {name: getattr(SWITCH_MODULES[name], name) for name in SETTINGS}
 
 
 def model_step(args) -> dict:
@@ -315,8 +323,7 @@ def model_step(args) -> dict:
     if modes["after"]["PDL"]:
         modes["after_no_pdl"] = dict(modes["after"], PDL=False)
     for mode, values in modes.items():
-        for name, value in values.items():
-            setattr(triton_fused, name, value)
+        set_switches(values)
         eager = model.forward_at_capacity(fb, kv, capacity)
         static = torch.empty_like(eager)
         step_us = graph_us(lambda _: model.forward_at_capacity(fb, kv, capacity, logits_SV=static), calls=1,
@@ -333,9 +340,9 @@ def model_step(args) -> dict:
                      "eager_repeat_equal": bool(torch.equal(eager, eager_again)), "profile": table}
         logits[mode] = eager
         print(mode, {k: v for k, v in out[mode].items() if k != "profile"}, "\n" + table, flush=True)
-    triton_fused.ENABLED = False  # the torch code: how far two bf16 paths drift apart over the layers
+    launch.ENABLED = False  # the torch code: how far two bf16 paths drift apart over the layers
     logits["torch"] = model.forward_at_capacity(fb, kv, capacity)
-    triton_fused.ENABLED = triton_fused.SINGLE_TOKEN_KERNELS = True
+    launch.ENABLED = launch.SINGLE_TOKEN_KERNELS = True
     pairs = [("after", "before"), ("before", "cublas"), ("after", "cublas"), ("before", "torch"), ("after", "torch")]
     for a, b in pairs + [("after", "after_no_pdl")] * ("after_no_pdl" in logits):
         out[f"{a}_vs_{b}"] = {"rel_diff": rel_diff(logits[a], logits[b]),
@@ -360,7 +367,7 @@ def main(argv=None) -> int:
         if part in parts:
             result[part] = fn()
             path.write_text(json.dumps(result, indent=1))
-    # The picks as triton_fused's source spells them (the model step below runs with them).
+    # The picks as the kernel modules' source spells them (the model step below runs with them).
     result["picks"] = {name: repr(value) for name, value in settings().items()}
     path.write_text(json.dumps(result, indent=1))
     if "model" in parts:

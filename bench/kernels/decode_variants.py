@@ -9,8 +9,9 @@ Lent machines differ by about 6%, so variants are only comparable within one
 run: this builds the serving model once (bench/kernels/decode_graph_check.py's build:
 random weights of --preset at full width, --layers layers, bf16, triton
 attention, one rank) and runs every variant on it. A variant sets module
-attributes, `module.attr:value`, module under services.model or else
-expert_svc (e.g. triton_fused.QKV_ONE_TOKEN_STEPS:64), the value a Python
+attributes, `module.attr:value`, the module's dotted path under services.model
+or else expert_svc (e.g. kernels.rotary.QKV_ONE_TOKEN_STEPS:64 for
+services.model.kernels.rotary, runner.X for expert_svc.runner), the value a Python
 literal; unknown names fail before anything runs. It takes effect only where
 the code reads the attribute at run time (not a value copied at import).
 "base" (no change) runs first; an empty variant ("again=") measures the noise.
@@ -41,7 +42,7 @@ step makes as many tokens as the one-rank row of its batch, and --baseline (a
 one-rank run's decode_variants.json) gives each row its one-rank base step
 over its own: the speed-up over one GPU of the graph-replayed step. On CUDA
 each variant runs under each of --exchanges: pull, push and signals,
-symm_exchange's symmetric-memory exchange (the expert service's
+exchange/symmetric.py's symmetric-memory exchange (the expert service's
 --ep-exchange, alone, with --ep-exchange-push, with --ep-exchange-signals),
 collectives its NCCL all_gather and reduce_scatter. A row's times are its slower rank's; the logit comparison the
 worst rank's (argmax agreement their mean); --profile gives every rank's
@@ -79,7 +80,9 @@ from expert_svc.graph_runner import DecodeGraphRunner, cuda_capture
 from expert_svc.runner import StepRunner
 from services.kv_pool import KVPool, kv_cache_dtype
 from services.model.batch import SeqInput, build_forward_batch
-from services.model.moe import ExpertComm, gathers_on, local_expert_ids
+from services.model.exchange.comm import ExpertComm
+from services.model.moe_backend import gathers_on
+from services.model.moe_dispatch import local_expert_ids
 from services.model.qwen3_moe import Qwen3MoeModel
 from services.model.random_weights import RandomWeights, preset
 from services.step import NewSequence, SamplingSpec, ScheduledSequence, StepPlan
@@ -89,7 +92,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the serving default (cuda_graph_
 WARMUP_STEPS = 3
 TOP_KERNELS = 20
 MODULE_PACKAGES = ("services.model", "expert_svc")
-# --exchanges of a run of several ranks: symm_exchange's two modes, or NCCL's collectives.
+# --exchanges of a run of several ranks: exchange.symmetric's modes, or NCCL's collectives.
 EXCHANGES = ("pull", "push", "signals", "collectives")
 
 
@@ -101,7 +104,9 @@ def parse_args(argv=None):
     p.add_argument("--batch-sizes", default="256,128,1")
     p.add_argument("--context", default="1024:2048", help="cached context per sequence, drawn from lo:hi")
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per variant and batch size")
-    p.add_argument("--variants", default="", help="name=module.attr:value,...;... (base always runs first)")
+    p.add_argument("--variants", default="", help="name=module.attr:value,...;... (base always runs first); "
+                   "module: a dotted path under services.model or else expert_svc, e.g. "
+                   "kernels.rotary.QKV_ONE_TOKEN_STEPS:64")
     p.add_argument("--profile", action="store_true", help="top kernels of one eager step per variant")
     p.add_argument("--rounds", type=int, default=1, help="times each variant runs, interleaved with the "
                    "others (the GPU drifts over a run: base first and once would favour it)")
@@ -183,7 +188,8 @@ def parse_variants(text: str) -> dict[str, dict[str, object]]:
 
 
 def resolve(target: str) -> tuple[object, str]:
-    """"module.attr" as (module, attr): services.model.<module>, else expert_svc.<module>."""
+    """"module.attr" as (module, attr): services.model.<module>, else expert_svc.<module>; the
+    module a dotted path (kernels.rotary.QKV_ONE_TOKEN_STEPS: services.model.kernels.rotary)."""
     module_name, _, attr = target.rpartition(".")
     if not module_name or not attr:
         raise ValueError(f"a variant's setting must be module.attr, got {target!r}")
@@ -192,7 +198,7 @@ def resolve(target: str) -> tuple[object, str]:
         try:
             module = importlib.import_module(full)
         except ModuleNotFoundError as error:
-            if error.name == full:
+            if full == error.name or full.startswith(f"{error.name}."):  # the module or a package above it
                 continue
             raise
         if not hasattr(module, attr):
@@ -376,7 +382,7 @@ def _release(device: torch.device) -> None:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Place:
     """This process in a run: rank `rank` of `num_ranks`, and the exchanges its model's
-    comm takes in turn (name -> symm_exchange.SymmetricExchange, or None: collectives;
+    comm takes in turn (name -> exchange.symmetric.SymmetricExchange, or None: collectives;
     one rank: {"": None})."""
 
     rank: int
@@ -505,8 +511,8 @@ def build_rank(args, place_rank: int, exchange_names: list[str]) -> tuple:
 def _symmetric_exchange(model, name: str):
     """The expert service's exchange (expert_svc.model_builder) in mode `name` (pull, push or signals):
     buffers for the decode buckets."""
-    from services.model.symm_exchange import SymmetricExchange  # triton: CUDA only
-    from services.model.triton_ep import row_width
+    from services.model.exchange.symmetric import SymmetricExchange  # triton: CUDA only
+    from services.model.kernels.moe_ep import row_width
 
     c = model.config
     return SymmetricExchange(dist.group.WORLD, max(model.max_fixed_capacity_tokens, BUCKETS[-1]),

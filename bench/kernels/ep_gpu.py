@@ -60,9 +60,9 @@ from services.model.batch import SeqInput, build_forward_batch  # noqa: E402
 from services.model.checkpoint import expected_tensors  # noqa: E402
 from services.model.config import ModelConfig  # noqa: E402
 from services.model.layers import AddNorm  # noqa: E402
-from services.model.moe import (  # noqa: E402
-    ExpertComm, MoELayer, combine, dispatch, gate, local_expert_ids, step_capacity,
-)
+from services.model.exchange.comm import ExpertComm  # noqa: E402
+from services.model.moe import MoELayer  # noqa: E402
+from services.model.moe_dispatch import combine, dispatch, gate, local_expert_ids, step_capacity  # noqa: E402
 from services.model.qwen3_moe import Qwen3MoeModel  # noqa: E402
 
 WORLD_SIZE = 2
@@ -300,13 +300,13 @@ LAYER_EXPERTS, LAYER_WIDTH, LAYER_TOP_K = 128, 768, 8
 
 def time_moe_layer(rank: int, settings: Settings, device) -> list[dict]:
     """CUDA: one whole MoE layer of Qwen3-30B-A3B's shape (128 experts, 64 per rank) replayed as a
-    CUDA graph per batch size, through moe.py's dispatch / sorted_experts / combine and through
-    triton_ep's gather / reduce-scatter (NCCL, and symmetric memory pull, push and signals), alone and
+    CUDA graph per batch size, through moe_dispatch's dispatch / sorted_experts / combine and through
+    kernels.moe_ep's gather / reduce-scatter (NCCL, and symmetric memory pull, push and signals), alone and
     handed the layer loop's residual add and next norm; each output's largest difference from
-    the one-rank layer holding every expert (triton_moe.grouped_moe on the same tokens), the
+    the one-rank layer holding every expert (kernels.moe_grouped.grouped_moe on the same tokens), the
     exchanges' bits against NCCL's, and the fused add and norm's against add_rms_norm_ after."""
-    from services.model import triton_ep, triton_fused
-    from services.model.symm_exchange import SymmetricExchange
+    from services.model.exchange.symmetric import SymmetricExchange
+    from services.model.kernels import moe_ep, norm
 
     hidden, comm = LARGE.hidden_size, ExpertComm(dist.group.WORLD)
     g = torch.Generator(device=device).manual_seed(settings.seed + 2)  # the same weights on both ranks
@@ -323,14 +323,14 @@ def time_moe_layer(rank: int, settings: Settings, device) -> list[dict]:
     one_rank = MoELayer(w_gate_ED, w_gate_up_EGD, w_down_EDF, top_k=LAYER_TOP_K, norm_topk_prob=True,
                         comm=ExpertComm.local(), hit_counts_E=hits_E.clone())
     capacities = {b: step_capacity(b, LAYER_TOP_K, len(mine), max_fixed_tokens=1 << 30) for b in settings.batch_sizes}
-    modes = [("dispatch + combine (moe.py)", False, None), (NCCL_MODE, True, None)]
+    modes = [("dispatch + combine (moe_dispatch)", False, None), (NCCL_MODE, True, None)]
     rows, (mark, elapsed) = [], _timer(device)
     # last: a machine without it gets the other rows
     for name, push, signals in ((PULL_MODE, False, False), (PUSH_MODE, True, False), (SIGNALS_MODE, True, True)):
         try:
             modes.append((name, True, SymmetricExchange(
                 dist.group.WORLD, max(c // min(LAYER_TOP_K, len(mine)) for c in capacities.values()),
-                triton_ep.row_width(hidden, LAYER_TOP_K, settings.torch_dtype), hidden, settings.torch_dtype, device,
+                moe_ep.row_width(hidden, LAYER_TOP_K, settings.torch_dtype), hidden, settings.torch_dtype, device,
                 timeout_ms=20_000, push=push, signals=signals)))  # a rank that fails traps the other after 20 s
         except Exception as error:  # noqa: BLE001 (reported in the table)
             rows.append({"mode": name, "rank": rank, "error": repr(error)[:500]})
@@ -343,9 +343,9 @@ def time_moe_layer(rank: int, settings: Settings, device) -> list[dict]:
         expected_TD = one_rank(x_TD)
         outputs = {}
         for name, gathered, exchange in modes:
-            triton_ep.ENABLED, comm.exchange = gathered, exchange
+            moe_ep.ENABLED, comm.exchange = gathered, exchange
             # As the fused layer loop calls it: the residual add and the next layer's norm handed over.
-            add_norm = AddNorm(residual_TD.clone(), norm_D, 1e-6, triton_fused.add_rms_norm_)
+            add_norm = AddNorm(residual_TD.clone(), norm_D, 1e-6, norm.add_rms_norm_)
             try:
                 run = _graphed(lambda: (layer(x_TD, capacity), None), mark)
                 _, total_ms, out_TD = _time(run, settings, device, mark, elapsed)
@@ -367,15 +367,15 @@ def time_moe_layer(rank: int, settings: Settings, device) -> list[dict]:
                 row["equal_to_nccl"] = torch.equal(out_TD, outputs[NCCL_MODE])
                 # the add and norm fused into the exchange's sum: the bits of add_rms_norm_ after it
                 fused_x_TD, unfused_x_TD = residual_TD.clone(), residual_TD.clone()
-                h_TD = layer(x_TD, capacity, AddNorm(fused_x_TD, norm_D, 1e-6, triton_fused.add_rms_norm_))
-                unfused_h_TD = triton_fused.add_rms_norm_(unfused_x_TD, layer(x_TD, capacity), norm_D, 1e-6)
+                h_TD = layer(x_TD, capacity, AddNorm(fused_x_TD, norm_D, 1e-6, norm.add_rms_norm_))
+                unfused_h_TD = norm.add_rms_norm_(unfused_x_TD, layer(x_TD, capacity), norm_D, 1e-6)
                 row["add_norm_equal"] = torch.equal(fused_x_TD, unfused_x_TD) and torch.equal(h_TD, unfused_h_TD)
             rows.append(row)
-    triton_ep.ENABLED, comm.exchange = True, None
+    moe_ep.ENABLED, comm.exchange = True, None
     return rows
 
 
-NCCL_MODE = "gather + reduce-scatter (triton_ep)"
+NCCL_MODE = "gather + reduce-scatter (kernels.moe_ep)"
 PULL_MODE = "gather + reduce-scatter over symmetric memory, each rank reading its peers' buffers (pull)"
 PUSH_MODE = "gather + reduce-scatter over symmetric memory, each rank writing into its peers' buffers (push)"
 SIGNALS_MODE = "push, flags in the kernels instead of barrier kernels (signals)"

@@ -1,4 +1,4 @@
-"""One rank's share of the expert-parallel MoE layer (triton_ep, symm_exchange's push) on ONE GPU.
+"""One rank's share of the expert-parallel MoE layer (kernels.moe_ep, exchange.symmetric's push) on ONE GPU.
 
     python3 -m bench.kernels.ep_local --rows-per-rank 128,256 --sweep     # on a GPU
 
@@ -11,11 +11,11 @@ local experts), every rank B tokens (rows per rank), J = N * B gathered rows:
 
 1. the chain, replayed as a CUDA graph: F.linear gate + route_pack into the N
    row buffers, align + gate_up + down + partials into the N partial buffers
-   (triton_ep.local_partials at triton_ep.local_config(J)), reduce_add_norm,
+   (moe_ep.local_partials at moe_ep.local_config(J)), reduce_add_norm,
    under each --variants setting of module knobs (bench/kernels/decode_variants.py's
-   syntax, e.g. "warps=triton_ep.PARTIALS_WARPS:8"); ms, the local
+   syntax, e.g. "warps=kernels.moe_ep.PARTIALS_WARPS:8"); ms, the local
    experts' weights in GB/s, and the kernels of one eager call;
-   With --signals each variant also with symm_exchange's signals (triton_flags),
+   With --signals each variant also with exchange.symmetric's signals (kernels.flags),
    the pads' table looped back (rank s's pad at this rank's pad + 4 s bytes,
    so the producers' flags for the peers land where this rank's consumers
    wait for the peers'): what the flags cost without NVLink, and the same bits;
@@ -42,7 +42,9 @@ from bench.kernels.decode_variants import overridden, parse_variants  # noqa: E4
 from bench.kernels.kernel_profile import top_kernels  # noqa: E402
 from bench.kernels.moe_large_batch import (  # noqa: E402
     DOWN_TILES, GATE_UP_TILES, HIDDEN, NUM_EXPERTS, TOP_K, WIDTH, tile_ms, time_ms)
-from services.model import symm_exchange, triton_ep, triton_flags, triton_fused, triton_moe  # noqa: E402
+from services.model.exchange import symmetric  # noqa: E402
+from services.model.kernels import moe_align, moe_ep, moe_gemm, norm  # noqa: E402
+from services.model.kernels.flags import exchange_flags  # noqa: E402
 from services.model.layers import AddNorm  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -81,7 +83,7 @@ class Rank:
         self.w_gate_up_LGD = randn(self.num_local, 2 * WIDTH, HIDDEN)
         self.w_down_LDF = randn(self.num_local, HIDDEN, WIDTH)
         self.norm_D = (torch.rand(HIDDEN, generator=g, device="cuda") + 0.5).to(DTYPE)
-        width = triton_ep.row_width(HIDDEN, TOP_K, DTYPE)
+        width = moe_ep.row_width(HIDDEN, TOP_K, DTYPE)
         rows = num_ranks * max_rows_per_rank
         self.rows = [torch.zeros(rows, width, dtype=DTYPE, device="cuda") for _ in range(num_ranks)]
         self.partials = [torch.zeros(rows, HIDDEN, device="cuda") for _ in range(num_ranks)]
@@ -94,7 +96,7 @@ class Rank:
         # flag rank 0's consumers wait for from rank s.
         self.pad = torch.zeros(3 * num_ranks, dtype=torch.int32, device="cuda")
         pads_N = torch.tensor([self.pad.data_ptr() + 4 * s for s in range(num_ranks)], device="cuda")
-        self.flags = triton_flags.exchange_flags(pads_N, 0, "cuda", timeout_ns=10 ** 10)
+        self.flags = exchange_flags(pads_N, 0, "cuda", timeout_ns=10 ** 10)
 
     def tokens(self, rows_per_rank: int, rank: int) -> torch.Tensor:
         g = torch.Generator(device="cuda").manual_seed(1000 * rows_per_rank + rank)
@@ -104,35 +106,35 @@ class Rank:
         """Rank `rank`'s rows routed and written into slot `rank` of every row buffer."""
         logits_TE = torch.nn.functional.linear(x_TD, self.w_gate_ED)
         b = rows_per_rank
-        triton_ep.route_pack(logits_TE, x_TD, TOP_K, True, self.hits_E, b, self.rows[rank][rank * b:(rank + 1) * b],
-                             (self.row_ptrs_N, rank * b), self.flags["rows"] if signals else None)
+        moe_ep.route_pack(logits_TE, x_TD, TOP_K, True, self.hits_E, b, self.rows[rank][rank * b:(rank + 1) * b],
+                          (self.row_ptrs_N, rank * b), self.flags["rows"] if signals else None)
 
     def gathered(self, rows_per_rank: int) -> torch.Tensor:
         return self.rows[0][:self.num_ranks * rows_per_rank]
 
-    def step(self, x_TD: torch.Tensor, add_norm: AddNorm, config: triton_moe.MoEConfig,
+    def step(self, x_TD: torch.Tensor, add_norm: AddNorm, config: moe_gemm.MoEConfig,
              signals: bool = False) -> torch.Tensor:
         """Rank 0's kernels of one layer: its rows to every rank, its experts on the gathered
         rows, the partials to their owners, the sum over its own slots with the add and norm;
         with signals, the flags set and waited for (looped back)."""
         b, flags = x_TD.shape[0], self.flags if signals else {}
         self.pack(x_TD, 0, b, signals)
-        triton_ep.local_partials(self.gathered(b), HIDDEN, TOP_K, 1, self.w_gate_up_LGD, self.w_down_LDF, config,
-                                 self.partials[0][:self.num_ranks * b], (self.partial_ptrs_N, 0),
-                                 flags.get("partials"), wait=flags.get("rows_wait"))
-        return symm_exchange.reduce_add_norm(self.own_partials_N, add_norm, 0, b, flags.get("partials_wait"))
+        moe_ep.local_partials(self.gathered(b), HIDDEN, TOP_K, 1, self.w_gate_up_LGD, self.w_down_LDF, config,
+                              self.partials[0][:self.num_ranks * b], (self.partial_ptrs_N, 0),
+                              flags.get("partials"), wait=flags.get("rows_wait"))
+        return symmetric.reduce_add_norm(self.own_partials_N, add_norm, 0, b, flags.get("partials_wait"))
 
 
 def chain(rank: Rank, rows_per_rank: int, args) -> dict:
-    """The rank's whole layer (as Rank.step, at triton_ep.local_config(J)) under each variant,
+    """The rank's whole layer (as Rank.step, at moe_ep.local_config(J)) under each variant,
     in turn for --rounds rounds: each variant's median over the rounds of its graph ms; the
     kernels of one eager call under base."""
     b, num_rows = rows_per_rank, rank.num_ranks * rows_per_rank
     for peer in range(1, rank.num_ranks):  # the peers' rows, once
         rank.pack(rank.tokens(b, peer), peer, b)
     x_TD = rank.tokens(b, 0)
-    add_norm = AddNorm(rank.tokens(b, 99), rank.norm_D, 1e-6, triton_fused.add_rms_norm_)
-    a = triton_moe.align(triton_ep._meta(rank.gathered(b), HIDDEN)[:, :TOP_K], rank.num_local, 1, 1)
+    add_norm = AddNorm(rank.tokens(b, 99), rank.norm_D, 1e-6, norm.add_rms_norm_)
+    a = moe_align.align(moe_ep._meta(rank.gathered(b), HIDDEN)[:, :TOP_K], rank.num_local, 1, 1)
     experts_hit = int((a.counts_E > 0).sum())
     weight_bytes = experts_hit * 3 * WIDTH * HIDDEN * DTYPE.itemsize
     result = {"rows_per_rank": b, "gathered_rows": num_rows, "local_pairs": int(a.counts_E.sum()),
@@ -143,13 +145,13 @@ def chain(rank: Rank, rows_per_rank: int, args) -> dict:
     for _ in range(args.rounds):
         for name, (overrides, signals) in variants.items():
             with overridden(overrides):
-                config = triton_ep.local_config(num_rows)
+                config = moe_ep.local_config(num_rows)
                 rounds[name].append(time_ms(lambda: rank.step(x_TD, add_norm, config, signals), args.reps, True))
     for name, times in rounds.items():
         ms = statistics.median(times)
         result["variants"][name] = {"overrides": variants[name][0], "graph_ms": ms, "by_round": times,
                                     "weights_GB_per_s": weight_bytes / ms / 1e6}
-    config = triton_ep.local_config(num_rows)
+    config = moe_ep.local_config(num_rows)
     result["config"] = repr(config)
     result["kernels"] = top_kernels(lambda: rank.step(x_TD, add_norm, config), torch.device("cuda"))
     result["checks"] = check_push(rank, x_TD, config)
@@ -163,7 +165,7 @@ def chain(rank: Rank, rows_per_rank: int, args) -> dict:
     return result
 
 
-def check_push(rank: Rank, x_TD: torch.Tensor, config: triton_moe.MoEConfig) -> dict:
+def check_push(rank: Rank, x_TD: torch.Tensor, config: moe_gemm.MoEConfig) -> dict:
     """The push kernels on the GPU against their local forms, bit for bit: the rows route_pack
     pushed into every stand-in against a local send buffer; each owner's slot of the pushed
     partials against the local partials; reduce_add_norm against reduce_rows + add_rms_norm_.
@@ -171,21 +173,21 @@ def check_push(rank: Rank, x_TD: torch.Tensor, config: triton_moe.MoEConfig) -> 
     b = x_TD.shape[0]
     rank.pack(x_TD, 0, b)
     logits_TE = torch.nn.functional.linear(x_TD, rank.w_gate_ED)
-    send_BW = triton_ep.route_pack(logits_TE, x_TD, TOP_K, True, torch.zeros_like(rank.hits_E), b)
+    send_BW = moe_ep.route_pack(logits_TE, x_TD, TOP_K, True, torch.zeros_like(rank.hits_E), b)
     words = [buffer[:b].view(torch.int16) for buffer in rank.rows]
     rows_equal = all(torch.equal(w, send_BW.view(torch.int16)) for w in words)
     recv_JW = rank.gathered(b)
-    local_JD = triton_ep.local_partials(recv_JW, HIDDEN, TOP_K, 1, rank.w_gate_up_LGD, rank.w_down_LDF, config)
-    triton_ep.local_partials(recv_JW, HIDDEN, TOP_K, 1, rank.w_gate_up_LGD, rank.w_down_LDF, config,
-                             rank.partials[0][:rank.num_ranks * b], (rank.partial_ptrs_N, 0))
+    local_JD = moe_ep.local_partials(recv_JW, HIDDEN, TOP_K, 1, rank.w_gate_up_LGD, rank.w_down_LDF, config)
+    moe_ep.local_partials(recv_JW, HIDDEN, TOP_K, 1, rank.w_gate_up_LGD, rank.w_down_LDF, config,
+                          rank.partials[0][:rank.num_ranks * b], (rank.partial_ptrs_N, 0))
     partials_equal = all(torch.equal(rank.partials[owner][:b], local_JD[owner * b:(owner + 1) * b])
                          for owner in range(rank.num_ranks))
     residual_TD = rank.tokens(b, 98)
     fused_x_TD, unfused_x_TD = residual_TD.clone(), residual_TD.clone()
-    h_TD = symm_exchange.reduce_add_norm(rank.own_partials_N, AddNorm(fused_x_TD, rank.norm_D, 1e-6, None), 0, b)
+    h_TD = symmetric.reduce_add_norm(rank.own_partials_N, AddNorm(fused_x_TD, rank.norm_D, 1e-6, None), 0, b)
     summed_TD = torch.empty_like(x_TD)
-    symm_exchange.reduce_rows(rank.own_partials_N, summed_TD, 0, b)
-    unfused_h_TD = triton_fused.add_rms_norm_(unfused_x_TD, summed_TD, rank.norm_D, 1e-6)
+    symmetric.reduce_rows(rank.own_partials_N, summed_TD, 0, b)
+    unfused_h_TD = norm.add_rms_norm_(unfused_x_TD, summed_TD, rank.norm_D, 1e-6)
     return {"rows_equal": rows_equal, "partials_equal": partials_equal,
             "add_norm_equal": torch.equal(fused_x_TD, unfused_x_TD) and torch.equal(h_TD, unfused_h_TD)}
 
@@ -200,20 +202,20 @@ def sweep(rank: Rank, rows_per_rank: int, reps: int, wide: bool = False) -> dict
     WIDE_GATE_UP and WIDE_DOWN at block_m 32, tiles first."""
     recv_JW = rank.gathered(rows_per_rank)
     num_rows = recv_JW.shape[0]
-    ids_JK = triton_ep._meta(recv_JW, HIDDEN)[:, :TOP_K]
+    ids_JK = moe_ep._meta(recv_JW, HIDDEN)[:, :TOP_K]
     x_JD = recv_JW[:, :HIDDEN]
-    default = triton_moe.default_config(num_rows)
+    default = moe_gemm.default_config(num_rows)
     results = {}
     for block_m in (32,) if wide else (16, 32, 64):
-        a = triton_moe.align(ids_JK, rank.num_local, block_m, 1)
-        first = triton_moe.GemmBlocks(*GATE_UP_TILES[block_m][0])
-        act_PF = triton_moe.gate_up(x_JD, a, rank.w_gate_up_LGD, TOP_K, first)
+        a = moe_align.align(ids_JK, rank.num_local, block_m, 1)
+        first = moe_gemm.GemmBlocks(*GATE_UP_TILES[block_m][0])
+        act_PF = moe_gemm.gate_up(x_JD, a, rank.w_gate_up_LGD, TOP_K, first)
         for tiles_first in (True,) if wide else (True, False):
-            gate_up = {tile: tile_ms(lambda: triton_moe.gate_up(x_JD, a, rank.w_gate_up_LGD, TOP_K,
-                                                                triton_moe.GemmBlocks(*tile), tiles_first), reps)
+            gate_up = {tile: tile_ms(lambda: moe_gemm.gate_up(x_JD, a, rank.w_gate_up_LGD, TOP_K,
+                                                              moe_gemm.GemmBlocks(*tile), tiles_first), reps)
                        for tile in (WIDE_GATE_UP if wide else GATE_UP_TILES[block_m])}
-            down = {tile: tile_ms(lambda: triton_moe.down(act_PF, a, rank.w_down_LDF, ids_JK.numel(),
-                                                          triton_moe.GemmBlocks(*tile), tiles_first), reps)
+            down = {tile: tile_ms(lambda: moe_gemm.down(act_PF, a, rank.w_down_LDF, ids_JK.numel(),
+                                                        moe_gemm.GemmBlocks(*tile), tiles_first), reps)
                     for tile in (WIDE_DOWN if wide else DOWN_TILES[block_m])}
             best_gu, best_dn = min(gate_up, key=gate_up.get), min(down, key=down.get)
             key = f"m{block_m}_{'tiles_first' if tiles_first else 'blocks_first'}"
@@ -221,12 +223,12 @@ def sweep(rank: Rank, rows_per_rank: int, reps: int, wide: bool = False) -> dict
                             "down": {str(k): v for k, v in down.items()}, "best_gate_up": best_gu,
                             "best_down": best_dn, "gemms_ms": gate_up[best_gu] + down[best_dn]}
             print(rows_per_rank, key, best_gu, best_dn, f"{results[key]['gemms_ms']:.4f}", flush=True)
-    a = triton_moe.align(ids_JK, rank.num_local, default.block_m, 1)
-    act_PF = triton_moe.gate_up(x_JD, a, rank.w_gate_up_LGD, TOP_K, default.gate_up, default.tiles_first)
+    a = moe_align.align(ids_JK, rank.num_local, default.block_m, 1)
+    act_PF = moe_gemm.gate_up(x_JD, a, rank.w_gate_up_LGD, TOP_K, default.gate_up, default.tiles_first)
     results["default"] = {"config": repr(default), "gemms_ms": time_ms(
-        lambda: triton_moe.gate_up(x_JD, a, rank.w_gate_up_LGD, TOP_K, default.gate_up, default.tiles_first), reps,
-        False) + time_ms(lambda: triton_moe.down(act_PF, a, rank.w_down_LDF, ids_JK.numel(), default.down,
-                                                 default.tiles_first), reps, False)}
+        lambda: moe_gemm.gate_up(x_JD, a, rank.w_gate_up_LGD, TOP_K, default.gate_up, default.tiles_first), reps,
+        False) + time_ms(lambda: moe_gemm.down(act_PF, a, rank.w_down_LDF, ids_JK.numel(), default.down,
+                                               default.tiles_first), reps, False)}
     return results
 
 
@@ -235,7 +237,7 @@ def markdown(result: dict) -> str:
              f"({result['env']['gpu']})", "", f"Command: `{result['command']}`", "",
              f"Environment: {json.dumps(result['env'])}", "",
              "The peers' buffers are local stand-ins: the kernels as on a rank of N GPUs, without the NVLink "
-             "writes and the two barriers. The layer (at triton_ep.local_config) replayed as a CUDA graph under "
+             "writes and the two barriers. The layer (at moe_ep.local_config) replayed as a CUDA graph under "
              "each variant's settings (mean ms of --reps replays; the median of the rounds, the variants in "
              "turn); GB/s: the local experts hit, each read once.", "",
              "| rows per rank | gathered rows | local pairs | local experts hit | variant | layer ms | by round "

@@ -1,22 +1,22 @@
-"""One MoE layer of one rank at decode and prefill sizes: the general path against triton_moe (issue 8).
+"""One MoE layer of one rank at decode and prefill sizes: the general path against kernels.moe_grouped (issue 8).
 
     python3 bench/kernels/moe_large_batch.py --out bench/results          # on a GPU
 
 One Qwen3-30B-A3B-shaped MoE layer (128 experts, top-8, D 2048, F 768, bf16,
 random weights) on one GPU, per token count T:
 
-- general: MoELayer.__call__ with triton_moe off: gate, dispatch with one rank
+- general: MoELayer.__call__ with moe_grouped.ENABLED off: gate, dispatch with one rank
   (fixed capacity up to 256 tokens, host splits above), grouped_mm, combine;
-- grouped_mm: triton_moe.grouped_moe(gemms="torch"): routing and align kernels,
+- grouped_mm: moe_grouped.grouped_moe(gemms="torch"): routing and align kernels,
   the expert GEMMs as torch._grouped_mm on gathered rows, the combine kernel;
-- triton: triton_moe.grouped_moe with its default tiles (the path MoELayer takes);
+- triton: moe_grouped.grouped_moe with its default tiles (the path MoELayer takes);
 - with --sweep, the Triton GEMMs alone for each candidate tile, and the best.
 
 With --ep-ranks N (> 1) it times instead the expert step of rank 0 of N expert-parallel
-ranks (L = 128 / N local experts), moe.experts on the rows dispatch would give it when every
-rank has T tokens: torch._grouped_mm (kernels=False) against triton_moe.sorted_experts (the
-default on CUDA), in the fixed-capacity buffer up to 256 tokens (graphed) and exactly sized
-above, with the largest difference between the two on the real rows.
+ranks (L = 128 / N local experts), the experts on the rows dispatch would give it when every
+rank has T tokens: torch._grouped_mm (moe_experts.experts) against moe_gemm.sorted_experts
+(moe_triton.dispatched_experts, the default on CUDA), in the fixed-capacity buffer up to 256
+tokens (graphed) and exactly sized above, with the largest difference between the two on the real rows.
 
 Reports ms per layer (eager, and CUDA-graph replay up to 256 tokens), GB/s of
 expert weights read (every expert the step routes to, once) and TFLOP/s of the
@@ -36,8 +36,12 @@ import triton
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from services.model import triton_moe  # noqa: E402
-from services.model.moe import ExpertComm, MoELayer, experts, step_capacity  # noqa: E402
+from services.model.exchange.comm import ExpertComm  # noqa: E402
+from services.model.kernels import moe_align, moe_gemm, moe_grouped  # noqa: E402
+from services.model.kernels.moe_triton import dispatched_experts  # noqa: E402
+from services.model.moe import MoELayer  # noqa: E402
+from services.model.moe_dispatch import step_capacity  # noqa: E402
+from services.model.moe_experts import experts  # noqa: E402
 
 NUM_EXPERTS, TOP_K, HIDDEN, WIDTH = 128, 8, 2048, 768
 DEVICE, DTYPE = "cuda", torch.bfloat16
@@ -109,16 +113,16 @@ def time_ms(fn, reps: int, graphed: bool) -> float:
 
 def general(layer: MoELayer, x_TD: torch.Tensor):
     capacity = step_capacity(x_TD.shape[0], TOP_K, NUM_EXPERTS, MAX_GRAPH_TOKENS)
-    triton_moe.ENABLED = False
+    moe_grouped.ENABLED = False
     try:
         return layer(x_TD, capacity)
     finally:
-        triton_moe.ENABLED = True
+        moe_grouped.ENABLED = True
 
 
 def grouped(layer: MoELayer, x_TD: torch.Tensor, hits_E: torch.Tensor, **kwargs):
-    return triton_moe.grouped_moe(x_TD, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, TOP_K, True,
-                                  hits_E, **kwargs)
+    return moe_grouped.grouped_moe(x_TD, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, TOP_K, True,
+                                   hits_E, **kwargs)
 
 
 def sweep(layer: MoELayer, x_TD: torch.Tensor, reps: int) -> dict:
@@ -127,13 +131,13 @@ def sweep(layer: MoELayer, x_TD: torch.Tensor, reps: int) -> dict:
     ids_TK = torch.topk(torch.nn.functional.linear(x_TD, layer.w_gate_ED).float(), TOP_K).indices.sort(1).values
     best = {}
     for block_m in ((16, 32, 64) if num_tokens <= 512 else (64, 128)):
-        a = triton_moe.align(ids_TK, NUM_EXPERTS, block_m)
-        act_PF = triton_moe.gate_up(x_TD, a, layer.w_gate_up_LGD, TOP_K, triton_moe.GemmBlocks(*GATE_UP_TILES[block_m][0]))
-        gate_up = {tile: tile_ms(lambda: triton_moe.gate_up(x_TD, a, layer.w_gate_up_LGD, TOP_K,
-                                                            triton_moe.GemmBlocks(*tile)), reps)
+        a = moe_align.align(ids_TK, NUM_EXPERTS, block_m)
+        act_PF = moe_gemm.gate_up(x_TD, a, layer.w_gate_up_LGD, TOP_K, moe_gemm.GemmBlocks(*GATE_UP_TILES[block_m][0]))
+        gate_up = {tile: tile_ms(lambda: moe_gemm.gate_up(x_TD, a, layer.w_gate_up_LGD, TOP_K,
+                                                          moe_gemm.GemmBlocks(*tile)), reps)
                    for tile in GATE_UP_TILES[block_m]}
-        down = {tile: tile_ms(lambda: triton_moe.down(act_PF, a, layer.w_down_LDF, ids_TK.numel(),
-                                                      triton_moe.GemmBlocks(*tile)), reps)
+        down = {tile: tile_ms(lambda: moe_gemm.down(act_PF, a, layer.w_down_LDF, ids_TK.numel(),
+                                                    moe_gemm.GemmBlocks(*tile)), reps)
                 for tile in DOWN_TILES[block_m]}
         best_gu, best_dn = min(gate_up, key=gate_up.get), min(down, key=down.get)
         best[block_m] = {"gate_up": {str(k): v for k, v in gate_up.items()}, "down": {str(k): v for k, v in down.items()},
@@ -211,12 +215,12 @@ def bench_ep_tokens(layer: MoELayer, num_tokens: int, args) -> dict:
     num_local = NUM_EXPERTS // args.ep_ranks
     w_gate_up_LGD, w_down_LDF = layer.w_gate_up_LGD[:num_local], layer.w_down_LDF[:num_local]
     x_PD, offsets_L, num_pairs = ep_rows(layer, num_tokens, args.ep_ranks)
-    paths = {"grouped_mm": lambda: experts(x_PD, offsets_L, w_gate_up_LGD, w_down_LDF, kernels=False),
-             "triton": lambda: experts(x_PD, offsets_L, w_gate_up_LGD, w_down_LDF)}
+    paths = {"grouped_mm": lambda: experts(x_PD, offsets_L, w_gate_up_LGD, w_down_LDF),
+             "triton": lambda: dispatched_experts(x_PD, offsets_L, w_gate_up_LGD, w_down_LDF)}
     if args.sweep:  # default_config's tiles for each block_m (those of 128, 256, 512, 1024 tokens)
-        for config in map(triton_moe.default_config, (128, 256, 512, 1024)):
+        for config in map(moe_gemm.default_config, (128, 256, 512, 1024)):
             paths[f"triton_m{config.block_m}"] = (
-                lambda config=config: triton_moe.sorted_experts(x_PD, offsets_L, w_gate_up_LGD, w_down_LDF, config))
+                lambda config=config: moe_gemm.sorted_experts(x_PD, offsets_L, w_gate_up_LGD, w_down_LDF, config))
     ref_PD, out_PD = (paths[name]()[:num_pairs].float() for name in ("grouped_mm", "triton"))
     row = {"tokens": num_tokens, "ranks": args.ep_ranks, "rows": x_PD.shape[0], "pairs": num_pairs,
            "max_abs_diff": (out_PD - ref_PD).abs().max().item() if num_pairs else 0.0,
@@ -233,7 +237,7 @@ def bench_ep_tokens(layer: MoELayer, num_tokens: int, args) -> dict:
 def ep_markdown(result: dict) -> str:
     lines = [f"# Expert step of rank 0 of {result['rows'][0]['ranks']} expert-parallel ranks ({result['env']['gpu']})",
              "", f"Command: `{result['command']}`", "", f"Environment: {json.dumps(result['env'])}", "",
-             "moe.experts on the rows dispatch gives rank 0 (fixed-capacity buffer up to 256 tokens per rank, "
+             "The experts on the rows dispatch gives rank 0 (fixed-capacity buffer up to 256 tokens per rank, "
              "CUDA-graph replay; exact rows and eager above). ms per layer; diff: largest |triton - grouped_mm| "
              "on the real pairs (bf16), against the largest |grouped_mm|.", "",
              "| T per rank | buffer rows | pairs | grouped_mm ms | triton ms | speed-up | diff | largest |",
@@ -250,7 +254,7 @@ def ep_markdown(result: dict) -> str:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# One MoE layer, one rank: general path vs triton_moe ({result['env']['gpu']})", "",
+    lines = [f"# One MoE layer, one rank: general path vs kernels.moe_grouped ({result['env']['gpu']})", "",
              f"Command: `{result['command']}`", "", f"Environment: {json.dumps(result['env'])}", "",
              "Qwen3-30B-A3B shape (128 experts, top-8, D 2048, F 768), bf16, random weights. ms per layer: "
              "CUDA-graph replay up to 256 tokens, eager above (the general path syncs with the host there). "

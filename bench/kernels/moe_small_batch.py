@@ -1,6 +1,6 @@
 """The fused MoE against the grouped MoE, one Qwen3-30B-A3B layer at small batches, on CUDA (issue 8).
 
-    python bench/kernels/moe_small_batch.py --out bench/results            # the fixed tiles (triton_fused.moe_tiles)
+    python bench/kernels/moe_small_batch.py --out bench/results            # the fixed tiles (moe_small.moe_tiles)
     python bench/kernels/moe_small_batch.py --sweep --out bench/results    # first time candidate tiles, keep the best
 
 Random bf16 weights of one MoE layer of Qwen3-30B-A3B (D 2048, F 768, 128
@@ -11,11 +11,12 @@ its replays (median of --reps) and report ms per layer and the expert weights
 read per second: the unique experts the layer's tokens touch x 3 x D x F x 2
 bytes, over the whole MoE time (gate matmul and routing included).
 
-- fused: triton_fused.fused_moe (the tiles of moe_tiles, or with --sweep the
+- fused: kernels.moe_small.fused_moe (the tiles of moe_tiles, or with --sweep the
   best candidate at each swept T, used from that T up: what moe_tiles hard-codes).
-- grouped: moe.py's general path (what MoELayer ran for bigger steps before
-  services/model/triton_moe.py, and runs on several ranks): moe.gate, dispatch at
-  fixed capacity (step_capacity), experts (torch._grouped_mm), combine, ExpertComm.local().
+- grouped: the dispatch path (what MoELayer ran for bigger steps before
+  services/model/kernels/moe_grouped.py, and runs on several ranks): moe_dispatch.gate, dispatch
+  at fixed capacity (step_capacity), the experts (moe_triton.dispatched_experts: moe_gemm's
+  sorted_experts on CUDA), combine, ExpertComm.local().
 - Checks on the first copy: the largest |fused - grouped| (both bf16), and of
   each against an fp32 run of the torch code on the same (bf16) weights.
 
@@ -36,7 +37,10 @@ import triton
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from services.model import moe, triton_fused  # noqa: E402
+from services.model import moe_dispatch  # noqa: E402
+from services.model.exchange.comm import ExpertComm  # noqa: E402
+from services.model.kernels import moe_small  # noqa: E402
+from services.model.kernels.moe_triton import dispatched_experts  # noqa: E402
 
 HIDDEN, WIDTH, NUM_EXPERTS, TOP_K = 2048, 768, 128, 8
 DEVICE = "cuda"
@@ -74,19 +78,19 @@ def make_layers(num_layers: int, seed=0) -> list[tuple[torch.Tensor, ...]]:
 
 def grouped_moe(x_TD, w_gate_ED, w_gate_up_EGD, w_down_EDF, hits_E):
     """MoELayer's path for steps over MOE_MAX_TOKENS, at the fixed (capturable) capacity."""
-    comm = moe.ExpertComm.local()
-    ids_TK, weights_TK, counts_E = moe.gate(x_TD, w_gate_ED, TOP_K, True)
+    comm = ExpertComm.local()
+    ids_TK, weights_TK, counts_E = moe_dispatch.gate(x_TD, w_gate_ED, TOP_K, True)
     hits_E += counts_E
-    capacity = moe.step_capacity(x_TD.shape[0], TOP_K, NUM_EXPERTS, 256)
-    x_PD, meta = moe.dispatch(x_TD, ids_TK, weights_TK, counts_E, comm, capacity)
-    return moe.combine(moe.experts(x_PD, meta.offsets_L, w_gate_up_EGD, w_down_EDF), meta, comm)
+    capacity = moe_dispatch.step_capacity(x_TD.shape[0], TOP_K, NUM_EXPERTS, 256)
+    x_PD, meta = moe_dispatch.dispatch(x_TD, ids_TK, weights_TK, counts_E, comm, capacity)
+    return moe_dispatch.combine(dispatched_experts(x_PD, meta.offsets_L, w_gate_up_EGD, w_down_EDF), meta, comm)
 
 
 def fused_moe(tiles):
     """fused_moe with these tiles (None: moe_tiles'), called like grouped_moe."""
     def run(x_TD, w_gate_ED, w_gate_up_EGD, w_down_EDF, hits_E):
-        return triton_fused.fused_moe_tiled(x_TD, w_gate_ED, w_gate_up_EGD, w_down_EDF, TOP_K, True, hits_E,
-                                            tiles or triton_fused.moe_tiles(x_TD.shape[0]))
+        return moe_small.fused_moe_tiled(x_TD, w_gate_ED, w_gate_up_EGD, w_down_EDF, TOP_K, True, hits_E,
+                                         tiles or moe_small.moe_tiles(x_TD.shape[0]))
     return run
 
 
@@ -134,7 +138,7 @@ def kernel_us(moe_fn, x_TD, layers) -> dict:
 
 def expert_bytes(x_TD, layers) -> float:
     """Expert weight bytes one layer reads on average: unique experts touched x 3 x D x F x 2."""
-    unique = [moe.gate(x_TD, w[0], TOP_K, True)[0].unique().numel() for w in layers]
+    unique = [moe_dispatch.gate(x_TD, w[0], TOP_K, True)[0].unique().numel() for w in layers]
     return statistics.mean(unique) * 3 * HIDDEN * WIDTH * 2, statistics.mean(unique)
 
 
@@ -153,10 +157,10 @@ def check(x_TD, weights) -> dict:
 def candidate_tiles(num_tokens: int, gate_up: dict | None = None, down: dict | None = None):
     """The sweep's candidates for one T: every gate_up variant with moe_tiles' down, then
     (once gate_up is picked) every down variant with it."""
-    base = dataclasses.asdict(triton_fused.moe_tiles(num_tokens))
+    base = dataclasses.asdict(moe_small.moe_tiles(num_tokens))
     if down is None:
-        return [triton_fused.MoeTiles(**{**base, **g}) for g in GATE_UP_CANDIDATES]
-    return [triton_fused.MoeTiles(**{**base, **gate_up, **d}) for d in DOWN_CANDIDATES]
+        return [moe_small.MoeTiles(**{**base, **g}) for g in GATE_UP_CANDIDATES]
+    return [moe_small.MoeTiles(**{**base, **gate_up, **d}) for d in DOWN_CANDIDATES]
 
 
 def _compile(jobs) -> None:
@@ -168,7 +172,7 @@ def _compile(jobs) -> None:
     for num_tokens, tiles in jobs:
         x_TD = torch.randn(num_tokens, HIDDEN, dtype=torch.bfloat16, device=DEVICE)
         try:
-            triton_fused.fused_moe_tiled(x_TD, w_gate_ED, w_gate_up_EGD, w_down_EDF, TOP_K, True, hits_E, tiles)
+            moe_small.fused_moe_tiled(x_TD, w_gate_ED, w_gate_up_EGD, w_down_EDF, TOP_K, True, hits_E, tiles)
         except triton.runtime.errors.OutOfResources:
             pass  # skipped again, and reported, when timed
 
@@ -210,8 +214,8 @@ def sweep(x_by_T: dict, layers, reps: int) -> dict:
 def picked_tiles(picks: dict, num_tokens: int):
     """The sweep's tiles for T: those of the largest swept T <= T."""
     swept = max(t for t in SWEEP_TOKENS if t <= num_tokens)
-    base = dataclasses.asdict(triton_fused.moe_tiles(num_tokens))
-    return triton_fused.MoeTiles(**{**base, **{k: v for k, v in picks[swept].items() if k != "ms"}})
+    base = dataclasses.asdict(moe_small.moe_tiles(num_tokens))
+    return moe_small.MoeTiles(**{**base, **{k: v for k, v in picks[swept].items() if k != "ms"}})
 
 
 def main(argv=None) -> int:
@@ -238,7 +242,7 @@ def main(argv=None) -> int:
         grouped_ms = time_ms_per_layer(grouped_moe, x_TD, layers, args.reps)
         row = {"tokens": num_tokens, "unique_experts": unique, "fused_ms": fused_ms, "grouped_ms": grouped_ms,
                "fused_GBps": num_bytes / fused_ms / 1e6, "grouped_GBps": num_bytes / grouped_ms / 1e6,
-               "tiles": dataclasses.asdict(tiles or triton_fused.moe_tiles(num_tokens)), **check(x_TD, layers[0]),
+               "tiles": dataclasses.asdict(tiles or moe_small.moe_tiles(num_tokens)), **check(x_TD, layers[0]),
                "fused_kernel_us": kernel_us(fused_moe(tiles), x_TD, layers)}
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -113,7 +113,7 @@ def time_variants(model, kv, seqs: list[SeqInput], variants: dict[str, dict[str,
     """The mixed step's wall time with each triton attention setting, and its logits against
     the default setting's on the same inputs (the KV pool is the same: the step rewrites
     the same slots with the same values)."""
-    from services.model.triton_attention import TritonPagedAttention  # imports triton: CUDA only
+    from services.model.kernels.attention import TritonPagedAttention  # imports triton: CUDA only
 
     batch = build_forward_batch(seqs, BLOCK, device)
     default = model.attention

@@ -45,7 +45,8 @@ from services.kv_pool import KVPool
 from services.model.attention import make_attention_backend
 from services.model.batch import SeqInput, build_forward_batch
 from services.model.expert_map import apply_placement, replica_tensor_names
-from services.model.moe import ExpertComm, local_expert_ids
+from services.model.exchange.comm import ExpertComm
+from services.model.moe_dispatch import local_expert_ids
 from services.model.qwen3_moe import Qwen3MoeModel
 from services.model.random_weights import RandomWeights, preset
 from services.placement import Placement

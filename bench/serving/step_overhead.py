@@ -140,8 +140,8 @@ def make_fake_runner(device: FakeDevice, num_blocks: int, max_context: int, buck
 async def serve_rank(args) -> None:
     """One rank process: prints its port, serves until stdin closes."""
     from expert_svc.executor import StepExecutor
-    from expert_svc.state import RankState
     from expert_svc.servicer import ExpertServicer
+    from expert_svc.state import RankState
     from moe.expert.v1 import expert_pb2_grpc
     from services import grpc_util
 

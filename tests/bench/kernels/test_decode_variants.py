@@ -2,7 +2,7 @@
 compared with base under its settings, which are put back after; bad settings refused before
 anything runs.
 
-The variant overrides an attribute of triton_fused, a kernel module: TRITON_INTERPRET=1 must be
+The variant overrides an attribute of kernels.rotary, a kernel module: TRITON_INTERPRET=1 must be
 set before it is first imported (interpreted kernel tests later in the session reuse the module),
 so this file sets it first.
 """
@@ -12,6 +12,8 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 import json  # noqa: E402
+import pathlib  # noqa: E402
+import re  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -24,8 +26,8 @@ ARGS = ["--device", "cpu", "--preset", "tiny", "--layers", "2", "--batch-sizes",
 
 
 def test_parse_variants_reads_literals_and_puts_base_first():
-    assert decode_variants.parse_variants("a = graph_runner.log:None, runner._GREEDY:1.5; b=; c=runner.time:True") == {
-        "base": {}, "a": {"graph_runner.log": None, "runner._GREEDY": 1.5}, "b": {}, "c": {"runner.time": True}}
+    assert decode_variants.parse_variants("a = graph_runner.log:None, runner.GREEDY:1.5; b=; c=runner.time:True") == {
+        "base": {}, "a": {"graph_runner.log": None, "runner.GREEDY": 1.5}, "b": {}, "c": {"runner.time": True}}
     assert decode_variants.parse_variants("") == {"base": {}}
     for text in ("base=runner.time:1", "a=;a=", "=runner.time:1"):
         with pytest.raises(ValueError, match="variant names"):
@@ -35,19 +37,19 @@ def test_parse_variants_reads_literals_and_puts_base_first():
 
 
 def test_variants_run_against_base_under_their_settings_then_restore(tmp_path, monkeypatch):
-    with interpreted("triton_fused") as triton_fused:
-        original, seen = triton_fused.QKV_ONE_TOKEN_STEPS, []
+    with interpreted("kernels.rotary") as rotary:
+        original, seen = rotary.QKV_ONE_TOKEN_STEPS, []
         run_variant = decode_variants.run_variant
 
         def spy(*args, **kwargs):
-            seen.append(triton_fused.QKV_ONE_TOKEN_STEPS)
+            seen.append(rotary.QKV_ONE_TOKEN_STEPS)
             return run_variant(*args, **kwargs)
 
         monkeypatch.setattr(decode_variants, "run_variant", spy)
-        assert decode_variants.main(ARGS + ["--variants", "qkv64=triton_fused.QKV_ONE_TOKEN_STEPS:64", "--profile",
+        assert decode_variants.main(ARGS + ["--variants", "qkv64=kernels.rotary.QKV_ONE_TOKEN_STEPS:64", "--profile",
                                             "--rounds", "2", "--out", str(tmp_path)]) == 0
     # Two rounds per batch size, the variants in turn.
-    assert seen == [original, 64] * 4 and triton_fused.QKV_ONE_TOKEN_STEPS == original
+    assert seen == [original, 64] * 4 and rotary.QKV_ONE_TOKEN_STEPS == original
     report = json.loads((tmp_path / "decode_variants.json").read_text())
     rows = report["rows"]
     assert [(r["variant"], r["batch"], r["bucket"]) for r in rows] == [
@@ -67,19 +69,31 @@ def test_variants_run_against_base_under_their_settings_then_restore(tmp_path, m
 
 
 def test_a_dict_replaces_fields_of_a_dataclass_setting_then_the_original_is_back():
-    with interpreted("triton_fused") as triton_fused:
-        original = triton_fused.ONE_TOKEN_MOE_TILES
-        variants = decode_variants.parse_variants("d=triton_fused.ONE_TOKEN_MOE_TILES:{'down_o': 1, 'down_f': 1024}")
+    with interpreted("kernels.moe_small") as moe_small:
+        original = moe_small.ONE_TOKEN_MOE_TILES
+        variants = decode_variants.parse_variants(
+            "d=kernels.moe_small.ONE_TOKEN_MOE_TILES:{'down_o': 1, 'down_f': 1024}")
         with decode_variants.overridden(variants["d"]):
-            tiles = triton_fused.moe_tiles(1)
+            tiles = moe_small.moe_tiles(1)
             assert (tiles.down_o, tiles.down_f) == (1, 1024)
             assert tiles.gate_up_d == original.gate_up_d and tiles.one_token
-        assert triton_fused.ONE_TOKEN_MOE_TILES is original
+        assert moe_small.ONE_TOKEN_MOE_TILES is original
+
+
+def test_the_gpu_sessions_variants_name_existing_knobs():
+    """bench/gpu_session.sh's vars step: every knob of DECODE_VARIANTS resolves (else the run
+    fails only on the lent GPU machine)."""
+    script = (pathlib.Path(__file__).resolve().parents[3] / "bench" / "gpu_session.sh").read_text()
+    text = re.search(r'^DECODE_VARIANTS="(.*?)"$', script, re.M | re.S).group(1).replace("\\\n", "")
+    variants = decode_variants.parse_variants(text)
+    assert len(variants) == 10 and "kernels.rotary.QKV_ONE_TOKEN_STEPS" in variants["qkv_blocks64"]
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--variants", "x=graph_runner.NO_SUCH:1"], "has no attribute 'NO_SUCH'"),  # found in expert_svc
     (["--variants", "x=no_such_module.A:1"], "no module 'no_such_module'"),
+    (["--variants", "x=no_such_package.rotary.A:1"], "no module 'no_such_package.rotary'"),
+    (["--variants", "x=kernels.rotary.NO_SUCH:1"], "services.model.kernels.rotary has no attribute"),
     (["--variants", "x=runner.time:1;y=moe.NO_SUCH:2"], "services.model.moe has no attribute"),
     (["--variants", "x=QKV_ONE_TOKEN_STEPS:1"], "must be module.attr"),
     (["--context", "4000:4096"], "fit the model's 4096 positions"),

@@ -30,7 +30,7 @@ def test_parse_variants():
 
 
 def test_variants_time_the_mixed_step_and_match_the_default():
-    with interpreted("triton_attention"):
+    with interpreted("kernels.attention"):
         config = preset("tiny")
         config = dataclasses.replace(config, num_hidden_layers=1, mlp_only_layers=())
         model = Qwen3MoeModel(config, RandomWeights(config, range(config.num_experts), 0, device="cpu"),
