@@ -170,6 +170,8 @@ def _start(batcher: AdmissionHost, batch: StepBatch, step: StepState, seq: Seque
     block_ids = kv.open(seq.seq_id, match)
     block_ids += kv.grow(seq.seq_id, match.num_cached_tokens + placement.num_tokens)
     seq.num_computed = match.num_cached_tokens
+    if seq.num_cached_tokens is None:
+        seq.num_cached_tokens = min(match.num_cached_tokens, len(seq.prompt_ids))
     plan.new_sequences.append(NewSequence(seq.seq_id, seq.request.sampling, tuple(block_ids),
                                           match.num_cached_tokens))
     stats = batcher.stats

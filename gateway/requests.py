@@ -56,6 +56,8 @@ class RequestOutput:
     # Set on the last output only.
     finish_reason: FinishReason | None = None
     matched_stop: str = ""
+    # Prompt tokens whose KV came from the prefix cache when the request first started.
+    cached_tokens: int = 0
 
     @property
     def is_final(self) -> bool:
@@ -85,7 +87,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "request", "prompt_ids", "output_ids", "token_ids", "rank", "status",
         "num_computed", "num_in_flight", "is_prefilled", "is_aborted", "finish_reason", "deadline",
-        "block_hashes", "num_preemptions", "_detokenizer", "_stops", "_has_stops",
+        "block_hashes", "num_preemptions", "num_cached_tokens", "_detokenizer", "_stops", "_has_stops",
     )
 
     def __init__(self, seq_id: int, request, detokenizer, *, deadline: float | None = None) -> None:
@@ -110,6 +112,10 @@ class Sequence:
         # Chained hashes of the full blocks of token_ids (prefix_cache.extend_block_hashes).
         self.block_hashes: list[int] = []
         self.num_preemptions = 0
+        # Prompt tokens served from the prefix cache at the first start on a rank (None
+        # before it): what the client's usage reports. Later re-prefills (preemption,
+        # a re-formed group) do not change it, as vLLM's num_cached_tokens.
+        self.num_cached_tokens: int | None = None
         self._detokenizer = detokenizer
         self._stops = StopStringMatcher(list(request.stops))
         # Without stop strings the matcher releases every text at once: skipped (per token, per step).
@@ -182,6 +188,7 @@ class Sequence:
             text=text,
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=len(self.output_ids),
+            cached_tokens=self.num_cached_tokens or 0,
             finish_reason=reason,
             matched_stop=matched_stop,
         )

@@ -22,6 +22,7 @@ from gateway.config import GatewayConfig
 from gateway.engine import Engine
 from gateway.group import EngineFactory, GroupManager
 from gateway.kv_accounting import RankKV
+from gateway.model_info import model_info
 from gateway.observability import EngineObserver, GatewayReadiness, GatewayStateCollector
 from gateway.servicer import SERVICE_NAME, GenerationServicer
 from gateway.stats import GatewayStats
@@ -93,7 +94,10 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
 
     probes = await http_probes.start_probes(ROLE, config)
     probes.add_collector(GatewayStateCollector(get_engine, stats))
-    servicer = GenerationServicer(tokenizer=tokenizer, limits=request_limits(config, model),
+    limits = request_limits(config, model)
+    info = model_info(config.model, model, context_length=limits.max_context,
+                      enable_prefix_cache=config.enable_prefix_cache)
+    servicer = GenerationServicer(tokenizer=tokenizer, limits=limits, model_info=info,
                                   get_engine=get_engine, coalesce_outputs=config.coalesce_stream_outputs)
     server = await grpc_util.start_server(
         [lambda s: gateway_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, s)],

@@ -13,6 +13,12 @@ since the previous message, and every message costs the event loop tens of
 microseconds in gRPC. The call's gRPC deadline becomes the request's deadline in the
 batcher, which ends it with DEADLINE_EXCEEDED and frees its blocks even if the
 cancellation never reached the gateway.
+
+Abort ends the live requests with the given request id (gateway/live_requests.py
+keeps them by id, from submit to the end of their Generate call) exactly as a
+client's cancellation does, except that their streams end with an ABORT
+message. GetModelInfo answers from the ModelInfo fixed at start, plus the
+ranks of the engine that takes requests (0 while there is none).
 """
 
 import asyncio
@@ -24,6 +30,8 @@ from collections.abc import Callable
 import grpc
 
 from gateway.engine import Engine
+from gateway.live_requests import LiveRequests
+from gateway.model_info import ModelInfo
 from gateway.observability import observe_generate
 from gateway.requests import ErrorCode, FinishReason, GenerationError, RequestOutput, merge_outputs
 from gateway.validation import (LARGE_INPUT_SIZE, RequestError, RequestLimits, ValidatedRequest, input_size,
@@ -57,18 +65,21 @@ def output_to_proto(output: RequestOutput) -> gateway_pb2.GenerateResponse:
         response.finish_reason = _FINISH_REASON[output.finish_reason]
         response.usage.prompt_tokens = output.prompt_tokens
         response.usage.completion_tokens = output.completion_tokens
+        response.usage.cached_tokens = output.cached_tokens
         response.matched_stop = output.matched_stop
     return response
 
 
 class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
-    """The public API. get_engine returns the ready group's engine, or None."""
+    """The public API. get_engine returns the engine taking requests, or None."""
 
-    def __init__(self, *, tokenizer, limits: RequestLimits, get_engine: Callable[[], Engine | None],
-                 coalesce_outputs: bool = True) -> None:
+    def __init__(self, *, tokenizer, limits: RequestLimits, model_info: ModelInfo,
+                 get_engine: Callable[[], Engine | None], coalesce_outputs: bool = True) -> None:
         self._tokenizer = tokenizer
         self._limits = limits
+        self._model_info = model_info
         self._get_engine = get_engine
+        self.live_requests = LiveRequests()
         # False: one message per output (tests that check the framing).
         self._coalesce_outputs = coalesce_outputs
 
@@ -89,6 +100,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             await context.abort(_STATUS[error.code], error.message)
         log.debug("request %s: %d prompt tokens, seq %d",
                   validated.request_id, len(validated.prompt_ids), handle.seq.seq_id)
+        self.live_requests.add(validated.request_id, engine, handle)
         try:
             async for output in handle:
                 ready = handle.take_ready() if self._coalesce_outputs else None
@@ -96,8 +108,30 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         except GenerationError as error:
             await context.abort(_STATUS[error.code], error.message)
         finally:
+            self.live_requests.remove(validated.request_id, handle)
             # A no-op once the request finished; otherwise the client went away.
             engine.abort(handle)
+
+    async def Abort(self, request: gateway_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> gateway_pb2.AbortResponse:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
+        num_aborted = self.live_requests.abort(request.request_id)
+        if not num_aborted:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no live request has request_id {request.request_id!r}")
+        log.info("aborted %d request(s) with request_id %r", num_aborted, request.request_id)
+        return gateway_pb2.AbortResponse(num_aborted=num_aborted)
+
+    async def GetModelInfo(self, request: gateway_pb2.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> gateway_pb2.ModelInfo:
+        engine = self._get_engine()
+        info = self._model_info
+        return gateway_pb2.ModelInfo(
+            model_name=info.model_name, architecture=info.architecture, context_length=info.context_length,
+            vocab_size=info.vocab_size, dtype=info.dtype, num_experts=info.num_experts,
+            num_experts_per_tok=info.num_experts_per_tok,
+            num_ranks=0 if engine is None else engine.batcher.num_ranks, features=info.features)
 
     async def _validate(self, request: gateway_pb2.GenerateRequest) -> ValidatedRequest:
         """validate_request, in a thread for a large input (tokenizing one takes

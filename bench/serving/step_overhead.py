@@ -256,6 +256,7 @@ async def run_case(args, num_ranks: int, concurrency: int) -> dict:
     """One gateway over num_ranks rank processes and one client process; the step timings."""
     from gateway.batcher import Batcher
     from gateway.kv_accounting import RankKV
+    from gateway.model_info import ModelInfo
     from gateway.observability import EngineObserver
     from gateway.servicer import SERVICE_NAME, GenerationServicer
     from gateway.validation import RequestLimits
@@ -289,7 +290,9 @@ async def run_case(args, num_ranks: int, concurrency: int) -> dict:
     engine.clock = clock
     limits = RequestLimits(vocab_size=151_936, max_context=max_context, max_new_tokens_default=16,
                            max_new_tokens_limit=max_context)
-    servicer = GenerationServicer(tokenizer=tokenizer, limits=limits, get_engine=lambda: engine)
+    info = ModelInfo(model_name="step-overhead", architecture="Qwen3MoeForCausalLM", context_length=max_context,
+                     vocab_size=limits.vocab_size, dtype="bfloat16", num_experts=128, num_experts_per_tok=8)
+    servicer = GenerationServicer(tokenizer=tokenizer, limits=limits, model_info=info, get_engine=lambda: engine)
     server = await grpc_util.start_server(
         [lambda s: gateway_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, s)], [SERVICE_NAME])
     loop_task = asyncio.create_task(engine.run())

@@ -12,12 +12,16 @@ writes into a block that another live sequence's table holds.
 import asyncio
 import dataclasses
 
+from gateway.model_info import FEATURE_PREFIX_CACHE, ModelInfo
 from gateway.validation import ValidatedRequest
 from moe.expert.v1 import expert_pb2
 from services import step_codec
 from services.step import SamplingSpec
 
 EOS = 1
+# What a servicer over the fakes reports in GetModelInfo.
+MODEL_INFO = ModelInfo(model_name="fake", architecture="Qwen3MoeForCausalLM", context_length=1000, vocab_size=100,
+                       dtype="float32", num_experts=8, num_experts_per_tok=2, features=(FEATURE_PREFIX_CACHE,))
 
 
 class FakeTokenizer:

@@ -18,6 +18,7 @@ from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services import grpc_util
 from services.tokenizer import Tokenizer
 from tests.bounded import run
+from tests.gateway.fakes import MODEL_INFO
 from tests.gateway.test_engine import make_engine
 
 
@@ -45,7 +46,8 @@ def test_small_requests_are_not_blocked_by_a_huge_prompt(tiny_model_dir):
     async def body():
         engine, _ = make_engine()
         loop_task = asyncio.create_task(engine.run())
-        servicer = GenerationServicer(tokenizer=tokenizer, limits=limits, get_engine=lambda: engine)
+        servicer = GenerationServicer(tokenizer=tokenizer, limits=limits, model_info=MODEL_INFO,
+                                      get_engine=lambda: engine)
         server = await grpc_util.start_server(
             [lambda s: gateway_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, s)], [SERVICE_NAME])
         sampling = gateway_pb2.SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)

@@ -19,7 +19,7 @@ from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services import grpc_util
 from services.cluster import GroupAssignment, RankInfo
 from services.text import IncrementalDetokenizer
-from tests.gateway.fakes import EOS, FakeTokenizer, SimRank, make_request, reference_tokens
+from tests.gateway.fakes import EOS, MODEL_INFO, FakeTokenizer, SimRank, make_request, reference_tokens
 
 
 def assert_pool_clean(engine: Engine, ranks=()) -> None:
@@ -220,7 +220,8 @@ class Gateway:
         self.coalesce_outputs = coalesce_outputs
 
     async def __aenter__(self):
-        servicer = GenerationServicer(tokenizer=FakeTokenizer(), limits=LIMITS, get_engine=lambda: self.engine,
+        servicer = GenerationServicer(tokenizer=FakeTokenizer(), limits=LIMITS, model_info=MODEL_INFO,
+                                      get_engine=lambda: self.engine,
                                       coalesce_outputs=self.coalesce_outputs)
         self.server = await grpc_util.start_server(
             [lambda s: gateway_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, s)], [SERVICE_NAME])
@@ -291,6 +292,20 @@ def test_servicer_streams_tokens_and_text_and_refuses_bad_input():
     assert "".join(r.text for r in stopped) == ABC_TEXT[:ABC_TEXT.index(STOP)]
     assert stopped[-1].finish_reason == gateway_pb2.FINISH_REASON_STOP and stopped[-1].matched_stop == STOP
     assert list(tokenized.token_ids) == [26, 27, 28]
+
+
+def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache():
+    async def scenario():
+        async with Gateway() as gw:
+            gw.attach(block_size=4)
+            sampling = gateway_pb2.SamplingParams(max_new_tokens=3)
+            first = await gw.generate(request_id="first", prompt="abcdefghij", sampling=sampling)
+            again = await gw.generate(request_id="again", prompt="abcdefghij", sampling=sampling)
+            return first[-1].usage, again[-1].usage
+
+    first, again = run(scenario())
+    assert (first.prompt_tokens, first.cached_tokens) == (10, 0)
+    assert (again.prompt_tokens, again.cached_tokens, again.completion_tokens) == (10, 8, 3)
 
 
 def test_servicer_aborts_the_request_of_a_client_that_goes_away():

@@ -123,6 +123,23 @@ def test_a_shared_prefix_is_reused_and_only_the_rest_is_prefilled():
     stats = sim.batcher.stats
     assert (stats.num_prompt_tokens, stats.num_cached_prompt_tokens) == (12 + 13, 8)
     assert stats.prefix_hit_rate == pytest.approx(8 / 25)
+    # Each request's usage reports its own share: every output, the final one included.
+    assert sim.final[first.seq_id].cached_tokens == 0 and sim.final[second.seq_id].cached_tokens == 8
+    assert_all_blocks_back(sim.batcher)
+
+
+def test_cached_tokens_are_those_of_the_first_start_even_after_a_preemption():
+    sim = Sim(block_size=4, num_blocks=8)
+    system = prompt(8)
+    sim.add(system + [40], 1)
+    sim.run()
+    seq = sim.add(system + [41], 12)           # 2 blocks cached, 2 more to compute, then decodes
+    rival = sim.add(prompt(9, start=33), 14)   # a newer request whose blocks run the pool dry
+    sim.run()
+    assert seq.num_preemptions + rival.num_preemptions >= 1
+    assert sim.final[seq.seq_id].cached_tokens == 8
+    sim.assert_reference(seq, 12)
+    sim.assert_reference(rival, 14)
     assert_all_blocks_back(sim.batcher)
 
 
@@ -133,6 +150,7 @@ def test_an_identical_prompt_recomputes_at_least_its_last_token():
     b = sim.add(prompt(8), 2)
     sim.run()
     assert sim.scheduled(b)[0] == (4, True)  # blocks 0 cached, block 1 recomputed for its logits
+    assert sim.final[b.seq_id].cached_tokens == 4
     sim.assert_reference(a, 2)
     sim.assert_reference(b, 2)
 

@@ -46,6 +46,16 @@ class GenerationServiceStub:
                 request_serializer=moe_dot_gateway_dot_v1_dot_gateway__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=moe_dot_gateway_dot_v1_dot_gateway__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/moe.gateway.v1.GenerationService/Abort',
+                request_serializer=moe_dot_gateway_dot_v1_dot_gateway__pb2.AbortRequest.SerializeToString,
+                response_deserializer=moe_dot_gateway_dot_v1_dot_gateway__pb2.AbortResponse.FromString,
+                _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/moe.gateway.v1.GenerationService/GetModelInfo',
+                request_serializer=moe_dot_gateway_dot_v1_dot_gateway__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=moe_dot_gateway_dot_v1_dot_gateway__pb2.ModelInfo.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer:
@@ -69,6 +79,30 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """Abort ends every live Generate call whose request id is the given one:
+        its stream ends with a last message whose finish_reason is
+        FINISH_REASON_ABORT (with the usage so far), and its KV blocks are freed
+        at the next step. Request ids are the client's (or, when it sent none,
+        the id the gateway generated, echoed in every message); the gateway does
+        not require them to be unique, so when several live requests share an
+        id, all of them are aborted. NOT_FOUND when no live request has the id
+        (never seen, or already finished); INVALID_ARGUMENT for an empty id.
+        A client that cancels its Generate call gets the same clean-up.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetModelInfo(self, request, context):
+        """GetModelInfo describes the served model and its worker group. It answers
+        while the gateway has no worker group too (then num_ranks is 0).
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -81,6 +115,16 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=moe_dot_gateway_dot_v1_dot_gateway__pb2.TokenizeRequest.FromString,
                     response_serializer=moe_dot_gateway_dot_v1_dot_gateway__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=moe_dot_gateway_dot_v1_dot_gateway__pb2.AbortRequest.FromString,
+                    response_serializer=moe_dot_gateway_dot_v1_dot_gateway__pb2.AbortResponse.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=moe_dot_gateway_dot_v1_dot_gateway__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=moe_dot_gateway_dot_v1_dot_gateway__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -139,6 +183,60 @@ class GenerationService:
             '/moe.gateway.v1.GenerationService/Tokenize',
             moe_dot_gateway_dot_v1_dot_gateway__pb2.TokenizeRequest.SerializeToString,
             moe_dot_gateway_dot_v1_dot_gateway__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moe.gateway.v1.GenerationService/Abort',
+            moe_dot_gateway_dot_v1_dot_gateway__pb2.AbortRequest.SerializeToString,
+            moe_dot_gateway_dot_v1_dot_gateway__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moe.gateway.v1.GenerationService/GetModelInfo',
+            moe_dot_gateway_dot_v1_dot_gateway__pb2.GetModelInfoRequest.SerializeToString,
+            moe_dot_gateway_dot_v1_dot_gateway__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,
