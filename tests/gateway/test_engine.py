@@ -309,6 +309,7 @@ def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache():
 
 
 def test_servicer_aborts_the_request_of_a_client_that_goes_away():
+    """The same clean-up as the Abort call: blocks freed, and the request no longer live."""
     async def scenario():
         async with Gateway() as gw:
             engine = gw.attach()
@@ -321,9 +322,12 @@ def test_servicer_aborts_the_request_of_a_client_that_goes_away():
                 await asyncio.sleep(0.02)
                 if engine.num_active == 0 and not engine.batcher.has_work:
                     break
-            return engine
+            with pytest.raises(grpc.aio.AioRpcError) as not_live:
+                await gw.stub.Abort(gateway_pb2.AbortRequest(request_id="c"), timeout=5)
+            return engine, not_live.value
 
-    engine = run(scenario())
+    engine, not_live = run(scenario())
+    assert not_live.code() == grpc.StatusCode.NOT_FOUND
     assert_pool_clean(engine)
     assert engine.num_steps < 100     # aborted, not run to its 400 tokens
     assert engine.stats.num_aborted == 1

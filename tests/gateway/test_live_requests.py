@@ -105,23 +105,3 @@ def test_the_abort_call_ends_the_stream_with_abort_and_refuses_unknown_and_empty
     assert "request_id" in errors["empty"].details()
     assert_pool_clean(engine, ranks)
 
-
-def test_a_cancelled_stream_is_cleaned_up_like_an_aborted_one():
-    """The client goes away: its request ends, its blocks are freed and it is no longer live."""
-    async def scenario():
-        async with Gateway() as gw:
-            engine = gw.attach()
-            call = gw.stub.Generate(gateway_pb2.GenerateRequest(
-                request_id="c", prompt="abcdef", sampling=gateway_pb2.SamplingParams(max_new_tokens=400)),
-                timeout=10)
-            await call.read()
-            call.cancel()
-            await wait_for(lambda: engine.num_active == 0 and not engine.batcher.has_work)
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await gw.stub.Abort(gateway_pb2.AbortRequest(request_id="c"), timeout=5)
-            return engine, err.value
-
-    engine, err = run(scenario())
-    assert err.code() == grpc.StatusCode.NOT_FOUND
-    assert engine.stats.num_aborted == 1 and engine.num_steps < 100
-    assert_pool_clean(engine)
