@@ -96,7 +96,9 @@ class GenerationServiceServicer:
 
     def GetModelInfo(self, request, context):
         """GetModelInfo describes the served model and its worker group. It answers
-        while the gateway has no worker group too (then num_ranks is 0).
+        while the gateway has no worker group too (then num_ranks is 0). Its
+        response is ModelInfo, not GetModelInfoResponse: the name that clients
+        are written against.
         buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
