@@ -8,7 +8,8 @@ wide: the model's logits), for four constraints: the ticket-classifier JSON Sche
 a regex, a choice and any JSON object. Per engine and constraint: the tokenizer-info build,
 a cold compile (a new compiler, up to the first mask), a cached one (the engine's own cache, or
 a copy of a compiled matcher, up to the first mask), and the per-token cost over a whole valid
-answer (fill the next-token bitmask, then accept the answer's token; EOS last). RSS growth
+answer (fill the next-token bitmask, then accept the answer's token; EOS last), and one step
+of a batch of ticket-schema sequences (the engine's parallel fill, then the accepts). RSS growth
 after the tokenizer build and after the compiles. Then which JSON Schema keywords each engine
 enforces: a probe schema must accept a valid text and reject the invalid ones.
 JSON is compiled without free whitespace in both (", " and ": " separators).
@@ -115,6 +116,14 @@ class XGrammar:
     def fill(self, matcher, bitmask):
         matcher.fill_next_token_bitmask(bitmask)
 
+    def batch_fill(self, matchers, bitmask):
+        if not hasattr(self, "batch"):
+            self.batch = self.xgr.BatchGrammarMatcher()
+        self.batch.batch_fill_next_token_bitmask(matchers, bitmask)
+
+    def batch_bitmask(self, size):
+        return self.xgr.allocate_token_bitmask(size, VOCAB)
+
     def accept(self, matcher, token):
         return matcher.accept_token(token)
 
@@ -162,6 +171,15 @@ class LLGuidance:
     def fill(self, matcher, bitmask):
         matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
 
+    def batch_fill(self, matchers, bitmask):
+        if not hasattr(self, "executor"):
+            self.executor = self.llg.LLExecutor()
+        self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.ctypes.data,
+                                              bitmask.shape[1] * 4, bitmask.shape[0])
+
+    def batch_bitmask(self, size):
+        return self.np.zeros((size, (VOCAB + 31) // 32), dtype=self.np.int32)
+
     def accept(self, matcher, token):
         return matcher.consume_token(token)
 
@@ -206,7 +224,25 @@ def _probe(engine, tok, schema, valid, invalids) -> str:
     return "enforced" if not leaks else "not enforced (accepts " + ", ".join(leaks) + ")"
 
 
-def run_engine(name: str, repeats: int) -> dict:
+def _batch_step(engine, tok, batch_size: int) -> dict:
+    """`batch_size` ticket-schema sequences in lockstep over the valid answer: the engine's parallel
+    fill of all their rows, then each accepts its token; the mean milliseconds of each part per step."""
+    _, kind, text, answer = CASES[0]
+    token_ids = tok.encode(answer) + [tok.eos_token_ids[0]]
+    matchers = [engine.matcher(engine.compile(engine.compiler or engine.new_compiler(), kind, text))
+                for _ in range(batch_size)]
+    bitmask, fill_s, accept_s = engine.batch_bitmask(batch_size), 0.0, 0.0
+    for token in token_ids:
+        start = time.perf_counter()
+        engine.batch_fill(matchers, bitmask)
+        middle = time.perf_counter()
+        assert all([engine.accept(m, token) for m in matchers])
+        fill_s, accept_s = fill_s + middle - start, accept_s + time.perf_counter() - middle
+    return {"batch_size": batch_size, "fill_ms": 1e3 * fill_s / len(token_ids),
+            "accept_ms": 1e3 * accept_s / len(token_ids)}
+
+
+def run_engine(name: str, repeats: int, batch_size: int) -> dict:
     """One engine's figures (run in its own process)."""
     from services.tokenizer import Tokenizer
 
@@ -243,6 +279,7 @@ def run_engine(name: str, repeats: int) -> dict:
             "num_tokens": len(token_ids), "mask_mean_us": 1e6 * sum(per_token) / len(per_token),
             "mask_p99_us": 1e6 * per_token[int(0.99 * (len(per_token) - 1))], "mask_max_us": 1e6 * per_token[-1]}
     out["compile_rss_mb"] = _rss_mb() - rss_compiled
+    out["batch"] = _batch_step(engine, tok, batch_size)
     out["keywords"] = {keyword: _probe(engine, tok, *probe) for keyword, probe in PROBES.items()}
     return out
 
@@ -258,6 +295,8 @@ def _table(results: list[dict]) -> str:
     row("tokenizer info build (s)", [f"{r['tokenizer_info_s']:.2f}" for r in results])
     row("RSS growth: tokenizer info (MB)", [f"{r['tokenizer_rss_mb']:.0f}" for r in results])
     row("RSS growth: compiles and walks (MB)", [f"{r['compile_rss_mb']:.0f}" for r in results])
+    row(f"ticket schema, {results[0]['batch']['batch_size']} sequences in lockstep: parallel fill / accepts "
+        "per step (ms)", [f"{r['batch']['fill_ms']:.2f} / {r['batch']['accept_ms']:.2f}" for r in results])
     for case, *_ in CASES:
         cells = [r["cases"][case] for r in results]
         row(f"{case}: cold compile to first mask (ms)", [f"{c['cold_compile_ms']:.2f}" for c in cells])
@@ -274,16 +313,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", default="xgrammar,llguidance")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=64, help="constrained sequences of one step")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(run_engine(args.worker, args.repeats)))
+        print(json.dumps(run_engine(args.worker, args.repeats, args.batch_size)))
         return 0
     results = []
     for name in args.engines.split(","):
         done = subprocess.run([sys.executable, "-m", "bench.constraints.engines", "--worker", name,
-                               "--repeats", str(args.repeats)], check=True, capture_output=True, text=True)
+                               "--repeats", str(args.repeats), "--batch-size", str(args.batch_size)], check=True, capture_output=True, text=True)
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
     table = _table(results)
     print(table)
