@@ -247,13 +247,14 @@ def run_engine(name: str, repeats: int, batch_size: int) -> dict:
     from services.tokenizer import Tokenizer
 
     tok = Tokenizer.qwen3()
-    import_start, torch_before = time.perf_counter(), "torch" in sys.modules
+    rss_import, import_start, torch_before = _rss_mb(), time.perf_counter(), "torch" in sys.modules
     __import__(name)
     import_s = time.perf_counter() - import_start
     rss_start = _rss_mb()
     start = time.perf_counter()
     engine = ENGINES[name](tok)
     out = {"engine": name, "import_s": import_s, "imports_torch": not torch_before and "torch" in sys.modules,
+           "import_rss_mb": rss_start - rss_import,
            "tokenizer_info_s": time.perf_counter() - start, "tokenizer_rss_mb": _rss_mb() - rss_start, "cases": {}}
     rss_compiled = _rss_mb()
     eos = tok.eos_token_ids[0]
@@ -292,6 +293,7 @@ def _table(results: list[dict]) -> str:
         lines.append(f"| {label} | " + " | ".join(values) + " |")
 
     row("import (s); loads torch", [f"{r['import_s']:.2f}; {'yes' if r['imports_torch'] else 'no'}" for r in results])
+    row("RSS growth: import (MB)", [f"{r['import_rss_mb']:.0f}" for r in results])
     row("tokenizer info build (s)", [f"{r['tokenizer_info_s']:.2f}" for r in results])
     row("RSS growth: tokenizer info (MB)", [f"{r['tokenizer_rss_mb']:.0f}" for r in results])
     row("RSS growth: compiles and walks (MB)", [f"{r['compile_rss_mb']:.0f}" for r in results])

@@ -58,7 +58,7 @@ NESTED_SCHEMA = {
     "required": ["status", "priority", "items", "ship_to"],
     "additionalProperties": False,
 }
-REGEX = r"[A-Z]{3}-[0-9]{2,4}( [a-z]+){1,3}\."
+REGEX = r"[A-Z]{3}-[0-9]{2,4}( [a-z]{1,8}){1,3}\."
 GRAMMAR = """
 start: "SELECT " column (", " column)* " FROM " name where?
 where: " WHERE " column " = " /[0-9]{1,4}/
