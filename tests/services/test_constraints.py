@@ -3,6 +3,8 @@ cache, random walks through the allowed tokens that always end inside the constr
 resume, rollback and batch masks."""
 
 import string
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -213,3 +215,11 @@ def test_json_object_starts_with_a_brace_and_allows_no_free_whitespace(compiler)
         assert matcher.accept(token)
     for whitespace in (" ", "\n", "\t"):
         assert not matcher.accept(tok.encode(whitespace)[0])
+
+
+def test_the_module_loads_no_torch():
+    """The gateway compiles and validates constraints, and it runs without torch."""
+    script = "import sys, services.constraints; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
