@@ -8,7 +8,9 @@ bounded whitespace form of JSON output.
 import functools
 import json
 import re
+from pathlib import Path
 
+import services.model
 from services.constraints import Compiler, Constraint
 from services.tokenizer import Tokenizer
 
@@ -83,6 +85,12 @@ CONSTRAINTS = {
 def qwen3() -> Tokenizer:
     """The real Qwen3 tokenizer (services.tokenizer), built once per test session."""
     return Tokenizer.qwen3()
+
+
+@functools.cache
+def demo_tokenizer() -> Tokenizer:
+    """The bundled demo model's own tokenizer (8,192 tokens)."""
+    return Tokenizer.from_model_dir(Path(services.model.__file__).parent / "demo")
 
 
 @functools.cache

@@ -13,10 +13,9 @@ import pytest
 from services.constraints import Compiler, Constraint, ConstraintError, fill_masks
 from services.step import SpecError
 from tests.services.constraint_cases import (
-    CONSTRAINTS, QWEN3_MODEL_VOCAB, TICKET, check_output, qwen3, qwen3_compiler,
+    CONSTRAINTS, QWEN3_MODEL_VOCAB, TICKET, check_output, demo_tokenizer, qwen3, qwen3_compiler,
 )
 
-NUM_TOKENIZER_TOKENS = 151_669
 
 BAD = [
     ("json_schema", "{not json"),
@@ -90,27 +89,30 @@ _ROW_WORDS = (QWEN3_MODEL_VOCAB + 31) // 32
 
 
 def _allowed(matcher) -> np.ndarray:
-    row = np.zeros(_ROW_WORDS, dtype=np.int32)
+    vocab = matcher.compiled.vocab_size
+    row = np.zeros((vocab + 31) // 32, dtype=np.int32)
     matcher.fill_mask(row)
-    return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:QWEN3_MODEL_VOCAB])
+    return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab])
 
 
-def _token_sets():
-    tok = qwen3()
+def _token_sets(tok):
     punctuation = {ids[0] for c in string.punctuation + " " if len(ids := tok.encode(c)) == 1}
     finishers = {tok.encode(c)[0] for c in '"}].'} | set(tok.eos_token_ids)
     return np.array(sorted(finishers)), np.array(sorted(punctuation))
 
 
-def random_walk(matcher, seed: int, max_tokens: int = 400) -> list[int]:
+def random_walk(matcher, seed: int, tok=None, max_tokens: int = 400) -> list[int]:
     """A random ALLOWED token at each step until EOS, leaning more and more on punctuation and
     closing tokens (a uniform pick over ~150k tokens would rarely close a free string)."""
-    rng, pools, eos = np.random.default_rng(seed), _token_sets(), set(qwen3().eos_token_ids)
+    tok = tok or qwen3()
+    rng, pools, eos = np.random.default_rng(seed), _token_sets(tok), set(tok.eos_token_ids)
+    # Control tokens (and ids past the tokenizer's) are never allowed, but for EOS when the output is complete.
+    specials = np.array([i for i, t in tok.backend.get_added_tokens_decoder().items() if t.special])
     tokens: list[int] = []
     while len(tokens) < max_tokens and not matcher.is_terminated():
         allowed = _allowed(matcher)
-        specials = set(allowed[allowed >= NUM_TOKENIZER_TOKENS - 26].tolist())
-        assert specials <= eos and bool(specials) == matcher.is_accepting(), (specials, tokens)
+        allowed_specials = set(allowed[np.isin(allowed, specials) | (allowed >= tok.vocab_size)].tolist())
+        assert allowed_specials <= eos and bool(allowed_specials) == matcher.is_accepting(), (allowed_specials, tokens)
         bias = min(0.9, 0.3 + len(tokens) / 100)
         for pool in pools:
             picks = allowed[np.isin(allowed, pool)]
@@ -121,7 +123,7 @@ def random_walk(matcher, seed: int, max_tokens: int = 400) -> list[int]:
             token = int(rng.choice(allowed))
         assert matcher.accept(token), (token, tokens)
         tokens.append(token)
-    assert matcher.is_terminated(), qwen3().decode(tokens)
+    assert matcher.is_terminated(), tok.decode(tokens)
     return tokens
 
 
@@ -131,6 +133,16 @@ def test_a_random_walk_ends_inside_the_constraint(compiler, name, seed):
     tokens = random_walk(compiler.matcher(CONSTRAINTS[name]), seed)
     assert tokens[-1] in qwen3().eos_token_ids
     check_output(name, qwen3().decode(tokens[:-1]))
+
+
+@pytest.mark.parametrize("name", list(CONSTRAINTS))
+def test_a_random_walk_on_the_demo_models_tokenizer_ends_inside_the_constraint(name):
+    """The bundled demo model has its own 8,192-token vocabulary."""
+    demo = demo_tokenizer()
+    demo_compiler = Compiler.for_tokenizer(demo, demo.vocab_size)
+    for seed in range(3):
+        tokens = random_walk(demo_compiler.matcher(CONSTRAINTS[name]), seed, tok=demo)
+        check_output(name, demo.decode(tokens[:-1]))
 
 
 def test_a_refused_token_changes_nothing(compiler):
