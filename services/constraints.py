@@ -221,7 +221,7 @@ class Matcher:
         self._is_eos_counted = False
 
     def fill_mask(self, bitmask_row: np.ndarray) -> None:
-        """Write the next token's allowed set into a C-contiguous int32 row of `mask_words` words."""
+        """Write the next token's allowed set into a C-contiguous int32 row of Compiler.mask_words words."""
         _check_rows(bitmask_row, self.compiled.vocab_size)
         self._matcher.unsafe_compute_mask_ptr(bitmask_row.ctypes.data, bitmask_row.nbytes)
 

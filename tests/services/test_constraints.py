@@ -182,6 +182,7 @@ def test_a_resumed_matcher_continues_where_the_output_stopped(compiler):
         if k % 7 == 0:
             assert np.array_equal(_allowed(compiler.matcher(CONSTRAINTS["nested"], tokens[:k])), _allowed(walker))
         walker.accept(token)
+    assert compiler.matcher(CONSTRAINTS["nested"], tokens).is_terminated()   # the EOS replayed too
     with pytest.raises(ValueError, match="token 0"):
         compiler.matcher(TICKET, qwen3().encode("[1]"))
 
