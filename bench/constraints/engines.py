@@ -311,6 +311,34 @@ def _table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def jump_forward_steps() -> str:
+    """Model steps per output token for the valid answers, with services.constraints' jump-forward:
+    an oracle model writes the answer, and whenever the constraint forces tokens they are appended
+    without a step (its output then is the same text)."""
+    from services.constraints import Compiler, Constraint
+    from services.tokenizer import Tokenizer
+
+    tok = Tokenizer.qwen3()
+    compiler = Compiler.for_tokenizer(tok, VOCAB)
+    lines = ["| constraint | output tokens | model steps without jump-forward | with |", "|---|---|---|---|"]
+    for case, kind, text, answer in CASES:
+        constraint = Constraint("choice", CHOICES) if case == "choice" else (
+            Constraint("json_object") if case == "json_object" else Constraint(kind, text))
+        matcher, rest, tokens, steps = compiler.matcher(constraint), answer, [], 0
+        while rest:
+            forced = matcher.forced_token_ids()
+            if not forced:               # the model's step: the next token of the rest's encoding
+                forced, steps = tok.encode(rest)[:1], steps + 1
+            for token in forced:
+                assert matcher.accept(token), (case, rest)
+            tokens += forced
+            assert rest.startswith(tok.decode(forced)), (case, rest, forced)
+            rest = rest[len(tok.decode(forced)):]
+        assert tok.decode(tokens) == answer
+        lines.append(f"| {case} | {len(tokens) + 1} | {len(tok.encode(answer)) + 1} | {steps + 1} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", default="xgrammar,llguidance")
@@ -327,7 +355,7 @@ def main(argv=None) -> int:
         done = subprocess.run([sys.executable, "-m", "bench.constraints.engines", "--worker", name,
                                "--repeats", str(args.repeats), "--batch-size", str(args.batch_size)], check=True, capture_output=True, text=True)
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    table = _table(results)
+    table = _table(results) + "\n\nJump-forward (llguidance's forced tokens, the EOS counted):\n\n" + jump_forward_steps()
     print(table)
     if args.out:
         command = "python -m bench.constraints.engines " + " ".join(argv if argv is not None else sys.argv[1:])
