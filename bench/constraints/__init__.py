@@ -1,0 +1,1 @@
+"""Constrained decoding benchmarks: the grammar engines on our tokenizer (issue 26)."""
