@@ -14,6 +14,8 @@ from services.model.config import ModelConfig
 
 # Prompt prefixes computed by earlier requests are reused (Usage.cached_tokens).
 FEATURE_PREFIX_CACHE = "prefix_cache"
+# SamplingParams' constraint is enforced (structured output: JSON Schema, regex, grammar, choice).
+FEATURE_CONSTRAINTS = "constraints"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,5 +49,6 @@ def model_info(model_dir: str, model: ModelConfig, *, context_length: int,
         dtype=hub["torch_dtype"],
         num_experts=model.num_experts,
         num_experts_per_tok=model.num_experts_per_tok,
-        features=(FEATURE_PREFIX_CACHE,) if enable_prefix_cache else (),
+        # Every gateway compiles constraints (gateway/server.py) and every rank enforces them.
+        features=((FEATURE_PREFIX_CACHE,) if enable_prefix_cache else ()) + (FEATURE_CONSTRAINTS,),
     )

@@ -30,6 +30,7 @@ from gateway.validation import GilFreeTokenizer, RequestLimits
 from moe.gateway.v1 import gateway_pb2_grpc
 from services import gc_pauses, grpc_util, http_probes, process
 from services.cluster import ClusterClient
+from services.constraints import Compiler
 from services.model.config import ModelConfig
 from services.text import IncrementalDetokenizer
 from services.tokenizer import Tokenizer
@@ -50,10 +51,24 @@ def request_limits(config: GatewayConfig, model: ModelConfig) -> RequestLimits:
     )
 
 
+def eos_token_ids(model: ModelConfig, tokenizer: Tokenizer) -> set[int]:
+    """The tokens that end a sequence: the model's (config.json) and the tokenizer's."""
+    return set(model.eos_token_ids) | set(tokenizer.eos_token_ids)
+
+
+def constraint_compiler(model: ModelConfig, tokenizer: Tokenizer) -> Compiler:
+    """The gateway's one Compiler of requests' constraints, over the model's logits width.
+
+    Built before the servers start: building llguidance's tokenizer holds the GIL for about a
+    second, which must not stall streams or health checks.
+    """
+    return Compiler(tokenizer.backend.to_str(), sorted(eos_token_ids(model, tokenizer)), model.vocab_size)
+
+
 def engine_factory(config: GatewayConfig, model: ModelConfig, tokenizer: Tokenizer,
                    stats: GatewayStats) -> EngineFactory:
     """Builds the engine of a ready group: one KV accounting (and prefix cache) per rank."""
-    eos_token_ids = set(model.eos_token_ids) | set(tokenizer.eos_token_ids)
+    eos_ids = eos_token_ids(model, tokenizer)
 
     def make(group, infos, streams) -> Engine:
         batcher = Batcher(
@@ -62,7 +77,7 @@ def engine_factory(config: GatewayConfig, model: ModelConfig, tokenizer: Tokeniz
             max_running_requests=config.max_running_requests,
             max_batch_tokens=config.max_batch_tokens,
             max_context=model.max_position_embeddings,
-            eos_token_ids=eos_token_ids,
+            eos_token_ids=eos_ids,
             prefill_chunk_size=config.prefill_chunk_size,
             max_waiting_requests=config.max_waiting_requests,
             policy=config.policy,
@@ -81,6 +96,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     """Runs the gateway until stop is set; raises if following the group fails for good."""
     model = ModelConfig.from_model_dir(config.model)
     tokenizer = GilFreeTokenizer(Tokenizer.from_model_dir(config.model).backend)
+    compiler = constraint_compiler(model, tokenizer)
     manager: GroupManager | None = None
     stats = GatewayStats()
     is_stopping = False
@@ -98,7 +114,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     info = model_info(config.model, model, context_length=limits.max_context,
                       enable_prefix_cache=config.enable_prefix_cache)
     servicer = GenerationServicer(tokenizer=tokenizer, limits=limits, model_info=info,
-                                  get_engine=get_engine, coalesce_outputs=config.coalesce_stream_outputs)
+                                  get_engine=get_engine, coalesce_outputs=config.coalesce_stream_outputs,
+                                  compiler=compiler)
     server = await grpc_util.start_server(
         [lambda s: gateway_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, s)],
         [SERVICE_NAME], host=config.host, port=config.port)

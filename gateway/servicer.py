@@ -1,7 +1,8 @@
 """moe.gateway.v1.GenerationService: protobuf <-> the gateway's domain objects.
 
-Generate validates the request (a large input in a thread, so that a huge
-prompt being tokenized does not stall the other streams), submits it to the
+Generate validates the request (a large input or a constraint in a thread, so
+that a huge prompt being tokenized or a schema being compiled does not stall
+the other streams), submits it to the
 engine of the ready worker group and streams its outputs; every gateway
 error becomes a gRPC status here and nowhere else. Generate is an async generator (not context.write: the
 OpenTelemetry interceptor breaks that). When the client goes away the
@@ -34,9 +35,10 @@ from gateway.live_requests import LiveRequests
 from gateway.model_info import ModelInfo
 from gateway.observability import observe_generate
 from gateway.requests import ErrorCode, FinishReason, GenerationError, RequestOutput, merge_outputs
-from gateway.validation import (LARGE_INPUT_SIZE, RequestError, RequestLimits, ValidatedRequest, input_size,
-                                validate_request)
+from gateway.validation import (LARGE_INPUT_SIZE, RequestError, RequestLimits, ValidatedRequest, has_constraint,
+                                input_size, validate_request)
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from services.constraints import Compiler
 
 log = logging.getLogger("gateway.servicer")
 
@@ -74,9 +76,12 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
     """The public API. get_engine returns the engine taking requests, or None."""
 
     def __init__(self, *, tokenizer, limits: RequestLimits, model_info: ModelInfo,
-                 get_engine: Callable[[], Engine | None], coalesce_outputs: bool = True) -> None:
+                 get_engine: Callable[[], Engine | None], coalesce_outputs: bool = True,
+                 compiler: Compiler | None = None) -> None:
         self._tokenizer = tokenizer
         self._limits = limits
+        # Compiles requests' constraints (None: constrained requests are refused).
+        self._compiler = compiler
         self._model_info = model_info
         self._get_engine = get_engine
         self.live_requests = LiveRequests()
@@ -135,10 +140,12 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
 
     async def _validate(self, request: gateway_pb2.GenerateRequest) -> ValidatedRequest:
         """validate_request, in a thread for a large input (tokenizing one takes
-        seconds; with a GilFreeTokenizer the event loop runs on meanwhile)."""
-        if input_size(request) < LARGE_INPUT_SIZE:
-            return validate_request(request, self._limits, self._tokenizer)
-        return await asyncio.to_thread(validate_request, request, self._limits, self._tokenizer)
+        seconds; with a GilFreeTokenizer the event loop runs on meanwhile) or a
+        constraint (a cold compile takes milliseconds, without the GIL)."""
+        args = (request, self._limits, self._tokenizer, self._compiler)
+        if input_size(request) < LARGE_INPUT_SIZE and not has_constraint(request):
+            return validate_request(*args)
+        return await asyncio.to_thread(validate_request, *args)
 
     async def Tokenize(self, request: gateway_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> gateway_pb2.TokenizeResponse:

@@ -7,6 +7,14 @@ the servicer maps it to INVALID_ARGUMENT. Cheap checks run before the prompt
 is tokenized, so an oversized request costs no tokenization. Inputs of
 LARGE_INPUT_SIZE or more are validated in a thread by the servicer, with a
 GilFreeTokenizer, so that other streams keep flowing meanwhile.
+
+A request's constraint (SamplingParams' oneof constraint) becomes a
+services.constraints.Constraint, compiled here with the gateway's Compiler (one
+per gateway, cached by content), so that one that cannot be compiled is refused
+before any model work; the compiled form is the Compiler's, and the Constraint
+travels on in the ValidatedRequest to admission's NewSequence and the rank.
+The servicer validates constrained requests in a thread too: a cold compile
+takes milliseconds (llguidance releases the GIL meanwhile).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from collections.abc import Sequence
 from typing import NoReturn, Protocol
 
 from moe.gateway.v1 import gateway_pb2
+from services.constraints import Compiler, Constraint, ConstraintError
 from services.step import SamplingSpec, SpecError
 from services.tokenizer import CHAT_ROLES, Tokenizer
 
@@ -114,11 +123,14 @@ class ValidatedRequest:
     sampling: SamplingSpec
     stops: tuple[str, ...]
     ignore_eos: bool
+    # What the output must satisfy (compiled once by the gateway's Compiler); None: free text.
+    constraint: Constraint | None = None
 
 
 def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
-                     tokenizer: PromptTokenizer) -> ValidatedRequest:
-    """Check `req` against `limits` and tokenize its prompt; raise RequestError."""
+                     tokenizer: PromptTokenizer, compiler: Compiler | None = None) -> ValidatedRequest:
+    """Check `req` against `limits`, tokenize its prompt and compile its constraint
+    with `compiler` (None: a server without constraints); raise RequestError."""
     request_id = _check_request_id(req.request_id, limits)
     sampling = req.sampling
     spec = _sampling_spec(sampling, limits)
@@ -126,6 +138,7 @@ def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
         _fail("sampling.max_new_tokens",
               f"must be at most {limits.max_new_tokens_limit}, got {sampling.max_new_tokens}")
     stops = _check_stops(sampling.stop, limits)
+    constraint = _constraint(sampling, compiler)
     input_field, prompt_ids = _tokenize_input(req, limits, tokenizer)
     max_new_tokens = _check_context(input_field, len(prompt_ids), sampling.max_new_tokens, limits)
     return ValidatedRequest(
@@ -135,6 +148,7 @@ def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
         sampling=spec,
         stops=stops,
         ignore_eos=sampling.ignore_eos,
+        constraint=constraint,
     )
 
 
@@ -161,6 +175,35 @@ def _sampling_spec(sampling: gateway_pb2.SamplingParams, limits: RequestLimits) 
             seed=sampling.seed if sampling.HasField("seed") else secrets.randbits(63))
     except SpecError as error:
         raise RequestError(error.field, str(error)) from error
+
+
+def has_constraint(req: gateway_pb2.GenerateRequest) -> bool:
+    """True if the request sets SamplingParams' constraint (its validation compiles it)."""
+    return req.sampling.WhichOneof("constraint") is not None
+
+
+def _constraint(sampling: gateway_pb2.SamplingParams, compiler: Compiler | None) -> Constraint | None:
+    """The request's Constraint, compiled (the Compiler caches it for the rank's matchers to follow)."""
+    kind = sampling.WhichOneof("constraint")
+    if kind is None:
+        return None
+    field = f"sampling.{kind}"
+    if compiler is None:
+        _fail(field, "is not supported by this server (GetModelInfo lists no \"constraints\" feature)")
+    if sampling.ignore_eos:
+        _fail("sampling.ignore_eos", f"must be false with a constraint ({field}): "
+                                     "a constrained output ends with an end-of-sequence token")
+    if kind == "json_object" and not sampling.json_object:
+        _fail(field, "must be true (leave the constraint unset for free text)")
+    try:
+        if kind == "choice":
+            constraint = Constraint(kind, tuple(sampling.choice.options))
+        else:
+            constraint = Constraint(kind, "" if kind == "json_object" else getattr(sampling, kind))
+        compiler.compile(constraint)
+    except ConstraintError as error:
+        raise RequestError(error.field, str(error)) from error
+    return constraint
 
 
 def _shortest_float32(value: float) -> float:

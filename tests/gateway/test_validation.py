@@ -7,6 +7,7 @@ import pytest
 
 from gateway.validation import RequestError, RequestLimits, ValidatedRequest, validate_request
 from moe.gateway.v1 import gateway_pb2
+from services.constraints import Compiler, Constraint
 from services.step import SamplingSpec
 from services.tokenizer import Tokenizer
 
@@ -236,3 +237,77 @@ def test_default_length_over_the_limit_is_rejected():
     message = r"max_new_tokens_default \(100\) must be at most max_new_tokens_limit \(50\)"
     with pytest.raises(ValueError, match=message):
         RequestLimits(vocab_size=10, max_context=10, max_new_tokens_default=100, max_new_tokens_limit=50)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer) -> Compiler:
+    """The gateway's Compiler: the tokenizer's, over the model's logits width."""
+    return Compiler.for_tokenizer(tokenizer, LIMITS.vocab_size)
+
+
+def constrained(**constraint) -> gateway_pb2.GenerateRequest:
+    return request(max_new_tokens=8, **constraint)
+
+
+@pytest.mark.parametrize("constraint, field, reason", [
+    ({"json_schema": "{"}, "sampling.json_schema", "is not valid JSON"),
+    ({"json_schema": "[1]"}, "sampling.json_schema", "must be a JSON object, got list"),
+    ({"json_schema": '{"type": "objec"}'}, "sampling.json_schema", "objec"),
+    ({"json_schema": '{"type": "array", "uniqueItems": true}'}, "sampling.json_schema", "uniqueItems"),
+    ({"json_schema": '{"$ref": "#/$defs/missing"}'}, "sampling.json_schema", "/$defs/missing"),
+    ({"json_schema": '{"type": "string", "pattern": "a("}'}, "sampling.json_schema", "a("),
+    ({"json_schema": '{"x-guidance": {"whitespace_flexible": true}}'}, "sampling.json_schema", "x-guidance"),
+    ({"json_object": False}, "sampling.json_object", "must be true"),
+    ({"regex": "[a-z"}, "sampling.regex", "unclosed character class"),
+    ({"grammar": " \n"}, "sampling.grammar", "is empty"),
+    ({"grammar": "start: undefined_rule"}, "sampling.grammar", "undefined_rule"),
+    ({"choice": gateway_pb2.Choice()}, "sampling.choice", "at least one option"),
+    ({"choice": gateway_pb2.Choice(options=["yes", ""])}, "sampling.choice", "option 2 is empty"),
+])
+def test_a_constraint_that_does_not_compile_names_its_field(tokenizer, compiler, constraint, field, reason):
+    with pytest.raises(RequestError) as info:
+        validate_request(constrained(**constraint), LIMITS, tokenizer, compiler)
+    assert info.value.field == field
+    assert str(info.value).startswith(field + " ") and reason in str(info.value), str(info.value)
+
+
+def test_ignore_eos_with_a_constraint_is_refused(tokenizer, compiler):
+    with pytest.raises(RequestError) as info:
+        validate_request(constrained(regex="[0-9]+", ignore_eos=True), LIMITS, tokenizer, compiler)
+    assert info.value.field == "sampling.ignore_eos"
+    assert str(info.value) == ("sampling.ignore_eos must be false with a constraint (sampling.regex): "
+                               "a constrained output ends with an end-of-sequence token")
+    assert validate_request(request(ignore_eos=True), LIMITS, tokenizer, compiler).ignore_eos
+
+
+def test_a_server_without_a_compiler_refuses_constraints(tokenizer):
+    with pytest.raises(RequestError) as info:
+        validate_request(constrained(json_object=True), LIMITS, tokenizer)
+    assert info.value.field == "sampling.json_object" and "not supported" in str(info.value)
+
+
+@pytest.mark.parametrize("constraint, expected", [
+    ({"json_schema": '{"type": "object", "properties": {"a": {"enum": [1, 2]}}}'},
+     Constraint("json_schema", '{"type": "object", "properties": {"a": {"enum": [1, 2]}}}')),
+    ({"json_object": True}, Constraint("json_object")),
+    ({"regex": "[0-9]{3}"}, Constraint("regex", "[0-9]{3}")),
+    ({"grammar": 'start: "a" | "b"'}, Constraint("grammar", 'start: "a" | "b"')),
+    ({"choice": gateway_pb2.Choice(options=["yes", "no"])}, Constraint("choice", ("yes", "no"))),
+])
+def test_a_valid_constraint_reaches_the_validated_request(tokenizer, compiler, constraint, expected):
+    v = validate_request(constrained(**constraint), LIMITS, tokenizer, compiler)
+    assert v.constraint == expected
+    assert (v.prompt_ids, v.max_new_tokens, v.ignore_eos) == ([9707, 11, 1879, 0], 8, False)
+    assert validate_request(request(), LIMITS, tokenizer, compiler).constraint is None
+
+
+def test_equal_constraints_are_compiled_once(tokenizer, compiler, monkeypatch):
+    builds = []
+    build = compiler._build
+    monkeypatch.setattr(compiler, "_build", lambda c: builds.append(c) or build(c))
+    schema = '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}'
+    first, second = (validate_request(constrained(json_schema=schema), LIMITS, tokenizer, compiler)
+                     for _ in range(2))
+    assert first.constraint == second.constraint == Constraint("json_schema", schema)
+    assert builds == [first.constraint]
+    assert compiler.compile(second.constraint).constraint == first.constraint and len(builds) == 1
