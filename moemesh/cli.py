@@ -78,19 +78,41 @@ def _state() -> dict:
     return {}
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+def generate_request(args: argparse.Namespace):
+    """The GenerateRequest of `moemesh generate`'s arguments; ValueError for an unreadable --json-schema."""
+    from moe.gateway.v1 import gateway_pb2
 
-    target = args.target or _state().get("gateway") or f"127.0.0.1:{DEFAULT_GATEWAY_PORT}"
     sampling = gateway_pb2.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                           top_p=args.top_p, top_k=args.top_k, stop=args.stop or [])
     if args.seed is not None:
         sampling.seed = args.seed
+    if args.json_schema is not None:
+        try:
+            sampling.json_schema = pathlib.Path(args.json_schema).read_text()
+        except OSError as err:
+            raise ValueError(f"--json-schema: cannot read {args.json_schema}: {err.strerror}") from err
+    elif args.regex is not None:
+        sampling.regex = args.regex
+    elif args.choice is not None:
+        # The gateway refuses an empty option, naming it.
+        sampling.choice.options.extend(args.choice.split(","))
     request = gateway_pb2.GenerateRequest(request_id=args.request_id, sampling=sampling)
     if args.chat:
         request.messages.messages.add(role="user", content=args.prompt)
     else:
         request.prompt = args.prompt
+    return request
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+    target = args.target or _state().get("gateway") or f"127.0.0.1:{DEFAULT_GATEWAY_PORT}"
+    try:
+        request = generate_request(args)
+    except ValueError as err:
+        print(f"moemesh generate: {err}", file=sys.stderr)
+        return 2
     with grpc.insecure_channel(target) as channel:
         stub = gateway_pb2_grpc.GenerationServiceStub(channel)
         try:
@@ -187,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--request-id", default="cli")
+    constraint = gen.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under this JSON Schema")
+    constraint.add_argument("--regex", metavar="R", help="the whole output matches this regex (Rust regex syntax)")
+    constraint.add_argument("--choice", metavar="A,B,C", help="the output is exactly one of these comma-separated texts")
     gen.add_argument("--timeout", type=float, default=300.0)
     gen.set_defaults(fn=cmd_generate)
 
