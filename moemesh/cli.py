@@ -212,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     constraint = gen.add_mutually_exclusive_group()
     constraint.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under this JSON Schema")
     constraint.add_argument("--regex", metavar="R", help="the whole output matches this regex (Rust regex syntax)")
-    constraint.add_argument("--choice", metavar="A,B,C", help="the output is exactly one of these comma-separated texts")
+    constraint.add_argument("--choice", metavar="A,B,C",
+                            help="the output is exactly one of these comma-separated texts")
     gen.add_argument("--timeout", type=float, default=300.0)
     gen.set_defaults(fn=cmd_generate)
 
