@@ -13,6 +13,7 @@ import concurrent.futures
 import grpc
 import pytest
 
+from gateway.server import constraint_compiler
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.constraints import Compiler
 from services.model.config import ModelConfig
@@ -60,11 +61,8 @@ def stub(mesh):
 
 @pytest.fixture(scope="module")
 def compiler(tiny_model_dir) -> Compiler:
-    """A Compiler as the gateway builds one: to check that a cut answer's tokens are all allowed."""
-    tokenizer = Tokenizer.from_model_dir(tiny_model_dir)
-    model = ModelConfig.from_model_dir(tiny_model_dir)
-    eos_token_ids = sorted(set(model.eos_token_ids) | set(tokenizer.eos_token_ids))
-    return Compiler(tokenizer.backend.to_str(), eos_token_ids, model.vocab_size)
+    """The gateway's Compiler: to check that every token of an answer was allowed."""
+    return constraint_compiler(ModelConfig.from_model_dir(tiny_model_dir), Tokenizer.from_model_dir(tiny_model_dir))
 
 
 @pytest.fixture(scope="module")
