@@ -99,6 +99,9 @@ class RequestLimits:
     # Characters of the request id.
     max_request_id_len: int = 256
     max_chat_messages: int = 1024
+    # Characters of a constraint (a schema, regex or grammar; a choice's options together):
+    # compiling one costs time and memory with its size.
+    max_constraint_chars: int = 100_000
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -138,7 +141,7 @@ def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
         _fail("sampling.max_new_tokens",
               f"must be at most {limits.max_new_tokens_limit}, got {sampling.max_new_tokens}")
     stops = _check_stops(sampling.stop, limits)
-    constraint = _constraint(sampling, compiler)
+    constraint = _constraint(sampling, limits, compiler)
     input_field, prompt_ids = _tokenize_input(req, limits, tokenizer)
     max_new_tokens = _check_context(input_field, len(prompt_ids), sampling.max_new_tokens, limits)
     return ValidatedRequest(
@@ -182,7 +185,8 @@ def has_constraint(req: gateway_pb2.GenerateRequest) -> bool:
     return req.sampling.WhichOneof("constraint") is not None
 
 
-def _constraint(sampling: gateway_pb2.SamplingParams, compiler: Compiler | None) -> Constraint | None:
+def _constraint(sampling: gateway_pb2.SamplingParams, limits: RequestLimits,
+                compiler: Compiler | None) -> Constraint | None:
     """The request's Constraint, compiled (the Compiler caches it for the rank's matchers to follow)."""
     kind = sampling.WhichOneof("constraint")
     if kind is None:
@@ -195,11 +199,15 @@ def _constraint(sampling: gateway_pb2.SamplingParams, compiler: Compiler | None)
                                      "a constrained output ends with an end-of-sequence token")
     if kind == "json_object" and not sampling.json_object:
         _fail(field, "must be true (leave the constraint unset for free text)")
+    if kind == "choice":
+        text = tuple(sampling.choice.options)
+    else:
+        text = "" if kind == "json_object" else getattr(sampling, kind)
+    num_chars = sum(map(len, text)) if kind == "choice" else len(text)
+    if num_chars > limits.max_constraint_chars:
+        _fail(field, f"must be at most {limits.max_constraint_chars} characters, got {num_chars}")
     try:
-        if kind == "choice":
-            constraint = Constraint(kind, tuple(sampling.choice.options))
-        else:
-            constraint = Constraint(kind, "" if kind == "json_object" else getattr(sampling, kind))
+        constraint = Constraint(kind, text)
         compiler.compile(constraint)
     except ConstraintError as error:
         raise RequestError(error.field, str(error)) from error

@@ -14,6 +14,7 @@ from services.tokenizer import Tokenizer
 LIMITS = RequestLimits(
     vocab_size=151_936, max_context=64, max_new_tokens_default=16, max_new_tokens_limit=48,
     max_prompt_chars=100, max_stop_strings=2, max_stop_len=5, max_request_id_len=8, max_chat_messages=3,
+    max_constraint_chars=200,
 )
 
 
@@ -269,6 +270,22 @@ def test_a_constraint_that_does_not_compile_names_its_field(tokenizer, compiler,
         validate_request(constrained(**constraint), LIMITS, tokenizer, compiler)
     assert info.value.field == field
     assert str(info.value).startswith(field + " ") and reason in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("constraint, field", [
+    ({"regex": "a" * 201}, "sampling.regex"),
+    ({"json_schema": " " * 201}, "sampling.json_schema"),
+    ({"grammar": " " * 201}, "sampling.grammar"),
+    ({"choice": gateway_pb2.Choice(options=["a" * 100, "b" * 101])}, "sampling.choice"),
+])
+def test_a_constraint_over_the_size_limit_is_refused_before_it_is_compiled(tokenizer, constraint, field):
+    class NoCompiler:
+        def compile(self, constraint):
+            raise AssertionError("compiled")
+
+    with pytest.raises(RequestError) as info:
+        validate_request(constrained(**constraint), LIMITS, tokenizer, NoCompiler())
+    assert (info.value.field, str(info.value)) == (field, f"{field} must be at most 200 characters, got 201")
 
 
 def test_ignore_eos_with_a_constraint_is_refused(tokenizer, compiler):
