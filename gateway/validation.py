@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import NoReturn, Protocol
 
 from moe.gateway.v1 import gateway_pb2
-from services.step import SamplingSpec, SpecError
+from services.step import Constraint, SamplingSpec, SpecError
 from services.tokenizer import CHAT_ROLES, Tokenizer
 
 # Inputs at least this long (characters, or token ids) are validated off the
@@ -114,6 +114,8 @@ class ValidatedRequest:
     sampling: SamplingSpec
     stops: tuple[str, ...]
     ignore_eos: bool
+    # What the output must satisfy, compiled and checked; None: free.
+    constraint: Constraint | None = None
 
 
 def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
