@@ -17,16 +17,19 @@ import torch
 
 from expert_svc import placement
 from expert_svc.config import ExpertConfig
+from expert_svc.constrained import ConstraintMasks
 from expert_svc.graph_runner import make_graph_runner
 from expert_svc.observability import MeteredExpertComm
 from expert_svc.runner import StepRunner
 from services import metrics
 from services.cluster import GroupAssignment
+from services.constraints import Compiler
 from services.kv_pool import KVPool, kv_cache_dtype
 from services.model.checkpoint import load_weights
 from services.model.config import DTYPES
 from services.model.qwen3_moe import Qwen3MoeModel
 from services.model.random_weights import RandomWeights, serving_model_config
+from services.tokenizer import Tokenizer
 
 log = logging.getLogger("expert_svc")
 
@@ -114,7 +117,15 @@ class ModelBuilder:
         graphs = make_graph_runner(model, kv_pool, cfg.kv_block_size, () if cfg.debug_collective_timing
                                    else cfg.cuda_graph_bucket_sizes, cfg.cuda_graph_max_context)
         return StepRunner(model, kv_pool, cfg.kv_block_size, vocab_size=self.model_config.vocab_size,
-                          group_id=group.group_id, placement_epoch=group.epoch, device=cfg.device, graphs=graphs)
+                          group_id=group.group_id, placement_epoch=group.epoch, device=cfg.device, graphs=graphs,
+                          constraints=ConstraintMasks(self.constraint_compiler))
+
+    def constraint_compiler(self) -> Compiler:
+        """The compiler of constraints for the served tokenizer and logits width (built on
+        the first constrained sequence)."""
+        cfg = self.config
+        tokenizer = Tokenizer.from_model_dir(cfg.model) if cfg.model else Tokenizer.qwen3()
+        return Compiler.for_tokenizer(tokenizer, self.model_config.vocab_size)
 
     def expert_loader(self) -> placement.LoadExperts:
         """Where replicas of experts are read from: the same source as the primaries."""

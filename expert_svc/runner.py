@@ -16,7 +16,8 @@ be launched (the GPU kept busy) before the last one's tokens are read.
 Decode steps (every sequence one new token, a fixed dispatch capacity) run
 through CUDA graphs when a `DecodeGraphRunner` is given (graph_runner.py);
 other steps run eagerly (the plan's max_tokens_per_rank spares the
-all_reduce that would otherwise pick the dispatch mode).
+all_reduce that would otherwise pick the dispatch mode). Constrained
+sequences' logits are masked before sampling (expert_svc/constrained.py).
 """
 
 import array
@@ -27,7 +28,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from expert_svc.constrained import ConstraintMasks
 from expert_svc.graph_runner import DecodeGraphRunner, TokenFeed
+from services.constraints import Matcher
 from services.kv_pool import KVPool
 from services.model.batch import ForwardBatch, SeqInput, build_forward_batch, to_device
 from services.model.sampling import sample_on_device
@@ -64,6 +67,10 @@ class _Sequence:
     # Sampled in an earlier step and not yet in the KV cache: the next decode
     # input, on the device as (that step's tokens, this sequence's row).
     last_token: tuple[Tensor, int] | None = None
+    # A constrained sequence's matcher (expert_svc/constrained.py), and its last sampled
+    # token while the matcher has not accepted it (on the device, as last_token).
+    matcher: Matcher | None = None
+    unaccepted: tuple[Tensor, int] | None = None
 
 
 class StepRunner:
@@ -71,7 +78,7 @@ class StepRunner:
 
     def __init__(self, model, kv_pool: KVPool, block_size: int, *, vocab_size: int,
                  group_id: str = "", placement_epoch: int = 0, device="cpu",
-                 graphs: DecodeGraphRunner | None = None):
+                 graphs: DecodeGraphRunner | None = None, constraints: ConstraintMasks | None = None):
         if block_size != kv_pool.block_size:
             raise ValueError(f"block_size {block_size} differs from the KV pool's {kv_pool.block_size}")
         self.model = model
@@ -85,6 +92,8 @@ class StepRunner:
         self._last_step_id = 0
         self._seqs: dict[int, _Sequence] = {}
         self.graphs = graphs  # None: every step runs eagerly
+        # Constrained sequences' matchers and masks; without a compiler they are refused.
+        self.constraints = constraints or ConstraintMasks()
         # Installs a plan's expert placement epoch when it differs (expert_svc/placement.py).
         self.install_placement: Callable[[int], None] | None = None
 
@@ -112,13 +121,15 @@ class StepRunner:
         start = time.perf_counter()
         try:
             self._check_plan(plan)
+            matchers = {new.seq_id: self.constraints.matcher(new) for new in plan.new_sequences
+                        if new.constraint is not None}
             if self.install_placement is not None:  # a no-op unless the epoch changes
                 self.install_placement(plan.expert_placement_epoch)
         except ValueError:
             self._forward([], None, plan.max_tokens_per_rank)
             raise
         self._last_step_id = plan.step_id
-        self._apply_diffs(plan)
+        self._apply_diffs(plan, matchers)
         seqs, feed = self._inputs(plan.scheduled)
         token_ids_S, sampled = self._sample(plan.scheduled, *self._forward(seqs, feed, plan.max_tokens_per_rank))
         for seq in seqs:
@@ -170,6 +181,11 @@ class StepRunner:
         specs = [seq.sampling if s.is_sampled else GREEDY for s, seq in zip(rows, seqs)]
         # The index of the token each row draws: a draw depends on its seed and this only.
         positions = [seq.num_computed + s.num_inputs for s, seq in zip(rows, seqs)]
+        constrained = [(row, seq) for row, (s, seq) in enumerate(zip(rows, seqs)) if s.is_sampled and seq.matcher]
+        if constrained:
+            greedy_S = self.constraints.mask(logits_SV, greedy_S, [row for row, _ in constrained],
+                                             [seq.matcher for _, seq in constrained],
+                                             [seq.unaccepted for _, seq in constrained])
         token_ids_S = sample_on_device(logits_SV, specs, positions, greedy_S)
         if token_ids_S is greedy_S:  # a graph's static output: the next replay overwrites it
             token_ids_S = token_ids_S.clone()
@@ -177,14 +193,17 @@ class StepRunner:
         for row, (sched, seq) in enumerate(zip(rows, seqs)):
             if sched.is_sampled:
                 seq.last_token = (token_ids_S, row)
+                if seq.matcher is not None:
+                    seq.unaccepted = seq.last_token
                 sampled.append((row, sched.seq_id))
         return token_ids_S, tuple(sampled)
 
-    def _apply_diffs(self, plan: StepPlan) -> None:
+    def _apply_diffs(self, plan: StepPlan, matchers: dict[int, Matcher]) -> None:
         for seq_id in plan.finished_seq_ids:
             del self._seqs[seq_id]
         for new in plan.new_sequences:
-            self._seqs[new.seq_id] = _Sequence(array.array("i", new.block_ids), new.num_cached_tokens, new.sampling)
+            self._seqs[new.seq_id] = _Sequence(array.array("i", new.block_ids), new.num_cached_tokens, new.sampling,
+                                               matcher=matchers.get(new.seq_id))
         for sched in plan.scheduled:
             self._seqs[sched.seq_id].block_table.extend(sched.new_block_ids)
 

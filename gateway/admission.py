@@ -172,8 +172,11 @@ def _start(batcher: AdmissionHost, batch: StepBatch, step: StepState, seq: Seque
     seq.num_computed = match.num_cached_tokens
     if seq.num_cached_tokens is None:
         seq.num_cached_tokens = min(match.num_cached_tokens, len(seq.prompt_ids))
-    plan.new_sequences.append(NewSequence(seq.seq_id, seq.request.sampling, tuple(block_ids),
-                                          match.num_cached_tokens))
+    constraint = seq.request.constraint
+    plan.new_sequences.append(NewSequence(
+        seq.seq_id, seq.request.sampling, tuple(block_ids), match.num_cached_tokens, constraint=constraint,
+        # A resumed constrained sequence's matcher replays what it already produced.
+        constraint_output_ids=tuple(seq.output_ids) if constraint is not None else ()))
     stats = batcher.stats
     if seq.num_preemptions == 0:
         stats.num_prompt_tokens += seq.num_tokens

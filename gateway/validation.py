@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from typing import NoReturn, Protocol
 
 from moe.gateway.v1 import gateway_pb2
-from services.constraints import Compiler, Constraint, ConstraintError
-from services.step import SamplingSpec, SpecError
+from services.constraints import Compiler
+from services.step import Constraint, ConstraintError, SamplingSpec, SpecError
 from services.tokenizer import CHAT_ROLES, Tokenizer
 
 # Inputs at least this long (characters, or token ids) are validated off the

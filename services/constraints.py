@@ -38,57 +38,14 @@ from collections.abc import Sequence
 import llguidance
 import numpy as np
 
-from services.step import SpecError
+from services.step import Constraint, ConstraintError
 
-KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
-# The public API's field of each kind (moe.gateway.v1.SamplingParams' oneof constraint).
-FIELDS = {kind: f"sampling.{kind}" for kind in KINDS}
 # JSON in json.dumps' default form (module docstring).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False}
 # Distinct constraints a Compiler keeps compiled.
 DEFAULT_CACHE_SIZE = 512
 # Longest engine error message quoted back to a client.
 MAX_REASON_CHARS = 300
-
-
-class ConstraintError(SpecError):
-    """A constraint that cannot be compiled; `field` names it as the public API spells it."""
-
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(field, reason)
-        self.reason = reason
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Constraint:
-    """What a sequence's output must satisfy: the step contract's shape of a request's constraint.
-
-    `text` is the JSON Schema document, the regex or the grammar; "" for json_object; for
-    choice, the tuple of options. Equal constraints share one compiled form.
-    """
-
-    kind: str
-    text: str | tuple[str, ...] = ""
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"constraint kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        if self.kind == "choice":
-            if not isinstance(self.text, tuple) or not all(isinstance(o, str) for o in self.text):
-                raise ValueError(f"a choice's options are a tuple of strings, got {self.text!r}")
-            if not self.text:
-                raise ConstraintError(self.field, "must list at least one option")
-            if not all(self.text):
-                raise ConstraintError(self.field, f"option {self.text.index('') + 1} is empty")
-        elif not isinstance(self.text, str):
-            raise ValueError(f"a {self.kind} constraint's text is a string, got {self.text!r}")
-        elif self.kind == "json_object" and self.text:
-            raise ValueError(f"a json_object constraint has no text, got {self.text!r}")
-
-    @property
-    def field(self) -> str:
-        """The public API field that carries it."""
-        return FIELDS[self.kind]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)

@@ -68,6 +68,51 @@ class SamplingSpec:
 
 GREEDY = SamplingSpec(temperature=0.0)
 
+# Constraint kinds (services/constraints.py compiles them).
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+# The public API's field of each kind (moe.gateway.v1.SamplingParams' oneof constraint).
+CONSTRAINT_FIELDS = {kind: f"sampling.{kind}" for kind in CONSTRAINT_KINDS}
+
+
+class ConstraintError(SpecError):
+    """A constraint that cannot be compiled; `field` names it as the public API spells it."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(field, reason)
+        self.reason = reason
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a sequence's output must satisfy: the step contract's shape of a request's constraint.
+
+    `text` is the JSON Schema document, the regex or the grammar; "" for json_object; for
+    choice, the tuple of options. Equal constraints share one compiled form.
+    """
+
+    kind: str
+    text: str | tuple[str, ...] = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ValueError(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}, got {self.kind!r}")
+        if self.kind == "choice":
+            if not isinstance(self.text, tuple) or not all(isinstance(o, str) for o in self.text):
+                raise ValueError(f"a choice's options are a tuple of strings, got {self.text!r}")
+            if not self.text:
+                raise ConstraintError(self.field, "must list at least one option")
+            if not all(self.text):
+                raise ConstraintError(self.field, f"option {self.text.index('') + 1} is empty")
+        elif not isinstance(self.text, str):
+            raise ValueError(f"a {self.kind} constraint's text is a string, got {self.text!r}")
+        elif self.kind == "json_object" and self.text:
+            raise ValueError(f"a json_object constraint has no text, got {self.text!r}")
+
+    @property
+    def field(self) -> str:
+        """The public API field that carries it."""
+        return CONSTRAINT_FIELDS[self.kind]
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class NewSequence:
@@ -81,6 +126,10 @@ class NewSequence:
     num_cached_tokens: int = 0
     # W3C traceparent of the request's root span at the gateway; empty when untraced.
     traceparent: str = ""
+    # What the output must satisfy (None: free); the rank masks the sequence's logits by it.
+    constraint: Constraint | None = None
+    # The output generated so far, for a resumed constrained sequence: its matcher replays them.
+    constraint_output_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -6,7 +6,14 @@ objects built first and then copied in cost several times more.
 """
 
 from moe.expert.v1 import expert_pb2
-from services.step import NewSequence, SamplingSpec, ScheduledSequence, StepPlan, StepResult
+from services.step import Constraint, NewSequence, SamplingSpec, ScheduledSequence, StepPlan, StepResult
+
+_KIND_TO_PB = {
+    "json_schema": expert_pb2.CONSTRAINT_KIND_JSON_SCHEMA, "json_object": expert_pb2.CONSTRAINT_KIND_JSON_OBJECT,
+    "regex": expert_pb2.CONSTRAINT_KIND_REGEX, "grammar": expert_pb2.CONSTRAINT_KIND_GRAMMAR,
+    "choice": expert_pb2.CONSTRAINT_KIND_CHOICE,
+}
+_KIND_FROM_PB = {pb: kind for kind, pb in _KIND_TO_PB.items()}
 
 
 def plan_to_request(plan: StepPlan) -> expert_pb2.ExecuteStepsRequest:
@@ -22,6 +29,9 @@ def plan_to_request(plan: StepPlan) -> expert_pb2.ExecuteStepsRequest:
         sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed = (
             spec.temperature, spec.top_p, spec.top_k, spec.seed)
         new.block_ids.extend(s.block_ids)
+        if s.constraint is not None:
+            _constraint_to_pb(s.constraint, new.constraint)
+            new.constraint_output_ids.extend(s.constraint_output_ids)
     add = pb.scheduled.add
     for s in plan.scheduled:
         scheduled = add(seq_id=s.seq_id, is_sampled=s.is_sampled)
@@ -41,7 +51,9 @@ def plan_from_pb(pb: expert_pb2.StepPlan) -> StepPlan:
         placement_epoch=pb.placement_epoch,
         new_sequences=tuple(
             NewSequence(seq_id=s.seq_id, sampling=_sampling_from_pb(s.sampling), block_ids=tuple(s.block_ids),
-                        num_cached_tokens=s.num_cached_tokens, traceparent=s.traceparent)
+                        num_cached_tokens=s.num_cached_tokens, traceparent=s.traceparent,
+                        constraint=_constraint_from_pb(s.constraint) if s.HasField("constraint") else None,
+                        constraint_output_ids=tuple(s.constraint_output_ids))
             for s in pb.new_sequences),
         scheduled=tuple(
             ScheduledSequence(seq_id=s.seq_id, token_ids=tuple(s.token_ids),
@@ -55,6 +67,21 @@ def plan_from_pb(pb: expert_pb2.StepPlan) -> StepPlan:
 
 def _sampling_from_pb(pb: expert_pb2.SequenceSampling) -> SamplingSpec:
     return SamplingSpec(temperature=pb.temperature, top_p=pb.top_p, top_k=pb.top_k, seed=pb.seed)
+
+
+def _constraint_to_pb(constraint: Constraint, pb: expert_pb2.SequenceConstraint) -> None:
+    pb.kind = _KIND_TO_PB[constraint.kind]
+    if constraint.kind == "choice":
+        pb.options.extend(constraint.text)
+    else:
+        pb.text = constraint.text
+
+
+def _constraint_from_pb(pb: expert_pb2.SequenceConstraint) -> Constraint:
+    kind = _KIND_FROM_PB.get(pb.kind)
+    if kind is None:
+        raise ValueError(f"constraint kind {pb.kind} is unknown")
+    return Constraint(kind, tuple(pb.options) if kind == "choice" else pb.text)
 
 
 def result_to_response(result: StepResult) -> expert_pb2.ExecuteStepsResponse:

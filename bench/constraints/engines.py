@@ -315,7 +315,8 @@ def jump_forward_steps() -> str:
     """Model steps per output token for the valid answers, with services.constraints' jump-forward:
     an oracle model writes the answer, and whenever the constraint forces tokens they are appended
     without a step (its output then is the same text)."""
-    from services.constraints import Compiler, Constraint
+    from services.constraints import Compiler
+    from services.step import Constraint
     from services.tokenizer import Tokenizer
 
     tok = Tokenizer.qwen3()

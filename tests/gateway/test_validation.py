@@ -7,8 +7,8 @@ import pytest
 
 from gateway.validation import RequestError, RequestLimits, ValidatedRequest, validate_request
 from moe.gateway.v1 import gateway_pb2
-from services.constraints import Compiler, Constraint
-from services.step import SamplingSpec
+from services.constraints import Compiler
+from services.step import Constraint, SamplingSpec
 from services.tokenizer import Tokenizer
 
 LIMITS = RequestLimits(

@@ -11,7 +11,8 @@ import re
 from pathlib import Path
 
 import services.model
-from services.constraints import Compiler, Constraint
+from services.constraints import Compiler
+from services.step import Constraint
 from services.tokenizer import Tokenizer
 
 QWEN3_MODEL_VOCAB = 151_936   # Qwen3-MoE's logits width (the tokenizer has 151,669 tokens)

@@ -10,7 +10,8 @@ import threading
 import numpy as np
 import pytest
 
-from services.constraints import Compiler, Constraint, ConstraintError, fill_masks
+from services.constraints import Compiler, fill_masks
+from services.step import Constraint, ConstraintError
 from services.step import SpecError
 from tests.services.constraint_cases import (
     CONSTRAINTS, QWEN3_MODEL_VOCAB, TICKET, check_output, demo_tokenizer, qwen3, qwen3_compiler,

@@ -71,3 +71,13 @@ def test_the_contract_does_not_import_torch():
     code = "import sys, services.step, services.step_codec; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_constrained_new_sequence_reads_back_equal():
+    from services.step import Constraint
+    for constraint in (Constraint("json_schema", '{"type": "object"}'), Constraint("json_object"),
+                       Constraint("regex", "[a-z]+"), Constraint("choice", ("yes", "no"))):
+        plan = StepPlan(1, "g", 1, (NewSequence(3, SamplingSpec(), (0,), constraint=constraint,
+                                                constraint_output_ids=(5, 6)),))
+        wire = step_codec.plan_to_request(plan).SerializeToString()
+        assert step_codec.plan_from_pb(expert_pb2.ExecuteStepsRequest.FromString(wire).plan) == plan

@@ -1,10 +1,26 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class ConstraintKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CONSTRAINT_KIND_UNSPECIFIED: _ClassVar[ConstraintKind]
+    CONSTRAINT_KIND_JSON_SCHEMA: _ClassVar[ConstraintKind]
+    CONSTRAINT_KIND_JSON_OBJECT: _ClassVar[ConstraintKind]
+    CONSTRAINT_KIND_REGEX: _ClassVar[ConstraintKind]
+    CONSTRAINT_KIND_GRAMMAR: _ClassVar[ConstraintKind]
+    CONSTRAINT_KIND_CHOICE: _ClassVar[ConstraintKind]
+CONSTRAINT_KIND_UNSPECIFIED: ConstraintKind
+CONSTRAINT_KIND_JSON_SCHEMA: ConstraintKind
+CONSTRAINT_KIND_JSON_OBJECT: ConstraintKind
+CONSTRAINT_KIND_REGEX: ConstraintKind
+CONSTRAINT_KIND_GRAMMAR: ConstraintKind
+CONSTRAINT_KIND_CHOICE: ConstraintKind
 
 class SequenceSampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed")
@@ -18,19 +34,33 @@ class SequenceSampling(_message.Message):
     seed: int
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
+class SequenceConstraint(_message.Message):
+    __slots__ = ("kind", "text", "options")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    kind: ConstraintKind
+    text: str
+    options: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kind: _Optional[_Union[ConstraintKind, str]] = ..., text: _Optional[str] = ..., options: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "sampling", "block_ids", "num_cached_tokens", "traceparent")
+    __slots__ = ("seq_id", "sampling", "block_ids", "num_cached_tokens", "traceparent", "constraint", "constraint_output_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     sampling: SequenceSampling
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: int
     traceparent: str
-    def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SequenceSampling, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    constraint: SequenceConstraint
+    constraint_output_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SequenceSampling, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ..., constraint: _Optional[_Union[SequenceConstraint, _Mapping]] = ..., constraint_output_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScheduledSequence(_message.Message):
     __slots__ = ("seq_id", "token_ids", "new_block_ids", "is_sampled")
