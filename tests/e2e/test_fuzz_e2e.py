@@ -254,6 +254,9 @@ SERVICES = {
     gateway_pb2.DESCRIPTOR.services_by_name["GenerationService"]: ("gateway", {
         "Generate": {None, *BAD_INPUT_CODES},
         "Tokenize": {None, grpc.StatusCode.INVALID_ARGUMENT},
+        # A random id names no live request; an empty one is refused.
+        "Abort": {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT},
+        "GetModelInfo": {None},
     }),
     expert_pb2.DESCRIPTOR.services_by_name["ExpertService"]: ("expert", {
         # The gateway holds the rank's one stream: any second stream is refused before reading.
