@@ -8,11 +8,11 @@ vocabulary, int32 words, bit i of word w is token 32 w + i), accepts each sample
 and says when the output is complete. services/model/constraint_mask.py applies the bitmasks
 to the logits on the device.
 
-The engine is llguidance (bench/results/constraint_engines_cpu.md; docs/internals.md,
-"Constraints"): it needs no torch, so the gateway compiles and validates constraints before
-admission, and it refuses the JSON Schema keywords it cannot enforce, so a finished answer
-always validates. Grammars are in llguidance's Lark dialect; a regex must match the whole
-output (Rust `regex` syntax); a choice is an alternation of the options' literal texts.
+The engine is llguidance (why: docs/internals.md, "Constraints"): it needs no torch, so the
+gateway compiles and validates constraints before admission, and it refuses the JSON Schema
+keywords it cannot enforce, so a finished answer always validates. Grammars are in llguidance's
+Lark dialect; a regex must match the whole output (Rust `regex` syntax); a choice is an
+alternation of the options' literal texts.
 
 Bounded whitespace: JSON (json_schema and json_object) is compiled in one fixed form, the
 default of Python's json.dumps: no whitespace between tokens but one space after each item

@@ -137,7 +137,7 @@ class Flags:
 
 def wait_args(wait: Flags | None, like: Tensor) -> dict:
     """A consumer kernel's flag_* keywords: wait_flags' arguments, or with no flags (WAIT off)
-    placeholders (like's address, unread)."""
+    stand-in arguments that the kernel never reads (`like` as the pointer)."""
     if wait is None:
         return dict(flag_pads_ptr=like, flag_rank=0, flag_channel=0, flag_timeout_ns=0, FLAG_RANKS=1, WAIT=False)
     return dict(flag_pads_ptr=wait.pads_N, flag_rank=wait.rank, flag_channel=wait.channel,
@@ -146,7 +146,7 @@ def wait_args(wait: Flags | None, like: Tensor) -> dict:
 
 def signal_args(signal: Flags | None, like: Tensor) -> dict:
     """A producer kernel's flag_* keywords: signal_peers' arguments, or with no flags (SIGNAL
-    off) placeholders (like's address, unread)."""
+    off) stand-in arguments that the kernel never reads (`like` as the pointer)."""
     if signal is None:
         return dict(flag_pads_ptr=like, flag_rank=0, flag_channel=0, flag_clear_channel=0, flag_counter_ptr=like,
                     FLAG_RANKS=1, FLAG_CLEAR=False, FLAG_SCOPE=COUNTER_SCOPE, SIGNAL=False)
