@@ -1,0 +1,112 @@
+"""What every public transport of the gateway shares: validate, submit, stream, abort.
+
+The gRPC servicer (servicer.py) and the HTTP endpoint both hold one Frontend, so
+a request is validated by one set of rules and served by one engine, whichever
+way it came in: HTTP translates its JSON into a moe.gateway.v1 GenerateRequest
+and calls the same methods. Errors are raised, never mapped, here: RequestError
+for bad input (naming the field) and GenerationError for the rest (with an
+ErrorCode); each transport turns them into its own status.
+
+A request is validated in a thread when its input is large (tokenizing a huge
+prompt takes seconds; with a GilFreeTokenizer the event loop runs on
+meanwhile) or when it has a constraint (a cold compile takes milliseconds,
+without the GIL). Its outputs are streamed until the last one; whatever ends the
+stream early (the client went away, a transport error) aborts the request, so
+its blocks are freed at the next step. A stream that falls behind (the engine
+paces the wake-ups of hundreds of streams so that its steps are not held up by
+them) gets the outputs it finds queued merged into one: the contract is the
+tokens and text since the previous message, and every message costs the event
+loop tens of microseconds in the transport. Live requests are kept by id from
+submit to the end of their stream, for Abort.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from gateway.engine import Engine
+from gateway.live_requests import LiveRequests
+from gateway.model_info import ModelInfo
+from gateway.requests import ErrorCode, GenerationError, RequestOutput, merge_outputs
+from gateway.validation import (LARGE_INPUT_SIZE, RequestError, RequestLimits, ValidatedRequest, has_constraint,
+                                input_size, validate_request)
+from moe.gateway.v1 import gateway_pb2
+from services.constraints import Compiler
+
+NO_GROUP_MESSAGE = "no worker group is ready"
+
+
+class Frontend:
+    """The gateway's public operations; get_engine returns the engine taking requests, or None."""
+
+    def __init__(self, *, tokenizer, limits: RequestLimits, model_info: ModelInfo,
+                 get_engine: Callable[[], Engine | None], coalesce_outputs: bool = True,
+                 compiler: Compiler | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.model_info = model_info
+        # Compiles requests' constraints (None: constrained requests are refused).
+        self._compiler = compiler
+        self._get_engine = get_engine
+        self.live_requests = LiveRequests()
+        # False: one output per message (tests that check the framing).
+        self._coalesce_outputs = coalesce_outputs
+
+    async def validate(self, request: gateway_pb2.GenerateRequest) -> ValidatedRequest:
+        """validate_request, in a thread for a large input or a constraint; raises RequestError."""
+        args = (request, self.limits, self.tokenizer, self._compiler)
+        if input_size(request) < LARGE_INPUT_SIZE and not has_constraint(request):
+            return validate_request(*args)
+        return await asyncio.to_thread(validate_request, *args)
+
+    async def generate(self, validated: ValidatedRequest, *,
+                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Submit `validated` and yield its outputs until the last; raises GenerationError.
+
+        `deadline` (time.monotonic()) ends the request with DEADLINE_EXCEEDED in
+        the batcher, which frees its blocks even if the transport's cancellation
+        never reaches the gateway.
+        """
+        engine = self._get_engine()
+        if engine is None:
+            raise GenerationError(ErrorCode.UNAVAILABLE, NO_GROUP_MESSAGE)
+        handle = engine.submit(validated, deadline=deadline)
+        self.live_requests.add(validated.request_id, engine, handle)
+        try:
+            async for output in handle:
+                ready = handle.take_ready() if self._coalesce_outputs else None
+                yield merge_outputs([output, *ready]) if ready else output
+        finally:
+            self.live_requests.remove(validated.request_id, handle)
+            # A no-op once the request finished; otherwise the stream was left early.
+            engine.abort(handle)
+
+    def abort(self, request_id: str) -> int:
+        """End every live request with `request_id` (FINISH_REASON_ABORT); how many there were."""
+        if not request_id:
+            raise RequestError("request_id", "request_id must not be empty")
+        return self.live_requests.abort(request_id)
+
+    @property
+    def num_ranks(self) -> int:
+        """Ranks of the worker group that takes requests; 0 while there is none."""
+        engine = self._get_engine()
+        return 0 if engine is None else engine.batcher.num_ranks
+
+    async def tokenize(self, *, text: str | None = None,
+                       messages: Sequence[tuple[str, str]] | None = None) -> list[int]:
+        """The token ids of `text`, or of `messages` (role, content) through the chat template."""
+        field = "text" if messages is None else "messages"
+        num_chars = len(text or "") if messages is None else sum(len(c) for _, c in messages)
+        if num_chars > self.limits.max_prompt_chars:
+            raise RequestError(field, f"{field} must be at most {self.limits.max_prompt_chars} characters, "
+                                      f"got {num_chars}")
+
+        def encode() -> list[int]:
+            if messages is None:
+                return self.tokenizer.encode(text or "")
+            try:
+                return self.tokenizer.encode_chat(list(messages))
+            except ValueError as error:  # an unknown chat role
+                raise RequestError("messages", f"messages: {error}") from error
+
+        return encode() if num_chars < LARGE_INPUT_SIZE else await asyncio.to_thread(encode)
