@@ -6,6 +6,8 @@ INVALID_ARGUMENT mapped to a typed error naming the field, and deadlines.
 """
 
 import asyncio
+import pathlib
+import re
 import time
 
 import pytest
@@ -145,3 +147,11 @@ def test_the_generate_command_prints_the_stream_and_the_usage(client, mesh, caps
                         f"completion {expected.usage.completion_tokens} tokens]\n")
     assert cli.main(["generate", "--target", mesh.gateway_address, "--top-k", "-1", "Hi"]) == 1
     assert "error: INVALID_ARGUMENT: sampling.top_k" in capsys.readouterr().err
+
+
+def test_the_readme_example_runs(mesh, capsys):
+    text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    [example] = re.findall(r"```python\n(.*?)```", text, re.S)
+    exec(example.replace("127.0.0.1:50051", mesh.gateway_address), {})
+    out = capsys.readouterr().out
+    assert out.strip().endswith(pathlib.Path(mesh.spec.model_dir).name)
