@@ -17,27 +17,21 @@ from typing import Unpack
 
 import grpc
 
-from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from moe.gateway.v1 import gateway_pb2
 from moemesh import client_errors, client_request, client_types
-from moemesh.client import DEFAULT_TIMEOUT_S
+from moemesh.client import DEFAULT_TIMEOUT_S, ClientBase
 from moemesh.client_request import Message, SamplingOptions
-from moemesh.client_retry import Deadline, RetryPolicy, call_metadata
+from moemesh.client_retry import Deadline, RetryPolicy
 
 
-class AsyncClient:
+class AsyncClient(ClientBase):
     """A grpc.aio channel to one gateway (`target`, "host:port"); reuse it for many calls, close it when done."""
 
     def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S, retry: RetryPolicy = RetryPolicy(),
                  metadata: Sequence[tuple[str, str]] = (), credentials: grpc.ChannelCredentials | None = None,
                  options: Sequence[tuple[str, object]] = ()) -> None:
-        self.target = target
-        # Each call's deadline unless it passes its own; None: no deadline.
-        self.timeout = timeout
-        self.retry = retry
-        self._metadata = tuple(metadata)
-        self._channel = (grpc.aio.secure_channel(target, credentials, options=list(options)) if credentials
-                         else grpc.aio.insecure_channel(target, options=list(options)))
-        self._stub = gateway_pb2_grpc.GenerationServiceStub(self._channel)
+        super().__init__(target, grpc.aio, timeout=timeout, retry=retry, metadata=metadata,
+                         credentials=credentials, options=options)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -67,7 +61,7 @@ class AsyncClient:
         """
         request = client_request.generate_request(prompt, messages=messages, input_ids=input_ids,
                                                   request_id=request_id, **options)
-        return self._stream(request, Deadline(self._timeout(timeout)), call_metadata(self._metadata))
+        return self._stream(request, *self._call(timeout))
 
     async def tokenize(self, text: str | None = None, *, messages: Iterable[Message] | None = None,
                        timeout: float | None = None) -> list[int]:
@@ -88,11 +82,8 @@ class AsyncClient:
         info = await self._unary(self._stub.GetModelInfo, gateway_pb2.GetModelInfoRequest(), timeout)
         return client_types.model_info_from_proto(info)
 
-    def _timeout(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
-
     async def _unary(self, method, request, timeout: float | None):
-        deadline, metadata = Deadline(self._timeout(timeout)), call_metadata(self._metadata)
+        deadline, metadata = self._call(timeout)
         attempt = 0
         while True:
             attempt += 1

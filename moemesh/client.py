@@ -28,20 +28,35 @@ from moemesh.client_retry import Deadline, RetryPolicy, call_metadata
 DEFAULT_TIMEOUT_S = 300.0
 
 
-class Client:
-    """A channel to one gateway (`target`, "host:port"); reuse it for many calls, close it when done."""
+class ClientBase:
+    """What Client and AsyncClient share: the channel's settings, the stub, and each call's preparation."""
 
-    def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S, retry: RetryPolicy = RetryPolicy(),
-                 metadata: Sequence[tuple[str, str]] = (), credentials: grpc.ChannelCredentials | None = None,
-                 options: Sequence[tuple[str, object]] = ()) -> None:
+    def __init__(self, target: str, channels, *, timeout: float | None, retry: RetryPolicy,
+                 metadata: Sequence[tuple[str, str]], credentials: grpc.ChannelCredentials | None,
+                 options: Sequence[tuple[str, object]]) -> None:
         self.target = target
         # Each call's deadline unless it passes its own; None: no deadline.
         self.timeout = timeout
         self.retry = retry
         self._metadata = tuple(metadata)
-        self._channel = (grpc.secure_channel(target, credentials, options=list(options)) if credentials
-                         else grpc.insecure_channel(target, options=list(options)))
+        # `channels` is grpc or grpc.aio.
+        self._channel = (channels.secure_channel(target, credentials, options=list(options)) if credentials
+                         else channels.insecure_channel(target, options=list(options)))
         self._stub = gateway_pb2_grpc.GenerationServiceStub(self._channel)
+
+    def _call(self, timeout: float | None) -> tuple[Deadline, tuple[tuple[str, str], ...]]:
+        """A call's deadline and metadata (with the trace context current now)."""
+        return Deadline(self.timeout if timeout is None else timeout), call_metadata(self._metadata)
+
+
+class Client(ClientBase):
+    """A channel to one gateway (`target`, "host:port"); reuse it for many calls, close it when done."""
+
+    def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S, retry: RetryPolicy = RetryPolicy(),
+                 metadata: Sequence[tuple[str, str]] = (), credentials: grpc.ChannelCredentials | None = None,
+                 options: Sequence[tuple[str, object]] = ()) -> None:
+        super().__init__(target, grpc, timeout=timeout, retry=retry, metadata=metadata, credentials=credentials,
+                         options=options)
 
     def close(self) -> None:
         self._channel.close()
@@ -71,7 +86,7 @@ class Client:
         """
         request = client_request.generate_request(prompt, messages=messages, input_ids=input_ids,
                                                   request_id=request_id, **options)
-        return self._stream(request, Deadline(self._timeout(timeout)), call_metadata(self._metadata))
+        return self._stream(request, *self._call(timeout))
 
     def tokenize(self, text: str | None = None, *, messages: Iterable[Message] | None = None,
                  timeout: float | None = None) -> list[int]:
@@ -91,11 +106,8 @@ class Client:
         info = self._unary(self._stub.GetModelInfo, gateway_pb2.GetModelInfoRequest(), timeout)
         return client_types.model_info_from_proto(info)
 
-    def _timeout(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
-
     def _unary(self, method, request, timeout: float | None):
-        deadline, metadata = Deadline(self._timeout(timeout)), call_metadata(self._metadata)
+        deadline, metadata = self._call(timeout)
         attempt = 0
         while True:
             attempt += 1
