@@ -9,9 +9,11 @@ import dataclasses
 import grpc
 import pytest
 
+from gateway.observability import EngineObserver
 from gateway.requests import FinishReason, RequestOutput, Sequence, merge_outputs
 from gateway.samples import coalesce, sample_requests
 from moe.gateway.v1 import gateway_pb2
+from services import metrics
 from services.text import IncrementalDetokenizer
 from tests.gateway.fakes import FakeTokenizer, SimRank, make_request, reference_tokens
 from tests.gateway.test_engine import Gateway, SlowRank, assert_pool_clean, make_engine, run, wait_for
@@ -138,6 +140,23 @@ def test_a_request_for_n_samples_streams_each_with_its_index_seed_usage_and_fini
     # The prompt once, then the last two prompt tokens of each later sample; 3 decodes each.
     assert ranks[0].num_tokens_computed == 10 + 2 * 2 + 3 * 3
     assert_pool_clean(engine, ranks)
+
+
+def test_the_call_is_observed_through_its_first_sample_and_forgotten_after_it():
+    async def scenario():
+        async with Gateway() as gw:
+            ranks = [SimRank(64, 4)]
+            gw.engine, _ = make_engine(ranks=ranks)
+            observer = gw.engine._observer = EngineObserver(1)
+            gw.loop_task = asyncio.create_task(gw.engine.run())
+            before = metrics.gateway_metrics().prompt_tokens._value.get()
+            responses = await gw.generate(request_id="o", prompt="abcdefgh", sampling=sampled(n=3, max_new_tokens=2))
+            return observer, responses, metrics.gateway_metrics().prompt_tokens._value.get() - before
+
+    observer, responses, num_prompt_tokens = run(scenario())
+    assert sorted({r.index for r in responses}) == [0, 1, 2]
+    assert num_prompt_tokens == 8  # one prompt, shared by the samples
+    assert observer._requests == {} and observer._traced == {}
 
 
 def test_abort_ends_every_sample_with_abort_and_frees_their_blocks():
