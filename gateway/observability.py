@@ -139,12 +139,14 @@ class RequestObservation:
             m = metrics.gateway_metrics()
             if not self.num_tokens:
                 m.time_to_first_token.observe(now - self.start)
-            else:
-                gap = (now - self.last_token_at) / num_tokens
-                for _ in range(num_tokens):
-                    m.inter_token_latency.observe(gap)
+            # The pace of the first sample: the messages of n samples interleave.
+            if not response.index:
+                if self.last_token_at:
+                    gap = (now - self.last_token_at) / num_tokens
+                    for _ in range(num_tokens):
+                        m.inter_token_latency.observe(gap)
+                self.last_token_at = now
             m.generation_tokens.inc(num_tokens)
-            self.last_token_at = now
             self.num_tokens += num_tokens
         if response.finish_reason:
             self.finish_reason = _FINISH_REASONS.get(response.finish_reason, "none")
@@ -212,7 +214,10 @@ class EngineObserver:
         self._chunk_spans: dict[int, list[trace.Span]] = {}
 
     def on_submit(self, seq) -> None:
-        """A request was queued (called in its Generate call's context)."""
+        """A request was queued (called in its Generate call's context); a call for n
+        samples is observed through its first (the others share its prompt)."""
+        if seq.leader is not None:
+            return
         self._metrics.prompt_tokens.inc(len(seq.prompt_ids))
         observation = _CURRENT.get()
         if observation is None:
