@@ -95,14 +95,15 @@ class StepScores:
                 rows_X.append(last)
         if not is_graph and len(sample_rows) != logits_SV.shape[0]:
             scores.sample_rows = sample_rows
-        if not rows_X:
-            return scores
-        logprobs_XV = log_softmax_rows(logits_SV, _upload(rows_X, logits_SV.device))
-        for scoring, position, x in kept:  # a copy: the step's rows are not kept alive for one
-            scoring.pending = (position, logprobs_XV[x].clone())
-        num_x = len(rows_X)
-        scores._rows_N = [r if r >= 0 else num_x - 1 - r for r in scores._rows_N]
-        scores._logprobs_MV = torch.cat([logprobs_XV, torch.stack(pending_rows)]) if pending_rows else logprobs_XV
+        parts = [torch.stack(pending_rows)] if pending_rows else []
+        if rows_X:
+            logprobs_XV = log_softmax_rows(logits_SV, _upload(rows_X, logits_SV.device))
+            for scoring, position, x in kept:  # a copy: the step's rows are not kept alive for one
+                scoring.pending = (position, logprobs_XV[x].clone())
+            parts.insert(0, logprobs_XV)
+        if parts:  # the kept rows of earlier chunks after this step's
+            scores._rows_N = [r if r >= 0 else len(rows_X) - 1 - r for r in scores._rows_N]
+            scores._logprobs_MV = torch.cat(parts) if len(parts) > 1 else parts[0]
         return scores
 
     def _add(self, seq_id: int, position: int, top: int, row: int, target: int) -> None:

@@ -146,7 +146,7 @@ class StepRunner:
             scores = StepScores.prepare(logits_SV, plan.scheduled, [self._seqs[s.seq_id] for s in plan.scheduled],
                                         is_graph=greedy_S is not None)
             if scores is not None and scores.sample_rows is not None:
-                logits_SV = logits_SV.index_select(0, to_device(torch.tensor(scores.sample_rows), self.device))
+                logits_SV = logits_SV.index_select(0, to_device(torch.tensor(scores.sample_rows, dtype=torch.int64), self.device))
         token_ids_S, sampled = self._sample(plan.scheduled, logits_SV, greedy_S)
         for seq in seqs:
             self._seqs[seq.seq_id].num_computed += len(seq.token_ids)
