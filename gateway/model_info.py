@@ -16,6 +16,8 @@ from services.model.config import ModelConfig
 FEATURE_PREFIX_CACHE = "prefix_cache"
 # SamplingParams' constraint is enforced (structured output: JSON Schema, regex, grammar, choice).
 FEATURE_CONSTRAINTS = "constraints"
+# SamplingParams' logprobs, top_logprobs and prompt_logprobs are reported.
+FEATURE_LOGPROBS = "logprobs"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,6 +51,7 @@ def model_info(model_dir: str, model: ModelConfig, *, context_length: int,
         dtype=hub["torch_dtype"],
         num_experts=model.num_experts,
         num_experts_per_tok=model.num_experts_per_tok,
-        # Every gateway compiles constraints (gateway/server.py) and every rank enforces them.
-        features=((FEATURE_PREFIX_CACHE,) if enable_prefix_cache else ()) + (FEATURE_CONSTRAINTS,),
+        # Every gateway compiles constraints (gateway/server.py) and every rank enforces them;
+        # every rank scores tokens (expert_svc/logprobs.py).
+        features=((FEATURE_PREFIX_CACHE,) if enable_prefix_cache else ()) + (FEATURE_CONSTRAINTS, FEATURE_LOGPROBS),
     )

@@ -29,7 +29,7 @@ from typing import NoReturn, Protocol
 
 from moe.gateway.v1 import gateway_pb2
 from services.constraints import Compiler
-from services.step import Constraint, ConstraintError, SamplingSpec, SpecError
+from services.step import NO_LOGPROBS, Constraint, ConstraintError, LogprobSpec, SamplingSpec, SpecError
 from services.tokenizer import CHAT_ROLES, Tokenizer
 
 # Inputs at least this long (characters, or token ids) are validated off the
@@ -128,6 +128,8 @@ class ValidatedRequest:
     ignore_eos: bool
     # What the output must satisfy (compiled once by the gateway's Compiler); None: free text.
     constraint: Constraint | None = None
+    # The log-probabilities the client asked for (top_logprobs implies logprobs).
+    logprobs: LogprobSpec = NO_LOGPROBS
 
 
 def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
@@ -141,6 +143,7 @@ def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
         _fail("sampling.max_new_tokens",
               f"must be at most {limits.max_new_tokens_limit}, got {sampling.max_new_tokens}")
     stops = _check_stops(sampling.stop, limits)
+    logprobs = _logprob_spec(sampling)
     constraint = _constraint(sampling, limits, compiler)
     input_field, prompt_ids = _tokenize_input(req, limits, tokenizer)
     max_new_tokens = _check_context(input_field, len(prompt_ids), sampling.max_new_tokens, limits)
@@ -152,6 +155,7 @@ def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
         stops=stops,
         ignore_eos=sampling.ignore_eos,
         constraint=constraint,
+        logprobs=logprobs,
     )
 
 
@@ -176,6 +180,15 @@ def _sampling_spec(sampling: gateway_pb2.SamplingParams, limits: RequestLimits) 
             top_p=_shortest_float32(sampling.top_p) or 1.0,
             top_k=sampling.top_k,
             seed=sampling.seed if sampling.HasField("seed") else secrets.randbits(63))
+    except SpecError as error:
+        raise RequestError(error.field, str(error)) from error
+
+
+def _logprob_spec(sampling: gateway_pb2.SamplingParams) -> LogprobSpec:
+    """The request's LogprobSpec: the contract checks top_logprobs' range, which implies logprobs."""
+    try:
+        return LogprobSpec(logprobs=sampling.logprobs or sampling.top_logprobs > 0,
+                           top_logprobs=sampling.top_logprobs, prompt_logprobs=sampling.prompt_logprobs)
     except SpecError as error:
         raise RequestError(error.field, str(error)) from error
 

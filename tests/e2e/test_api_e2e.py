@@ -91,7 +91,7 @@ def test_get_model_info_matches_the_model_config(stub, tiny_model_dir):
     assert info.dtype == str(model.dtype).removeprefix("torch.")
     assert (info.num_experts, info.num_experts_per_tok) == (model.num_experts, model.num_experts_per_tok)
     assert info.num_ranks == 1
-    assert list(info.features) == ["prefix_cache", "constraints"]
+    assert list(info.features) == ["prefix_cache", "constraints", "logprobs"]
 
 
 def test_a_repeated_prompt_reports_its_cached_tokens(stub):
