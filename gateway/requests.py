@@ -206,7 +206,8 @@ class Sequence:
         return text, matched
 
     def _output(self, token_ids, text, reason, matched_stop, logprobs=()) -> RequestOutput:
-        prompt_logprobs, self._is_first_output = (tuple(self.prompt_logprobs) if self._is_first_output else ()), False
+        prompt_logprobs = tuple(self.prompt_logprobs) if self._is_first_output else ()
+        self._is_first_output = False
         return RequestOutput(
             request_id=self.request_id,
             token_ids=tuple(token_ids),
