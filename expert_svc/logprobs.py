@@ -45,7 +45,8 @@ class StepScores:
     """One step's scored tokens: `prepare`d before sampling, `launch`ed after it, read by `results`.
 
     `sample_rows`: the logit row of each sampled sequence (plan order), when the eager
-    forward returned prompt rows besides them; None when logits_SV's rows are those already.
+    forward returned prompt rows besides them (`sampling_logits`); None when logits_SV's
+    rows are those already.
     """
 
     def __init__(self) -> None:
@@ -105,6 +106,12 @@ class StepScores:
             scores._rows_N = [r if r >= 0 else len(rows_X) - 1 - r for r in scores._rows_N]
             scores._logprobs_MV = torch.cat(parts) if len(parts) > 1 else parts[0]
         return scores
+
+    def sampling_logits(self, logits_SV: Tensor) -> Tensor:
+        """The rows of logits_SV that the step samples from: without the prompt rows of scored chunks."""
+        if self.sample_rows is None:
+            return logits_SV
+        return logits_SV.index_select(0, _upload(self.sample_rows, logits_SV.device))
 
     def _add(self, seq_id: int, position: int, top: int, row: int, target: int) -> None:
         self._entries.append((seq_id, position, top))

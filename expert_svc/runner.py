@@ -142,11 +142,10 @@ class StepRunner:
         seqs, feed = self._inputs(plan.scheduled)
         logits_SV, greedy_S = self._forward(seqs, feed, plan.max_tokens_per_rank)
         scores = None
-        if self._num_scoring:  # before sampling: its constraint masks write into logits_SV
+        if self._num_scoring:  # scored before sampling, whose constraint masks write into logits_SV
             scores = StepScores.prepare(logits_SV, plan.scheduled, [self._seqs[s.seq_id] for s in plan.scheduled],
                                         is_graph=greedy_S is not None)
-            if scores is not None and scores.sample_rows is not None:
-                logits_SV = logits_SV.index_select(0, to_device(torch.tensor(scores.sample_rows, dtype=torch.int64), self.device))
+            logits_SV = logits_SV if scores is None else scores.sampling_logits(logits_SV)
         token_ids_S, sampled = self._sample(plan.scheduled, logits_SV, greedy_S)
         for seq in seqs:
             self._seqs[seq.seq_id].num_computed += len(seq.token_ids)

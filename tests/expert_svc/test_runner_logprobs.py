@@ -131,7 +131,8 @@ def test_a_graph_step_scores_the_rows_of_the_sequences_that_asked():
     that asked are scored, the sampled ones at the token drawn, and sampling keeps all rows."""
     logits_SV = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
     scheduled = [ScheduledSequence(1), ScheduledSequence(2), ScheduledSequence(3, (17,), is_sampled=False)]
-    seqs = [_Seq(SeqScoring(LogprobSpec(True, 3)), 8), _Seq(None, 4), _Seq(SeqScoring(LogprobSpec(prompt_logprobs=True)), 2)]
+    seqs = [_Seq(SeqScoring(LogprobSpec(True, 3)), 8), _Seq(None, 4),
+            _Seq(SeqScoring(LogprobSpec(prompt_logprobs=True)), 2)]
     scores = StepScores.prepare(logits_SV, scheduled, seqs, is_graph=True)
     assert scores.sample_rows is None
     token_ids_S = torch.tensor([11, 12, 13])
