@@ -1,7 +1,8 @@
 """Log-probabilities through the gateway, over simulated ranks (tests/gateway/fakes.py's
 fake_logprob): each message's logprobs are aligned with its token_ids (coalesced or not,
 with stop strings, EOS and LENGTH), prompt logprobs come once on the first message, also
-across chunked prefill and a failover, and a request that asks for them takes no cached prefix."""
+across chunked prefill, preemptions and a failover, and a request that asks for them takes no
+cached prefix while it lacks them."""
 
 import asyncio
 import dataclasses
@@ -173,3 +174,41 @@ def test_bad_top_logprobs_are_invalid_argument_naming_the_field(sampling, field)
     bad = run(scenario())
     assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and bad.details().startswith(field)
     assert "20" in bad.details()
+
+
+@pytest.mark.parametrize("num_blocks, len_a, new_a, len_b, chunk, mid_prefill", [
+    (7, 10, 14, 10, 4, False),  # preempted after its first tokens: its prompt logprobs are in
+    (6, 4, 16, 20, 8, True),    # preempted while its prompt is prefilled, several times
+])
+def test_a_preempted_request_keeps_its_logprobs_aligned_and_sends_its_prompt_logprobs_once(
+        num_blocks, len_a, new_a, len_b, chunk, mid_prefill):
+    """A pool too small for both requests: the newest is preempted and re-prefilled (no cached
+    prefix while it lacks its prompt logprobs); its client sees each logprob once, in order."""
+    prompt_b = [26 + i % 26 for i in range(len_b)]
+
+    async def scenario():
+        engine, (rank,) = make_engine(num_blocks=num_blocks, block_size=4, prefill_chunk_size=chunk)
+        task = asyncio.create_task(engine.run())
+        first = engine.submit(make_request(prompt_ids=list(range(40, 40 + len_a)), max_new_tokens=new_a))
+        asked = dataclasses.replace(make_request(prompt_ids=prompt_b, max_new_tokens=4, request_id="b"),
+                                    logprobs=LogprobSpec(True, 2, True))
+        outputs = await asyncio.gather(collect(first), collect(engine.submit(asked)))
+        task.cancel()
+        starts = [(n.prompt_logprobs, n.num_cached_tokens) for p in rank.plans for n in p.new_sequences
+                  if n.seq_id == 2]
+        return outputs[1], starts
+
+    outputs, starts = run(scenario())
+    # Asked for prompt logprobs (and took no cache) exactly while they were missing.
+    assert len(starts) > 1 and starts[0] == (True, 0)
+    assert all(cached == 0 for asked, cached in starts if asked)
+    assert starts[1][0] is mid_prefill
+    merged = merge_outputs(outputs)
+    assert list(merged.token_ids) == reference_tokens(prompt_b, 4)
+    assert [lp.logprob for lp in merged.logprobs] == pytest.approx(
+        [fake_logprob(len_b + i, t) for i, t in enumerate(merged.token_ids)])
+    assert [lp.token_id for lp in merged.prompt_logprobs] == prompt_b[1:]
+    assert [lp.logprob for lp in merged.prompt_logprobs] == pytest.approx(
+        [fake_logprob(p, t) for p, t in enumerate(prompt_b)][1:])
+    assert all(len(lp.top) == 2 for lp in (*merged.logprobs, *merged.prompt_logprobs))
+    assert not any(o.prompt_logprobs for o in outputs[1:]) and merged.cached_tokens == 0
