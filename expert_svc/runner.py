@@ -30,6 +30,7 @@ from torch import Tensor
 
 from expert_svc.constrained import ConstraintMasks
 from expert_svc.graph_runner import DecodeGraphRunner, TokenFeed
+from expert_svc.logprobs import SeqScoring, StepScores, is_scored_chunk
 from services.constraints import Matcher
 from services.kv_pool import KVPool
 from services.model.batch import ForwardBatch, SeqInput, build_forward_batch, to_device
@@ -51,6 +52,10 @@ class LaunchedStep:
     # A torch.cuda.Event recorded after the copy to the host; None when the
     # tokens are complete already (the CPU: the forward ran in launch).
     ready: "torch.cuda.Event | None"
+    # The step's scored tokens (expert_svc/logprobs.py) and their tensors on the host, read
+    # with the tokens; None when no scheduled sequence asked for log-probabilities.
+    scores: StepScores | None = None
+    scores_host: tuple[Tensor, ...] = ()
 
 
 class StalePlanError(ValueError):
@@ -71,6 +76,8 @@ class _Sequence:
     # token while the matcher has not accepted it (on the device, as last_token).
     matcher: Matcher | None = None
     unaccepted: tuple[Tensor, int] | None = None
+    # What the sequence reports of its log-probabilities; None: nothing.
+    scoring: SeqScoring | None = None
 
 
 class StepRunner:
@@ -91,6 +98,7 @@ class StepRunner:
         self.num_steps = 0  # steps run since construction, idle and rejected ones included
         self._last_step_id = 0
         self._seqs: dict[int, _Sequence] = {}
+        self._num_scoring = 0  # sequences with a `scoring`: no step is scored while there is none
         self.graphs = graphs  # None: every step runs eagerly
         # Constrained sequences' matchers and masks; without a compiler they are refused.
         self.constraints = constraints or ConstraintMasks()
@@ -105,6 +113,7 @@ class StepRunner:
     def reset(self) -> None:
         """Forgets every sequence and restarts step numbering (a new gateway stream)."""
         self._seqs.clear()
+        self._num_scoring = 0
         self._last_step_id = 0
 
     def run_step(self, plan: StepPlan) -> StepResult:
@@ -131,11 +140,19 @@ class StepRunner:
         self._last_step_id = plan.step_id
         self._apply_diffs(plan, matchers)
         seqs, feed = self._inputs(plan.scheduled)
-        token_ids_S, sampled = self._sample(plan.scheduled, *self._forward(seqs, feed, plan.max_tokens_per_rank))
+        logits_SV, greedy_S = self._forward(seqs, feed, plan.max_tokens_per_rank)
+        scores = None
+        if self._num_scoring:  # scored before sampling, whose constraint masks write into logits_SV
+            scores = StepScores.prepare(logits_SV, plan.scheduled, [self._seqs[s.seq_id] for s in plan.scheduled],
+                                        is_graph=greedy_S is not None)
+            logits_SV = logits_SV if scores is None else scores.sampling_logits(logits_SV)
+        token_ids_S, sampled = self._sample(plan.scheduled, logits_SV, greedy_S)
         for seq in seqs:
             self._seqs[seq.seq_id].num_computed += len(seq.token_ids)
-        host_S, ready = (None, None) if token_ids_S is None else _to_host(token_ids_S)
-        return LaunchedStep(plan.step_id, start, sampled, host_S, ready)
+        scored = [] if scores is None else scores.launch(token_ids_S)
+        host, ready = _to_host([t for t in (token_ids_S, *scored) if t is not None])
+        host_S = None if token_ids_S is None else host.pop(0)
+        return LaunchedStep(plan.step_id, start, sampled, host_S, ready, scores, tuple(host))
 
     @staticmethod
     def finish(step: LaunchedStep) -> StepResult:
@@ -148,7 +165,9 @@ class StepRunner:
             step.ready.synchronize()
         token_ids = [] if step.token_ids_S is None else step.token_ids_S.tolist()
         tokens = tuple((seq_id, token_ids[row]) for row, seq_id in step.sampled)
-        return StepResult(step.step_id, tokens, time.perf_counter() - step.start)
+        logprobs = () if step.scores is None else step.scores.results([t.tolist() for t in step.scores_host],
+                                                                      token_ids)
+        return StepResult(step.step_id, tokens, time.perf_counter() - step.start, logprobs)
 
     def _forward(self, seqs: list[SeqInput], feed: TokenFeed | None,
                  max_tokens_per_rank: int) -> tuple[Tensor, Tensor | None]:
@@ -200,10 +219,12 @@ class StepRunner:
 
     def _apply_diffs(self, plan: StepPlan, matchers: dict[int, Matcher]) -> None:
         for seq_id in plan.finished_seq_ids:
-            del self._seqs[seq_id]
+            self._num_scoring -= self._seqs.pop(seq_id).scoring is not None
         for new in plan.new_sequences:
+            scoring = SeqScoring(new.logprobs) if new.logprobs else None
+            self._num_scoring += scoring is not None
             self._seqs[new.seq_id] = _Sequence(array.array("i", new.block_ids), new.num_cached_tokens, new.sampling,
-                                               matcher=matchers.get(new.seq_id))
+                                               matcher=matchers.get(new.seq_id), scoring=scoring)
         for sched in plan.scheduled:
             self._seqs[sched.seq_id].block_table.extend(sched.new_block_ids)
 
@@ -218,7 +239,8 @@ class StepRunner:
                 fed_rows.append(num_tokens)
                 fed_tokens.append(seq.last_token)
             seq.last_token = None
-            seqs.append(SeqInput(sched.seq_id, token_ids, seq.num_computed, seq.block_table, sched.is_sampled))
+            seqs.append(SeqInput(sched.seq_id, token_ids, seq.num_computed, seq.block_table, sched.is_sampled,
+                                 seq.scoring is not None and is_scored_chunk(sched, seq.scoring)))
             num_tokens += len(token_ids)
         return seqs, _token_feed(fed_rows, fed_tokens, self.device)
 
@@ -301,16 +323,19 @@ def _upload(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
         if isinstance(value := getattr(batch, field.name), Tensor)})
 
 
-def _to_host(token_ids_S: Tensor) -> tuple[Tensor, "torch.cuda.Event | None"]:
-    """The tokens on the host without a sync, and the event after which they are complete.
+def _to_host(tensors: list[Tensor]) -> tuple[list[Tensor], "torch.cuda.Event | None"]:
+    """The tensors (the sampled tokens, the scored log-probabilities) on the host without a
+    sync, and the one event after which they all are complete; None when there are none.
 
-    On CUDA, a non-blocking copy into pinned memory: a plain .tolist() would
+    On CUDA, non-blocking copies into pinned memory: a plain .tolist() would
     also wait for every step queued after this one.
     """
-    if token_ids_S.device.type != "cuda":
-        return token_ids_S, None
-    host_S = torch.empty(token_ids_S.shape, dtype=token_ids_S.dtype, pin_memory=True)
-    host_S.copy_(token_ids_S, non_blocking=True)
+    if not tensors or tensors[0].device.type != "cuda":
+        return tensors, None
+    host = []
+    for tensor in tensors:
+        host.append(torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True))
+        host[-1].copy_(tensor, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()
-    return host_S, ready
+    return host, ready

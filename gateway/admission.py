@@ -24,6 +24,9 @@ it one step more, until that prompt's full blocks are in the rank's prefix
 cache: so the prompt is prefilled once, whatever the load of the other ranks.
 A leader that finished pins nothing (nor does any without a prefix cache); one
 preempted makes the samples not yet started wait until it is prefilled again.
+
+A request that still needs its prompt's log-probabilities takes no cached prefix
+(every prompt position is computed to be scored), so its cached_tokens is 0.
 """
 
 import dataclasses
@@ -99,6 +102,10 @@ class AdmissionHost(Protocol):
         """Adds num_tokens of seq's input to plan."""
 
 
+# A request that reports prompt log-probabilities starts from nothing cached (Sequence.wants_prompt_logprobs).
+NO_PREFIX = PrefixMatch([], 0, 0)
+
+
 def watermark(kv: RankKV) -> int:
     """Blocks kept free at admission for the running sequences' next decode blocks."""
     return max(1, kv.num_blocks // 100)
@@ -112,6 +119,8 @@ def admit(batcher: AdmissionHost, batch: StepBatch, step: StepState) -> None:
 
     def cached_tokens(seq: Sequence) -> int:
         """The policy's estimate: the longest cached prefix on any rank."""
+        if seq.wants_prompt_logprobs:
+            return 0
         return max(kv.match(seq.token_ids, seq.block_hashes, is_estimate=True).num_cached_tokens
                    for kv in batcher.ranks)
 
@@ -154,12 +163,15 @@ def _place(batcher: AdmissionHost, batch: StepBatch, step: StepState, seq: Seque
         kv = batcher.ranks[rank]
         if not _is_open(batcher, batch, step, rank):
             continue
-        # Looked up afresh: admitting the previous request may have evicted blocks.
-        match = kv.match(seq.token_ids, seq.block_hashes)
-        first_uncached = match.num_cached_tokens // kv.block_size
-        if first_uncached < len(seq.block_hashes) and seq.block_hashes[first_uncached] in step.computing[rank]:
-            is_deferred = True
-            continue
+        if seq.wants_prompt_logprobs:  # every prompt position is scored, so none may be cached
+            match = NO_PREFIX
+        else:
+            # Looked up afresh: admitting the previous request may have evicted blocks.
+            match = kv.match(seq.token_ids, seq.block_hashes)
+            first_uncached = match.num_cached_tokens // kv.block_size
+            if first_uncached < len(seq.block_hashes) and seq.block_hashes[first_uncached] in step.computing[rank]:
+                is_deferred = True
+                continue
         budget = batcher.max_batch_tokens - batch.plans[rank].num_tokens
         num_tokens = min(batcher.prefill_chunk_size, seq.num_tokens - match.num_cached_tokens, budget)
         num_new_blocks = kv.blocks_needed(match.num_cached_tokens + num_tokens) - len(match.nodes)
@@ -188,11 +200,13 @@ def _start(batcher: AdmissionHost, batch: StepBatch, step: StepState, seq: Seque
     seq.num_computed = match.num_cached_tokens
     if seq.num_cached_tokens is None:
         seq.num_cached_tokens = min(match.num_cached_tokens, len(seq.prompt_ids))
-    constraint = seq.request.constraint
+    constraint, logprobs = seq.request.constraint, seq.request.logprobs
+    if logprobs.prompt_logprobs and not seq.wants_prompt_logprobs:  # a resumed one that has them
+        logprobs = dataclasses.replace(logprobs, prompt_logprobs=False)
     plan.new_sequences.append(NewSequence(
         seq.seq_id, seq.request.sampling, tuple(block_ids), match.num_cached_tokens, constraint=constraint,
         # A resumed constrained sequence's matcher replays what it already produced.
-        constraint_output_ids=tuple(seq.output_ids) if constraint is not None else ()))
+        constraint_output_ids=tuple(seq.output_ids) if constraint is not None else (), logprobs=logprobs))
     stats = batcher.stats
     if seq.num_preemptions == 0:
         stats.num_prompt_tokens += seq.num_tokens

@@ -47,7 +47,7 @@ from gateway.policy import SchedulePolicy, make_policy
 from gateway.prefix_cache import extend_block_hashes
 from gateway.requests import ErrorCode, GenerationError, Sequence, SeqStatus
 from gateway.stats import GatewayStats
-from services.step import ScheduledSequence
+from services.step import ScheduledSequence, TokenLogprob
 
 
 def _arrival(seq: Sequence) -> int:
@@ -188,9 +188,11 @@ class Batcher:
                 ErrorCode.RESOURCE_EXHAUSTED, "the request cannot be scheduled on any rank")))
         return batch
 
-    def apply_results(self, step_id: int, tokens: Mapping[int, int]) -> list[SeqEvent]:
-        """Appends the oldest in-flight step's sampled tokens (seq_id -> token id) and
-        returns the outputs. Raises ValueError if they do not answer that step's plan."""
+    def apply_results(self, step_id: int, tokens: Mapping[int, int],
+                      logprobs: Mapping[int, TokenLogprob] | None = None) -> list[SeqEvent]:
+        """Appends the oldest in-flight step's sampled tokens (seq_id -> token id, and seq_id ->
+        its log-probability for those that asked) and returns the outputs. Raises ValueError if
+        they do not answer that step's plan."""
         expected_step, sampled = self._in_flight.popleft() if self._in_flight else (None, {})
         if step_id != expected_step:
             raise ValueError(f"results of step {step_id}, but the oldest step in flight is {expected_step}")
@@ -204,7 +206,8 @@ class Batcher:
             seq.num_in_flight -= 1
             if seq.is_aborted or seq.is_finished:
                 continue  # a slot planned before the sequence ended: the token is dropped
-            output = seq.append_token(token_id, self.eos_token_ids, self.max_context)
+            output = seq.append_token(token_id, self.eos_token_ids, self.max_context,
+                                      logprobs.get(seq_id) if logprobs else None)
             if output.is_final:
                 self._finish(seq)
             events.append((seq, output))

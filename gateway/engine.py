@@ -47,7 +47,7 @@ from gateway.observability import EngineObserver
 from gateway.plan import SeqEvent, StepBatch
 from gateway.requests import ErrorCode, GenerationError, RequestHandle, Sequence
 from gateway.rank_client import RankStream, StepStream, StreamClosed
-from services.step import StepPlan, StepResult
+from services.step import StepPlan, StepResult, TokenLogprob
 
 log = logging.getLogger("gateway.engine")
 
@@ -260,12 +260,15 @@ class Engine:
         results: list[StepResult] = await self._wait_every_rank(self._start_on_every_rank(read), "answer")
         start = time.perf_counter()
         tokens: dict[int, int] = {}
+        logprobs: dict[int, TokenLogprob] = {}
         for rank, result in enumerate(results):
             if result.step_id != batch.step_id:
                 raise GroupFailure(f"rank {rank} answered step {result.step_id}, expected {batch.step_id}")
             tokens.update(result.tokens)
+            if result.logprobs:
+                self._route_logprobs(result.logprobs, tokens, logprobs)
         try:
-            events = self.batcher.apply_results(batch.step_id, tokens)
+            events = self.batcher.apply_results(batch.step_id, tokens, logprobs)
         except ValueError as error:
             raise GroupFailure(str(error)) from error
         self.num_steps += 1
@@ -273,6 +276,18 @@ class Engine:
         if self._observer is not None:
             self._observer.on_step_done(batch, results)
         return events
+
+    def _route_logprobs(self, scored, tokens: dict[int, int], sampled: dict[int, TokenLogprob]) -> None:
+        """Hands a result's prompt log-probabilities to their sequences; a sampled token's
+        (at the position past the sequence's tokens) goes into `sampled`, for apply_results."""
+        for seq_id, position, logprob in scored:
+            handle = self._handles.get(seq_id)
+            if handle is None:
+                continue  # finished meanwhile
+            if seq_id in tokens and position >= handle.seq.num_tokens:
+                sampled[seq_id] = logprob
+            else:
+                handle.seq.add_prompt_logprob(position, logprob)
 
     def _start_on_every_rank(self, call) -> list[asyncio.Future]:
         """call(stream, rank) on every rank at once, as tasks (queued now, in rank order)."""

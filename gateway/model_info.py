@@ -18,6 +18,8 @@ FEATURE_PREFIX_CACHE = "prefix_cache"
 FEATURE_CONSTRAINTS = "constraints"
 # SamplingParams.n above 1: several samples of one prompt (gateway/samples.py).
 FEATURE_N = "n"
+# SamplingParams' logprobs, top_logprobs and prompt_logprobs are reported.
+FEATURE_LOGPROBS = "logprobs"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -51,6 +53,8 @@ def model_info(model_dir: str, model: ModelConfig, *, context_length: int,
         dtype=hub["torch_dtype"],
         num_experts=model.num_experts,
         num_experts_per_tok=model.num_experts_per_tok,
-        # Every gateway compiles constraints (gateway/server.py) and every rank enforces them.
-        features=((FEATURE_PREFIX_CACHE,) if enable_prefix_cache else ()) + (FEATURE_CONSTRAINTS, FEATURE_N),
+        # Every gateway compiles constraints (gateway/server.py) and every rank enforces them;
+        # every rank scores tokens (expert_svc/logprobs.py); the gateway fans out samples (gateway/samples.py).
+        features=((FEATURE_PREFIX_CACHE,) if enable_prefix_cache else ())
+        + (FEATURE_CONSTRAINTS, FEATURE_LOGPROBS, FEATURE_N),
     )

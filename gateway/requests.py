@@ -15,6 +15,7 @@ import dataclasses
 import enum
 from collections.abc import Collection
 
+from services.step import TokenLogprob
 from services.text import StopStringMatcher
 
 
@@ -58,6 +59,10 @@ class RequestOutput:
     matched_stop: str = ""
     # Prompt tokens whose KV came from the prefix cache when the request first started.
     cached_tokens: int = 0
+    # With the request's logprobs: one per token of token_ids, in order.
+    logprobs: tuple[TokenLogprob, ...] = ()
+    # With its prompt_logprobs: on its first output, one per prompt token after the first.
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
     index: int = 0
 
     @property
@@ -91,7 +96,7 @@ class Sequence:
         "seq_id", "request", "prompt_ids", "output_ids", "token_ids", "rank", "status",
         "num_computed", "num_in_flight", "is_prefilled", "is_aborted", "finish_reason", "deadline",
         "block_hashes", "num_preemptions", "num_cached_tokens", "_detokenizer", "_stops", "_has_stops",
-        "leader",
+        "leader", "prompt_logprobs", "_is_first_output",
     )
 
     def __init__(self, seq_id: int, request, detokenizer, *, deadline: float | None = None,
@@ -126,6 +131,9 @@ class Sequence:
         self._stops = StopStringMatcher(list(request.stops))
         # Without stop strings the matcher releases every text at once: skipped (per token, per step).
         self._has_stops = bool(request.stops)
+        # With prompt_logprobs: those of prompt positions 1, 2, ... received so far (the first output carries them).
+        self.prompt_logprobs: list[TokenLogprob] = []
+        self._is_first_output = True
 
     @property
     def request_id(self) -> str:
@@ -140,8 +148,23 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
-    def append_token(self, token_id: int, eos_token_ids: Collection[int], max_context: int) -> RequestOutput:
-        """Records a sampled token and returns the output it produces, final if it ends the request."""
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True while the request's prompt log-probabilities are still to come from a rank: its
+        next (re-)prefill must compute every prompt position, so it takes no cached prefix."""
+        return (self.request.logprobs.prompt_logprobs and self._is_first_output
+                and len(self.prompt_logprobs) < len(self.prompt_ids) - 1)
+
+    def add_prompt_logprob(self, position: int, logprob: TokenLogprob) -> None:
+        """Records a prompt token's log-probability from a step result. A re-prefill (after a
+        preemption or a failover) scores positions again: only the next missing one is taken."""
+        if position == len(self.prompt_logprobs) + 1 and self.wants_prompt_logprobs:
+            self.prompt_logprobs.append(logprob)
+
+    def append_token(self, token_id: int, eos_token_ids: Collection[int], max_context: int,
+                     logprob: TokenLogprob | None = None) -> RequestOutput:
+        """Records a sampled token (and its log-probability, if the request asked) and returns
+        the output it produces, final if it ends the request."""
         assert not self.is_finished, self.seq_id
         self.output_ids.append(token_id)
         self.token_ids.append(token_id)
@@ -162,7 +185,7 @@ class Sequence:
                 reason = FinishReason.STOP if matched is not None else FinishReason.LENGTH
         if reason is not None:
             self.finish_reason = reason
-        return self._output((token_id,), text, reason, matched or "")
+        return self._output((token_id,), text, reason, matched or "", (logprob,) if logprob else ())
 
     def rewind(self) -> None:
         """Back to waiting with nothing computed, keeping the checkpoint (token_ids)
@@ -187,7 +210,9 @@ class Sequence:
             text += self._stops.flush()
         return text, matched
 
-    def _output(self, token_ids, text, reason, matched_stop) -> RequestOutput:
+    def _output(self, token_ids, text, reason, matched_stop, logprobs=()) -> RequestOutput:
+        prompt_logprobs = tuple(self.prompt_logprobs) if self._is_first_output else ()
+        self._is_first_output = False
         return RequestOutput(
             request_id=self.request_id,
             token_ids=tuple(token_ids),
@@ -197,6 +222,8 @@ class Sequence:
             cached_tokens=self.num_cached_tokens or 0,
             finish_reason=reason,
             matched_stop=matched_stop,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -270,11 +297,13 @@ class RequestHandle:
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
-    """Consecutive outputs of one request as one: their tokens and text in order,
-    the counts and finish of the last."""
+    """Consecutive outputs of one request as one: their tokens, text and log-probabilities in
+    order (the first's prompt log-probabilities), the counts and finish of the last."""
     last = outputs[-1]
     assert all(o.index == last.index for o in outputs), "outputs of different samples (index) never merge"
     if len(outputs) == 1:
         return last
     return dataclasses.replace(last, token_ids=tuple(t for o in outputs for t in o.token_ids),
-                               text="".join(o.text for o in outputs))
+                               text="".join(o.text for o in outputs),
+                               logprobs=tuple(lp for o in outputs for lp in o.logprobs),
+                               prompt_logprobs=outputs[0].prompt_logprobs)

@@ -50,6 +50,10 @@ def output_to_proto(output: RequestOutput) -> gateway_pb2.GenerateResponse:
     """One stream message; the last one carries the finish reason and the usage."""
     response = gateway_pb2.GenerateResponse(
         request_id=output.request_id, token_ids=output.token_ids, text=output.text, index=output.index)
+    if output.logprobs:
+        _logprobs_to_proto(output.logprobs, response.logprobs)
+    if output.prompt_logprobs:
+        _logprobs_to_proto(output.prompt_logprobs, response.prompt_logprobs)
     if output.is_final:
         response.finish_reason = _FINISH_REASON[output.finish_reason]
         response.usage.prompt_tokens = output.prompt_tokens
@@ -57,6 +61,15 @@ def output_to_proto(output: RequestOutput) -> gateway_pb2.GenerateResponse:
         response.usage.cached_tokens = output.cached_tokens
         response.matched_stop = output.matched_stop
     return response
+
+
+def _logprobs_to_proto(logprobs, field) -> None:
+    """Appends TokenLogprob messages to a repeated field, in place (one message per token)."""
+    add = field.add
+    for lp in logprobs:
+        entry = add(token_id=lp.token_id, logprob=lp.logprob)
+        for token_id, logprob in lp.top:
+            entry.top.add(token_id=token_id, logprob=logprob)
 
 
 class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):

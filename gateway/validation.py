@@ -29,7 +29,7 @@ from typing import NoReturn, Protocol
 
 from moe.gateway.v1 import gateway_pb2
 from services.constraints import Compiler
-from services.step import Constraint, ConstraintError, SamplingSpec, SpecError
+from services.step import NO_LOGPROBS, Constraint, ConstraintError, LogprobSpec, SamplingSpec, SpecError
 from services.tokenizer import CHAT_ROLES, Tokenizer
 
 # Inputs at least this long (characters, or token ids) are validated off the
@@ -132,6 +132,8 @@ class ValidatedRequest:
     constraint: Constraint | None = None
     # Samples of the prompt (SamplingParams.n, 0 made 1); gateway/samples.py fans them out.
     n: int = 1
+    # The log-probabilities the client asked for (top_logprobs implies logprobs).
+    logprobs: LogprobSpec = NO_LOGPROBS
 
 
 def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
@@ -146,6 +148,7 @@ def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
         _fail("sampling.max_new_tokens",
               f"must be at most {limits.max_new_tokens_limit}, got {sampling.max_new_tokens}")
     stops = _check_stops(sampling.stop, limits)
+    logprobs = _logprob_spec(sampling)
     constraint = _constraint(sampling, limits, compiler)
     input_field, prompt_ids = _tokenize_input(req, limits, tokenizer)
     max_new_tokens = _check_context(input_field, len(prompt_ids), sampling.max_new_tokens, limits)
@@ -158,6 +161,7 @@ def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
         ignore_eos=sampling.ignore_eos,
         constraint=constraint,
         n=n,
+        logprobs=logprobs,
     )
 
 
@@ -193,6 +197,15 @@ def _check_n(n: int, spec: SamplingSpec) -> int:
         _fail("sampling.n", f"must be 1 with greedy decoding (temperature 0), where all samples are "
                             f"the same, got {n}")
     return n or 1
+
+
+def _logprob_spec(sampling: gateway_pb2.SamplingParams) -> LogprobSpec:
+    """The request's LogprobSpec: the contract checks top_logprobs' range, which implies logprobs."""
+    try:
+        return LogprobSpec(logprobs=sampling.logprobs or sampling.top_logprobs > 0,
+                           top_logprobs=sampling.top_logprobs, prompt_logprobs=sampling.prompt_logprobs)
+    except SpecError as error:
+        raise RequestError(error.field, str(error)) from error
 
 
 def has_constraint(req: gateway_pb2.GenerateRequest) -> bool:

@@ -22,6 +22,8 @@ MIN_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 2.0
 # Seeds are uint64 on the wire.
 MAX_SEED = 2**64 - 1
+# The most alternatives a position's log-probability may list (OpenAI's and vLLM's default cap).
+MAX_TOP_LOGPROBS = 20
 
 
 class SpecError(ValueError):
@@ -67,6 +69,41 @@ class SamplingSpec:
 
 
 GREEDY = SamplingSpec(temperature=0.0)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LogprobSpec:
+    """Which log-probabilities a sequence reports: the log-softmax of the raw fp32 logits,
+    before temperature, top-p, top-k and any constraint's mask (docs/internals.md)."""
+
+    # The sampled token's.
+    logprobs: bool = False
+    # The most likely tokens listed at each reported position; above 0 only with logprobs.
+    top_logprobs: int = 0
+    # Every prompt token's after the first, given the tokens before it.
+    prompt_logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise SpecError("sampling.top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError(f"top_logprobs {self.top_logprobs} without logprobs")
+
+    def __bool__(self) -> bool:
+        return self.logprobs or self.prompt_logprobs
+
+
+NO_LOGPROBS = LogprobSpec()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The log-probability of one token at its position, and the most likely tokens there."""
+
+    token_id: int
+    logprob: float
+    # (token_id, logprob) of the LogprobSpec.top_logprobs most likely tokens, most likely first.
+    top: tuple[tuple[int, float], ...] = ()
 
 # Constraint kinds (services/constraints.py compiles them).
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
@@ -130,6 +167,8 @@ class NewSequence:
     constraint: Constraint | None = None
     # The output generated so far, for a resumed constrained sequence: its matcher replays them.
     constraint_output_ids: tuple[int, ...] = ()
+    # The log-probabilities it reports (prompt_logprobs only while the gateway still needs them).
+    logprobs: LogprobSpec = NO_LOGPROBS
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -184,3 +223,7 @@ class StepResult:
     tokens: tuple[tuple[int, int], ...]
     # Time the rank spent executing the step.
     execute_seconds: float
+    # (seq_id, position, log-probability) of each token scored for a sequence that asked
+    # (NewSequence.logprobs): position is the token's index in its sequence; the sampled
+    # token's and its prompt chunk's, by sequence in plan order, then by position.
+    logprobs: tuple[tuple[int, int, TokenLogprob], ...] = ()

@@ -6,7 +6,8 @@ objects built first and then copied in cost several times more.
 """
 
 from moe.expert.v1 import expert_pb2
-from services.step import Constraint, NewSequence, SamplingSpec, ScheduledSequence, StepPlan, StepResult
+from services.step import (Constraint, LogprobSpec, NewSequence, SamplingSpec, ScheduledSequence, StepPlan,
+                           StepResult, TokenLogprob)
 
 _KIND_TO_PB = {
     "json_schema": expert_pb2.CONSTRAINT_KIND_JSON_SCHEMA, "json_object": expert_pb2.CONSTRAINT_KIND_JSON_OBJECT,
@@ -32,6 +33,9 @@ def plan_to_request(plan: StepPlan) -> expert_pb2.ExecuteStepsRequest:
         if s.constraint is not None:
             _constraint_to_pb(s.constraint, new.constraint)
             new.constraint_output_ids.extend(s.constraint_output_ids)
+        if s.logprobs:
+            new.logprobs, new.top_logprobs, new.prompt_logprobs = (
+                s.logprobs.logprobs, s.logprobs.top_logprobs, s.logprobs.prompt_logprobs)
     add = pb.scheduled.add
     for s in plan.scheduled:
         scheduled = add(seq_id=s.seq_id, is_sampled=s.is_sampled)
@@ -53,7 +57,8 @@ def plan_from_pb(pb: expert_pb2.StepPlan) -> StepPlan:
             NewSequence(seq_id=s.seq_id, sampling=_sampling_from_pb(s.sampling), block_ids=tuple(s.block_ids),
                         num_cached_tokens=s.num_cached_tokens, traceparent=s.traceparent,
                         constraint=_constraint_from_pb(s.constraint) if s.HasField("constraint") else None,
-                        constraint_output_ids=tuple(s.constraint_output_ids))
+                        constraint_output_ids=tuple(s.constraint_output_ids),
+                        logprobs=LogprobSpec(s.logprobs, s.top_logprobs, s.prompt_logprobs))
             for s in pb.new_sequences),
         scheduled=tuple(
             ScheduledSequence(seq_id=s.seq_id, token_ids=tuple(s.token_ids),
@@ -92,10 +97,19 @@ def result_to_response(result: StepResult) -> expert_pb2.ExecuteStepsResponse:
     add = pb.tokens.add
     for seq_id, token_id in result.tokens:
         add(seq_id=seq_id, token_id=token_id)
+    add = pb.logprobs.add
+    for seq_id, position, lp in result.logprobs:
+        entry = add(seq_id=seq_id, position=position, token_id=lp.token_id, logprob=lp.logprob)
+        if lp.top:
+            entry.top_token_ids.extend(t for t, _ in lp.top)
+            entry.top_logprobs.extend(v for _, v in lp.top)
     return response
 
 
 def result_from_pb(pb: expert_pb2.StepResult) -> StepResult:
     """The StepResult of a wire result."""
     return StepResult(step_id=pb.step_id, tokens=tuple((t.seq_id, t.token_id) for t in pb.tokens),
-                      execute_seconds=pb.execute_seconds)
+                      execute_seconds=pb.execute_seconds,
+                      logprobs=tuple((e.seq_id, e.position, TokenLogprob(
+                          e.token_id, e.logprob, tuple(zip(e.top_token_ids, e.top_logprobs))))
+                                     for e in pb.logprobs))

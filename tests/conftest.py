@@ -72,3 +72,10 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
             new_ids.append(token)
             out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
     return new_ids
+
+
+def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+    """The reference log-probabilities: transformers' fp32 log-softmax of the logits at
+    every position of token_ids, row i predicting token i + 1 ([len, V])."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([token_ids])).logits[0].float(), dim=-1)

@@ -31,6 +31,8 @@ class SeqInput:
     block_table: Sequence[int]
     # Return logits for the last new token.
     is_sampled: bool
+    # Return logits for every new token (a prompt chunk whose log-probabilities are reported).
+    is_scored: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -46,7 +48,7 @@ class ForwardBatch:
     context_lens: tuple[int, ...]  # num_computed + new tokens per sequence (B)
     block_tables_BM: Tensor  # int32, padded with 0 past each sequence's table
     # Rows of T whose logits forward returns: the last token of each sampled
-    # sequence. Any rows may be listed (e.g. all of them to score a prompt).
+    # sequence, every token of a scored one (SeqInput.is_scored), in order.
     sample_indices_S: Tensor  # int64
     context_lens_B: Tensor  # int32, context_lens on the device (0: a padding row)
     cu_q_lens_B1: Tensor  # int32, cu_q_lens on the device (B + 1 entries)
@@ -80,7 +82,13 @@ def build_forward_batch(seqs: list[SeqInput], block_size: int, device) -> Forwar
         raise ValueError(f"block_size must be positive, got {block_size}")
     max_blocks = max((len(s.block_table) for s in seqs), default=0)
     rows = _Rows(seqs, block_size, max_blocks)
-    sample_indices = [end - 1 for end, seq in zip(rows.cu_q_lens[1:], seqs) if seq.is_sampled]
+    sample_indices = []
+    cu_q_lens = rows.cu_q_lens
+    for start, end, seq in zip(cu_q_lens, cu_q_lens[1:], seqs):
+        if seq.is_scored:
+            sample_indices.extend(range(start, end))
+        elif seq.is_sampled:
+            sample_indices.append(end - 1)
     return rows.to_batch(sample_indices, device)
 
 

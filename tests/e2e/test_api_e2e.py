@@ -99,7 +99,7 @@ def test_get_model_info_matches_the_model_config(stub, tiny_model_dir):
     assert info.dtype == str(model.dtype).removeprefix("torch.")
     assert (info.num_experts, info.num_experts_per_tok) == (model.num_experts, model.num_experts_per_tok)
     assert info.num_ranks == 1
-    assert list(info.features) == ["prefix_cache", "constraints", "n"]
+    assert list(info.features) == ["prefix_cache", "constraints", "logprobs", "n"]
 
 
 def test_a_repeated_prompt_reports_its_cached_tokens(stub):
@@ -160,6 +160,25 @@ def test_seeded_samples_are_reproducible_differ_and_prefill_their_prompt_once(me
     assert [u.prompt_tokens for u in usages] == [num_prompt] * n
     assert [u.cached_tokens for u in usages] == [0] + [num_cached] * (n - 1)
     assert hits == (n - 1) * num_cached
+
+
+def test_samples_with_prompt_logprobs_score_the_prompt_once_and_share_it(stub):
+    prompt = "Three samples that ask for the prompt's log-probabilities, scored once by the first. " * 2
+    responses = list(stub.Generate(gateway_pb2.GenerateRequest(
+        request_id="samples-logprobs", prompt=prompt, sampling=gateway_pb2.SamplingParams(
+            n=3, seed=7, temperature=1.0, max_new_tokens=4, ignore_eos=True, top_logprobs=2,
+            prompt_logprobs=True)), timeout=120))
+    by_index = samples_of(responses)
+    num_prompt = by_index[0][-1].usage.prompt_tokens
+    assert len(by_index[0][0].prompt_logprobs) == num_prompt - 1
+    assert all(len(p.top) == 2 for p in by_index[0][0].prompt_logprobs)
+    assert [m for m in responses if m.prompt_logprobs] == [by_index[0][0]]
+    for messages in by_index.values():
+        assert all(len(m.logprobs) == len(m.token_ids) for m in messages)
+        assert [lp.token_id for m in messages for lp in m.logprobs] == [t for m in messages for t in m.token_ids]
+    # The first sample computed every prompt position to score it; the others took its full blocks.
+    num_cached = (num_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert [by_index[i][-1].usage.cached_tokens for i in range(3)] == [0, num_cached, num_cached]
 
 
 def test_abort_and_cancel_end_every_sample_and_free_their_blocks(mesh, stub):

@@ -78,6 +78,7 @@ FIELDS = {
                  st.integers(-2**31, 2**31 - 1) | st.sampled_from([-1, VOCAB_SIZE, 2**31 - 1, -2**31])),
     "input_ids": (st.just(None), long_ids | st.just([])),
     "role": (st.sampled_from(["system", "user", "assistant"]), st.text(chars, max_size=10)),
+    "top_logprobs": (st.integers(0, 20), st.integers(21, 2**32 - 1)),
 }
 
 
@@ -92,7 +93,9 @@ def generate_requests(draw) -> gateway_pb2.GenerateRequest:
 
     request = gateway_pb2.GenerateRequest(request_id=field("request_id"), sampling=gateway_pb2.SamplingParams(
         max_new_tokens=field("max_new_tokens"), temperature=field("temperature"), top_p=field("top_p"),
-        top_k=field("top_k"), stop=field("stop"), ignore_eos=draw(st.booleans()), n=field("n")))
+        top_k=field("top_k"), stop=field("stop"), ignore_eos=draw(st.booleans()),
+        logprobs=draw(st.booleans()), top_logprobs=field("top_logprobs"), prompt_logprobs=draw(st.booleans()),
+        n=field("n")))
     seed = draw(st.none() | st.integers(0, 2**64 - 1))
     if seed is not None:
         request.sampling.seed = seed
@@ -139,6 +142,13 @@ def check_stream(request: gateway_pb2.GenerateRequest, responses) -> None:
     assert last.usage.completion_tokens == len(token_ids) <= sampling.max_new_tokens
     assert last.usage.prompt_tokens > 0
     assert not any(stop in text for stop in sampling.stop), (text, list(sampling.stop))
+    asked = sampling.logprobs or sampling.top_logprobs > 0
+    assert all([lp.token_id for lp in r.logprobs] == (list(r.token_ids) if asked else []) for r in responses)
+    assert all(len(lp.top) == sampling.top_logprobs and lp.logprob <= 0 for r in responses for lp in r.logprobs)
+    num_prompt_logprobs = [len(r.prompt_logprobs) for r in responses]
+    # The prompt is scored once, by sample 0 (the other samples share its prefix).
+    scored = sampling.prompt_logprobs and last.index == 0
+    assert num_prompt_logprobs == [last.usage.prompt_tokens - 1 if scored else 0] + [0] * (len(responses) - 1)
     if last.finish_reason == gateway_pb2.FINISH_REASON_LENGTH:
         assert len(token_ids) == sampling.max_new_tokens and not last.matched_stop
     else:

@@ -56,6 +56,16 @@ def next_token(context: list[int]) -> int:
     return 26 + acc % 26
 
 
+def fake_logprob(position: int, token_id: int) -> float:
+    """SimRank's log-probability of token_id at position: tells a client's entries apart."""
+    return -(position + token_id / 1000)
+
+
+def fake_top(position: int, num_top: int) -> tuple[tuple[int, float], ...]:
+    """SimRank's top_logprobs at position, most likely first."""
+    return tuple((26 + k, -(position + k / 10)) for k in range(num_top))
+
+
 def reference_tokens(prompt_ids: list[int], num_new: int) -> list[int]:
     """What a correct server generates from prompt_ids."""
     context = list(prompt_ids)
@@ -69,6 +79,8 @@ class SimSeq:
     block_ids: list[int]
     num_computed: int
     pending: int | None = None
+    # NewSequence's logprobs, top_logprobs and prompt_logprobs.
+    logprobs: tuple[bool, int, bool] = (False, 0, False)
 
 
 class SimRank:
@@ -85,6 +97,8 @@ class SimRank:
         self.fail_at_step = fail_at_step
         self.skew_step_ids = skew_step_ids
         self._results: asyncio.Queue | None = None
+        # (seq_id, position, token_id) of each token the last step scored (fake_logprob).
+        self.scored: list[tuple[int, int, int]] = []
 
     def run(self, plan: expert_pb2.StepPlan) -> dict[int, int]:
         """Executes one plan; returns seq_id -> sampled token."""
@@ -95,8 +109,9 @@ class SimRank:
         for new in plan.new_sequences:
             assert new.seq_id not in self.seqs, f"new sequence {new.seq_id} is already known"
             assert new.num_cached_tokens <= len(new.block_ids) * self.block_size
-            self.seqs[new.seq_id] = SimSeq(list(new.block_ids), new.num_cached_tokens)
-        tokens = {}
+            self.seqs[new.seq_id] = SimSeq(list(new.block_ids), new.num_cached_tokens,
+                                           logprobs=(new.logprobs, new.top_logprobs, new.prompt_logprobs))
+        tokens, self.scored = {}, []
         for item in plan.scheduled:
             seq = self.seqs[item.seq_id]
             seq.block_ids += item.new_block_ids
@@ -104,12 +119,24 @@ class SimRank:
             inputs = list(item.token_ids) or [seq.pending]
             assert inputs[-1] is not None, "decode step before any token was sampled"
             seq.pending = None
+            if item.token_ids and seq.logprobs[2]:  # as the runner: positions after the first
+                self.scored += [(item.seq_id, seq.num_computed + j, t) for j, t in enumerate(inputs)
+                                if seq.num_computed + j > 0]
             self._write(item.seq_id, seq, inputs)
             if item.is_sampled:
                 context = [self.slots[self._slot(seq, p)] for p in range(seq.num_computed)]
                 assert None not in context, "attention over a slot never written"
                 seq.pending = tokens[item.seq_id] = next_token(context)
+                if seq.logprobs[0]:
+                    self.scored.append((item.seq_id, seq.num_computed, seq.pending))
         return tokens
+
+    def logprobs_pb(self) -> list[expert_pb2.PositionLogprob]:
+        """The last step's scored tokens on the wire."""
+        return [expert_pb2.PositionLogprob(
+            seq_id=s, position=p, token_id=t, logprob=fake_logprob(p, t),
+            top_token_ids=[i for i, _ in fake_top(p, self.seqs[s].logprobs[1])],
+            top_logprobs=[v for _, v in fake_top(p, self.seqs[s].logprobs[1])]) for s, p, t in self.scored]
 
     def _slot(self, seq: SimSeq, position: int) -> int:
         block = seq.block_ids[position // self.block_size]
@@ -138,7 +165,8 @@ class SimRank:
         tokens = self.run(plan)
         step_id = plan.step_id + (1 if self.skew_step_ids else 0)
         self._results.put_nowait(expert_pb2.ExecuteStepsResponse(result=expert_pb2.StepResult(
-            step_id=step_id, tokens=[expert_pb2.SampledToken(seq_id=s, token_id=t) for s, t in tokens.items()])))
+            step_id=step_id, tokens=[expert_pb2.SampledToken(seq_id=s, token_id=t) for s, t in tokens.items()],
+            logprobs=self.logprobs_pb())))
 
     async def read(self):
         result = await self._results.get()

@@ -14,6 +14,7 @@ from gateway.requests import FinishReason, RequestOutput, Sequence, merge_output
 from gateway.samples import coalesce, sample_requests
 from moe.gateway.v1 import gateway_pb2
 from services import metrics
+from services.step import LogprobSpec
 from services.text import IncrementalDetokenizer
 from tests.gateway.fakes import FakeTokenizer, SimRank, make_request, reference_tokens
 from tests.gateway.test_engine import Gateway, SlowRank, assert_pool_clean, make_engine, run, wait_for
@@ -34,6 +35,14 @@ def test_sample_i_draws_with_seed_plus_i_wrapping_at_2_to_the_64():
     assert all(s.n == 1 and s.prompt_ids == request.prompt_ids and s.request_id == "r" for s in samples)
     single = make_request()
     assert sample_requests(single) == [single]
+
+
+def test_only_the_first_sample_scores_the_prompt_so_the_others_can_share_it():
+    request = dataclasses.replace(make_request(), n=3,
+                                  logprobs=LogprobSpec(logprobs=True, top_logprobs=2, prompt_logprobs=True))
+    samples = sample_requests(request)
+    assert [s.logprobs.prompt_logprobs for s in samples] == [True, False, False]
+    assert all(s.logprobs.logprobs and s.logprobs.top_logprobs == 2 for s in samples)
 
 
 def test_coalescing_merges_each_sample_on_its_own_and_never_two_samples():

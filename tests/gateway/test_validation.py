@@ -8,7 +8,7 @@ import pytest
 from gateway.validation import RequestError, RequestLimits, ValidatedRequest, validate_request
 from moe.gateway.v1 import gateway_pb2
 from services.constraints import Compiler
-from services.step import Constraint, SamplingSpec
+from services.step import Constraint, LogprobSpec, SamplingSpec
 from services.tokenizer import Tokenizer
 
 LIMITS = RequestLimits(
@@ -114,6 +114,24 @@ def test_top_p_out_of_range(tokenizer, top_p):
 def test_top_k_out_of_range(tokenizer, top_k):
     e = rejected(request(top_k=top_k), tokenizer)
     assert (e.field, str(e)) == ("sampling.top_k", f"sampling.top_k must be in [0, 151936], got {top_k}")
+
+
+@pytest.mark.parametrize("top_logprobs", [21, 1000])
+def test_top_logprobs_out_of_range(tokenizer, top_logprobs):
+    e = rejected(request(logprobs=True, top_logprobs=top_logprobs), tokenizer)
+    assert (e.field, str(e)) == ("sampling.top_logprobs",
+                                 f"sampling.top_logprobs must be in [0, 20], got {top_logprobs}")
+
+
+@pytest.mark.parametrize("sampling, expected", [
+    ({}, LogprobSpec()),
+    ({"logprobs": True}, LogprobSpec(logprobs=True)),
+    ({"top_logprobs": 20}, LogprobSpec(logprobs=True, top_logprobs=20)),  # alternatives imply logprobs
+    ({"prompt_logprobs": True, "top_logprobs": 2}, LogprobSpec(True, 2, True)),
+    ({"prompt_logprobs": True}, LogprobSpec(prompt_logprobs=True)),
+])
+def test_the_logprobs_asked_for_reach_the_validated_request(tokenizer, sampling, expected):
+    assert validate_request(request(**sampling), LIMITS, tokenizer).logprobs == expected
 
 
 def test_max_new_tokens_over_the_limit(tokenizer):

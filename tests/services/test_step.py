@@ -5,7 +5,8 @@ import pytest
 from gateway.plan import RankPlan
 from moe.expert.v1 import expert_pb2
 from services import step_codec
-from services.step import NewSequence, SamplingSpec, ScheduledSequence, SpecError, StepPlan, StepResult
+from services.step import (LogprobSpec, NewSequence, SamplingSpec, ScheduledSequence, SpecError, StepPlan, StepResult,
+                           TokenLogprob)
 
 PLAN = StepPlan(
     step_id=5, group_id="g", placement_epoch=2,
@@ -81,3 +82,33 @@ def test_a_constrained_new_sequence_reads_back_equal():
                                                 constraint_output_ids=(5, 6)),))
         wire = step_codec.plan_to_request(plan).SerializeToString()
         assert step_codec.plan_from_pb(expert_pb2.ExecuteStepsRequest.FromString(wire).plan) == plan
+
+
+def test_a_new_sequence_with_logprobs_reads_back_equal():
+    new = NewSequence(4, SamplingSpec(), (1,), logprobs=LogprobSpec(logprobs=True, top_logprobs=20,
+                                                                    prompt_logprobs=True))
+    plan = StepPlan(1, "g", 1, new_sequences=(new, NewSequence(5, SamplingSpec(), (2,))))
+    wire = step_codec.plan_to_request(plan).SerializeToString()
+    assert step_codec.plan_from_pb(expert_pb2.ExecuteStepsRequest.FromString(wire).plan) == plan
+    assert not expert_pb2.ExecuteStepsRequest.FromString(wire).plan.new_sequences[1].logprobs
+
+
+def test_a_result_with_logprobs_reads_back_equal():
+    # Values a float32 holds exactly: the wire's logprobs are float32, as the public API's.
+    logprobs = ((7, 12, TokenLogprob(151_643, -0.5, ((3, -0.25), (151_643, -0.5)))), (3, 1, TokenLogprob(9, -8.0)))
+    result = StepResult(step_id=9, tokens=((7, 151_643),), execute_seconds=0.25, logprobs=logprobs)
+    wire = step_codec.result_to_response(result).SerializeToString()
+    assert step_codec.result_from_pb(expert_pb2.ExecuteStepsResponse.FromString(wire).result) == result
+
+
+def test_a_wire_plan_with_too_many_top_logprobs_is_refused_naming_the_field():
+    request = step_codec.plan_to_request(StepPlan(1, "g", 1, new_sequences=(NewSequence(4, SamplingSpec(), (1,)),)))
+    new = request.plan.new_sequences[0]
+    new.logprobs, new.top_logprobs = True, 21
+    with pytest.raises(SpecError) as error:
+        step_codec.plan_from_pb(request.plan)
+    assert error.value.field == "sampling.top_logprobs"
+    new.logprobs = False  # alternatives without the token's own log-probability: not the contract
+    new.top_logprobs = 3
+    with pytest.raises(ValueError, match="without logprobs"):
+        step_codec.plan_from_pb(request.plan)
