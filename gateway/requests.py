@@ -58,6 +58,7 @@ class RequestOutput:
     matched_stop: str = ""
     # Prompt tokens whose KV came from the prefix cache when the request first started.
     cached_tokens: int = 0
+    index: int = 0
 
     @property
     def is_final(self) -> bool:
