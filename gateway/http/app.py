@@ -18,9 +18,9 @@ cancelled by Starlette and closes the Frontend's iterator; a non-streaming
 request races a watch of the connection (Starlette does not cancel those).
 
 Each request is observed as a gRPC Generate call is (observability.py's
-RequestObservation: the same metrics, labelled with the same status names, and
-the request's log context); with tracing on it runs in a SERVER span that
-continues the caller's `traceparent` header.
+RequestObservation: the same metrics, labelled with the same status names, the
+request's log context, and its root span: FastAPI's SERVER span, which
+continues the caller's `traceparent` header).
 """
 
 import asyncio
@@ -32,7 +32,6 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.exceptions import HTTPException
 
 from gateway.frontend import NO_GROUP_MESSAGE, Frontend
@@ -42,7 +41,6 @@ from gateway.http.responses import ResponseState
 from gateway.observability import RequestObservation
 from gateway.requests import ErrorCode, GenerationError, RequestOutput
 from gateway.validation import RequestError
-from services import telemetry
 
 _ERRORS = {  # ErrorCode -> (HTTP status, OpenAI error type, code)
     ErrorCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
@@ -64,17 +62,17 @@ def _event(body: dict) -> bytes:
 
 class HttpCall:
     """One HTTP generation as the observation of a gRPC call sees it: the caller's
-    traceparent (invocation_metadata) and the outcome as a gRPC status (code)."""
+    traceparent (invocation_metadata) and the outcome as a gRPC status (code).
 
-    def __init__(self, request: Request, api: ApiRequest, route: str) -> None:
+    Its root span is FastAPI's SERVER span of the request (current while the
+    route runs), which continues the caller's traceparent header; FastAPI makes
+    it whenever a tracer provider is set, that is when tracing is on.
+    """
+
+    def __init__(self, request: Request, api: ApiRequest) -> None:
         self.traceparent = request.headers.get("traceparent", "")
-        self.span = None
-        if telemetry.is_enabled():
-            self.span = telemetry.tracer().start_span(
-                f"POST {route}", context=telemetry.context_from_traceparent(self.traceparent),
-                kind=SpanKind.SERVER, attributes={"http.request.method": "POST", "url.path": route})
         self._code: grpc.StatusCode | None = None
-        self.observation = RequestObservation(api.request, self, root=self.span)
+        self.observation = RequestObservation(api.request, self)
 
     def invocation_metadata(self):
         return (("traceparent", self.traceparent),)
@@ -91,10 +89,6 @@ class HttpCall:
         elif error is None:
             self._code = grpc.StatusCode.OK
         self.observation.finish(self, error)
-        if self.span is not None:
-            if self._code not in (None, grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT):
-                self.span.set_status(Status(StatusCode.ERROR, self._code.name))
-            self.span.end()
 
 
 async def _until_disconnect(request: Request, work):
@@ -144,7 +138,7 @@ class OpenAIEndpoint:
         api = (openai_api.parse_chat if is_chat else openai_api.parse_completion)(body, response_id)
         if api.model and api.model != self.model_name:
             raise ApiError(404, f"The model `{api.model}` does not exist", param="model", code="model_not_found")
-        call = HttpCall(request, api, route)
+        call = HttpCall(request, api)
         state = ResponseState(api, response_id, self.model_name, self.token_bytes)
         if not api.stream:
             result = await _until_disconnect(request, self._collect(call, api, state))
@@ -225,7 +219,10 @@ class OpenAIEndpoint:
 def make_app(frontend: Frontend, token_bytes: Callable[[int], bytes]) -> FastAPI:
     """The FastAPI application of the endpoint (served by gateway/http/server.py)."""
     endpoint = OpenAIEndpoint(frontend, token_bytes)
-    app = FastAPI(title="moemesh", docs_url=None, redoc_url=None, openapi_url=None)
+    # No span per endpoint call: a stream outlives its endpoint's return, so the request's
+    # root span (the observation's) is FastAPI's SERVER span of the whole request.
+    app = FastAPI(title="moemesh", docs_url=None, redoc_url=None, openapi_url=None,
+                  telemetry={"operation_spans": False})
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
