@@ -55,8 +55,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"starting moemesh: model {model_dir}, {args.ranks} rank(s) on {args.device}; logs in {mesh.work_dir}",
           flush=True)
     mesh.start()
-    http = f", OpenAI-compatible HTTP at {mesh.http_url}" if mesh.http_url else ""
-    print(f"moemesh is ready: gateway at {mesh.gateway_address}{http}", flush=True)
+    http = f", {mesh.http_url} (OpenAI-compatible HTTP)" if mesh.http_url else ""
+    print(f"moemesh is ready: gateway at {mesh.gateway_address} (gRPC){http}", flush=True)
     print(f"  try: moemesh generate --target {mesh.gateway_address} 'Hello, world!'", flush=True)
     print(f"       moemesh status", flush=True)
     print("Ctrl-C stops the mesh.", flush=True)

@@ -50,6 +50,8 @@ class ApiRequest:
     include_usage: bool
     # Log-probabilities asked for: None (none), else the alternatives per position.
     num_top_logprobs: int | None
+    # vLLM's return_token_ids: each choice (and chunk) also carries its token ids.
+    return_token_ids: bool = False
     # The name the client gave the length limit: errors about it use that name.
     max_tokens_param: str = "max_tokens"
 
@@ -110,7 +112,8 @@ def _common(body: dict, sampling: gateway_pb2.SamplingParams) -> dict:
         raise _bad("stream_options", "is only allowed with stream: true")
     include_usage = _get(options, "include_usage", (bool,), "a boolean", False) if options else False
     model = _get(body, "model", (str,), "a string", "")
-    return {"model": model, "n": n, "stream": stream, "include_usage": include_usage}
+    return {"model": model, "n": n, "stream": stream, "include_usage": include_usage,
+            "return_token_ids": _get(body, "return_token_ids", (bool,), "a boolean", False)}
 
 
 def _response_format(value, sampling: gateway_pb2.SamplingParams) -> None:

@@ -36,9 +36,11 @@ class Choice:
     finish_reason: str | None = None
     completion_tokens: int = 0
     logprobs: list[LogprobEntry] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
 
     def add(self, output: RequestOutput, entries: Sequence[LogprobEntry] = ()) -> None:
         self.text += output.text
+        self.token_ids.extend(output.token_ids)
         self.logprobs.extend(entries)
         self.completion_tokens = output.completion_tokens
         if output.is_final:
@@ -97,6 +99,9 @@ def response_body(api: ApiRequest, response_id: str, created: int, model: str, c
         items = [{"index": c.index, "text": c.text, "logprobs": _logprobs_of(api, c, token_bytes),
                   "finish_reason": c.finish_reason} for c in choices]
         kind = "text_completion"
+    if api.return_token_ids:
+        for item, choice in zip(items, choices):
+            item["token_ids"] = choice.token_ids
     return {"id": response_id, "object": kind, "created": created, "model": model, "choices": items,
             "usage": usage_}
 
@@ -112,6 +117,8 @@ def chunk_body(api: ApiRequest, response_id: str, created: int, model: str, choi
     else:
         item = {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
         kind = "text_completion"
+    if api.return_token_ids:
+        item["token_ids"] = choice.token_ids
     body = {"id": response_id, "object": kind, "created": created, "model": model, "choices": [item]}
     if api.include_usage:
         body["usage"] = None
@@ -152,9 +159,11 @@ class ResponseState:
         choice.add(output, entries)
         self.prompt_tokens = output.prompt_tokens
         self.cached_tokens = max(self.cached_tokens, output.cached_tokens)
-        if not self.api.stream or not (output.text or output.is_final or entries or is_first):
+        has_news = output.text or output.is_final or entries or is_first or self.api.return_token_ids
+        if not self.api.stream or not has_news:
             return []
-        piece = Choice(output.index, finish_reason=finish_reason(output.finish_reason), logprobs=list(entries))
+        piece = Choice(output.index, finish_reason=finish_reason(output.finish_reason), logprobs=list(entries),
+                       token_ids=list(output.token_ids))
         return [chunk_body(self.api, self.response_id, self.created, self.model, piece, output.text,
                            is_first=is_first, token_bytes=self.token_bytes, text_offset=text_offset)]
 

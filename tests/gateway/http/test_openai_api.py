@@ -164,6 +164,15 @@ def test_chat_logprobs_give_each_token_its_bytes_and_alternatives():
         {"token": "\ufffd", "logprob": -1.0, "bytes": [0xE2, 0x82], "top_logprobs": []}]}
 
 
+def test_return_token_ids_gives_each_choice_and_chunk_its_tokens():
+    api = parse_completion({"prompt": "a", "return_token_ids": True, "stream": True}, "c")
+    state = ResponseState(api, "c", "m", TOKENS.__getitem__)
+    chunks = [chunk for out in [output("He", [5]), output("", [8]), output("llo", [6], final=FinishReason.STOP)]
+              for chunk in state.add(out)]
+    assert [c["choices"][0]["token_ids"] for c in chunks] == [[5], [8], [6]]
+    assert state.body()["choices"][0]["token_ids"] == [5, 8, 6]
+
+
 def test_requests_without_logprobs_get_null_logprobs():
     api = parse_chat({"messages": [{"role": "user", "content": "a"}]}, "c")
     state = ResponseState(api, "c", "m", TOKENS.__getitem__)
