@@ -175,6 +175,7 @@ def parse_chat(body: dict, request_id: str) -> ApiRequest:
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise _bad("messages", "must be a list of messages")
+    request.messages.SetInParent()  # chat input, even with no message (the Frontend refuses that, naming it)
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise _bad("messages", f"[{i}] must be an object with a role")
@@ -203,7 +204,7 @@ def param_of(field: str, api: ApiRequest) -> str:
     """The OpenAI parameter of a RequestError's field (sampling.stop[1] -> stop)."""
     base = re.split(r"[.\[]", _proto_path(field), maxsplit=1)[0]
     renamed = {"max_new_tokens": api.max_tokens_param, "json_schema": "response_format",
-               "json_object": "response_format", "input": "prompt",
+               "json_object": "response_format", "input": "messages" if api.is_chat else "prompt",
                "top_logprobs": "top_logprobs" if api.is_chat else "logprobs"}
     return renamed.get(base, base)
 
