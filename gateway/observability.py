@@ -8,6 +8,9 @@ Three hooks, all cheap when tracing is off:
   and trace ids for log lines, and annotates the call's SERVER span (the
   request's root span: the tracing interceptor makes it a child of the
   client's context) with the request id, token counts and finish reason.
+  The HTTP endpoint (gateway/http/app.py) makes the same RequestObservation
+  per request and feeds it its RequestOutputs (`on_output`); its root span is
+  FastAPI's SERVER span, a child of the caller's traceparent header.
 - `EngineObserver` (one per Engine) sees each step planned and completed:
   queue time, the group's step time, each rank's result lag; while a request
   is traced it also opens the child spans `queue_wait`, `prefill_chunk`

@@ -11,9 +11,11 @@ keep-alive connection per worker, so that client libraries add nothing).
 The reference of each prompt is its gRPC answer on the idle mesh first.
 
 Two measurements:
-- loaded: --rounds rounds, each --num-requests requests through gRPC then the
-  same through HTTP, closed loop at --concurrency; E2E and TTFT percentiles
-  per transport, and HTTP minus gRPC at p50 and p99.
+- loaded: --rounds rounds, each --num-requests requests through gRPC and the
+  same through HTTP at the same time, each closed loop at --concurrency (so
+  both share the mesh's steps and the machine's load, which on a shared host
+  drifts too much between phases run one after the other); E2E and TTFT
+  percentiles per transport, and HTTP minus gRPC at p50 and p99.
 - paired: --num-paired requests one at a time, each prompt through gRPC then
   HTTP back to back on the idle mesh; the per-request difference of their E2E
   latencies (the HTTP layer's added latency per request) at p50 and p99.
@@ -128,6 +130,12 @@ async def http_request(connection: HttpConnection, prompt: str, max_new_tokens: 
     return Result(token_ids, finish is not None, ttft, time.perf_counter() - start)
 
 
+async def close_all(connections: list[HttpConnection]) -> None:
+    """Closes every connection: uvicorn closes keep-alive connections idle for 5 s, so each phase opens its own."""
+    for connection in connections:
+        await connection.close()
+
+
 async def closed_loop(send, num_workers: int, prompts: list[str]) -> list[tuple[str, Result | BaseException]]:
     """Sends every prompt with num_workers requests in flight; send(worker, prompt) -> Result."""
     queue = list(reversed(prompts))
@@ -168,10 +176,13 @@ async def run(grpc_address: str, http_url: str, args) -> dict:
         loaded = {name: [] for name in senders}
         walls = {name: 0.0 for name in senders}
         for _ in range(args.rounds):
-            for name, send in senders.items():
-                start = time.perf_counter()
-                loaded[name] += await closed_loop(send, args.concurrency, prompts)
+            await close_all(connections)
+            start = time.perf_counter()
+            rounds = await asyncio.gather(*(closed_loop(send, args.concurrency, prompts) for send in senders.values()))
+            for name, results in zip(senders, rounds):
+                loaded[name] += results
                 walls[name] += time.perf_counter() - start
+        await close_all(connections)
         paired, differences = {name: [] for name in senders}, []
         for i in range(args.num_paired):
             prompt = PROMPTS[i % len(PROMPTS)]
@@ -182,8 +193,7 @@ async def run(grpc_address: str, http_url: str, args) -> dict:
                 differences.append((pair[1][1].e2e_s - pair[0][1].e2e_s) * 1e3)
     finally:
         await channel.close()
-        for connection in connections:
-            await connection.close()
+        await close_all(connections)
     report = {"loaded": {name: summarize(loaded[name], references, walls[name]) for name in senders},
               "paired": {name: summarize(paired[name], references, 1.0) for name in senders}}
     grpc_s, http_s = report["loaded"]["grpc"], report["loaded"]["http"]
