@@ -102,12 +102,15 @@ async def _until_disconnect(request: Request, work):
     watch = asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler was cancelled (the server stops)
+        task.cancel()
+        raise
     finally:
         watch.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            return None
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return None
     return task.result()
 
 
