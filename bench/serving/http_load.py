@@ -215,7 +215,8 @@ def markdown(report: dict) -> str:
         for name, s in report[phase].items():
             rows.append(f"| {phase} | {name} | {s['num_sent']} | {s['num_completed']} | {s['num_lost']} | "
                         f"{s['num_wrong']} | {s['e2e_ms_p50']:.1f} / {s['e2e_ms_p99']:.1f} | "
-                        f"{s['ttft_ms_p50']:.1f} / {s['ttft_ms_p99']:.1f} | {s.get('out_tok_s', 0):.1f} |")
+                        f"{s['ttft_ms_p50']:.1f} / {s['ttft_ms_p99']:.1f} | "
+                        f"{format(s['out_tok_s'], '.1f') if 'out_tok_s' in s else '-'} |")
     added = report["added_ms"]
     rows += ["", "| HTTP minus gRPC (ms) | p50 | p99 |", "|---|---|---|",
              f"| loaded E2E | {added['loaded_e2e_p50']:+.2f} | {added['loaded_e2e_p99']:+.2f} |",
@@ -279,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
         f"# HTTP (OpenAI-compatible) against gRPC, same mesh, CPU\n\n`{report['command']}` at commit "
         f"`{commit}`\n\n{machine['cpus']} CPUs, load average {machine['load_start']} at the start and "
         f"{machine['load_end']} at the end (the machine is shared).\n\n{table}\n\n"
+        f"Loaded: gRPC and HTTP clients at the same time, {args.concurrency} streams each, sharing the "
+        f"mesh's steps; paired: one request at a time, each prompt through gRPC then HTTP, the per-request "
+        f"difference of E2E latency (the HTTP layer's added latency: JSON, SSE, uvicorn, FastAPI). Every "
+        f"request is greedy, {args.max_new_tokens} tokens, checked against the gRPC reference tokens.\n\n"
         f"Verdict: {'PASS' if not report['problems'] else 'FAIL: ' + '; '.join(report['problems'])}\n")
     print(table)
     print(f"\nwrote {args.out / 'http_load_cpu.json'} and {args.out / 'http_load_cpu.md'}")
