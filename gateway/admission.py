@@ -16,6 +16,14 @@ fewest running tokens. A request whose next uncached block another request is
 prefilling on that rank in this very step waits one step (it is skipped, not
 blocking the queue), and then reuses the block instead of computing it again:
 this is what makes a burst of requests with one system prompt prefill it once.
+
+Samples of one request (n > 1): each later sample (Sequence.leader is the
+first) waits until the first one's prompt is scheduled to its last chunk, and
+then starts only on the first one's rank, where the block deferral above holds
+it one step more, until that prompt's full blocks are in the rank's prefix
+cache: so the prompt is prefilled once, whatever the load of the other ranks.
+A leader that finished pins nothing (nor does any without a prefix cache); one
+preempted makes the samples not yet started wait until it is prefilled again.
 """
 
 import dataclasses
@@ -133,9 +141,17 @@ def _is_open(batcher: AdmissionHost, batch: StepBatch, step: StepState, rank: in
 
 def _place(batcher: AdmissionHost, batch: StepBatch, step: StepState, seq: Sequence, running_tokens: list[int]):
     """The rank to start seq on (a _Placement), _DEFER, or None if it fits nowhere."""
+    ranks = range(batcher.num_ranks)
+    leader = seq.leader
+    if leader is not None and not leader.is_finished and batcher.ranks[0].cache is not None:
+        if not leader.is_prefilled:
+            return _DEFER  # the request's first sample computes the prompt first
+        assert leader.rank is not None, leader.seq_id
+        ranks = (leader.rank,)  # where that prompt's blocks are (or are being computed)
     fitting: list[_Placement] = []
     is_deferred = False
-    for rank, kv in enumerate(batcher.ranks):
+    for rank in ranks:
+        kv = batcher.ranks[rank]
         if not _is_open(batcher, batch, step, rank):
             continue
         # Looked up afresh: admitting the previous request may have evicted blocks.

@@ -116,12 +116,14 @@ class Engine:
         """Requests submitted and not yet finished."""
         return len(self._handles)
 
-    def submit(self, request, deadline: float | None = None) -> RequestHandle:
+    def submit(self, request, deadline: float | None = None, *, leader: RequestHandle | None = None) -> RequestHandle:
         """Queues a validated request (deadline: time.monotonic() by which it must be
-        done, or None); raises GenerationError if it cannot run here."""
+        done, or None); raises GenerationError if it cannot run here. `leader`: the
+        request's first sample, for a later one (Sequence.leader)."""
         if self._closed is not None:
             raise self._closed
-        seq = Sequence(self.batcher.new_seq_id(), request, self._make_detokenizer(), deadline=deadline)
+        seq = Sequence(self.batcher.new_seq_id(), request, self._make_detokenizer(), deadline=deadline,
+                       leader=None if leader is None else leader.seq)
         self.batcher.add(seq)
         handle = RequestHandle(seq)
         self._handles[seq.seq_id] = handle

@@ -18,19 +18,28 @@ them) gets the outputs it finds queued merged into one: the contract is the
 tokens and text since the previous message, and every message costs the event
 loop tens of microseconds in the transport. Live requests are kept by id from
 submit to the end of their stream, for Abort.
+
+A request for n > 1 samples is n sequences (gateway/samples.py), all live
+under its request id (so Abort, a cancelled stream or a failed sample ends
+every one) and streamed interleaved, each output with its sample's index.
 """
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from gateway.engine import Engine
 from gateway.live_requests import LiveRequests
 from gateway.model_info import ModelInfo
-from gateway.requests import ErrorCode, GenerationError, RequestOutput, merge_outputs
+from gateway.requests import ErrorCode, GenerationError, RequestHandle, RequestOutput, merge_outputs
+from gateway.samples import interleave, sample_requests
 from gateway.validation import (LARGE_INPUT_SIZE, RequestError, RequestLimits, ValidatedRequest, has_constraint,
                                 input_size, validate_request)
 from moe.gateway.v1 import gateway_pb2
 from services.constraints import Compiler
+
+log = logging.getLogger("gateway.frontend")
 
 NO_GROUP_MESSAGE = "no worker group is ready"
 
@@ -60,7 +69,8 @@ class Frontend:
 
     async def generate(self, validated: ValidatedRequest, *,
                        deadline: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Submit `validated` and yield its outputs until the last; raises GenerationError.
+        """Submit `validated` and yield its outputs until the last of each sample
+        (interleaved, each with its index); raises GenerationError.
 
         `deadline` (time.monotonic()) ends the request with DEADLINE_EXCEEDED in
         the batcher, which frees its blocks even if the transport's cancellation
@@ -69,16 +79,27 @@ class Frontend:
         engine = self._get_engine()
         if engine is None:
             raise GenerationError(ErrorCode.UNAVAILABLE, NO_GROUP_MESSAGE)
-        handle = engine.submit(validated, deadline=deadline)
-        self.live_requests.add(validated.request_id, engine, handle)
+        handles: list[RequestHandle] = []
         try:
-            async for output in handle:
-                ready = handle.take_ready() if self._coalesce_outputs else None
+            for request in sample_requests(validated):
+                handles.append(engine.submit(request, deadline=deadline, leader=handles[0] if handles else None))
+                self.live_requests.add(validated.request_id, engine, handles[-1])
+                log.debug("request %s: %d prompt tokens, seq %d", validated.request_id,
+                          len(validated.prompt_ids), handles[-1].seq.seq_id)
+            if len(handles) > 1:
+                outputs = interleave(handles, coalesce_outputs=self._coalesce_outputs)
+                async with contextlib.aclosing(outputs):
+                    async for output in outputs:
+                        yield output
+                return
+            async for output in handles[0]:
+                ready = handles[0].take_ready() if self._coalesce_outputs else None
                 yield merge_outputs([output, *ready]) if ready else output
         finally:
-            self.live_requests.remove(validated.request_id, handle)
-            # A no-op once the request finished; otherwise the stream was left early.
-            engine.abort(handle)
+            for handle in handles:
+                self.live_requests.remove(validated.request_id, handle)
+                # A no-op once the request finished; otherwise the stream was left early.
+                engine.abort(handle)
 
     def abort(self, request_id: str) -> int:
         """End every live request with `request_id` (FINISH_REASON_ABORT); how many there were."""

@@ -16,6 +16,8 @@ from services.model.config import ModelConfig
 FEATURE_PREFIX_CACHE = "prefix_cache"
 # SamplingParams' constraint is enforced (structured output: JSON Schema, regex, grammar, choice).
 FEATURE_CONSTRAINTS = "constraints"
+# SamplingParams.n above 1: several samples of one prompt (gateway/samples.py).
+FEATURE_N = "n"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -50,5 +52,5 @@ def model_info(model_dir: str, model: ModelConfig, *, context_length: int,
         num_experts=model.num_experts,
         num_experts_per_tok=model.num_experts_per_tok,
         # Every gateway compiles constraints (gateway/server.py) and every rank enforces them.
-        features=((FEATURE_PREFIX_CACHE,) if enable_prefix_cache else ()) + (FEATURE_CONSTRAINTS,),
+        features=((FEATURE_PREFIX_CACHE,) if enable_prefix_cache else ()) + (FEATURE_CONSTRAINTS, FEATURE_N),
     )

@@ -137,15 +137,15 @@ class RequestObservation:
 
     def on_response(self, response: gateway_pb2.GenerateResponse) -> None:
         finish = _FINISH_REASONS.get(response.finish_reason, "none") if response.finish_reason else None
-        self.on_message(response.request_id, len(response.token_ids), finish)
+        self.on_message(response.request_id, len(response.token_ids), finish, response.index)
 
     def on_output(self, output: RequestOutput) -> None:
         """A RequestOutput sent by another transport (HTTP)."""
         finish = None if output.finish_reason is None else output.finish_reason.name.lower()
-        self.on_message(output.request_id, len(output.token_ids), finish)
+        self.on_message(output.request_id, len(output.token_ids), finish, output.index)
 
-    def on_message(self, request_id: str, num_tokens: int, finish_reason: str | None) -> None:
-        """One message to the client: num_tokens new tokens, the finish reason on the last."""
+    def on_message(self, request_id: str, num_tokens: int, finish_reason: str | None, index: int = 0) -> None:
+        """One message to the client: num_tokens new tokens of sample `index`, the finish reason on its last."""
         if request_id and request_id != self.request_id:
             self.request_id = self.log_context.request_id = request_id
         if num_tokens:
@@ -153,12 +153,14 @@ class RequestObservation:
             m = metrics.gateway_metrics()
             if not self.num_tokens:
                 m.time_to_first_token.observe(now - self.start)
-            else:
-                gap = (now - self.last_token_at) / num_tokens
-                for _ in range(num_tokens):
-                    m.inter_token_latency.observe(gap)
+            # The pace of the first sample: the messages of n samples interleave.
+            if not index:
+                if self.last_token_at:
+                    gap = (now - self.last_token_at) / num_tokens
+                    for _ in range(num_tokens):
+                        m.inter_token_latency.observe(gap)
+                self.last_token_at = now
             m.generation_tokens.inc(num_tokens)
-            self.last_token_at = now
             self.num_tokens += num_tokens
         if finish_reason is not None:
             self.finish_reason = finish_reason
@@ -226,7 +228,10 @@ class EngineObserver:
         self._chunk_spans: dict[int, list[trace.Span]] = {}
 
     def on_submit(self, seq) -> None:
-        """A request was queued (called in its Generate call's context)."""
+        """A request was queued (called in its Generate call's context); a call for n
+        samples is observed through its first (the others share its prompt)."""
+        if seq.leader is not None:
+            return
         self._metrics.prompt_tokens.inc(len(seq.prompt_ids))
         observation = _CURRENT.get()
         if observation is None:

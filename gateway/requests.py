@@ -79,6 +79,8 @@ class Sequence:
     detokenizer: an object with push(ids) -> str and flush() -> str
     (services.text.IncrementalDetokenizer).
     deadline: time.monotonic() by which the request must be done, or None.
+    leader: the first sample of the same request (n > 1), whose prompt KV this
+    one reuses through the prefix cache (admission.py); None for the first.
 
     The checkpoint of a request is token_ids (prompt plus every token sampled
     so far): a preempted or interrupted sequence is re-prefilled from it and
@@ -89,9 +91,11 @@ class Sequence:
         "seq_id", "request", "prompt_ids", "output_ids", "token_ids", "rank", "status",
         "num_computed", "num_in_flight", "is_prefilled", "is_aborted", "finish_reason", "deadline",
         "block_hashes", "num_preemptions", "num_cached_tokens", "_detokenizer", "_stops", "_has_stops",
+        "leader",
     )
 
-    def __init__(self, seq_id: int, request, detokenizer, *, deadline: float | None = None) -> None:
+    def __init__(self, seq_id: int, request, detokenizer, *, deadline: float | None = None,
+                 leader: "Sequence | None" = None) -> None:
         self.seq_id = seq_id
         self.request = request
         self.prompt_ids: list[int] = list(request.prompt_ids)
@@ -117,6 +121,7 @@ class Sequence:
         # before it): what the client's usage reports. Later re-prefills (preemption,
         # a re-formed group) do not change it, as vLLM's num_cached_tokens.
         self.num_cached_tokens: int | None = None
+        self.leader = leader
         self._detokenizer = detokenizer
         self._stops = StopStringMatcher(list(request.stops))
         # Without stop strings the matcher releases every text at once: skipped (per token, per step).
@@ -268,6 +273,7 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
     """Consecutive outputs of one request as one: their tokens and text in order,
     the counts and finish of the last."""
     last = outputs[-1]
+    assert all(o.index == last.index for o in outputs), "outputs of different samples (index) never merge"
     if len(outputs) == 1:
         return last
     return dataclasses.replace(last, token_ids=tuple(t for o in outputs for t in o.token_ids),

@@ -49,7 +49,7 @@ _FINISH_REASON = {
 def output_to_proto(output: RequestOutput) -> gateway_pb2.GenerateResponse:
     """One stream message; the last one carries the finish reason and the usage."""
     response = gateway_pb2.GenerateResponse(
-        request_id=output.request_id, token_ids=output.token_ids, text=output.text)
+        request_id=output.request_id, token_ids=output.token_ids, text=output.text, index=output.index)
     if output.is_final:
         response.finish_reason = _FINISH_REASON[output.finish_reason]
         response.usage.prompt_tokens = output.prompt_tokens

@@ -36,6 +36,8 @@ from services.tokenizer import CHAT_ROLES, Tokenizer
 # event loop (the servicer runs validate_request in a thread): tokenizing a
 # 1M-character prompt takes seconds.
 LARGE_INPUT_SIZE = 16_384
+# The most samples (SamplingParams.n) one request may ask for.
+MAX_SAMPLES = 16
 
 
 class PromptTokenizer(Protocol):
@@ -128,6 +130,8 @@ class ValidatedRequest:
     ignore_eos: bool
     # What the output must satisfy (compiled once by the gateway's Compiler); None: free text.
     constraint: Constraint | None = None
+    # Samples of the prompt (SamplingParams.n, 0 made 1); gateway/samples.py fans them out.
+    n: int = 1
 
 
 def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
@@ -137,6 +141,7 @@ def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
     request_id = _check_request_id(req.request_id, limits)
     sampling = req.sampling
     spec = _sampling_spec(sampling, limits)
+    n = _check_n(sampling.n, spec)
     if sampling.max_new_tokens > limits.max_new_tokens_limit:
         _fail("sampling.max_new_tokens",
               f"must be at most {limits.max_new_tokens_limit}, got {sampling.max_new_tokens}")
@@ -152,6 +157,7 @@ def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
         stops=stops,
         ignore_eos=sampling.ignore_eos,
         constraint=constraint,
+        n=n,
     )
 
 
@@ -178,6 +184,15 @@ def _sampling_spec(sampling: gateway_pb2.SamplingParams, limits: RequestLimits) 
             seed=sampling.seed if sampling.HasField("seed") else secrets.randbits(63))
     except SpecError as error:
         raise RequestError(error.field, str(error)) from error
+
+
+def _check_n(n: int, spec: SamplingSpec) -> int:
+    if n > MAX_SAMPLES:
+        _fail("sampling.n", f"must be in [1, {MAX_SAMPLES}] (0 means 1), got {n}")
+    if n > 1 and spec.is_greedy:
+        _fail("sampling.n", f"must be 1 with greedy decoding (temperature 0), where all samples are "
+                            f"the same, got {n}")
+    return n or 1
 
 
 def has_constraint(req: gateway_pb2.GenerateRequest) -> bool:

@@ -81,55 +81,51 @@ def _state() -> dict:
     return {}
 
 
-def generate_request(args: argparse.Namespace):
-    """The GenerateRequest of `moemesh generate`'s arguments; ValueError for an unreadable --json-schema."""
-    from moe.gateway.v1 import gateway_pb2
-
-    sampling = gateway_pb2.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                          top_p=args.top_p, top_k=args.top_k, stop=args.stop or [])
-    if args.seed is not None:
-        sampling.seed = args.seed
+def generate_arguments(args: argparse.Namespace) -> dict:
+    """Client.stream's keyword arguments of `moemesh generate`'s flags; ValueError for an unreadable --json-schema."""
+    kwargs = dict(request_id=args.request_id, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                  top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or [])
+    if args.chat:
+        kwargs["messages"] = [{"role": "user", "content": args.prompt}]
+    else:
+        kwargs["prompt"] = args.prompt
     if args.json_schema is not None:
         try:
-            sampling.json_schema = pathlib.Path(args.json_schema).read_text()
+            kwargs["json_schema"] = pathlib.Path(args.json_schema).read_text()
         except OSError as err:
             raise ValueError(f"--json-schema: cannot read {args.json_schema}: {err.strerror}") from err
     elif args.regex is not None:
-        sampling.regex = args.regex
+        kwargs["regex"] = args.regex
     elif args.choice is not None:
         # The gateway refuses an empty option, naming it.
-        sampling.choice.options.extend(args.choice.split(","))
-    request = gateway_pb2.GenerateRequest(request_id=args.request_id, sampling=sampling)
-    if args.chat:
-        request.messages.messages.add(role="user", content=args.prompt)
-    else:
-        request.prompt = args.prompt
-    return request
+        kwargs["choice"] = args.choice.split(",")
+    return kwargs
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+    from moemesh.client import Client
+    from moemesh.client_errors import MoemeshError
+    from moemesh.client_types import Usage
 
     target = args.target or _state().get("gateway") or f"127.0.0.1:{DEFAULT_GATEWAY_PORT}"
     try:
-        request = generate_request(args)
+        kwargs = generate_arguments(args)
     except ValueError as err:
         print(f"moemesh generate: {err}", file=sys.stderr)
         return 2
-    with grpc.insecure_channel(target) as channel:
-        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
+    last = None
+    with Client(target, timeout=args.timeout) as client:
         try:
-            last = None
-            for response in stub.Generate(request, timeout=args.timeout):
-                print(response.text, end="", flush=True)
-                last = response
-        except grpc.RpcError as err:
-            print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
+            for chunk in client.stream(**kwargs):
+                print(chunk.text, end="", flush=True)
+                last = chunk
+        except MoemeshError as err:
+            print(f"\nerror: {err.code.name}: {err.details}", file=sys.stderr)
             return 1
     if last is not None:
-        reason = gateway_pb2.FinishReason.Name(last.finish_reason)
-        print(f"\n[{reason}, prompt {last.usage.prompt_tokens} tokens, "
-              f"completion {last.usage.completion_tokens} tokens]", file=sys.stderr)
+        usage = last.usage or Usage(0, 0)
+        print(f"\n[FINISH_REASON_{(last.finish_reason or 'unspecified').upper()}, prompt {usage.prompt_tokens} "
+              f"tokens, completion {usage.completion_tokens} tokens]", file=sys.stderr)
     return 0
 
 

@@ -1,8 +1,10 @@
-"""Abort, client cancellation, GetModelInfo and Usage.cached_tokens through the
-shared mesh (tests/conftest.py), the tokens against transformers' reference
-and the freed KV blocks through the gateway's metrics."""
+"""Abort, client cancellation, GetModelInfo, Usage.cached_tokens and n samples
+through the shared mesh (tests/conftest.py), the tokens against transformers'
+reference and the freed KV blocks through the gateway's metrics."""
 
+import collections
 import concurrent.futures
+import dataclasses
 import time
 import urllib.request
 
@@ -10,6 +12,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from expert_svc.config import ExpertConfig
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.model.config import ModelConfig
 from tests.conftest import hf_greedy
@@ -38,6 +41,14 @@ def kv_in_use(mesh) -> tuple[float, float]:
     gauges = gateway_gauges(mesh)
     return (gauges[("moemesh_kv_cache_utilization_ratio", (("rank", "0"),))],
             gauges[("moemesh_num_requests_running", ())])
+
+
+def wait_until_no_block_is_held(mesh) -> None:
+    """Within 10 s: nothing runs and no block is held (cached ones without references are free)."""
+    deadline = time.monotonic() + 10
+    while kv_in_use(mesh) != (0.0, 0.0):
+        assert time.monotonic() < deadline, kv_in_use(mesh)
+        time.sleep(0.05)
 
 
 def test_abort_and_cancel_end_their_streams_free_their_blocks_and_leave_another_untouched(mesh, stub, hf_model):
@@ -70,10 +81,7 @@ def test_abort_and_cancel_end_their_streams_free_their_blocks_and_leave_another_
     assert other_responses[-1].finish_reason == gateway_pb2.FINISH_REASON_LENGTH
 
     # Both long requests' blocks are back: nothing runs and no block is held.
-    deadline = time.monotonic() + 10
-    while kv_in_use(mesh) != (0.0, 0.0):
-        assert time.monotonic() < deadline, kv_in_use(mesh)
-        time.sleep(0.05)
+    wait_until_no_block_is_held(mesh)
     for request_id, code in (("api-aborted", grpc.StatusCode.NOT_FOUND), ("api-cancelled", grpc.StatusCode.NOT_FOUND),
                              ("", grpc.StatusCode.INVALID_ARGUMENT)):
         with pytest.raises(grpc.RpcError) as err:
@@ -91,7 +99,7 @@ def test_get_model_info_matches_the_model_config(stub, tiny_model_dir):
     assert info.dtype == str(model.dtype).removeprefix("torch.")
     assert (info.num_experts, info.num_experts_per_tok) == (model.num_experts, model.num_experts_per_tok)
     assert info.num_ranks == 1
-    assert list(info.features) == ["prefix_cache", "constraints"]
+    assert list(info.features) == ["prefix_cache", "constraints", "n"]
 
 
 def test_a_repeated_prompt_reports_its_cached_tokens(stub):
@@ -102,3 +110,93 @@ def test_a_repeated_prompt_reports_its_cached_tokens(stub):
     num_prompt = usages[0].prompt_tokens
     assert usages[0].cached_tokens == 0
     assert usages[1].prompt_tokens == num_prompt and 0 < usages[1].cached_tokens < num_prompt
+
+
+# The shared mesh's ranks run expert_svc's default KV block size.
+BLOCK_SIZE = next(f.default for f in dataclasses.fields(ExpertConfig) if f.name == "kv_block_size")
+
+
+def samples_of(responses) -> dict[int, list]:
+    """The messages of each sample, by index."""
+    by_index = collections.defaultdict(list)
+    for response in responses:
+        by_index[response.index].append(response)
+    return dict(by_index)
+
+
+def test_seeded_samples_are_reproducible_differ_and_prefill_their_prompt_once(mesh, stub):
+    prompt = "Four samples of one prompt, which is prefilled once and shared through the prefix cache. " * 2
+    n, num_new = 4, 10
+
+    def call(request_id: str, n: int, seed: int):
+        return samples_of(stub.Generate(gateway_pb2.GenerateRequest(
+            request_id=request_id, prompt=prompt, sampling=gateway_pb2.SamplingParams(
+                n=n, seed=seed, temperature=1.0, max_new_tokens=num_new, ignore_eos=True)), timeout=120))
+
+    def hit_tokens() -> float:
+        return gateway_gauges(mesh)[("moemesh_prefix_cache_hit_tokens_total", ())]
+
+    hits_before = hit_tokens()
+    first = call("samples-1", n, 1234)
+    hits = hit_tokens() - hits_before
+    again = call("samples-2", n, 1234)
+    third = call("samples-3", 1, 1236)
+    assert sorted(first) == sorted(again) == list(range(n))
+    tokens = {i: [t for m in messages for t in m.token_ids] for i, messages in first.items()}
+    assert tokens == {i: [t for m in messages for t in m.token_ids] for i, messages in again.items()}
+    assert len({tuple(t) for t in tokens.values()}) == n
+    # Sample i draws as a request with seed + i does.
+    assert [t for m in third[0] for t in m.token_ids] == tokens[2]
+    for messages in first.values():
+        assert [m.finish_reason for m in messages[:-1]] == [gateway_pb2.FINISH_REASON_UNSPECIFIED] * (
+            len(messages) - 1)
+        assert messages[-1].finish_reason == gateway_pb2.FINISH_REASON_LENGTH
+        assert messages[-1].usage.completion_tokens == num_new
+    usages = [first[i][-1].usage for i in range(n)]
+    num_prompt = usages[0].prompt_tokens
+    # The first sample computed the prompt; every other one found all its full blocks cached.
+    num_cached = (num_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert num_cached > 0
+    assert [u.prompt_tokens for u in usages] == [num_prompt] * n
+    assert [u.cached_tokens for u in usages] == [0] + [num_cached] * (n - 1)
+    assert hits == (n - 1) * num_cached
+
+
+def test_abort_and_cancel_end_every_sample_and_free_their_blocks(mesh, stub):
+    def long_call(request_id: str):
+        return stub.Generate(gateway_pb2.GenerateRequest(
+            request_id=request_id, prompt=f"Three long stories, told by {request_id}:",
+            sampling=gateway_pb2.SamplingParams(n=3, temperature=1.0, max_new_tokens=2000, ignore_eos=True)),
+            timeout=120)
+
+    aborted, cancelled = long_call("samples-aborted"), long_call("samples-cancelled")
+    first = [next(aborted), next(cancelled)]
+    utilization, num_running = kv_in_use(mesh)
+    assert utilization > 0 and num_running >= 2
+    answer = stub.Abort(gateway_pb2.AbortRequest(request_id="samples-aborted"), timeout=10)
+    rest = samples_of([first[0], *aborted])
+    cancelled.cancel()
+    with pytest.raises(grpc.RpcError) as gone:
+        list(cancelled)
+    assert gone.value.code() == grpc.StatusCode.CANCELLED
+    assert answer.num_aborted == 3
+    assert sorted(rest) == [0, 1, 2]
+    for messages in rest.values():
+        assert [m.finish_reason for m in messages[:-1]] == [gateway_pb2.FINISH_REASON_UNSPECIFIED] * (
+            len(messages) - 1)
+        assert messages[-1].finish_reason == gateway_pb2.FINISH_REASON_ABORT
+        assert messages[-1].usage.completion_tokens == sum(len(m.token_ids) for m in messages) < 2000
+    wait_until_no_block_is_held(mesh)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Abort(gateway_pb2.AbortRequest(request_id="samples-cancelled"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("sampling", [gateway_pb2.SamplingParams(n=17, temperature=1.0),
+                                      gateway_pb2.SamplingParams(n=2, temperature=0.0)])
+def test_more_than_16_samples_or_several_greedy_ones_are_refused(stub, sampling):
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(gateway_pb2.GenerateRequest(request_id="bad-n", prompt="x", sampling=sampling),
+                           timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("sampling.n ")

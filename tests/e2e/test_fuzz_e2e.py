@@ -72,6 +72,8 @@ FIELDS = {
     # Small (quick to run) or beyond the context (refused): never the slow default of 0.
     "max_new_tokens": (st.integers(1, 4), st.integers(MAX_CONTEXT + 1, 2**32 - 1)),
     "input": (st.sampled_from(["prompt", "input_ids", "messages"]), st.none()),
+    # Samples: up to 3 (several with greedy decoding are refused), or past the limit of 16.
+    "n": (st.integers(0, 3), st.integers(17, 2**32 - 1)),
     "token_id": (st.integers(0, VOCAB_SIZE - 1) | st.sampled_from([0, VOCAB_SIZE - 1, *EOS_IDS]),
                  st.integers(-2**31, 2**31 - 1) | st.sampled_from([-1, VOCAB_SIZE, 2**31 - 1, -2**31])),
     "input_ids": (st.just(None), long_ids | st.just([])),
@@ -90,7 +92,7 @@ def generate_requests(draw) -> gateway_pb2.GenerateRequest:
 
     request = gateway_pb2.GenerateRequest(request_id=field("request_id"), sampling=gateway_pb2.SamplingParams(
         max_new_tokens=field("max_new_tokens"), temperature=field("temperature"), top_p=field("top_p"),
-        top_k=field("top_k"), stop=field("stop"), ignore_eos=draw(st.booleans())))
+        top_k=field("top_k"), stop=field("stop"), ignore_eos=draw(st.booleans()), n=field("n")))
     seed = draw(st.none() | st.integers(0, 2**64 - 1))
     if seed is not None:
         request.sampling.seed = seed
@@ -151,7 +153,10 @@ def check_generate(stub, request, timeout_s: float = TIMEOUT_S) -> None:
     """Sends request: the answer is a proper stream or an expected status."""
     responses, code, details = run_generate(stub, request, timeout_s)
     if code is None:
-        check_stream(request, responses)
+        indexes = sorted({r.index for r in responses})
+        assert indexes == list(range(max(1, request.sampling.n))), indexes
+        for index in indexes:
+            check_stream(request, [r for r in responses if r.index == index])
         return
     allowed = BAD_INPUT_CODES | ({grpc.StatusCode.DEADLINE_EXCEEDED} if timeout_s < TIMEOUT_S else set())
     assert code in allowed, (code, details)

@@ -7,6 +7,8 @@ gives them). The 503 of a gateway without a group is tests/gateway/http's.
 """
 
 import json
+import pathlib
+import re
 import urllib.request
 
 import grpc
@@ -169,3 +171,10 @@ def test_models_and_health(client, model, mesh, tiny_model_dir):
         assert health.status == 200 and json.loads(health.read()) == {"status": "ok"}
     state = json.loads((mesh.work_dir / "mesh.json").read_text())
     assert state["http"] == mesh.http_url
+
+
+def test_the_readme_openai_example_runs(mesh, capsys):
+    text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    [example] = [block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "from openai" in block]
+    exec(example.replace("http://127.0.0.1:8000/v1", mesh.http_url), {})
+    assert capsys.readouterr().out.strip()

@@ -196,7 +196,7 @@ class QueuedEngine:
     def __init__(self, outputs):
         self._outputs = outputs
 
-    def submit(self, request, deadline=None):
+    def submit(self, request, deadline=None, leader=None):
         handle = RequestHandle(types.SimpleNamespace(seq_id=1))
         for item in self._outputs:
             handle.put(item)

@@ -2,7 +2,7 @@
 
 import asyncio
 
-from gateway.model_info import FEATURE_CONSTRAINTS, FEATURE_PREFIX_CACHE, model_info
+from gateway.model_info import FEATURE_CONSTRAINTS, FEATURE_N, FEATURE_PREFIX_CACHE, model_info
 from moe.gateway.v1 import gateway_pb2
 from services.model.config import ModelConfig
 from tests.gateway.fakes import MODEL_INFO
@@ -23,11 +23,11 @@ def test_model_info_comes_from_the_checkpoint_config_and_the_flags(tmp_path):
     assert (info.model_name, info.architecture, info.context_length, info.vocab_size, info.dtype) == (
         "qwen3-moe-demo", "Qwen3MoeForCausalLM", 1024, 1000, "bfloat16")
     assert (info.num_experts, info.num_experts_per_tok) == (16, 4)
-    assert info.features == (FEATURE_PREFIX_CACHE, FEATURE_CONSTRAINTS)
+    assert info.features == (FEATURE_PREFIX_CACHE, FEATURE_CONSTRAINTS, FEATURE_N)
     float32 = {key: value for key, value in CONFIG.items() if key != "torch_dtype"} | {"dtype": "float32"}
     no_cache = model_info(str(model_dir), ModelConfig.from_dict(float32), context_length=2048,
                           enable_prefix_cache=False)
-    assert no_cache.features == (FEATURE_CONSTRAINTS,) and no_cache.dtype == "float32"
+    assert no_cache.features == (FEATURE_CONSTRAINTS, FEATURE_N) and no_cache.dtype == "float32"
 
 
 def test_get_model_info_reports_the_model_and_the_ranks_of_the_group():

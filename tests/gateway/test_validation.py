@@ -328,3 +328,20 @@ def test_equal_constraints_are_compiled_once(tokenizer, compiler, monkeypatch):
     assert first.constraint == second.constraint == Constraint("json_schema", schema)
     assert builds == [first.constraint]
     assert compiler.compile(second.constraint).constraint == first.constraint and len(builds) == 1
+
+
+@pytest.mark.parametrize("n, expected", [(0, 1), (1, 1), (2, 2), (16, 16)])
+def test_n_samples_in_range_are_kept_and_0_means_1(tokenizer, n, expected):
+    assert validate_request(request(n=n, temperature=0.8), LIMITS, tokenizer).n == expected
+
+
+@pytest.mark.parametrize("n", [17, 2**32 - 1])
+def test_more_than_16_samples_are_refused(tokenizer, n):
+    error = rejected(request(n=n, temperature=0.8), tokenizer)
+    assert error.field == "sampling.n" and "[1, 16]" in error.message and f"got {n}" in error.message
+
+
+def test_several_greedy_samples_are_refused_and_one_is_not(tokenizer):
+    error = rejected(request(n=2), tokenizer)
+    assert error.field == "sampling.n" and "greedy" in error.message and "got 2" in error.message
+    assert validate_request(request(n=1), LIMITS, tokenizer).n == 1

@@ -1,14 +1,16 @@
-"""`moemesh generate`'s request: the constraint flags, mutually exclusive, into SamplingParams' oneof."""
+"""`moemesh generate`'s request (through the client's arguments): the constraint flags, mutually exclusive, into
+SamplingParams' oneof."""
 
 import json
 
 import pytest
 
-from moemesh import cli
+from moemesh import cli, client_request
 
 
 def request(*argv):
-    return cli.generate_request(cli.build_parser().parse_args(["generate", "a prompt", *argv]))
+    args = cli.build_parser().parse_args(["generate", "a prompt", *argv])
+    return client_request.generate_request(**cli.generate_arguments(args))
 
 
 def test_json_schema_is_read_from_its_file(tmp_path):
