@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP endpoint of the shared mesh, driven by the official `openai` package.
 
-Completions and chat, streaming and not, stop strings, usage, response_format
+Completions and chat, streaming and not, stop strings, usage, n seeded samples, response_format
 (json_object, json_schema), and bad input with its status and error shape; the
 greedy tokens through HTTP are those through gRPC (vLLM's return_token_ids
 gives them). The 503 of a gateway without a group is tests/gateway/http's.
@@ -178,3 +178,26 @@ def test_the_readme_openai_example_runs(mesh, capsys):
     [example] = [block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "from openai" in block]
     exec(example.replace("http://127.0.0.1:8000/v1", mesh.http_url), {})
     assert capsys.readouterr().out.strip()
+
+
+def test_n_seeded_samples_are_the_grpc_samples_by_index(client, model, stub):
+    request = gateway_pb2.GenerateRequest(request_id="n-grpc", prompt=PROMPTS[1], sampling=gateway_pb2.SamplingParams(
+        max_new_tokens=NUM_TOKENS, temperature=1.0, seed=7, n=3, ignore_eos=True))
+    texts = {}
+    for response in stub.Generate(request, timeout=120):
+        texts[response.index] = texts.get(response.index, "") + response.text
+    completion = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=NUM_TOKENS, temperature=1.0,
+                                           seed=7, n=3, extra_body={"ignore_eos": True})
+    assert {c.index: c.text for c in completion.choices} == texts and len(set(texts.values())) == 3
+    assert completion.usage.completion_tokens == 3 * NUM_TOKENS
+    stream = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=NUM_TOKENS, temperature=1.0,
+                                       seed=7, n=3, stream=True, extra_body={"ignore_eos": True})
+    streamed, finished = {}, {}
+    for chunk in stream:
+        [choice] = chunk.choices
+        streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+        finished[choice.index] = choice.finish_reason
+    assert streamed == texts and finished == {0: "length", 1: "length", 2: "length"}
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=model, prompt="Hi", max_tokens=2, temperature=0, n=2)
+    assert error.value.body["param"] == "n"
