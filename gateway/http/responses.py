@@ -132,9 +132,14 @@ def usage_chunk(api: ApiRequest, response_id: str, created: int, model: str, usa
             "usage": usage_}
 
 
-def logprob_entries(output: RequestOutput) -> Sequence[LogprobEntry]:
-    """The output's log-probabilities as entries aligned with its token_ids (none when not asked for)."""
-    return getattr(output, "logprobs", None) or ()
+def logprob_entries(output: RequestOutput) -> list[LogprobEntry]:
+    """The output's log-probabilities as entries aligned with its token_ids (none when not asked for).
+
+    RequestOutput.logprobs holds objects with token_id, logprob and top ((token_id, logprob) pairs,
+    most likely first): services.step.TokenLogprob. Read with getattr: outputs without the field
+    (before the gateway reports log-probabilities) have none.
+    """
+    return [(lp.token_id, lp.logprob, lp.top) for lp in getattr(output, "logprobs", ())]
 
 
 class ResponseState:

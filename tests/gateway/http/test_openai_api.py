@@ -1,6 +1,7 @@
 """OpenAI JSON -> GenerateRequest, RequestError fields -> OpenAI parameters, and the response bodies."""
 
 import json
+import types
 
 import pytest
 
@@ -171,6 +172,24 @@ def test_return_token_ids_gives_each_choice_and_chunk_its_tokens():
               for chunk in state.add(out)]
     assert [c["choices"][0]["token_ids"] for c in chunks] == [[5], [8], [6]]
     assert state.body()["choices"][0]["token_ids"] == [5, 8, 6]
+
+
+def test_outputs_logprobs_become_each_chunks_logprobs():
+    api = parse_chat({"messages": [{"role": "user", "content": "a"}], "stream": True, "logprobs": True,
+                      "top_logprobs": 1}, "c")
+    state = ResponseState(api, "c", "m", TOKENS.__getitem__)
+
+    def with_logprobs(out, entries):
+        fields = {name: getattr(out, name) for name in RequestOutput.__slots__}
+        return types.SimpleNamespace(**fields, is_final=out.is_final, logprobs=[
+            types.SimpleNamespace(token_id=t, logprob=lp, top=top) for t, lp, top in entries])
+
+    first = state.add(with_logprobs(output("He", [5]), [(5, -0.1, [(5, -0.1)])]))
+    last = state.add(with_logprobs(output("llo", [6], final=FinishReason.STOP), [(6, -0.2, [(6, -0.2)])]))
+    assert [c["token"] for c in first[0]["choices"][0]["logprobs"]["content"]] == ["He"]
+    assert last[0]["choices"][0]["logprobs"]["content"][0]["top_logprobs"] == [
+        {"token": "llo", "logprob": -0.2, "bytes": list(b"llo")}]
+    assert state.choices[0].logprobs == [(5, -0.1, [(5, -0.1)]), (6, -0.2, [(6, -0.2)])]
 
 
 def test_requests_without_logprobs_get_null_logprobs():
