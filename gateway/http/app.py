@@ -8,7 +8,8 @@ worker group takes requests (503 otherwise).
 
 Errors are OpenAI's error object, mapped here and nowhere else: bad input is
 400 naming the parameter, no ready group 503, a full queue 429, a passed
-deadline 504. A stream that fails after its first chunk (its status is sent)
+deadline 504 (an `X-Request-Timeout` header, in seconds, is the request's
+deadline, as a gRPC call's is). A stream that fails after its first chunk (its status is sent)
 ends with an error event, then `data: [DONE]`. The first output is awaited
 before the response starts, so that errors of submission still get their
 status.
@@ -25,6 +26,7 @@ continues the caller's `traceparent` header).
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -54,6 +56,20 @@ def generation_error(error: GenerationError) -> ApiError:
     """The OpenAI error of a failed generation."""
     status, kind, code = _ERRORS[error.code]
     return ApiError(status, error.message, type_=kind, code=code)
+
+
+def _deadline(request: Request) -> float | None:
+    """time.monotonic() by which the request must be done: now plus its X-Request-Timeout, if any."""
+    value = request.headers.get("x-request-timeout")
+    if value is None:
+        return None
+    try:
+        timeout_s = float(value)
+    except ValueError:
+        timeout_s = math.nan
+    if not 0 < timeout_s < math.inf:
+        raise ApiError(400, f"the X-Request-Timeout header must be a positive number of seconds, got {value!r}")
+    return time.monotonic() + timeout_s
 
 
 def _event(body: dict) -> bytes:
@@ -141,13 +157,14 @@ class OpenAIEndpoint:
         api = (openai_api.parse_chat if is_chat else openai_api.parse_completion)(body, response_id)
         if api.model and api.model != self.model_name:
             raise ApiError(404, f"The model `{api.model}` does not exist", param="model", code="model_not_found")
+        deadline = _deadline(request)
         call = HttpCall(request, api)
         state = ResponseState(api, response_id, self.model_name, self.token_bytes)
         if not api.stream:
-            result = await _until_disconnect(request, self._collect(call, api, state))
+            result = await _until_disconnect(request, self._collect(call, api, state, deadline))
             return Response(status_code=499) if result is None else JSONResponse(result)
         try:
-            started = await _until_disconnect(request, self._start(api))
+            started = await _until_disconnect(request, self._start(api, deadline))
         except GenerationError as error:
             call.finish(error)
             raise generation_error(error) from error
@@ -160,24 +177,26 @@ class OpenAIEndpoint:
         outputs, first = started
         return StreamingResponse(self._events(call, state, first, outputs), media_type="text/event-stream")
 
-    async def _start(self, api: ApiRequest) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
+    async def _start(self, api: ApiRequest,
+                     deadline: float | None) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
         """Validates and submits: (the outputs' iterator, its first output); raises ApiError, GenerationError."""
         try:
             validated = await self.frontend.validate(api.request)
         except RequestError as error:
             raise openai_api.request_error(error.field, error.message, api) from error
-        outputs = self.frontend.generate(validated)
+        outputs = self.frontend.generate(validated, deadline=deadline)
         try:
             return outputs, await anext(outputs)
         except BaseException:
             await outputs.aclose()
             raise
 
-    async def _collect(self, call: HttpCall, api: ApiRequest, state: ResponseState) -> dict:
+    async def _collect(self, call: HttpCall, api: ApiRequest, state: ResponseState,
+                       deadline: float | None) -> dict:
         """The whole response of a non-streaming request; raises ApiError."""
         error = outputs = None
         try:
-            outputs, output = await self._start(api)
+            outputs, output = await self._start(api, deadline)
             while output is not None:
                 call.observation.on_output(output)
                 state.add(output)

@@ -168,6 +168,21 @@ def test_a_full_queue_is_429_and_health_is_ok_with_a_group():
     assert health == 200 and json.loads(body) == {"status": "ok"}
 
 
+def test_a_passed_deadline_is_504_and_a_bad_timeout_header_400():
+    async def scenario():
+        async with serving() as (engine, _, _, url):
+            # Past by the time the batcher first schedules it.
+            late = await raw_request(url, "/v1/completions", {"prompt": "abc", "max_tokens": 100},
+                                     headers={"X-Request-Timeout": "0.000001"})
+            bad = await raw_request(url, "/v1/completions", {"prompt": "abc"}, headers={"X-Request-Timeout": "-1"})
+            return late, bad, engine.batcher.num_waiting
+
+    (late, _, late_body), (bad, _, bad_body), num_waiting = run(scenario())
+    assert late == 504 and json.loads(late_body)["error"]["type"] == "timeout_error", late_body
+    assert num_waiting == 0
+    assert bad == 400 and "X-Request-Timeout" in json.loads(bad_body)["error"]["message"]
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_goes_away_aborts_its_request(stream):
     async def scenario():
