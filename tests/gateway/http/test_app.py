@@ -14,9 +14,11 @@ import pytest
 from gateway.frontend import Frontend
 from gateway.http.app import make_app
 from gateway.http.server import HttpServer
+from gateway.requests import ErrorCode, GenerationError
 from gateway.validation import RequestLimits
 from tests.gateway.fakes import MODEL_INFO, FakeTokenizer, reference_tokens
 from tests.gateway.test_engine import make_engine
+from tests.gateway.test_engine_pipeline import QueuedEngine, output
 from tests.services.test_telemetry import tracing  # noqa: F401 (a fixture)
 
 TOKENIZER = FakeTokenizer()
@@ -24,10 +26,14 @@ LIMITS = RequestLimits(vocab_size=100, max_context=1000, max_new_tokens_default=
 
 
 @contextlib.asynccontextmanager
-async def serving(*, has_engine=True, is_running=True, **engine_args):
-    """(the engine or None, the Frontend, an AsyncOpenAI client, the base URL) of a served endpoint."""
-    engine = make_engine(**engine_args)[0] if has_engine else None
-    loop_task = asyncio.create_task(engine.run()) if engine is not None and is_running else None
+async def serving(*, has_engine=True, is_running=True, engine=None, **engine_args):
+    """(the engine or None, the Frontend, an AsyncOpenAI client, the base URL) of a served endpoint:
+    over `engine` (a fake) if given, else a new engine of simulated ranks (running unless not
+    is_running), or none (has_engine False)."""
+    loop_task = None
+    if engine is None and has_engine:
+        engine = make_engine(**engine_args)[0]
+        loop_task = asyncio.create_task(engine.run()) if is_running else None
     frontend = Frontend(tokenizer=TOKENIZER, limits=LIMITS, model_info=MODEL_INFO, get_engine=lambda: engine)
     http = await HttpServer.start(make_app(frontend, lambda i: TOKENIZER.decode([i]).encode()), "127.0.0.1", 0)
     url = f"http://127.0.0.1:{http.port}"
@@ -166,6 +172,21 @@ def test_a_full_queue_is_429_and_health_is_ok_with_a_group():
     error, (health, _, body) = run(scenario())
     assert error.status_code == 429 and error.body["code"] == "rate_limit_exceeded"
     assert health == 200 and json.loads(body) == {"status": "ok"}
+
+
+def test_a_stream_that_fails_after_its_first_chunk_ends_with_an_error_event_then_done():
+    engine = QueuedEngine([output(1), output(2), GenerationError(ErrorCode.UNAVAILABLE, "the group failed")])
+
+    async def scenario():
+        async with serving(engine=engine) as (_, _, _, url):
+            return await raw_request(url, "/v1/completions", {"prompt": "ab", "max_tokens": 5, "stream": True})
+
+    status, _, body = run(scenario())
+    events = [e.removeprefix("data: ") for e in body.decode().split("\n\n") if e]
+    assert status == 200 and events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2]) == "bc"
+    assert json.loads(events[-2]) == {"error": {"message": "the group failed", "type": "server_error",
+                                                "param": None, "code": "service_unavailable"}}
 
 
 def test_a_passed_deadline_is_504_and_a_bad_timeout_header_400():
