@@ -50,6 +50,10 @@ class GatewayConfig(MemberConfig):
     stats_file: str = ""
     # Seconds between writes of stats_file; 0 writes it only at exit.
     stats_interval_s: float = 5.0
+    # Port of the OpenAI-compatible HTTP endpoint (/v1/completions,
+    # /v1/chat/completions, /v1/models, /health) on host; 0 picks a free one
+    # (written to port_file + ".http"), -1 turns it off.
+    http_port: int = 8000
     # Tokens generated when a request leaves max_new_tokens at 0.
     max_new_tokens_default: int = 256
     # The most tokens a request may ask for; 0 means up to the model's context length.
@@ -87,6 +91,8 @@ class GatewayConfig(MemberConfig):
         for name in ("step_timeout_s", "rank_call_timeout_s", "resume_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not -1 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in -1..65535 (-1: off), got {self.http_port}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(sorted(POLICIES))}, got {self.policy!r}")
         if self.stats_interval_s < 0:

@@ -8,6 +8,9 @@ Three hooks, all cheap when tracing is off:
   and trace ids for log lines, and annotates the call's SERVER span (the
   request's root span: the tracing interceptor makes it a child of the
   client's context) with the request id, token counts and finish reason.
+  The HTTP endpoint (gateway/http/app.py) makes the same RequestObservation
+  per request and feeds it its RequestOutputs (`on_output`); its root span is
+  FastAPI's SERVER span, a child of the caller's traceparent header.
 - `EngineObserver` (one per Engine) sees each step planned and completed:
   queue time, the group's step time, each rank's result lag; while a request
   is traced it also opens the child spans `queue_wait`, `prefill_chunk`
@@ -44,6 +47,7 @@ import grpc
 from opentelemetry import trace
 
 from gateway.kv_accounting import RankKV
+from gateway.requests import RequestOutput
 from moe.gateway.v1 import gateway_pb2
 from services import metrics, telemetry
 from services.logging_json import REQUEST_CONTEXT, RequestLogContext
@@ -113,13 +117,14 @@ class RequestObservation:
     __slots__ = ("start", "last_token_at", "num_tokens", "request_id", "finish_reason", "root", "trace",
                  "seq_id", "observer", "queued_at", "log_context", "_tokens")
 
-    def __init__(self, request: gateway_pb2.GenerateRequest, context) -> None:
+    def __init__(self, request: gateway_pb2.GenerateRequest, context, root: trace.Span | None = None) -> None:
+        """context: the call's (invocation_metadata(), code()); root: its SERVER span (default: the current one)."""
         self.start = time.monotonic()
         self.last_token_at = 0.0
         self.num_tokens = 0
         self.request_id = request.request_id
         self.finish_reason = "none"
-        span = trace.get_current_span()
+        span = trace.get_current_span() if root is None else root
         self.root = span if span.is_recording() else None
         self.trace: RequestTrace | None = None
         self.seq_id: int | None = None
@@ -131,16 +136,25 @@ class RequestObservation:
         self._tokens = (_CURRENT.set(self), REQUEST_CONTEXT.set(self.log_context))
 
     def on_response(self, response: gateway_pb2.GenerateResponse) -> None:
-        if response.request_id and response.request_id != self.request_id:
-            self.request_id = self.log_context.request_id = response.request_id
-        num_tokens = len(response.token_ids)
+        finish = _FINISH_REASONS.get(response.finish_reason, "none") if response.finish_reason else None
+        self.on_message(response.request_id, len(response.token_ids), finish, response.index)
+
+    def on_output(self, output: RequestOutput) -> None:
+        """A RequestOutput sent by another transport (HTTP)."""
+        finish = None if output.finish_reason is None else output.finish_reason.name.lower()
+        self.on_message(output.request_id, len(output.token_ids), finish, output.index)
+
+    def on_message(self, request_id: str, num_tokens: int, finish_reason: str | None, index: int = 0) -> None:
+        """One message to the client: num_tokens new tokens of sample `index`, the finish reason on its last."""
+        if request_id and request_id != self.request_id:
+            self.request_id = self.log_context.request_id = request_id
         if num_tokens:
             now = time.monotonic()
             m = metrics.gateway_metrics()
             if not self.num_tokens:
                 m.time_to_first_token.observe(now - self.start)
             # The pace of the first sample: the messages of n samples interleave.
-            if not response.index:
+            if not index:
                 if self.last_token_at:
                     gap = (now - self.last_token_at) / num_tokens
                     for _ in range(num_tokens):
@@ -148,8 +162,8 @@ class RequestObservation:
                 self.last_token_at = now
             m.generation_tokens.inc(num_tokens)
             self.num_tokens += num_tokens
-        if response.finish_reason:
-            self.finish_reason = _FINISH_REASONS.get(response.finish_reason, "none")
+        if finish_reason is not None:
+            self.finish_reason = finish_reason
 
     def finish(self, context, error: BaseException | None) -> None:
         """Records the outcome and ends the request's spans."""

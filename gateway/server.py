@@ -9,6 +9,9 @@ collects the counters of every engine; with --stats-file it is written as
 JSON every stats_interval_s and at exit (bench/serve.py reads it), and a
 summary is logged at exit.
 
+The OpenAI-compatible HTTP endpoint (gateway/http/, --http-port) runs in the
+same event loop over the servicer's Frontend; it stops after the drain.
+
 SIGTERM/SIGINT drain: health goes NOT_SERVING, new requests get UNAVAILABLE,
 requests in flight finish within shutdown_grace_s (then fail with
 UNAVAILABLE), the server stops and the etcd lease is revoked (deregistered).
@@ -21,6 +24,8 @@ from gateway.batcher import Batcher
 from gateway.config import GatewayConfig
 from gateway.engine import Engine
 from gateway.group import EngineFactory, GroupManager
+from gateway.http.app import make_app
+from gateway.http.server import HttpServer
 from gateway.kv_accounting import RankKV
 from gateway.model_info import model_info
 from gateway.observability import EngineObserver, GatewayReadiness, GatewayStateCollector
@@ -125,6 +130,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
 
     await set_serving(False)
     process.announce_port(ROLE, config, server.port)
+    http = await start_http(config, servicer.frontend, tokenizer)
     gc_pauses.freeze("startup (tokenizer, servers)", enabled=config.gc_freeze,
                      young_threshold=config.gc_young_threshold)
     cluster = ClusterClient(config.etcd, prefix=config.key_prefix)
@@ -155,6 +161,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         stats_task.cancel()
         manager_task.cancel()
         await asyncio.gather(manager_task, stats_task, return_exceptions=True)
+        if http is not None:
+            await http.stop()
         await server.stop(1.0)
         await cluster.close()  # revokes the lease: deregistered at once
         await probes.close()
@@ -162,6 +170,18 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         log.info("stopped; %s", summary(stats))
     if not manager_task.cancelled() and manager_task.exception() is not None:
         raise manager_task.exception()
+
+
+async def start_http(config: GatewayConfig, frontend, tokenizer: Tokenizer) -> HttpServer | None:
+    """The OpenAI-compatible endpoint over the servicer's Frontend, unless http_port is -1;
+    its port is written to the port file + ".http"."""
+    if config.http_port < 0:
+        return None
+    http = await HttpServer.start(make_app(frontend, tokenizer.token_bytes), config.host, config.http_port)
+    log.info("OpenAI-compatible HTTP endpoint on http://%s:%d/v1", config.public_host, http.port)
+    if config.port_file:
+        process.write_port_file(process.http_port_file(config.port_file), http.port)
+    return http
 
 
 def summary(stats: GatewayStats) -> str:

@@ -13,6 +13,7 @@ import grpc
 from moemesh import launcher
 
 DEFAULT_GATEWAY_PORT = 50051
+DEFAULT_HTTP_PORT = 8000
 DEFAULT_MODEL_NAME = "tiny-seed0"
 
 
@@ -41,7 +42,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     model_dir = args.model or default_model_dir()
     try:
         spec = launcher.MeshSpec(model_dir=model_dir, num_ranks=args.ranks, device=args.device,
-                                 gateway_port=args.port, etcd=args.etcd or "", work_dir=args.work_dir or "",
+                                 gateway_port=args.port, http_port=args.http_port, etcd=args.etcd or "",
+                                 work_dir=args.work_dir or "",
                                  data_plane_nice=args.data_plane_nice)
     except ValueError as err:
         print(f"moemesh up: {err}", file=sys.stderr)
@@ -53,7 +55,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"starting moemesh: model {model_dir}, {args.ranks} rank(s) on {args.device}; logs in {mesh.work_dir}",
           flush=True)
     mesh.start()
-    print(f"moemesh is ready: gateway at {mesh.gateway_address}", flush=True)
+    http = f", {mesh.http_url} (OpenAI-compatible HTTP)" if mesh.http_url else ""
+    print(f"moemesh is ready: gateway at {mesh.gateway_address} (gRPC){http}", flush=True)
     print(f"  try: moemesh generate --target {mesh.gateway_address} 'Hello, world!'", flush=True)
     print(f"       moemesh status", flush=True)
     print("Ctrl-C stops the mesh.", flush=True)
@@ -187,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ranks", type=int, default=1, help="expert services in the group")
     up.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     up.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway port (0 = any free port)")
+    up.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                    help="port of the OpenAI-compatible HTTP endpoint (0 = any free port, -1 = off)")
     up.add_argument("--etcd", help="use this etcd (host:port) instead of starting one")
     up.add_argument("--work-dir", help="where logs and etcd data go (default: a temporary directory)")
     up.add_argument("--data-plane-nice", type=int, default=launcher.DEFAULT_DATA_PLANE_NICE,

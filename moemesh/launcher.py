@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moemesh import etcd
-from services.process import metrics_port_file, read_port_file
+from services.process import http_port_file, metrics_port_file, read_port_file
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,9 @@ class MeshSpec:
     device: str = "cpu"
     # Gateway port; 0 picks a free one.
     gateway_port: int = 0
+    # Port of the serving gateway's OpenAI-compatible HTTP endpoint; 0 picks a
+    # free one, -1 turns it off (standby gateways always pick a free one).
+    http_port: int = 0
     # Gateways started: the first serves the group, the others stand by (the
     # scheduler leader gives one the group when its gateway leaves).
     num_gateways: int = 1
@@ -69,6 +72,8 @@ class MeshSpec:
             raise ValueError(f"num_standby must be >= 0, got {self.num_standby}")
         if self.num_gateways < 1:
             raise ValueError(f"num_gateways must be at least 1, got {self.num_gateways}")
+        if not -1 <= self.http_port <= 65535:
+            raise ValueError(f"--http-port must be in -1..65535 (-1: off), got {self.http_port}")
         if not 0 <= self.data_plane_nice <= 19:
             raise ValueError(f"data_plane_nice must be within 0..19, got {self.data_plane_nice}")
         if self.device not in ("cpu", "cuda"):
@@ -100,6 +105,11 @@ class Role:
         """The port of its /metrics, /healthz and /readyz (None until written)."""
         return read_port_file(metrics_port_file(str(self.port_file)))
 
+    @property
+    def http_port(self) -> int | None:
+        """A gateway's OpenAI-compatible HTTP port (None until written, or when off)."""
+        return read_port_file(http_port_file(str(self.port_file)))
+
 
 class Mesh:
     """A running mesh; use as a context manager or call start()/stop()."""
@@ -128,6 +138,12 @@ class Mesh:
         return [f"127.0.0.1:{r.port}" for r in self.roles if r.name.startswith("gateway")]
 
     @property
+    def http_url(self) -> str | None:
+        """The base URL of the serving gateway's OpenAI-compatible endpoint (None when off)."""
+        port = self.gateway.http_port
+        return None if port is None else f"http://127.0.0.1:{port}/v1"
+
+    @property
     def scheduler_addresses(self) -> list[str]:
         return [f"127.0.0.1:{r.port}" for r in self.roles if r.name.startswith("scheduler")]
 
@@ -136,6 +152,8 @@ class Mesh:
         try:
             self._start_all()
             self._wait_serving(self.gateway_address, self.spec.ready_timeout_s)
+            if self.spec.http_port >= 0:
+                self._wait_file(self.gateway, pathlib.Path(http_port_file(str(self.gateway.port_file))))
             self._start_standby_gateways()
         except BaseException:
             self.stop()
@@ -157,7 +175,8 @@ class Mesh:
                         [*common, "--member-id", f"expert-{r}", "--model", self.spec.model_dir,
                          "--device", rank_device(self.spec.device, r)])
         self._spawn("gateway", "gateway.main",
-                    [*common, "--member-id", "gateway-0", "--model", self.spec.model_dir],
+                    [*common, "--member-id", "gateway-0", "--model", self.spec.model_dir,
+                     "--http-port", str(self.spec.http_port)],
                     port=self.spec.gateway_port)
         for role in self.roles:
             role.port = self._wait_port(role, self.spec.ready_timeout_s)
@@ -167,7 +186,8 @@ class Mesh:
         group until the scheduler leader gives them one (its gateway left)."""
         for i in range(1, self.spec.num_gateways):
             self._spawn(f"gateway-{i}", "gateway.main", ["--etcd", self.etcd_endpoint, "--member-id",
-                                                         f"gateway-{i}", "--model", self.spec.model_dir])
+                                                         f"gateway-{i}", "--model", self.spec.model_dir,
+                                                         "--http-port", "0" if self.spec.http_port >= 0 else "-1"])
             self.roles[-1].port = self._wait_port(self.roles[-1], self.spec.ready_timeout_s)
 
     def _spawn(self, name: str, module: str, args: list[str], port: int = 0) -> None:
@@ -198,7 +218,8 @@ class Mesh:
         if old.proc.poll() is None:
             os.killpg(old.proc.pid, signal.SIGKILL)
         old.proc.wait()
-        for stale in (old.port_file, pathlib.Path(metrics_port_file(str(old.port_file)))):
+        for stale in (old.port_file, pathlib.Path(metrics_port_file(str(old.port_file))),
+                      pathlib.Path(http_port_file(str(old.port_file)))):
             stale.unlink(missing_ok=True)
         role = self.roles[index] = self._launch(name, old.cmd, old.port_file, old.log_path)
         role.port = self._wait_port(role, self.spec.ready_timeout_s)
@@ -206,14 +227,20 @@ class Mesh:
         return role
 
     def _wait_port(self, role: Role, timeout_s: float) -> int:
+        return self._wait_file(role, role.port_file, timeout_s)
+
+    def _wait_file(self, role: Role, port_file: pathlib.Path, timeout_s: float | None = None) -> int:
+        """The port role writes to port_file, once it is there."""
+        timeout_s = self.spec.ready_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if role.proc.poll() is not None:
                 raise RuntimeError(f"{role.name} exited with {role.proc.returncode}; log:\n{tail(role.log_path)}")
             with contextlib.suppress(FileNotFoundError, ValueError):
-                return int(role.port_file.read_text())
+                return int(port_file.read_text())
             time.sleep(0.05)
-        raise TimeoutError(f"{role.name} did not report its port in {timeout_s} s; log:\n{tail(role.log_path)}")
+        raise TimeoutError(f"{role.name} did not write {port_file.name} in {timeout_s} s; "
+                           f"log:\n{tail(role.log_path)}")
 
     def _wait_serving(self, address: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -260,6 +287,7 @@ class Mesh:
     def _write_state(self) -> None:
         state = {
             "gateway": self.gateway_address,
+            "http": self.http_url,
             "schedulers": self.scheduler_addresses,
             "etcd": self.etcd_endpoint,
             "work_dir": str(self.work_dir),

@@ -24,6 +24,11 @@ WHEELS=(
   opentelemetry-exporter-otlp-proto-grpc==1.45.2 opentelemetry-exporter-otlp-common==0.66b2
   googleapis-common-protos==1.76.0
   llguidance==1.9.1
+  # The gateway's OpenAI-compatible HTTP endpoint and what it pulls in (pydantic at
+  # the versions fastapi was locked with; the image's own may be older or absent).
+  fastapi==0.163.2 starlette==1.10.0 uvicorn==0.54.0 h11==0.16.0 click==8.5.1 anyio==4.16.0 idna==3.20
+  pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 annotated-doc==0.0.7
+  typing-inspection==0.4.5 typing-extensions==4.16.0
 )
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \

@@ -3,9 +3,9 @@
 Logging and tracing (`configure_telemetry`), stop signals, running the
 role's `serve` coroutine (`run_role`), and announcing the bound port: a
 process started with `--port 0 --port-file PATH` writes the port it bound to
-PATH, and the port of its metrics server to PATH.metrics, so a launcher can
-find servers started on port 0. The flags themselves come from
-services/settings.py.
+PATH, the port of its metrics server to PATH.metrics (the gateway: that of
+its HTTP endpoint to PATH.http), so a launcher can find servers started on
+port 0. The flags themselves come from services/settings.py.
 """
 
 import asyncio
@@ -39,6 +39,11 @@ def write_port_file(path: str | os.PathLike, port: int) -> None:
 def metrics_port_file(port_file: str | os.PathLike) -> str:
     """Where a process started with --port-file PATH writes its metrics port: PATH.metrics."""
     return f"{port_file}.metrics"
+
+
+def http_port_file(port_file: str | os.PathLike) -> str:
+    """Where the gateway started with --port-file PATH writes its HTTP endpoint's port: PATH.http."""
+    return f"{port_file}.http"
 
 
 def read_port_file(path: str | os.PathLike) -> int | None:

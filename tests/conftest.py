@@ -13,6 +13,8 @@ import tempfile
 os.environ.setdefault("MOEMESH_CACHE_DIR", tempfile.mkdtemp(prefix="moemesh-test-cache-"))
 # Role processes the tests start themselves bind a free metrics port, not 9090.
 os.environ.setdefault("MOEMESH_METRICS_PORT", "0")
+# ... and a free port for the gateway's OpenAI-compatible endpoint, not 8000.
+os.environ.setdefault("MOEMESH_HTTP_PORT", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -31,7 +31,7 @@ def test_readme_first_two_commands_are_up_and_test():
 
 
 def test_first_readme_command_serves_and_stops_cleanly(tmp_path):
-    command = readme_commands()[0].split() + ["--port", "0", "--work-dir", str(tmp_path / "mesh")]
+    command = readme_commands()[0].split() + ["--port", "0", "--http-port", "0", "--work-dir", str(tmp_path / "mesh")]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines = []

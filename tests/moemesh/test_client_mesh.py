@@ -162,7 +162,7 @@ def test_the_generate_command_prints_the_stream_and_the_usage(client, mesh, caps
 
 def test_the_readme_example_runs(mesh, capsys):
     text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
-    [example] = re.findall(r"```python\n(.*?)```", text, re.S)
+    [example] = [block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "moemesh.Client" in block]
     exec(example.replace("127.0.0.1:50051", mesh.gateway_address), {})
     out = capsys.readouterr().out
     assert out.strip().endswith(pathlib.Path(mesh.spec.model_dir).name)

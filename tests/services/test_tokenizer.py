@@ -223,3 +223,21 @@ def test_cache_dir_from_env(monkeypatch, tmp_path, cache_dir):
     monkeypatch.setenv("MOEMESH_CACHE_DIR", str(tmp_path))
     (tmp_path / CACHE_FILE_NAME).symlink_to(cache_dir / CACHE_FILE_NAME)    # skip a rebuild
     assert qwen3_tokenizer_path() == tmp_path / CACHE_FILE_NAME
+
+
+def test_token_bytes_are_the_bytes_each_token_stands_for(tokenizer):
+    text = "Grüße, 世界! 𓀀 <|im_end|> done"
+    ids = tokenizer.encode(text)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode()
+    # A character split over tokens: each token holds part of its UTF-8 bytes.
+    assert not any(_decodes(tokenizer.token_bytes(i)) for i in tokenizer.encode("𓀀"))
+    im_end = tokenizer.token_to_id("<|im_end|>")
+    assert tokenizer.token_bytes(im_end) == b"<|im_end|>"
+
+
+def _decodes(raw: bytes) -> bool:
+    try:
+        raw.decode()
+        return True
+    except UnicodeDecodeError:
+        return False
