@@ -136,10 +136,9 @@ def logprob_entries(output: RequestOutput) -> list[LogprobEntry]:
     """The output's log-probabilities as entries aligned with its token_ids (none when not asked for).
 
     RequestOutput.logprobs holds objects with token_id, logprob and top ((token_id, logprob) pairs,
-    most likely first): services.step.TokenLogprob. Read with getattr: outputs without the field
-    (before the gateway reports log-probabilities) have none.
+    most likely first): services.step.TokenLogprob.
     """
-    return [(lp.token_id, lp.logprob, lp.top) for lp in getattr(output, "logprobs", ())]
+    return [(lp.token_id, lp.logprob, lp.top) for lp in output.logprobs]
 
 
 class ResponseState:

@@ -201,3 +201,34 @@ def test_n_seeded_samples_are_the_grpc_samples_by_index(client, model, stub):
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model=model, prompt="Hi", max_tokens=2, temperature=0, n=2)
     assert error.value.body["param"] == "n"
+
+
+def test_logprobs_through_http_are_the_grpc_ones(client, model, stub):
+    """Completions' logprobs object and chat's logprobs.content carry the values the gRPC API reports."""
+    def grpc_logprobs(request: gateway_pb2.GenerateRequest):
+        request.sampling.MergeFrom(gateway_pb2.SamplingParams(
+            max_new_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, top_logprobs=3))
+        entries = [lp for r in stub.Generate(request, timeout=60) for lp in r.logprobs]
+        assert len(entries) == NUM_TOKENS
+        return entries
+
+    expected = grpc_logprobs(gateway_pb2.GenerateRequest(prompt=PROMPTS[0]))
+    completion = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=NUM_TOKENS, temperature=0,
+                                           logprobs=3, extra_body={"ignore_eos": True, "return_token_ids": True})
+    [choice] = completion.choices
+    assert choice.model_extra["token_ids"] == [lp.token_id for lp in expected]
+    assert choice.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in expected], abs=1e-6)
+    assert len(choice.logprobs.tokens) == len(choice.logprobs.top_logprobs) == NUM_TOKENS
+    assert all(max(top.values()) == pytest.approx(lp.top[0].logprob, abs=1e-6)
+               for top, lp in zip(choice.logprobs.top_logprobs, expected))
+
+    messages = CHATS[1]
+    expected = grpc_logprobs(gateway_pb2.GenerateRequest(messages=gateway_pb2.ChatMessages(
+        messages=[gateway_pb2.ChatMessage(role=r, content=c) for r, c in messages])))
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": r, "content": c} for r, c in messages], max_tokens=NUM_TOKENS,
+        temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([lp.logprob for lp in expected], abs=1e-6)
+    assert [[t.logprob for t in c.top_logprobs] for c in content] == \
+        [pytest.approx([t.logprob for t in lp.top], abs=1e-6) for lp in expected]

@@ -1,13 +1,14 @@
 """OpenAI JSON -> GenerateRequest, RequestError fields -> OpenAI parameters, and the response bodies."""
 
 import json
-import types
+import dataclasses
 
 import pytest
 
 from gateway.http.openai_api import ApiError, parse_chat, parse_completion, param_of, request_error
 from gateway.http.responses import ResponseState, chat_logprobs, completion_logprobs
 from gateway.requests import FinishReason, RequestOutput
+from services.step import TokenLogprob
 
 
 def test_a_completion_becomes_a_generate_request_with_every_parameter():
@@ -180,16 +181,15 @@ def test_outputs_logprobs_become_each_chunks_logprobs():
     state = ResponseState(api, "c", "m", TOKENS.__getitem__)
 
     def with_logprobs(out, entries):
-        fields = {name: getattr(out, name) for name in RequestOutput.__slots__}
-        return types.SimpleNamespace(**fields, is_final=out.is_final, logprobs=[
-            types.SimpleNamespace(token_id=t, logprob=lp, top=top) for t, lp, top in entries])
+        return dataclasses.replace(out, logprobs=tuple(
+            TokenLogprob(token_id=t, logprob=lp, top=tuple(top)) for t, lp, top in entries))
 
     first = state.add(with_logprobs(output("He", [5]), [(5, -0.1, [(5, -0.1)])]))
     last = state.add(with_logprobs(output("llo", [6], final=FinishReason.STOP), [(6, -0.2, [(6, -0.2)])]))
     assert [c["token"] for c in first[0]["choices"][0]["logprobs"]["content"]] == ["He"]
     assert last[0]["choices"][0]["logprobs"]["content"][0]["top_logprobs"] == [
         {"token": "llo", "logprob": -0.2, "bytes": list(b"llo")}]
-    assert state.choices[0].logprobs == [(5, -0.1, [(5, -0.1)]), (6, -0.2, [(6, -0.2)])]
+    assert state.choices[0].logprobs == [(5, -0.1, ((5, -0.1),)), (6, -0.2, ((6, -0.2),))]
 
 
 def test_requests_without_logprobs_get_null_logprobs():
