@@ -51,6 +51,9 @@ class LaunchedStep:
     # A torch.cuda.Event recorded after the copy to the host; None when the
     # tokens are complete already (the CPU: the forward ran in launch).
     ready: "torch.cuda.Event | None"
+    # (row, seq_id, a copy of its matcher before the sampled token) of each masked constrained row:
+    # finish advances the copies to report the tokens forced next (expert_svc/constrained.py).
+    watched: tuple[tuple[int, int, Matcher], ...] = ()
 
 
 class StalePlanError(ValueError):
@@ -131,11 +134,12 @@ class StepRunner:
         self._last_step_id = plan.step_id
         self._apply_diffs(plan, matchers)
         seqs, feed = self._inputs(plan.scheduled)
-        token_ids_S, sampled = self._sample(plan.scheduled, *self._forward(seqs, feed, plan.max_tokens_per_rank))
+        token_ids_S, sampled, watched = self._sample(plan.scheduled,
+                                                     *self._forward(seqs, feed, plan.max_tokens_per_rank))
         for seq in seqs:
             self._seqs[seq.seq_id].num_computed += len(seq.token_ids)
         host_S, ready = (None, None) if token_ids_S is None else _to_host(token_ids_S)
-        return LaunchedStep(plan.step_id, start, sampled, host_S, ready)
+        return LaunchedStep(plan.step_id, start, sampled, host_S, ready, watched)
 
     @staticmethod
     def finish(step: LaunchedStep) -> StepResult:
@@ -148,7 +152,11 @@ class StepRunner:
             step.ready.synchronize()
         token_ids = [] if step.token_ids_S is None else step.token_ids_S.tolist()
         tokens = tuple((seq_id, token_ids[row]) for row, seq_id in step.sampled)
-        return StepResult(step.step_id, tokens, time.perf_counter() - step.start)
+        forced = []
+        for row, seq_id, matcher in step.watched:  # the step's own copies: no runner state
+            if matcher.accept(token_ids[row]) and (token_ids_after := matcher.forced_token_ids()):
+                forced.append((seq_id, tuple(token_ids_after)))
+        return StepResult(step.step_id, tokens, time.perf_counter() - step.start, forced=tuple(forced))
 
     def _forward(self, seqs: list[SeqInput], feed: TokenFeed | None,
                  max_tokens_per_rank: int) -> tuple[Tensor, Tensor | None]:
@@ -167,25 +175,28 @@ class StepRunner:
             feed.apply(batch.input_ids_T)
         return self.model.forward_at_capacity(batch, self.kv_pool, capacity), None
 
-    def _sample(self, scheduled, logits_SV: Tensor, greedy_S: Tensor | None) -> tuple[Tensor | None, tuple]:
+    def _sample(self, scheduled, logits_SV: Tensor, greedy_S: Tensor | None) -> tuple[Tensor | None, tuple, tuple]:
         """Samples on the device, reading nothing back: (token_ids_S, (row, seq_id)
-        of each sampled sequence), and makes each one's row its next input.
+        of each sampled sequence, LaunchedStep.watched), and makes each one's row its next input.
 
         greedy_S None: logits_SV holds the sampled sequences' rows; otherwise
         every scheduled sequence's row (an unsampled one takes the argmax, no draw).
         """
         rows = [s for s in scheduled if s.is_sampled or greedy_S is not None]
         if not rows:
-            return None, ()
+            return None, (), ()
         seqs = [self._seqs[s.seq_id] for s in rows]
         specs = [seq.sampling if s.is_sampled else GREEDY for s, seq in zip(rows, seqs)]
         # The index of the token each row draws: a draw depends on its seed and this only.
         positions = [seq.num_computed + s.num_inputs for s, seq in zip(rows, seqs)]
-        constrained = [(row, seq) for row, (s, seq) in enumerate(zip(rows, seqs)) if s.is_sampled and seq.matcher]
+        constrained = [(row, s, seq) for row, (s, seq) in enumerate(zip(rows, seqs)) if s.is_sampled and seq.matcher]
+        watched = ()
         if constrained:
-            greedy_S = self.constraints.mask(logits_SV, greedy_S, [row for row, _ in constrained],
-                                             [seq.matcher for _, seq in constrained],
-                                             [seq.unaccepted for _, seq in constrained])
+            greedy_S, copies = self.constraints.mask(
+                logits_SV, greedy_S, [row for row, _, _ in constrained], [seq.matcher for _, _, seq in constrained],
+                [seq.unaccepted for _, _, seq in constrained],
+                [s.token_ids[len(s.token_ids) - s.num_forced:] if s.num_forced else () for _, s, _ in constrained])
+            watched = tuple((row, rows[row].seq_id, matcher) for row, matcher in copies)
         token_ids_S = sample_on_device(logits_SV, specs, positions, greedy_S)
         if token_ids_S is greedy_S:  # a graph's static output: the next replay overwrites it
             token_ids_S = token_ids_S.clone()
@@ -196,7 +207,7 @@ class StepRunner:
                 if seq.matcher is not None:
                     seq.unaccepted = seq.last_token
                 sampled.append((row, sched.seq_id))
-        return token_ids_S, tuple(sampled)
+        return token_ids_S, tuple(sampled), watched
 
     def _apply_diffs(self, plan: StepPlan, matchers: dict[int, Matcher]) -> None:
         for seq_id in plan.finished_seq_ids:
@@ -262,6 +273,9 @@ class StepRunner:
         num_blocks, num_computed, has_pending = live[seq_id]
         if not sched.token_ids and not has_pending:
             raise ValueError(f"sequence {seq_id} has no token_ids and no sampled token to feed back")
+        if sched.num_forced and (not sched.is_sampled or sched.num_forced >= len(sched.token_ids)):
+            raise ValueError(f"sequence {seq_id} has {sched.num_forced} forced tokens in a chunk of "
+                             f"{len(sched.token_ids)} (sampled: {sched.is_sampled})")
         if bad := [t for t in sched.token_ids if not 0 <= t < self.vocab_size]:
             raise ValueError(f"sequence {seq_id} has token id {bad[0]} outside [0, {self.vocab_size})")
         self._check_block_ids(seq_id, sched.new_block_ids)

@@ -28,6 +28,14 @@ does not fit fails (RESOURCE_EXHAUSTED): the request is larger than the pool.
 A finished, aborted or expired sequence is sent in the next plan's
 finished_seq_ids, and its blocks are released at that moment.
 
+Jump-forward (docs/internals.md): a rank reports, with a constrained sequence's sampled token,
+the tokens its constraint forces next (StepResult.forced); the rank emits the first of them at
+the sequence's next step, already planned as a decode. The next plan then feeds that token and
+the rest as one chunk (ScheduledSequence.num_forced) that samples after the last, and the
+results of that step append the forced tokens to the output before its sampled token: fewer
+steps, the same tokens. A chunk never takes the output past max_new_tokens or the context,
+nor a step past max_batch_tokens.
+
 Group failure: `detach_live()` hands every live sequence of a batcher whose
 group failed, rewound to its checkpoint, to the batcher of the re-formed
 group, which `resume()`s each like a preempted one: first in the queue, to
@@ -70,6 +78,7 @@ class Batcher:
         policy: str | SchedulePolicy = "fcfs",
         stats: GatewayStats | None = None,
         clock: Callable[[], float] = time.monotonic,
+        jump_forward: bool = True,
     ) -> None:
         if not ranks:
             raise ValueError("a batcher needs at least one rank")
@@ -87,6 +96,7 @@ class Batcher:
         self.max_waiting_requests = max_waiting_requests
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.jump_forward = jump_forward
         self.stats = stats or GatewayStats()
         self._clock = clock
         # Per rank, oldest (lowest seq_id) first.
@@ -96,8 +106,8 @@ class Batcher:
         self._queued: dict[int, Sequence] = {}
         # Per rank: sequences to send in the next plan's finished_seq_ids.
         self._to_forget: list[list[Sequence]] = [[] for _ in ranks]
-        # Steps sent and not applied, oldest first: (step_id, sampled sequences by id).
-        self._in_flight: collections.deque[tuple[int, dict[int, Sequence]]] = collections.deque()
+        # Steps sent and not applied, oldest first: (step_id, sampled sequences by id, jump-forward chunks).
+        self._in_flight: collections.deque[tuple[int, dict[int, Sequence], dict]] = collections.deque()
         # Aborted or expired since the last schedule(): (sequence, error or None for an abort).
         self._aborted: list[tuple[Sequence, GenerationError | None]] = []
         self._deadlines: list[tuple[float, int, Sequence]] = []
@@ -178,7 +188,7 @@ class Batcher:
         if not batch.is_empty:
             batch.step_id = self._next_step_id
             self._next_step_id += 1
-            self._in_flight.append((batch.step_id, step.sampled))
+            self._in_flight.append((batch.step_id, step.sampled, step.jumps))
         elif self.num_waiting and not self._in_flight and not any(self.running):
             # Unreachable while add() checks fits; keeps the loop from spinning on nothing.
             seq = self.waiting[0]
@@ -188,10 +198,13 @@ class Batcher:
                 ErrorCode.RESOURCE_EXHAUSTED, "the request cannot be scheduled on any rank")))
         return batch
 
-    def apply_results(self, step_id: int, tokens: Mapping[int, int]) -> list[SeqEvent]:
-        """Appends the oldest in-flight step's sampled tokens (seq_id -> token id) and
-        returns the outputs. Raises ValueError if they do not answer that step's plan."""
-        expected_step, sampled = self._in_flight.popleft() if self._in_flight else (None, {})
+    def apply_results(self, step_id: int, tokens: Mapping[int, int],
+                      forced: Mapping[int, tuple[int, ...]] | None = None) -> list[SeqEvent]:
+        """Appends the oldest in-flight step's sampled tokens (seq_id -> token id), after the
+        forced tokens of its jump-forward chunks, and returns the outputs; `forced`: the tokens
+        constraints force after sampled ones (StepResult.forced). Raises ValueError if they do
+        not answer that step's plan."""
+        expected_step, sampled, jumps = self._in_flight.popleft() if self._in_flight else (None, {}, {})
         if step_id != expected_step:
             raise ValueError(f"results of step {step_id}, but the oldest step in flight is {expected_step}")
         if tokens.keys() != sampled.keys():
@@ -199,16 +212,38 @@ class Batcher:
             extra = sorted(tokens.keys() - sampled.keys())
             raise ValueError(f"step results do not match the plan: missing {missing}, unexpected {extra}")
         events: list[SeqEvent] = []
+        next_jumps = self._in_flight[0][2] if self._in_flight else {}
         for seq_id, token_id in tokens.items():
             seq = sampled[seq_id]
-            seq.num_in_flight -= 1
+            _, jumped = jumps.get(seq_id, (0, ()))
+            seq.num_in_flight -= 1 + len(jumped)
             if seq.is_aborted or seq.is_finished:
                 continue  # a slot planned before the sequence ended: the token is dropped
-            output = seq.append_token(token_id, self.eos_token_ids, self.max_context)
-            if output.is_final:
-                self._finish(seq)
-            events.append((seq, output))
+            if seq_id in next_jumps and next_jumps[seq_id][0] != token_id:
+                raise ValueError(f"sequence {seq_id} sampled {token_id}, but its jump-forward chunk in flight "
+                                 f"feeds {next_jumps[seq_id][0]}")
+            for output_id in (*jumped, token_id):
+                output = seq.append_token(output_id, self.eos_token_ids, self.max_context)
+                events.append((seq, output))
+                if output.is_final:
+                    self._finish(seq)
+                    break
+            self.stats.num_jump_forward_tokens += len(jumped)
+            if forced and not seq.is_finished and seq_id in forced and self.jump_forward:
+                self._note_jump(seq, token_id, forced[seq_id])
         return events
+
+    def _note_jump(self, seq: Sequence, token_id: int, forced: tuple[int, ...]) -> None:
+        """Keeps the tokens forced after token_id for the next schedule(), where they are still
+        ahead: nothing in flight for seq (token_id is fed back next), or one decode feeding
+        token_id, at which the rank emits forced[0]."""
+        if seq.status is not SeqStatus.RUNNING or not seq.is_prefilled:
+            return
+        if not seq.num_in_flight:
+            seq.jump = (token_id, forced)
+        elif (seq.num_in_flight == 1 and len(forced) > 1 and seq.seq_id in self._in_flight[0][1]
+              and seq.seq_id not in self._in_flight[0][2]):
+            seq.jump = (forced[0], forced[1:])
 
     def fail_all(self, error: GenerationError) -> list[SeqEvent]:
         """Fails every waiting and running sequence (the group is gone); the
@@ -320,6 +355,7 @@ class Batcher:
         seq.rank = None
         seq.num_computed = 0
         seq.is_prefilled = False
+        seq.jump = None
         seq.num_preemptions += 1
         bisect.insort(self._preempted, seq, key=_arrival)
         self.stats.num_preemptions += 1
@@ -371,11 +407,40 @@ class Batcher:
         i = 0
         while i < len(seqs):
             seq = seqs[i]
+            jump, seq.jump = seq.jump, None
             if seq.is_prefilled and self.can_sample(seq):
-                if not self._make_room(plan, step, batch, seq, seq.num_computed + 1):
+                num_forced = self._jump_length(plan, seq, jump, len(seqs) - i - 1) if jump else 0
+                if not self._make_room(plan, step, batch, seq, seq.num_computed + 1 + num_forced):
                     continue  # seq left the list: seqs[i] is the next one
-                self.schedule_seq(plan, step, seq, 0)
+                if num_forced:
+                    self._schedule_jump(plan, step, seq, jump[0], jump[1][:num_forced])
+                else:
+                    self.schedule_seq(plan, step, seq, 0)
             i += 1
+
+    def _jump_length(self, plan: RankPlan, seq: Sequence, jump: tuple[int, tuple[int, ...]], num_later: int) -> int:
+        """How many of a jump's forced tokens the step takes: the output stays within
+        max_new_tokens and the context with the sampled token after them, and the step leaves
+        room for the num_later decodes still to plan on the rank."""
+        return max(0, min(len(jump[1]), seq.request.max_new_tokens - len(seq.output_ids) - seq.num_in_flight - 1,
+                          self.max_context - seq.num_tokens - seq.num_in_flight - 1,
+                          self.max_batch_tokens - plan.num_tokens - 1 - num_later))
+
+    def _schedule_jump(self, plan: RankPlan, step: "admission.StepState", seq: Sequence, token_id: int,
+                       forced: tuple[int, ...]) -> None:
+        """Adds a jump-forward chunk of seq to the plan: token_id (its last sampled token) and
+        the forced tokens after it, sampling after the last. The caller made room for its blocks."""
+        num_after = seq.num_computed + 1 + len(forced)
+        new_block_ids = self.ranks[plan.rank].grow(seq.seq_id, num_after)
+        plan.scheduled.append(ScheduledSequence(seq.seq_id, (token_id, *forced), tuple(new_block_ids), True,
+                                                len(forced)))
+        plan.num_tokens += 1 + len(forced)
+        seq.num_computed = num_after
+        seq.num_in_flight += 1 + len(forced)
+        step.scheduled.append(seq)
+        step.scheduled_ids.add(seq.seq_id)
+        step.sampled[seq.seq_id] = seq
+        step.jumps[seq.seq_id] = (token_id, forced)
 
     def _schedule_prefills(self, plan: RankPlan, step: "admission.StepState", batch: StepBatch) -> None:
         kv = self.ranks[plan.rank]

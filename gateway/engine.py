@@ -258,12 +258,14 @@ class Engine:
         results: list[StepResult] = await self._wait_every_rank(self._start_on_every_rank(read), "answer")
         start = time.perf_counter()
         tokens: dict[int, int] = {}
+        forced: dict[int, tuple[int, ...]] = {}
         for rank, result in enumerate(results):
             if result.step_id != batch.step_id:
                 raise GroupFailure(f"rank {rank} answered step {result.step_id}, expected {batch.step_id}")
             tokens.update(result.tokens)
+            forced.update(result.forced)
         try:
-            events = self.batcher.apply_results(batch.step_id, tokens)
+            events = self.batcher.apply_results(batch.step_id, tokens, forced)
         except ValueError as error:
             raise GroupFailure(str(error)) from error
         self.num_steps += 1

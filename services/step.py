@@ -143,6 +143,9 @@ class ScheduledSequence:
     new_block_ids: tuple[int, ...] = ()
     # Sample a token after this chunk (false for all but a prompt's last chunk).
     is_sampled: bool = True
+    # Jump-forward: the chunk's last num_forced tokens are output the sequence's constraint
+    # forces (services/constraints.py); its matcher accepts them before the sampled token.
+    num_forced: int = 0
 
     @property
     def num_inputs(self) -> int:
@@ -184,3 +187,6 @@ class StepResult:
     tokens: tuple[tuple[int, int], ...]
     # Time the rank spent executing the step.
     execute_seconds: float
+    # (seq_id, token ids) of each constrained sequence whose constraint forces tokens after its
+    # sampled one (jump-forward: the gateway may append them as one chunk).
+    forced: tuple[tuple[int, tuple[int, ...]], ...] = ()

@@ -34,7 +34,7 @@ def plan_to_request(plan: StepPlan) -> expert_pb2.ExecuteStepsRequest:
             new.constraint_output_ids.extend(s.constraint_output_ids)
     add = pb.scheduled.add
     for s in plan.scheduled:
-        scheduled = add(seq_id=s.seq_id, is_sampled=s.is_sampled)
+        scheduled = add(seq_id=s.seq_id, is_sampled=s.is_sampled, num_forced=s.num_forced)
         if s.token_ids:
             scheduled.token_ids.extend(s.token_ids)
         if s.new_block_ids:
@@ -57,7 +57,8 @@ def plan_from_pb(pb: expert_pb2.StepPlan) -> StepPlan:
             for s in pb.new_sequences),
         scheduled=tuple(
             ScheduledSequence(seq_id=s.seq_id, token_ids=tuple(s.token_ids),
-                              new_block_ids=tuple(s.new_block_ids), is_sampled=s.is_sampled)
+                              new_block_ids=tuple(s.new_block_ids), is_sampled=s.is_sampled,
+                              num_forced=s.num_forced)
             for s in pb.scheduled),
         finished_seq_ids=tuple(pb.finished_seq_ids),
         max_tokens_per_rank=pb.max_tokens_per_rank,
@@ -92,10 +93,13 @@ def result_to_response(result: StepResult) -> expert_pb2.ExecuteStepsResponse:
     add = pb.tokens.add
     for seq_id, token_id in result.tokens:
         add(seq_id=seq_id, token_id=token_id)
+    for seq_id, token_ids in result.forced:
+        pb.forced.add(seq_id=seq_id, token_ids=token_ids)
     return response
 
 
 def result_from_pb(pb: expert_pb2.StepResult) -> StepResult:
     """The StepResult of a wire result."""
     return StepResult(step_id=pb.step_id, tokens=tuple((t.seq_id, t.token_id) for t in pb.tokens),
-                      execute_seconds=pb.execute_seconds)
+                      execute_seconds=pb.execute_seconds,
+                      forced=tuple((f.seq_id, tuple(f.token_ids)) for f in pb.forced))

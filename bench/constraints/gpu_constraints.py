@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"compile: {json.dumps(report['compile'])}", flush=True)
         runs = [("mesh", [], True)] if serving else []
         if "jf" in cases and jump_forward_supported():
-            runs.append(("mesh_no_jump_forward", ["--jump-forward", "false"], False))
+            runs.append(("mesh_no_jump_forward", ["--no-jump-forward"], False))
         elif "jf" in cases:
             report["notes"] = ["jf skipped: the gateway has no jump_forward setting"]
         for key, gateway_args, baselines in runs:
