@@ -11,7 +11,8 @@ from gateway.batcher import Batcher
 from gateway.kv_accounting import RankKV
 from gateway.requests import FinishReason, Sequence
 from gateway.validation import ValidatedRequest
-from services.step import SamplingSpec
+from services.constraints import Compiler
+from services.step import NewSequence, SamplingSpec, ScheduledSequence, StepPlan
 from services.text import IncrementalDetokenizer
 from tests.expert_svc.test_constrained import BLOCK_SIZE, EPOCH, GROUP, NUM_BLOCKS, PROMPT, demo, make_runner, tokenizer
 from tests.services.constraint_cases import CONSTRAINTS, check_output
@@ -82,3 +83,22 @@ def test_without_overlap_and_at_max_new_tokens_the_tokens_are_the_same(demo, one
         # A chunk never takes the output past max_new_tokens: the same first 9 tokens, LENGTH.
         assert token_ids == reference[key][0][:9], key
         assert reason is (FinishReason.LENGTH if len(reference[key][0]) > 9 else FinishReason.STOP), key
+
+
+def test_the_rank_emits_the_tokenizers_encoding_of_forced_text(demo, one_by_one):
+    """Where the constraint allows one text only, the tokens are llguidance's forced ones: what the
+    tokenizer makes of that text (the start of every ticket answer, `{"is_dispute": `)."""
+    config, _ = demo
+    forced = Compiler.for_tokenizer(tokenizer(), config.vocab_size).matcher(CONSTRAINTS["ticket"]).forced_token_ids()
+    assert len(forced) >= 3 and tokenizer().decode(forced) == '{"is_dispute":'[:len(tokenizer().decode(forced))]
+    reference, _, _ = one_by_one
+    for key in SAMPLINGS:
+        assert reference[("ticket", key)][0][:len(forced)] == forced
+
+
+def test_a_chunk_with_no_token_before_its_forced_ones_is_a_refused_plan(demo):
+    runner = make_runner(demo)
+    new = NewSequence(0, SamplingSpec(temperature=0.0), (0, 1), constraint=CONSTRAINTS["choice"])
+    with pytest.raises(ValueError, match="2 forced tokens in a chunk of 2"):
+        runner.run_step(StepPlan(1, GROUP, EPOCH, (new,), (ScheduledSequence(0, (5, 6), num_forced=2),)))
+    assert runner.seq_ids == []
