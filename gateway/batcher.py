@@ -28,13 +28,8 @@ does not fit fails (RESOURCE_EXHAUSTED): the request is larger than the pool.
 A finished, aborted or expired sequence is sent in the next plan's
 finished_seq_ids, and its blocks are released at that moment.
 
-Jump-forward (docs/internals.md): a rank reports, with a constrained sequence's sampled token,
-the tokens its constraint forces next (StepResult.forced); the rank emits the first of them at
-the sequence's next step, already planned as a decode. The next plan then feeds that token and
-the rest as one chunk (ScheduledSequence.num_forced) that samples after the last, and the
-results of that step append the forced tokens to the output before its sampled token: fewer
-steps, the same tokens. A chunk never takes the output past max_new_tokens or the context,
-nor a step past max_batch_tokens.
+Jump-forward (gateway/jump_forward.py): where a constraint forces several tokens, a decode is
+planned as one chunk of them, whose step's results append them before its sampled token.
 
 Group failure: `detach_live()` hands every live sequence of a batcher whose
 group failed, rewound to its checkpoint, to the batcher of the re-formed
@@ -48,7 +43,7 @@ import heapq
 import time
 from collections.abc import Callable, Collection, Mapping
 
-from gateway import admission
+from gateway import admission, jump_forward
 from gateway.kv_accounting import RankKV
 from gateway.plan import RankPlan, SeqEvent, StepBatch
 from gateway.policy import SchedulePolicy, make_policy
@@ -230,20 +225,8 @@ class Batcher:
                     break
             self.stats.num_jump_forward_tokens += len(jumped)
             if forced and not seq.is_finished and seq_id in forced and self.jump_forward:
-                self._note_jump(seq, token_id, forced[seq_id])
+                jump_forward.note(seq, token_id, forced[seq_id], self._in_flight[0][1:] if self._in_flight else None)
         return events
-
-    def _note_jump(self, seq: Sequence, token_id: int, forced: tuple[int, ...]) -> None:
-        """Keeps the tokens forced after token_id for the next schedule(), where they are still
-        ahead: nothing in flight for seq (token_id is fed back next), or one decode feeding
-        token_id, at which the rank emits forced[0]."""
-        if seq.status is not SeqStatus.RUNNING or not seq.is_prefilled:
-            return
-        if not seq.num_in_flight:
-            seq.jump = (token_id, forced)
-        elif (seq.num_in_flight == 1 and len(forced) > 1 and seq.seq_id in self._in_flight[0][1]
-              and seq.seq_id not in self._in_flight[0][2]):
-            seq.jump = (forced[0], forced[1:])
 
     def fail_all(self, error: GenerationError) -> list[SeqEvent]:
         """Fails every waiting and running sequence (the group is gone); the
@@ -409,38 +392,17 @@ class Batcher:
             seq = seqs[i]
             jump, seq.jump = seq.jump, None
             if seq.is_prefilled and self.can_sample(seq):
-                num_forced = self._jump_length(plan, seq, jump, len(seqs) - i - 1) if jump else 0
+                # A jump's chunk leaves room in the step for the rank's decodes still to plan.
+                num_forced = jump_forward.chunk_length(
+                    seq, jump[1], max_context=self.max_context,
+                    token_budget=self.max_batch_tokens - plan.num_tokens - (len(seqs) - i - 1)) if jump else 0
                 if not self._make_room(plan, step, batch, seq, seq.num_computed + 1 + num_forced):
                     continue  # seq left the list: seqs[i] is the next one
                 if num_forced:
-                    self._schedule_jump(plan, step, seq, jump[0], jump[1][:num_forced])
+                    jump_forward.schedule(plan, step, self.ranks[plan.rank], seq, jump[0], jump[1][:num_forced])
                 else:
                     self.schedule_seq(plan, step, seq, 0)
             i += 1
-
-    def _jump_length(self, plan: RankPlan, seq: Sequence, jump: tuple[int, tuple[int, ...]], num_later: int) -> int:
-        """How many of a jump's forced tokens the step takes: the output stays within
-        max_new_tokens and the context with the sampled token after them, and the step leaves
-        room for the num_later decodes still to plan on the rank."""
-        return max(0, min(len(jump[1]), seq.request.max_new_tokens - len(seq.output_ids) - seq.num_in_flight - 1,
-                          self.max_context - seq.num_tokens - seq.num_in_flight - 1,
-                          self.max_batch_tokens - plan.num_tokens - 1 - num_later))
-
-    def _schedule_jump(self, plan: RankPlan, step: "admission.StepState", seq: Sequence, token_id: int,
-                       forced: tuple[int, ...]) -> None:
-        """Adds a jump-forward chunk of seq to the plan: token_id (its last sampled token) and
-        the forced tokens after it, sampling after the last. The caller made room for its blocks."""
-        num_after = seq.num_computed + 1 + len(forced)
-        new_block_ids = self.ranks[plan.rank].grow(seq.seq_id, num_after)
-        plan.scheduled.append(ScheduledSequence(seq.seq_id, (token_id, *forced), tuple(new_block_ids), True,
-                                                len(forced)))
-        plan.num_tokens += 1 + len(forced)
-        seq.num_computed = num_after
-        seq.num_in_flight += 1 + len(forced)
-        step.scheduled.append(seq)
-        step.scheduled_ids.add(seq.seq_id)
-        step.sampled[seq.seq_id] = seq
-        step.jumps[seq.seq_id] = (token_id, forced)
 
     def _schedule_prefills(self, plan: RankPlan, step: "admission.StepState", batch: StepBatch) -> None:
         kv = self.ranks[plan.rank]
