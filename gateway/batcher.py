@@ -210,23 +210,34 @@ class Batcher:
         next_jumps = self._in_flight[0][2] if self._in_flight else {}
         for seq_id, token_id in tokens.items():
             seq = sampled[seq_id]
-            _, jumped = jumps.get(seq_id, (0, ()))
+            jumped = jumps[seq_id][1] if jumps and seq_id in jumps else ()
             seq.num_in_flight -= 1 + len(jumped)
             if seq.is_aborted or seq.is_finished:
                 continue  # a slot planned before the sequence ended: the token is dropped
-            if seq_id in next_jumps and next_jumps[seq_id][0] != token_id:
+            if next_jumps and seq_id in next_jumps and next_jumps[seq_id][0] != token_id:
                 raise ValueError(f"sequence {seq_id} sampled {token_id}, but its jump-forward chunk in flight "
                                  f"feeds {next_jumps[seq_id][0]}")
-            for output_id in (*jumped, token_id):
-                output = seq.append_token(output_id, self.eos_token_ids, self.max_context)
-                events.append((seq, output))
-                if output.is_final:
-                    self._finish(seq)
-                    break
-            self.stats.num_jump_forward_tokens += len(jumped)
+            if jumped:  # the chunk's forced tokens come first, each an output of its own
+                self.stats.num_jump_forward_tokens += len(jumped)
+                if not self._append_forced(seq, jumped, events):
+                    continue
+            output = seq.append_token(token_id, self.eos_token_ids, self.max_context)
+            if output.is_final:
+                self._finish(seq)
+            events.append((seq, output))
             if forced and not seq.is_finished and seq_id in forced and self.jump_forward:
                 jump_forward.note(seq, token_id, forced[seq_id], self._in_flight[0][1:] if self._in_flight else None)
         return events
+
+    def _append_forced(self, seq: Sequence, token_ids: tuple[int, ...], events: list[SeqEvent]) -> bool:
+        """Appends a jump-forward chunk's forced tokens; False if one of them ended the request."""
+        for token_id in token_ids:
+            output = seq.append_token(token_id, self.eos_token_ids, self.max_context)
+            events.append((seq, output))
+            if output.is_final:
+                self._finish(seq)
+                return False
+        return True
 
     def fail_all(self, error: GenerationError) -> list[SeqEvent]:
         """Fails every waiting and running sequence (the group is gone); the
