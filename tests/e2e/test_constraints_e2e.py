@@ -150,3 +150,15 @@ def test_a_bad_constraint_is_refused_naming_its_field_and_the_mesh_keeps_serving
         request_id="good", prompt="Hello", sampling=gateway_pb2.SamplingParams(
             max_new_tokens=16, choice=gateway_pb2.Choice(options=["yes", "no"]))))
     assert last.finish_reason == gateway_pb2.FINISH_REASON_STOP and text in ("yes", "no")
+
+
+def test_jump_forward_appended_forced_tokens_without_a_step_each(batch, mesh):
+    """The schemas' keys and punctuation came as jump-forward chunks: the gateway counts them."""
+    import urllib.request
+
+    gateway = next(r for r in mesh.roles if r.name.startswith("gateway"))
+    with urllib.request.urlopen(f"http://127.0.0.1:{gateway.metrics_port}/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    (line,) = [x for x in lines if x.startswith("moemesh_jump_forward_tokens_total ")]
+    # The ticket answers alone force ', "amount": ' and more: several chunks of 2+ tokens each.
+    assert float(line.split()[1]) >= 10
