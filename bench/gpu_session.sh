@@ -27,12 +27,15 @@
 #     samp   n1's c256 again, every request sampled (temperature 0.8, top_p 0.95, seeded)
 #     draws  bench/serving/sampling_cost.py on the GPU: one step's draws, 256 rows x 151,936 tokens
 #     fp8    n1's c256 again with --kv-cache-dtype fp8_e4m3 (half the KV bytes per decode step)
+#     constraints bench/constraints/gpu_constraints.py on one rank (issue 26): c256 with a quarter of the
+#            slots asking for the ticket JSON against its unconstrained twin, b1 ITL, the ticket schema's
+#            compile time, and b1/c256 again with jump-forward off (a second mesh); limit 300 s
 #     step   bench/kernels/decode_variants.py at 256 sequences on one rank, then on two (--exchanges
 #            ${STEP_EXCHANGES:-pull,push,signals,collectives}, 2 rounds): the 48-layer decode step replayed in a
 #            CUDA graph, each rank's kernels of one eager step, the two-rank step's speed-up over one
 #     vars   bench/kernels/decode_variants.py: the 48-layer decode step replayed in a CUDA graph under each
 #            of $VARIANTS (module knobs; default: DECODE_VARIANTS below) at batches $VAR_BATCHES
-#   N1_ARGS / N2_ARGS add arguments to those runs (e.g. N1_ARGS="--max-batch-tokens 8192");
+#   N1_ARGS / N2_ARGS / CONSTRAINTS_ARGS add arguments to those runs (e.g. N1_ARGS="--max-batch-tokens 8192");
 #   MOE_TOKENS picks the moe sweep's step sizes (default 128,256,4096).
 #
 # Everything lands in $OUT/session.tgz (the device tool returns at most 8 files) plus
@@ -116,6 +119,8 @@ for step in $STEPS; do
                 --variants "${VARIANTS:-$DECODE_VARIANTS}" --profile --rounds 2 --out "$RESULTS/vars" ;;
         fp8) part fp8 200 python3 -m bench.serving.gpu_speed --kind "$KIND" --ranks 1 --cases c256 \
                 --expert-arg=--kv-cache-dtype --expert-arg=fp8_e4m3 ${N1_ARGS:-} --out "$RESULTS/fp8" ;;
+        constraints) part constraints 300 python3 -m bench.constraints.gpu_constraints --kind "$KIND" \
+                ${CONSTRAINTS_ARGS:-} --out "$RESULTS/constraints" ;;
         *) echo "unknown step $step" >>"$LOG" ;;
     esac
 done

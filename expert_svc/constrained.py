@@ -15,6 +15,13 @@ a preemption or a failover) gets a new matcher that replays the output it alread
 (`NewSequence.constraint_output_ids`). Once a matcher has accepted EOS the sequence is done
 at the gateway; the one step the gateway may still have planned for it runs unmasked.
 
+Jump-forward (docs/internals.md): where the constraint allows one text only, the row allows only
+the first of its forced tokens (the tokenizer's encoding of that text), so the model never picks
+another tokenization of it; a chunk's forced tokens (ScheduledSequence.num_forced) are accepted
+before the mask; and each masked row's matcher is copied, so that the step's reader can
+advance the copy over the sampled token and report the tokens forced after it (StepResult.forced)
+without touching the matchers the next step uses.
+
 The Compiler (the tokenizer's vocabulary in llguidance, ~150 MB) is built on the first
 constrained sequence, so a rank that never sees one pays nothing.
 """
@@ -49,26 +56,47 @@ class ConstraintMasks:
         return self._compiler.matcher(new.constraint, new.constraint_output_ids)
 
     def mask(self, logits_SV: Tensor, greedy_S: Tensor | None, rows: Sequence[int], matchers: Sequence[Matcher],
-             unaccepted: Sequence[tuple[Tensor, int] | None]) -> Tensor | None:
+             unaccepted: Sequence[tuple[Tensor, int] | None],
+             forced_inputs: Sequence[Sequence[int]] = ()) -> tuple[Tensor | None, list[tuple[int, Matcher]]]:
         """Masks logits_SV's `rows` in place by their matchers, after accepting each one's
-        unaccepted token (a device tensor and its row, or None); returns greedy_S with those
-        rows' argmax taken again (None stays None: the sampler takes the argmax itself)."""
+        unaccepted token (a device tensor and its row, or None), then its forced_inputs (a
+        jump-forward chunk's forced tokens). Where the constraint forces tokens, the row allows
+        only the first. Returns greedy_S with those rows' argmax taken again (None stays None:
+        the sampler takes the argmax itself), and (row, a copy of its matcher) per masked row:
+        StepRunner.finish advances the copies over the sampled tokens to find what they force."""
         with torch.inference_mode():  # the forward's logits are inference tensors
-            return self._mask(logits_SV, greedy_S, rows, matchers, unaccepted)
+            return self._mask(logits_SV, greedy_S, rows, matchers, unaccepted, forced_inputs)
 
-    def _mask(self, logits_SV, greedy_S, rows, matchers, unaccepted):
+    def _mask(self, logits_SV, greedy_S, rows, matchers, unaccepted, forced_inputs):
         _accept(matchers, unaccepted)
+        for matcher, token_ids in zip(matchers, forced_inputs):
+            if token_ids and not all(matcher.accept(t) for t in token_ids):
+                raise RuntimeError(f"a jump-forward chunk's forced tokens {list(token_ids)} break the constraint")
         live = [(row, m) for row, m in zip(rows, matchers) if not m.is_terminated()]
         if not live:
-            return greedy_S
+            return greedy_S, []
         rows, matchers = [row for row, _ in live], [m for _, m in live]
         bitmask_CW = np.zeros((len(rows), self._compiler.mask_words), dtype=np.int32)
-        fill_masks(bitmask_CW, matchers)
+        forced = [m.forced_token_ids() for m in matchers]
+        free = [c for c, tokens in enumerate(forced) if not tokens]
+        if len(free) == len(rows):
+            fill_masks(bitmask_CW, matchers)
+        else:
+            # Where the constraint allows one text only, its tokenizer's first token: the tokens
+            # a jump-forward chunk feeds are the same, with or without jump-forward.
+            for c, tokens in enumerate(forced):
+                if tokens:
+                    bitmask_CW.view(np.uint32)[c, tokens[0] >> 5] = np.uint32(1 << (tokens[0] & 31))
+            if free:
+                free_CW = np.zeros((len(free), bitmask_CW.shape[1]), dtype=np.int32)
+                fill_masks(free_CW, [matchers[c] for c in free])
+                bitmask_CW[free] = free_CW
         apply_token_bitmask_(logits_SV, bitmask_CW, rows)
+        copies = [(row, m.copy()) for row, m in live]
         if greedy_S is None:
-            return None
+            return None, copies
         rows_C = torch.tensor(rows, dtype=torch.int64).to(logits_SV.device, non_blocking=True)
-        return greedy_S.clone().index_copy_(0, rows_C, logits_SV.index_select(0, rows_C).argmax(dim=-1))
+        return greedy_S.clone().index_copy_(0, rows_C, logits_SV.index_select(0, rows_C).argmax(dim=-1)), copies
 
 
 def _accept(matchers: Sequence[Matcher], unaccepted: Sequence[tuple[Tensor, int] | None]) -> None:

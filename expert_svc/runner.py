@@ -56,6 +56,9 @@ class LaunchedStep:
     # with the tokens; None when no scheduled sequence asked for log-probabilities.
     scores: StepScores | None = None
     scores_host: tuple[Tensor, ...] = ()
+    # (row, seq_id, a copy of its matcher before the sampled token) of each masked constrained row:
+    # finish advances the copies to report the tokens forced next (expert_svc/constrained.py).
+    watched: tuple[tuple[int, int, Matcher], ...] = ()
 
 
 class StalePlanError(ValueError):
@@ -146,13 +149,13 @@ class StepRunner:
             scores = StepScores.prepare(logits_SV, plan.scheduled, [self._seqs[s.seq_id] for s in plan.scheduled],
                                         is_graph=greedy_S is not None)
             logits_SV = logits_SV if scores is None else scores.sampling_logits(logits_SV)
-        token_ids_S, sampled = self._sample(plan.scheduled, logits_SV, greedy_S)
+        token_ids_S, sampled, watched = self._sample(plan.scheduled, logits_SV, greedy_S)
         for seq in seqs:
             self._seqs[seq.seq_id].num_computed += len(seq.token_ids)
         scored = [] if scores is None else scores.launch(token_ids_S)
         host, ready = _to_host([t for t in (token_ids_S, *scored) if t is not None])
         host_S = None if token_ids_S is None else host.pop(0)
-        return LaunchedStep(plan.step_id, start, sampled, host_S, ready, scores, tuple(host))
+        return LaunchedStep(plan.step_id, start, sampled, host_S, ready, scores, tuple(host), watched)
 
     @staticmethod
     def finish(step: LaunchedStep) -> StepResult:
@@ -167,7 +170,11 @@ class StepRunner:
         tokens = tuple((seq_id, token_ids[row]) for row, seq_id in step.sampled)
         logprobs = () if step.scores is None else step.scores.results([t.tolist() for t in step.scores_host],
                                                                       token_ids)
-        return StepResult(step.step_id, tokens, time.perf_counter() - step.start, logprobs)
+        forced = []
+        for row, seq_id, matcher in step.watched:  # the step's own copies: no runner state
+            if matcher.accept(token_ids[row]) and (token_ids_after := matcher.forced_token_ids()):
+                forced.append((seq_id, tuple(token_ids_after)))
+        return StepResult(step.step_id, tokens, time.perf_counter() - step.start, logprobs, tuple(forced))
 
     def _forward(self, seqs: list[SeqInput], feed: TokenFeed | None,
                  max_tokens_per_rank: int) -> tuple[Tensor, Tensor | None]:
@@ -186,25 +193,28 @@ class StepRunner:
             feed.apply(batch.input_ids_T)
         return self.model.forward_at_capacity(batch, self.kv_pool, capacity), None
 
-    def _sample(self, scheduled, logits_SV: Tensor, greedy_S: Tensor | None) -> tuple[Tensor | None, tuple]:
+    def _sample(self, scheduled, logits_SV: Tensor, greedy_S: Tensor | None) -> tuple[Tensor | None, tuple, tuple]:
         """Samples on the device, reading nothing back: (token_ids_S, (row, seq_id)
-        of each sampled sequence), and makes each one's row its next input.
+        of each sampled sequence, LaunchedStep.watched), and makes each one's row its next input.
 
         greedy_S None: logits_SV holds the sampled sequences' rows; otherwise
         every scheduled sequence's row (an unsampled one takes the argmax, no draw).
         """
         rows = [s for s in scheduled if s.is_sampled or greedy_S is not None]
         if not rows:
-            return None, ()
+            return None, (), ()
         seqs = [self._seqs[s.seq_id] for s in rows]
         specs = [seq.sampling if s.is_sampled else GREEDY for s, seq in zip(rows, seqs)]
         # The index of the token each row draws: a draw depends on its seed and this only.
         positions = [seq.num_computed + s.num_inputs for s, seq in zip(rows, seqs)]
-        constrained = [(row, seq) for row, (s, seq) in enumerate(zip(rows, seqs)) if s.is_sampled and seq.matcher]
+        constrained = [(row, s, seq) for row, (s, seq) in enumerate(zip(rows, seqs)) if s.is_sampled and seq.matcher]
+        watched = ()
         if constrained:
-            greedy_S = self.constraints.mask(logits_SV, greedy_S, [row for row, _ in constrained],
-                                             [seq.matcher for _, seq in constrained],
-                                             [seq.unaccepted for _, seq in constrained])
+            greedy_S, copies = self.constraints.mask(
+                logits_SV, greedy_S, [row for row, _, _ in constrained], [seq.matcher for _, _, seq in constrained],
+                [seq.unaccepted for _, _, seq in constrained],
+                [s.token_ids[len(s.token_ids) - s.num_forced:] if s.num_forced else () for _, s, _ in constrained])
+            watched = tuple((row, rows[row].seq_id, matcher) for row, matcher in copies)
         token_ids_S = sample_on_device(logits_SV, specs, positions, greedy_S)
         if token_ids_S is greedy_S:  # a graph's static output: the next replay overwrites it
             token_ids_S = token_ids_S.clone()
@@ -215,7 +225,7 @@ class StepRunner:
                 if seq.matcher is not None:
                     seq.unaccepted = seq.last_token
                 sampled.append((row, sched.seq_id))
-        return token_ids_S, tuple(sampled)
+        return token_ids_S, tuple(sampled), watched
 
     def _apply_diffs(self, plan: StepPlan, matchers: dict[int, Matcher]) -> None:
         for seq_id in plan.finished_seq_ids:
@@ -284,6 +294,9 @@ class StepRunner:
         num_blocks, num_computed, has_pending = live[seq_id]
         if not sched.token_ids and not has_pending:
             raise ValueError(f"sequence {seq_id} has no token_ids and no sampled token to feed back")
+        if sched.num_forced and (not sched.is_sampled or sched.num_forced >= len(sched.token_ids)):
+            raise ValueError(f"sequence {seq_id} has {sched.num_forced} forced tokens in a chunk of "
+                             f"{len(sched.token_ids)} (sampled: {sched.is_sampled})")
         if bad := [t for t in sched.token_ids if not 0 <= t < self.vocab_size]:
             raise ValueError(f"sequence {seq_id} has token id {bad[0]} outside [0, {self.vocab_size})")
         self._check_block_ids(seq_id, sched.new_block_ids)

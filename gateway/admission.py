@@ -54,6 +54,8 @@ class StepState:
     scheduled_ids: set[int] = dataclasses.field(default_factory=set)
     # The sequences that sample in this step, by id.
     sampled: dict[int, Sequence] = dataclasses.field(default_factory=dict)
+    # Jump-forward chunks of this step by sequence id: (the token fed back, the forced output tokens).
+    jumps: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
     # Per rank: hashes of the full blocks prefilled in this step.
     computing: list[set[int]] = dataclasses.field(default_factory=list)
     # Per rank: True once it preempted a sequence in this step (then it admits none).

@@ -28,6 +28,9 @@ does not fit fails (RESOURCE_EXHAUSTED): the request is larger than the pool.
 A finished, aborted or expired sequence is sent in the next plan's
 finished_seq_ids, and its blocks are released at that moment.
 
+Jump-forward (gateway/jump_forward.py): where a constraint forces several tokens, a decode is
+planned as one chunk of them, whose step's results append them before its sampled token.
+
 Group failure: `detach_live()` hands every live sequence of a batcher whose
 group failed, rewound to its checkpoint, to the batcher of the re-formed
 group, which `resume()`s each like a preempted one: first in the queue, to
@@ -40,7 +43,7 @@ import heapq
 import time
 from collections.abc import Callable, Collection, Mapping
 
-from gateway import admission
+from gateway import admission, jump_forward
 from gateway.kv_accounting import RankKV
 from gateway.plan import RankPlan, SeqEvent, StepBatch
 from gateway.policy import SchedulePolicy, make_policy
@@ -70,6 +73,7 @@ class Batcher:
         policy: str | SchedulePolicy = "fcfs",
         stats: GatewayStats | None = None,
         clock: Callable[[], float] = time.monotonic,
+        jump_forward: bool = True,
     ) -> None:
         if not ranks:
             raise ValueError("a batcher needs at least one rank")
@@ -87,6 +91,7 @@ class Batcher:
         self.max_waiting_requests = max_waiting_requests
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.jump_forward = jump_forward
         self.stats = stats or GatewayStats()
         self._clock = clock
         # Per rank, oldest (lowest seq_id) first.
@@ -96,8 +101,8 @@ class Batcher:
         self._queued: dict[int, Sequence] = {}
         # Per rank: sequences to send in the next plan's finished_seq_ids.
         self._to_forget: list[list[Sequence]] = [[] for _ in ranks]
-        # Steps sent and not applied, oldest first: (step_id, sampled sequences by id).
-        self._in_flight: collections.deque[tuple[int, dict[int, Sequence]]] = collections.deque()
+        # Steps sent and not applied, oldest first: (step_id, sampled sequences by id, jump-forward chunks).
+        self._in_flight: collections.deque[tuple[int, dict[int, Sequence], dict]] = collections.deque()
         # Aborted or expired since the last schedule(): (sequence, error or None for an abort).
         self._aborted: list[tuple[Sequence, GenerationError | None]] = []
         self._deadlines: list[tuple[float, int, Sequence]] = []
@@ -178,7 +183,7 @@ class Batcher:
         if not batch.is_empty:
             batch.step_id = self._next_step_id
             self._next_step_id += 1
-            self._in_flight.append((batch.step_id, step.sampled))
+            self._in_flight.append((batch.step_id, step.sampled, step.jumps))
         elif self.num_waiting and not self._in_flight and not any(self.running):
             # Unreachable while add() checks fits; keeps the loop from spinning on nothing.
             seq = self.waiting[0]
@@ -189,11 +194,13 @@ class Batcher:
         return batch
 
     def apply_results(self, step_id: int, tokens: Mapping[int, int],
-                      logprobs: Mapping[int, TokenLogprob] | None = None) -> list[SeqEvent]:
+                      logprobs: Mapping[int, TokenLogprob] | None = None,
+                      forced: Mapping[int, tuple[int, ...]] | None = None) -> list[SeqEvent]:
         """Appends the oldest in-flight step's sampled tokens (seq_id -> token id, and seq_id ->
-        its log-probability for those that asked) and returns the outputs. Raises ValueError if
-        they do not answer that step's plan."""
-        expected_step, sampled = self._in_flight.popleft() if self._in_flight else (None, {})
+        its log-probability for those that asked), after the forced tokens of its jump-forward
+        chunks, and returns the outputs; `forced`: the tokens constraints force after sampled
+        ones (StepResult.forced). Raises ValueError if they do not answer that step's plan."""
+        expected_step, sampled, jumps = self._in_flight.popleft() if self._in_flight else (None, {}, {})
         if step_id != expected_step:
             raise ValueError(f"results of step {step_id}, but the oldest step in flight is {expected_step}")
         if tokens.keys() != sampled.keys():
@@ -201,17 +208,38 @@ class Batcher:
             extra = sorted(tokens.keys() - sampled.keys())
             raise ValueError(f"step results do not match the plan: missing {missing}, unexpected {extra}")
         events: list[SeqEvent] = []
+        next_jumps = self._in_flight[0][2] if self._in_flight else {}
         for seq_id, token_id in tokens.items():
             seq = sampled[seq_id]
-            seq.num_in_flight -= 1
+            jumped = jumps[seq_id][1] if jumps and seq_id in jumps else ()
+            seq.num_in_flight -= 1 + len(jumped)
             if seq.is_aborted or seq.is_finished:
                 continue  # a slot planned before the sequence ended: the token is dropped
+            if next_jumps and seq_id in next_jumps and next_jumps[seq_id][0] != token_id:
+                raise ValueError(f"sequence {seq_id} sampled {token_id}, but its jump-forward chunk in flight "
+                                 f"feeds {next_jumps[seq_id][0]}")
+            if jumped:  # the chunk's forced tokens come first, each an output of its own
+                self.stats.num_jump_forward_tokens += len(jumped)
+                if not self._append_forced(seq, jumped, events):
+                    continue
             output = seq.append_token(token_id, self.eos_token_ids, self.max_context,
                                       logprobs.get(seq_id) if logprobs else None)
             if output.is_final:
                 self._finish(seq)
             events.append((seq, output))
+            if forced and not seq.is_finished and seq_id in forced and self.jump_forward:
+                jump_forward.note(seq, token_id, forced[seq_id], self._in_flight[0][1:] if self._in_flight else None)
         return events
+
+    def _append_forced(self, seq: Sequence, token_ids: tuple[int, ...], events: list[SeqEvent]) -> bool:
+        """Appends a jump-forward chunk's forced tokens; False if one of them ended the request."""
+        for token_id in token_ids:
+            output = seq.append_token(token_id, self.eos_token_ids, self.max_context)
+            events.append((seq, output))
+            if output.is_final:
+                self._finish(seq)
+                return False
+        return True
 
     def fail_all(self, error: GenerationError) -> list[SeqEvent]:
         """Fails every waiting and running sequence (the group is gone); the
@@ -323,6 +351,7 @@ class Batcher:
         seq.rank = None
         seq.num_computed = 0
         seq.is_prefilled = False
+        seq.jump = None
         seq.num_preemptions += 1
         bisect.insort(self._preempted, seq, key=_arrival)
         self.stats.num_preemptions += 1
@@ -374,10 +403,18 @@ class Batcher:
         i = 0
         while i < len(seqs):
             seq = seqs[i]
+            jump, seq.jump = seq.jump, None
             if seq.is_prefilled and self.can_sample(seq):
-                if not self._make_room(plan, step, batch, seq, seq.num_computed + 1):
+                # A jump's chunk leaves room in the step for the rank's decodes still to plan.
+                num_forced = jump_forward.chunk_length(
+                    seq, jump[1], max_context=self.max_context,
+                    token_budget=self.max_batch_tokens - plan.num_tokens - (len(seqs) - i - 1)) if jump else 0
+                if not self._make_room(plan, step, batch, seq, seq.num_computed + 1 + num_forced):
                     continue  # seq left the list: seqs[i] is the next one
-                self.schedule_seq(plan, step, seq, 0)
+                if num_forced:
+                    jump_forward.schedule(plan, step, self.ranks[plan.rank], seq, jump[0], jump[1][:num_forced])
+                else:
+                    self.schedule_seq(plan, step, seq, 0)
             i += 1
 
     def _schedule_prefills(self, plan: RankPlan, step: "admission.StepState", batch: StepBatch) -> None:

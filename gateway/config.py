@@ -38,6 +38,9 @@ class GatewayConfig(MemberConfig):
     enable_prefix_cache: bool = True
     # Plan step k+1 while step k runs on the ranks.
     overlap_steps: bool = True
+    # Jump-forward: where a request's constraint forces several tokens, feed them to the rank
+    # as one chunk instead of one decode step each (the same tokens either way).
+    jump_forward: bool = True
     # A stream that falls behind sends the outputs queued for it as one message
     # (the tokens and text since its previous message); false: one message per step.
     coalesce_stream_outputs: bool = True

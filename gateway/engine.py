@@ -261,14 +261,16 @@ class Engine:
         start = time.perf_counter()
         tokens: dict[int, int] = {}
         logprobs: dict[int, TokenLogprob] = {}
+        forced: dict[int, tuple[int, ...]] = {}
         for rank, result in enumerate(results):
             if result.step_id != batch.step_id:
                 raise GroupFailure(f"rank {rank} answered step {result.step_id}, expected {batch.step_id}")
             tokens.update(result.tokens)
             if result.logprobs:
                 self._route_logprobs(result.logprobs, tokens, logprobs)
+            forced.update(result.forced)
         try:
-            events = self.batcher.apply_results(batch.step_id, tokens, logprobs)
+            events = self.batcher.apply_results(batch.step_id, tokens, logprobs, forced)
         except ValueError as error:
             raise GroupFailure(str(error)) from error
         self.num_steps += 1

@@ -349,14 +349,17 @@ class GatewayStateCollector:
         ratio = metrics.gauge_family("prefix_cache_hit_ratio", "prefix_cache_hit_tokens over "
                                      "prefix_cache_query_tokens since the gateway started.")
         preemptions = metrics.counter_family("preemptions", "Sequences preempted for KV blocks (re-prefilled later).")
+        jumped = metrics.counter_family("jump_forward_tokens", "Output tokens a constraint forced, appended by "
+                                        "jump-forward without a model step each.")
         rejected = metrics.counter_family("requests_rejected", "Requests refused before queueing.", ["reason"])
         if stats is not None:
             queried.add_metric([], stats.num_prompt_tokens)
             hits.add_metric([], stats.num_cached_prompt_tokens)
             ratio.add_metric([], stats.prefix_hit_rate)
             preemptions.add_metric([], stats.num_preemptions)
+            jumped.add_metric([], stats.num_jump_forward_tokens)
             rejected.add_metric(["queue_full"], stats.num_rejected_queue_full)
-        yield from (queried, hits, ratio, preemptions, rejected)
+        yield from (queried, hits, ratio, preemptions, jumped, rejected)
 
 
 class GatewayReadiness:

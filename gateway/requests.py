@@ -95,7 +95,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "request", "prompt_ids", "output_ids", "token_ids", "rank", "status",
         "num_computed", "num_in_flight", "is_prefilled", "is_aborted", "finish_reason", "deadline",
-        "block_hashes", "num_preemptions", "num_cached_tokens", "_detokenizer", "_stops", "_has_stops",
+        "block_hashes", "num_preemptions", "num_cached_tokens", "jump", "_detokenizer", "_stops", "_has_stops",
         "leader", "prompt_logprobs", "_is_first_output",
     )
 
@@ -111,7 +111,8 @@ class Sequence:
         self.status = SeqStatus.WAITING
         # Tokens whose KV the rank has computed, or will have once the steps in flight ran.
         self.num_computed = 0
-        # Steps in flight that sample a token of this sequence (results not applied yet).
+        # Tokens the steps in flight will add to the output (results not applied yet): one per
+        # sampling step, plus a jump-forward chunk's forced tokens.
         self.num_in_flight = 0
         # True once the step that samples after the (re-)prefill is planned: from then on the
         # rank feeds back its own sampled token (decode steps with no input tokens).
@@ -127,6 +128,9 @@ class Sequence:
         # a re-formed group) do not change it, as vLLM's num_cached_tokens.
         self.num_cached_tokens: int | None = None
         self.leader = leader
+        # Jump-forward (gateway/batcher.py): (the token to feed back, the output tokens its
+        # constraint forces after it), for the next schedule() only; None if there are none.
+        self.jump: tuple[int, tuple[int, ...]] | None = None
         self._detokenizer = detokenizer
         self._stops = StopStringMatcher(list(request.stops))
         # Without stop strings the matcher releases every text at once: skipped (per token, per step).
@@ -195,6 +199,7 @@ class Sequence:
         self.num_computed = 0
         self.num_in_flight = 0
         self.is_prefilled = False
+        self.jump = None
         self.block_hashes = []  # the next group's block size may differ
 
     def abort_output(self) -> RequestOutput:

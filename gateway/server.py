@@ -87,6 +87,7 @@ def engine_factory(config: GatewayConfig, model: ModelConfig, tokenizer: Tokeniz
             max_waiting_requests=config.max_waiting_requests,
             policy=config.policy,
             stats=stats,
+            jump_forward=config.jump_forward,
         )
         return Engine(batcher, streams, make_detokenizer=lambda: IncrementalDetokenizer(tokenizer),
                       group_id=group.group_id, placement_epoch=group.epoch,

@@ -43,6 +43,8 @@ class GatewayStats:
     num_recomputed_tokens: int = 0
     num_steps: int = 0
     num_step_tokens: int = 0
+    # Output tokens a constraint forced that jump-forward appended without a step of their own.
+    num_jump_forward_tokens: int = 0
     # Host seconds per step: planning (schedule + protobuf) and applying results.
     plan_s: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=_NUM_TIMINGS))
     apply_s: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=_NUM_TIMINGS))

@@ -21,6 +21,12 @@ weak or random model cannot spend its budget on whitespace, and the text between
 is forced, which jump-forward uses (`forced_token_ids`, `forced_bytes`). A schema's own
 "x-guidance" options are refused: they could turn free whitespace back on.
 
+Bounded numbers: a JSON Schema number or integer with no bound of its own gets one, so that a
+weak model cannot write digits forever either: |x| <= 10^15 (NUMBER_LIMIT, the integers a float64
+holds exactly) where the schema sets no minimum (resp. maximum), and for a number with no
+multipleOf, at most 6 fraction digits (multipleOf 10^-6), without an exponent. Every output is
+still valid for the schema (a subset of its numbers); json_object's values stay unbounded.
+
 What is cached: the compiled constraint (llguidance's parsed grammar and its lexer, kept in a
 matcher that has computed its first mask) by the Constraint's content, in a bounded LRU; each
 new matcher is a copy of it (tens of microseconds). Compile errors are not cached.
@@ -42,6 +48,13 @@ from services.step import Constraint, ConstraintError
 
 # JSON in json.dumps' default form (module docstring).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False}
+# The bounds a schema's unbounded numbers get (module docstring).
+NUMBER_LIMIT = 10**15
+NUMBER_FRACTION_DIGITS = 6
+# Keywords whose values are JSON data, not subschemas: bounded_numbers does not look inside;
+# and those whose values map names to subschemas.
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 # Distinct constraints a Compiler keeps compiled.
 DEFAULT_CACHE_SIZE = 512
 # Longest engine error message quoted back to a client.
@@ -142,7 +155,7 @@ def _grammar(constraint: Constraint) -> str:
             raise ConstraintError(constraint.field, f"must be a JSON object, got {type(schema).__name__}")
         if "x-guidance" in schema:
             raise ConstraintError(constraint.field, "must not set x-guidance (the server fixes the JSON form)")
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(bounded_numbers(schema), overrides=JSON_OPTIONS)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(text)
     if kind == "grammar":
@@ -150,6 +163,30 @@ def _grammar(constraint: Constraint) -> str:
             raise ConstraintError(constraint.field, "is empty")
         return llguidance.LLMatcher.grammar_from_lark(text)
     return llguidance.LLMatcher.grammar_from_regex("|".join(_literal_regex(option) for option in text))
+
+
+def bounded_numbers(schema):
+    """A copy of a JSON Schema (or a part of one) whose numbers and integers without bounds get
+    NUMBER_LIMIT and, numbers, NUMBER_FRACTION_DIGITS (module docstring)."""
+    if isinstance(schema, list):
+        return [bounded_numbers(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in _DATA_KEYWORDS
+           else {name: bounded_numbers(sub) for name, sub in value.items()}
+           if key in _SCHEMA_MAPS and isinstance(value, dict) else bounded_numbers(value)
+           for key, value in schema.items()}
+    types = out.get("type")
+    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+    if not types & {"number", "integer"} or "enum" in out or "const" in out:
+        return out
+    if "minimum" not in out and "exclusiveMinimum" not in out:
+        out["minimum"] = -NUMBER_LIMIT
+    if "maximum" not in out and "exclusiveMaximum" not in out:
+        out["maximum"] = NUMBER_LIMIT
+    if "number" in types and "multipleOf" not in out:
+        out["multipleOf"] = 10.0 ** -NUMBER_FRACTION_DIGITS
+    return out
 
 
 def _literal_regex(text: str) -> str:

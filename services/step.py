@@ -182,6 +182,9 @@ class ScheduledSequence:
     new_block_ids: tuple[int, ...] = ()
     # Sample a token after this chunk (false for all but a prompt's last chunk).
     is_sampled: bool = True
+    # Jump-forward: the chunk's last num_forced tokens are output the sequence's constraint
+    # forces (services/constraints.py); its matcher accepts them before the sampled token.
+    num_forced: int = 0
 
     @property
     def num_inputs(self) -> int:
@@ -227,3 +230,6 @@ class StepResult:
     # (NewSequence.logprobs): position is the token's index in its sequence; the sampled
     # token's and its prompt chunk's, by sequence in plan order, then by position.
     logprobs: tuple[tuple[int, int, TokenLogprob], ...] = ()
+    # (seq_id, token ids) of each constrained sequence whose constraint forces tokens after its
+    # sampled one (jump-forward: the gateway may append them as one chunk).
+    forced: tuple[tuple[int, tuple[int, ...]], ...] = ()

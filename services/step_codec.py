@@ -38,7 +38,7 @@ def plan_to_request(plan: StepPlan) -> expert_pb2.ExecuteStepsRequest:
                 s.logprobs.logprobs, s.logprobs.top_logprobs, s.logprobs.prompt_logprobs)
     add = pb.scheduled.add
     for s in plan.scheduled:
-        scheduled = add(seq_id=s.seq_id, is_sampled=s.is_sampled)
+        scheduled = add(seq_id=s.seq_id, is_sampled=s.is_sampled, num_forced=s.num_forced)
         if s.token_ids:
             scheduled.token_ids.extend(s.token_ids)
         if s.new_block_ids:
@@ -62,7 +62,8 @@ def plan_from_pb(pb: expert_pb2.StepPlan) -> StepPlan:
             for s in pb.new_sequences),
         scheduled=tuple(
             ScheduledSequence(seq_id=s.seq_id, token_ids=tuple(s.token_ids),
-                              new_block_ids=tuple(s.new_block_ids), is_sampled=s.is_sampled)
+                              new_block_ids=tuple(s.new_block_ids), is_sampled=s.is_sampled,
+                              num_forced=s.num_forced)
             for s in pb.scheduled),
         finished_seq_ids=tuple(pb.finished_seq_ids),
         max_tokens_per_rank=pb.max_tokens_per_rank,
@@ -103,6 +104,8 @@ def result_to_response(result: StepResult) -> expert_pb2.ExecuteStepsResponse:
         if lp.top:
             entry.top_token_ids.extend(t for t, _ in lp.top)
             entry.top_logprobs.extend(v for _, v in lp.top)
+    for seq_id, token_ids in result.forced:
+        pb.forced.add(seq_id=seq_id, token_ids=token_ids)
     return response
 
 
@@ -112,4 +115,5 @@ def result_from_pb(pb: expert_pb2.StepResult) -> StepResult:
                       execute_seconds=pb.execute_seconds,
                       logprobs=tuple((e.seq_id, e.position, TokenLogprob(
                           e.token_id, e.logprob, tuple(zip(e.top_token_ids, e.top_logprobs))))
-                                     for e in pb.logprobs))
+                                     for e in pb.logprobs),
+                      forced=tuple((f.seq_id, tuple(f.token_ids)) for f in pb.forced))

@@ -98,12 +98,12 @@ class _OnlyToken7(ConstraintMasks):
     def matcher(self, new):
         return object()
 
-    def mask(self, logits_SV, greedy_S, rows, matchers, unaccepted):
+    def mask(self, logits_SV, greedy_S, rows, matchers, unaccepted, forced_inputs=()):
         with torch.inference_mode():
             keep_V = logits_SV[rows, 7].clone()
             logits_SV[rows] = float("-inf")
             logits_SV[rows, 7] = keep_V
-        return greedy_S
+        return greedy_S, []
 
 
 def test_a_constrained_token_reports_the_logprob_before_the_mask(model, hf_small):  # noqa: F811

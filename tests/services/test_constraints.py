@@ -2,6 +2,7 @@
 cache, random walks through the allowed tokens that always end inside the constraint, jump-forward,
 resume, rollback and batch masks."""
 
+import json
 import string
 import subprocess
 import sys
@@ -237,3 +238,39 @@ def test_the_module_loads_no_torch():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def _accepts(compiler, schema: dict, text: str) -> bool:
+    """The whole text (then EOS) is an answer of the schema."""
+    matcher = compiler.matcher(Constraint("json_schema", json.dumps(schema)))
+    return all(matcher.accept(t) for t in qwen3().encode(text)) and matcher.accept(next(iter(compiler.eos_token_ids)))
+
+
+def test_unbounded_numbers_get_digit_bounds_and_bounded_ones_keep_theirs(compiler):
+    number, integer = {"type": "number"}, {"type": "integer"}
+    for text in ("129.99", "-0.000001", "1000000000000000", "-42"):
+        assert _accepts(compiler, number, text), text
+    for text in ("10000000000000001", "0.1234567", "1e5"):   # past 10^15, a 7th fraction digit, an exponent
+        assert not _accepts(compiler, number, text), text
+    assert _accepts(compiler, integer, "-1000000000000000") and not _accepts(compiler, integer, "1000000000000001")
+    # The schema's own bounds and multipleOf win; enum/const and values inside data keywords are left alone.
+    assert _accepts(compiler, {"type": "integer", "minimum": 0, "maximum": 10**18}, str(10**17))
+    assert _accepts(compiler, {"type": "number", "multipleOf": 0.5}, "2.5")
+    assert _accepts(compiler, {"type": "integer", "enum": [10**17]}, str(10**17))
+    nested = {"type": "object", "properties": {"const": {"type": "array", "items": number}},
+              "required": ["const"], "additionalProperties": False}
+    assert _accepts(compiler, nested, '{"const": [1.5, 2]}')
+    assert not _accepts(compiler, nested, '{"const": [1.1234567]}')
+
+
+def test_a_model_that_only_writes_digits_still_ends_a_number(compiler):
+    """The tiny random model's argmax after a digit is a digit: 16 integer digits, '.', then 6 more at most."""
+    matcher, tok = compiler.matcher(Constraint("json_schema", '{"type": "number"}')), qwen3()
+    digits = [tok.encode(d)[0] for d in "123456789.0"]
+    for step in range(40):
+        allowed = set(_allowed(matcher).tolist())
+        pick = next((t for t in digits if t in allowed), None)
+        if pick is None:
+            break
+        assert matcher.accept(pick)
+    assert step <= 24 and matcher.is_accepting() and set(_allowed(matcher).tolist()) <= compiler.eos_token_ids

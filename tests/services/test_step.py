@@ -13,7 +13,7 @@ PLAN = StepPlan(
     new_sequences=(NewSequence(7, SamplingSpec(temperature=0.5, top_p=0.25, top_k=4, seed=2**64 - 1), (3, 4),
                                num_cached_tokens=16, traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01"),),
     scheduled=(ScheduledSequence(7, (30, 31), (3, 4), True), ScheduledSequence(8),
-               ScheduledSequence(9, (5,), (), False)),
+               ScheduledSequence(9, (5,), (), False), ScheduledSequence(10, (40, 41, 42), (5,), True, num_forced=2)),
     finished_seq_ids=(2, 6), max_tokens_per_rank=4, expert_placement_epoch=3)
 
 
@@ -25,7 +25,8 @@ def test_a_plan_is_written_field_by_field():
             seq_id=7, sampling=expert_pb2.SequenceSampling(temperature=0.5, top_p=0.25, top_k=4, seed=2**64 - 1),
             block_ids=[3, 4], num_cached_tokens=16, traceparent=PLAN.new_sequences[0].traceparent)],
         scheduled=[S(seq_id=7, token_ids=[30, 31], new_block_ids=[3, 4], is_sampled=True),
-                   S(seq_id=8, is_sampled=True), S(seq_id=9, token_ids=[5], is_sampled=False)],
+                   S(seq_id=8, is_sampled=True), S(seq_id=9, token_ids=[5], is_sampled=False),
+                   S(seq_id=10, token_ids=[40, 41, 42], new_block_ids=[5], is_sampled=True, num_forced=2)],
         finished_seq_ids=[2, 6]))
 
 
@@ -35,7 +36,8 @@ def test_a_plan_reads_back_equal():
 
 
 def test_a_result_reads_back_equal():
-    result = StepResult(step_id=9, tokens=((7, 151_643), (3, 0)), execute_seconds=0.25)
+    result = StepResult(step_id=9, tokens=((7, 151_643), (3, 0)), execute_seconds=0.25,
+                        forced=((3, (11, 12)), (7, (13,))))
     wire = step_codec.result_to_response(result).SerializeToString()
     assert step_codec.result_from_pb(expert_pb2.ExecuteStepsResponse.FromString(wire).result) == result
 
@@ -43,7 +45,7 @@ def test_a_result_reads_back_equal():
 def test_the_gateway_plan_freezes_into_the_contract():
     plan = RankPlan(0, list(PLAN.new_sequences), list(PLAN.scheduled), list(PLAN.finished_seq_ids))
     assert plan.to_step_plan(5, "g", 2, max_tokens_per_rank=4, expert_placement_epoch=3) == PLAN
-    assert PLAN.num_tokens == 2 + 1 + 1
+    assert PLAN.num_tokens == 2 + 1 + 1 + 3
 
 
 def test_a_wire_plan_with_bad_sampling_is_refused_naming_the_field():

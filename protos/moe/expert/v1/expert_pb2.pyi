@@ -69,16 +69,18 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SequenceSampling, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ..., constraint: _Optional[_Union[SequenceConstraint, _Mapping]] = ..., constraint_output_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class ScheduledSequence(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "new_block_ids", "is_sampled")
+    __slots__ = ("seq_id", "token_ids", "new_block_ids", "is_sampled", "num_forced")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     IS_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    NUM_FORCED_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     is_sampled: bool
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., is_sampled: _Optional[bool] = ...) -> None: ...
+    num_forced: int
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., is_sampled: _Optional[bool] = ..., num_forced: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "group_id", "placement_epoch", "new_sequences", "scheduled", "finished_seq_ids", "max_tokens_per_rank", "expert_placement_epoch")
@@ -109,16 +111,18 @@ class SampledToken(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "tokens", "execute_seconds", "logprobs")
+    __slots__ = ("step_id", "tokens", "execute_seconds", "logprobs", "forced")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     execute_seconds: float
     logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprob]
-    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_seconds: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprob, _Mapping]]] = ...) -> None: ...
+    forced: _containers.RepeatedCompositeFieldContainer[ForcedTokens]
+    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_seconds: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprob, _Mapping]]] = ..., forced: _Optional[_Iterable[_Union[ForcedTokens, _Mapping]]] = ...) -> None: ...
 
 class PositionLogprob(_message.Message):
     __slots__ = ("seq_id", "position", "token_id", "logprob", "top_token_ids", "top_logprobs")
@@ -135,6 +139,14 @@ class PositionLogprob(_message.Message):
     top_token_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, seq_id: _Optional[int] = ..., position: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ForcedTokens(_message.Message):
+    __slots__ = ("seq_id", "token_ids")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecuteStepsRequest(_message.Message):
     __slots__ = ("plan",)
