@@ -4,7 +4,9 @@
 #   device run, kind nvidia-h200-x2, carry [".whl"], timeout_s 600:
 #       bash bench/gpu_session.sh
 #   STEPS="test acc n1 n2 draws samp" (the default) picks the parts, in that order:
-#     test   tests/expert_svc/test_pipeline_cuda.py (the decode graph's inputs, launched-ahead steps)
+#     test   every tests/expert_svc/*_cuda.py: test_pipeline_cuda.py (the decode graph's inputs, launched-ahead
+#            steps), test_logprobs_cuda.py (log-probabilities through the decode graphs against transformers);
+#            limit 240 s (the second compiles the Triton kernels again in fp32)
 #     acc    bench/kernels/attention_gpu.py --sections checks (the triton attention's bf16 accuracy)
 #     attn   bench/kernels/attention_gpu.py (accuracy and speed)
 #     mixed  bench/serving/mixed_step.py (eager prefill / mixed / decode steps, attention settings)
@@ -85,7 +87,7 @@ attn_programs8=kernels.attention.DECODE_PROGRAMS_PER_SM:8;attn_programs16=kernel
 
 for step in $STEPS; do
     case $step in
-        test) part test 150 python3 -m pytest -q -p no:cacheprovider tests/expert_svc/test_pipeline_cuda.py ;;
+        test) part test 240 python3 -m pytest -q -p no:cacheprovider tests/expert_svc/*_cuda.py ;;
         parity) part parity 240 python3 -m bench.accuracy.hf_parity --mixed 64 --out "$RESULTS/parity" &&
                 part parity_long 180 python3 -m bench.accuracy.hf_parity --prompt-tokens 1500 --batches 1,8 --mixed 8 \
                 --out "$RESULTS/parity_long" ;;

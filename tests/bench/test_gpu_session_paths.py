@@ -22,3 +22,14 @@ def test_every_file_the_session_runs_exists():
     assert any(p.startswith("tests/") for p in paths) and any(p.startswith("bench/") for p in paths)
     missing = [p for p in sorted(paths) if not (ROOT / p).is_file()]
     assert not missing, missing
+
+
+def test_every_pattern_the_session_runs_matches_files():
+    """A glob (the test step's tests/expert_svc/*_cuda.py) that matched nothing would reach pytest as is."""
+    commands = "\n".join(line for line in SCRIPT.splitlines() if not line.lstrip().startswith("#"))
+    patterns = set(re.findall(r"\b((?:bench|tests)/[\w/]*\*[\w*]*\.py)\b", commands))
+    assert "tests/expert_svc/*_cuda.py" in patterns
+    matched = {p: sorted(str(f.relative_to(ROOT)) for f in ROOT.glob(p)) for p in patterns}
+    assert not [p for p, files in matched.items() if not files], matched
+    assert {"tests/expert_svc/test_pipeline_cuda.py", "tests/expert_svc/test_logprobs_cuda.py"} <= set(
+        matched["tests/expert_svc/*_cuda.py"])
