@@ -166,3 +166,19 @@ def test_the_readme_example_runs(mesh, capsys):
     exec(example.replace("127.0.0.1:50051", mesh.gateway_address), {})
     out = capsys.readouterr().out
     assert out.strip().endswith(pathlib.Path(mesh.spec.model_dir).name)
+
+
+def test_samples_with_logprobs_through_the_mesh(client):
+    prompt = "Two samples, scored"
+    result = client.generate(prompt, n=2, temperature=1.0, seed=3, max_new_tokens=5, ignore_eos=True,
+                             top_logprobs=2, prompt_logprobs=True)
+    first, second = result.samples
+    assert (first.index, second.index) == (0, 1) and first.token_ids != second.token_ids
+    for sample in result.samples:
+        assert [lp.token_id for lp in sample.logprobs] == list(sample.token_ids)
+        assert all(len(lp.top) == 2 and lp.top[0].logprob >= lp.top[1].logprob for lp in sample.logprobs)
+    # The prompt is scored once, by sample 0.
+    assert len(first.prompt_logprobs) == len(client.tokenize(prompt)) - 1 and not second.prompt_logprobs
+    assert result.usage.completion_tokens == 10
+    again = client.generate(prompt, n=2, temperature=1.0, seed=3, max_new_tokens=5, ignore_eos=True)
+    assert [s.token_ids for s in again.samples] == [first.token_ids, second.token_ids]
