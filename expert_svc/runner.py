@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from expert_svc.constrained import ConstraintMasks
+from expert_svc.constrained import ConstraintMasks, Unaccepted
 from expert_svc.graph_runner import DecodeGraphRunner, TokenFeed
 from expert_svc.logprobs import SeqScoring, StepScores, is_scored_chunk
 from services.constraints import Matcher
@@ -76,9 +76,11 @@ class _Sequence:
     # input, on the device as (that step's tokens, this sequence's row).
     last_token: tuple[Tensor, int] | None = None
     # A constrained sequence's matcher (expert_svc/constrained.py), and its last sampled
-    # token while the matcher has not accepted it (on the device, as last_token).
+    # token while the matcher has not accepted it (that step's host copy).
     matcher: Matcher | None = None
-    unaccepted: tuple[Tensor, int] | None = None
+    unaccepted: Unaccepted | None = None
+    # Jump-forward: report the tokens forced after each sampled one (NewSequence.is_jump_forward).
+    is_jump_forward: bool = False
     # What the sequence reports of its log-probabilities; None: nothing.
     scoring: SeqScoring | None = None
 
@@ -155,6 +157,9 @@ class StepRunner:
         scored = [] if scores is None else scores.launch(token_ids_S)
         host, ready = _to_host([t for t in (token_ids_S, *scored) if t is not None])
         host_S = None if token_ids_S is None else host.pop(0)
+        for row, seq_id in sampled:
+            if (seq := self._seqs[seq_id]).matcher is not None:
+                seq.unaccepted = (host_S, row, ready)
         return LaunchedStep(plan.step_id, start, sampled, host_S, ready, scores, tuple(host), watched)
 
     @staticmethod
@@ -213,7 +218,8 @@ class StepRunner:
             greedy_S, copies = self.constraints.mask(
                 logits_SV, greedy_S, [row for row, _, _ in constrained], [seq.matcher for _, _, seq in constrained],
                 [seq.unaccepted for _, _, seq in constrained],
-                [s.token_ids[len(s.token_ids) - s.num_forced:] if s.num_forced else () for _, s, _ in constrained])
+                [s.token_ids[len(s.token_ids) - s.num_forced:] if s.num_forced else () for _, s, _ in constrained],
+                [seq.is_jump_forward for _, _, seq in constrained])
             watched = tuple((row, rows[row].seq_id, matcher) for row, matcher in copies)
         token_ids_S = sample_on_device(logits_SV, specs, positions, greedy_S)
         if token_ids_S is greedy_S:  # a graph's static output: the next replay overwrites it
@@ -222,8 +228,6 @@ class StepRunner:
         for row, (sched, seq) in enumerate(zip(rows, seqs)):
             if sched.is_sampled:
                 seq.last_token = (token_ids_S, row)
-                if seq.matcher is not None:
-                    seq.unaccepted = seq.last_token
                 sampled.append((row, sched.seq_id))
         return token_ids_S, tuple(sampled), watched
 
@@ -234,7 +238,8 @@ class StepRunner:
             scoring = SeqScoring(new.logprobs) if new.logprobs else None
             self._num_scoring += scoring is not None
             self._seqs[new.seq_id] = _Sequence(array.array("i", new.block_ids), new.num_cached_tokens, new.sampling,
-                                               matcher=matchers.get(new.seq_id), scoring=scoring)
+                                               matcher=matchers.get(new.seq_id), scoring=scoring,
+                                               is_jump_forward=new.is_jump_forward)
         for sched in plan.scheduled:
             self._seqs[sched.seq_id].block_table.extend(sched.new_block_ids)
 

@@ -73,7 +73,7 @@ class Batcher:
         policy: str | SchedulePolicy = "fcfs",
         stats: GatewayStats | None = None,
         clock: Callable[[], float] = time.monotonic,
-        jump_forward: bool = True,
+        jump_forward: bool = False,
     ) -> None:
         if not ranks:
             raise ValueError("a batcher needs at least one rank")

@@ -39,8 +39,10 @@ class GatewayConfig(MemberConfig):
     # Plan step k+1 while step k runs on the ranks.
     overlap_steps: bool = True
     # Jump-forward: where a request's constraint forces several tokens, feed them to the rank
-    # as one chunk instead of one decode step each (the same tokens either way).
-    jump_forward: bool = True
+    # as one chunk instead of one decode step each. Off by default: a step with a chunk cannot
+    # replay the decode graph, and its eager forward costs more than the steps it saves
+    # (docs/performance.md, "Jump-forward"); the rank also skips the forced-token search then.
+    jump_forward: bool = False
     # A stream that falls behind sends the outputs queued for it as one message
     # (the tokens and text since its previous message); false: one message per step.
     coalesce_stream_outputs: bool = True
