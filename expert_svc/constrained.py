@@ -7,20 +7,22 @@ to -inf (services/model/constraint_mask.py), for greedy and drawn rows alike, so
 token never leaves the constraint. Unconstrained rows are not touched.
 
 A sampled token stays on the device (the next step's input is gathered there), so a
-matcher learns it lazily: the next step that samples the sequence first reads back the
-tokens its constrained rows left unaccepted (one host read for all of them), accepts them,
-then computes the masks. A step with constrained rows therefore waits for the step before
-it; steps without any keep the launch-ahead pipeline. A resumed sequence (re-prefilled after
+matcher learns it lazily: the next step that samples the sequence, its forward already
+queued, waits for the step before it (that step's event) and reads the tokens from that
+step's host copy, accepts them, then computes the masks while the device runs the forward;
+a read of the device tensor would wait for that forward too. The bitmask rows go through one
+reused host buffer (pinned on CUDA: its upload does not wait for the device). A resumed sequence (re-prefilled after
 a preemption or a failover) gets a new matcher that replays the output it already produced
 (`NewSequence.constraint_output_ids`). Once a matcher has accepted EOS the sequence is done
 at the gateway; the one step the gateway may still have planned for it runs unmasked.
 
-Jump-forward (docs/internals.md): where the constraint allows one text only, the row allows only
-the first of its forced tokens (the tokenizer's encoding of that text), so the model never picks
-another tokenization of it; a chunk's forced tokens (ScheduledSequence.num_forced) are accepted
-before the mask; and each masked row's matcher is copied, so that the step's reader can
-advance the copy over the sampled token and report the tokens forced after it (StepResult.forced)
-without touching the matchers the next step uses.
+Jump-forward (docs/internals.md), for the sequences whose gateway takes jumps
+(NewSequence.is_jump_forward; the others pay none of this): where the constraint allows one text
+only, the row allows only the first of its forced tokens (the tokenizer's encoding of that text),
+so the model never picks another tokenization of it; a chunk's forced tokens
+(ScheduledSequence.num_forced) are accepted before the mask; and each masked row's matcher is
+copied, so that the step's reader can advance the copy over the sampled token and report the
+tokens forced after it (StepResult.forced) without touching the matchers the next step uses.
 
 The Compiler (the tokenizer's vocabulary in llguidance, ~150 MB) is built on the first
 constrained sequence, so a rank that never sees one pays nothing.
