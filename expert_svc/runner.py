@@ -151,15 +151,14 @@ class StepRunner:
             scores = StepScores.prepare(logits_SV, plan.scheduled, [self._seqs[s.seq_id] for s in plan.scheduled],
                                         is_graph=greedy_S is not None)
             logits_SV = logits_SV if scores is None else scores.sampling_logits(logits_SV)
-        token_ids_S, sampled, watched = self._sample(plan.scheduled, logits_SV, greedy_S)
+        token_ids_S, sampled, watched, masked = self._sample(plan.scheduled, logits_SV, greedy_S)
         for seq in seqs:
             self._seqs[seq.seq_id].num_computed += len(seq.token_ids)
         scored = [] if scores is None else scores.launch(token_ids_S)
         host, ready = _to_host([t for t in (token_ids_S, *scored) if t is not None])
         host_S = None if token_ids_S is None else host.pop(0)
-        for row, seq_id in sampled:
-            if (seq := self._seqs[seq_id]).matcher is not None:
-                seq.unaccepted = (host_S, row, ready)
+        for row, seq in masked:  # their matchers read the tokens from the host copy next step
+            seq.unaccepted = (host_S, row, ready)
         return LaunchedStep(plan.step_id, start, sampled, host_S, ready, scores, tuple(host), watched)
 
     @staticmethod
@@ -198,16 +197,18 @@ class StepRunner:
             feed.apply(batch.input_ids_T)
         return self.model.forward_at_capacity(batch, self.kv_pool, capacity), None
 
-    def _sample(self, scheduled, logits_SV: Tensor, greedy_S: Tensor | None) -> tuple[Tensor | None, tuple, tuple]:
+    def _sample(self, scheduled, logits_SV: Tensor, greedy_S: Tensor | None) -> tuple[Tensor | None, tuple, tuple,
+                                                                                     list]:
         """Samples on the device, reading nothing back: (token_ids_S, (row, seq_id)
-        of each sampled sequence, LaunchedStep.watched), and makes each one's row its next input.
+        of each sampled sequence, LaunchedStep.watched, (row, _Sequence) of each constrained
+        one), and makes each one's row its next input.
 
         greedy_S None: logits_SV holds the sampled sequences' rows; otherwise
         every scheduled sequence's row (an unsampled one takes the argmax, no draw).
         """
         rows = [s for s in scheduled if s.is_sampled or greedy_S is not None]
         if not rows:
-            return None, (), ()
+            return None, (), (), []
         seqs = [self._seqs[s.seq_id] for s in rows]
         specs = [seq.sampling if s.is_sampled else GREEDY for s, seq in zip(rows, seqs)]
         # The index of the token each row draws: a draw depends on its seed and this only.
@@ -229,7 +230,7 @@ class StepRunner:
             if sched.is_sampled:
                 seq.last_token = (token_ids_S, row)
                 sampled.append((row, sched.seq_id))
-        return token_ids_S, tuple(sampled), watched
+        return token_ids_S, tuple(sampled), watched, [(row, seq) for row, _, seq in constrained]
 
     def _apply_diffs(self, plan: StepPlan, matchers: dict[int, Matcher]) -> None:
         for seq_id in plan.finished_seq_ids:
