@@ -48,6 +48,7 @@ from bench.constraints import load
 from bench.serving.gpu_speed import scrape_steps, step_attribution
 from bench.serving.serve import RESULTS_DIR, run_load, summarize
 from bench.serving.workloads import ID_HIGH, ID_LOW, make_workload
+from gateway.stats import percentile
 
 CASES = ("c256", "b1", "compile", "jf")
 CONSTRAINED_PROMPT_TOKENS = 128   # a ticket and its instruction, at --prompt-scale 1
@@ -79,6 +80,9 @@ def run_row(free: list, constrained: list, duration_s: float, before: dict, afte
     run (a window's cut requests included), the constrained answers' checks, the steps."""
     done = [a for a in free + constrained if a.is_done]
     row = summarize([a.timing for a in done], duration_s)
+    # Inter-token gaps of every stream, those a window's end cut included (a 1K answer may outlast it).
+    itl = [gap for a in free + constrained for gap in a.timing.itl_s]
+    row["itl_ms_p50"], row["itl_ms_p99"] = (round(1e3 * percentile(itl, q), 2) for q in (50, 99))
     out_tokens = sum(a.timing.num_output_tokens for a in free + constrained)
     row["window_output_tokens_per_s"] = round(out_tokens / duration_s, 2)
     row["num_cut"] = len(free) + len(constrained) - len(done)
