@@ -74,7 +74,8 @@ def _walk_mask(masks: ConstraintMasks, new: NewSequence, token_ids: list[int], n
     for i in range(len(token_ids)):
         unaccepted = [None] * num_rows if not i else [(torch.tensor([token_ids[i - 1]]), 0, None)] * num_rows
         start = time.perf_counter()
-        masks.mask(logits_CV, None, range(num_rows), matchers, unaccepted, is_jump_forward=[new.is_jump_forward] * num_rows)
+        masks.mask(logits_CV, None, range(num_rows), matchers, unaccepted,
+                   is_jump_forward=[new.is_jump_forward] * num_rows)
         total += time.perf_counter() - start
     return 1e3 * total / len(token_ids)
 
