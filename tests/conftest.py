@@ -49,7 +49,7 @@ def mesh(tiny_model_dir):
 
     # Jump-forward on (the gateway's default is off): tests/e2e/test_constraints_e2e.py checks its chunks.
     spec = launcher.MeshSpec(model_dir=str(tiny_model_dir), num_ranks=1, device="cpu",
-                             extra_args={"gateway": ["--jump-forward"]})
+                             extra_args={"gateway": ["--jump-forward", "--jump-forward-min-tokens", "1"]})
     with launcher.Mesh(spec) as running:
         yield running
 

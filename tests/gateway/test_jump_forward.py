@@ -123,3 +123,18 @@ def test_a_sequence_that_reports_logprobs_decodes_each_forced_token():
     assert plan_of(batcher.schedule(), seq).token_ids == ()      # a decode, not a chunk
     batcher.apply_results(second.step_id, {seq.seq_id: F[0]}, forced={seq.seq_id: F[1:]})
     assert seq.jump is None and batcher.stats.num_jump_forward_tokens == 0
+
+
+def test_a_run_shorter_than_the_minimum_is_decoded_step_by_step():
+    batcher = make_batcher(jump_forward=True, jump_forward_min_tokens=5)
+    seq, first = prefilled(batcher)
+    events = batcher.apply_results(first.step_id, {seq.seq_id: 30}, forced={seq.seq_id: F})   # 4 forced
+    second = batcher.schedule()
+    assert plan_of(second, seq).token_ids == () and plan_of(second, seq).num_forced == 0
+    events += batcher.apply_results(second.step_id, {seq.seq_id: F[0]})
+    assert tokens_of(events, seq) == [30, F[0]] and batcher.stats.num_jump_forward_tokens == 0
+
+    batcher = make_batcher(jump_forward=True, jump_forward_min_tokens=4)   # as long as the run: taken
+    seq, first = prefilled(batcher)
+    batcher.apply_results(first.step_id, {seq.seq_id: 30}, forced={seq.seq_id: F})
+    assert plan_of(batcher.schedule(), seq).num_forced == 4
