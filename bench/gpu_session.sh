@@ -30,8 +30,9 @@
 #     draws  bench/serving/sampling_cost.py on the GPU: one step's draws, 256 rows x 151,936 tokens
 #     fp8    n1's c256 again with --kv-cache-dtype fp8_e4m3 (half the KV bytes per decode step)
 #     constraints bench/constraints/gpu_constraints.py on one rank (issue 26): c256 with a quarter of the
-#            slots asking for the ticket JSON against its unconstrained twin, b1 ITL, the ticket schema's
-#            compile time, and b1/c256 again with jump-forward off (a second mesh); limit 300 s
+#            slots asking for the ticket JSON against its unconstrained twins over the same 40 s window,
+#            b1's decode ms per token, the ticket schema's compile time, and b1 again with --jump-forward
+#            (a second mesh); limit 300 s
 #     step   bench/kernels/decode_variants.py at 256 sequences on one rank, then on two (--exchanges
 #            ${STEP_EXCHANGES:-pull,push,signals,collectives}, 2 rounds): the 48-layer decode step replayed in a
 #            CUDA graph, each rank's kernels of one eager step, the two-rank step's speed-up over one

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from expert_svc.constrained import ConstraintMasks
+from expert_svc.constrained import ConstraintMasks, Unaccepted
 from expert_svc.graph_runner import DecodeGraphRunner, TokenFeed
 from expert_svc.logprobs import SeqScoring, StepScores, is_scored_chunk
 from services.constraints import Matcher
@@ -76,9 +76,11 @@ class _Sequence:
     # input, on the device as (that step's tokens, this sequence's row).
     last_token: tuple[Tensor, int] | None = None
     # A constrained sequence's matcher (expert_svc/constrained.py), and its last sampled
-    # token while the matcher has not accepted it (on the device, as last_token).
+    # token while the matcher has not accepted it (that step's host copy).
     matcher: Matcher | None = None
-    unaccepted: tuple[Tensor, int] | None = None
+    unaccepted: Unaccepted | None = None
+    # Jump-forward: report the tokens forced after each sampled one (NewSequence.is_jump_forward).
+    is_jump_forward: bool = False
     # What the sequence reports of its log-probabilities; None: nothing.
     scoring: SeqScoring | None = None
 
@@ -149,12 +151,14 @@ class StepRunner:
             scores = StepScores.prepare(logits_SV, plan.scheduled, [self._seqs[s.seq_id] for s in plan.scheduled],
                                         is_graph=greedy_S is not None)
             logits_SV = logits_SV if scores is None else scores.sampling_logits(logits_SV)
-        token_ids_S, sampled, watched = self._sample(plan.scheduled, logits_SV, greedy_S)
+        token_ids_S, sampled, watched, masked = self._sample(plan.scheduled, logits_SV, greedy_S)
         for seq in seqs:
             self._seqs[seq.seq_id].num_computed += len(seq.token_ids)
         scored = [] if scores is None else scores.launch(token_ids_S)
         host, ready = _to_host([t for t in (token_ids_S, *scored) if t is not None])
         host_S = None if token_ids_S is None else host.pop(0)
+        for row, seq in masked:  # their matchers read the tokens from the host copy next step
+            seq.unaccepted = (host_S, row, ready)
         return LaunchedStep(plan.step_id, start, sampled, host_S, ready, scores, tuple(host), watched)
 
     @staticmethod
@@ -193,16 +197,18 @@ class StepRunner:
             feed.apply(batch.input_ids_T)
         return self.model.forward_at_capacity(batch, self.kv_pool, capacity), None
 
-    def _sample(self, scheduled, logits_SV: Tensor, greedy_S: Tensor | None) -> tuple[Tensor | None, tuple, tuple]:
+    def _sample(self, scheduled, logits_SV: Tensor, greedy_S: Tensor | None) -> tuple[Tensor | None, tuple, tuple,
+                                                                                     list]:
         """Samples on the device, reading nothing back: (token_ids_S, (row, seq_id)
-        of each sampled sequence, LaunchedStep.watched), and makes each one's row its next input.
+        of each sampled sequence, LaunchedStep.watched, (row, _Sequence) of each constrained
+        one), and makes each one's row its next input.
 
         greedy_S None: logits_SV holds the sampled sequences' rows; otherwise
         every scheduled sequence's row (an unsampled one takes the argmax, no draw).
         """
         rows = [s for s in scheduled if s.is_sampled or greedy_S is not None]
         if not rows:
-            return None, (), ()
+            return None, (), (), []
         seqs = [self._seqs[s.seq_id] for s in rows]
         specs = [seq.sampling if s.is_sampled else GREEDY for s, seq in zip(rows, seqs)]
         # The index of the token each row draws: a draw depends on its seed and this only.
@@ -213,7 +219,8 @@ class StepRunner:
             greedy_S, copies = self.constraints.mask(
                 logits_SV, greedy_S, [row for row, _, _ in constrained], [seq.matcher for _, _, seq in constrained],
                 [seq.unaccepted for _, _, seq in constrained],
-                [s.token_ids[len(s.token_ids) - s.num_forced:] if s.num_forced else () for _, s, _ in constrained])
+                [s.token_ids[len(s.token_ids) - s.num_forced:] if s.num_forced else () for _, s, _ in constrained],
+                [seq.is_jump_forward for _, _, seq in constrained])
             watched = tuple((row, rows[row].seq_id, matcher) for row, matcher in copies)
         token_ids_S = sample_on_device(logits_SV, specs, positions, greedy_S)
         if token_ids_S is greedy_S:  # a graph's static output: the next replay overwrites it
@@ -222,10 +229,8 @@ class StepRunner:
         for row, (sched, seq) in enumerate(zip(rows, seqs)):
             if sched.is_sampled:
                 seq.last_token = (token_ids_S, row)
-                if seq.matcher is not None:
-                    seq.unaccepted = seq.last_token
                 sampled.append((row, sched.seq_id))
-        return token_ids_S, tuple(sampled), watched
+        return token_ids_S, tuple(sampled), watched, [(row, seq) for row, _, seq in constrained]
 
     def _apply_diffs(self, plan: StepPlan, matchers: dict[int, Matcher]) -> None:
         for seq_id in plan.finished_seq_ids:
@@ -234,7 +239,8 @@ class StepRunner:
             scoring = SeqScoring(new.logprobs) if new.logprobs else None
             self._num_scoring += scoring is not None
             self._seqs[new.seq_id] = _Sequence(array.array("i", new.block_ids), new.num_cached_tokens, new.sampling,
-                                               matcher=matchers.get(new.seq_id), scoring=scoring)
+                                               matcher=matchers.get(new.seq_id), scoring=scoring,
+                                               is_jump_forward=new.is_jump_forward)
         for sched in plan.scheduled:
             self._seqs[sched.seq_id].block_table.extend(sched.new_block_ids)
 

@@ -87,6 +87,7 @@ class AdmissionHost(Protocol):
     max_running_requests: int
     max_batch_tokens: int
     prefill_chunk_size: int
+    jump_forward: bool
 
     @property
     def num_ranks(self) -> int: ...
@@ -208,7 +209,9 @@ def _start(batcher: AdmissionHost, batch: StepBatch, step: StepState, seq: Seque
     plan.new_sequences.append(NewSequence(
         seq.seq_id, seq.request.sampling, tuple(block_ids), match.num_cached_tokens, constraint=constraint,
         # A resumed constrained sequence's matcher replays what it already produced.
-        constraint_output_ids=tuple(seq.output_ids) if constraint is not None else (), logprobs=logprobs))
+        constraint_output_ids=tuple(seq.output_ids) if constraint is not None else (), logprobs=logprobs,
+        # The rank reports forced tokens only where the gateway may take a jump (jump_forward.note).
+        is_jump_forward=constraint is not None and batcher.jump_forward and not logprobs.logprobs))
     stats = batcher.stats
     if seq.num_preemptions == 0:
         stats.num_prompt_tokens += seq.num_tokens

@@ -73,7 +73,8 @@ class Batcher:
         policy: str | SchedulePolicy = "fcfs",
         stats: GatewayStats | None = None,
         clock: Callable[[], float] = time.monotonic,
-        jump_forward: bool = True,
+        jump_forward: bool = False,
+        jump_forward_min_tokens: int = 1,
     ) -> None:
         if not ranks:
             raise ValueError("a batcher needs at least one rank")
@@ -92,6 +93,8 @@ class Batcher:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.jump_forward = jump_forward
+        # A jump is taken only with at least this many forced tokens (the steps it saves).
+        self.jump_forward_min_tokens = jump_forward_min_tokens
         self.stats = stats or GatewayStats()
         self._clock = clock
         # Per rank, oldest (lowest seq_id) first.
@@ -409,6 +412,8 @@ class Batcher:
                 num_forced = jump_forward.chunk_length(
                     seq, jump[1], max_context=self.max_context,
                     token_budget=self.max_batch_tokens - plan.num_tokens - (len(seqs) - i - 1)) if jump else 0
+                if num_forced < self.jump_forward_min_tokens:
+                    num_forced = 0   # a plain decode: the rank still emits the next forced token
                 if not self._make_room(plan, step, batch, seq, seq.num_computed + 1 + num_forced):
                     continue  # seq left the list: seqs[i] is the next one
                 if num_forced:

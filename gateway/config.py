@@ -39,8 +39,14 @@ class GatewayConfig(MemberConfig):
     # Plan step k+1 while step k runs on the ranks.
     overlap_steps: bool = True
     # Jump-forward: where a request's constraint forces several tokens, feed them to the rank
-    # as one chunk instead of one decode step each (the same tokens either way).
-    jump_forward: bool = True
+    # as one chunk instead of one decode step each. Off by default: a step with a chunk cannot
+    # replay the decode graph, and its eager forward costs more than the steps it saves
+    # (docs/performance.md, "Jump-forward"); the rank also skips the forced-token search then.
+    jump_forward: bool = False
+    # With jump_forward: take a jump only when it carries at least this many forced tokens, the
+    # decode steps it saves; the default pays for the one eager step a chunk costs against
+    # graph decodes (docs/performance.md, "Constrained decoding").
+    jump_forward_min_tokens: int = 10
     # A stream that falls behind sends the outputs queued for it as one message
     # (the tokens and text since its previous message); false: one message per step.
     coalesce_stream_outputs: bool = True
@@ -78,7 +84,7 @@ class GatewayConfig(MemberConfig):
         if not self.model:
             raise ValueError(f"model must be a checkpoint directory, got {self.model!r}")
         for name in ("max_running_requests", "max_batch_tokens", "max_new_tokens_default",
-                     "prefill_chunk_size", "max_waiting_requests", "stream_interval"):
+                     "prefill_chunk_size", "max_waiting_requests", "stream_interval", "jump_forward_min_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_running_requests > self.max_batch_tokens:

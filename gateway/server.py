@@ -88,6 +88,7 @@ def engine_factory(config: GatewayConfig, model: ModelConfig, tokenizer: Tokeniz
             policy=config.policy,
             stats=stats,
             jump_forward=config.jump_forward,
+            jump_forward_min_tokens=config.jump_forward_min_tokens,
         )
         return Engine(batcher, streams, make_detokenizer=lambda: IncrementalDetokenizer(tokenizer),
                       group_id=group.group_id, placement_epoch=group.epoch,

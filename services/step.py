@@ -167,6 +167,10 @@ class NewSequence:
     constraint: Constraint | None = None
     # The output generated so far, for a resumed constrained sequence: its matcher replays them.
     constraint_output_ids: tuple[int, ...] = ()
+    # Jump-forward: the rank reports the tokens the constraint forces after each sampled one
+    # (StepResult.forced) and lets the row take only the first of them; False spares that host
+    # work for a gateway that takes no jumps.
+    is_jump_forward: bool = False
     # The log-probabilities it reports (prompt_logprobs only while the gateway still needs them).
     logprobs: LogprobSpec = NO_LOGPROBS
 

@@ -33,6 +33,7 @@ def plan_to_request(plan: StepPlan) -> expert_pb2.ExecuteStepsRequest:
         if s.constraint is not None:
             _constraint_to_pb(s.constraint, new.constraint)
             new.constraint_output_ids.extend(s.constraint_output_ids)
+            new.jump_forward = s.is_jump_forward
         if s.logprobs:
             new.logprobs, new.top_logprobs, new.prompt_logprobs = (
                 s.logprobs.logprobs, s.logprobs.top_logprobs, s.logprobs.prompt_logprobs)
@@ -57,7 +58,7 @@ def plan_from_pb(pb: expert_pb2.StepPlan) -> StepPlan:
             NewSequence(seq_id=s.seq_id, sampling=_sampling_from_pb(s.sampling), block_ids=tuple(s.block_ids),
                         num_cached_tokens=s.num_cached_tokens, traceparent=s.traceparent,
                         constraint=_constraint_from_pb(s.constraint) if s.HasField("constraint") else None,
-                        constraint_output_ids=tuple(s.constraint_output_ids),
+                        constraint_output_ids=tuple(s.constraint_output_ids), is_jump_forward=s.jump_forward,
                         logprobs=LogprobSpec(s.logprobs, s.top_logprobs, s.prompt_logprobs))
             for s in pb.new_sequences),
         scheduled=tuple(

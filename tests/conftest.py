@@ -47,7 +47,9 @@ def mesh(tiny_model_dir):
     """One running mesh (1 rank, CPU) on the tiny model, shared by the session."""
     from moemesh import launcher
 
-    spec = launcher.MeshSpec(model_dir=str(tiny_model_dir), num_ranks=1, device="cpu")
+    # Jump-forward on (the gateway's default is off): tests/e2e/test_constraints_e2e.py checks its chunks.
+    spec = launcher.MeshSpec(model_dir=str(tiny_model_dir), num_ranks=1, device="cpu",
+                             extra_args={"gateway": ["--jump-forward", "--jump-forward-min-tokens", "1"]})
     with launcher.Mesh(spec) as running:
         yield running
 

@@ -7,10 +7,11 @@ and max_new_tokens set to the length the constrained answer had, so a baseline r
 very same numbers of tokens without any mask (each run its own prompts: the prefix cache would
 otherwise skip the baseline's prefills).
 
-`mixed_load` keeps `free_slots` 1K/1K requests and `constrained_slots` constrained ones in flight:
-the free requests run through their list once; each constrained slot sends one request after the
-other until the free requests are done (a constrained answer is short, so a fixed list would
-leave the tail of the run unconstrained). Its baseline replays the recorded lengths in turn.
+`mixed_load` keeps one request in flight in each of `len(free)` free slots (1K/1K, each slot its
+own specs in turn) and `constrained_slots` constrained slots, every slot sending one request after
+the other, for a fixed window of seconds; then it cancels what is still in flight. Its baseline
+(the twins, replaying the recorded lengths in turn) runs the same slots over the same window, so
+the two runs' output tokens received within the window compare like for like.
 """
 
 import asyncio
@@ -37,6 +38,13 @@ class Answer:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
     finish_reason: str = ""
+    # (perf_counter, tokens) of each streamed message that carried tokens.
+    arrivals: list[tuple[float, int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def is_done(self) -> bool:
+        """The stream ended (a finish reason or an error), not cancelled at a window's end."""
+        return bool(self.finish_reason or self.timing.error)
 
 
 def constrained_request(request_id: str, prompt_ids, max_new_tokens: int) -> gateway_pb2.GenerateRequest:
@@ -51,9 +59,11 @@ def twin_request(request_id: str, prompt_ids, num_tokens: int) -> gateway_pb2.Ge
     return generate_request(RequestSpec("twin", tuple(prompt_ids), max(1, num_tokens)), request_id)
 
 
-async def stream(stub, request: gateway_pb2.GenerateRequest, kind: str, timeout_s: float) -> Answer:
-    """Sends one request and times its stream (ITL as bench/serving/serve.py counts it)."""
-    answer = Answer(RequestResult(kind, time.perf_counter()))
+async def stream(stub, request: gateway_pb2.GenerateRequest, kind: str, timeout_s: float,
+                 answer: Answer | None = None) -> Answer:
+    """Sends one request and times its stream (ITL as bench/serving/serve.py counts it), into
+    `answer` if given (a window's end may cancel it half way)."""
+    answer = answer or Answer(RequestResult(kind, time.perf_counter()))
     result, last = answer.timing, answer.timing.start_s
     try:
         async for response in stub.Generate(request, timeout=timeout_s):
@@ -70,6 +80,7 @@ async def stream(stub, request: gateway_pb2.GenerateRequest, kind: str, timeout_
             else:
                 result.itl_s += [(now - last) / num] * num
             result.num_output_tokens += num
+            answer.arrivals.append((now, num))
             answer.token_ids += response.token_ids
             last = now
     except grpc.aio.AioRpcError as error:
@@ -100,41 +111,41 @@ def check_answers(answers: list[Answer]) -> dict:
             "tokens_max": lengths[-1] if lengths else 0}
 
 
-async def mixed_load(target: str, free: list[RequestSpec], prompts: list[tuple[int, ...]], constrained_slots: int,
-                     max_new_tokens: int, timeout_s: float, tag: str,
+async def mixed_load(target: str, free: list[list[RequestSpec]], prompts: list[tuple[int, ...]],
+                     constrained_slots: int, max_new_tokens: int, timeout_s: float, tag: str, window_s: float,
                      replay: list[int] | None = None) -> tuple[list[Answer], list[Answer], float]:
-    """Sends every free spec at once, beside constrained_slots slots of constrained requests one
-    after the other until the free ones are done (with `replay`: their unconstrained twins, of the
-    recorded lengths in turn); (free answers, constrained answers, seconds)."""
-    free_queue = list(enumerate(free))
+    """Free slot i sends free[i]'s specs in turn, each of constrained_slots slots constrained requests
+    (with `replay`: their unconstrained twins, of the recorded lengths in turn), for window_s seconds;
+    then what is in flight is cancelled. (free answers, constrained answers, window_s), the answers
+    cut at the window's end included (Answer.is_done false)."""
     free_answers: list[Answer] = []
-    constrained_answers: list[Answer | None] = []
-    done = asyncio.Event()
+    constrained_answers: list[Answer] = []
     async with grpc.aio.insecure_channel(target) as channel:
         stub = gateway_pb2_grpc.GenerationServiceStub(channel)
 
-        async def free_worker() -> None:
-            while free_queue:
-                i, spec = free_queue.pop()
-                free_answers.append(await stream(stub, generate_request(spec, f"{tag}-free-{i}"), spec.kind,
-                                                 timeout_s))
+        async def free_worker(slot: int, specs: list[RequestSpec]) -> None:
+            for i, spec in enumerate(specs):
+                answer = Answer(RequestResult(spec.kind, time.perf_counter()))
+                free_answers.append(answer)
+                await stream(stub, generate_request(spec, f"{tag}-free-{slot}-{i}"), spec.kind, timeout_s, answer)
 
         async def constrained_worker() -> None:
-            while not done.is_set():
+            while True:
                 i = len(constrained_answers)
-                constrained_answers.append(None)
+                answer = Answer(RequestResult("json" if replay is None else "twin", time.perf_counter()))
+                constrained_answers.append(answer)
                 prompt = prompts[i % len(prompts)]
                 request = (constrained_request(f"{tag}-json-{i}", prompt, max_new_tokens) if replay is None
                            else twin_request(f"{tag}-twin-{i}", prompt, replay[i % len(replay)]))
-                constrained_answers[i] = await stream(stub, request, "json" if replay is None else "twin", timeout_s)
+                await stream(stub, request, answer.timing.kind, timeout_s, answer)
 
-        async def free_slots() -> None:
-            await asyncio.gather(*(free_worker() for _ in range(len(free))))
-            done.set()
-
-        start = time.perf_counter()
-        await asyncio.gather(free_slots(), *(constrained_worker() for _ in range(constrained_slots)))
-        return free_answers, [a for a in constrained_answers if a is not None], time.perf_counter() - start
+        tasks = [asyncio.create_task(free_worker(slot, specs)) for slot, specs in enumerate(free)]
+        tasks += [asyncio.create_task(constrained_worker()) for _ in range(constrained_slots)]
+        await asyncio.sleep(window_s)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return free_answers, constrained_answers, window_s
 
 
 async def serial(target: str, prompts: list[tuple[int, ...]], max_new_tokens: int, timeout_s: float, tag: str,

@@ -54,7 +54,8 @@ def chaos_mesh(tiny_model_dir):
                              work_dir=os.environ.get("MOEMESH_CHAOS_WORK_DIR", ""), extra_args={
         "expert_svc": ["--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S), "--lease-ttl-s", "1"],
         "scheduler_svc": ["--reform-settle-s", "2"],
-        "gateway": ["--prefill-chunk-size", "16", "--resume-timeout-s", "60"],
+        "gateway": ["--prefill-chunk-size", "16", "--resume-timeout-s", "60", "--jump-forward",
+                    "--jump-forward-min-tokens", "1"],
     })
     with launcher.Mesh(spec) as mesh:
         yield mesh

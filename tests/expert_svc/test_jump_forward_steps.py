@@ -1,7 +1,9 @@
 """Jump-forward end to end in one process: the gateway's Batcher plans, a StepRunner on the bundled demo
 model runs the steps (two in flight, as the engine overlaps them, or one), and the forced tokens the
 rank reports come back as chunks. With jump-forward the answers are the very tokens of decoding the
-forced tokens one step each (greedy and seeded draws), in fewer steps, and they validate."""
+forced tokens one step each (greedy and seeded draws; the reference: the same rank, whose reports the
+gateway drops), in fewer steps, and they validate. A gateway with jump-forward off asks the rank for
+no reports at all."""
 
 import collections
 
@@ -22,9 +24,11 @@ SAMPLINGS = {"greedy": SamplingSpec(temperature=0.0), "drawn": SamplingSpec(temp
 NAMES = ("ticket", "nested", "choice")
 
 
-def serve(demo, *, jump_forward: bool, overlap: bool = True, max_new_tokens: int = 160) -> tuple[dict, int, Batcher]:
+def serve(demo, *, jump_forward: bool, overlap: bool = True, max_new_tokens: int = 160,
+          takes_jumps: bool = True) -> tuple[dict, int, Batcher]:
     """Every (constraint, sampling) of NAMES x SAMPLINGS at once: {(name, sampling): (token ids, text,
-    finish reason)}, the steps run, and the batcher."""
+    finish reason)}, the steps run, and the batcher. takes_jumps False: the rank's forced tokens
+    never reach the batcher (one decode step per token, with jump-forward's masks)."""
     runner = make_runner(demo)
     tok = tokenizer()
     batcher = Batcher([RankKV(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_cache=False)], max_running_requests=8,
@@ -48,7 +52,10 @@ def serve(demo, *, jump_forward: bool, overlap: bool = True, max_new_tokens: int
                 continue
         batch, launched = in_flight.popleft()
         result = runner.finish(launched)
-        for seq, output in batcher.apply_results(batch.step_id, dict(result.tokens), forced=dict(result.forced)):
+        if not jump_forward:
+            assert not result.forced   # the gateway asked for no reports
+        forced = dict(result.forced) if takes_jumps else {}
+        for seq, output in batcher.apply_results(batch.step_id, dict(result.tokens), forced=forced):
             outputs[seq.seq_id].append(output)
     answers = {}
     for key, seq in seqs.items():
@@ -59,7 +66,7 @@ def serve(demo, *, jump_forward: bool, overlap: bool = True, max_new_tokens: int
 
 @pytest.fixture(scope="module")
 def one_by_one(demo):
-    return serve(demo, jump_forward=False)
+    return serve(demo, jump_forward=True, takes_jumps=False)
 
 
 def test_jump_forward_gives_the_same_tokens_in_fewer_steps(demo, one_by_one):
@@ -72,6 +79,14 @@ def test_jump_forward_gives_the_same_tokens_in_fewer_steps(demo, one_by_one):
     assert batcher.stats.num_jump_forward_tokens > 0
     assert num_steps < reference_steps
     print(f"steps: {num_steps} with jump-forward, {reference_steps} without")
+
+
+def test_without_jump_forward_the_answers_validate_and_nothing_is_reported(demo):
+    answers, _, batcher = serve(demo, jump_forward=False)
+    for (name, _), (_, text, reason) in answers.items():
+        assert reason is FinishReason.STOP
+        check_output(name, text)
+    assert batcher.stats.num_jump_forward_tokens == 0
 
 
 def test_without_overlap_and_at_max_new_tokens_the_tokens_are_the_same(demo, one_by_one):

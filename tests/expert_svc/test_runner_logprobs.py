@@ -98,7 +98,7 @@ class _OnlyToken7(ConstraintMasks):
     def matcher(self, new):
         return object()
 
-    def mask(self, logits_SV, greedy_S, rows, matchers, unaccepted, forced_inputs=()):
+    def mask(self, logits_SV, greedy_S, rows, matchers, unaccepted, forced_inputs=(), is_jump_forward=()):
         with torch.inference_mode():
             keep_V = logits_SV[rows, 7].clone()
             logits_SV[rows] = float("-inf")

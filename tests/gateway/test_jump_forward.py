@@ -29,7 +29,7 @@ def prefilled(batcher, num_prompt=4, **request):
 
 
 def test_under_overlap_the_forced_tokens_after_the_decode_in_flight_are_one_chunk():
-    batcher = make_batcher()
+    batcher = make_batcher(jump_forward=True)
     seq, first = prefilled(batcher)
     second = batcher.schedule()                          # a decode feeding the first token, in flight
     assert plan_of(second, seq).token_ids == ()
@@ -49,7 +49,7 @@ def test_under_overlap_the_forced_tokens_after_the_decode_in_flight_are_one_chun
 
 
 def test_without_overlap_the_chunk_feeds_the_last_token_and_every_forced_one():
-    batcher = make_batcher()
+    batcher = make_batcher(jump_forward=True)
     seq, first = prefilled(batcher)
     events = batcher.apply_results(first.step_id, {seq.seq_id: 30}, forced={seq.seq_id: F})
     chunk = plan_of(second := batcher.schedule(), seq)
@@ -59,7 +59,7 @@ def test_without_overlap_the_chunk_feeds_the_last_token_and_every_forced_one():
 
 
 def test_max_new_tokens_and_the_token_budget_cut_the_chunk():
-    batcher = make_batcher()
+    batcher = make_batcher(jump_forward=True)
     seq, first = prefilled(batcher, max_new_tokens=4)
     batcher.apply_results(first.step_id, {seq.seq_id: 30}, forced={seq.seq_id: F})
     # One token out, the chunk's sampled one last: two forced tokens fit.
@@ -68,14 +68,14 @@ def test_max_new_tokens_and_the_token_budget_cut_the_chunk():
     events = batcher.apply_results(second.step_id, {seq.seq_id: 35})
     assert tokens_of(events, seq) == [*F[:2], 35] and outputs_of(events, seq)[-1].finish_reason is FinishReason.LENGTH
 
-    batcher = make_batcher(max_batch_tokens=3, max_running_requests=2)
+    batcher = make_batcher(max_batch_tokens=3, max_running_requests=2, jump_forward=True)
     seq, first = prefilled(batcher, 2, max_new_tokens=50)
     batcher.apply_results(first.step_id, {seq.seq_id: 30}, forced={seq.seq_id: F})
     assert plan_of(batcher.schedule(), seq).token_ids == (30, *F[:2])
 
 
 def test_a_stop_string_inside_the_forced_tokens_ends_the_request_there():
-    batcher = make_batcher()
+    batcher = make_batcher(jump_forward=True)
     seq, first = prefilled(batcher, stops=("pq",))
     batcher.apply_results(first.step_id, {seq.seq_id: 30}, forced={seq.seq_id: F})
     second = batcher.schedule()
@@ -91,7 +91,7 @@ def test_off_or_with_a_chunk_in_flight_reports_are_ignored():
     batcher.apply_results(first.step_id, {seq.seq_id: 30}, forced={seq.seq_id: F})
     assert plan_of(batcher.schedule(), seq).token_ids == ()
 
-    batcher = make_batcher()
+    batcher = make_batcher(jump_forward=True)
     seq, first = prefilled(batcher)
     second = batcher.schedule()
     batcher.apply_results(first.step_id, {seq.seq_id: 30}, forced={seq.seq_id: F})
@@ -103,7 +103,7 @@ def test_off_or_with_a_chunk_in_flight_reports_are_ignored():
 
 
 def test_a_token_that_is_not_the_one_the_chunk_in_flight_feeds_is_refused():
-    batcher = make_batcher()
+    batcher = make_batcher(jump_forward=True)
     seq, first = prefilled(batcher)
     second = batcher.schedule()
     batcher.apply_results(first.step_id, {seq.seq_id: 30}, forced={seq.seq_id: F})
@@ -115,7 +115,7 @@ def test_a_token_that_is_not_the_one_the_chunk_in_flight_feeds_is_refused():
 def test_a_sequence_that_reports_logprobs_decodes_each_forced_token():
     """Every output token of a request with logprobs carries its log-probability, which only a
     sampled token has: its forced tokens come one decode step each (the rank still forces them)."""
-    batcher = make_batcher()
+    batcher = make_batcher(jump_forward=True)
     seq = add(batcher, dataclasses.replace(make_request(4), logprobs=LogprobSpec(logprobs=True)))
     first = batcher.schedule()
     second = batcher.schedule()
@@ -123,3 +123,18 @@ def test_a_sequence_that_reports_logprobs_decodes_each_forced_token():
     assert plan_of(batcher.schedule(), seq).token_ids == ()      # a decode, not a chunk
     batcher.apply_results(second.step_id, {seq.seq_id: F[0]}, forced={seq.seq_id: F[1:]})
     assert seq.jump is None and batcher.stats.num_jump_forward_tokens == 0
+
+
+def test_a_run_shorter_than_the_minimum_is_decoded_step_by_step():
+    batcher = make_batcher(jump_forward=True, jump_forward_min_tokens=5)
+    seq, first = prefilled(batcher)
+    events = batcher.apply_results(first.step_id, {seq.seq_id: 30}, forced={seq.seq_id: F})   # 4 forced
+    second = batcher.schedule()
+    assert plan_of(second, seq).token_ids == () and plan_of(second, seq).num_forced == 0
+    events += batcher.apply_results(second.step_id, {seq.seq_id: F[0]})
+    assert tokens_of(events, seq) == [30, F[0]] and batcher.stats.num_jump_forward_tokens == 0
+
+    batcher = make_batcher(jump_forward=True, jump_forward_min_tokens=4)   # as long as the run: taken
+    seq, first = prefilled(batcher)
+    batcher.apply_results(first.step_id, {seq.seq_id: 30}, forced={seq.seq_id: F})
+    assert plan_of(batcher.schedule(), seq).num_forced == 4

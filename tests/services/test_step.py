@@ -78,10 +78,11 @@ def test_the_contract_does_not_import_torch():
 
 def test_a_constrained_new_sequence_reads_back_equal():
     from services.step import Constraint
-    for constraint in (Constraint("json_schema", '{"type": "object"}'), Constraint("json_object"),
-                       Constraint("regex", "[a-z]+"), Constraint("choice", ("yes", "no"))):
+    for constraint, is_jump_forward in ((Constraint("json_schema", '{"type": "object"}'), True),
+                                        (Constraint("json_object"), False), (Constraint("regex", "[a-z]+"), True),
+                                        (Constraint("choice", ("yes", "no")), False)):
         plan = StepPlan(1, "g", 1, (NewSequence(3, SamplingSpec(), (0,), constraint=constraint,
-                                                constraint_output_ids=(5, 6)),))
+                                                constraint_output_ids=(5, 6), is_jump_forward=is_jump_forward),))
         wire = step_codec.plan_to_request(plan).SerializeToString()
         assert step_codec.plan_from_pb(expert_pb2.ExecuteStepsRequest.FromString(wire).plan) == plan
 

@@ -45,7 +45,7 @@ class SequenceConstraint(_message.Message):
     def __init__(self, kind: _Optional[_Union[ConstraintKind, str]] = ..., text: _Optional[str] = ..., options: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "sampling", "block_ids", "num_cached_tokens", "traceparent", "constraint", "constraint_output_ids", "logprobs", "top_logprobs", "prompt_logprobs")
+    __slots__ = ("seq_id", "sampling", "block_ids", "num_cached_tokens", "traceparent", "constraint", "constraint_output_ids", "logprobs", "top_logprobs", "prompt_logprobs", "jump_forward")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class NewSequence(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    JUMP_FORWARD_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     sampling: SequenceSampling
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -66,7 +67,8 @@ class NewSequence(_message.Message):
     logprobs: bool
     top_logprobs: int
     prompt_logprobs: bool
-    def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SequenceSampling, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ..., constraint: _Optional[_Union[SequenceConstraint, _Mapping]] = ..., constraint_output_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
+    jump_forward: bool
+    def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SequenceSampling, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ..., constraint: _Optional[_Union[SequenceConstraint, _Mapping]] = ..., constraint_output_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., jump_forward: _Optional[bool] = ...) -> None: ...
 
 class ScheduledSequence(_message.Message):
     __slots__ = ("seq_id", "token_ids", "new_block_ids", "is_sampled", "num_forced")
