@@ -6,6 +6,8 @@ branches', forks' cached prefix, and a failing tool aborting the rest.
 """
 
 import asyncio
+import importlib.util
+import pathlib
 import time
 import urllib.request
 
@@ -234,3 +236,30 @@ def test_run_batch_keeps_the_order_and_reports_failures(runtime):
     assert [s.text()[:len(p)] for s, p in zip(states, prompts)] == prompts
     results = fails_midway.run_batch([{}], runtime=runtime, return_exceptions=True)
     assert isinstance(results[0], moemesh.ProgramError) and results[0].node == "failing_tool"
+
+
+def load_example(name: str):
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_examples_run_on_the_mesh(runtime):
+    pipeline = load_example("ticket_pipeline")
+    states = pipeline.ticket.run_batch([{"text": t, "api_delay": 0.05} for t in pipeline.TICKETS],
+                                       runtime=runtime, max_concurrency=3)
+    for state in states:
+        fields = state["summary"]
+        # Schema-valid: exactly the schema's keys, each of its type and within its bounds.
+        assert set(fields) == {"category", "order_id", "customer", "urgent"}
+        assert fields["category"] in pipeline.CATEGORIES and isinstance(fields["urgent"], bool)
+        assert 0 <= fields["order_id"] <= 999999 and len(fields["customer"]) <= 24
+        assert state["payment_status"]["order_id"] == fields["order_id"] and isinstance(state["answer"], str)
+    votes = load_example("self_consistency").consistent.run("How many?", runtime=runtime)
+    assert votes["vote"].isdigit()
+    extraction = load_example("parallel_extraction")
+    fields = extraction.extract.run(extraction.DOCUMENT, runtime=runtime)["record"]
+    assert set(fields) == set(extraction.FIELDS) and fields["payment_method"] in \
+        extraction.FIELDS["payment_method"]["choices"]
