@@ -27,6 +27,7 @@ import time
 from opentelemetry import trace
 from prometheus_client import Histogram
 
+from moemesh.client_types import Usage
 from moemesh.program.lang import Bind, Gen, GenerationAborted, ProgramError, Select
 from moemesh.program.state import NodeOutput, Piece, Ref, as_text
 
@@ -36,7 +37,11 @@ NODE_SECONDS = Histogram(
 # How long a failure waits for the aborted requests' streams to end before cancelling them.
 ABORT_GRACE_S = 5.0
 
-_tracer = trace.get_tracer("moemesh.program")
+
+
+def tracer() -> trace.Tracer:
+    """The programs' tracer, from the provider current now (tests install theirs after import)."""
+    return trace.get_tracer("moemesh.program")
 
 
 class Run:
@@ -56,6 +61,8 @@ class Run:
         # Request id -> node, while the request runs at the gateway.
         self._live: dict[str, str] = {}
         self._seq = itertools.count()
+        # Every gen, select, tool and fork node's output, as it finished (any state of the run).
+        self.outputs: list[NodeOutput] = []
 
     # Submitted from the program thread.
 
@@ -116,7 +123,7 @@ class Run:
         try:
             if not observed:
                 return await work()
-            with _tracer.start_as_current_span(f"{kind} {name}", context=self.context) as span:
+            with tracer().start_as_current_span(f"{kind} {name}", context=self.context) as span:
                 output = await work()
                 span.set_attribute("moemesh.node.request_ids", list(output.request_ids))
         except (asyncio.CancelledError, ProgramError):
@@ -130,7 +137,9 @@ class Run:
             self._tasks.discard(task)
         seconds = time.monotonic() - start
         NODE_SECONDS.labels(self.program, name, kind).observe(seconds)
-        return dataclasses.replace(output, seconds=seconds)
+        output = dataclasses.replace(output, seconds=seconds)
+        self.outputs.append(output)
+        return output
 
     async def fail(self, failure: ProgramError) -> None:
         """Fails the run with its first failure: aborts the live requests, then cancels every other node."""
@@ -203,8 +212,10 @@ class Run:
             logprobs = [result.prompt_logprobs[len(prompt) + j - 1].logprob for j in range(len(ids))]
             scores[choice] = sum(logprobs) / (len(logprobs) if step.normalize == "mean" else 1)
         best = max(range(len(step.choices)), key=lambda i: scores[step.choices[i]])
+        usage = Usage(sum(r.usage.prompt_tokens for r in results), sum(r.usage.completion_tokens for r in results),
+                      sum(r.usage.cached_tokens for r in results))
         return NodeOutput(step.name, "select", step.choices[best], step.choices[best], tuple(choice_ids[best]),
-                          scores=scores, request_ids=tuple(request_ids))
+                          usage, scores=scores, request_ids=tuple(request_ids))
 
     async def _tool(self, step: Bind) -> NodeOutput:
         args = {key: value.resolve(await asyncio.wrap_future(value.future)) if isinstance(value, Ref) else value

@@ -26,7 +26,7 @@ from opentelemetry import trace
 
 from moemesh.async_client import AsyncClient
 from moemesh.program.lang import Program, ProgramError
-from moemesh.program.run import Run, _tracer
+from moemesh.program.run import Run, tracer
 from moemesh.program.state import State
 
 # A content that no chat template renders into its framing (used to find where content goes).
@@ -104,7 +104,7 @@ class Session:
 
     async def run(self, program: Program, args: Sequence[Any], kwargs: Mapping[str, Any]) -> State:
         """Runs the body on a worker thread, its nodes on this loop; the State once every node is done."""
-        with _tracer.start_as_current_span(f"program {program.name}") as span:
+        with tracer().start_as_current_span(f"program {program.name}") as span:
             run = Run(self, program.name, uuid.uuid4().hex[:12], trace.set_span_in_context(span))
             span.set_attribute("moemesh.program.run_id", run.run_id)
             state = State(run)

@@ -41,7 +41,7 @@ class NodeOutput:
     # As it joins the prompt (a bind's value as text: JSON for dicts and lists).
     text: str
     token_ids: tuple[int, ...] = ()
-    # The client's Usage of a gen's request; None for select (see scores) and bind.
+    # The client's Usage of a gen's request (a select's: its requests' summed); None for bind.
     usage: Any = None
     # select only: each choice's score (Select's normalisation).
     scores: dict[str, float] | None = None
@@ -125,6 +125,10 @@ class State:
     def token_ids(self) -> list[int]:
         """The state's prompt as token ids, waiting for every piece."""
         return [token for piece in self._pieces for token in piece.result().token_ids]
+
+    def run_nodes(self) -> list[NodeOutput]:
+        """Every finished node of the run, of any of its states, in the order they finished."""
+        return list(self._run.outputs)
 
     def variables(self) -> dict[str, Any]:
         """Every variable's value, waiting for all."""

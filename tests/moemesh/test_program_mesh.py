@@ -12,6 +12,10 @@ import time
 import urllib.request
 
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -74,6 +78,9 @@ def test_select_picks_the_choice_transformers_ranks_first(runtime, client, hf_mo
     assert node.scores == pytest.approx(reference, abs=1e-3)
     assert state["pick"] == max(choices, key=reference.__getitem__)
     assert state.text() == prompt + state["pick"] and len(node.request_ids) == len(choices)
+    # Each choice's request scored the whole prompt: a scored prompt takes no cached prefix.
+    assert node.usage.prompt_tokens == sum(len(prefix) + len(client.tokenize(c)) for c in choices)
+    assert node.usage.cached_tokens == 0 and state.run_nodes() == [node]
 
 
 @moemesh.function
@@ -263,3 +270,28 @@ def test_the_examples_run_on_the_mesh(runtime):
     fields = extraction.extract.run(extraction.DOCUMENT, runtime=runtime)["record"]
     assert set(fields) == set(extraction.FIELDS) and fields["payment_method"] in \
         extraction.FIELDS["payment_method"]["choices"]
+
+
+def current_span_id() -> int:
+    return trace.get_current_span().get_span_context().span_id
+
+
+@moemesh.function
+def traced(s):
+    s += "Traced:"
+    s += moemesh.gen("a", max_tokens=2, ignore_eos=True)
+    s += moemesh.bind(current_span_id)
+
+
+def test_one_span_per_run_with_a_child_per_node(runtime, monkeypatch):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(trace, "_TRACER_PROVIDER", provider)
+    state = traced.run(runtime=runtime)
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    run, gen, tool = spans["program traced"], spans["gen a"], spans["tool current_span_id"]
+    assert gen.parent.span_id == tool.parent.span_id == run.context.span_id
+    assert list(gen.attributes["moemesh.node.request_ids"]) == list(state.node("a").request_ids)
+    # The node's span is current where its work runs (a sync tool on the pool; a gen's client call).
+    assert state["current_span_id"] == tool.context.span_id
