@@ -106,7 +106,7 @@ def gen(name: str, max_tokens: int = 128, *, stop: str | Sequence[str] = (), tem
 
 def select(name: str, choices: Sequence[str], *, normalize: str = "mean") -> Select:
     """A choice among texts by likelihood (Select says how they are scored)."""
-    return Select(name, tuple(choices), normalize)
+    return Select(name, choices if isinstance(choices, str) else tuple(choices), normalize)
 
 
 def bind(tool: Callable[..., Any], /, **args: Any) -> Bind:

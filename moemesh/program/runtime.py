@@ -116,7 +116,9 @@ class Session:
                 if run.failure is None:
                     raise
             except Exception as error:
-                await run.fail(ProgramError(program.name, program.name, "program", error))
+                failure = ProgramError(program.name, program.name, "program", error)
+                failure.__cause__ = error
+                await run.fail(failure)
             try:
                 await run.finish()
             except ProgramError as failure:

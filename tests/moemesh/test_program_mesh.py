@@ -298,3 +298,23 @@ def test_one_span_per_run_with_a_child_per_node(runtime, monkeypatch):
     assert list(gen.attributes["moemesh.node.request_ids"]) == list(state.node("a").request_ids)
     # The node's span is current where its work runs (a sync tool on the pool; a gen's client call).
     assert state["current_span_id"] == tool.context.span_id
+
+
+@moemesh.function
+def body_fails(s):
+    s += "A very long story:"
+    s += moemesh.gen("story", max_tokens=2000, ignore_eos=True)
+    time.sleep(0.5)
+    raise LookupError("the program's own bug")
+
+
+def test_a_failing_body_aborts_the_nodes_it_started(runtime, mesh):
+    aborted_before = num_aborted(mesh)
+    with pytest.raises(moemesh.ProgramError) as err:
+        body_fails.run(runtime=runtime)
+    assert (err.value.node, err.value.kind, err.value.aborted) == ("body_fails", "program", ("story",))
+    assert isinstance(err.value.__cause__, LookupError)
+    deadline = time.monotonic() + 5
+    while num_aborted(mesh) < aborted_before + 1 or num_running(mesh):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
