@@ -4,7 +4,8 @@ It may import the library (`services`), the protos and start the roles as
 processes; no role and no library module imports it.
 
 The Python client (`moemesh.Client`, `moemesh.AsyncClient`, their values and
-errors) is exported here, loaded on first use: `import moemesh` alone loads
+errors) and the LLM programs (`moemesh.function`, `gen`, `select`, `bind`,
+the chat roles, `Runtime`; moemesh/program/) are exported here, loaded on first use: `import moemesh` alone loads
 nothing, so the launcher and stub generation (which must run while the
 generated stubs are stale) do not depend on the stubs, and the client itself
 pulls in gRPC, protobuf and OpenTelemetry's API, never torch.
@@ -23,6 +24,11 @@ _EXPORTS = {
     **{name: "moemesh.client_errors" for name in (
         "MoemeshError", "InvalidArgumentError", "NotFoundError", "UnavailableError", "DeadlineExceededError",
         "ResourceExhaustedError", "CancelledError")},
+    # LLM programs (moemesh/program/).
+    **{name: "moemesh.program.lang" for name in (
+        "function", "gen", "select", "bind", "system", "user", "assistant", "Program", "ProgramError")},
+    **{name: "moemesh.program.state" for name in ("State", "Ref", "NodeOutput")},
+    "Runtime": "moemesh.program.runtime",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -34,6 +40,10 @@ if TYPE_CHECKING:
                                        NotFoundError, ResourceExhaustedError, UnavailableError)
     from moemesh.client_retry import RetryPolicy
     from moemesh.client_types import Chunk, GenerateResult, ModelInfo, Sample, TokenLogprob, TopLogprob, Usage
+    from moemesh.program.lang import (Program, ProgramError, assistant, bind, function, gen, select, system,
+                                      user)
+    from moemesh.program.runtime import Runtime
+    from moemesh.program.state import NodeOutput, Ref, State
 
 
 def __getattr__(name: str):

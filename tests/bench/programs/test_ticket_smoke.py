@@ -1,0 +1,17 @@
+"""The programs benchmark in miniature on the shared mesh: both versions measured, the results written."""
+
+import json
+
+from bench.programs import ticket
+
+
+def test_ticket_bench_measures_both_versions_and_writes_its_results(mesh, tmp_path):
+    rc = ticket.main(["--target", mesh.gateway_address, "--num-tickets", "2", "--concurrency", "1,2",
+                      "--api-delay", "0.01", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "programs_cpu.json").read_text())
+    assert rc == 0 and report["command"].startswith("python -m bench.programs.ticket")
+    assert [(r["kind"], r["concurrency"]) for r in report["rows"]] == [
+        ("sequential", 1), ("program", 1), ("sequential", 2), ("program", 2)]
+    for row in report["rows"]:
+        assert row["num_tickets"] == 2 and 0 < row["p50_s"] <= row["p99_s"] and row["prefilled_tokens"] > 0
+    assert "| program | 1 | 2 |" in (tmp_path / "programs_cpu.md").read_text()
