@@ -47,7 +47,7 @@ import time
 
 from bench.constraints import load
 from bench.serving.gpu_speed import scrape_steps, step_attribution
-from bench.serving.serve import RESULTS_DIR, run_load, summarize
+from bench.serving.serve import RESULTS_DIR, run_load, summarize, write_result
 from bench.serving.workloads import ID_HIGH, ID_LOW, make_workload
 from gateway.stats import percentile
 
@@ -328,10 +328,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _write(report: dict, args) -> None:
     add_targets(report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = f"constraints_{args.kind}"
-    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / f"{name}.md").write_text(markdown(report))
+    write_result(args.out, f"constraints_{args.kind}", report, markdown(report))
 
 
 if __name__ == "__main__":

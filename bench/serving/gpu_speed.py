@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 
-from bench.serving.serve import RESULTS_DIR, run_load, summarize
+from bench.serving.serve import RESULTS_DIR, run_load, summarize, write_result
 from bench.serving.workloads import make_workload
 
 HBM_BYTES_PER_S = 4.25e12
@@ -593,10 +593,7 @@ def main(argv: list[str] | None = None) -> int:
 def _write(report: dict, args) -> None:
     """Writes the results so far (a run cut short still leaves them)."""
     add_ratios(report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = f"gpu_speed_{args.kind}"
-    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / f"{name}.md").write_text(markdown(report))
+    write_result(args.out, f"gpu_speed_{args.kind}", report, markdown(report))
 
 
 if __name__ == "__main__":

@@ -39,10 +39,10 @@ import time
 
 import grpc
 
+from bench.serving.serve import RESULTS_DIR, write_result
 from gateway.stats import percentile
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-RESULTS_DIR = pathlib.Path(__file__).resolve().parents[1] / "results"
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog.",
            "Mixture-of-experts models route each token to a few experts.", "def fibonacci(n):",
            "In 1905, Albert Einstein published four papers that changed physics."]
@@ -273,10 +273,8 @@ def main(argv: list[str] | None = None) -> int:
               **report, "problems": None}
     report["problems"] = problems(report)
     table = markdown(report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "http_load_cpu.json").write_text(json.dumps(report, indent=2) + "\n")
     machine = report["machine"]
-    (args.out / "http_load_cpu.md").write_text(
+    write_result(args.out, "http_load_cpu", report,
         f"# HTTP (OpenAI-compatible) against gRPC, same mesh, CPU\n\n`{report['command']}` at commit "
         f"`{commit}`\n\n{machine['cpus']} CPUs, load average {machine['load_start']} at the start and "
         f"{machine['load_end']} at the end (the machine is shared).\n\n{table}\n\n"

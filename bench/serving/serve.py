@@ -213,6 +213,13 @@ def markdown_table(report: dict) -> str:
     return "\n".join([header, rule, row])
 
 
+def write_result(out_dir: pathlib.Path, name: str, report: dict, text: str) -> None:
+    """Writes a benchmark's current result: <name>.json (the report) and <name>.md (`text`)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / f"{name}.md").write_text(text)
+
+
 def write_report(report: dict, out_dir: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
     """Writes <name>.json and <name>.md; returns both paths."""
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import collections
 import dataclasses
-import json
 import logging
 import os
 import pathlib
@@ -39,11 +38,11 @@ import time
 
 import grpc
 
+from bench.serving.serve import RESULTS_DIR, write_result
 from bench.serving.workloads import ID_HIGH, ID_LOW
 from gateway.stats import percentile
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-RESULTS_DIR = pathlib.Path(__file__).resolve().parents[1] / "results"
 EXPECTED_ERRORS = frozenset({"RESOURCE_EXHAUSTED"})
 # The gateway's queue and batch in the soak: small, so that bursts overflow them.
 GATEWAY_ARGS = ["--max-waiting-requests", "64", "--max-running-requests", "32"]
@@ -358,10 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         "problems": verdict(tally, memory, alive, args.max_rss_growth),
     }
     table = markdown(report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "soak.json").write_text(json.dumps(report, indent=2) + "\n")
     machine = report["machine"]
-    (args.out / "soak.md").write_text(
+    write_result(args.out, "soak", report,
         f"# Soak run\n\n`{report['command']}`\n\n{machine['cpus']} CPUs, load average {machine['load_start']} at "
         f"the start and {machine['load_end']} at the end (the machine is shared).\n\n{table}\n\n"
         f"RSS over the run (MiB):\n\n{timeline(report)}\n")
