@@ -33,6 +33,8 @@
 #            slots asking for the ticket JSON against its unconstrained twins over the same 40 s window,
 #            b1's decode ms per token, the ticket schema's compile time, and b1 again with --jump-forward
 #            (a second mesh); limit 300 s
+#     goodput bench/serving/goodput.py on one rank (issue 30): the production mix as Poisson arrivals at
+#            ${GOODPUT_RATES:-2,4,6,8,10,12,16} req/s, 30 s each, stopping past the knee; limit 540 s
 #     step   bench/kernels/decode_variants.py at 256 sequences on one rank, then on two (--exchanges
 #            ${STEP_EXCHANGES:-pull,push,signals,collectives}, 2 rounds): the 48-layer decode step replayed in a
 #            CUDA graph, each rank's kernels of one eager step, the two-rank step's speed-up over one
@@ -124,6 +126,8 @@ for step in $STEPS; do
                 --expert-arg=--kv-cache-dtype --expert-arg=fp8_e4m3 ${N1_ARGS:-} --out "$RESULTS/fp8" ;;
         constraints) part constraints 300 python3 -m bench.constraints.gpu_constraints --kind "$KIND" \
                 ${CONSTRAINTS_ARGS:-} --out "$RESULTS/constraints" ;;
+        goodput) part goodput 540 python3 -m bench.serving.goodput --kind "$KIND" --rates "${GOODPUT_RATES:-2,4,6,8,10,12,16}" \
+                ${GOODPUT_ARGS:-} --out "$RESULTS/goodput" ;;
         *) echo "unknown step $step" >>"$LOG" ;;
     esac
 done

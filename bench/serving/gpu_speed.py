@@ -165,11 +165,10 @@ def _case_concurrency(case: str) -> int:
     return 1 if case == "b1" else int(case[1:])
 
 
-async def _drive(target: str, args, cases: list[str], max_context: int, metrics: dict[str, str]) -> dict:
-    load = argparse.Namespace(rate=0.0, seed=args.seed, request_timeout_s=args.request_timeout_s, concurrency=8)
-    # Every decode batch size (power of two) once, so CUDA-graph captures happen before the measured runs.
-    max_conc = max(args.mix_concurrency if c == "mix" else _case_concurrency(c) for c in cases)
-    load.concurrency = 1
+async def warm_up(target: str, args, max_conc: int) -> None:
+    """Every decode batch size up to max_conc (powers of two) once, then full-size prompts alone and
+    8 at a time, so that CUDA-graph captures and Triton compiles happen before anything is measured."""
+    load = argparse.Namespace(rate=0.0, seed=args.seed, request_timeout_s=args.request_timeout_s, concurrency=1)
     while load.concurrency <= max_conc:
         warm = make_workload("1k1k", load.concurrency, scale=16 / 1024, output_scale=4 / 1024, seed=args.seed + 1)
         await run_load(target, warm, load, f"warmup{load.concurrency}")
@@ -180,6 +179,11 @@ async def _drive(target: str, args, cases: list[str], max_context: int, metrics:
         load.concurrency = concurrency
         warm = make_workload("1k1k", concurrency, scale=args.prompt_scale, output_scale=4 / 1024, seed=args.seed + 2)
         await run_load(target, warm, load, f"warmup-prefill{concurrency}")
+
+
+async def _drive(target: str, args, cases: list[str], max_context: int, metrics: dict[str, str]) -> dict:
+    load = argparse.Namespace(rate=0.0, seed=args.seed, request_timeout_s=args.request_timeout_s, concurrency=8)
+    await warm_up(target, args, max(args.mix_concurrency if c == "mix" else _case_concurrency(c) for c in cases))
     out = {}
     for index, case in enumerate(cases):
         # Each case its own prompts: with one seed, case cN's first prompts were the earlier cases'
@@ -211,11 +215,13 @@ async def _drive(target: str, args, cases: list[str], max_context: int, metrics:
     return out
 
 
-def run_mesh(args, cases: list[str], model_dir: pathlib.Path) -> dict:
-    """Starts the mesh on random weights, runs the serving cases, stops it."""
+def run_mesh(args, cases: list[str], model_dir: pathlib.Path, drive=None) -> dict:
+    """Starts the mesh on random weights, runs the serving cases, stops it. `drive(target, args,
+    cases, max_context, metrics)`, a coroutine, replaces the cases' driver (bench/serving/goodput.py)."""
     from moemesh.launcher import Mesh, MeshSpec, tail
     from services.model.config import ModelConfig
 
+    drive = drive or _drive
     max_conc = max([_case_concurrency(c) for c in cases if c != "mix"] + [args.mix_concurrency, 8])
     per_rank = max(1, -(-max_conc // args.ranks))
     extra = {"expert_svc": ["--random-weights", args.preset, *args.expert_arg],
@@ -231,7 +237,7 @@ def run_mesh(args, cases: list[str], model_dir: pathlib.Path) -> dict:
         max_context = ModelConfig.from_model_dir(model_dir).max_position_embeddings
         metrics = {r.name: f"127.0.0.1:{r.metrics_port}" for r in mesh.roles
                    if r.metrics_port and r.name.startswith(("expert", "gateway"))}
-        results = asyncio.run(_drive(mesh.gateway_address, args, cases, max_context, metrics))
+        results = asyncio.run(drive(mesh.gateway_address, args, cases, max_context, metrics))
         logs = {r.name: tail(r.log_path, 12) for r in mesh.roles if r.name.startswith(("expert", "gateway"))}
         exchange = {r.name: _exchange_line(r.log_path) for r in mesh.roles if r.name.startswith("expert")}
     except BaseException:

@@ -1,0 +1,59 @@
+"""bench/serving/goodput.py's arithmetic: SLO attainment, TPOT, goodput and the prefill FLOPs."""
+
+import argparse
+
+import pytest
+
+from bench.serving.goodput import flops_per_prompt, goodput, meets_slo, parse_args, rate_row, tpot_s
+from bench.serving.serve import RequestResult
+from services.model.random_weights import preset
+
+SLO = argparse.Namespace(slo_ttft_ms=500.0, slo_tpot_ms=40.0)
+
+
+def _result(start, first, end, tokens, error=None):
+    r = RequestResult("mix", start, end_s=end, first_token_s=first, num_output_tokens=tokens)
+    r.error = error
+    return r
+
+
+def test_tpot_and_slo_count_ttft_and_the_mean_gap():
+    fast = _result(0.0, 0.4, 0.4 + 31 * 0.03, 32)
+    assert tpot_s(fast) == pytest.approx(0.03)
+    assert meets_slo(fast, 0.5, 0.04)
+    assert not meets_slo(_result(0.0, 0.6, 1.0, 32), 0.5, 0.04)  # TTFT over
+    assert not meets_slo(_result(0.0, 0.1, 0.1 + 31 * 0.05, 32), 0.5, 0.04)  # TPOT over
+    assert meets_slo(_result(0.0, 0.2, 0.2, 1), 0.5, 0.04)  # one token: no TPOT
+    assert not meets_slo(_result(0.0, None, 1.0, 0, error="UNAVAILABLE"), 0.5, 0.04)
+
+
+def test_rate_row_leaves_out_the_settling_arrivals_and_counts_failures_as_misses():
+    results = [_result(0.0, 5.0, 6.0, 2),  # arrives in the settle window: not counted
+               _result(2.0, 2.1, 2.13, 2), _result(3.0, 3.1, 3.13, 2),
+               _result(4.0, None, 4.5, 0, error="RESOURCE_EXHAUSTED")]
+    row = rate_row(1.0, results, [10, 20, 30, 40], 6.0, 1.0, SLO, [1.0, 2.0, 3.0, 4.0])
+    assert (row["sent"], row["counted"], row["ok"]) == (4, 3, 2)
+    assert row["slo_attainment"] == pytest.approx(2 / 3, abs=1e-4)
+    assert row["errors"] == {"RESOURCE_EXHAUSTED": 1}
+    assert row["prompt_tokens_per_s"] == round((20 + 30) / 2.5)  # the counted window: 2.0 to 4.5
+
+
+def test_goodput_is_the_highest_rate_that_meets_the_attainment():
+    rows = [{"rate": 2, "slo_attainment": 1.0}, {"rate": 4, "slo_attainment": 0.995},
+            {"rate": 6, "slo_attainment": 0.97}, {"rate": 8, "slo_attainment": 0.2}]
+    assert goodput(rows, 0.99) == 4
+    assert goodput(rows[2:], 0.99) == 0.0
+
+
+def test_prefill_flops_of_the_30b_shape_are_about_eight_gflop_a_token_at_4k():
+    per_token = flops_per_prompt(preset("qwen3-30b-a3b"), 4096) / 4096
+    assert 5e9 < per_token < 10e9  # about 3.3B active weights, twice, plus attention at 4K
+    assert flops_per_prompt(preset("tiny"), 8) < flops_per_prompt(preset("tiny"), 16)
+
+
+def test_rates_are_parsed_and_checked():
+    assert parse_args(["--rates", "2,4.5"]).rate_list == [2.0, 4.5]
+    with pytest.raises(SystemExit):
+        parse_args(["--rates", "0,2"])
+    with pytest.raises(SystemExit):
+        parse_args(["--duration-s", "5", "--settle-s", "5"])
