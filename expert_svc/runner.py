@@ -70,7 +70,7 @@ class StalePlanError(ValueError):
 @dataclasses.dataclass(slots=True)
 class _Sequence:
     # An int32 array: a decode step copies it whole into the graph's packed inputs
-    # (graph_runner.StaticInputs), at memcpy speed rather than int by int.
+    # (graph_inputs.StaticInputs), at memcpy speed rather than int by int.
     block_table: array.array
     num_computed: int
     sampling: SamplingSpec

@@ -8,7 +8,8 @@ the largest bucket) and the key's flag; fed tokens and draws through StepRunner.
 import pytest
 import torch
 
-from expert_svc.graph_runner import DecodeGraphRunner, StaticInputs
+from expert_svc.graph_inputs import StaticInputs
+from expert_svc.graph_runner import DecodeGraphRunner
 from expert_svc.runner import StepRunner
 from services.kv_pool import KVPool
 from services.model.batch import SeqInput, build_decode_batch, build_forward_batch

@@ -279,7 +279,7 @@ def test_a_plan_with_more_tokens_than_its_max_is_rejected(weights):
 def test_static_inputs_take_a_step_in_one_copy_plus_the_tables_columns():
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from expert_svc.graph_runner import StaticInputs
+    from expert_svc.graph_inputs import StaticInputs
     from services.model.batch import build_decode_batch
 
     inputs = StaticInputs(rows=7, max_blocks=6, device=torch.device("cpu"))  # 7: parts padded to 8 rows
