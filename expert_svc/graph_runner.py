@@ -16,9 +16,9 @@ n real sequences, r real rows (B - r padding rows), M block-table columns, V voc
   sequence read each other's), so this variant is captured apart (the key's
   flag) and plain decode steps keep the decode kernel's own KV write. The
   output row of sequence i is its last row (sample_indices_S, uploaded with
-  the inputs), so callers see one row per sequence either way. A step eager
-  at batch 1 costs about ten graph decodes, which is what made jump-forward
-  chunks lose.
+  the inputs), so callers see one row per sequence either way. Eagerly, such
+  a step would cost many graph decodes at a small batch (launch overhead):
+  more than the decode steps a jump-forward chunk saves.
 - Buckets: a step of r rows runs the graph of the smallest bucket >= r
   (`cuda_graph_buckets`), padded with rows that read and write no KV
   (as services/model/batch.py build_decode_batch: input id 0, position 0, slot
@@ -71,9 +71,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from expert_svc.graph_inputs import StaticInputs
 from services.kv_pool import KVPool
 from services.model.attention import ATTENTION_BACKENDS, AttentionBackend, AutoAttention
-from expert_svc.graph_inputs import StaticInputs
 from services.model.batch import ForwardBatch, SeqInput
 from services.model.moe_backend import gathers_on
 
