@@ -77,6 +77,11 @@ class ExpertConfig(MemberConfig):
     # graphs' block-table width; longer sequences decode eagerly. 0 = the
     # model's max_position_embeddings.
     cuda_graph_max_context: int = 0
+    # A step whose sequences bring up to this many new tokens each (jump-forward
+    # chunks, short prompt chunks) runs as CUDA graph decode rows, a row per token,
+    # when its rows fit the largest bucket; 1 = graphs for decode steps only.
+    # Each row's attention reads its sequence's context: long chunks run eagerly.
+    cuda_graph_max_seq_tokens: int = 16
     # Time the MoE all-to-alls on CUDA too (a synchronize around each call:
     # slower; for debugging). On the CPU they are always timed.
     debug_collective_timing: bool = False
@@ -140,7 +145,7 @@ class ExpertConfig(MemberConfig):
             raise ValueError(f"ep_exchange must be one of {_EP_EXCHANGES}, got {self.ep_exchange!r}")
         if self.ep_exchange == "symmetric" and not self.is_cuda:
             raise ValueError(f"ep_exchange 'symmetric' needs a CUDA device, got device {self.device!r}")
-        for name in ("kv_block_size", "kv_memory_bytes"):
+        for name in ("kv_block_size", "kv_memory_bytes", "cuda_graph_max_seq_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("kv_blocks", "num_threads", "stats_every_steps", "max_fixed_capacity_tokens",

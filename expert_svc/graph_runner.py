@@ -1,26 +1,39 @@
-"""Decode steps as CUDA graphs: captured per (batch bucket, dispatch capacity), then replayed.
+"""Decode steps as CUDA graphs: captured per (batch bucket, dispatch capacity, expanded), then replayed.
 
 A decode step (every sequence of the rank one new token) with a fixed MoE
 dispatch capacity has no host sync and no data-dependent shape, so its whole
 forward can be captured once and replayed with new inputs: no kernel launch
 overhead, which dominates small decode batches. Legend: B rows of a bucket,
-n real sequences (B - n padding rows), M block-table columns, V vocab.
+n real sequences, r real rows (B - r padding rows), M block-table columns, V vocab.
 
-- Buckets: a step of n sequences runs the graph of the smallest bucket >= n
+- Expanded steps: a step whose sequences bring a few new tokens each (a
+  jump-forward chunk, a short prompt chunk: at most `max_seq_tokens`, none
+  scored for prompt logprobs) runs as r = (their total) decode rows, row j of
+  a sequence at position num_computed + j with its own slot, context length
+  num_computed + j + 1 and the sequence's block table (services/model/batch.py,
+  "expanded"). Every row is then an ordinary decode row for the layer; the
+  attention stores all rows' K/V before any row attends (rows of one
+  sequence read each other's), so this variant is captured apart (the key's
+  flag) and plain decode steps keep the decode kernel's own KV write. The
+  output row of sequence i is its last row (sample_indices_S, uploaded with
+  the inputs), so callers see one row per sequence either way. Eagerly, such
+  a step would cost many graph decodes at a small batch (launch overhead):
+  more than the decode steps a jump-forward chunk saves.
+- Buckets: a step of r rows runs the graph of the smallest bucket >= r
   (`cuda_graph_buckets`), padded with rows that read and write no KV
   (as services/model/batch.py build_decode_batch: input id 0, position 0, slot
   -1, context length 0, a block table of zeros). An idle rank of a decode
   step (n = 0) runs the smallest bucket, all padding, so it keeps pace with
   its group.
-- Key: (B, capacity); the capacity comes from the group's largest batch, so
+- Key: (B, capacity, expanded); the capacity comes from the group's largest batch, so
   every rank uses the same one. B * min(K, slots) must fit in it (it does
   when the buckets are powers of two, the capacity's rounding). With
   pad_to_capacity (the ranks of kernels/moe_ep.py's expert-parallel MoE on CUDA) B is
   the capacity's own bucket: one key per capacity, whatever the rank's share.
 - Static inputs: one batch of the largest bucket; bucket B uses its first B
   rows and all M columns (M from the model's context length). The input ids,
-  positions, slots and context lengths are views of one device byte buffer
-  (StaticInputs), which each step fills with one non-blocking copy from
+  positions, slots, sample rows and context lengths are views of one device byte buffer
+  (graph_inputs.StaticInputs), which each step fills with one non-blocking copy from
   pinned memory, together with its block tables' used columns, packed; one
   copy kernel then puts those columns into the static tables (the kernel
   reads no column past a row's context). Before, each of the five tensors
@@ -37,11 +50,13 @@ n real sequences (B - n padding rows), M block-table columns, V vocab.
   are taken back out of the model's hit_counts_LE. Every padding row of a
   key computes the same numbers (same inputs, row-wise kernels), so the
   key's first eager step with padding probes the last row's experts once;
-  every later step subtracts (B - n) times that.
+  every later step subtracts (B - r) times that. The real rows of an
+  expanded step are real tokens, counted as the eager chunk step counts them.
 - Fed tokens: a decode input that is the sequence's token sampled in an
   earlier step comes from the device (a `TokenFeed`, patched into the
   static input ids after the host rows are copied, just before the replay),
-  so a step can be launched before the last one's tokens are read.
+  so a step can be launched before the last one's tokens are read. Its rows
+  index the step's flattened tokens, which are the expanded rows, in order.
 - Sync: nothing here reads the device. The caller's one read of the
   sampled tokens is the step's only host sync.
 
@@ -49,7 +64,6 @@ n real sequences (B - n padding rows), M block-table columns, V vocab.
 function itself, so the bucket, padding, key and row logic runs without CUDA.
 """
 
-import array
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
@@ -57,15 +71,22 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from expert_svc.graph_inputs import StaticInputs
 from services.kv_pool import KVPool
 from services.model.attention import ATTENTION_BACKENDS, AttentionBackend, AutoAttention
-from services.model.batch import ForwardBatch, SeqInput, check_decode_seqs
+from services.model.batch import ForwardBatch, SeqInput
 from services.model.moe_backend import gathers_on
 
 log = logging.getLogger("expert_svc")
 
 # fn -> replay: records fn once, returns what runs it again.
 Capture = Callable[[Callable[[], None]], Callable[[], None]]
+# (rows of the bucket, dispatch capacity, expanded)
+Key = tuple[int, int, bool]
+# The most new tokens of one sequence in an expanded step. Each row's attention reads the
+# sequence's whole context, so k rows read it k times: fine for a jump's few tokens or a
+# short prompt chunk, not for a long chunk, which the prefill kernel tiles (eager).
+MAX_SEQ_TOKENS = 16
 
 
 def captures_decode(backend: AttentionBackend, device: torch.device) -> bool:
@@ -84,9 +105,10 @@ def captures_decode(backend: AttentionBackend, device: torch.device) -> bool:
 
 
 def make_graph_runner(model, kv_pool: KVPool, block_size: int, buckets: Sequence[int],
-                      max_context: int = 0) -> "DecodeGraphRunner | None":
+                      max_context: int = 0, max_seq_tokens: int = MAX_SEQ_TOKENS) -> "DecodeGraphRunner | None":
     """The rank's graph runner, or None: no buckets, or a device or attention backend
-    that cannot capture. max_context (0: the model's) fixes the block-table width."""
+    that cannot capture. max_context (0: the model's) fixes the block-table width;
+    max_seq_tokens bounds an expanded step's tokens per sequence (1: decode steps only)."""
     if not buckets:
         return None
     if not captures_decode(model.attention, torch.device(model.device)):
@@ -96,7 +118,8 @@ def make_graph_runner(model, kv_pool: KVPool, block_size: int, buckets: Sequence
     max_blocks = -(-(max_context or model.config.max_position_embeddings) // block_size)
     device = torch.device(model.device)
     return DecodeGraphRunner(model, kv_pool, block_size, buckets=buckets, max_blocks=max_blocks,
-                             pad_to_capacity=model.comm.world_size > 1 and gathers_on(device))
+                             pad_to_capacity=model.comm.world_size > 1 and gathers_on(device),
+                             max_seq_tokens=max_seq_tokens)
 
 
 def cuda_capture(pool) -> Capture:
@@ -125,8 +148,8 @@ class TokenFeed:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DecodeOutput:
-    """One decode step's results, row i for sequence i; views of static buffers,
-    valid until the next run."""
+    """One decode step's results, row i for sequence i (its last row); views of static
+    buffers, valid until the next run."""
 
     logits_SV: Tensor  # fp32
     greedy_S: Tensor  # int64 argmax of logits_SV, on the device
@@ -136,11 +159,15 @@ class DecodeGraphRunner:
     """Runs a rank's decode steps through CUDA graphs (see the module doc)."""
 
     def __init__(self, model, kv_pool: KVPool, block_size: int, *, buckets: Sequence[int],
-                 max_blocks: int, capture: Capture | None = None, pad_to_capacity: bool = False):
+                 max_blocks: int, capture: Capture | None = None, pad_to_capacity: bool = False,
+                 max_seq_tokens: int = MAX_SEQ_TOKENS):
         if not buckets or min(buckets) <= 0:
             raise ValueError(f"buckets must be positive batch sizes, got {list(buckets)}")
         if max_blocks <= 0:
             raise ValueError(f"max_blocks must be positive, got {max_blocks}")
+        if max_seq_tokens <= 0:
+            raise ValueError(f"max_seq_tokens must be positive, got {max_seq_tokens}")
+        self.max_seq_tokens = max_seq_tokens
         self.model, self.kv_pool, self.block_size = model, kv_pool, block_size
         self.buckets = tuple(sorted(set(buckets)))
         self.max_blocks = max_blocks
@@ -157,15 +184,14 @@ class DecodeGraphRunner:
         rows = self.buckets[-1]
         self._inputs = StaticInputs(rows, max_blocks, self.device)
         self._input_ids_R = self._inputs.input_ids_R
-        self._sample_indices_R = torch.arange(rows, device=self.device)
         self._cu_q_lens_R1 = torch.arange(rows + 1, dtype=torch.int32, device=self.device)
-        self._batches: dict[int, ForwardBatch] = {}
+        self._batches: dict[tuple[int, bool], ForwardBatch] = {}
         self._logits_RV = torch.zeros(rows, model.config.vocab_size, dtype=torch.float32, device=self.device)
         self._greedy_R = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        self._replays: dict[tuple[int, int], Callable[[], None]] = {}
-        self._warmed: set[tuple[int, int]] = set()
-        self._pad_hits: dict[tuple[int, int], Tensor] = {}  # [moe layers, E] hits of one padding row
-        self._replay_bytes: dict[tuple[int, int], int] = {}  # all-to-all bytes of one replay
+        self._replays: dict[Key, Callable[[], None]] = {}
+        self._warmed: set[Key] = set()
+        self._pad_hits: dict[Key, Tensor] = {}  # [moe layers, E] hits of one padding row
+        self._replay_bytes: dict[Key, int] = {}  # all-to-all bytes of one replay
         self.num_eager = self.num_captures = self.num_replays = 0
 
     def bucket(self, num_seqs: int) -> int | None:
@@ -183,23 +209,33 @@ class DecodeGraphRunner:
         return bucket
 
     def fits(self, seqs: Sequence[SeqInput], capacity: int | None) -> bool:
-        """Whether this step can run here: fixed capacity, one new token per sequence,
-        a bucket whose rows fit the capacity, block tables within max_blocks."""
-        if capacity is None or any(len(s.token_ids) != 1 for s in seqs):
+        """Whether this step can run here: fixed capacity, one new token per sequence or
+        (expanded) up to max_seq_tokens and no multi-token chunk scored for prompt
+        logprobs (those want a row per token), a bucket of its rows that fits the capacity,
+        block tables within max_blocks."""
+        if capacity is None:
             return False
-        bucket = self.step_bucket(len(seqs), capacity)
+        num_rows = 0
+        for s in seqs:
+            num_tokens = len(s.token_ids)
+            if num_tokens > 1 and (num_tokens > self.max_seq_tokens or s.is_scored):
+                return False
+            num_rows += num_tokens
+        bucket = self.step_bucket(num_rows, capacity)
         return (bucket is not None and bucket * self._rows_per_token <= capacity
                 and all(len(s.block_table) <= self.max_blocks for s in seqs))
 
     def run(self, seqs: Sequence[SeqInput], capacity: int, feed: TokenFeed | None = None) -> DecodeOutput:
         """Runs one decode step (fits() must hold): eagerly the first time its key
-        is seen, then by capture and replay. `feed` overrides the input ids of its rows."""
-        bucket, num_seqs = self.step_bucket(len(seqs), capacity), len(seqs)
-        key, num_pad = (bucket, capacity), bucket - num_seqs
+        is seen, then by capture and replay. `feed` overrides the input ids of its rows
+        (indices into the step's flattened tokens: its rows)."""
+        num_seqs, num_rows = len(seqs), sum(len(s.token_ids) for s in seqs)
+        bucket = self.step_bucket(num_rows, capacity)
+        key, num_pad = (bucket, capacity, num_rows > num_seqs), bucket - num_rows
         self._inputs.upload(seqs, self.block_size, bucket)
         if feed is not None:
             feed.apply(self._input_ids_R)
-        batch = self._static_batch(bucket)
+        batch = self._static_batch(bucket, key[2])
         logits_BV, greedy_B = self._logits_RV[:bucket], self._greedy_R[:bucket]
         probe = num_pad > 0 and key not in self._pad_hits
         if key in self._warmed and not probe:
@@ -219,9 +255,10 @@ class DecodeGraphRunner:
             self.model.hit_counts_LE.sub_(self._pad_hits[key], alpha=num_pad)
         return DecodeOutput(logits_BV[:num_seqs], greedy_B[:num_seqs])
 
-    def _capture_key(self, key: tuple[int, int], batch: ForwardBatch, logits_BV: Tensor, greedy_B: Tensor) -> None:
-        bucket, capacity = key
-        log.info("capturing the decode graph of %d rows at capacity %d", bucket, capacity)
+    def _capture_key(self, key: Key, batch: ForwardBatch, logits_BV: Tensor, greedy_B: Tensor) -> None:
+        bucket, capacity, expanded = key
+        log.info("capturing the %sdecode graph of %d rows at capacity %d", "expanded " if expanded else "",
+                 bucket, capacity)
         # A metered comm counts bytes as its all_to_all is called: at capture, not at replays.
         bytes_before = getattr(self.model.comm, "step_bytes", None)
         self._replays[key] = self._capture(lambda: self._step(batch, capacity, logits_BV, greedy_B))
@@ -230,7 +267,7 @@ class DecodeGraphRunner:
             self._replay_bytes[key] = self.model.comm.step_bytes - bytes_before
             self.model.comm.step_bytes = bytes_before
 
-    def _count_replayed_bytes(self, key: tuple[int, int]) -> None:
+    def _count_replayed_bytes(self, key: Key) -> None:
         if key in self._replay_bytes:
             self.model.comm.step_bytes += self._replay_bytes[key]
 
@@ -242,13 +279,13 @@ class DecodeGraphRunner:
                                        last_row_hits_LE=last_row_hits_LE)
         torch.argmax(logits_BV, dim=-1, out=greedy_B)
 
-    def _static_batch(self, bucket: int) -> ForwardBatch:
+    def _static_batch(self, bucket: int, expanded: bool) -> ForwardBatch:
         """The graph inputs of a bucket: views of the static tensors (host fields unused)."""
-        if bucket not in self._batches:
-            self._batches[bucket] = self._make_static_batch(bucket)
-        return self._batches[bucket]
+        if (bucket, expanded) not in self._batches:
+            self._batches[(bucket, expanded)] = self._make_static_batch(bucket, expanded)
+        return self._batches[(bucket, expanded)]
 
-    def _make_static_batch(self, bucket: int) -> ForwardBatch:
+    def _make_static_batch(self, bucket: int, expanded: bool) -> ForwardBatch:
         inputs = self._inputs
         return ForwardBatch(
             input_ids_T=inputs.input_ids_R[:bucket],
@@ -257,63 +294,9 @@ class DecodeGraphRunner:
             q_lens=(1,) * bucket,
             context_lens=(0,) * bucket,
             block_tables_BM=inputs.block_tables_RM[:bucket],
-            sample_indices_S=self._sample_indices_R[:bucket],
+            sample_indices_S=inputs.sample_rows_R[:bucket],
             context_lens_B=inputs.context_lens_R[:bucket],
             cu_q_lens_B1=self._cu_q_lens_R1[:bucket + 1],
             max_q_len=1,
+            is_expanded=expanded,
         )
-
-
-class StaticInputs:
-    """A graph's per-row inputs on the device, filled by one copy per step. R rows, M columns.
-
-    One byte buffer holds, in order: the int64 input ids, positions and slots
-    ([3, R]), the int32 context lengths [R], then a scratch of up to R * M
-    int32 where a step's block tables arrive packed to the columns they use
-    ([B, C]); each part starts 16-byte aligned. `upload` packs a step's rows
-    the same way on the host (Python arrays: a torch.tensor of nested lists
-    costs milliseconds at a big batch's tables), sends the prefix it fills in one
-    non-blocking copy from pinned memory, and copies the packed tables into
-    block_tables_RM[:B, :C] on the device: two operations in the stream, no
-    sync. The copy is ordered after the replays already queued, which read
-    the buffer first; torch's pinned-memory allocator keeps the host buffer
-    until its copy has run.
-    """
-
-    def __init__(self, rows: int, max_blocks: int, device: torch.device):
-        self.rows, self.max_blocks, self.device = rows, max_blocks, device
-        self._stride = -(-rows // 4) * 4  # rows of each part, so that every part starts 16-byte aligned
-        self._i32_at = 3 * self._stride * 8  # byte offset of the int32 part
-        self._bytes = torch.zeros(self._i32_at + 4 * (self._stride + rows * max_blocks), dtype=torch.uint8,
-                                  device=device)
-        ids, positions, slots = self._bytes[:self._i32_at].view(torch.int64).view(3, self._stride)[:, :rows]
-        self.input_ids_R, self.positions_R, self.slots_R = ids, positions, slots
-        self.slots_R.fill_(-1)
-        i32 = self._bytes[self._i32_at:].view(torch.int32)
-        self.context_lens_R, self._tables_scratch = i32[:rows], i32[self._stride:]
-        self.block_tables_RM = torch.zeros(rows, max_blocks, dtype=torch.int32, device=device)
-
-    def upload(self, seqs: Sequence[SeqInput], block_size: int, num_rows: int) -> None:
-        """The step's decode rows, padded to num_rows (<= R) as build_decode_batch pads, into the
-        static inputs; the tables take the columns of the longest one."""
-        if num_rows > self.rows:
-            raise ValueError(f"{num_rows} rows do not fit the static inputs' {self.rows}")
-        check_decode_seqs(list(seqs), block_size, num_rows=num_rows, max_blocks=self.max_blocks)
-        num_pad, columns = self._stride - len(seqs), max((len(s.block_table) for s in seqs), default=0)
-        zeros64, zero32 = array.array("q", [0]) * num_pad, array.array("i", [0])
-        i64 = array.array("q", [s.token_ids[0] for s in seqs]) + zeros64
-        i64 += array.array("q", [s.num_computed for s in seqs]) + zeros64
-        i64 += array.array("q", [s.block_table[s.num_computed // block_size] * block_size
-                                 + s.num_computed % block_size for s in seqs])
-        i64 += array.array("q", [-1]) * num_pad  # padding rows write no KV
-        i32 = array.array("i", [s.num_computed + 1 for s in seqs]) + zero32 * num_pad
-        for s in seqs:  # an int32 array (the runner's) extends at memcpy speed
-            i32.extend(s.block_table)
-            i32 += zero32 * (columns - len(s.block_table))
-        i32 += zero32 * ((num_rows - len(seqs)) * columns)
-        packed = torch.frombuffer(bytearray(i64) + bytearray(i32), dtype=torch.uint8)
-        is_cuda = self.device.type == "cuda"
-        self._bytes[:packed.shape[0]].copy_(packed.pin_memory() if is_cuda else packed, non_blocking=is_cuda)
-        if num_rows * columns:
-            self.block_tables_RM[:num_rows, :columns].copy_(
-                self._tables_scratch[:num_rows * columns].view(num_rows, columns))

@@ -115,7 +115,8 @@ class ModelBuilder:
         (none when timing collectives: a replayed graph runs no Python to time)."""
         cfg = self.config
         graphs = make_graph_runner(model, kv_pool, cfg.kv_block_size, () if cfg.debug_collective_timing
-                                   else cfg.cuda_graph_bucket_sizes, cfg.cuda_graph_max_context)
+                                   else cfg.cuda_graph_bucket_sizes, cfg.cuda_graph_max_context,
+                                   cfg.cuda_graph_max_seq_tokens)
         return StepRunner(model, kv_pool, cfg.kv_block_size, vocab_size=self.model_config.vocab_size,
                           group_id=group.group_id, placement_epoch=group.epoch, device=cfg.device, graphs=graphs,
                           constraints=ConstraintMasks(self.constraint_compiler))

@@ -14,9 +14,11 @@ step's one host sync, which touches no runner state. So the next step can
 be launched (the GPU kept busy) before the last one's tokens are read.
 
 Decode steps (every sequence one new token, a fixed dispatch capacity) run
-through CUDA graphs when a `DecodeGraphRunner` is given (graph_runner.py);
-other steps run eagerly (the plan's max_tokens_per_rank spares the
-all_reduce that would otherwise pick the dispatch mode). Constrained
+through CUDA graphs when a `DecodeGraphRunner` is given (graph_runner.py), and
+so do steps whose sequences bring a few tokens each (jump-forward chunks,
+short prompt chunks: expanded, a decode row per token); other steps run
+eagerly (the plan's max_tokens_per_rank spares the all_reduce that would
+otherwise pick the dispatch mode). Constrained
 sequences' logits are masked before sampling (expert_svc/constrained.py).
 """
 
@@ -68,7 +70,7 @@ class StalePlanError(ValueError):
 @dataclasses.dataclass(slots=True)
 class _Sequence:
     # An int32 array: a decode step copies it whole into the graph's packed inputs
-    # (graph_runner.StaticInputs), at memcpy speed rather than int by int.
+    # (graph_inputs.StaticInputs), at memcpy speed rather than int by int.
     block_table: array.array
     num_computed: int
     sampling: SamplingSpec
@@ -183,7 +185,7 @@ class StepRunner:
     def _forward(self, seqs: list[SeqInput], feed: TokenFeed | None,
                  max_tokens_per_rank: int) -> tuple[Tensor, Tensor | None]:
         """(logits, greedy): eagerly, logits of the sampled sequences and no greedy
-        tokens; through a graph, logits and argmax of every sequence."""
+        tokens; through a graph, logits and argmax of every sequence (at its last token)."""
         self.num_steps += 1
         num_tokens = sum(len(s.token_ids) for s in seqs)
         if not max_tokens_per_rank:

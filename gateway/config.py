@@ -39,14 +39,16 @@ class GatewayConfig(MemberConfig):
     # Plan step k+1 while step k runs on the ranks.
     overlap_steps: bool = True
     # Jump-forward: where a request's constraint forces several tokens, feed them to the rank
-    # as one chunk instead of one decode step each. Off by default: a step with a chunk cannot
-    # replay the decode graph, and its eager forward costs more than the steps it saves
-    # (docs/performance.md, "Jump-forward"); the rank also skips the forced-token search then.
+    # as one chunk instead of one decode step each. Off by default until measured on a GPU with
+    # chunk steps as CUDA graphs (docs/performance.md, "Constrained decoding"); the rank also
+    # skips the forced-token search then.
     jump_forward: bool = False
     # With jump_forward: take a jump only when it carries at least this many forced tokens, the
-    # decode steps it saves; the default pays for the one eager step a chunk costs against
-    # graph decodes (docs/performance.md, "Constrained decoding").
-    jump_forward_min_tokens: int = 10
+    # decode steps it saves. A chunk step replays the rank's decode graph with a row per token
+    # (up to the rank's cuda_graph_max_seq_tokens), and at batch 1 a step of 1 + j rows costs
+    # less than j + 1 steps of one row (weights read once a step, the host's share paid once),
+    # so every jump pays (docs/performance.md, "Constrained decoding").
+    jump_forward_min_tokens: int = 1
     # A stream that falls behind sends the outputs queued for it as one message
     # (the tokens and text since its previous message); false: one message per step.
     coalesce_stream_outputs: bool = True

@@ -24,8 +24,9 @@ tokenizer) and measures, with bench/constraints/load.py's loads:
 - `jf`: `b1` again on a second mesh whose gateway runs with --jump-forward (the default is off),
   taking every jump (--jump-forward-min-tokens 1):
   the wall time of the answers and the steps per output token with and without it, and whether
-  the texts are the same, reported, not judged: a jump's chunk runs eagerly and decodes through
-  the graph, whose numerics differ, and with jump-forward off the rank does not restrict forced
+  the texts are the same, reported, not judged: a jump's chunk runs as rows of a bigger decode
+  graph (the rank's expanded steps; eagerly past its --cuda-graph-max-seq-tokens) than the
+  one-token decodes, whose numerics differ, and with jump-forward off the rank does not restrict forced
   text to the tokenizer's tokens (tests/expert_svc/test_jump_forward_steps.py checks the
   same-numerics equality on the CPU).
 
@@ -254,7 +255,7 @@ def markdown(report: dict) -> str:
                          f"{json.dumps(a.get('finish_reasons', {}))} | {r['gateway_steps_per_output_token']} |")
     lines += ["", "Targets:", ""] + [f"- {n}: {'met' if ok else 'NOT met'}" for n, ok in report["targets"].items()]
     if report.get("jump_forward"):
-        # Reported, not judged: the chunk's eager forward and the graph's decode differ in numerics.
+        # Reported, not judged: a chunk's rows and one-token decodes batch differently (numerics).
         lines += ["", "Jump-forward (b1, reported):", ""] + [f"- {n}: {v}" for n, v in report["jump_forward"].items()]
     if report.get("notes"):
         lines += ["", "Notes:", ""] + [f"- {note}" for note in report["notes"]]

@@ -3,7 +3,11 @@
 A backend writes the step's new K/V into the pool's slots and attends each
 sequence's queries to its whole context: every cached token, plus the new
 ones causally. A sequence's chunk may start mid-sequence (chunked prefill, a
-prefix-cache hit), and one batch mixes prefill chunks and decode tokens.
+prefix-cache hit), and one batch mixes prefill chunks and decode tokens. In
+an expanded decode batch (ForwardBatch.is_expanded) consecutive rows may be
+tokens of one sequence, each a decode row whose context ends at itself: a
+backend stores every row's K/V before any row attends (the reference always
+does).
 
 Backends: "torch" (this module's reference: exact, host loops, any device),
 "triton" (services/model/kernels/attention.py: paged kernels, CUDA graph

@@ -8,6 +8,16 @@ S rows whose logits are returned, M blocks of the longest block table.
 The host tuples (q_lens, context_lens) serve loops on the host (the torch
 reference attention); GPU kernels read only the device tensors, so a decode
 step can be captured in a CUDA graph and replayed with new tensor contents.
+
+An expanded decode batch (`is_expanded`, build_decode_batch with a sequence
+of several new tokens) gives each new token of a sequence its own decode row:
+row j of a sequence of k tokens has position num_computed + j, its own KV
+slot, context length num_computed + j + 1 and the sequence's block table. The
+attention of row j then reads rows 0..j-1 of the same sequence from the KV
+cache (causal by context length), so the backend stores every row's K/V before
+any row attends; everything else in the layer is row-wise already. So a few
+new tokens per sequence (a jump-forward chunk, a short prompt chunk) take the
+shapes of a decode step, which a CUDA graph can replay.
 """
 
 import dataclasses
@@ -53,8 +63,11 @@ class ForwardBatch:
     context_lens_B: Tensor  # int32, context_lens on the device (0: a padding row)
     cu_q_lens_B1: Tensor  # int32, cu_q_lens on the device (B + 1 entries)
     # The most new tokens of any sequence (0 for an empty batch): 1 means a pure
-    # decode batch, whose row i is sequence i.
+    # decode batch, whose row i is sequence i (or, expanded, one token of one).
     max_q_len: int
+    # Rows of one sequence may follow one another (see the module doc): the attention
+    # stores every row's K/V before any row attends (rows read their predecessors').
+    is_expanded: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -93,35 +106,45 @@ def build_forward_batch(seqs: list[SeqInput], block_size: int, device) -> Forwar
 
 
 def build_decode_batch(seqs: list[SeqInput], block_size: int, device, *,
-                       num_rows: int, max_blocks: int) -> ForwardBatch:
+                       num_rows: int, max_blocks: int, max_seq_tokens: int = 1) -> ForwardBatch:
     """A decode batch padded to exactly `num_rows` rows and `max_blocks` table columns.
 
     For CUDA graphs, whose tensor shapes are fixed when captured: every batch
     of one bucket has the same shapes, so the runner copies it into the
-    graph's static batch (copy_batch_) and replays. Each sequence must have
-    one new token. Row i is seqs[i]; rows past len(seqs) are padding: input
-    id 0, position 0, slot -1 (writes no KV), context length 0 (attention
-    writes zeros), a block table of zeros. sample_indices_S lists every row,
-    so logits row i belongs to row i; the caller keeps the rows it samples.
-    Padding tokens still pass through the MLP/MoE layers.
+    graph's static batch (copy_batch_) and replays. Each sequence has one new
+    token, or up to max_seq_tokens, each its own row (expanded: see the module
+    doc); the rows follow the sequences' tokens in order. Rows past the
+    tokens are padding: input id 0, position 0, slot -1 (writes no KV),
+    context length 0 (attention writes zeros), a block table of zeros.
+    sample_indices_S has num_rows entries: first the last row of each
+    sequence, so logits row i belongs to seqs[i] (the caller keeps the rows it
+    samples), then rows len(seqs).. (unread). Padding tokens still pass
+    through the MLP/MoE layers.
     """
-    check_decode_seqs(seqs, block_size, num_rows=num_rows, max_blocks=max_blocks)
-    rows = _Rows(seqs, block_size, max_blocks)
-    for _ in range(num_rows - len(seqs)):
+    check_decode_seqs(seqs, block_size, num_rows=num_rows, max_blocks=max_blocks, max_seq_tokens=max_seq_tokens)
+    rows = _Rows(seqs, block_size, max_blocks, expand=True)
+    num_tokens = len(rows.input_ids)
+    for _ in range(num_rows - num_tokens):
         rows.append_padding()
-    return rows.to_batch(list(range(num_rows)), device)
+    last_rows = [end - 1 for end in itertools.accumulate(len(s.token_ids) for s in seqs)]
+    return dataclasses.replace(rows.to_batch([*last_rows, *range(len(seqs), num_rows)], device),
+                               is_expanded=num_tokens > len(seqs))
 
 
-def check_decode_seqs(seqs: list[SeqInput], block_size: int, *, num_rows: int, max_blocks: int) -> None:
+def check_decode_seqs(seqs: list[SeqInput], block_size: int, *, num_rows: int, max_blocks: int,
+                      max_seq_tokens: int = 1) -> None:
     """Raises ValueError unless seqs fit a decode batch of num_rows rows and max_blocks table columns
-    (one new token each, tables long enough for it)."""
+    (at most max_seq_tokens new tokens each, a row each, tables long enough for them)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    if len(seqs) > num_rows:
-        raise ValueError(f"{len(seqs)} sequences do not fit a decode batch of {num_rows} rows")
+    num_tokens = sum(len(seq.token_ids) for seq in seqs)
+    if num_tokens > num_rows:
+        raise ValueError(f"{len(seqs)} sequences of {num_tokens} tokens do not fit a decode batch of "
+                         f"{num_rows} rows")
     for seq in seqs:
-        if len(seq.token_ids) != 1:
-            raise ValueError(f"sequence {seq.seq_id} has {len(seq.token_ids)} new tokens; a decode batch takes 1")
+        if len(seq.token_ids) > max_seq_tokens:
+            raise ValueError(f"sequence {seq.seq_id} has {len(seq.token_ids)} new tokens; a decode batch "
+                             f"takes {max_seq_tokens}")
         if len(seq.block_table) > max_blocks:
             raise ValueError(f"sequence {seq.seq_id} has {len(seq.block_table)} blocks, more than "
                              f"max_blocks {max_blocks}")
@@ -158,7 +181,8 @@ def copy_batch_(dst: ForwardBatch, src: ForwardBatch) -> None:
 class _Rows:
     """The host lists of a batch, built sequence by sequence."""
 
-    def __init__(self, seqs: list[SeqInput], block_size: int, max_blocks: int):
+    def __init__(self, seqs: list[SeqInput], block_size: int, max_blocks: int, *, expand: bool = False):
+        """expand: each token its own row (a decode row: q_len 1), as an expanded batch."""
         self.max_blocks = max_blocks
         self.input_ids, self.positions, self.slots = [], [], []
         self.q_lens, self.context_lens, self.block_tables = [], [], []
@@ -168,9 +192,15 @@ class _Rows:
                 self.positions.append(pos)
                 self.slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
             self.input_ids.extend(seq.token_ids)
-            self.q_lens.append(len(seq.token_ids))
-            self.context_lens.append(seq.num_computed + len(seq.token_ids))
-            self.block_tables.append([*seq.block_table, *itertools.repeat(0, max_blocks - len(seq.block_table))])
+            table = [*seq.block_table, *itertools.repeat(0, max_blocks - len(seq.block_table))]
+            if expand:
+                self.q_lens += [1] * len(seq.token_ids)
+                self.context_lens += range(seq.num_computed + 1, seq.num_computed + len(seq.token_ids) + 1)
+                self.block_tables += [table] * len(seq.token_ids)
+            else:
+                self.q_lens.append(len(seq.token_ids))
+                self.context_lens.append(seq.num_computed + len(seq.token_ids))
+                self.block_tables.append(table)
 
     @property
     def cu_q_lens(self) -> list[int]:

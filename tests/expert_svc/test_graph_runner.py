@@ -90,7 +90,9 @@ def test_bucket_and_fits(weights):
     assert graphs.fits([], model.dispatch_capacity(1))  # an idle rank of a decode step
     assert not graphs.fits(decode, None)  # host splits
     assert not graphs.fits(decode, 2 * rows_per_token())  # bucket 4 overflows a capacity of 2 tokens
-    assert not graphs.fits([*decode[:2], SeqInput(5, [1, 2], 0, [3], True)], capacity)  # a prefill chunk
+    # A short chunk expands to decode rows (tests/expert_svc/test_graph_expanded.py): 4 rows, bucket 4.
+    assert graphs.fits([*decode[:2], SeqInput(5, [1, 2], 0, [3], True)], capacity)
+    assert not graphs.fits([*decode, SeqInput(5, [1, 2], 0, [3], True)], capacity)  # 5 rows: bucket 8
     assert not graphs.fits([SeqInput(6, [1], 12, [1, 2, 3, 4], True)], capacity)  # 4 blocks > max_blocks 3
     assert not graphs.fits([SeqInput(i, [1], 0, [i], True) for i in range(9)], model.dispatch_capacity(9))
 
@@ -143,7 +145,7 @@ def test_pad_to_capacity_runs_the_capacitys_bucket(weights):
     assert graphs.fits(seqs, capacity)
     out = graphs.run(seqs, capacity)
     torch.testing.assert_close(out.logits_SV, reference_SV, rtol=1e-5, atol=1e-5)
-    assert set(graphs._warmed) == {(8, capacity)}
+    assert set(graphs._warmed) == {(8, capacity, False)}
     torch.testing.assert_close(graphs.kv_pool.k_cache, eager.kv_pool.k_cache)
     assert torch.equal(model.hit_counts_LE, eager_model.hit_counts_LE)
 
@@ -164,6 +166,7 @@ def steps_a() -> list[dict]:
     steps += [dict(scheduled=_decode(0, 1, 2))] * 4  # bucket 4: eager + probe, capture, replays
     steps += [dict(scheduled=_decode(0, 2), finished_seq_ids=(1,))]  # bucket 2, no padding: eager
     steps += [dict(scheduled=_decode(0, 2))] * 2  # capture, replay
+    # A short prompt beside decodes: an expanded step (a decode row per token), its own key.
     steps += [dict(new_sequences=(_new(3),), scheduled=(*_decode(0, 2), ScheduledSequence(3, prompts[3])))]
     steps += [dict()]  # idle: bucket 1, all padding
     steps += [dict(scheduled=_decode(0, 2, 3))] * 3
@@ -207,8 +210,9 @@ def test_graph_steps_give_the_eager_tokens_with_one_host_read_each(weights, monk
         assert reads == ["tolist"] or not plan.scheduled, (plan.step_id, reads)
     assert torch.equal(graph_model.hit_counts_LE, eager_model.hit_counts_LE)
     g = graphed.graphs
-    # Keys (4, .), (2, .), (1, .): eager once each (bucket 4 probed its padding there), then captured.
-    assert (g.num_eager, capture.num_captured, g.num_captures) == (3, 2, 2)
+    # Keys (4, ., plain), (2, ., plain), (4, ., expanded), (1, ., plain): eager once each (bucket 4
+    # probed its padding there), then captured.
+    assert (g.num_eager, capture.num_captured, g.num_captures) == (4, 2, 2)
     assert g.num_replays == 3 + 2 + 3  # bucket 4, bucket 2, bucket 4 after the mixed step
 
 
@@ -275,7 +279,7 @@ def test_a_plan_with_more_tokens_than_its_max_is_rejected(weights):
 def test_static_inputs_take_a_step_in_one_copy_plus_the_tables_columns():
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from expert_svc.graph_runner import StaticInputs
+    from expert_svc.graph_inputs import StaticInputs
     from services.model.batch import build_decode_batch
 
     inputs = StaticInputs(rows=7, max_blocks=6, device=torch.device("cpu"))  # 7: parts padded to 8 rows

@@ -4,7 +4,8 @@ All three read the block tables and lengths from device tensors only, so a
 decode step (every sequence one new token) can be captured in a CUDA graph:
 the launch grid and the split count depend on tensor shapes alone.
 
-- KV write (prefill): one program per token, skipping slot -1 (padding rows).
+- KV write (prefill, expanded decode): one program per token, skipping slot -1
+  (padding rows).
 - Decode (flash-decoding): one program per (sequence, KV head, split) runs
   all query heads of its group against one slice of the context with an
   online softmax in fp32; the split holding the step's token writes its K/V
@@ -23,6 +24,11 @@ the launch grid and the split count depend on tensor shapes alone.
   programs for 3,072 tiles of work). With mixed_decode the single-token
   sequences of such a batch go through the decode kernel instead (their
   K/V stored with the chunks'), as a list of sequence ids.
+- Expanded decode (ForwardBatch.is_expanded: a sequence's few new tokens as
+  consecutive decode rows): row j + 1 reads row j's K/V, which another
+  program of the same launch would write, so the KV-write kernel stores every
+  row first and the decode kernel writes nothing (STORE_KV off); the grid
+  still comes from shapes only, so the step captures as a decode step does.
 
 A row with context length 0 (padding) gets zeros. Legend as in attention.py;
 N context tokens of one loop step, S splits.
@@ -120,7 +126,8 @@ def _decode_kernel(q_ptr, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_p
                    num_heads, group, head_dim,
                    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP_PAD: tl.constexpr,
                    K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-                   MIXED: tl.constexpr, HEADS_FIRST: tl.constexpr, F16_DOTS: tl.constexpr):
+                   MIXED: tl.constexpr, HEADS_FIRST: tl.constexpr, F16_DOTS: tl.constexpr,
+                   STORE_KV: tl.constexpr):
     if PDL:  # a programmatic dependent launch (launch.PDL): the previous kernel done first
         launch.wait_for_previous_kernel()
     i, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -139,8 +146,9 @@ def _decode_kernel(q_ptr, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_p
     h_mask, d_mask = h < group, d < head_dim
     # The step's token (the context's last): the split that reads it writes its K/V to the cache
     # first (a padding row, slot -1, writes nothing); the barrier makes the stores visible to
-    # every thread of the program before the loop loads them.
-    if not MIXED:
+    # every thread of the program before the loop loads them. STORE_KV off (a mixed or an
+    # expanded batch): stored before this kernel.
+    if STORE_KV:
         slot = tl.load(slot_ptr + b).to(tl.int64)
         if (slot >= 0) & (start < context_len) & (context_len <= end):
             dst = slot * stride_slot + g * head_dim + d
@@ -295,7 +303,8 @@ class TritonPagedAttention(AttentionBackend):
         o_THK = torch.empty_like(q_THK)
         if num_tokens == 0:
             return o_THK
-        if not batch.is_decode:  # the decode kernel writes its tokens' K/V itself
+        # A decode kernel writes its tokens' K/V itself, unless rows of one sequence read each other's.
+        if not batch.is_decode or batch.is_expanded:
             _store_kv_kernel[(num_tokens,)](
                 k_TGK, v_TGK, k_cache, v_cache, batch.slot_mapping_T, k_TGK.stride(0), k_TGK.stride(1),
                 stride_slot, num_kv_heads, head_dim, G_PAD=triton.next_power_of_2(num_kv_heads), K_PAD=k_pad)
@@ -312,7 +321,7 @@ class TritonPagedAttention(AttentionBackend):
         max_context = batch.block_tables_BM.shape[1] * kv.block_size
         if batch.is_decode:
             self._decode(common, k_TGK, v_TGK, batch.slot_mapping_T, num_tokens, num_heads, num_kv_heads,
-                         max_context, q_THK.device)
+                         max_context, q_THK.device, stores_kv=not batch.is_expanded)
         else:
             group_pad = triton.next_power_of_2(group)
             block_q = max(1, self.prefill_rows // group_pad)
@@ -349,10 +358,11 @@ class TritonPagedAttention(AttentionBackend):
 
     def _decode(self, common: dict, k_TGK: Tensor, v_TGK: Tensor, slot_mapping_T: Tensor, num_seqs: int,
                 num_heads: int, num_kv_heads: int, max_context: int, device: torch.device,
-                mixed: tuple[Tensor, Tensor] | None = None) -> None:
+                mixed: tuple[Tensor, Tensor] | None = None, *, stores_kv: bool = True) -> None:
         """A decode batch: row i is sequence i, the grid and splits come from shapes only
-        (capturable), each program writing its token's K/V. `mixed` (seq_map_D, cu_q_lens_B1):
-        decode row i is sequence seq_map_D[i] of a mixed batch, its K/V already stored."""
+        (capturable), each program writing its token's K/V (stores_kv; off: an expanded batch,
+        its K/V already stored). `mixed` (seq_map_D, cu_q_lens_B1): decode row i is sequence
+        seq_map_D[i] of a mixed batch, its K/V already stored."""
         splits = self.decode_splits or decode_num_splits(num_seqs, num_kv_heads, max_context, self._sms(device))
         if FP8_DECODE_MAXNREG and common["k_cache_ptr"].element_size() == 1:
             common = {**common, "maxnreg": FP8_DECODE_MAXNREG}
@@ -372,7 +382,7 @@ class TritonPagedAttention(AttentionBackend):
             k_new_ptr=k_TGK, v_new_ptr=v_TGK, slot_ptr=slot_mapping_T, seq_map_ptr=seq_map, cu_q_lens_ptr=cu_q_lens,
             stride_nt=k_TGK.stride(0), stride_ng=k_TGK.stride(1), part_acc_ptr=part_acc, part_ml_ptr=part_ml,
             num_heads=num_heads, NUM_SPLITS=splits, GROUP_PAD=group_pad, PDL=pdl, launch_pdl=pdl,
-            MIXED=mixed is not None, HEADS_FIRST=DECODE_HEADS_FIRST, **common)
+            MIXED=mixed is not None, HEADS_FIRST=DECODE_HEADS_FIRST, STORE_KV=stores_kv and mixed is None, **common)
         if splits > 1:
             _decode_reduce_kernel[(num_seqs, num_heads)](
                 part_acc, part_ml, common["o_ptr"], common["context_lens_ptr"], seq_map, cu_q_lens,

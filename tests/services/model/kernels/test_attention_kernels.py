@@ -229,6 +229,59 @@ def test_padded_decode_rows_write_nothing_and_return_zeros(triton_attention):
     assert set(changed) == written
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_expanded_decode_rows_give_the_chunks_attention(triton_attention, splits):
+    """An expanded decode batch (a decode row per new token, rows of one sequence reading each
+    other's K/V) gives the chunked batch's outputs and KV: with the torch reference, and with the
+    Triton decode kernel, every row's K/V stored before any row attends."""
+    tables = _tables([3, 9, 2, 5])
+    seqs = [SeqInput(0, [1, 2, 3], 9, tables[0], True), SeqInput(1, [4], 33, tables[1], True),
+            SeqInput(2, list(range(5, 13)), 0, tables[2], True), SeqInput(3, [13, 14], 17, tables[3], True)]
+    chunked = build_forward_batch(seqs, BLOCK_SIZE, "cpu")
+    expanded = build_decode_batch(seqs, BLOCK_SIZE, "cpu", num_rows=16, max_blocks=9, max_seq_tokens=8)
+    assert expanded.is_expanded and expanded.is_decode and chunked.num_tokens == 14
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(16, h, 32, generator=generator) for h in (8, 2, 2))
+    (chunk_pool, ref_pool), (pool, _) = _pools(2, 32), _pools(2, 32)
+    expected = TorchReferenceAttention().forward(0, q[:14], k[:14], v[:14], chunked, chunk_pool, 0.2)
+    for backend, kv in ((TorchReferenceAttention(), ref_pool),
+                        (triton_attention.TritonPagedAttention(splits, block_n=16), pool)):
+        out = backend.forward(0, q, k, v, expanded, kv, 0.2)
+        torch.testing.assert_close(out[:14], expected, atol=1e-5, rtol=1e-5)
+        assert torch.equal(out[14:], torch.zeros_like(out[14:]))  # the padding rows
+        assert torch.equal(kv.k_cache, chunk_pool.k_cache) and torch.equal(kv.v_cache, chunk_pool.v_cache)
+
+
+def test_expanded_decode_stores_kv_before_the_decode_kernel_which_writes_none(triton_attention, monkeypatch):
+    """The rows of one sequence must not write K/V inside the decode kernel (row j + 1 reads row
+    j's, written by another program: a race on a GPU, which the interpreter's serial programs
+    would hide): the KV-write kernel runs first, the decode kernel with STORE_KV off; a plain
+    decode batch keeps the decode kernel's own write."""
+    launches = []
+
+    class Recording:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((self.name, kwargs.get("STORE_KV")))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    for name in ("_store_kv_kernel", "_decode_kernel"):
+        monkeypatch.setattr(triton_attention, name, Recording(name, getattr(triton_attention, name)))
+    tables = _tables([3, 2])
+    backend = triton_attention.TritonPagedAttention(1, block_n=16)
+    for token_ids, expected in (([1, 2, 3], [("_store_kv_kernel", None), ("_decode_kernel", False)]),
+                                ([1], [("_decode_kernel", True)])):
+        seqs = [SeqInput(0, token_ids, 5, tables[0], True), SeqInput(1, [4], 2, tables[1], True)]
+        batch = build_decode_batch(seqs, BLOCK_SIZE, "cpu", num_rows=4, max_blocks=3, max_seq_tokens=3)
+        launches.clear()
+        _compare(backend, batch, 8, 2, 32)
+        assert launches == expected
+
+
 def test_decode_reads_only_device_tensors(triton_attention):
     """The decode path ignores the host tuples (stale in a CUDA graph replay)."""
     tables = _tables([3, 9])
