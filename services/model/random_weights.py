@@ -41,7 +41,7 @@ import torch
 from services.model.checkpoint import expected_tensors
 from services.model.config import ModelConfig
 from services.model.make_model import PRESETS as TEST_PRESETS
-from services.model.quant.formats import FORMATS, QuantConfig
+from services.model.quant.formats import FORMATS, QuantConfig, stored_bytes
 from services.model.quant.linear import QuantWeight, is_projection
 
 logger = logging.getLogger(__name__)
@@ -159,9 +159,10 @@ class RandomWeights(Mapping):
         return len(self._shapes)
 
     def num_bytes(self) -> int:
-        """The bytes all the tensors take in the compute dtype (unquantized)."""
+        """The bytes all the tensors take: in the compute dtype, quantized projections as stored."""
         item = torch.empty((), dtype=self._dtype).element_size()
-        return sum(item * torch.Size(shape).numel() for shape in self._shapes.values())
+        return sum(stored_bytes(self._quant, *shape) if self._quant is not None and is_projection(name)
+                   else item * torch.Size(shape).numel() for name, shape in self._shapes.items())
 
 
 def write_model_dir(out_dir: str | pathlib.Path, preset_name: str) -> pathlib.Path:

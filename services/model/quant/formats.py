@@ -95,6 +95,15 @@ def read_quant_config(model_dir: str | pathlib.Path) -> QuantConfig | None:
     return None if raw is None else QuantConfig.from_dict(raw)
 
 
+def stored_bytes(quant: QuantConfig, n: int, k: int) -> int:
+    """The bytes a [n, k] linear takes in `quant`'s stored layout, scales included."""
+    if quant.method == "fp8":
+        bn, bk = fp8_scale_shape(n, k)
+        return n * k + 4 * bn * bk
+    groups = k // quant.group_size
+    return n * k // 2 + groups * n // 2 + 2 * groups * n  # qweight, qzeros, fp16 scales
+
+
 # ---- block FP8 --------------------------------------------------------------------------------
 
 

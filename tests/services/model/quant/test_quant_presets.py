@@ -65,3 +65,18 @@ def test_the_quantized_kernel_flag_is_checked():
     assert ExpertConfig(member_id="e0", model="m", quantized_kernel="weight-only").quantized_kernel == "weight-only"
     with pytest.raises(ValueError, match=r"quantized_kernel must be one of .*'weight-only'.*got 'int8'"):
         ExpertConfig(member_id="e0", model="m", quantized_kernel="int8")
+
+
+@pytest.mark.parametrize("quant", [QuantConfig("fp8"), QuantConfig("awq", group_size=32)], ids=["fp8", "awq"])
+def test_random_weights_count_the_stored_bytes(quant):
+    weights = random_weights.RandomWeights(TINY, [0], 1, dtype=torch.bfloat16, quant=quant)
+    expected = sum(w.num_bytes() if isinstance(w, QuantWeight) else w.nbytes for w in weights.values())
+    assert weights.num_bytes() == expected
+    assert expected < random_weights.RandomWeights(TINY, [0], 1, dtype=torch.bfloat16).num_bytes()
+
+
+def test_qwen3_235b_a22b_awq_fits_one_h200():
+    config = random_weights.preset("qwen3-235b-a22b-awq")
+    weights = random_weights.RandomWeights(config, range(config.num_experts), 0,
+                                           quant=random_weights.preset_quant("qwen3-235b-a22b-awq"))
+    assert 120e9 < weights.num_bytes() < 130e9 < 141e9  # bf16 embeddings, LM head and gates included
