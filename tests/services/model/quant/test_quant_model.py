@@ -149,3 +149,19 @@ def test_the_model_logs_the_path_once_per_format(dirs, caplog):
     lines = [r.getMessage() for r in caplog.records if "quantized weights" in r.getMessage()]
     method = next(iter(model.quant_paths))
     assert lines == [f"{method} quantized weights: reference path (cpu: F.linear on weights dequantized once)"]
+
+
+def test_dequantizing_per_call_gives_the_cached_paths_logits(dirs, monkeypatch):
+    """CUDA without a kernel keeps no dequantized copy (the weights stay at their quantized
+    size): the same logits, every projection and expert dequantized on each call."""
+    quantized, _ = dirs
+    cached = _model(quantized)
+    monkeypatch.setattr("services.model.qwen3_moe.choose_path", lambda requested, method, device: dispatch.QuantPath(
+        "weight-only", "per call", None, False))
+    per_call = _model(quantized)
+    moe = per_call.layers[0].feed_forward
+    assert moe.w_down_LDF is not moe.w_down_LDF and moe.quant_experts._dense is None
+    assert per_call.layers[0].w_q_HKD._dense is None
+    for ids in PROMPTS:
+        assert torch.equal(_logits(per_call, ids), _logits(cached, ids))
+    assert per_call.layers[0].w_q_HKD._dense is None and moe.quant_experts._dense is None
