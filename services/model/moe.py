@@ -5,8 +5,9 @@ for replicas, expert_map.py) and the group its experts are spread over; each
 step it hands to the backend it was built with (moe_backend.py: "torch", the
 dispatch path of moe_dispatch.py in torch; "triton", kernels/moe_triton.py on
 CUDA). Quantized experts (services/model/quant/experts.py) keep their
-stored layouts; the torch path reads them dequantized. Every rank runs every step of every MoE layer, even with no tokens, so
-that the collectives of all ranks line up.
+stored layouts; the torch path reads them dequantized. Every rank runs every
+step of every MoE layer, even with no tokens, so that the collectives of all
+ranks line up.
 
 Legend as in moe_dispatch.py: T tokens of this rank, D hidden, F expert width, G = 2F,
 E experts, L local experts (Q = L + S slots with spares).
