@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from services.model.checkpoint import INDEX_FILE, SINGLE_FILE, expected_tensors, load_weights
 from services.model.config import DTYPES, ModelConfig
 from services.model.quant.formats import FORMATS, QuantConfig
-from services.model.quant.linear import QuantWeight, is_projection
+from services.model.quant.linear import Dequantized, QuantWeight, is_projection
 
 logger = logging.getLogger(__name__)
 
@@ -141,9 +141,8 @@ def write_dequantized_checkpoint(src: str | pathlib.Path, dst: str | pathlib.Pat
     `dtype`, config.json without quantization_config, the other files copied."""
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     config = ModelConfig.from_model_dir(src)
-    weights = load_weights(src, config, range(config.num_experts))
-    dense = {name: (w.dequantize(torch.float32) if isinstance(w, QuantWeight) else w).to(dtype).contiguous()
-             for name, w in weights.items()}
+    weights = Dequantized(load_weights(src, config, range(config.num_experts)))
+    dense = {name: w.to(dtype).contiguous() for name, w in weights.items()}
     dst.mkdir(parents=True, exist_ok=True)
     for path in src.iterdir():
         if path.is_file() and path.suffix != ".safetensors" and path.name not in ("config.json", INDEX_FILE):

@@ -12,7 +12,7 @@ Legend: Q slots, N out-features, K in-features.
 """
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -120,3 +120,22 @@ class QuantWeight:
 
     def num_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+
+class Dequantized(Mapping):
+    """A weights mapping (hub name -> Tensor | QuantWeight) with each QuantWeight read as its
+    dequantized weight (fp32): the dense twin of a quantized model, e.g. of random weights that
+    have no checkpoint to dequantize (routing.py's agreement, bench/accuracy/hf_parity.py)."""
+
+    def __init__(self, weights: Mapping[str, Tensor | QuantWeight]):
+        self._weights = weights
+
+    def __getitem__(self, name: str) -> Tensor:
+        weight = self._weights[name]
+        return weight.dequantize(torch.float32) if isinstance(weight, QuantWeight) else weight
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._weights)
+
+    def __len__(self) -> int:
+        return len(self._weights)

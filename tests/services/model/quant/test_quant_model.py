@@ -165,3 +165,19 @@ def test_dequantizing_per_call_gives_the_cached_paths_logits(dirs, monkeypatch):
     for ids in PROMPTS:
         assert torch.equal(_logits(per_call, ids), _logits(cached, ids))
     assert per_call.layers[0].w_q_HKD._dense is None and moe.quant_experts._dense is None
+
+
+def test_random_quantized_weights_route_as_their_dequantized_twin():
+    """Random weights have no checkpoint to dequantize: Dequantized gives the twin in memory."""
+    from services.model.quant.linear import Dequantized
+    from services.model.random_weights import RandomWeights
+
+    weights = RandomWeights(SMALL, range(SMALL.num_experts), 5, dtype=torch.float32, init_std=0.1,
+                            quant=QUANTS["awq"])
+    model = Qwen3MoeModel(SMALL, weights, expert_ids=range(SMALL.num_experts))
+    twin = Qwen3MoeModel(SMALL, Dequantized(weights), expert_ids=range(SMALL.num_experts))
+    assert not twin.quant_paths and model.quant_paths["awq"].path == "reference"
+    assert all(r.overlap == r.exact == 1.0 for r in routing_agreement(model, twin, PROMPTS))
+    bf16 = Qwen3MoeModel(SMALL, Dequantized(weights), expert_ids=range(SMALL.num_experts), dtype=torch.bfloat16)
+    report = routing_agreement(model, bf16, PROMPTS)  # the bf16 twin rounds otherwise: a report, not a bound
+    assert len(report) == len(SMALL.moe_layers) and all(0.5 <= r.overlap <= 1.0 for r in report)
