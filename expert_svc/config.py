@@ -15,6 +15,8 @@ _DTYPES = ("float32", "bfloat16")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 _EP_EXCHANGES = ("auto", "nccl", "symmetric")
+# services.model.quant.dispatch.QUANTIZED_KERNELS (not imported: it pulls in torch).
+_QUANTIZED_KERNELS = ("auto", "fp8", "weight-only")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,6 +42,12 @@ class ExpertConfig(MemberConfig):
     # Paged attention kernels: "triton" (GPU only), "torch" (the reference,
     # host loops) or "auto" (triton on CUDA, torch on the CPU).
     attention_backend: str = "auto"
+    # The kernels of a quantized checkpoint (FP8 or AWQ) on CUDA: "fp8" (FP8
+    # tensor cores, FP8 checkpoints on compute capability >= 8.9),
+    # "weight-only" (weights dequantized in the kernel: AWQ, or FP8 on older
+    # GPUs) or "auto" (by format and compute capability; the log says which
+    # path and why). The CPU always runs the dequantizing reference path.
+    quantized_kernel: str = "auto"
     # Element type of the KV cache: "auto" (the compute dtype) or "fp8_e4m3"
     # (float8 e4m3, no scaling: half the bytes of bf16, so twice the blocks and
     # half the bytes a decode step reads; values past +-448 saturate).
@@ -139,6 +147,8 @@ class ExpertConfig(MemberConfig):
             raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.attention_backend == "triton" and not self.is_cuda:
             raise ValueError(f"attention_backend 'triton' needs a CUDA device, got device {self.device!r}")
+        if self.quantized_kernel not in _QUANTIZED_KERNELS:
+            raise ValueError(f"quantized_kernel must be one of {_QUANTIZED_KERNELS}, got {self.quantized_kernel!r}")
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.ep_exchange not in _EP_EXCHANGES:

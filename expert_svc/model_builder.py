@@ -28,7 +28,7 @@ from services.kv_pool import KVPool, kv_cache_dtype
 from services.model.checkpoint import load_weights
 from services.model.config import DTYPES
 from services.model.qwen3_moe import Qwen3MoeModel
-from services.model.random_weights import RandomWeights, serving_model_config
+from services.model.random_weights import RandomWeights, preset_quant, serving_model_config
 from services.tokenizer import Tokenizer
 
 log = logging.getLogger("expert_svc")
@@ -47,7 +47,8 @@ class ModelBuilder:
         the group's process group), then the model and the KV pool."""
         cfg, mc = self.config, self.model_config
         if cfg.random_weights:  # benchmarks: drawn on the device as the model reads them
-            weights = RandomWeights(mc, expert_ids, cfg.random_weights_seed, dtype=self.dtype, device=cfg.device)
+            weights = RandomWeights(mc, expert_ids, cfg.random_weights_seed, dtype=self.dtype, device=cfg.device,
+                                    quant=preset_quant(cfg.random_weights))
         else:
             weights = load_weights(cfg.model, mc, expert_ids, dtype=self.dtype, device=cfg.device)
         comm = MeteredExpertComm(connect(), is_timed=not cfg.is_cuda or cfg.debug_collective_timing,
@@ -55,7 +56,8 @@ class ModelBuilder:
         model = Qwen3MoeModel(mc, weights, expert_ids=expert_ids, comm=comm,
                               dtype=self.dtype, device=cfg.device, attention=cfg.attention_backend,
                               max_fixed_capacity_tokens=cfg.max_fixed_capacity_tokens,
-                              num_spare_expert_slots=cfg.num_spare_expert_slots)
+                              num_spare_expert_slots=cfg.num_spare_expert_slots,
+                              quantized_kernel=cfg.quantized_kernel)
         del weights
         if cfg.is_cuda and cfg.ep_exchange != "nccl" and comm.world_size > 1:
             comm.exchange = self.symmetric_exchange(comm, required=cfg.ep_exchange == "symmetric")

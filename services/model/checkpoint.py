@@ -4,6 +4,11 @@ A checkpoint directory holds either `model.safetensors` or shards listed in
 `model.safetensors.index.json` (its `weight_map`: tensor name -> file). Experts
 are stored one tensor per projection (`model.layers.N.mlp.experts.E.gate_proj.weight`),
 so a rank opens each file lazily and reads only its own experts' tensors.
+A quantized checkpoint (config.json's quantization_config: block FP8 or AWQ
+4-bit, services/model/quant/) gives each quantized projection as a QuantWeight
+in its stored layout, under the projection's `.weight` name; the gate, the
+embeddings and the LM head are always dense (dequantized once, with a
+warning, if a checkpoint quantized them anyway).
 Shapes in comments: V vocab, H hidden, E experts, I intermediate.
 """
 
@@ -16,13 +21,16 @@ import safetensors
 import torch
 
 from services.model.config import ModelConfig
+from services.model.quant import loading
+from services.model.quant.formats import QuantConfig, read_quant_config
+from services.model.quant.linear import QuantWeight
 
 logger = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-# safetensors dtype codes we accept on disk; quantised checkpoints are refused.
+# safetensors dtype codes of unquantized tensors (quantized ones: quant/loading.py).
 _DISK_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
@@ -104,47 +112,100 @@ def load_weights(
     *,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
-) -> dict[str, torch.Tensor]:
+) -> dict[str, torch.Tensor | QuantWeight]:
     """Reads the tensors of `expected_tensors(config, expert_ids)`, keyed by hub name.
 
-    Converts to `dtype` if given (else keeps the on-disk dtype). Raises
+    Converts unquantized tensors to `dtype` if given (else keeps the on-disk
+    dtype); quantized projections come as QuantWeights, as stored. Raises
     CheckpointError naming the tensor and file for a missing tensor, a wrong
-    shape, an unsupported dtype or an all-zero tensor. Extra tensors are ignored.
+    shape, an unsupported dtype, an all-zero tensor, or (quantized) a missing
+    or bad scale. Extra tensors are ignored.
     """
     root = pathlib.Path(model_dir)
+    try:
+        quant = read_quant_config(root)
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {str(root)!r}: {exc}") from exc
     shapes = expected_tensors(config, expert_ids)
     names_to_files = weight_map(root)
-    missing = [name for name in shapes if name not in names_to_files]
+    layouts = _layouts(shapes, names_to_files, quant)
+    missing = [name for name in shapes if name not in names_to_files and name not in layouts]
     if missing:
         raise CheckpointError(
             f"checkpoint {str(root)!r} lacks {len(missing)} tensor(s), first {missing[0]!r}"
         )
+    # Every tensor to read: (shape, accepted dtype codes of a quantized layout's tensor, or None).
+    wanted = {name: (shape, None) for name, shape in shapes.items() if name not in layouts}
+    for layout in layouts.values():
+        wanted.update(layout)
+    unread = [name for name in wanted if name not in names_to_files]
+    if unread:
+        raise CheckpointError(f"checkpoint {str(root)!r} lacks tensor {unread[0]!r}")
     by_file: dict[str, list[str]] = {}
-    for name in shapes:
+    for name in wanted:
         by_file.setdefault(names_to_files[name], []).append(name)
-    weights: dict[str, torch.Tensor] = {}
+    raw: dict[str, torch.Tensor] = {}
     for file_name, names in by_file.items():
         with safetensors.safe_open(root / file_name, framework="pt", device=str(device)) as f:
             present = set(f.keys())
             for name in names:
                 if name not in present:
                     raise CheckpointError(f"tensor {name!r} is not in {file_name!r} as the index says")
-                weights[name] = _read_tensor(f, name, file_name, shapes[name], dtype)
-    logger.info("loaded %d tensors from %s (experts %s)", len(weights), root, list(expert_ids))
-    return {name: weights[name] for name in shapes}
+                raw[name] = _read_tensor(f, name, file_name, *wanted[name])
+    weights = {name: _assemble(name, shapes[name], layouts.get(name), raw, quant, dtype) for name in shapes}
+    logger.info("loaded %d tensors from %s (experts %s%s)", len(raw), root, list(expert_ids),
+                "" if quant is None else f", {quant.method} quantized")
+    return weights
 
 
-def _read_tensor(f, name: str, file_name: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
-    """One tensor, its header checked before its data is read."""
+def _layouts(shapes: dict[str, tuple[int, ...]], names_to_files: dict[str, str],
+             quant: QuantConfig | None) -> dict[str, loading.Layout]:
+    """Hub weight name -> its quantized stored layout, for the weights the checkpoint quantizes."""
+    layouts = {}
+    for name, shape in shapes.items():
+        try:
+            layout = loading.stored_layout(name, shape, names_to_files, quant)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from exc
+        if layout is not None:
+            layouts[name] = layout
+    return layouts
+
+
+def _assemble(name: str, shape: tuple[int, ...], layout: loading.Layout | None, raw: dict[str, torch.Tensor],
+              quant: QuantConfig | None, dtype: torch.dtype | None) -> torch.Tensor | QuantWeight:
+    """One weight from its read tensors: a plain tensor, a QuantWeight, or (a quantized gate,
+    embedding or LM head) the dequantized tensor in bf16."""
+    if layout is None:
+        return raw[name] if dtype is None else raw[name].to(dtype)
+    weight = loading.quant_weight(name, layout, raw, quant, shape)
+    if not loading.is_dense_only(name):
+        return weight
+    logger.warning("%s is %s quantized in the checkpoint; serving dequantizes it to bfloat16 once "
+                   "(a quantized router picks other experts than the model was trained with)", name, weight.method)
+    dense = weight.dequantize(torch.bfloat16)
+    return dense if dtype is None else dense.to(dtype)
+
+
+def _read_tensor(f, name: str, file_name: str, shape: tuple[int, ...], dtypes: tuple[str, ...] | None) -> torch.Tensor:
+    """One tensor, its header checked before its data is read (`dtypes`: the safetensors codes
+    of a quantized layout's tensor; None: an unquantized one)."""
     header = f.get_slice(name)
     found_shape, disk_dtype = tuple(header.get_shape()), header.get_dtype()
     if found_shape != shape:
         raise CheckpointError(f"tensor {name!r} in {file_name!r} has shape {list(found_shape)}, expected {list(shape)}")
-    if disk_dtype not in _DISK_DTYPES:
-        raise CheckpointError(
-            f"tensor {name!r} in {file_name!r} has dtype {disk_dtype}, expected one of {sorted(_DISK_DTYPES)}"
-        )
+    if dtypes is None and disk_dtype.startswith("F8"):
+        raise CheckpointError(f"tensor {name!r} in {file_name!r} is {disk_dtype} but has no weight_scale_inv "
+                              f"beside it (a missing scale)")
+    accepted = sorted(_DISK_DTYPES) if dtypes is None else list(dtypes)
+    if disk_dtype not in accepted:
+        raise CheckpointError(f"tensor {name!r} in {file_name!r} has dtype {disk_dtype}, expected one of {accepted}")
     tensor = f.get_tensor(name)
-    if not tensor.any():
+    if dtypes is not None:
+        try:
+            loading.check_stored(name, tensor)
+        except ValueError as exc:
+            raise CheckpointError(f"{exc} (in {file_name!r})") from exc
+    elif not tensor.any():
         raise CheckpointError(f"tensor {name!r} in {file_name!r} is all zeros (a broken conversion?)")
-    return tensor if dtype is None else tensor.to(dtype)
+    return tensor

@@ -10,6 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from services.model.quant.dispatch import linear
+from services.model.quant.linear import QuantWeight
+
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over the last dimension, computed in fp32 and scaled in x's dtype."""
@@ -35,9 +38,10 @@ class AddNorm:
         return self.add_rms_norm_(self.x_TD, out_TD, self.weight_D, self.eps)
 
 
-def swiglu_mlp(x_TD: Tensor, w_gate_FD: Tensor, w_up_FD: Tensor, w_down_DF: Tensor) -> Tensor:
-    """The dense feed-forward: down(silu(gate(x)) * up(x))."""
-    return F.linear(F.silu(F.linear(x_TD, w_gate_FD)) * F.linear(x_TD, w_up_FD), w_down_DF)
+def swiglu_mlp(x_TD: Tensor, w_gate_FD: Tensor | QuantWeight, w_up_FD: Tensor | QuantWeight,
+               w_down_DF: Tensor | QuantWeight) -> Tensor:
+    """The dense feed-forward: down(silu(gate(x)) * up(x)); quantized weights through quant.dispatch."""
+    return linear(F.silu(linear(x_TD, w_gate_FD)) * linear(x_TD, w_up_FD), w_down_DF)
 
 
 class RotaryEmbedding:

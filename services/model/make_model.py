@@ -4,6 +4,13 @@
 spellings), `generation_config.json`, the weights as one `model.safetensors`
 or as shards with `model.safetensors.index.json`, per-expert tensor names, and
 the tokenizer files. Transformers loads the result with no missing keys.
+
+With `quant` (`--quantize fp8|awq`) every projection is quantized from the
+same random weights into the published checkpoints' layouts
+(services/model/quant/formats.py) and config.json gets their
+quantization_config; the gate, embeddings, norms and LM head stay in `dtype`.
+`write_dequantized_checkpoint` writes the dense twin of a quantized
+checkpoint (what serving computes with), which transformers loads.
 """
 
 import argparse
@@ -11,13 +18,16 @@ import dataclasses
 import json
 import logging
 import pathlib
+import shutil
 import sys
 
 import torch
 from safetensors.torch import save_file
 
-from services.model.checkpoint import INDEX_FILE, SINGLE_FILE, expected_tensors
+from services.model.checkpoint import INDEX_FILE, SINGLE_FILE, expected_tensors, load_weights
 from services.model.config import DTYPES, ModelConfig
+from services.model.quant.formats import FORMATS, QuantConfig
+from services.model.quant.linear import Dequantized, QuantWeight, is_projection
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +55,21 @@ _TINY = ModelConfig(
 PRESETS: dict[str, ModelConfig] = {
     "tiny": _TINY,
     "tiny-tied": dataclasses.replace(_TINY, tie_word_embeddings=True),
+    # A hidden size that is not a multiple of 128: FP8's edge blocks are partial (quantized tests).
+    "tiny-h160": dataclasses.replace(_TINY, hidden_size=160, intermediate_size=192),
 }
+_AWQ_GROUP_SIZES = (128, 64, 32, 16, 8)
+
+
+def awq_group_size(config: ModelConfig) -> int:
+    """AWQ's group size for a model: 128 as published, else the largest power of two that
+    divides every projection's in-features (tiny models)."""
+    widths = (config.hidden_size, config.num_attention_heads * config.head_dim,
+              config.intermediate_size, config.moe_intermediate_size)
+    for size in _AWQ_GROUP_SIZES:
+        if all(w % size == 0 for w in widths):
+            return size
+    raise ValueError(f"no AWQ group size of {_AWQ_GROUP_SIZES} divides the in-features {widths}")
 
 
 def random_weights(config: ModelConfig, seed: int, *, init_std: float = 0.1) -> dict[str, torch.Tensor]:
@@ -70,11 +94,13 @@ def make_random_checkpoint(
     num_shards: int = 1,
     init_std: float = 0.1,
     with_tokenizer: bool = True,
+    quant: QuantConfig | None = None,
 ) -> None:
     """Writes a deterministic (from `seed`) random checkpoint of `config` into `out_dir`.
 
     The values do not depend on `dtype` beyond rounding, nor on `num_shards`.
-    Checkpoint files of an earlier run in `out_dir` are replaced.
+    Checkpoint files of an earlier run in `out_dir` are replaced. With `quant`,
+    the projections are stored quantized.
     """
     if dtype not in DTYPES.values():
         raise ValueError(f"checkpoint dtype {dtype} is not one of {sorted(DTYPES)}")
@@ -83,13 +109,20 @@ def make_random_checkpoint(
     num_tensors = len(expected_tensors(config, range(config.num_experts)))
     if not 1 <= num_shards <= num_tensors:
         raise ValueError(f"num_shards {num_shards} outside [1, {num_tensors}]")
-    weights = {name: w.to(dtype) for name, w in random_weights(config, seed, init_std=init_std).items()}
+    weights = {}
+    for name, w in random_weights(config, seed, init_std=init_std).items():
+        if quant is not None and is_projection(name):
+            weights.update(QuantWeight.quantize(w, quant).hub_tensors(name))
+        else:
+            weights[name] = w.to(dtype)
     root = pathlib.Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     for stale in [*root.glob("model-*-of-*.safetensors"), root / SINGLE_FILE, root / INDEX_FILE]:
         stale.unlink(missing_ok=True)
     _write_weights(root, weights, num_shards)
     hub = dataclasses.replace(config, dtype=dtype).to_hub_dict()
+    if quant is not None:
+        hub["quantization_config"] = quant.to_hub_dict()
     (root / "config.json").write_text(json.dumps(hub, indent=2) + "\n")
     generation = {"bos_token_id": hub["bos_token_id"], "eos_token_id": hub["eos_token_id"]}
     (root / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
@@ -97,7 +130,28 @@ def make_random_checkpoint(
         from services.tokenizer import write_tokenizer_files  # its own module; imported only when used
 
         write_tokenizer_files(root)
-    logger.info("wrote a random checkpoint (seed %d, %s, %d shard(s)) to %s", seed, dtype, num_shards, root)
+    logger.info("wrote a random checkpoint (seed %d, %s, %d shard(s)%s) to %s", seed, dtype, num_shards,
+                "" if quant is None else f", {quant.method}", root)
+
+
+def write_dequantized_checkpoint(src: str | pathlib.Path, dst: str | pathlib.Path,
+                                 dtype: torch.dtype = torch.float32) -> None:
+    """Writes the dense twin of quantized checkpoint `src` into `dst`: every weight as serving
+    computes with it (dequantized in fp32; a quantized gate in bf16, as loading gives it), in
+    `dtype`, config.json without quantization_config, the other files copied."""
+    src, dst = pathlib.Path(src), pathlib.Path(dst)
+    config = ModelConfig.from_model_dir(src)
+    weights = Dequantized(load_weights(src, config, range(config.num_experts)))
+    dense = {name: w.to(dtype).contiguous() for name, w in weights.items()}
+    dst.mkdir(parents=True, exist_ok=True)
+    for path in src.iterdir():
+        if path.is_file() and path.suffix != ".safetensors" and path.name not in ("config.json", INDEX_FILE):
+            shutil.copy(path, dst / path.name)
+    hub = json.loads((src / "config.json").read_text())
+    hub.pop("quantization_config", None)
+    hub["torch_dtype"] = {v: k for k, v in DTYPES.items()}[dtype]
+    (dst / "config.json").write_text(json.dumps(hub, indent=2) + "\n")
+    _write_weights(dst, dense, 1)
 
 
 def _write_weights(root: pathlib.Path, weights: dict[str, torch.Tensor], num_shards: int) -> None:
@@ -140,18 +194,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-shards", type=int, default=1, help="number of safetensors files")
     parser.add_argument("--init-std", type=float, default=0.1, help="std of the random matrices")
     parser.add_argument("--no-tokenizer", action="store_true", help="skip writing the tokenizer files")
+    parser.add_argument("--quantize", choices=FORMATS, default=None,
+                        help="store the projections quantized: block FP8 or AWQ 4-bit, as the published checkpoints")
+    parser.add_argument("--group-size", type=int, default=0,
+                        help="AWQ group size (0: 128, or the largest power of two dividing a tiny model's widths)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Runs `moemesh make-model` on parsed arguments; returns the exit status."""
+    config, quant = PRESETS[args.preset], None
+    if args.quantize == "fp8":
+        quant = QuantConfig("fp8")
+    elif args.quantize == "awq":
+        quant = QuantConfig("awq", group_size=args.group_size or awq_group_size(config))
     make_random_checkpoint(
         args.dir,
-        PRESETS[args.preset],
+        config,
         args.seed,
         dtype=DTYPES[args.dtype],
         num_shards=args.num_shards,
         init_std=args.init_std,
         with_tokenizer=not args.no_tokenizer,
+        quant=quant,
     )
     return 0
 

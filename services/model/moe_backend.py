@@ -8,7 +8,9 @@ experts -> combine in torch, on any device and any number of ranks),
 "triton" (kernels/moe_triton.py: Triton kernels on CUDA, a kernel family
 picked per step; registered when its module is imported, which needs triton,
 so it is loaded only when asked for) and "auto" (triton for layers on CUDA,
-torch otherwise).
+torch otherwise, and torch for quantized experts: the Triton expert kernels
+read dense weights; quantized ones are the dispatch point where quantized
+expert kernels plug in, services/model/quant/).
 
 Legend as in moe_dispatch.py: T tokens of this rank, D hidden, E experts, K experts per token.
 """
@@ -89,10 +91,11 @@ _LAZY_BACKEND_MODULES = {"triton": "services.model.kernels.moe_triton"}
 MOE_BACKEND_NAMES = ("auto", "torch", "triton")
 
 
-def make_moe_backend(name: str, device: torch.device | str) -> MoEBackend:
-    """The registered backend called `name` (one of MOE_BACKEND_NAMES) for layers on `device`."""
+def make_moe_backend(name: str, device: torch.device | str, *, quantized: bool = False) -> MoEBackend:
+    """The registered backend called `name` (one of MOE_BACKEND_NAMES) for layers on `device`
+    (`quantized`: layers of quantized experts, which "auto" gives the torch backend)."""
     if name == "auto":
-        name = "triton" if torch.device(device).type == "cuda" else "torch"
+        name = "triton" if torch.device(device).type == "cuda" and not quantized else "torch"
     return registered("MoE", name, MOE_BACKENDS, _LAZY_BACKEND_MODULES, MOE_BACKEND_NAMES)()
 
 

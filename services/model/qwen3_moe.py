@@ -2,13 +2,17 @@
 
 Weights come as the hub's on-disk names, holding only this rank's experts;
 attention and the dense layers are replicated on every rank, the experts are
-split (see moe.py). Legend: T tokens, D hidden, H heads, G KV heads, K head_dim,
-S sampled rows, V vocab.
+split (see moe.py). Quantized projections (services/model/quant/) stay in
+their stored layouts and go through quant.dispatch.linear: a registered
+kernel, or F.linear on the dequantized weight (the CPU reference path); the
+gate, embeddings, norms and LM head are dense. Legend: T tokens, D hidden,
+H heads, G KV heads, K head_dim, S sampled rows, V vocab.
 """
 
 import dataclasses
 import functools
 import importlib
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -25,6 +29,10 @@ from services.model.exchange.comm import ExpertComm
 from services.model.moe import MoELayer
 from services.model.moe_backend import gathers_on
 from services.model.moe_dispatch import local_expert_ids, step_capacity
+from services.model.quant.dispatch import QuantPath, choose_path, linear
+from services.model.quant.linear import QuantWeight
+
+logger = logging.getLogger(__name__)
 
 # Steps whose largest rank batch has at most this many tokens dispatch with
 # fixed-capacity buffers (decode); bigger ones with host splits (prefill).
@@ -34,11 +42,12 @@ DEFAULT_MAX_FIXED_CAPACITY_TOKENS = 256
 @dataclasses.dataclass(slots=True)
 class _DecoderLayer:
     input_norm_D: Tensor
-    w_q_HKD: Tensor  # [H * K, D]
-    w_k_GKD: Tensor  # [G * K, D]
-    w_v_GKD: Tensor  # [G * K, D]
-    w_qkv_XD: Tensor  # [(H + 2G) * K, D]: q, k, v stacked; the three above are views of it
-    w_o_DHK: Tensor  # [D, H * K]
+    w_q_HKD: Tensor | QuantWeight  # [H * K, D]
+    w_k_GKD: Tensor | QuantWeight  # [G * K, D]
+    w_v_GKD: Tensor | QuantWeight  # [G * K, D]
+    # [(H + 2G) * K, D]: q, k, v stacked; the three above are views of it (None when quantized)
+    w_qkv_XD: Tensor | None
+    w_o_DHK: Tensor | QuantWeight  # [D, H * K]
     q_norm_K: Tensor
     k_norm_K: Tensor
     post_attention_norm_D: Tensor
@@ -47,15 +56,26 @@ class _DecoderLayer:
 
 
 class _Converted(Mapping):
-    """The weights, each moved to the serving dtype and device when read."""
+    """The weights, each moved to the serving dtype and device when read; a quantized one
+    moved as stored and given the compute path of its format (quant.dispatch.choose_path,
+    chosen and logged once per format)."""
 
-    def __init__(self, weights: Mapping[str, Tensor], dtype, device):
+    def __init__(self, weights: Mapping[str, Tensor | QuantWeight], dtype, device, quantized_kernel: str):
         self._weights, self._dtype, self._device = weights, dtype, device
+        self._quantized_kernel = quantized_kernel
+        self.quant_paths: dict[str, QuantPath] = {}
 
-    def __getitem__(self, name: str) -> Tensor:
+    def __getitem__(self, name: str) -> Tensor | QuantWeight:
         if name not in self._weights:
             raise ValueError(f"weight {name!r} is missing")
-        return self._weights[name].to(device=self._device, dtype=self._dtype)
+        weight = self._weights[name]
+        if isinstance(weight, Tensor):
+            return weight.to(device=self._device, dtype=self._dtype)
+        path = self.quant_paths.get(weight.method)
+        if path is None:
+            path = self.quant_paths[weight.method] = choose_path(self._quantized_kernel, weight.method, self._device)
+            logger.info("%s quantized weights: %s path (%s)", weight.method, path.path, path.reason)
+        return dataclasses.replace(weight.to(self._device), kernel=path.kernel, cache_dense=path.cache_dense)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._weights)
@@ -74,13 +94,14 @@ class Qwen3MoeModel:
     (0: always host splits); it must be the same on every rank of a group.
     `num_spare_expert_slots` spare slots per MoE layer hold expert replicas
     (services/model/expert_map.py; all empty at start); the same on every rank.
+    `quantized_kernel` picks the path of quantized weights (quant.dispatch.QUANTIZED_KERNELS).
     """
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Tensor], *,
                  expert_ids: Sequence[int], comm: ExpertComm | None = None,
                  dtype=torch.float32, device="cpu", attention: str = "torch",
                  max_fixed_capacity_tokens: int = DEFAULT_MAX_FIXED_CAPACITY_TOKENS,
-                 num_spare_expert_slots: int = 0):
+                 num_spare_expert_slots: int = 0, quantized_kernel: str = "auto"):
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.comm = comm or ExpertComm.local()
         self.max_fixed_capacity_tokens = max_fixed_capacity_tokens
@@ -95,7 +116,7 @@ class Qwen3MoeModel:
                 f"expert_ids {list(expert_ids)} are not rank {self.comm.rank}'s slice "
                 f"{list(expected)} of {config.num_experts} experts over {self.comm.world_size} ranks"
             )
-        w = _Converted(weights, dtype, self.device)
+        w = _Converted(weights, dtype, self.device, quantized_kernel)
         self.embed_VD = w["model.embed_tokens.weight"]
         # Tied checkpoints have no lm_head.weight: the embedding doubles as the head.
         self.lm_head_VD = self.embed_VD if config.tie_word_embeddings else w["lm_head.weight"]
@@ -103,6 +124,8 @@ class Qwen3MoeModel:
         self.hit_counts_LE = torch.zeros(len(config.moe_layers), config.num_experts,
                                          dtype=torch.int64, device=self.device)
         self.layers = [self._build_layer(w, i, expert_ids) for i in range(config.num_hidden_layers)]
+        # format -> its compute path; empty for an unquantized model.
+        self.quant_paths = w.quant_paths
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, self.device)
         self.attention: AttentionBackend = make_attention_backend(attention)
 
@@ -126,8 +149,10 @@ class Qwen3MoeModel:
             )
         # One q|k|v matrix (one matmul on CUDA); the views give the CPU path the same bits as before.
         w_q_HKD, w_k_GKD, w_v_GKD = (w[attn + f"{p}_proj.weight"] for p in "qkv")
-        w_qkv_XD = torch.cat((w_q_HKD, w_k_GKD, w_v_GKD))
-        w_q_HKD, w_k_GKD, w_v_GKD = w_qkv_XD.split([w_q_HKD.shape[0], w_k_GKD.shape[0], w_v_GKD.shape[0]])
+        w_qkv_XD = None
+        if all(isinstance(p, Tensor) for p in (w_q_HKD, w_k_GKD, w_v_GKD)):
+            w_qkv_XD = torch.cat((w_q_HKD, w_k_GKD, w_v_GKD))
+            w_q_HKD, w_k_GKD, w_v_GKD = w_qkv_XD.split([w_q_HKD.shape[0], w_k_GKD.shape[0], w_v_GKD.shape[0]])
         return _DecoderLayer(
             input_norm_D=w[prefix + "input_layernorm.weight"],
             w_q_HKD=w_q_HKD,
@@ -177,7 +202,9 @@ class Qwen3MoeModel:
         """
         x_TD = self.embed_VD[batch.input_ids_T]
         cos_TK, sin_TK = self.rotary.cos_sin(batch.positions_T, self.dtype)
-        fused = _fused_kernels(self.device)
+        # The fused loop's kernels read dense weights: a quantized model takes the torch loop,
+        # whose projections go through quant.dispatch.linear.
+        fused = None if self.quant_paths else _fused_kernels(self.device)
         if fused is not None:
             x_SD = self._layers_fused(fused, x_TD, cos_TK, sin_TK, batch, kv, capacity, last_row_hits_LE)
             return _logits(x_SD, self.lm_head_VD, logits_SV)
@@ -223,13 +250,13 @@ class Qwen3MoeModel:
         q_shape = (num_tokens, c.num_attention_heads, c.head_dim)
         kv_shape = (num_tokens, c.num_key_value_heads, c.head_dim)
         # Qwen3 normalises each head of q and k before the rotation.
-        q_THK = rms_norm(F.linear(h_TD, layer.w_q_HKD).view(q_shape), layer.q_norm_K, c.rms_norm_eps)
-        k_TGK = rms_norm(F.linear(h_TD, layer.w_k_GKD).view(kv_shape), layer.k_norm_K, c.rms_norm_eps)
-        v_TGK = F.linear(h_TD, layer.w_v_GKD).view(kv_shape)
+        q_THK = rms_norm(linear(h_TD, layer.w_q_HKD).view(q_shape), layer.q_norm_K, c.rms_norm_eps)
+        k_TGK = rms_norm(linear(h_TD, layer.w_k_GKD).view(kv_shape), layer.k_norm_K, c.rms_norm_eps)
+        v_TGK = linear(h_TD, layer.w_v_GKD).view(kv_shape)
         q_THK = apply_rotary(q_THK, cos_TK, sin_TK)
         k_TGK = apply_rotary(k_TGK, cos_TK, sin_TK)
         o_THK = self.attention.forward(i, q_THK, k_TGK, v_TGK, batch, kv, c.head_dim ** -0.5)
-        return F.linear(o_THK.reshape(num_tokens, c.num_attention_heads * c.head_dim), layer.w_o_DHK)
+        return linear(o_THK.reshape(num_tokens, c.num_attention_heads * c.head_dim), layer.w_o_DHK)
 
 
 # The fused layer loop's kernels, loaded on CUDA only: they need triton, which CPU installs lack.

@@ -15,6 +15,10 @@ which rank holds an expert: expert 7 is the same on a group of 1 or of 2
 ranks (for one device type and dtype). Norm weights are drawn in [0.9, 1.1],
 everything else from N(0, init_std), as transformers initialises them.
 
+The released shapes also come quantized (`qwen3-30b-a3b-fp8`, `-awq`, ...):
+each projection is drawn the same way and then quantized on the device into
+the checkpoint layout (services/model/quant/), the gate and the rest dense.
+
 The gateway still needs a model directory for config.json and the tokenizer:
 `python -m services.model.random_weights --write-model-dir DIR --preset P`
 writes one with no weights. Its tokenizer is the Qwen3 one from the moemesh
@@ -37,6 +41,8 @@ import torch
 from services.model.checkpoint import expected_tensors
 from services.model.config import ModelConfig
 from services.model.make_model import PRESETS as TEST_PRESETS
+from services.model.quant.formats import FORMATS, QuantConfig, stored_bytes
+from services.model.quant.linear import QuantWeight, is_projection
 
 logger = logging.getLogger(__name__)
 
@@ -70,14 +76,25 @@ PRESETS: dict[str, ModelConfig] = {
         _QWEN3_30B_A3B, hidden_size=4096, num_hidden_layers=94, num_attention_heads=64,
         intermediate_size=12288, moe_intermediate_size=1536),
 }
+_RELEASED = ("qwen3-30b-a3b", "qwen3-235b-a22b")
+# Quantized variants of the released shapes: name -> (shape preset, format).
+QUANT_PRESETS: dict[str, tuple[str, str]] = {f"{name}-{method}": (name, method)
+                                             for name in _RELEASED for method in FORMATS}
 DEFAULT_INIT_STD = 0.02
 
 
 def preset(name: str) -> ModelConfig:
-    """The model config of a preset; ValueError naming the known ones."""
-    if name not in PRESETS:
-        raise ValueError(f"random weights preset must be one of {sorted(PRESETS)}, got {name!r}")
-    return PRESETS[name]
+    """The model config of a preset (quantized ones included); ValueError naming the known ones."""
+    base = QUANT_PRESETS.get(name, (name, None))[0]
+    if base not in PRESETS:
+        raise ValueError(f"random weights preset must be one of {sorted([*PRESETS, *QUANT_PRESETS])}, got {name!r}")
+    return PRESETS[base]
+
+
+def preset_quant(name: str) -> QuantConfig | None:
+    """The quantization of a preset: None for the unquantized ones."""
+    method = QUANT_PRESETS.get(name, (name, None))[1]
+    return None if method is None else QuantConfig(method)
 
 
 def serving_model_config(model_dir: str, preset_name: str) -> ModelConfig:
@@ -109,22 +126,27 @@ def tensor_seed(seed: int, name: str) -> int:
 class RandomWeights(Mapping):
     """One rank's weights (hub names, only `expert_ids`' experts), drawn on read.
 
-    Reading a name twice draws the same values again (a new tensor).
+    Reading a name twice draws the same values again (a new tensor). With
+    `quant`, projections come quantized (QuantWeight, drawn in fp32 first).
     """
 
     def __init__(self, config: ModelConfig, expert_ids: Sequence[int], seed: int, *,
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-                 init_std: float = DEFAULT_INIT_STD):
+                 init_std: float = DEFAULT_INIT_STD, quant: QuantConfig | None = None):
         if init_std <= 0:
             raise ValueError(f"init_std must be positive, got {init_std}")
         tensor_seed(seed, "")  # checks the seed now rather than at the first read
         self._shapes = expected_tensors(config, expert_ids)
         self._seed, self._dtype, self._device, self._std = seed, dtype, torch.device(device), init_std
         self._generator = torch.Generator(device=self._device)
+        self._quant = quant
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def __getitem__(self, name: str) -> torch.Tensor | QuantWeight:
         shape = self._shapes[name]
         self._generator.manual_seed(tensor_seed(self._seed, name))
+        if self._quant is not None and is_projection(name):
+            w = torch.empty(shape, device=self._device).normal_(0.0, self._std, generator=self._generator)
+            return QuantWeight.quantize(w, self._quant)
         out = torch.empty(shape, dtype=self._dtype, device=self._device)
         if name.endswith("norm.weight"):
             return out.uniform_(0.9, 1.1, generator=self._generator)
@@ -137,18 +159,21 @@ class RandomWeights(Mapping):
         return len(self._shapes)
 
     def num_bytes(self) -> int:
-        """The bytes all the tensors take in the compute dtype."""
+        """The bytes all the tensors take: in the compute dtype, quantized projections as stored."""
         item = torch.empty((), dtype=self._dtype).element_size()
-        return sum(item * torch.Size(shape).numel() for shape in self._shapes.values())
+        return sum(stored_bytes(self._quant, *shape) if self._quant is not None and is_projection(name)
+                   else item * torch.Size(shape).numel() for name, shape in self._shapes.items())
 
 
 def write_model_dir(out_dir: str | pathlib.Path, preset_name: str) -> pathlib.Path:
     """Writes config.json, generation_config.json and the tokenizer files of a
     preset into `out_dir` (no weights); returns the directory."""
-    config = preset(preset_name)
+    config, quant = preset(preset_name), preset_quant(preset_name)
     root = pathlib.Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     hub = config.to_hub_dict()
+    if quant is not None:
+        hub["quantization_config"] = quant.to_hub_dict()
     (root / "config.json").write_text(json.dumps(hub, indent=2) + "\n")
     generation = {"bos_token_id": hub["bos_token_id"], "eos_token_id": list(config.eos_token_ids)}
     (root / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
@@ -165,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--write-model-dir", type=pathlib.Path, required=True,
                         help="directory to write config.json and the tokenizer into")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-30b-a3b", help="model shape")
+    parser.add_argument("--preset", choices=sorted([*PRESETS, *QUANT_PRESETS]), default="qwen3-30b-a3b",
+                        help="model shape")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     write_model_dir(args.write_model_dir, args.preset)

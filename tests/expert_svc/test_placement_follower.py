@@ -75,3 +75,38 @@ def test_stages_then_installs_replicas_and_refuses_unknown_epochs(small_model_di
         task.cancel()
 
     run(body())
+
+
+@pytest.mark.parametrize("method", ["fp8", "awq"])
+def test_replicas_of_quantized_experts_copy_the_stored_weights_and_scales(tmp_path, method):
+    import dataclasses
+
+    from services.model.make_model import PRESETS, make_random_checkpoint
+    from services.model.quant.formats import QuantConfig
+
+    config = dataclasses.replace(PRESETS["tiny-h160"], vocab_size=512, eos_token_ids=(510, 511))
+    quant = QuantConfig("fp8") if method == "fp8" else QuantConfig("awq", group_size=32)
+    make_random_checkpoint(tmp_path, config, seed=4, with_tokenizer=False, quant=quant)
+    own = local_expert_ids(config.num_experts, 1, 2)
+    model = Qwen3MoeModel(config, load_weights(tmp_path, config, own), expert_ids=own, comm=_Comm(),
+                          num_spare_expert_slots=1)
+    loader = expert_loader(ExpertConfig(member_id="e1", model=str(tmp_path)), config, torch.float32)
+    store = FakeStore()
+    follower = PlacementFollower(model, store, group_id="g", rank=1, member_id="e1", load_experts=loader)
+    layer = config.moe_layers[-1]
+    experts = model.layers[layer].feed_forward.quant_experts
+    stored = load_weights(tmp_path, config, [2])
+
+    async def body():
+        task = asyncio.create_task(follower.run())
+        store.placements.put_nowait(Placement(8, 2, 1, {layer: (EMPTY, 2)}, epoch=1))
+        assert await eventually(lambda: store.ready == [("g", 1, 1, "e1")])
+        follower.install(1)
+        task.cancel()
+
+    run(body())
+    for proj, stack in (("gate_proj", experts.gate), ("up_proj", experts.up), ("down_proj", experts.down)):
+        for key, tensor in stored[f"model.layers.{layer}.mlp.experts.2.{proj}.weight"].tensors.items():
+            assert torch.equal(stack.tensors[key][4], tensor), (proj, key)  # slot 4: rank 1's spare
+    w_down_QDF = model.layers[layer].feed_forward.w_down_LDF
+    assert torch.equal(w_down_QDF[4], stored[f"model.layers.{layer}.mlp.experts.2.down_proj.weight"].dequantize())
