@@ -35,7 +35,7 @@ from services.model.layers import AddNorm
 
 
 @triton.jit
-def _silu_mul(acc_gate, acc_up, dtype: tl.constexpr):
+def silu_mul(acc_gate, acc_up, dtype: tl.constexpr):
     """SiLU(gate) * up, each intermediate rounded to dtype as moe_experts.experts rounds it."""
     gate = acc_gate.to(dtype).to(tl.float32)
     up = acc_up.to(dtype).to(tl.float32)
@@ -80,7 +80,7 @@ def _gate_up_kernel(x_ptr, xs_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_
             wu = load_fp8(w_up[:, None] + d[None, :], wm, NATIVE).to(x.dtype)
             acc_gate += tl.dot(x, tl.trans(wg), input_precision="ieee") * sg
             acc_up += tl.dot(x, tl.trans(wu), input_precision="ieee") * su
-    act = _silu_mul(acc_gate, acc_up, act_ptr.dtype.element_ty)
+    act = silu_mul(acc_gate, acc_up, act_ptr.dtype.element_ty)
     tl.store(act_ptr + p.to(tl.int64)[:, None] * width + f[None, :], act.to(act_ptr.dtype.element_ty),
              mask=f_mask[None, :])
 
@@ -189,7 +189,7 @@ def _one_token_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, HIDDEN: tl.
     gate = fp8_gemv_rows(x_ptr, w_gate, f_mask, s_gate, 0, HIDDEN, BLOCK_F, BLOCK_D, NATIVE)
     up = fp8_gemv_rows(x_ptr, w_gate + WIDTH * HIDDEN, f_mask, s_gate + up_scale_row * d_blocks, 0, HIDDEN, BLOCK_F,
                        BLOCK_D, NATIVE)
-    act = _silu_mul(gate, up, act_ptr.dtype.element_ty)
+    act = silu_mul(gate, up, act_ptr.dtype.element_ty)
     tl.store(act_ptr + k * WIDTH + f, act.to(act_ptr.dtype.element_ty), mask=f_mask)
 
 
