@@ -104,9 +104,20 @@ def _down_kernel(act_ptr, acts_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends
              mask=row_mask[:, None] & o_mask[None, :])
 
 
+# Shared memory the pipelined loads of one program may take (an H200 has 227 KB a block).
+SHARED_MEMORY_BUDGET = 192 * 1024
+
+
 def _check_kernel(kernel: str) -> None:
     if kernel not in ("fp8", "weight-only"):
         raise ValueError(f"kernel must be 'fp8' or 'weight-only', not {kernel!r}")
+
+
+def _stages(tile: GemmBlocks, block_m: int, a_bytes: int, num_weights: int) -> int:
+    """tile.num_stages, fewer where the stages' loads would not fit SHARED_MEMORY_BUDGET: moe_gemm's
+    tiles step 64 columns where these step 128, and weight-only steps carry 2-byte activations."""
+    stage_bytes = FP8_BLOCK * (block_m * a_bytes + num_weights * tile.block_n)
+    return max(1, min(tile.num_stages, SHARED_MEMORY_BUDGET // stage_bytes))
 
 
 def gate_up(x_TD: Tensor, a: moe_align.Alignment, w_gate_up_EGD: Tensor, s_gate_up: Tensor, top_k: int,
@@ -128,7 +139,8 @@ def gate_up(x_TD: Tensor, a: moe_align.Alignment, w_gate_up_EGD: Tensor, s_gate_
             w_gate_up_EGD if a_fp8 else weight_arg(w_gate_up_EGD), s_gate_up, act_PF, num_experts, hidden, width,
             xq_TD.stride(0), up_scale_row, TOP_K=top_k, BLOCK_M=a.block_m, BLOCK_N=tile.block_n,
             BLOCK_E=triton.next_power_of_2(num_experts), TILES_FIRST=tiles_first, A_FP8=a_fp8,
-            NATIVE=native_fp8(x_TD.device), num_warps=tile.num_warps, num_stages=tile.num_stages)
+            NATIVE=native_fp8(x_TD.device), num_warps=tile.num_warps,
+            num_stages=_stages(tile, a.block_m, xq_TD.element_size(), 2))
     return act_PF
 
 
@@ -149,7 +161,7 @@ def down(act_PF: Tensor, a: moe_align.Alignment, w_down_EDF: Tensor, s_down: Ten
             w_down_EDF if a_fp8 else weight_arg(w_down_EDF), s_down, y_RD, num_experts, hidden, width,
             BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_E=triton.next_power_of_2(num_experts),
             TILES_FIRST=tiles_first, A_FP8=a_fp8, NATIVE=native_fp8(act_PF.device), num_warps=tile.num_warps,
-            num_stages=tile.num_stages)
+            num_stages=_stages(tile, a.block_m, aq_PF.element_size(), 1))
     return y_RD
 
 
