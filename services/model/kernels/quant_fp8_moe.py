@@ -13,8 +13,8 @@ experts' weights in block FP8 (quant_fp8.py):
   (the tensor cores; x and act quantized per token and 128-channel group) or
   "weight-only" (the weights widened to the activations' dtype).
 - one_token_gate_up / one_token_down: batch-1 decode's per-expert GEMVs on the CUDA
-  cores (moe_small's one-token kernels' grids, PDL launches); the down GEMV writes
-  each expert's rounded output and moe_grouped.combine sums them in expert order.
+  cores (moe_small's one-token kernels' grids, PDL launches), down summing the K
+  weighted outputs itself in increasing expert order.
 - grouped_moe: moe_grouped.grouped_moe on these (route, align, gate_up, down, combine).
 
 Legend as in moe_dispatch.py: T tokens, D hidden, F expert width, G = 2F, E experts,
@@ -206,26 +206,53 @@ def _one_token_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, HIDDEN: tl.
 
 
 @triton.jit
-def _one_token_down_kernel(act_ptr, ids_ptr, w_ptr, s_ptr, y_ptr, HIDDEN: tl.constexpr, WIDTH: tl.constexpr,
-                           BLOCK_O: tl.constexpr, BLOCK_F: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
-    """y[k, o]: the k-th expert's down projection of act[k], rounded to the model dtype. PDL: waits
-    for gate_up's act (ids are final once gate_up runs)."""
-    o_block, k = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(ids_ptr + k).to(tl.int64)
+def _scaled_act(act_ptr, s_rows, k, k_mask, f, WIDTH: tl.constexpr):
+    """fp32 [BLOCK_K, BLOCK_F]: act[k, f] times expert k's down scale of f's block (s_rows: each expert's row)."""
+    mask = k_mask[:, None] & (f < WIDTH)[None, :]
+    act = tl.load(act_ptr + k[:, None] * WIDTH + f[None, :], mask=mask, other=0.0).to(tl.float32)
+    return act * tl.load(s_rows[:, None] + f[None, :] // BLOCK, mask=mask, other=0.0)
+
+
+@triton.jit
+def _one_token_down_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, out_ptr, HIDDEN: tl.constexpr,
+                           WIDTH: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_O: tl.constexpr,
+                           BLOCK_F: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+    """out[o] = sum over k of weight_k * (act[k] @ w_down[ids[k], o]) for a block of output columns,
+    as moe_small's one-token down: every expert's rows in one [BLOCK_K, BLOCK_O, BLOCK_F] tile a
+    step (each expert's block scale folded into its act), then the K outputs rounded, weighted,
+    rounded and summed in order k. PDL: the first step's weights load during gate_up, then it
+    waits for gate_up's act (ids are final once gate_up runs)."""
+    o_block = tl.program_id(0)
     o = o_block * BLOCK_O + tl.arange(0, BLOCK_O)
-    o_mask = o < HIDDEN
+    k = tl.arange(0, BLOCK_K)
+    k_mask = k < TOP_K
+    experts = tl.load(ids_ptr + k, mask=k_mask, other=0).to(tl.int64)
+    w_rows = w_ptr + (experts[:, None] * HIDDEN + o[None, :]) * WIDTH  # [BLOCK_K, BLOCK_O]
+    ko_mask = (k_mask[:, None] & (o < HIDDEN)[None, :])[:, :, None]
     f_blocks: tl.constexpr = (WIDTH + BLOCK - 1) // BLOCK
-    s_row = s_ptr + expert * ((HIDDEN + BLOCK - 1) // BLOCK) * f_blocks + (o_block * BLOCK_O // BLOCK) * f_blocks
-    if PDL:
+    s_rows = s_ptr + (experts * ((HIDDEN + BLOCK - 1) // BLOCK) + o_block * BLOCK_O // BLOCK) * f_blocks  # [BLOCK_K]
+    f = tl.arange(0, BLOCK_F)
+    w = load_fp8(w_rows[:, :, None] + f[None, None, :], ko_mask & (f < WIDTH)[None, None, :], NATIVE)
+    if PDL:  # the first step's weights are on their way: now wait for gate_up's act
         wait_for_previous_kernel()
-    y = fp8_gemv_rows(act_ptr + k * WIDTH, w_ptr + expert * HIDDEN * WIDTH + o.to(tl.int64) * WIDTH, o_mask, s_row, 0,
-                      WIDTH, BLOCK_O, BLOCK_F, NATIVE)
-    tl.store(y_ptr + k * HIDDEN + o, y.to(y_ptr.dtype.element_ty), mask=o_mask)
+    acc = w * _scaled_act(act_ptr, s_rows, k, k_mask, f, WIDTH)[:, None, :]
+    for f0 in range(BLOCK_F, WIDTH, BLOCK_F):
+        f = f0 + tl.arange(0, BLOCK_F)
+        w = load_fp8(w_rows[:, :, None] + f[None, None, :], ko_mask & (f < WIDTH)[None, None, :], NATIVE)
+        acc += w * _scaled_act(act_ptr, s_rows, k, k_mask, f, WIDTH)[:, None, :]
+    dtype = out_ptr.dtype.element_ty
+    weight = tl.load(weights_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+    y = (tl.sum(acc, 2).to(dtype).to(tl.float32) * weight[:, None]).to(dtype).to(tl.float32)  # [BLOCK_K, BLOCK_O]
+    total = tl.zeros([BLOCK_O], tl.float32)
+    for kk in tl.static_range(TOP_K):  # in order, as moe_dispatch.combine sums
+        total += tl.sum(tl.where(k[:, None] == kk, y, 0.0), 0)
+    tl.store(out_ptr + o, total.to(dtype), mask=o < HIDDEN)
 
 
-# One token's tiles (MoeTiles' one-token fields): gate_up_f and down_o divide 128 (one scale row a program).
-ONE_TOKEN_TILES = MoeTiles(gate_up_f=4, gate_up_d=1024, gate_up_stages=3, gate_up_warps=4, down_o=8, down_f=256,
-                           down_warps=4, one_token=True, down_stages=3)
+# One token's tiles (MoeTiles' one-token fields): gate_up_f and down_o divide 128 (one scale row a
+# program); moe_small's bf16 tiles with twice the columns a step (a float8 weight is half the bytes).
+ONE_TOKEN_TILES = MoeTiles(gate_up_f=4, gate_up_d=1024, gate_up_stages=3, gate_up_warps=4, down_o=4, down_f=128,
+                           down_warps=4, one_token=True, down_stages=4)
 
 
 def one_token_gate_up(x_1D: Tensor, ids_1K: Tensor, w_gate_up_EGD: Tensor, s_gate_up: Tensor,
@@ -247,13 +274,14 @@ def one_token_down(act_KF: Tensor, ids_1K: Tensor, weights_1K: Tensor, w_down_ED
     """out_1D: the K experts' down projections of act_KF, weighted and summed in expert order."""
     (top_k, width), hidden = act_KF.shape, w_down_EDF.shape[1]
     assert act_KF.is_contiguous() and w_down_EDF.is_contiguous() and s_down.is_contiguous()
-    assert FP8_BLOCK % tiles.down_o == 0
-    y_KD = act_KF.new_empty(top_k, hidden)
-    _one_token_down_kernel[(triton.cdiv(hidden, tiles.down_o), top_k)](
-        act_KF, ids_1K, weight_arg(w_down_EDF), s_down, y_KD, HIDDEN=hidden, WIDTH=width, BLOCK_O=tiles.down_o,
-        BLOCK_F=tiles.down_f, NATIVE=native_fp8(act_KF.device), PDL=uses_pdl(ids_1K), num_warps=tiles.down_warps,
+    assert FP8_BLOCK % tiles.down_o == 0 and weights_1K.is_contiguous()
+    out_1D = act_KF.new_empty(1, hidden)
+    _one_token_down_kernel[(triton.cdiv(hidden, tiles.down_o),)](
+        act_KF, ids_1K, weights_1K, weight_arg(w_down_EDF), s_down, out_1D, HIDDEN=hidden, WIDTH=width, TOP_K=top_k,
+        BLOCK_K=triton.next_power_of_2(top_k), BLOCK_O=tiles.down_o, BLOCK_F=tiles.down_f,
+        NATIVE=native_fp8(act_KF.device), PDL=uses_pdl(ids_1K), num_warps=tiles.down_warps,
         num_stages=tiles.down_stages, launch_pdl=uses_pdl(ids_1K))
-    return moe_grouped.combine(y_KD, None, weights_1K)
+    return out_1D
 
 
 def one_token_experts(x_1D: Tensor, ids_1K: Tensor, weights_1K: Tensor, w_gate_up_EGD: Tensor, s_gate_up: Tensor,
