@@ -28,11 +28,11 @@ Writes quant_kernels_<gpu>.md / .json to --out (bench/serving/serve.py's write_r
 
 import argparse
 import pathlib
-import statistics
 import sys
 
 import torch
 
+from bench.kernels.moe_small_batch import time_ms_per_layer
 from bench.serving.serve import RESULTS_DIR, write_result
 from services.model.kernels import (gemv, moe_grouped, moe_small, quant_awq, quant_awq_moe, quant_fp8, quant_fp8_moe,
                                     routing)
@@ -58,28 +58,9 @@ def _randn(*shape, scale=0.02, seed=0):
     return torch.randn(*shape, generator=g, device=DEVICE) * scale
 
 
-def time_us(fn, copies: list, reps: int) -> float:
-    """Median replay time of one CUDA graph calling fn(copy) for every copy, per copy."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in copies:  # compile, warm up
-            fn(c)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in copies:
-            fn(c)
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times) * 1e3 / len(copies)
+def time_us(fn, x, copies: list, reps: int) -> float:
+    """Median replay time of one CUDA graph calling fn(x, copy) for every copy, per copy, in us."""
+    return 1e3 * time_ms_per_layer(lambda x_TD, c, hits_E: fn(x_TD, c), x, [(c,) for c in copies], reps)
 
 
 def dense_copies(n: int, k: int, copies: int) -> list[dict]:
@@ -113,7 +94,7 @@ def bench_dense(name: str, tokens: list[int], args) -> list[dict]:
         for variant, (fn, num_bytes) in DENSE_VARIANTS.items():
             if variant == "fp8" and m <= quant_fp8.WEIGHT_ONLY_MAX_ROWS:
                 continue  # the same kernel as weight-only there
-            us = time_us(lambda c, fn=fn: fn(x, c), copies, args.reps)
+            us = time_us(fn, x, copies, args.reps)
             expected = x.float() @ copies[0]["ref_" + variant.split()[0]].T
             error = (fn(x, copies[0]).float() - expected).abs().max().item() / expected.abs().max().item()
             rows.append({"case": name, "tokens": m, "variant": variant, "us": us,
@@ -189,7 +170,7 @@ def bench_moe(tokens: list[int], args) -> list[dict]:
         for variant, fn in variants.items():
             if variant == "fp8" and m <= quant_fp8.WEIGHT_ONLY_MAX_ROWS:
                 continue
-            us = time_us(lambda c, fn=fn: fn(x, c), copies, args.reps)
+            us = time_us(fn, x, copies, args.reps)
             # Against fp32 on the unquantized weights: the quantization's own error included.
             error = (fn(x, copies[0]).float() - reference).abs().max().item() / reference.abs().max().item()
             rows.append({"case": "moe", "tokens": m, "variant": variant, "us": us, "experts": touched,
