@@ -197,7 +197,8 @@ def main(argv=None) -> int:
     tokens = [int(t) for t in args.tokens.split(",")]
     gpu = torch.cuda.get_device_name()
     report = {"gpu": gpu, "copies": args.copies, "reps": args.reps, "rows": [],
-              "command": "python -m bench.kernels.quant_kernels " + " ".join(argv if argv is not None else sys.argv[1:])}
+              "command": "python -m bench.kernels.quant_kernels "
+                         + " ".join(argv if argv is not None else sys.argv[1:])}
     for case in args.cases.split(","):
         report["rows"] += bench_moe(tokens, args) if case == "moe" else bench_dense(case, tokens, args)
     text = markdown(report)

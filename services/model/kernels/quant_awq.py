@@ -23,9 +23,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from services.model.kernels.quant_fp8 import num_splits, split_output, sum_splits
 from services.model.kernels.quant_ref import AWQ_GROUP, AWQ_PACK
 
-# Steps of at most this many rows take the one-row-at-a-time GEMV tiles' skinny neighbours (see default_tiles).
+# Steps of at most this many rows take skinny tiles (16 rows a program; see default_tiles).
 SKINNY_MAX_ROWS = 16
 
 
@@ -116,14 +117,13 @@ class AwqTiles:
 
 
 def default_tiles(num_rows: int, out_features: int, in_features: int) -> AwqTiles:
-    """The tiles for a step: one row's GEMV and skinny tiles split along K until the grid fills an
-    H200's 132 SMs about twice; square tiles for big steps."""
-    block_m, block_n = (1, 64) if num_rows == 1 else (16, 64) if num_rows <= SKINNY_MAX_ROWS else (
-        64 if num_rows <= 64 else 128, 128)
-    split_k = 1
-    if num_rows <= SKINNY_MAX_ROWS:
-        split_k = max(1, min(264 // triton.cdiv(out_features, block_n), triton.cdiv(in_features, 2 * AWQ_GROUP)))
-    return AwqTiles(block_m, block_n, 128 if block_m == 1 else 64, split_k, 4 if block_m < 128 else 8, 3)
+    """The tiles for a step: one row's GEMV, skinny tiles up to SKINNY_MAX_ROWS, square tiles above;
+    each split along K while its grid is small (quant_fp8.num_splits)."""
+    block_m = 1 if num_rows == 1 else 16 if num_rows <= SKINNY_MAX_ROWS else 64 if num_rows <= 64 else 128
+    block_n = 64 if block_m <= 16 else 128
+    programs = triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n)
+    return AwqTiles(block_m, block_n, 128 if block_m == 1 else 64, num_splits(programs, in_features, 2 * AWQ_GROUP),
+                    4 if block_m < 128 else 8, 3)
 
 
 def check_layout(qweight: Tensor, qzeros: Tensor, scales: Tensor, group: int) -> tuple[int, int]:
@@ -145,13 +145,11 @@ def linear(x_MK: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group:
     assert x_MK.shape[1] == in_features and x_MK.stride(1) == 1
     tiles = tiles or default_tiles(num_rows, out_features, in_features)
     assert group % tiles.block_k == 0 and tiles.block_n % AWQ_PACK == 0, tiles
-    k_split = triton.cdiv(triton.cdiv(in_features, tiles.block_k), tiles.split_k) * tiles.block_k
-    split_k = triton.cdiv(in_features, k_split)
-    y = torch.empty(split_k, num_rows, out_features, dtype=x_MK.dtype if split_k == 1 else torch.float32,
-                    device=x_MK.device)
+    y, k_split = split_output(num_rows, out_features, in_features, tiles.block_k, tiles.split_k, x_MK.dtype,
+                              x_MK.device)
     if num_rows:
-        grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), split_k)
+        grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), y.shape[0])
         _linear_kernel[grid](x_MK, qweight, qzeros, scales, y, num_rows, out_features, qweight.shape[1], in_features,
                              x_MK.stride(0), k_split, GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                              BLOCK_K=tiles.block_k, num_warps=tiles.warps, num_stages=tiles.stages)
-    return y[0] if split_k == 1 else y.sum(0).to(x_MK.dtype)
+    return sum_splits(y, x_MK.dtype)

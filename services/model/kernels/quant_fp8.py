@@ -173,18 +173,39 @@ class LinearTiles:
     stages: int
 
 
+def num_splits(num_programs: int, in_features: int, min_k: int) -> int:
+    """Programs along K for a grid of num_programs output tiles: enough to fill an H200's 132 SMs
+    about twice, each split at least min_k deep."""
+    return max(1, min(264 // num_programs, triton.cdiv(in_features, min_k)))
+
+
+def split_output(num_rows: int, out_features: int, in_features: int, step: int, splits: int, dtype: torch.dtype,
+                 device: torch.device) -> tuple[Tensor, int]:
+    """(y [S, M, N], each split's depth, a multiple of step): S = 1 writes y in dtype, more write
+    fp32 partials that sum_splits adds up (the same bits every run, unlike atomics)."""
+    k_split = triton.cdiv(triton.cdiv(in_features, step), splits) * step
+    count = triton.cdiv(in_features, k_split)
+    y = torch.empty(count, num_rows, out_features, dtype=dtype if count == 1 else torch.float32, device=device)
+    return y, k_split
+
+
+def sum_splits(y: Tensor, dtype: torch.dtype) -> Tensor:
+    """y_MN of split_output's y."""
+    return y[0] if y.shape[0] == 1 else y.sum(0).to(dtype)
+
+
 def default_tiles(num_rows: int, out_features: int, in_features: int, tensor_cores: bool) -> LinearTiles:
-    """The tiles for a step: the GEMV for one row, skinny tl.dot tiles split along K until the
-    grid fills an H200's 132 SMs twice, square tiles for big steps."""
+    """The tiles for a step: the GEMV for one row, skinny tl.dot tiles for up to
+    WEIGHT_ONLY_MAX_ROWS, square tiles above; each split along K while its grid is small."""
     if num_rows == 1:
         return LinearTiles(1, 8, 512, 1, 4, 3)
     if num_rows <= WEIGHT_ONLY_MAX_ROWS:
-        programs = triton.cdiv(out_features, 32)
-        split_k = max(1, min(264 // programs, triton.cdiv(in_features, 4 * FP8_BLOCK)))
-        return LinearTiles(16, 32, FP8_BLOCK, split_k, 4, 4)
+        splits = num_splits(triton.cdiv(out_features, 32), in_features, 4 * FP8_BLOCK)
+        return LinearTiles(16, 32, FP8_BLOCK, splits, 4, 4)
     block_m = 64 if num_rows <= 64 else 128
-    return LinearTiles(block_m, 128, FP8_BLOCK, 1, 8 if block_m == 128 and tensor_cores else 4, 4 if tensor_cores
-                       else 3)
+    programs = triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, 128)
+    return LinearTiles(block_m, 128, FP8_BLOCK, num_splits(programs, in_features, 4 * FP8_BLOCK),
+                       8 if block_m == 128 and tensor_cores else 4, 4 if tensor_cores else 3)
 
 
 def linear(x_MK: Tensor, w_NK: Tensor, s_NbKb: Tensor, kernel: str = "fp8", tiles: LinearTiles | None = None,
@@ -212,15 +233,12 @@ def linear_tiled(x_MK: Tensor, xs_MKb: Tensor | None, w_NK: Tensor, s_NbKb: Tens
     assert tiles.block_m > 1 or FP8_BLOCK % tiles.block_n == 0, "a GEMV program's rows share one scale row"
     a_fp8 = xs_MKb is not None
     assert not a_fp8 or (tiles.block_m > 1 and x_MK.dtype == torch.float8_e4m3fn)
-    k_split = triton.cdiv(triton.cdiv(in_features, FP8_BLOCK), tiles.split_k) * FP8_BLOCK
-    split_k = triton.cdiv(in_features, k_split)
-    y = torch.empty(split_k, num_rows, out_features, dtype=out_dtype if split_k == 1 else torch.float32,
-                    device=x_MK.device)
+    y, k_split = split_output(num_rows, out_features, in_features, FP8_BLOCK, tiles.split_k, out_dtype, x_MK.device)
     if num_rows:
-        grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), split_k)
+        grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), y.shape[0])
         _linear_kernel[grid](x_MK, x_MK if xs_MKb is None else xs_MKb, w_NK if a_fp8 else weight_arg(w_NK, native),
                              s_NbKb, y, num_rows, out_features, in_features, x_MK.stride(0), k_split,
                              BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, A_FP8=a_fp8,
                              NATIVE=native_fp8(x_MK.device) if native is None else native, num_warps=tiles.warps,
                              num_stages=tiles.stages)
-    return y[0] if split_k == 1 else y.sum(0).to(out_dtype)
+    return sum_splits(y, out_dtype)

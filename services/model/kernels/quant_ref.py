@@ -24,7 +24,8 @@ E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 AWQ_GROUP = 128
 AWQ_PACK = 8  # 4-bit values per int32
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column (within its 8) held by nibble i
-AWQ_SHIFTS = tuple(4 * AWQ_ORDER.index(c) for c in range(AWQ_PACK))  # bit offset of column c: 4 * [0, 4, 1, 5, 2, 6, 3, 7]
+# The bit offset of column c within its int32: 4 * [0, 4, 1, 5, 2, 6, 3, 7][c].
+AWQ_SHIFTS = tuple(4 * AWQ_ORDER.index(c) for c in range(AWQ_PACK))
 
 
 def _expand_blocks(s: Tensor, rows: int, cols: int, block_rows: int, block_cols: int) -> Tensor:

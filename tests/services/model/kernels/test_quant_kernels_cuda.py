@@ -155,7 +155,8 @@ def _check_moe(out, expected, bf16):
 @pytest.fixture(scope="module")
 def fp8_experts():
     w_gate_up, w_down, w_gate = _moe_weights(seed=10)
-    (g8, gs), (u8, us), (d8, ds) = ref.quant_fp8(w_gate_up[:, :F]), ref.quant_fp8(w_gate_up[:, F:]), ref.quant_fp8(w_down)
+    (g8, gs), (u8, us) = ref.quant_fp8(w_gate_up[:, :F]), ref.quant_fp8(w_gate_up[:, F:])
+    d8, ds = ref.quant_fp8(w_down)
     dequant = (torch.cat([ref.dequant_fp8(g8, gs), ref.dequant_fp8(u8, us)], 1), ref.dequant_fp8(d8, ds))
     return (torch.cat([g8, u8], 1), torch.cat([gs, us], 1), d8, ds), dequant, w_gate.bfloat16()
 
