@@ -12,7 +12,8 @@ expert's weights in AWQ's layout (quant_awq.py, K rows by N columns):
 - one_token_gate_up / one_token_down: batch-1 decode's per-expert GEMVs on the CUDA
   cores (PDL launches); down writes each expert's rounded output and
   moe_grouped.combine sums them in expert order.
-- grouped_moe: moe_grouped.grouped_moe on these.
+- grouped_moe: moe_grouped.grouped_moe on these; sorted_experts: moe_gemm.sorted_experts
+  on these (the dispatch path's rows).
 
 An AwqWeights holds one projection's three tensors.
 
@@ -159,6 +160,17 @@ def grouped_moe(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up: AwqWeights, w_down: 
     if add_norm is None:
         return moe_grouped.combine(y_RD, None, weights_TK)
     return moe_grouped.combine_add_norm(y_RD, weights_TK, add_norm)
+
+
+def sorted_experts(x_PD: Tensor, offsets_L: Tensor, w_gate_up: AwqWeights, w_down: AwqWeights,
+                   config: MoEConfig | None = None) -> Tensor:
+    """moe_gemm.sorted_experts (the dispatch path's rows, already sorted by local expert; rows past
+    offsets_L[-1] neither read nor written) on AWQ experts."""
+    num_rows, num_local = x_PD.shape[0], offsets_L.shape[0]
+    config = config or moe_gemm.default_config(16 * num_rows // num_local)
+    a = moe_align.segments(offsets_L, num_rows, config.block_m)
+    act_PF = gate_up(x_PD, a, w_gate_up, 1, config.gate_up, config.tiles_first)
+    return down(act_PF, a, w_down, num_rows, config.down, config.tiles_first)
 
 
 @triton.jit

@@ -15,7 +15,8 @@ experts' weights in block FP8 (quant_fp8.py):
 - one_token_gate_up / one_token_down: batch-1 decode's per-expert GEMVs on the CUDA
   cores (moe_small's one-token kernels' grids, PDL launches), down summing the K
   weighted outputs itself in increasing expert order.
-- grouped_moe: moe_grouped.grouped_moe on these (route, align, gate_up, down, combine).
+- grouped_moe: moe_grouped.grouped_moe on these (route, align, gate_up, down, combine);
+  sorted_experts: moe_gemm.sorted_experts on these (the dispatch path's rows).
 
 Legend as in moe_dispatch.py: T tokens, D hidden, F expert width, G = 2F, E experts,
 K experts per token, R = T * K routed rows, P padded positions; Db, Fb: 128-blocks.
@@ -181,6 +182,17 @@ def grouped_moe(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up_EGD: Tensor, s_gate_u
     if add_norm is None:
         return moe_grouped.combine(y_RD, None, weights_TK)
     return moe_grouped.combine_add_norm(y_RD, weights_TK, add_norm)
+
+
+def sorted_experts(x_PD: Tensor, offsets_L: Tensor, w_gate_up_LGD: Tensor, s_gate_up: Tensor, w_down_LDF: Tensor,
+                   s_down: Tensor, config: MoEConfig | None = None, kernel: str = "fp8") -> Tensor:
+    """moe_gemm.sorted_experts (the dispatch path's rows, already sorted by local expert; rows past
+    offsets_L[-1] neither read nor written) on block-FP8 experts; `kernel` as the caller picks it."""
+    num_rows, num_local = x_PD.shape[0], offsets_L.shape[0]
+    config = config or moe_gemm.default_config(16 * num_rows // num_local)
+    a = moe_align.segments(offsets_L, num_rows, config.block_m)
+    act_PF = gate_up(x_PD, a, w_gate_up_LGD, s_gate_up, 1, config.gate_up, config.tiles_first, kernel)
+    return down(act_PF, a, w_down_LDF, s_down, num_rows, config.down, config.tiles_first, kernel)
 
 
 @triton.jit

@@ -214,6 +214,37 @@ def test_fp8_grouped_moe_tensor_cores(quant_fp8_moe, moe_gemm, fp8_experts):
     torch.testing.assert_close(out, expected, atol=2e-3, rtol=1e-3)
 
 
+def _sorted_rows_check(run, w_gate_up, w_down, quantize=None, tolerance=1e-5):
+    """12 rows sorted by expert (experts 0, 1, 3; 2 has none) and 4 rows of capacity padding (NaN,
+    never read): each row through its expert, as moe_experts.experts computes it (quantize: what the
+    kernels multiply instead of x and act)."""
+    quantize = quantize or (lambda v: v)
+    x = torch.cat([_randn(12, D, seed=15), torch.full((4, D), float("nan"))])
+    y = run(x, torch.tensor([5, 9, 9, 12], dtype=torch.int32))
+    for row, e in enumerate([0] * 5 + [1] * 4 + [3] * 3):
+        gate_up = quantize(x[row:row + 1]) @ w_gate_up[e].T
+        expected = quantize(torch.nn.functional.silu(gate_up[:, :F]) * gate_up[:, F:]) @ w_down[e].T
+        torch.testing.assert_close(y[row], expected[0], atol=tolerance, rtol=tolerance)
+
+
+# "fp8" quantizes every row, the NaN padding too (its amax is NaN; the GEMMs never read it).
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")
+@pytest.mark.parametrize("kernel", ["weight-only", "fp8"])
+def test_fp8_sorted_experts(quant_fp8_moe, moe_gemm, fp8_experts, kernel):
+    """The dispatch path's rows; "fp8" quantizes x and act (its act may round to a neighbouring
+    float8 value where the summation order differs, hence the looser tolerance)."""
+    weights, (w_gate_up, w_down), _ = fp8_experts
+    _sorted_rows_check(lambda x, offsets: quant_fp8_moe.sorted_experts(x, offsets, *weights, _config(moe_gemm),
+                                                                       kernel=kernel),
+                       w_gate_up, w_down, *((_dequant_act, 2e-3) if kernel == "fp8" else ()))
+
+
+def test_awq_sorted_experts(quant_awq_moe, moe_gemm, awq_experts):
+    w_gate_up, w_down, layer = awq_experts
+    _sorted_rows_check(lambda x, offsets: quant_awq_moe.sorted_experts(x, offsets, w_gate_up, w_down, _config(moe_gemm)),
+                       layer.w_gate_up_LGD, layer.w_down_LDF)
+
+
 def _one_token_check(module, routing, layer, run):
     """Tiles of fewer, wider programs than the defaults (the interpreter's time goes by programs),
     still looping over several column blocks and steps, the last of each partial."""
