@@ -252,3 +252,34 @@ def test_one_token_experts_capture_in_a_cuda_graph(fp8_experts, awq_experts):
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(eager, captured))
+
+
+@pytest.mark.parametrize("kind", ["fp8 weight-only", "fp8", "awq"])
+def test_sorted_experts(fp8_experts, awq_experts, kind):
+    """The dispatch path's rows, sorted by local expert (expert 2 has none) with 16 rows of capacity
+    padding (NaN, never read): against each row through its expert, bounded as _check_moe (the
+    tensor cores as test_fp8_grouped_moe_tensor_cores)."""
+    from services.model.kernels import moe_gemm, quant_awq_moe, quant_fp8_moe
+
+    if kind == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability 8.9")
+    counts = torch.tensor([37, 5, 0] + [23] * (E - 3), device=DEVICE)
+    offsets, num_rows = counts.cumsum(0).int(), int(counts.sum())
+    x = torch.cat([_randn(num_rows, D, seed=60, dtype=torch.bfloat16),
+                   torch.full((16, D), float("nan"), dtype=torch.bfloat16, device=DEVICE)])
+    ids = torch.repeat_interleave(torch.arange(E, device=DEVICE), counts)[:, None]
+    ones = torch.ones(num_rows, 1, device=DEVICE)
+    if kind == "awq":
+        (w_gate_up, w_down), dequant, _ = awq_experts
+        out = quant_awq_moe.sorted_experts(x, offsets, w_gate_up, w_down)
+    else:
+        weights, dequant, _ = fp8_experts
+        out = quant_fp8_moe.sorted_experts(x, offsets, *weights, kernel=kind.split()[-1])
+    expected = _reference(x[:num_rows], ids, ones, *dequant)
+    if kind == "fp8":
+        quantized = _reference(x[:num_rows], ids, ones, *dequant, quantize=True)
+        error, quantization_error = ((y.float() - expected).abs().mean() for y in (out[:num_rows], quantized))
+        assert error <= 1.25 * quantization_error + 2**-7 * expected.abs().mean()
+        return
+    bf16 = moe_gemm.sorted_experts(x, offsets, dequant[0].bfloat16(), dequant[1].bfloat16())
+    _check_moe(out[:num_rows], expected, bf16[:num_rows])
