@@ -122,8 +122,9 @@ def _stages(tile: GemmBlocks, block_m: int, a_bytes: int, num_weights: int) -> i
 
 
 def gate_up(x_TD: Tensor, a: moe_align.Alignment, w_gate_up_EGD: Tensor, s_gate_up: Tensor, top_k: int,
-            tile: GemmBlocks, tiles_first: bool = False, kernel: str = "fp8") -> Tensor:
-    """moe_gemm.gate_up on block-FP8 experts: act_PF in x's dtype (tile.block_k unused: one 128 block a step)."""
+            tile: GemmBlocks, tiles_first: bool = False, kernel: str = "fp8", native: bool | None = None) -> Tensor:
+    """moe_gemm.gate_up on block-FP8 experts: act_PF in x's dtype (tile.block_k unused: one 128 block a step).
+    native: quant_fp8.weight_arg's (None: the device's)."""
     _check_kernel(kernel)
     num_experts, double_width, hidden = w_gate_up_EGD.shape
     width = double_width // 2
@@ -137,16 +138,16 @@ def gate_up(x_TD: Tensor, a: moe_align.Alignment, w_gate_up_EGD: Tensor, s_gate_
         xq_TD, xs_TDb = quantize_act(x_TD) if a_fp8 else (x_TD, x_TD)
         _gate_up_kernel[_grid(num_blocks, triton.cdiv(width, tile.block_n), tiles_first)](
             xq_TD, xs_TDb, a.sorted_ids_P, a.starts_E, a.counts_E, a.ends_E,
-            w_gate_up_EGD if a_fp8 else weight_arg(w_gate_up_EGD), s_gate_up, act_PF, num_experts, hidden, width,
-            xq_TD.stride(0), up_scale_row, TOP_K=top_k, BLOCK_M=a.block_m, BLOCK_N=tile.block_n,
+            w_gate_up_EGD if a_fp8 else weight_arg(w_gate_up_EGD, native), s_gate_up, act_PF, num_experts, hidden,
+            width, xq_TD.stride(0), up_scale_row, TOP_K=top_k, BLOCK_M=a.block_m, BLOCK_N=tile.block_n,
             BLOCK_E=triton.next_power_of_2(num_experts), TILES_FIRST=tiles_first, A_FP8=a_fp8,
-            NATIVE=native_fp8(x_TD.device), num_warps=tile.num_warps,
+            NATIVE=native_fp8(x_TD.device) if native is None else native, num_warps=tile.num_warps,
             num_stages=_stages(tile, a.block_m, xq_TD.element_size(), 2))
     return act_PF
 
 
 def down(act_PF: Tensor, a: moe_align.Alignment, w_down_EDF: Tensor, s_down: Tensor, num_routed: int,
-         tile: GemmBlocks, tiles_first: bool = False, kernel: str = "fp8") -> Tensor:
+         tile: GemmBlocks, tiles_first: bool = False, kernel: str = "fp8", native: bool | None = None) -> Tensor:
     """moe_gemm.down on block-FP8 experts: y_RD, each position's output at its routed row."""
     _check_kernel(kernel)
     num_experts, hidden, width = w_down_EDF.shape
@@ -159,16 +160,17 @@ def down(act_PF: Tensor, a: moe_align.Alignment, w_down_EDF: Tensor, s_down: Ten
         aq_PF, as_PFb = quantize_act(act_PF) if a_fp8 else (act_PF, act_PF)
         _down_kernel[_grid(num_blocks, triton.cdiv(hidden, tile.block_n), tiles_first)](
             aq_PF, as_PFb, a.sorted_ids_P, a.starts_E, a.counts_E, a.ends_E,
-            w_down_EDF if a_fp8 else weight_arg(w_down_EDF), s_down, y_RD, num_experts, hidden, width,
+            w_down_EDF if a_fp8 else weight_arg(w_down_EDF, native), s_down, y_RD, num_experts, hidden, width,
             BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_E=triton.next_power_of_2(num_experts),
-            TILES_FIRST=tiles_first, A_FP8=a_fp8, NATIVE=native_fp8(act_PF.device), num_warps=tile.num_warps,
+            TILES_FIRST=tiles_first, A_FP8=a_fp8, NATIVE=native_fp8(act_PF.device) if native is None else native,
+            num_warps=tile.num_warps,
             num_stages=_stages(tile, a.block_m, aq_PF.element_size(), 1))
     return y_RD
 
 
 def grouped_moe(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up_EGD: Tensor, s_gate_up: Tensor, w_down_EDF: Tensor,
                 s_down: Tensor, top_k: int, norm_topk_prob: bool, hit_counts_E: Tensor, config: MoEConfig | None = None,
-                kernel: str = "fp8", add_norm: AddNorm | None = None) -> Tensor:
+                kernel: str = "fp8", add_norm: AddNorm | None = None, native: bool | None = None) -> Tensor:
     """moe_grouped.grouped_moe with block-FP8 experts (the gate stays bf16); steps of up to
     WEIGHT_ONLY_MAX_ROWS tokens take the weight-only GEMMs whatever `kernel` says."""
     num_experts, num_tokens = w_gate_ED.shape[0], x_TD.shape[0]
@@ -177,22 +179,23 @@ def grouped_moe(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up_EGD: Tensor, s_gate_u
     config = config or moe_gemm.default_config(num_tokens)
     ids_TK, weights_TK, counts_CE = moe_grouped.route(x_TD, w_gate_ED, top_k, norm_topk_prob, hit_counts_E)
     a = moe_align.align(ids_TK, num_experts, config.block_m, chunk_counts=counts_CE)
-    act_PF = gate_up(x_TD, a, w_gate_up_EGD, s_gate_up, top_k, config.gate_up, config.tiles_first, kernel)
-    y_RD = down(act_PF, a, w_down_EDF, s_down, ids_TK.numel(), config.down, config.tiles_first, kernel)
+    act_PF = gate_up(x_TD, a, w_gate_up_EGD, s_gate_up, top_k, config.gate_up, config.tiles_first, kernel, native)
+    y_RD = down(act_PF, a, w_down_EDF, s_down, ids_TK.numel(), config.down, config.tiles_first, kernel, native)
     if add_norm is None:
         return moe_grouped.combine(y_RD, None, weights_TK)
     return moe_grouped.combine_add_norm(y_RD, weights_TK, add_norm)
 
 
 def sorted_experts(x_PD: Tensor, offsets_L: Tensor, w_gate_up_LGD: Tensor, s_gate_up: Tensor, w_down_LDF: Tensor,
-                   s_down: Tensor, config: MoEConfig | None = None, kernel: str = "fp8") -> Tensor:
+                   s_down: Tensor, config: MoEConfig | None = None, kernel: str = "fp8",
+                   native: bool | None = None) -> Tensor:
     """moe_gemm.sorted_experts (the dispatch path's rows, already sorted by local expert; rows past
     offsets_L[-1] neither read nor written) on block-FP8 experts; `kernel` as the caller picks it."""
     num_rows, num_local = x_PD.shape[0], offsets_L.shape[0]
     config = config or moe_gemm.default_config(16 * num_rows // num_local)
     a = moe_align.segments(offsets_L, num_rows, config.block_m)
-    act_PF = gate_up(x_PD, a, w_gate_up_LGD, s_gate_up, 1, config.gate_up, config.tiles_first, kernel)
-    return down(act_PF, a, w_down_LDF, s_down, num_rows, config.down, config.tiles_first, kernel)
+    act_PF = gate_up(x_PD, a, w_gate_up_LGD, s_gate_up, 1, config.gate_up, config.tiles_first, kernel, native)
+    return down(act_PF, a, w_down_LDF, s_down, num_rows, config.down, config.tiles_first, kernel, native)
 
 
 @triton.jit
@@ -268,36 +271,38 @@ ONE_TOKEN_TILES = MoeTiles(gate_up_f=4, gate_up_d=1024, gate_up_stages=3, gate_u
 
 
 def one_token_gate_up(x_1D: Tensor, ids_1K: Tensor, w_gate_up_EGD: Tensor, s_gate_up: Tensor,
-                      tiles: MoeTiles = ONE_TOKEN_TILES) -> Tensor:
+                      tiles: MoeTiles = ONE_TOKEN_TILES, native: bool | None = None) -> Tensor:
     """act_KF: SiLU(gate) * up of x_1D through each of its K experts (moe_small.one_token_gate_up)."""
     hidden, (top_k, width) = x_1D.shape[1], (ids_1K.shape[1], w_gate_up_EGD.shape[1] // 2)
     assert x_1D.shape[0] == 1 and x_1D.is_contiguous() and ids_1K.is_contiguous() and w_gate_up_EGD.is_contiguous()
     assert FP8_BLOCK % tiles.gate_up_f == 0 and s_gate_up.is_contiguous()
     act_KF = x_1D.new_empty(top_k, width)
     _one_token_gate_up_kernel[(triton.cdiv(width, tiles.gate_up_f), top_k)](
-        x_1D, ids_1K, weight_arg(w_gate_up_EGD), s_gate_up, act_KF, HIDDEN=hidden, WIDTH=width,
-        BLOCK_F=tiles.gate_up_f, BLOCK_D=tiles.gate_up_d, NATIVE=native_fp8(x_1D.device), PDL=uses_pdl(x_1D),
+        x_1D, ids_1K, weight_arg(w_gate_up_EGD, native), s_gate_up, act_KF, HIDDEN=hidden, WIDTH=width,
+        BLOCK_F=tiles.gate_up_f, BLOCK_D=tiles.gate_up_d, NATIVE=native_fp8(x_1D.device) if native is None else native,
+        PDL=uses_pdl(x_1D),
         num_warps=tiles.gate_up_warps, num_stages=tiles.gate_up_stages, launch_pdl=uses_pdl(x_1D))
     return act_KF
 
 
 def one_token_down(act_KF: Tensor, ids_1K: Tensor, weights_1K: Tensor, w_down_EDF: Tensor, s_down: Tensor,
-                   tiles: MoeTiles = ONE_TOKEN_TILES) -> Tensor:
+                   tiles: MoeTiles = ONE_TOKEN_TILES, native: bool | None = None) -> Tensor:
     """out_1D: the K experts' down projections of act_KF, weighted and summed in expert order."""
     (top_k, width), hidden = act_KF.shape, w_down_EDF.shape[1]
     assert act_KF.is_contiguous() and w_down_EDF.is_contiguous() and s_down.is_contiguous()
     assert FP8_BLOCK % tiles.down_o == 0 and weights_1K.is_contiguous()
     out_1D = act_KF.new_empty(1, hidden)
     _one_token_down_kernel[(triton.cdiv(hidden, tiles.down_o),)](
-        act_KF, ids_1K, weights_1K, weight_arg(w_down_EDF), s_down, out_1D, HIDDEN=hidden, WIDTH=width, TOP_K=top_k,
-        BLOCK_K=triton.next_power_of_2(top_k), BLOCK_O=tiles.down_o, BLOCK_F=tiles.down_f,
-        NATIVE=native_fp8(act_KF.device), PDL=uses_pdl(ids_1K), num_warps=tiles.down_warps,
-        num_stages=tiles.down_stages, launch_pdl=uses_pdl(ids_1K))
+        act_KF, ids_1K, weights_1K, weight_arg(w_down_EDF, native), s_down, out_1D, HIDDEN=hidden, WIDTH=width,
+        TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_O=tiles.down_o, BLOCK_F=tiles.down_f,
+        NATIVE=native_fp8(act_KF.device) if native is None else native, PDL=uses_pdl(ids_1K),
+        num_warps=tiles.down_warps, num_stages=tiles.down_stages, launch_pdl=uses_pdl(ids_1K))
     return out_1D
 
 
 def one_token_experts(x_1D: Tensor, ids_1K: Tensor, weights_1K: Tensor, w_gate_up_EGD: Tensor, s_gate_up: Tensor,
-                      w_down_EDF: Tensor, s_down: Tensor, tiles: MoeTiles = ONE_TOKEN_TILES) -> Tensor:
+                      w_down_EDF: Tensor, s_down: Tensor, tiles: MoeTiles = ONE_TOKEN_TILES,
+                      native: bool | None = None) -> Tensor:
     """One token's MoE output from its routing (routing.gate_route's ids_1K, weights_1K)."""
-    act_KF = one_token_gate_up(x_1D, ids_1K, w_gate_up_EGD, s_gate_up, tiles)
-    return one_token_down(act_KF, ids_1K, weights_1K, w_down_EDF, s_down, tiles)
+    act_KF = one_token_gate_up(x_1D, ids_1K, w_gate_up_EGD, s_gate_up, tiles, native)
+    return one_token_down(act_KF, ids_1K, weights_1K, w_down_EDF, s_down, tiles, native)

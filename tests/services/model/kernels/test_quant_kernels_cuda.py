@@ -162,13 +162,15 @@ def fp8_experts():
 
 
 @pytest.mark.parametrize("num_tokens", [1, 5, 16, 64, 300])
-def test_fp8_grouped_moe_weight_only(fp8_experts, num_tokens):
+@pytest.mark.parametrize("native", [True, False])  # False: the weights as raw bytes (the path below sm89)
+def test_fp8_grouped_moe_weight_only(fp8_experts, num_tokens, native):
     from services.model.kernels import quant_fp8_moe
 
     weights, dequant, w_gate = fp8_experts
     x = _randn(num_tokens, D, seed=11, dtype=torch.bfloat16)
     out = quant_fp8_moe.grouped_moe(x, w_gate, *weights, TOP_K, True,
-                                    torch.zeros(E, dtype=torch.int64, device=DEVICE), kernel="weight-only")
+                                    torch.zeros(E, dtype=torch.int64, device=DEVICE), kernel="weight-only",
+                                    native=native)
     _check_moe(out, _reference(x, *_route(x, w_gate), *dequant), _bf16_grouped(x, w_gate, *dequant))
 
 
@@ -189,14 +191,16 @@ def test_fp8_grouped_moe_tensor_cores(fp8_experts, num_tokens):
     assert error <= 1.25 * quantization_error + 2**-7 * expected.abs().mean()
 
 
-def test_fp8_one_token_experts(fp8_experts):
+@pytest.mark.parametrize("native", [True, False])
+def test_fp8_one_token_experts(fp8_experts, native):
     from services.model.kernels import quant_fp8_moe
 
     (w_gate_up, s_gate_up, w_down, s_down), dequant, w_gate = fp8_experts
     for seed in range(3):
         x = _randn(1, D, seed=20 + seed, dtype=torch.bfloat16)
         ids, weights = _route_one(x, w_gate)
-        out = quant_fp8_moe.one_token_experts(x, ids, weights, w_gate_up, s_gate_up, w_down, s_down)
+        out = quant_fp8_moe.one_token_experts(x, ids, weights, w_gate_up, s_gate_up, w_down, s_down,
+                                              native=native)
         _check_moe(out, _reference(x, ids, weights, *dequant), _bf16_one_token(x, ids, weights, *dequant))
 
 

@@ -241,7 +241,8 @@ def test_fp8_sorted_experts(quant_fp8_moe, moe_gemm, fp8_experts, kernel):
 
 def test_awq_sorted_experts(quant_awq_moe, moe_gemm, awq_experts):
     w_gate_up, w_down, layer = awq_experts
-    _sorted_rows_check(lambda x, offsets: quant_awq_moe.sorted_experts(x, offsets, w_gate_up, w_down, _config(moe_gemm)),
+    config = _config(moe_gemm)
+    _sorted_rows_check(lambda x, offsets: quant_awq_moe.sorted_experts(x, offsets, w_gate_up, w_down, config),
                        layer.w_gate_up_LGD, layer.w_down_LDF)
 
 
@@ -255,10 +256,12 @@ def _one_token_check(module, routing, layer, run):
     torch.testing.assert_close(run(x, ids, weights, tiles), layer(x), atol=1e-5, rtol=1e-5)
 
 
-def test_fp8_one_token_experts(quant_fp8_moe, routing, fp8_experts):
+@pytest.mark.parametrize("native", [True, False])  # False: the weights as raw bytes (below sm89)
+def test_fp8_one_token_experts(quant_fp8_moe, routing, fp8_experts, native):
     (w_gate_up, s_gate_up, w_down, s_down), dequant, w_gate = fp8_experts
     _one_token_check(quant_fp8_moe, routing, _moe_layer(*dequant, w_gate), lambda x, ids, weights, tiles:
-                     quant_fp8_moe.one_token_experts(x, ids, weights, w_gate_up, s_gate_up, w_down, s_down, tiles))
+                     quant_fp8_moe.one_token_experts(x, ids, weights, w_gate_up, s_gate_up, w_down, s_down, tiles,
+                                                     native))
 
 
 @pytest.fixture(scope="module")
