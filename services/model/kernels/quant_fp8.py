@@ -94,7 +94,9 @@ def fp8_block_dot(acc, a_rows, a_mask, a_scale_rows, w_rows, w_mask, w_scale_row
     """acc [BM, BN] + a[rows, k_start:k_end] @ W[rows, k_start:k_end]^T in steps of one 128-column
     block (k_start a multiple of 128): A_FP8, both float8 on the tensor cores, each step times
     a's row scales (a_scale_rows: each row's first) and the weight rows' block scales
-    (w_scale_rows: each row's block's first); else the weights widened to a's dtype."""
+    (w_scale_rows: each row's block's first); else the weights widened to a's dtype. A float8 dot
+    accumulates at the tensor cores' reduced precision (Triton's default on sm90), so each block's
+    result is promoted into the fp32 acc: 128-column promotions keep that error small."""
     for k0 in range(k_start, k_end, BLOCK):
         k = k0 + tl.arange(0, BLOCK)
         k_mask = k < k_end
