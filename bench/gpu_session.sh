@@ -40,6 +40,9 @@
 #            CUDA graph, each rank's kernels of one eager step, the two-rank step's speed-up over one
 #     vars   bench/kernels/decode_variants.py: the 48-layer decode step replayed in a CUDA graph under each
 #            of $VARIANTS (module knobs; default: DECODE_VARIANTS below) at batches $VAR_BATCHES
+#     quantkern tests/services/model/kernels/test_quant_kernels_cuda.py (the FP8 and AWQ kernels against their
+#            torch references in bf16; limit 270 s), then bench/kernels/quant_kernels.py (each kernel's time, GB/s
+#            and TFLOP/s at Qwen3-30B-A3B's shapes, M = ${QUANT_TOKENS:-1,8,64,256,4096}; limit 300 s): one GPU
 #   N1_ARGS / N2_ARGS / CONSTRAINTS_ARGS add arguments to those runs (e.g. N1_ARGS="--max-batch-tokens 8192");
 #   MOE_TOKENS picks the moe sweep's step sizes (default 128,256,4096).
 #
@@ -124,6 +127,10 @@ for step in $STEPS; do
                 --variants "${VARIANTS:-$DECODE_VARIANTS}" --profile --rounds 2 --out "$RESULTS/vars" ;;
         fp8) part fp8 200 python3 -m bench.serving.gpu_speed --kind "$KIND" --ranks 1 --cases c256 \
                 --expert-arg=--kv-cache-dtype --expert-arg=fp8_e4m3 ${N1_ARGS:-} --out "$RESULTS/fp8" ;;
+        quantkern) part quantkern 270 python3 -m pytest -q -p no:cacheprovider \
+                tests/services/model/kernels/test_quant_kernels_cuda.py
+                part quantkern_bench 300 python3 -m bench.kernels.quant_kernels --tokens "${QUANT_TOKENS:-1,8,64,256,4096}" \
+                --out "$RESULTS/quantkern" ;;
         constraints) part constraints 300 python3 -m bench.constraints.gpu_constraints --kind "$KIND" \
                 ${CONSTRAINTS_ARGS:-} --out "$RESULTS/constraints" ;;
         goodput) part goodput 540 python3 -m bench.serving.goodput --kind "$KIND" --rates "${GOODPUT_RATES:-2,4,6,8,10,12,16}" \

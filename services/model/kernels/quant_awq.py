@@ -1,0 +1,155 @@
+"""AWQ 4-bit linear layers in Triton (issue 29): weight-only, dequantized in registers.
+
+The weights as AWQ's "gemm" checkpoints store them (quant_ref.py): qweight [K, N/8]
+int32 (eight 4-bit values an int32 in AWQ's interleaved order: column c of each 8
+at bits 4 * [0, 4, 1, 5, 2, 6, 3, 7][c]), qzeros [K/G, N/8] packed the same way,
+scales [K/G, N] fp16, G = 128; y = x @ W with W[k, n] = (q - z[k // G, n]) * s[k // G, n].
+
+Each step of BLOCK_K rows (BLOCK_K divides G: one group a step) unpacks its
+[BLOCK_K, BLOCK_N / 8] int32 tile to [BLOCK_K, BLOCK_N] values, subtracts the
+group's zeros and leaves the scale out: q - z is a small integer, exact in
+bf16, so the step is tl.dot(x, q - z) on the tensor cores (or, for one row, FMAs
+on the CUDA cores) and its fp32 result times the group's scales. The same
+kernels serve decode (GEMV, split along K to fill the GPU) and prefill (GEMM
+tiles); there is no 4-bit tensor-core product to do better.
+
+Legend: M rows (tokens), N output features, K input features, N8 = ceil(N/8) packed columns.
+"""
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from services.model.kernels.quant_fp8 import num_splits, split_output, sum_splits
+from services.model.kernels.quant_ref import AWQ_GROUP, AWQ_PACK
+
+# Steps of at most this many rows take skinny tiles (16 rows a program; see default_tiles).
+SKINNY_MAX_ROWS = 16
+
+
+@triton.jit
+def awq_unpack(q_ptrs, mask):
+    """[R, 8C] int32: the 4-bit values of the int32 tile at q_ptrs [R, C], columns in order."""
+    q = tl.load(q_ptrs, mask=mask, other=0)
+    c = tl.arange(0, 8)
+    shifts = ((c & 1) * 4 + (c >> 1)) * 4  # AWQ's order: column c sits in nibble [0, 4, 1, 5, 2, 6, 3, 7][c]
+    values = (q[:, :, None] >> shifts[None, None, :]) & 0xF
+    return tl.reshape(values, (q.shape[0], q.shape[1] * 8))
+
+
+@triton.jit
+def awq_tile(q_ptr, z_ptr, s_ptr, k, k_mask, group, j, j_mask, n, n_mask, num_packed, out_features):
+    """(q - z [BK, BN] int32, s [BN] fp32) of rows k (all in `group`) and columns n (packed columns j)."""
+    q = awq_unpack(q_ptr + k.to(tl.int64)[:, None] * num_packed + j[None, :], k_mask[:, None] & j_mask[None, :])
+    z = awq_unpack(z_ptr + group * num_packed + j[None, :], j_mask[None, :])
+    s = tl.load(s_ptr + group * out_features + n, mask=n_mask, other=0.0).to(tl.float32)
+    return q - z, s
+
+
+@triton.jit
+def awq_gemv_cols(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask, num_packed, out_features, k_start, k_end,
+                  GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """fp32 [BLOCK_N]: x[k_start:k_end] @ W[k_start:k_end, n] on the CUDA cores (k_start a multiple of BLOCK_K)."""
+    acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < k_end
+        x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        w, s = awq_tile(q_ptr, z_ptr, s_ptr, k, k_mask, k0 // GROUP, j, j_mask, n, n_mask, num_packed, out_features)
+        acc += (x[:, None] * s[None, :]) * w.to(tl.float32)
+    return tl.sum(acc, 0)
+
+
+@triton.jit
+def awq_block_dot(acc, a_rows, a_mask, q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask, num_packed, out_features, k_start,
+                  k_end, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [BM, BN] + a[rows, k_start:k_end] @ W[k_start:k_end, n]: tl.dot(a, q - z) per step, times the scales."""
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < k_end
+        a = tl.load(a_rows[:, None] + k[None, :], mask=a_mask[:, None] & k_mask[None, :], other=0.0)
+        w, s = awq_tile(q_ptr, z_ptr, s_ptr, k, k_mask, k0 // GROUP, j, j_mask, n, n_mask, num_packed, out_features)
+        acc += tl.dot(a, w.to(a.dtype), input_precision="ieee") * s[None, :]
+    return acc
+
+
+@triton.jit
+def awq_columns(n_block, num_packed, out_features, BLOCK_N: tl.constexpr):
+    """Block n_block's columns n, their packed columns j, and both masks (BLOCK_N a multiple of 8)."""
+    n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    j = n_block * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    return n, n < out_features, j, j < num_packed
+
+
+@triton.jit
+def _linear_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, num_rows, out_features, num_packed, in_features, x_stride,
+                   k_split, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = m < num_rows
+    n, n_mask, j, j_mask = awq_columns(tl.program_id(1), num_packed, out_features, BLOCK_N)
+    split = tl.program_id(2)
+    k_start = split * k_split
+    k_end = tl.minimum(k_start + k_split, in_features)
+    if BLOCK_M == 1:  # one row on the CUDA cores
+        acc = awq_gemv_cols(x_ptr + tl.program_id(0).to(tl.int64) * x_stride, q_ptr, z_ptr, s_ptr, j, j_mask, n,
+                            n_mask, num_packed, out_features, k_start, k_end, GROUP, BLOCK_K, BLOCK_N)[None, :]
+    else:
+        acc = awq_block_dot(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x_ptr + m.to(tl.int64) * x_stride, m_mask,
+                            q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask, num_packed, out_features, k_start, k_end,
+                            GROUP, BLOCK_K)
+    y_rows = y_ptr + (split * num_rows + m).to(tl.int64) * out_features  # split > 0: fp32 partials
+    tl.store(y_rows[:, None] + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AwqTiles:
+    """Launch shape of the AWQ linear kernel."""
+
+    block_m: int  # rows per program; 1: the CUDA-core GEMV
+    block_n: int  # output features per program (a multiple of 8)
+    block_k: int  # input rows per step (divides the group size)
+    split_k: int  # programs along K (fp32 partials summed after)
+    warps: int
+    stages: int
+
+
+def default_tiles(num_rows: int, out_features: int, in_features: int) -> AwqTiles:
+    """The tiles for a step: one row's GEMV, skinny tiles up to SKINNY_MAX_ROWS, square tiles above;
+    each split along K while its grid is small (quant_fp8.num_splits)."""
+    block_m = 1 if num_rows == 1 else 16 if num_rows <= SKINNY_MAX_ROWS else 64 if num_rows <= 64 else 128
+    block_n = 64 if block_m <= 16 else 128
+    programs = triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n)
+    return AwqTiles(block_m, block_n, 128 if block_m == 1 else 64, num_splits(programs, in_features, 2 * AWQ_GROUP),
+                    4 if block_m < 128 else 8, 3)
+
+
+def check_layout(qweight: Tensor, qzeros: Tensor, scales: Tensor, group: int) -> tuple[int, int]:
+    """(K, N) of an AWQ weight (leading expert dimensions allowed), its three tensors' shapes checked."""
+    in_features, out_features = qweight.shape[-2], scales.shape[-1]
+    num_groups, num_packed = triton.cdiv(in_features, group), triton.cdiv(out_features, AWQ_PACK)
+    assert qweight.shape[-1] == qzeros.shape[-1] == num_packed, (qweight.shape, qzeros.shape, scales.shape)
+    assert qzeros.shape[-2] == scales.shape[-2] == num_groups, (qweight.shape, qzeros.shape, scales.shape)
+    assert qweight.dtype == qzeros.dtype == torch.int32
+    assert qweight.is_contiguous() and qzeros.is_contiguous() and scales.is_contiguous()
+    return in_features, out_features
+
+
+def linear(x_MK: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group: int = AWQ_GROUP,
+           tiles: AwqTiles | None = None) -> Tensor:
+    """y_MN = x @ W in x's dtype, W dequantized in registers. x's rows may have any stride, its columns contiguous."""
+    in_features, out_features = check_layout(qweight, qzeros, scales, group)
+    num_rows = x_MK.shape[0]
+    assert x_MK.shape[1] == in_features and x_MK.stride(1) == 1
+    tiles = tiles or default_tiles(num_rows, out_features, in_features)
+    assert group % tiles.block_k == 0 and tiles.block_n % AWQ_PACK == 0, tiles
+    y, k_split = split_output(num_rows, out_features, in_features, tiles.block_k, tiles.split_k, x_MK.dtype,
+                              x_MK.device)
+    if num_rows:
+        grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), y.shape[0])
+        _linear_kernel[grid](x_MK, qweight, qzeros, scales, y, num_rows, out_features, qweight.shape[1], in_features,
+                             x_MK.stride(0), k_split, GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                             BLOCK_K=tiles.block_k, num_warps=tiles.warps, num_stages=tiles.stages)
+    return sum_splits(y, x_MK.dtype)

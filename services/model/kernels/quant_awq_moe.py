@@ -1,0 +1,250 @@
+"""The experts of the MoE in AWQ 4-bit (issue 29): moe_gemm's grouped GEMMs and moe_small's one-token kernels.
+
+The same layouts, grids and roundings as the bf16 kernels they mirror, with each
+expert's weights in AWQ's layout (quant_awq.py, K rows by N columns):
+
+- gate_up: qweight [E, D, 2F/8], qzeros [E, D/G, 2F/8], scales [E, D/G, 2F]: the gate's
+  columns, then the up's (F a multiple of 8, so each half packs on its own).
+- down: qweight [E, F, D/8], qzeros [E, F/G, D/8], scales [E, F/G, D].
+
+- gate_up / down: moe_gemm's grouped GEMMs over moe_align's segments, weights
+  dequantized in registers (tl.dot on q - z, times the group's scales).
+- one_token_gate_up / one_token_down: batch-1 decode's per-expert GEMVs on the CUDA
+  cores (PDL launches); down writes each expert's rounded output and
+  moe_grouped.combine sums them in expert order.
+- grouped_moe: moe_grouped.grouped_moe on these; sorted_experts: moe_gemm.sorted_experts
+  on these (the dispatch path's rows).
+
+An AwqWeights holds one projection's three tensors.
+
+Legend as in moe_dispatch.py: T tokens, D hidden, F expert width, E experts, K experts per token,
+R = T * K routed rows, P padded positions.
+"""
+
+import dataclasses
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from services.model.kernels import moe_align, moe_gemm, moe_grouped
+from services.model.kernels.launch import uses_pdl, wait_for_previous_kernel
+from services.model.kernels.moe_gemm import GemmBlocks, MoEConfig, _block_rows, _grid
+from services.model.kernels.moe_small import MoeTiles
+from services.model.kernels.quant_awq import awq_block_dot, awq_columns, awq_gemv_cols, awq_tile, check_layout
+from services.model.kernels.quant_fp8_moe import silu_mul
+from services.model.kernels.quant_ref import AWQ_GROUP, AWQ_PACK
+from services.model.layers import AddNorm
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AwqWeights:
+    """One projection of every expert in AWQ's layout: qweight [E, K, N/8], qzeros [E, K/G, N/8], scales [E, K/G, N]."""
+
+    qweight: Tensor
+    qzeros: Tensor
+    scales: Tensor
+    group: int = AWQ_GROUP
+
+    def shape(self) -> tuple[int, int, int]:
+        """(E, K, N), the layout checked."""
+        in_features, out_features = check_layout(self.qweight, self.qzeros, self.scales, self.group)
+        return self.qweight.shape[0], in_features, out_features
+
+    def expert_strides(self) -> tuple[int, int, int]:
+        """Elements from one expert's qweight, qzeros and scales to the next's."""
+        return self.qweight[0].numel(), self.qzeros[0].numel(), self.scales[0].numel()
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, q_ptr, z_ptr, s_ptr, act_ptr,
+                    num_experts, hidden, width, x_stride, q_stride, z_stride, s_stride, TOP_K: tl.constexpr,
+                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_E: tl.constexpr, TILES_FIRST: tl.constexpr):
+    expert, p, row_mask, r = _block_rows(sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, num_experts,
+                                         BLOCK_M, BLOCK_E, TILES_FIRST)
+    if expert >= num_experts:
+        return
+    num_packed, out_features = 2 * width // 8, 2 * width
+    # The gate's columns (its packed columns end with them: F a multiple of 8); the up's are width further.
+    f, f_mask, j, j_mask = awq_columns(tl.program_id(0) if TILES_FIRST else tl.program_id(1), width // 8, width,
+                                       BLOCK_N)
+    e = expert.to(tl.int64)
+    q_e, z_e, s_e = q_ptr + e * q_stride, z_ptr + e * z_stride, s_ptr + e * s_stride
+    x_rows = x_ptr + (r // TOP_K).to(tl.int64) * x_stride
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for d0 in range(0, hidden, BLOCK_K):  # awq_block_dot's step, for gate and up at once (x read once)
+        d = d0 + tl.arange(0, BLOCK_K)
+        d_mask = d < hidden
+        x = tl.load(x_rows[:, None] + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        wg, sg = awq_tile(q_e, z_e, s_e, d, d_mask, d0 // GROUP, j, j_mask, f, f_mask, num_packed, out_features)
+        wu, su = awq_tile(q_e, z_e, s_e, d, d_mask, d0 // GROUP, j + width // 8, j_mask, f + width, f_mask,
+                          num_packed, out_features)
+        acc_gate += tl.dot(x, wg.to(x.dtype), input_precision="ieee") * sg[None, :]
+        acc_up += tl.dot(x, wu.to(x.dtype), input_precision="ieee") * su[None, :]
+    act = silu_mul(acc_gate, acc_up, act_ptr.dtype.element_ty)
+    tl.store(act_ptr + p.to(tl.int64)[:, None] * width + f[None, :], act.to(act_ptr.dtype.element_ty),
+             mask=f_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(act_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, q_ptr, z_ptr, s_ptr, y_ptr, num_experts,
+                 hidden, width, q_stride, z_stride, s_stride, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, TILES_FIRST: tl.constexpr):
+    expert, p, row_mask, r = _block_rows(sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, num_experts,
+                                         BLOCK_M, BLOCK_E, TILES_FIRST)
+    if expert >= num_experts:
+        return
+    num_packed = (hidden + 7) // 8
+    o, o_mask, j, j_mask = awq_columns(tl.program_id(0) if TILES_FIRST else tl.program_id(1), num_packed, hidden,
+                                       BLOCK_N)
+    e = expert.to(tl.int64)
+    acc = awq_block_dot(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), act_ptr + p.to(tl.int64) * width, row_mask,
+                        q_ptr + e * q_stride, z_ptr + e * z_stride, s_ptr + e * s_stride, j, j_mask, o, o_mask,
+                        num_packed, hidden, 0, width, GROUP, BLOCK_K)
+    tl.store(y_ptr + r.to(tl.int64)[:, None] * hidden + o[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & o_mask[None, :])
+
+
+def _gate_up_shape(w: AwqWeights) -> tuple[int, int, int]:
+    num_experts, hidden, double_width = w.shape()
+    assert double_width % (2 * AWQ_PACK) == 0, f"gate_up's F ({double_width // 2}) must be a multiple of 8"
+    return num_experts, hidden, double_width // 2
+
+
+def gate_up(x_TD: Tensor, a: moe_align.Alignment, w_gate_up: AwqWeights, top_k: int, tile: GemmBlocks,
+            tiles_first: bool = False) -> Tensor:
+    """moe_gemm.gate_up on AWQ experts: act_PF in x's dtype (tile.block_k divides the group size)."""
+    num_experts, hidden, width = _gate_up_shape(w_gate_up)
+    assert x_TD.stride(1) == 1 and w_gate_up.group % tile.block_k == 0 and tile.block_n % AWQ_PACK == 0
+    act_PF = x_TD.new_empty(a.sorted_ids_P.shape[0], width)
+    num_blocks = a.sorted_ids_P.shape[0] // a.block_m
+    if num_blocks:
+        _gate_up_kernel[_grid(num_blocks, triton.cdiv(width, tile.block_n), tiles_first)](
+            x_TD, a.sorted_ids_P, a.starts_E, a.counts_E, a.ends_E, w_gate_up.qweight, w_gate_up.qzeros,
+            w_gate_up.scales, act_PF, num_experts, hidden, width, x_TD.stride(0), *w_gate_up.expert_strides(),
+            TOP_K=top_k, GROUP=w_gate_up.group, BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            BLOCK_E=triton.next_power_of_2(num_experts), TILES_FIRST=tiles_first, num_warps=tile.num_warps,
+            num_stages=tile.num_stages)
+    return act_PF
+
+
+def down(act_PF: Tensor, a: moe_align.Alignment, w_down: AwqWeights, num_routed: int, tile: GemmBlocks,
+         tiles_first: bool = False) -> Tensor:
+    """moe_gemm.down on AWQ experts: y_RD, each position's output at its routed row."""
+    num_experts, width, hidden = w_down.shape()
+    assert act_PF.is_contiguous() and w_down.group % tile.block_k == 0 and tile.block_n % AWQ_PACK == 0
+    y_RD = act_PF.new_empty(num_routed, hidden)
+    num_blocks = a.sorted_ids_P.shape[0] // a.block_m
+    if num_blocks:
+        _down_kernel[_grid(num_blocks, triton.cdiv(hidden, tile.block_n), tiles_first)](
+            act_PF, a.sorted_ids_P, a.starts_E, a.counts_E, a.ends_E, w_down.qweight, w_down.qzeros, w_down.scales,
+            y_RD, num_experts, hidden, width, *w_down.expert_strides(), GROUP=w_down.group, BLOCK_M=a.block_m,
+            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_E=triton.next_power_of_2(num_experts),
+            TILES_FIRST=tiles_first, num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return y_RD
+
+
+def grouped_moe(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up: AwqWeights, w_down: AwqWeights, top_k: int,
+                norm_topk_prob: bool, hit_counts_E: Tensor, config: MoEConfig | None = None,
+                add_norm: AddNorm | None = None) -> Tensor:
+    """moe_grouped.grouped_moe with AWQ experts (the gate stays bf16): route, align, gate_up, down, combine."""
+    num_experts, num_tokens = w_gate_ED.shape[0], x_TD.shape[0]
+    assert w_gate_up.qweight.shape[0] == w_down.qweight.shape[0] == num_experts, "no spare slots here"
+    config = config or moe_gemm.default_config(num_tokens)
+    ids_TK, weights_TK, counts_CE = moe_grouped.route(x_TD, w_gate_ED, top_k, norm_topk_prob, hit_counts_E)
+    a = moe_align.align(ids_TK, num_experts, config.block_m, chunk_counts=counts_CE)
+    act_PF = gate_up(x_TD, a, w_gate_up, top_k, config.gate_up, config.tiles_first)
+    y_RD = down(act_PF, a, w_down, ids_TK.numel(), config.down, config.tiles_first)
+    if add_norm is None:
+        return moe_grouped.combine(y_RD, None, weights_TK)
+    return moe_grouped.combine_add_norm(y_RD, weights_TK, add_norm)
+
+
+def sorted_experts(x_PD: Tensor, offsets_L: Tensor, w_gate_up: AwqWeights, w_down: AwqWeights,
+                   config: MoEConfig | None = None) -> Tensor:
+    """moe_gemm.sorted_experts (the dispatch path's rows, already sorted by local expert; rows past
+    offsets_L[-1] neither read nor written) on AWQ experts."""
+    num_rows, num_local = x_PD.shape[0], offsets_L.shape[0]
+    config = config or moe_gemm.default_config(16 * num_rows // num_local)
+    a = moe_align.segments(offsets_L, num_rows, config.block_m)
+    act_PF = gate_up(x_PD, a, w_gate_up, 1, config.gate_up, config.tiles_first)
+    return down(act_PF, a, w_down, num_rows, config.down, config.tiles_first)
+
+
+@triton.jit
+def _one_token_gate_up_kernel(x_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, act_ptr, q_stride, z_stride, s_stride,
+                              HIDDEN: tl.constexpr, WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_F: tl.constexpr,
+                              BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    """act[k, f] = SiLU(gate) * up of the token's k-th expert, on the CUDA cores. PDL: waits for
+    gate_route's ids, then lets the down kernel start."""
+    f_block, k = tl.program_id(0), tl.program_id(1)
+    if PDL:
+        wait_for_previous_kernel()
+    e = tl.load(ids_ptr + k).to(tl.int64)
+    f, f_mask, j, j_mask = awq_columns(f_block, WIDTH // 8, WIDTH, BLOCK_F)  # the gate's; the up's are WIDTH further
+    q_e, z_e, s_e = q_ptr + e * q_stride, z_ptr + e * z_stride, s_ptr + e * s_stride
+    gate = awq_gemv_cols(x_ptr, q_e, z_e, s_e, j, j_mask, f, f_mask, 2 * WIDTH // 8, 2 * WIDTH, 0, HIDDEN, GROUP,
+                         BLOCK_D, BLOCK_F)
+    up = awq_gemv_cols(x_ptr, q_e, z_e, s_e, j + WIDTH // 8, j_mask, f + WIDTH, f_mask, 2 * WIDTH // 8, 2 * WIDTH, 0,
+                       HIDDEN, GROUP, BLOCK_D, BLOCK_F)
+    act = silu_mul(gate, up, act_ptr.dtype.element_ty)
+    tl.store(act_ptr + k * WIDTH + f, act.to(act_ptr.dtype.element_ty), mask=f_mask)
+
+
+@triton.jit
+def _one_token_down_kernel(act_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, y_ptr, q_stride, z_stride, s_stride,
+                           HIDDEN: tl.constexpr, WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_O: tl.constexpr,
+                           BLOCK_F: tl.constexpr, PDL: tl.constexpr):
+    """y[k, o]: the k-th expert's down projection of act[k], rounded to the model dtype. PDL: waits
+    for gate_up's act (ids are final once gate_up runs)."""
+    o_block, k = tl.program_id(0), tl.program_id(1)
+    e = tl.load(ids_ptr + k).to(tl.int64)
+    o, o_mask, j, j_mask = awq_columns(o_block, (HIDDEN + 7) // 8, HIDDEN, BLOCK_O)
+    if PDL:
+        wait_for_previous_kernel()
+    y = awq_gemv_cols(act_ptr + k * WIDTH, q_ptr + e * q_stride, z_ptr + e * z_stride, s_ptr + e * s_stride, j,
+                      j_mask, o, o_mask, (HIDDEN + 7) // 8, HIDDEN, 0, WIDTH, GROUP, BLOCK_F, BLOCK_O)
+    tl.store(y_ptr + k * HIDDEN + o, y.to(y_ptr.dtype.element_ty), mask=o_mask)
+
+
+# One token's tiles (MoeTiles' one-token fields): gate_up_f and down_o multiples of 8, gate_up_d and
+# down_f dividing the group size.
+ONE_TOKEN_TILES = MoeTiles(gate_up_f=32, gate_up_d=128, gate_up_stages=3, gate_up_warps=4, down_o=64, down_f=128,
+                           down_warps=4, one_token=True, down_stages=3)
+
+
+def one_token_gate_up(x_1D: Tensor, ids_1K: Tensor, w_gate_up: AwqWeights, tiles: MoeTiles = ONE_TOKEN_TILES) -> Tensor:
+    """act_KF: SiLU(gate) * up of x_1D through each of its K experts (moe_small.one_token_gate_up)."""
+    _, hidden, width = _gate_up_shape(w_gate_up)
+    top_k = ids_1K.shape[1]
+    assert x_1D.shape == (1, hidden) and x_1D.is_contiguous() and ids_1K.is_contiguous()
+    assert w_gate_up.group % tiles.gate_up_d == 0 and tiles.gate_up_f % AWQ_PACK == 0
+    act_KF = x_1D.new_empty(top_k, width)
+    _one_token_gate_up_kernel[(triton.cdiv(width, tiles.gate_up_f), top_k)](
+        x_1D, ids_1K, w_gate_up.qweight, w_gate_up.qzeros, w_gate_up.scales, act_KF, *w_gate_up.expert_strides(),
+        HIDDEN=hidden, WIDTH=width, GROUP=w_gate_up.group, BLOCK_F=tiles.gate_up_f, BLOCK_D=tiles.gate_up_d,
+        PDL=uses_pdl(x_1D), num_warps=tiles.gate_up_warps, num_stages=tiles.gate_up_stages, launch_pdl=uses_pdl(x_1D))
+    return act_KF
+
+
+def one_token_down(act_KF: Tensor, ids_1K: Tensor, weights_1K: Tensor, w_down: AwqWeights,
+                   tiles: MoeTiles = ONE_TOKEN_TILES) -> Tensor:
+    """out_1D: the K experts' down projections of act_KF, weighted and summed in expert order."""
+    _, width, hidden = w_down.shape()
+    top_k = act_KF.shape[0]
+    assert act_KF.shape[1] == width and act_KF.is_contiguous()
+    assert w_down.group % tiles.down_f == 0 and tiles.down_o % AWQ_PACK == 0
+    y_KD = act_KF.new_empty(top_k, hidden)
+    _one_token_down_kernel[(triton.cdiv(hidden, tiles.down_o), top_k)](
+        act_KF, ids_1K, w_down.qweight, w_down.qzeros, w_down.scales, y_KD, *w_down.expert_strides(), HIDDEN=hidden,
+        WIDTH=width, GROUP=w_down.group, BLOCK_O=tiles.down_o, BLOCK_F=tiles.down_f, PDL=uses_pdl(ids_1K),
+        num_warps=tiles.down_warps, num_stages=tiles.down_stages, launch_pdl=uses_pdl(ids_1K))
+    return moe_grouped.combine(y_KD, None, weights_1K)
+
+
+def one_token_experts(x_1D: Tensor, ids_1K: Tensor, weights_1K: Tensor, w_gate_up: AwqWeights, w_down: AwqWeights,
+                      tiles: MoeTiles = ONE_TOKEN_TILES) -> Tensor:
+    """One token's MoE output from its routing (routing.gate_route's ids_1K, weights_1K)."""
+    return one_token_down(one_token_gate_up(x_1D, ids_1K, w_gate_up, tiles), ids_1K, weights_1K, w_down, tiles)
