@@ -64,13 +64,17 @@ def load_fp8(ptrs, mask, NATIVE: tl.constexpr):
     """fp32 values of float8_e4m3fn weights: loaded as float8 (NATIVE), or as raw bytes and
     decoded: normal codes rebias their exponent (7 -> 127) into fp32 bits, subnormal ones are
     mantissa * 2^-9."""
+    # if/else, not an early return: the compiler (unlike the interpreter) still builds the code
+    # after a returning branch, and a float8 pointer cannot take the byte path's integer `other`.
     if NATIVE:
-        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    bits = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
-    mag = bits & 0x7F
-    normal = ((mag + (120 << 3)) << 20).to(tl.float32, bitcast=True)
-    value = tl.where((mag >> 3) == 0, mag.to(tl.float32) * 0.001953125, normal)
-    return tl.where(bits >= 128, -value, value)
+        out = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        bits = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+        mag = bits & 0x7F
+        normal = ((mag + (120 << 3)) << 20).to(tl.float32, bitcast=True)
+        value = tl.where((mag >> 3) == 0, mag.to(tl.float32) * 0.001953125, normal)
+        out = tl.where(bits >= 128, -value, value)
+    return out
 
 
 @triton.jit
