@@ -201,15 +201,19 @@ class Run:
             self._prompt(pieces), asyncio.gather(*(self.session.tokenize(c) for c in step.choices)))
         if not prompt:
             raise ValueError("select needs a prompt before it: the first token has no log-probability")
-        # All choices at once, so they are prefilled in the same steps. A scored prompt takes no cached
-        # prefix (a cached token has no log-probability), so each request computes the whole prompt.
+        # Every choice's request at once: the gateway prefills the uncached part of the shared prompt
+        # once (a request waits a step for a block another is computing, then reuses it), and each
+        # scores only its choice's tokens (prompt_logprobs_start), on the cached prompt before them.
         results = await asyncio.gather(*(
-            self._generate(request_id, step.name, prompt + ids, max_new_tokens=1, prompt_logprobs=True)
+            self._generate(request_id, step.name, prompt + ids, max_new_tokens=1, prompt_logprobs=True,
+                           prompt_logprobs_start=len(prompt))
             for request_id, ids in zip(request_ids, choice_ids)))
         scores = {}
         for choice, ids, result in zip(step.choices, choice_ids, results):
-            # prompt_logprobs[i] is token i + 1's, given the tokens before it.
-            logprobs = [result.prompt_logprobs[len(prompt) + j - 1].logprob for j in range(len(ids))]
+            # prompt_logprobs[j] is the choice's token j's, given the prompt and the tokens before it.
+            logprobs = [lp.logprob for lp in result.prompt_logprobs]
+            if len(logprobs) != len(ids):
+                raise ValueError(f"choice {choice!r}: {len(ids)} tokens but {len(logprobs)} log-probabilities")
             scores[choice] = sum(logprobs) / (len(logprobs) if step.normalize == "mean" else 1)
         best = max(range(len(step.choices)), key=lambda i: scores[step.choices[i]])
         usage = Usage(sum(r.usage.prompt_tokens for r in results), sum(r.usage.completion_tokens for r in results),

@@ -78,9 +78,40 @@ def test_select_picks_the_choice_transformers_ranks_first(runtime, client, hf_mo
     assert node.scores == pytest.approx(reference, abs=1e-3)
     assert state["pick"] == max(choices, key=reference.__getitem__)
     assert state.text() == prompt + state["pick"] and len(node.request_ids) == len(choices)
-    # Each choice's request scored the whole prompt: a scored prompt takes no cached prefix.
     assert node.usage.prompt_tokens == sum(len(prefix) + len(client.tokenize(c)) for c in choices)
-    assert node.usage.cached_tokens == 0 and state.run_nodes() == [node]
+    assert state.run_nodes() == [node]
+
+
+BLOCK_SIZE = 16  # the expert services' default KV block
+
+
+def test_select_prefills_the_shared_prompt_once_and_scores_its_choices_on_it(runtime, client, hf_model):
+    """A fresh context: the choices' requests go together and the gateway computes their shared prompt
+    once (the others wait for its blocks); a second select on it takes every full block before the
+    choices from the cache. The scores are transformers' either way."""
+    context = "A support ticket about a refund for a double charge on order 48213, from Dana. " * 4
+    choices = [" billing", " shipping", " account", " other"]
+    prefix = client.tokenize(context)
+    assert len(prefix) > 3 * BLOCK_SIZE
+    num_choice_tokens = [len(client.tokenize(c)) for c in choices]
+    cacheable = (len(prefix) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    reference = {}
+    for choice in choices:
+        ids = client.tokenize(choice)
+        rows = hf_logprobs(hf_model, prefix + ids)
+        logprobs = [float(rows[len(prefix) + j - 1, token]) for j, token in enumerate(ids)]
+        reference[choice] = sum(logprobs) / len(logprobs)
+    first = choose.run(context, choices, "mean", runtime=runtime).node("pick")
+    second = choose.run(context, choices, "mean", runtime=runtime).node("pick")
+    for node in (first, second):
+        assert node.scores == pytest.approx(reference, abs=1e-3)
+        assert node.value == max(choices, key=reference.__getitem__)
+    # Prefilled once: one request computed the shared blocks, the others reused them.
+    computed = first.usage.prompt_tokens - first.usage.cached_tokens
+    assert first.usage.cached_tokens >= (len(choices) - 1) * cacheable, first.usage
+    assert computed <= len(prefix) + sum(num_choice_tokens) + (len(choices) - 1) * BLOCK_SIZE, first.usage
+    # Cached: each choice computes at most its last block and its own tokens.
+    assert second.usage.cached_tokens == len(choices) * cacheable, second.usage
 
 
 @moemesh.function
