@@ -170,6 +170,29 @@ def test_gen_constraints_and_bound_tools_take_other_nodes_outputs(runtime):
     assert state.text().endswith('"status": "paid"}echo paid')
 
 
+def record_call(order_id):
+    return {"order_id": order_id, "at": time.monotonic()}
+
+
+@moemesh.function
+def early_field(s):
+    s += "Reply with a JSON object:"
+    s += moemesh.gen("fields", max_tokens=200, json_schema={
+        "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+                                         "story": {"type": "string", "minLength": 80, "maxLength": 90}},
+        "required": ["id", "story"], "additionalProperties": False})
+    s += moemesh.bind(record_call, order_id=s.ref("fields")["id"])
+
+
+def test_a_tool_bound_to_a_json_field_starts_while_the_rest_of_the_object_is_generated(runtime):
+    start = time.monotonic()
+    state = early_field.run(runtime=runtime)
+    fields, call = state.node("fields"), state["record_call"]
+    assert call["order_id"] == state["fields"]["id"] and len(state["fields"]["story"]) >= 80
+    # The gen ended no earlier than start + its seconds; the tool ran well before, as soon as "id" was complete.
+    assert call["at"] < start + fields.seconds - 0.2, (call["at"] - start, fields.seconds)
+
+
 def slow_tool(delay):
     time.sleep(delay)
     return "done"
