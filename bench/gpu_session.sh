@@ -33,12 +33,16 @@
 #            slots asking for the ticket JSON against its unconstrained twins over the same 40 s window,
 #            b1's decode ms per token, the ticket schema's compile time, and b1 again with --jump-forward
 #            (a second mesh); limit 300 s
+#     programs bench/programs/ticket.py --device cuda on one rank (issue 28): the ticket pipeline as an LLM
+#            program against the same work as sequential Generate calls, on the demo model (the one `moemesh up`
+#            serves), ${PROGRAMS_TICKETS:-100} tickets at concurrency 1 and 16; limit 420 s (one GPU is enough:
+#            kind nvidia-h200, KIND=nvidia-h200)
 #     step   bench/kernels/decode_variants.py at 256 sequences on one rank, then on two (--exchanges
 #            ${STEP_EXCHANGES:-pull,push,signals,collectives}, 2 rounds): the 48-layer decode step replayed in a
 #            CUDA graph, each rank's kernels of one eager step, the two-rank step's speed-up over one
 #     vars   bench/kernels/decode_variants.py: the 48-layer decode step replayed in a CUDA graph under each
 #            of $VARIANTS (module knobs; default: DECODE_VARIANTS below) at batches $VAR_BATCHES
-#   N1_ARGS / N2_ARGS / CONSTRAINTS_ARGS add arguments to those runs (e.g. N1_ARGS="--max-batch-tokens 8192");
+#   N1_ARGS / N2_ARGS / CONSTRAINTS_ARGS / PROGRAMS_ARGS add arguments to those runs (e.g. N1_ARGS="--max-batch-tokens 8192");
 #   MOE_TOKENS picks the moe sweep's step sizes (default 128,256,4096).
 #
 # Everything lands in $OUT/session.tgz (the device tool returns at most 8 files) plus
@@ -124,6 +128,8 @@ for step in $STEPS; do
                 --expert-arg=--kv-cache-dtype --expert-arg=fp8_e4m3 ${N1_ARGS:-} --out "$RESULTS/fp8" ;;
         constraints) part constraints 300 python3 -m bench.constraints.gpu_constraints --kind "$KIND" \
                 ${CONSTRAINTS_ARGS:-} --out "$RESULTS/constraints" ;;
+        programs) part programs 420 python3 -m bench.programs.ticket --device cuda \
+                --num-tickets "${PROGRAMS_TICKETS:-100}" --concurrency 1,16 ${PROGRAMS_ARGS:-} --out "$RESULTS/programs" ;;
         *) echo "unknown step $step" >>"$LOG" ;;
     esac
 done

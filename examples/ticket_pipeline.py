@@ -6,7 +6,9 @@
 Classification (`select`) and extraction (`gen` with a JSON schema) are two
 forks of the ticket, so they run at the same time and share its prefix in the
 cache; the payment API (a stand-in that sleeps `--api-delay` seconds) starts
-as soon as the order id is extracted; the answer waits for all three.
+as soon as the order id is complete in the extraction's stream, while the
+other fields are still generated; the answer waits for the category and the
+payment record.
 """
 
 import argparse
