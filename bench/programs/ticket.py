@@ -5,20 +5,22 @@
     python -m bench.programs.ticket --target 127.0.0.1:50051                 # a running mesh
 
 Starts its own mesh (moemesh.launcher.Mesh, one rank on --device) on --model,
-by default the model `moemesh up` serves (the bundled demo model), unless given
---target.
-The program is examples/ticket_pipeline.py's `ticket`: classification
-(select) and extraction (JSON schema) as two forks of the ticket, the
-payment-API stand-in (--api-delay seconds) as soon as the order id is there,
-then the answer. The sequential version makes the same calls one after the
-other with the client, each sending the whole conversation: classify (the
-categories as a choice constraint), extract (the same schema), the payment
-API, answer. Per ticket: end-to-end latency; per run: p50/p99 at each
-concurrency, prompt tokens prefilled (prompt minus cached tokens, summed
-over every request), the answers' tokens (the two versions' answer prompts
-are tokenized differently, so their answers may differ in length), and the program's mean seconds per node (from its
-submission, inputs' wait included). Results: a table on stdout and
-programs_<device>.json / .md under --out (default bench/results/).
+by default the model `moemesh up` serves (the bundled demo model), unless
+given --target. The program is examples/ticket_pipeline.py's `ticket`:
+classification (select) and extraction (JSON schema) as two forks of the
+ticket, the payment-API stand-in (--api-delay seconds) as soon as the order id
+is there, then the answer. The sequential version makes the same calls one
+after the other with the client, each sending the whole conversation:
+classify (the categories as a choice constraint), extract (the same schema),
+the payment API, answer. The two versions take turns (--rounds batches of the
+tickets each, at the same concurrency), so that a shared host's load falls on
+both alike. Per ticket: end-to-end latency; per version and concurrency:
+p50/p99, prompt tokens prefilled (prompt minus cached tokens, summed over
+every request), the answers' tokens (the two versions' answer prompts are
+tokenized differently, so their answers may differ in length), and the
+program's mean seconds per node (from its submission, inputs' wait
+included). Results: a table on stdout and programs_<device>.json / .md under
+--out (default bench/results/).
 """
 
 import argparse
@@ -77,7 +79,9 @@ async def sequential_ticket(client, pipeline, text: str, api_delay: float) -> tu
     return seconds, sum(u.prompt_tokens - u.cached_tokens for u in usages), answer.usage.completion_tokens, {}
 
 
-async def measure(target: str, pipeline, texts: list[str], concurrency: int, api_delay: float, kind: str) -> dict:
+async def measure(target: str, pipeline, texts: list[str], concurrency: int, api_delay: float,
+                  kind: str) -> tuple[float, list]:
+    """(wall seconds, each ticket's (seconds, prefilled, answer tokens, seconds per node)) of one batch."""
     limit = asyncio.Semaphore(concurrency)
     runtime = moemesh.Runtime(target, timeout=600)
     async with Session(runtime, max_bodies=concurrency) as session:
@@ -88,10 +92,13 @@ async def measure(target: str, pipeline, texts: list[str], concurrency: int, api
                 return await sequential_ticket(session.client, pipeline, text, api_delay)
         start = time.monotonic()
         results = await asyncio.gather(*(one(t) for t in texts))
-        wall = time.monotonic() - start
+        return time.monotonic() - start, list(results)
+
+
+def summarize(kind: str, concurrency: int, wall: float, results: list) -> dict:
     latencies = sorted(r[0] for r in results)
     nodes = sorted({name for *_, per_node in results for name in per_node})
-    return {"kind": kind, "concurrency": concurrency, "num_tickets": len(texts), "wall_s": round(wall, 3),
+    return {"kind": kind, "concurrency": concurrency, "num_tickets": len(results), "wall_s": round(wall, 3),
             "p50_s": round(statistics.median(latencies), 3),
             "p99_s": round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 3),
             "prefilled_tokens": sum(r[1] for r in results), "answer_tokens": sum(r[2] for r in results),
@@ -108,6 +115,7 @@ def parse_args(argv):
                         help="tickets per run: one number, or one per --concurrency (comma-separated)")
     parser.add_argument("--concurrency", default="1,16", help="comma-separated")
     parser.add_argument("--api-delay", type=float, default=0.3)
+    parser.add_argument("--rounds", type=int, default=5, help="batches per version and concurrency, in turns")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     if args.model is not None and args.target is not None:
@@ -123,11 +131,19 @@ def run(args, target: str) -> list[dict]:
     if len(counts) not in (1, len(loads)):
         raise SystemExit(f"--num-tickets: one number or one per concurrency, got {args.num_tickets}")
     for concurrency, num_tickets in zip(loads, counts * len(loads) if len(counts) == 1 else counts):
-        for kind in ("sequential", "program"):
-            # Each run its own texts: a previous run's cached prompts would flatter the later one.
-            texts = tickets(pipeline, num_tickets)
-            texts = [f"{kind}-c{concurrency} {t}" for t in texts]
-            rows.append(asyncio.run(measure(target, pipeline, texts, concurrency, args.api_delay, kind)))
+        walls, results = {"sequential": 0.0, "program": 0.0}, {"sequential": [], "program": []}
+        # The versions take turns, --rounds batches each, so that both see the host's load alike.
+        rounds = min(args.rounds, num_tickets)
+        for round_index in range(rounds):
+            batch = tickets(pipeline, num_tickets)[round_index::rounds]
+            for kind in walls:
+                # Each run its own texts: a previous run's cached prompts would flatter the later one.
+                texts = [f"{kind}-c{concurrency}-r{round_index} {t}" for t in batch]
+                wall, measured = asyncio.run(measure(target, pipeline, texts, concurrency, args.api_delay, kind))
+                walls[kind] += wall
+                results[kind] += measured
+        for kind in walls:
+            rows.append(summarize(kind, concurrency, walls[kind], results[kind]))
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
