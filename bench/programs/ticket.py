@@ -17,7 +17,8 @@ tickets each, at the same concurrency), so that a shared host's load falls on
 both alike. Per ticket: end-to-end latency; per version and concurrency:
 p50/p99, prompt tokens prefilled (prompt minus cached tokens, summed over
 every request), the answers' tokens (the two versions' answer prompts are
-tokenized differently, so their answers may differ in length), and the
+tokenized differently, so their answers may differ in length; --answer-tokens
+makes every answer that long, for equal work), and the
 program's mean seconds per node (from its submission, inputs' wait
 included). Results: a table on stdout and programs_<device>.json / .md under
 --out (default bench/results/).
@@ -54,9 +55,11 @@ def tickets(pipeline, num: int) -> list[str]:
     return [f"[#{i}] {pipeline.TICKETS[i % len(pipeline.TICKETS)]}" for i in range(num)]
 
 
-async def program_ticket(session, pipeline, text: str, api_delay: float) -> tuple[float, int, dict]:
+async def program_ticket(session, pipeline, text: str, api_delay: float,
+                         answer_tokens: int | None) -> tuple[float, int, int, dict]:
     start = time.monotonic()
-    state = await session.run(pipeline.ticket, (), {"text": text, "api_delay": api_delay})
+    fixed = {} if answer_tokens is None else {"max_answer_tokens": answer_tokens, "fixed_answer": True}
+    state = await session.run(pipeline.ticket, (), {"text": text, "api_delay": api_delay, **fixed})
     seconds = time.monotonic() - start
     nodes = state.run_nodes()
     usages = [node.usage for node in nodes if node.usage is not None]
@@ -64,7 +67,8 @@ async def program_ticket(session, pipeline, text: str, api_delay: float) -> tupl
     return seconds, prefilled, state.node("answer").usage.completion_tokens, {n.name: n.seconds for n in nodes}
 
 
-async def sequential_ticket(client, pipeline, text: str, api_delay: float) -> tuple[float, int, dict]:
+async def sequential_ticket(client, pipeline, text: str, api_delay: float,
+                            answer_tokens: int | None) -> tuple[float, int, int, dict]:
     start = time.monotonic()
     system = ("system", "You are a support agent. Be brief and polite.")
     messages = [system, ("user", text)]
@@ -73,14 +77,15 @@ async def sequential_ticket(client, pipeline, text: str, api_delay: float) -> tu
     payment = await asyncio.to_thread(pipeline.payment_status, json.loads(fields.text)["order_id"], api_delay)
     follow_up = (f"Category: {category.text}\nPayment record: {json.dumps(payment)}\n"
                  "Write the answer to the customer.")
-    answer = await client.generate(messages=[*messages, ("user", follow_up)], max_new_tokens=48)
+    length = {"max_new_tokens": 48} if answer_tokens is None else {"max_new_tokens": answer_tokens, "ignore_eos": True}
+    answer = await client.generate(messages=[*messages, ("user", follow_up)], **length)
     seconds = time.monotonic() - start
     usages = [r.usage for r in (category, fields, answer)]
     return seconds, sum(u.prompt_tokens - u.cached_tokens for u in usages), answer.usage.completion_tokens, {}
 
 
 async def measure(target: str, pipeline, texts: list[str], concurrency: int, api_delay: float,
-                  kind: str) -> tuple[float, list]:
+                  answer_tokens: int | None, kind: str) -> tuple[float, list]:
     """(wall seconds, each ticket's (seconds, prefilled, answer tokens, seconds per node)) of one batch."""
     limit = asyncio.Semaphore(concurrency)
     runtime = moemesh.Runtime(target, timeout=600)
@@ -88,8 +93,8 @@ async def measure(target: str, pipeline, texts: list[str], concurrency: int, api
         async def one(text: str):
             async with limit:
                 if kind == "program":
-                    return await program_ticket(session, pipeline, text, api_delay)
-                return await sequential_ticket(session.client, pipeline, text, api_delay)
+                    return await program_ticket(session, pipeline, text, api_delay, answer_tokens)
+                return await sequential_ticket(session.client, pipeline, text, api_delay, answer_tokens)
         start = time.monotonic()
         results = await asyncio.gather(*(one(t) for t in texts))
         return time.monotonic() - start, list(results)
@@ -116,6 +121,9 @@ def parse_args(argv):
     parser.add_argument("--concurrency", default="1,16", help="comma-separated")
     parser.add_argument("--api-delay", type=float, default=0.3)
     parser.add_argument("--rounds", type=int, default=5, help="batches per version and concurrency, in turns")
+    parser.add_argument("--answer-tokens", type=int,
+                        help="every answer exactly this long (end-of-sequence ignored): equal work in both versions; "
+                             "results under programs_<device>_answers<N>")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     if args.model is not None and args.target is not None:
@@ -139,7 +147,8 @@ def run(args, target: str) -> list[dict]:
             for kind in walls:
                 # Each run its own texts: a previous run's cached prompts would flatter the later one.
                 texts = [f"{kind}-c{concurrency}-r{round_index} {t}" for t in batch]
-                wall, measured = asyncio.run(measure(target, pipeline, texts, concurrency, args.api_delay, kind))
+                wall, measured = asyncio.run(measure(target, pipeline, texts, concurrency, args.api_delay,
+                                                     args.answer_tokens, kind))
                 walls[kind] += wall
                 results[kind] += measured
         for kind in walls:
@@ -150,9 +159,11 @@ def run(args, target: str) -> list[dict]:
 
 def write(args, rows: list[dict], model: str) -> None:
     command = "python -m bench.programs.ticket " + " ".join(sys.argv[1:])
-    name = f"programs_{args.device}"
+    name = f"programs_{args.device}" + ("" if args.answer_tokens is None else f"_answers{args.answer_tokens}")
     lines = [f"# The ticket pipeline: program vs sequential Generate calls ({args.device})\n", f"`{command}`\n",
-             f"Model: {model}; api delay {args.api_delay} s.\n",
+             f"Model: {model}; api delay {args.api_delay} s; answers "
+             + ("up to 48 tokens (end-of-sequence ends them)" if args.answer_tokens is None
+                else f"exactly {args.answer_tokens} tokens") + ".\n",
              "| version | concurrency | tickets | p50 s | p99 s | wall s | prompt tokens prefilled | answer tokens |",
              "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['kind']} | {r['concurrency']} | {r['num_tickets']} | {r['p50_s']} | {r['p99_s']} | "
