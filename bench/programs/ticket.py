@@ -30,6 +30,7 @@ import importlib.util
 import json
 import pathlib
 import statistics
+import subprocess
 import sys
 import time
 
@@ -160,8 +161,10 @@ def run(args, target: str) -> list[dict]:
 def write(args, rows: list[dict], model: str) -> None:
     command = "python -m bench.programs.ticket " + " ".join(sys.argv[1:])
     name = f"programs_{args.device}" + ("" if args.answer_tokens is None else f"_answers{args.answer_tokens}")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
     lines = [f"# The ticket pipeline: program vs sequential Generate calls ({args.device})\n", f"`{command}`\n",
-             f"Model: {model}; api delay {args.api_delay} s; answers "
+             f"Commit {commit}. Model: {model}; api delay {args.api_delay} s; answers "
              + ("up to 48 tokens (end-of-sequence ends them)" if args.answer_tokens is None
                 else f"exactly {args.answer_tokens} tokens") + ".\n",
              "| version | concurrency | tickets | p50 s | p99 s | wall s | prompt tokens prefilled | answer tokens |",
@@ -175,7 +178,8 @@ def write(args, rows: list[dict], model: str) -> None:
         if program and sequential:
             nodes = ", ".join(f"{k} {v}" for k, v in program["node_mean_s"].items())
             lines.append(f"| {concurrency} | {program['p50_s'] / sequential['p50_s']:.2f} | {nodes} |")
-    write_result(args.out, name, {"command": command, "model": model, "device": args.device, "rows": rows},
+    write_result(args.out, name, {"command": command, "commit": commit, "model": model, "device": args.device,
+                                  "rows": rows},
                  "\n".join(lines) + "\n")
 
 
