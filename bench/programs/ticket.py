@@ -117,6 +117,7 @@ def parse_args(argv):
     parser.add_argument("--model", help="model dir of the mesh to start (default: the demo model)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the started mesh's device")
     parser.add_argument("--target", help="a running gateway's gRPC address (instead of starting a mesh)")
+    parser.add_argument("--ready-timeout-s", type=float, default=300.0, help="for the started mesh to serve")
     parser.add_argument("--num-tickets", default="100",
                         help="tickets per run: one number, or one per --concurrency (comma-separated)")
     parser.add_argument("--concurrency", default="1,16", help="comma-separated")
@@ -190,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         model = f"the mesh at {args.target}"
     else:
         model = args.model or default_model_dir()
-        with Mesh(MeshSpec(model_dir=model, num_ranks=1, device=args.device)) as mesh:
+        with Mesh(MeshSpec(model_dir=model, num_ranks=1, device=args.device,
+                           ready_timeout_s=args.ready_timeout_s)) as mesh:
             rows = run(args, mesh.gateway_address)
         model = str(pathlib.Path(model).resolve().relative_to(ROOT)) if pathlib.Path(model).resolve().is_relative_to(
             ROOT) else model
