@@ -165,8 +165,9 @@ def _place(batcher: AdmissionHost, batch: StepBatch, step: StepState, seq: Seque
         # Looked up afresh: admitting the previous request may have evicted blocks.
         match = _match(kv, seq)
         first_uncached = match.num_cached_tokens // kv.block_size
-        if ((first_uncached + 1) * kv.block_size <= seq.max_cached_tokens
-                and first_uncached < len(seq.block_hashes) and seq.block_hashes[first_uncached] in step.computing[rank]):
+        # Waits only for a block it may take from the cache (max_cached_tokens).
+        if ((first_uncached + 1) * kv.block_size <= seq.max_cached_tokens and first_uncached < len(seq.block_hashes)
+                and seq.block_hashes[first_uncached] in step.computing[rank]):
             is_deferred = True
             continue
         budget = batcher.max_batch_tokens - batch.plans[rank].num_tokens
