@@ -35,6 +35,10 @@
 #            (a second mesh); limit 300 s
 #     goodput bench/serving/goodput.py on one rank (issue 30): the production mix as Poisson arrivals at
 #            ${GOODPUT_RATES:-2,4,6,8,10,12,16} req/s, 30 s each, stopping past the knee; limit 540 s
+#     programs bench/programs/ticket.py --device cuda on one rank (issue 28): the ticket pipeline as an LLM
+#            program against the same work as sequential Generate calls, on the demo model (the one `moemesh up`
+#            serves), ${PROGRAMS_TICKETS:-100} tickets at concurrency 1 and 16; limit 420 s (one GPU is enough:
+#            kind nvidia-h200, KIND=nvidia-h200)
 #     step   bench/kernels/decode_variants.py at 256 sequences on one rank, then on two (--exchanges
 #            ${STEP_EXCHANGES:-pull,push,signals,collectives}, 2 rounds): the 48-layer decode step replayed in a
 #            CUDA graph, each rank's kernels of one eager step, the two-rank step's speed-up over one
@@ -43,7 +47,7 @@
 #     quantkern tests/services/model/kernels/test_quant_kernels_cuda.py (the FP8 and AWQ kernels against their
 #            torch references in bf16; limit 270 s), then bench/kernels/quant_kernels.py (each kernel's time, GB/s
 #            and TFLOP/s at Qwen3-30B-A3B's shapes, M = ${QUANT_TOKENS:-1,8,64,256,4096}; limit 300 s): one GPU
-#   N1_ARGS / N2_ARGS / CONSTRAINTS_ARGS add arguments to those runs (e.g. N1_ARGS="--max-batch-tokens 8192");
+#   N1_ARGS / N2_ARGS / CONSTRAINTS_ARGS / PROGRAMS_ARGS add arguments to those runs (e.g. N1_ARGS="--max-batch-tokens 8192");
 #   MOE_TOKENS picks the moe sweep's step sizes (default 128,256,4096).
 #
 # Everything lands in $OUT/session.tgz (the device tool returns at most 8 files) plus
@@ -135,6 +139,8 @@ for step in $STEPS; do
                 ${CONSTRAINTS_ARGS:-} --out "$RESULTS/constraints" ;;
         goodput) part goodput 540 python3 -m bench.serving.goodput --kind "$KIND" --rates "${GOODPUT_RATES:-2,4,6,8,10,12,16}" \
                 ${GOODPUT_ARGS:-} --out "$RESULTS/goodput" ;;
+        programs) part programs 420 python3 -m bench.programs.ticket --device cuda \
+                --num-tickets "${PROGRAMS_TICKETS:-100}" --concurrency 1,16 ${PROGRAMS_ARGS:-} --out "$RESULTS/programs" ;;
         *) echo "unknown step $step" >>"$LOG" ;;
     esac
 done

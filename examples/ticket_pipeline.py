@@ -6,7 +6,9 @@
 Classification (`select`) and extraction (`gen` with a JSON schema) are two
 forks of the ticket, so they run at the same time and share its prefix in the
 cache; the payment API (a stand-in that sleeps `--api-delay` seconds) starts
-as soon as the order id is extracted; the answer waits for all three.
+as soon as the order id is complete in the extraction's stream, while the
+other fields are still generated; the answer waits for the category and the
+payment record.
 """
 
 import argparse
@@ -40,7 +42,8 @@ def payment_status(order_id: int, delay: float) -> dict:
 
 
 @moemesh.function
-def ticket(s, text: str, api_delay: float = 0.3, max_answer_tokens: int = 48):
+def ticket(s, text: str, api_delay: float = 0.3, max_answer_tokens: int = 48, fixed_answer: bool = False):
+    """fixed_answer: the answer is exactly max_answer_tokens long (for benchmarks that compare equal work)."""
     s += moemesh.system("You are a support agent. Be brief and polite.")
     s += moemesh.user(text)
     classify, extract = s.fork(2)
@@ -49,7 +52,7 @@ def ticket(s, text: str, api_delay: float = 0.3, max_answer_tokens: int = 48):
     payment = moemesh.bind(payment_status, order_id=extract.ref("fields")["order_id"], delay=api_delay)
     s += moemesh.user("Category: ", classify.ref("category"), "\nPayment record: ", payment,
                       "\nWrite the answer to the customer.")
-    s += moemesh.assistant(moemesh.gen("answer", max_tokens=max_answer_tokens))
+    s += moemesh.assistant(moemesh.gen("answer", max_tokens=max_answer_tokens, ignore_eos=fixed_answer))
     # For the caller: the fork's values as variables of the returned state.
     s += moemesh.bind(summary, category=classify.ref("category"), fields=extract.ref("fields"))
 

@@ -25,8 +25,11 @@ cache: so the prompt is prefilled once, whatever the load of the other ranks.
 A leader that finished pins nothing (nor does any without a prefix cache); one
 preempted makes the samples not yet started wait until it is prefilled again.
 
-A request that still needs its prompt's log-probabilities takes no cached prefix
-(every prompt position is computed to be scored), so its cached_tokens is 0.
+A request that still needs its prompt's log-probabilities takes a cached prefix only
+up to the position whose logits score the first one it lacks (Sequence.max_cached_tokens):
+a rank scores the positions it computes, so with prompt_logprobs_start a scoring request
+reuses the blocks of the prefix it shares with others and computes little more than the
+positions it scores; asked for all of them, it takes none (cached_tokens 0).
 """
 
 import dataclasses
@@ -105,10 +108,6 @@ class AdmissionHost(Protocol):
         """Adds num_tokens of seq's input to plan."""
 
 
-# A request that reports prompt log-probabilities starts from nothing cached (Sequence.wants_prompt_logprobs).
-NO_PREFIX = PrefixMatch([], 0, 0)
-
-
 def watermark(kv: RankKV) -> int:
     """Blocks kept free at admission for the running sequences' next decode blocks."""
     return max(1, kv.num_blocks // 100)
@@ -122,10 +121,7 @@ def admit(batcher: AdmissionHost, batch: StepBatch, step: StepState) -> None:
 
     def cached_tokens(seq: Sequence) -> int:
         """The policy's estimate: the longest cached prefix on any rank."""
-        if seq.wants_prompt_logprobs:
-            return 0
-        return max(kv.match(seq.token_ids, seq.block_hashes, is_estimate=True).num_cached_tokens
-                   for kv in batcher.ranks)
+        return max(_match(kv, seq, is_estimate=True).num_cached_tokens for kv in batcher.ranks)
 
     num_deferred = 0
     for seq in batcher.policy.order(batcher.waiting, cached_tokens):
@@ -166,15 +162,14 @@ def _place(batcher: AdmissionHost, batch: StepBatch, step: StepState, seq: Seque
         kv = batcher.ranks[rank]
         if not _is_open(batcher, batch, step, rank):
             continue
-        if seq.wants_prompt_logprobs:  # every prompt position is scored, so none may be cached
-            match = NO_PREFIX
-        else:
-            # Looked up afresh: admitting the previous request may have evicted blocks.
-            match = kv.match(seq.token_ids, seq.block_hashes)
-            first_uncached = match.num_cached_tokens // kv.block_size
-            if first_uncached < len(seq.block_hashes) and seq.block_hashes[first_uncached] in step.computing[rank]:
-                is_deferred = True
-                continue
+        # Looked up afresh: admitting the previous request may have evicted blocks.
+        match = _match(kv, seq)
+        first_uncached = match.num_cached_tokens // kv.block_size
+        # Waits only for a block it may take from the cache (max_cached_tokens).
+        if ((first_uncached + 1) * kv.block_size <= seq.max_cached_tokens and first_uncached < len(seq.block_hashes)
+                and seq.block_hashes[first_uncached] in step.computing[rank]):
+            is_deferred = True
+            continue
         budget = batcher.max_batch_tokens - batch.plans[rank].num_tokens
         num_tokens = min(batcher.prefill_chunk_size, seq.num_tokens - match.num_cached_tokens, budget)
         num_new_blocks = kv.blocks_needed(match.num_cached_tokens + num_tokens) - len(match.nodes)
@@ -191,6 +186,14 @@ def _place(batcher: AdmissionHost, batch: StepBatch, step: StepState, seq: Seque
                   and len(batcher.running[p.rank]) <= least + slack]
         fitting = affine or fitting
     return min(fitting, key=lambda p: (running_tokens[p.rank], -batcher.ranks[p.rank].num_available, p.rank))
+
+
+def _match(kv: RankKV, seq: Sequence, *, is_estimate: bool = False) -> PrefixMatch:
+    """seq's cached prefix on kv, within the tokens it may take from the cache (a match always
+    leaves a token to compute: the one after max_cached_tokens here)."""
+    limit = seq.max_cached_tokens
+    token_ids = seq.token_ids if limit >= len(seq.token_ids) else seq.token_ids[:limit + 1]
+    return kv.match(token_ids, seq.block_hashes, is_estimate=is_estimate)
 
 
 def _start(batcher: AdmissionHost, batch: StepBatch, step: StepState, seq: Sequence, placement: _Placement) -> None:

@@ -61,7 +61,8 @@ class RequestOutput:
     cached_tokens: int = 0
     # With the request's logprobs: one per token of token_ids, in order.
     logprobs: tuple[TokenLogprob, ...] = ()
-    # With its prompt_logprobs: on its first output, one per prompt token after the first.
+    # With its prompt_logprobs: on its first output, one per prompt token after the first (from
+    # its prompt_logprobs_start on).
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
     index: int = 0
 
@@ -135,7 +136,8 @@ class Sequence:
         self._stops = StopStringMatcher(list(request.stops))
         # Without stop strings the matcher releases every text at once: skipped (per token, per step).
         self._has_stops = bool(request.stops)
-        # With prompt_logprobs: those of prompt positions 1, 2, ... received so far (the first output carries them).
+        # With prompt_logprobs: those of prompt positions first_scored_position, ... received so far (the
+        # first output carries them).
         self.prompt_logprobs: list[TokenLogprob] = []
         self._is_first_output = True
 
@@ -153,16 +155,33 @@ class Sequence:
         return self.status is SeqStatus.FINISHED
 
     @property
+    def first_scored_position(self) -> int:
+        """The first prompt position whose log-probability the request reports (position 0 has none)."""
+        return max(1, self.request.prompt_logprobs_start)
+
+    @property
     def wants_prompt_logprobs(self) -> bool:
-        """True while the request's prompt log-probabilities are still to come from a rank: its
-        next (re-)prefill must compute every prompt position, so it takes no cached prefix."""
+        """True while the request's prompt log-probabilities are still to come from a rank."""
         return (self.request.logprobs.prompt_logprobs and self._is_first_output
-                and len(self.prompt_logprobs) < len(self.prompt_ids) - 1)
+                and self.first_scored_position + len(self.prompt_logprobs) < len(self.prompt_ids))
+
+    @property
+    def max_cached_tokens(self) -> int:
+        """The most prompt tokens the next (re-)prefill may take from the prefix cache.
+
+        While prompt log-probabilities are still to come, the prefill must start at or before
+        the position whose logits score the next missing one (a rank scores the positions of
+        the chunks it computes, from the first after the cached prefix); otherwise no limit.
+        """
+        if not self.wants_prompt_logprobs:
+            return len(self.token_ids)
+        return self.first_scored_position + len(self.prompt_logprobs) - 1
 
     def add_prompt_logprob(self, position: int, logprob: TokenLogprob) -> None:
-        """Records a prompt token's log-probability from a step result. A re-prefill (after a
+        """Records a prompt token's log-probability from a step result. The rank scores every
+        position of a prefill from the first after its cached prefix, and a re-prefill (after a
         preemption or a failover) scores positions again: only the next missing one is taken."""
-        if position == len(self.prompt_logprobs) + 1 and self.wants_prompt_logprobs:
+        if position == self.first_scored_position + len(self.prompt_logprobs) and self.wants_prompt_logprobs:
             self.prompt_logprobs.append(logprob)
 
     def append_token(self, token_id: int, eos_token_ids: Collection[int], max_context: int,

@@ -34,8 +34,8 @@ def sample_requests(request: ValidatedRequest) -> list[ValidatedRequest]:
     """The request's samples, in index order: the request itself when n is 1."""
     if request.n == 1:
         return [request]
-    # Only the first sample scores the prompt: a sequence that scores it takes no cached prefix,
-    # so scoring it in every sample would prefill it n times; the request gets it once.
+    # Only the first sample scores the prompt: a sequence that scores it takes no cached prefix past
+    # its first scored position, so scoring it in every sample would prefill that part n times.
     later = dataclasses.replace(request.logprobs, prompt_logprobs=False)
     return [dataclasses.replace(request, n=1, logprobs=request.logprobs if i == 0 else later,
                                 sampling=dataclasses.replace(

@@ -134,6 +134,8 @@ class ValidatedRequest:
     n: int = 1
     # The log-probabilities the client asked for (top_logprobs implies logprobs).
     logprobs: LogprobSpec = NO_LOGPROBS
+    # With logprobs.prompt_logprobs: the first prompt position scored (0 and 1: all after the first).
+    prompt_logprobs_start: int = 0
 
 
 def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
@@ -152,6 +154,7 @@ def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
     constraint = _constraint(sampling, limits, compiler)
     input_field, prompt_ids = _tokenize_input(req, limits, tokenizer)
     max_new_tokens = _check_context(input_field, len(prompt_ids), sampling.max_new_tokens, limits)
+    _check_prompt_logprobs_start(sampling, len(prompt_ids))
     return ValidatedRequest(
         request_id=request_id,
         prompt_ids=prompt_ids,
@@ -162,6 +165,7 @@ def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
         constraint=constraint,
         n=n,
         logprobs=logprobs,
+        prompt_logprobs_start=sampling.prompt_logprobs_start,
     )
 
 
@@ -206,6 +210,15 @@ def _logprob_spec(sampling: gateway_pb2.SamplingParams) -> LogprobSpec:
                            top_logprobs=sampling.top_logprobs, prompt_logprobs=sampling.prompt_logprobs)
     except SpecError as error:
         raise RequestError(error.field, str(error)) from error
+
+
+def _check_prompt_logprobs_start(sampling: gateway_pb2.SamplingParams, num_prompt_tokens: int) -> None:
+    start = sampling.prompt_logprobs_start
+    if start and not sampling.prompt_logprobs:
+        _fail("sampling.prompt_logprobs_start", f"needs sampling.prompt_logprobs, got {start} without it")
+    if start >= max(num_prompt_tokens, 1):
+        _fail("sampling.prompt_logprobs_start",
+              f"must be below the prompt's length ({num_prompt_tokens} tokens), got {start}")
 
 
 def has_constraint(req: gateway_pb2.GenerateRequest) -> bool:

@@ -37,6 +37,7 @@ class SamplingOptions(TypedDict, total=False):
     logprobs: bool
     top_logprobs: int
     prompt_logprobs: bool
+    prompt_logprobs_start: int
     n: int
 
 
@@ -47,7 +48,7 @@ def sampling_params(*, max_new_tokens: int = 0, temperature: float = 0.0, top_p:
                     seed: int | None = None, stop: str | Sequence[str] = (), ignore_eos: bool = False,
                     json_schema: str | Mapping | None = None, json_object: bool = False, regex: str | None = None,
                     grammar: str | None = None, choice: Sequence[str] | None = None, logprobs: bool = False,
-                    top_logprobs: int = 0, prompt_logprobs: bool = False,
+                    top_logprobs: int = 0, prompt_logprobs: bool = False, prompt_logprobs_start: int = 0,
                     n: int = 0) -> gateway_pb2.SamplingParams:
     """SamplingParams of the keyword arguments; TypeError for an unknown one, ValueError for two constraints."""
     given = {"json_schema": json_schema is not None, "json_object": json_object, "regex": regex is not None,
@@ -58,7 +59,8 @@ def sampling_params(*, max_new_tokens: int = 0, temperature: float = 0.0, top_p:
     sampling = gateway_pb2.SamplingParams(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         stop=[stop] if isinstance(stop, str) else list(stop), ignore_eos=ignore_eos, logprobs=logprobs,
-        top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs, n=n)
+        top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs, prompt_logprobs_start=prompt_logprobs_start,
+        n=n)
     if seed is not None:
         sampling.seed = seed
     if json_schema is not None:

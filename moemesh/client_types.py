@@ -58,7 +58,8 @@ class Chunk:
     token_ids: tuple[int, ...]
     # One per token of token_ids with logprobs (or top_logprobs); else empty.
     logprobs: tuple[TokenLogprob, ...] = ()
-    # With prompt_logprobs, on the first chunk of sample 0: one per prompt token after the first.
+    # With prompt_logprobs, on the first chunk of sample 0: one per prompt token after the first
+    # (from prompt_logprobs_start on).
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
     # Set on the sample's last chunk only.
     finish_reason: str | None = None

@@ -1,19 +1,27 @@
 """The ticket pipeline as a program against the same work as sequential plain Generate calls.
 
-    python -m bench.programs.ticket --model DIR --num-tickets 100 --concurrency 1,16
-    python -m bench.programs.ticket --target 127.0.0.1:50051          # a running mesh
+    python -m bench.programs.ticket --num-tickets 100 --concurrency 1,16     # the demo model, CPU
+    python -m bench.programs.ticket --device cuda --out DIR                  # the same on one GPU
+    python -m bench.programs.ticket --target 127.0.0.1:50051                 # a running mesh
 
-Starts its own mesh (moemesh.launcher.Mesh, CPU, one rank) unless given one.
-The program is examples/ticket_pipeline.py's `ticket`: classification
-(select) and extraction (JSON schema) as two forks of the ticket, the
-payment-API stand-in (--api-delay seconds) as soon as the order id is there,
-then the answer. The sequential version makes the same calls one after the
-other with the client, each sending the whole conversation: classify (the
-categories as a choice constraint), extract (the same schema), the payment
-API, answer. Per ticket: end-to-end latency; per run: p50/p99 at each
-concurrency, and prompt tokens prefilled (prompt minus cached tokens, summed
-over every request). Results: a table on stdout and programs_cpu.json / .md
-under --out (default bench/results/).
+Starts its own mesh (moemesh.launcher.Mesh, one rank on --device) on --model,
+by default the model `moemesh up` serves (the bundled demo model), unless
+given --target. The program is examples/ticket_pipeline.py's `ticket`:
+classification (select) and extraction (JSON schema) as two forks of the
+ticket, the payment-API stand-in (--api-delay seconds) as soon as the order id
+is there, then the answer. The sequential version makes the same calls one
+after the other with the client, each sending the whole conversation:
+classify (the categories as a choice constraint), extract (the same schema),
+the payment API, answer. The two versions take turns (--rounds batches of the
+tickets each, at the same concurrency), so that a shared host's load falls on
+both alike. Per ticket: end-to-end latency; per version and concurrency:
+p50/p99, prompt tokens prefilled (prompt minus cached tokens, summed over
+every request), the answers' tokens (the two versions' answer prompts are
+tokenized differently, so their answers may differ in length; --answer-tokens
+makes every answer that long, for equal work), and the
+program's mean seconds per node (from its submission, inputs' wait
+included). Results: a table on stdout and programs_<device>.json / .md under
+--out (default bench/results/).
 """
 
 import argparse
@@ -22,10 +30,13 @@ import importlib.util
 import json
 import pathlib
 import statistics
+import subprocess
 import sys
 import time
 
 import moemesh
+from bench.serving.serve import write_result
+from moemesh.cli import default_model_dir
 from moemesh.launcher import Mesh, MeshSpec
 from moemesh.program.runtime import Session
 
@@ -45,15 +56,20 @@ def tickets(pipeline, num: int) -> list[str]:
     return [f"[#{i}] {pipeline.TICKETS[i % len(pipeline.TICKETS)]}" for i in range(num)]
 
 
-async def program_ticket(session, pipeline, text: str, api_delay: float) -> tuple[float, int]:
+async def program_ticket(session, pipeline, text: str, api_delay: float,
+                         answer_tokens: int | None) -> tuple[float, int, int, dict]:
     start = time.monotonic()
-    state = await session.run(pipeline.ticket, (), {"text": text, "api_delay": api_delay})
+    fixed = {} if answer_tokens is None else {"max_answer_tokens": answer_tokens, "fixed_answer": True}
+    state = await session.run(pipeline.ticket, (), {"text": text, "api_delay": api_delay, **fixed})
     seconds = time.monotonic() - start
-    usages = [node.usage for node in state.run_nodes() if node.usage is not None]
-    return seconds, sum(u.prompt_tokens - u.cached_tokens for u in usages)
+    nodes = state.run_nodes()
+    usages = [node.usage for node in nodes if node.usage is not None]
+    prefilled = sum(u.prompt_tokens - u.cached_tokens for u in usages)
+    return seconds, prefilled, state.node("answer").usage.completion_tokens, {n.name: n.seconds for n in nodes}
 
 
-async def sequential_ticket(client, pipeline, text: str, api_delay: float) -> tuple[float, int]:
+async def sequential_ticket(client, pipeline, text: str, api_delay: float,
+                            answer_tokens: int | None) -> tuple[float, int, int, dict]:
     start = time.monotonic()
     system = ("system", "You are a support agent. Be brief and polite.")
     messages = [system, ("user", text)]
@@ -62,78 +78,125 @@ async def sequential_ticket(client, pipeline, text: str, api_delay: float) -> tu
     payment = await asyncio.to_thread(pipeline.payment_status, json.loads(fields.text)["order_id"], api_delay)
     follow_up = (f"Category: {category.text}\nPayment record: {json.dumps(payment)}\n"
                  "Write the answer to the customer.")
-    answer = await client.generate(messages=[*messages, ("user", follow_up)], max_new_tokens=48)
+    length = {"max_new_tokens": 48} if answer_tokens is None else {"max_new_tokens": answer_tokens, "ignore_eos": True}
+    answer = await client.generate(messages=[*messages, ("user", follow_up)], **length)
     seconds = time.monotonic() - start
     usages = [r.usage for r in (category, fields, answer)]
-    return seconds, sum(u.prompt_tokens - u.cached_tokens for u in usages)
+    return seconds, sum(u.prompt_tokens - u.cached_tokens for u in usages), answer.usage.completion_tokens, {}
 
 
-async def measure(target: str, pipeline, texts: list[str], concurrency: int, api_delay: float, kind: str) -> dict:
+async def measure(target: str, pipeline, texts: list[str], concurrency: int, api_delay: float,
+                  answer_tokens: int | None, kind: str) -> tuple[float, list]:
+    """(wall seconds, each ticket's (seconds, prefilled, answer tokens, seconds per node)) of one batch."""
     limit = asyncio.Semaphore(concurrency)
     runtime = moemesh.Runtime(target, timeout=600)
     async with Session(runtime, max_bodies=concurrency) as session:
         async def one(text: str):
             async with limit:
                 if kind == "program":
-                    return await program_ticket(session, pipeline, text, api_delay)
-                return await sequential_ticket(session.client, pipeline, text, api_delay)
+                    return await program_ticket(session, pipeline, text, api_delay, answer_tokens)
+                return await sequential_ticket(session.client, pipeline, text, api_delay, answer_tokens)
         start = time.monotonic()
         results = await asyncio.gather(*(one(t) for t in texts))
-        wall = time.monotonic() - start
-    latencies = sorted(seconds for seconds, _ in results)
-    return {"kind": kind, "concurrency": concurrency, "num_tickets": len(texts), "wall_s": round(wall, 3),
+        return time.monotonic() - start, list(results)
+
+
+def summarize(kind: str, concurrency: int, wall: float, results: list) -> dict:
+    latencies = sorted(r[0] for r in results)
+    nodes = sorted({name for *_, per_node in results for name in per_node})
+    return {"kind": kind, "concurrency": concurrency, "num_tickets": len(results), "wall_s": round(wall, 3),
             "p50_s": round(statistics.median(latencies), 3),
             "p99_s": round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 3),
-            "prefilled_tokens": sum(tokens for _, tokens in results)}
+            "prefilled_tokens": sum(r[1] for r in results), "answer_tokens": sum(r[2] for r in results),
+            "node_mean_s": {name: round(statistics.mean(r[3][name] for r in results if name in r[3]), 3)
+                            for name in nodes}}
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m bench.programs.ticket", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", help="model dir of the mesh to start (unless --target)")
-    parser.add_argument("--target", help="a running gateway's gRPC address")
-    parser.add_argument("--num-tickets", type=int, default=100)
+    parser.add_argument("--model", help="model dir of the mesh to start (default: the demo model)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the started mesh's device")
+    parser.add_argument("--target", help="a running gateway's gRPC address (instead of starting a mesh)")
+    parser.add_argument("--ready-timeout-s", type=float, default=300.0, help="for the started mesh to serve")
+    parser.add_argument("--num-tickets", default="100",
+                        help="tickets per run: one number, or one per --concurrency (comma-separated)")
     parser.add_argument("--concurrency", default="1,16", help="comma-separated")
     parser.add_argument("--api-delay", type=float, default=0.3)
+    parser.add_argument("--rounds", type=int, default=5, help="batches per version and concurrency, in turns")
+    parser.add_argument("--answer-tokens", type=int,
+                        help="every answer exactly this long (end-of-sequence ignored): equal work in both versions; "
+                             "results under programs_<device>_answers<N>")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
-    if (args.model is None) == (args.target is None):
-        parser.error("exactly one of --model, --target")
+    if args.model is not None and args.target is not None:
+        parser.error("at most one of --model, --target")
     return args
 
 
 def run(args, target: str) -> list[dict]:
     pipeline = load_pipeline()
     rows = []
-    for concurrency in [int(c) for c in args.concurrency.split(",")]:
-        for kind in ("sequential", "program"):
-            # Each run its own texts: a previous run's cached prompts would flatter the later one.
-            texts = tickets(pipeline, args.num_tickets)
-            texts = [f"{kind}-c{concurrency} {t}" for t in texts]
-            rows.append(asyncio.run(measure(target, pipeline, texts, concurrency, args.api_delay, kind)))
+    loads = [int(c) for c in args.concurrency.split(",")]
+    counts = [int(n) for n in args.num_tickets.split(",")]
+    if len(counts) not in (1, len(loads)):
+        raise SystemExit(f"--num-tickets: one number or one per concurrency, got {args.num_tickets}")
+    for concurrency, num_tickets in zip(loads, counts * len(loads) if len(counts) == 1 else counts):
+        walls, results = {"sequential": 0.0, "program": 0.0}, {"sequential": [], "program": []}
+        # The versions take turns, --rounds batches each, so that both see the host's load alike.
+        rounds = min(args.rounds, num_tickets)
+        for round_index in range(rounds):
+            batch = tickets(pipeline, num_tickets)[round_index::rounds]
+            for kind in walls:
+                # Each run its own texts: a previous run's cached prompts would flatter the later one.
+                texts = [f"{kind}-c{concurrency}-r{round_index} {t}" for t in batch]
+                wall, measured = asyncio.run(measure(target, pipeline, texts, concurrency, args.api_delay,
+                                                     args.answer_tokens, kind))
+                walls[kind] += wall
+                results[kind] += measured
+        for kind in walls:
+            rows.append(summarize(kind, concurrency, walls[kind], results[kind]))
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
-def write(args, rows: list[dict]) -> None:
+def write(args, rows: list[dict], model: str) -> None:
     command = "python -m bench.programs.ticket " + " ".join(sys.argv[1:])
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "programs_cpu.json").write_text(json.dumps({"command": command, "rows": rows}, indent=2) + "\n")
-    lines = [f"# The ticket pipeline: program vs sequential Generate calls (CPU mesh)\n", f"`{command}`\n",
-             "| version | concurrency | tickets | p50 s | p99 s | wall s | prompt tokens prefilled |",
-             "|---|---|---|---|---|---|---|"]
+    name = f"programs_{args.device}" + ("" if args.answer_tokens is None else f"_answers{args.answer_tokens}")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    lines = [f"# The ticket pipeline: program vs sequential Generate calls ({args.device})\n", f"`{command}`\n",
+             f"Commit {commit}. Model: {model}; api delay {args.api_delay} s; answers "
+             + ("up to 48 tokens (end-of-sequence ends them)" if args.answer_tokens is None
+                else f"exactly {args.answer_tokens} tokens") + ".\n",
+             "| version | concurrency | tickets | p50 s | p99 s | wall s | prompt tokens prefilled | answer tokens |",
+             "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['kind']} | {r['concurrency']} | {r['num_tickets']} | {r['p50_s']} | {r['p99_s']} | "
-              f"{r['wall_s']} | {r['prefilled_tokens']} |" for r in rows]
-    (args.out / "programs_cpu.md").write_text("\n".join(lines) + "\n")
+              f"{r['wall_s']} | {r['prefilled_tokens']} | {r['answer_tokens']} |" for r in rows]
+    by_load = {(r["kind"], r["concurrency"]): r for r in rows}
+    lines += ["", "| concurrency | program p50 / sequential p50 | program's mean s per node |", "|---|---|---|"]
+    for concurrency in sorted({c for _, c in by_load}):
+        program, sequential = by_load.get(("program", concurrency)), by_load.get(("sequential", concurrency))
+        if program and sequential:
+            nodes = ", ".join(f"{k} {v}" for k, v in program["node_mean_s"].items())
+            lines.append(f"| {concurrency} | {program['p50_s'] / sequential['p50_s']:.2f} | {nodes} |")
+    write_result(args.out, name, {"command": command, "commit": commit, "model": model, "device": args.device,
+                                  "rows": rows},
+                 "\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.target:
         rows = run(args, args.target)
+        model = f"the mesh at {args.target}"
     else:
-        with Mesh(MeshSpec(model_dir=args.model, num_ranks=1, device="cpu")) as mesh:
+        model = args.model or default_model_dir()
+        with Mesh(MeshSpec(model_dir=model, num_ranks=1, device=args.device,
+                           ready_timeout_s=args.ready_timeout_s)) as mesh:
             rows = run(args, mesh.gateway_address)
-    write(args, rows)
+        model = str(pathlib.Path(model).resolve().relative_to(ROOT)) if pathlib.Path(model).resolve().is_relative_to(
+            ROOT) else model
+    write(args, rows, model)
     return 0
 
 

@@ -27,8 +27,9 @@ import time
 from opentelemetry import trace
 from prometheus_client import Histogram
 
-from moemesh.client_types import Usage
+from moemesh.client_types import ResultBuilder, Usage
 from moemesh.program.lang import Bind, Gen, GenerationAborted, ProgramError, Select
+from moemesh.program.partial import MISSING, PartialFields
 from moemesh.program.state import NodeOutput, Piece, Ref, as_text
 
 NODE_SECONDS = Histogram(
@@ -63,6 +64,8 @@ class Run:
         self._seq = itertools.count()
         # Every gen, select, tool and fork node's output, as it finished (any state of the run).
         self.outputs: list[NodeOutput] = []
+        # A json_schema gen's node future -> its fields as they stream (partial.py).
+        self._partials: dict[cf.Future, PartialFields] = {}
 
     # Submitted from the program thread.
 
@@ -71,7 +74,7 @@ class Run:
 
     def ref_piece(self, ref: Ref) -> cf.Future:
         async def resolve() -> Piece:
-            return await self._text(as_text(ref.resolve(await asyncio.wrap_future(ref.future))))
+            return await self._text(as_text(await self._resolve(ref)))
         return self._submit("ref", "text", resolve, observed=False)
 
     def message_piece(self, role: str, content: str) -> cf.Future:
@@ -91,7 +94,12 @@ class Run:
 
     def gen(self, step: Gen, pieces: list[cf.Future]) -> cf.Future:
         request_id = self._request_id(step.name)
-        return self._submit(step.name, "gen", lambda: self._gen(step, pieces, request_id))
+        partial = PartialFields() if step.json_schema is not None else None
+        future = self._submit(step.name, "gen", lambda: self._gen(step, pieces, request_id, partial))
+        if partial is not None:
+            # Before any Ref to the node can be submitted: the program thread submits in order.
+            self._partials[future] = partial
+        return future
 
     def select(self, step: Select, pieces: list[cf.Future]) -> cf.Future:
         request_ids = [self._request_id(f"{step.name}-{i}") for i in range(len(step.choices))]
@@ -176,10 +184,29 @@ class Run:
     async def _text(self, text: str) -> Piece:
         return Piece(tuple(await self.session.tokenize(text)), text)
 
-    async def _generate(self, request_id: str, node: str, prompt: list[int], **options):
+    async def _resolve(self, ref: Ref):
+        """A Ref's value: a json_schema gen's field as soon as it is complete, else once its node is done."""
+        node = asyncio.wrap_future(ref.future)
+        partial = self._partials.get(ref.future)
+        if partial is not None and ref.keys and isinstance(ref.keys[0], str):
+            value = await partial.wait(ref.keys[0], node)
+            if value is not MISSING:
+                return ref.index(value, 1)
+        return ref.resolve(await node)
+
+    async def _generate(self, request_id: str, node: str, prompt: list[int], partial: PartialFields | None = None,
+                        **options):
         self._live[request_id] = node
         try:
-            return await self.session.client.generate(input_ids=prompt, request_id=request_id, **options)
+            if partial is None:
+                return await self.session.client.generate(input_ids=prompt, request_id=request_id, **options)
+            builder, text = ResultBuilder(), ""
+            async for chunk in self.session.client.stream(input_ids=prompt, request_id=request_id, **options):
+                builder.add(chunk)
+                if chunk.text:
+                    text += chunk.text
+                    partial.update(text)
+            return builder.result()
         finally:
             self._live.pop(request_id, None)
 
@@ -188,8 +215,9 @@ class Run:
         result = await self._generate(request_id, "fork", await self._prompt(pieces), max_new_tokens=1)
         return NodeOutput("fork", "fork", None, "", (), result.usage, request_ids=(request_id,))
 
-    async def _gen(self, step: Gen, pieces: list[cf.Future], request_id: str) -> NodeOutput:
-        result = await self._generate(request_id, step.name, await self._prompt(pieces), **step.sampling())
+    async def _gen(self, step: Gen, pieces: list[cf.Future], request_id: str,
+                   partial: PartialFields | None) -> NodeOutput:
+        result = await self._generate(request_id, step.name, await self._prompt(pieces), partial, **step.sampling())
         if result.finish_reason == "abort":
             raise GenerationAborted(f"request {request_id} was aborted after {len(result.token_ids)} tokens")
         value = json.loads(result.text) if step.json_schema is not None else result.text
@@ -201,15 +229,19 @@ class Run:
             self._prompt(pieces), asyncio.gather(*(self.session.tokenize(c) for c in step.choices)))
         if not prompt:
             raise ValueError("select needs a prompt before it: the first token has no log-probability")
-        # All choices at once, so they are prefilled in the same steps. A scored prompt takes no cached
-        # prefix (a cached token has no log-probability), so each request computes the whole prompt.
+        # Every choice's request at once: the gateway prefills the uncached part of the shared prompt
+        # once (a request waits a step for a block another is computing, then reuses it), and each
+        # scores only its choice's tokens (prompt_logprobs_start), on the cached prompt before them.
         results = await asyncio.gather(*(
-            self._generate(request_id, step.name, prompt + ids, max_new_tokens=1, prompt_logprobs=True)
+            self._generate(request_id, step.name, prompt + ids, max_new_tokens=1, prompt_logprobs=True,
+                           prompt_logprobs_start=len(prompt))
             for request_id, ids in zip(request_ids, choice_ids)))
         scores = {}
         for choice, ids, result in zip(step.choices, choice_ids, results):
-            # prompt_logprobs[i] is token i + 1's, given the tokens before it.
-            logprobs = [result.prompt_logprobs[len(prompt) + j - 1].logprob for j in range(len(ids))]
+            # prompt_logprobs[j] is the choice's token j's, given the prompt and the tokens before it.
+            logprobs = [lp.logprob for lp in result.prompt_logprobs]
+            if len(logprobs) != len(ids):
+                raise ValueError(f"choice {choice!r}: {len(ids)} tokens but {len(logprobs)} log-probabilities")
             scores[choice] = sum(logprobs) / (len(logprobs) if step.normalize == "mean" else 1)
         best = max(range(len(step.choices)), key=lambda i: scores[step.choices[i]])
         usage = Usage(sum(r.usage.prompt_tokens for r in results), sum(r.usage.completion_tokens for r in results),
@@ -218,7 +250,7 @@ class Run:
                           usage, scores=scores, request_ids=tuple(request_ids))
 
     async def _tool(self, step: Bind) -> NodeOutput:
-        args = {key: value.resolve(await asyncio.wrap_future(value.future)) if isinstance(value, Ref) else value
+        args = {key: await self._resolve(value) if isinstance(value, Ref) else value
                 for key, value in step.args.items()}
         if inspect.iscoroutinefunction(step.tool):
             value = await step.tool(**args)

@@ -60,8 +60,11 @@ class Ref:
         return Ref(self.future, (*self.keys, key))
 
     def resolve(self, output: NodeOutput) -> Any:
-        value = output.value
-        for key in self.keys:
+        return self.index(output.value)
+
+    def index(self, value: Any, start: int = 0) -> Any:
+        """value indexed by the keys from keys[start] on."""
+        for key in self.keys[start:]:
             value = value[key]
         return value
 

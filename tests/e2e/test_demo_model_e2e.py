@@ -1,7 +1,9 @@
 """The bundled demo model through the whole mesh: it writes English, stops at
 its end-of-turn token, and the router's statistics show the expert hits
-recorded when it was trained (tools/demo_model/expert_hits.json)."""
+recorded when it was trained (tools/demo_model/expert_hits.json); the ticket
+example (an LLM program) returns schema-valid fields on it."""
 
+import importlib.util
 import json
 import pathlib
 import time
@@ -9,6 +11,7 @@ import time
 import grpc
 import pytest
 
+import moemesh
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from moe.router.v1 import router_pb2, router_pb2_grpc
 from moemesh import launcher
@@ -74,3 +77,25 @@ def test_plain_and_chat_prompts_give_english_and_stop_at_end_of_turn(demo_mesh):
             request_id="plain", prompt="An index makes queries faster because", sampling=sampling))
         words = text.split()
         assert len(words) >= 10 and sum(w.strip(".,;:").isalpha() for w in words) / len(words) > 0.8, text
+
+
+def test_the_ticket_example_returns_schema_valid_fields_on_the_demo_model(demo_mesh):
+    """examples/ticket_pipeline.py as `moemesh up` users run it, on the model it serves."""
+    spec = importlib.util.spec_from_file_location("ticket_pipeline", ROOT / "examples" / "ticket_pipeline.py")
+    pipeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pipeline)
+    runtime = moemesh.Runtime(demo_mesh.gateway_address, timeout=120)
+    states = pipeline.ticket.run_batch([{"text": t, "api_delay": 0.01} for t in pipeline.TICKETS],
+                                       runtime=runtime, max_concurrency=len(pipeline.TICKETS))
+    schema = pipeline.FIELDS_SCHEMA
+    for state in states:
+        fields = state["summary"]
+        # Exactly the schema's properties, each of its type and within its bounds, and a category of the choices.
+        assert set(fields) == {"category", *schema["required"]}, fields
+        assert fields["category"] in pipeline.CATEGORIES and isinstance(fields["urgent"], bool)
+        order_id = schema["properties"]["order_id"]
+        assert isinstance(fields["order_id"], int) and order_id["minimum"] <= fields["order_id"] <= order_id["maximum"]
+        assert isinstance(fields["customer"], str)
+        assert len(fields["customer"]) <= schema["properties"]["customer"]["maxLength"]
+        assert state["payment_status"]["order_id"] == fields["order_id"]
+        assert isinstance(state["answer"], str) and state["answer"].strip()

@@ -79,6 +79,8 @@ FIELDS = {
     "input_ids": (st.just(None), long_ids | st.just([])),
     "role": (st.sampled_from(["system", "user", "assistant"]), st.text(chars, max_size=10)),
     "top_logprobs": (st.integers(0, 20), st.integers(21, 2**32 - 1)),
+    # Valid below the prompt's length with prompt_logprobs (refused otherwise); wild: past any prompt here.
+    "prompt_logprobs_start": (st.integers(0, 3), st.integers(MAX_CONTEXT + 2, 2**32 - 1)),
 }
 
 
@@ -95,7 +97,7 @@ def generate_requests(draw) -> gateway_pb2.GenerateRequest:
         max_new_tokens=field("max_new_tokens"), temperature=field("temperature"), top_p=field("top_p"),
         top_k=field("top_k"), stop=field("stop"), ignore_eos=draw(st.booleans()),
         logprobs=draw(st.booleans()), top_logprobs=field("top_logprobs"), prompt_logprobs=draw(st.booleans()),
-        n=field("n")))
+        prompt_logprobs_start=field("prompt_logprobs_start"), n=field("n")))
     seed = draw(st.none() | st.integers(0, 2**64 - 1))
     if seed is not None:
         request.sampling.seed = seed
@@ -148,7 +150,9 @@ def check_stream(request: gateway_pb2.GenerateRequest, responses) -> None:
     num_prompt_logprobs = [len(r.prompt_logprobs) for r in responses]
     # The prompt is scored once, by sample 0 (the other samples share its prefix).
     scored = sampling.prompt_logprobs and last.index == 0
-    assert num_prompt_logprobs == [last.usage.prompt_tokens - 1 if scored else 0] + [0] * (len(responses) - 1)
+    first_scored = max(1, sampling.prompt_logprobs_start)
+    assert num_prompt_logprobs == [last.usage.prompt_tokens - first_scored if scored else 0] + [0] * (
+        len(responses) - 1)
     if last.finish_reason == gateway_pb2.FINISH_REASON_LENGTH:
         assert len(token_ids) == sampling.max_new_tokens and not last.matched_stop
     else:

@@ -93,3 +93,32 @@ def test_a_drawn_token_reports_the_raw_logits_log_softmax(stub, hf_model):
     assert [e.token_id for e in entries] == full[len(ids):] and not any(e.top for e in entries)
     for entry, position in zip(entries, range(len(ids), len(full))):
         assert entry.logprob == pytest.approx(reference_LV[position - 1][entry.token_id].item(), abs=TOL)
+
+
+def test_prompt_logprobs_start_scores_its_positions_on_the_cached_prefix(stub, hf_model):
+    """A long shared context, then a continuation scored from its first token: the positions and values
+    are those a full prompt_logprobs request reports for them (and transformers'), and once the context
+    is cached the scoring request takes its full blocks before the start."""
+    context = list(stub.Tokenize(gateway_pb2.TokenizeRequest(text=PROMPTS[2]), timeout=10).token_ids)
+    tail = list(stub.Tokenize(gateway_pb2.TokenizeRequest(text=" Routing is cheap."), timeout=10).token_ids)
+    ids, start = context + tail, len(context)
+    assert start > 2 * 16  # full KV blocks of 16 before the start
+
+    def scored(request_id: str, **sampling) -> list[gateway_pb2.GenerateResponse]:
+        return _stream(stub, gateway_pb2.GenerateRequest(
+            request_id=request_id, input_ids=gateway_pb2.TokenIds(ids=ids),
+            sampling=greedy(n=2, top_logprobs=NUM_TOP, prompt_logprobs=True, **sampling)))
+
+    full = scored("start-full")
+    # The context alone first: its blocks cached, the tail not.
+    _stream(stub, gateway_pb2.GenerateRequest(request_id="start-warm", input_ids=gateway_pb2.TokenIds(ids=context),
+                                              sampling=greedy(n=1)))
+    part = scored("start-part", prompt_logprobs_start=start)
+    assert full[-1].usage.cached_tokens == 0
+    assert part[-1].usage.cached_tokens == (start - 1) // 16 * 16 > 0
+    same_positions = list(full[0].prompt_logprobs)[start - 1:]
+    assert [lp.token_id for lp in part[0].prompt_logprobs] == [lp.token_id for lp in same_positions]
+    assert [lp.logprob for lp in part[0].prompt_logprobs] == pytest.approx(
+        [lp.logprob for lp in same_positions], abs=TOL)
+    _check(part[0].prompt_logprobs, hf_logprobs(hf_model, ids), ids, range(start, len(ids)))
+    assert [t for m in part for t in m.token_ids] == [t for m in full for t in m.token_ids]

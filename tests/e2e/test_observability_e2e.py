@@ -1,7 +1,8 @@
 """Observability through a whole mesh (2 ranks, CPU): one trace per request from the
 client's span through the gateway to the expert service, exported over OTLP to a
 collector run by the test; the gateway's metrics after known traffic; /readyz
-while the group forms and once it serves; JSON log lines carrying the ids."""
+while the group forms and once it serves; JSON log lines carrying the ids; a
+program's trace (client spans in memory) continued by the gateway's spans."""
 
 import concurrent.futures
 import json
@@ -13,9 +14,14 @@ import urllib.request
 
 import grpc
 import pytest
+from opentelemetry import trace
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
+import moemesh
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from moemesh import launcher
 from services.process import metrics_port_file, read_port_file
@@ -254,3 +260,39 @@ def test_counters_and_histograms_count_known_traffic(traced_mesh, stub):
     leaders = [scrape(role(mesh, f"scheduler-{i}").metrics_port)[("moemesh_scheduler_is_leader", ())]
                for i in range(launcher.NUM_SCHEDULERS)]
     assert sorted(leaders) == [0, 0, 1]
+
+
+@moemesh.function
+def traced_program(s):
+    s += "Trace this program:"
+    s += moemesh.gen("first", max_tokens=2, ignore_eos=True)
+    s += moemesh.gen("second", max_tokens=2, ignore_eos=True)
+
+
+# After the counting test: this program's requests would be counted there.
+def test_a_programs_trace_continues_in_the_gateway(traced_mesh, collector, monkeypatch):
+    """The client process's program span -> its gen node spans -> the gateway's Generate spans, through the
+    traceparent the client sends: one trace across the processes."""
+    mesh, _ = traced_mesh
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(trace, "_TRACER_PROVIDER", provider)
+    state = traced_program.run(runtime=moemesh.Runtime(mesh.gateway_address, timeout=60))
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    program = spans["program traced_program"]
+    nodes = [spans["gen first"], spans["gen second"]]
+    assert all(node.parent.span_id == program.context.span_id for node in nodes)
+    want = program.context.trace_id.to_bytes(16, "big")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        generates = [span for service, span in collector.of_trace(want)
+                     if service == "moemesh-gateway" and span.name == "moe.gateway.v1.GenerationService/Generate"]
+        if len(generates) == 2:
+            break
+        time.sleep(0.1)
+    by_request = {next(a.value.string_value for a in span.attributes if a.key == "moemesh.request_id"): span
+                  for span in generates}
+    for name, node in zip(("first", "second"), nodes):
+        [request_id] = state.node(name).request_ids
+        assert by_request[request_id].parent_span_id == node.context.span_id.to_bytes(8, "big"), name

@@ -81,6 +81,8 @@ class SimSeq:
     pending: int | None = None
     # NewSequence's logprobs, top_logprobs and prompt_logprobs.
     logprobs: tuple[bool, int, bool] = (False, 0, False)
+    # As the runner: the first token after a (re)start has no logits row before it to score it.
+    is_started: bool = False
 
 
 class SimRank:
@@ -119,9 +121,10 @@ class SimRank:
             inputs = list(item.token_ids) or [seq.pending]
             assert inputs[-1] is not None, "decode step before any token was sampled"
             seq.pending = None
-            if item.token_ids and seq.logprobs[2]:  # as the runner: positions after the first
+            if item.token_ids and seq.logprobs[2]:  # as the runner: each row scores the next token
                 self.scored += [(item.seq_id, seq.num_computed + j, t) for j, t in enumerate(inputs)
-                                if seq.num_computed + j > 0]
+                                if j > 0 or seq.is_started]
+            seq.is_started = True
             self._write(item.seq_id, seq, inputs)
             if item.is_sampled:
                 context = [self.slots[self._slot(seq, p)] for p in range(seq.num_computed)]

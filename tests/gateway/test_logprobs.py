@@ -2,7 +2,8 @@
 fake_logprob): each message's logprobs are aligned with its token_ids (coalesced or not,
 with stop strings, EOS and LENGTH), prompt logprobs come once on the first message, also
 across chunked prefill, preemptions and a failover, and a request that asks for them takes no
-cached prefix while it lacks them."""
+cached prefix past the first one it lacks (none for all of them; prompt_logprobs_start's blocks
+before it)."""
 
 import asyncio
 import dataclasses
@@ -182,8 +183,8 @@ def test_bad_top_logprobs_are_invalid_argument_naming_the_field(sampling, field)
 ])
 def test_a_preempted_request_keeps_its_logprobs_aligned_and_sends_its_prompt_logprobs_once(
         num_blocks, len_a, new_a, len_b, chunk, mid_prefill):
-    """A pool too small for both requests: the newest is preempted and re-prefilled (no cached
-    prefix while it lacks its prompt logprobs); its client sees each logprob once, in order."""
+    """A pool too small for both requests: the newest is preempted and re-prefilled (a cached
+    prefix only before the first prompt logprob it lacks); its client sees each logprob once, in order."""
     prompt_b = [26 + i % 26 for i in range(len_b)]
 
     async def scenario():
@@ -199,9 +200,9 @@ def test_a_preempted_request_keeps_its_logprobs_aligned_and_sends_its_prompt_log
         return outputs[1], starts
 
     outputs, starts = run(scenario())
-    # Asked for prompt logprobs (and took no cache) exactly while they were missing.
+    # Asked for prompt logprobs exactly while they were missing; a re-prefill that still lacks some
+    # may start from cached blocks (the rank scores from there: a position past them would go missing).
     assert len(starts) > 1 and starts[0] == (True, 0)
-    assert all(cached == 0 for asked, cached in starts if asked)
     assert starts[1][0] is mid_prefill
     merged = merge_outputs(outputs)
     assert list(merged.token_ids) == reference_tokens(prompt_b, 4)
@@ -212,3 +213,48 @@ def test_a_preempted_request_keeps_its_logprobs_aligned_and_sends_its_prompt_log
         [fake_logprob(p, t) for p, t in enumerate(prompt_b)][1:])
     assert all(len(lp.top) == 2 for lp in (*merged.logprobs, *merged.prompt_logprobs))
     assert not any(o.prompt_logprobs for o in outputs[1:]) and merged.cached_tokens == 0
+
+
+@pytest.mark.parametrize("start, num_cached", [(1, 0), (5, 4), (8, 4), (9, 8)])
+def test_prompt_logprobs_start_scores_the_positions_from_it_on_a_cached_prefix_before_it(start, num_cached):
+    """The prompt's first blocks are cached: a request scoring from `start` takes the full blocks
+    before position start - 1 (whose logits score token start) and reports exactly its positions,
+    with the values a request scoring the whole prompt gets."""
+    async def scenario():
+        async with Gateway() as gw:
+            gw.attach(block_size=4)
+            await gw.generate(request_id="warm", prompt=PROMPT, sampling=gateway_pb2.SamplingParams(max_new_tokens=3))
+            scored = await gw.generate(request_id="scored", prompt=PROMPT, sampling=gateway_pb2.SamplingParams(
+                max_new_tokens=3, top_logprobs=1, prompt_logprobs=True, prompt_logprobs_start=start))
+            full = await gw.generate(request_id="full", prompt=PROMPT, sampling=gateway_pb2.SamplingParams(
+                max_new_tokens=3, top_logprobs=1, prompt_logprobs=True))
+            return scored, full
+
+    scored, full = run(scenario())
+    assert scored[-1].usage.cached_tokens == num_cached and full[-1].usage.cached_tokens == 0
+    prompt_ids = list(range(26, 36))
+    assert [lp.token_id for lp in scored[0].prompt_logprobs] == prompt_ids[start:]
+    assert list(scored[0].prompt_logprobs) == list(full[0].prompt_logprobs)[start - 1:]
+    assert [lp.logprob for lp in scored[0].prompt_logprobs] == pytest.approx(
+        [fake_logprob(p, prompt_ids[p]) for p in range(start, 10)])
+    assert not any(m.prompt_logprobs for m in scored[1:])
+    # The generated tokens and their logprobs are those of the full request.
+    assert [t for m in scored for t in m.token_ids] == [t for m in full for t in m.token_ids]
+
+
+@pytest.mark.parametrize("sampling, detail", [
+    (gateway_pb2.SamplingParams(prompt_logprobs=True, prompt_logprobs_start=10), "below the prompt's length"),
+    (gateway_pb2.SamplingParams(prompt_logprobs=True, prompt_logprobs_start=99), "got 99"),
+    (gateway_pb2.SamplingParams(logprobs=True, prompt_logprobs_start=3), "needs sampling.prompt_logprobs"),
+])
+def test_a_bad_prompt_logprobs_start_is_invalid_argument_naming_the_field(sampling, detail):
+    async def scenario():
+        async with Gateway() as gw:
+            gw.attach()
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await gw.generate(request_id="bad", prompt=PROMPT, sampling=sampling)
+            return bad.value
+
+    bad = run(scenario())
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad.details().startswith("sampling.prompt_logprobs_start") and detail in bad.details()

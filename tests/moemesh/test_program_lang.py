@@ -1,8 +1,12 @@
-"""The program language's checks, without a mesh: bad steps fail where they are written."""
+"""The program language's checks, without a mesh: bad steps fail where they are written; a JSON
+gen's fields as they stream."""
+
+import json
 
 import pytest
 
 import moemesh
+from moemesh.program.partial import complete_fields
 from moemesh.program.state import State
 
 
@@ -34,3 +38,14 @@ def test_bind_names_the_node_after_the_tool():
         return order_id
     step = moemesh.bind(lookup, order_id=3)
     assert (step.name, dict(step.args)) == ("lookup", {"order_id": 3})
+
+
+def test_complete_fields_gives_each_top_level_value_once_it_is_complete():
+    text = '{"order_id": 48213, "note": "a, {b}\\" c", "nested": {"x": [1, {"y": 2}]}, "urgent": true}'
+    complete = {"order_id": text.index(", "), "note": text.index(', "nested"'), "nested": text.index(', "urgent"'),
+                "urgent": len(text) - 1}
+    final = json.loads(text)
+    for end in range(len(text) + 1):
+        fields = complete_fields(text[:end])
+        assert fields == {key: final[key] for key, at in complete.items() if end > at}, text[:end]
+    assert complete_fields("[1, 2]") == {} and complete_fields("") == {}

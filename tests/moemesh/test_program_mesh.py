@@ -78,9 +78,40 @@ def test_select_picks_the_choice_transformers_ranks_first(runtime, client, hf_mo
     assert node.scores == pytest.approx(reference, abs=1e-3)
     assert state["pick"] == max(choices, key=reference.__getitem__)
     assert state.text() == prompt + state["pick"] and len(node.request_ids) == len(choices)
-    # Each choice's request scored the whole prompt: a scored prompt takes no cached prefix.
     assert node.usage.prompt_tokens == sum(len(prefix) + len(client.tokenize(c)) for c in choices)
-    assert node.usage.cached_tokens == 0 and state.run_nodes() == [node]
+    assert state.run_nodes() == [node]
+
+
+BLOCK_SIZE = 16  # the expert services' default KV block
+
+
+def test_select_prefills_the_shared_prompt_once_and_scores_its_choices_on_it(runtime, client, hf_model):
+    """A fresh context: the choices' requests go together and the gateway computes their shared prompt
+    once (the others wait for its blocks); a second select on it takes every full block before the
+    choices from the cache. The scores are transformers' either way."""
+    context = "A support ticket about a refund for a double charge on order 48213, from Dana. " * 4
+    choices = [" billing", " shipping", " account", " other"]
+    prefix = client.tokenize(context)
+    assert len(prefix) > 3 * BLOCK_SIZE
+    num_choice_tokens = [len(client.tokenize(c)) for c in choices]
+    cacheable = (len(prefix) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    reference = {}
+    for choice in choices:
+        ids = client.tokenize(choice)
+        rows = hf_logprobs(hf_model, prefix + ids)
+        logprobs = [float(rows[len(prefix) + j - 1, token]) for j, token in enumerate(ids)]
+        reference[choice] = sum(logprobs) / len(logprobs)
+    first = choose.run(context, choices, "mean", runtime=runtime).node("pick")
+    second = choose.run(context, choices, "mean", runtime=runtime).node("pick")
+    for node in (first, second):
+        assert node.scores == pytest.approx(reference, abs=1e-3)
+        assert node.value == max(choices, key=reference.__getitem__)
+    # Prefilled once: one request computed the shared blocks, the others reused them.
+    computed = first.usage.prompt_tokens - first.usage.cached_tokens
+    assert first.usage.cached_tokens >= (len(choices) - 1) * cacheable, first.usage
+    assert computed <= len(prefix) + sum(num_choice_tokens) + (len(choices) - 1) * BLOCK_SIZE, first.usage
+    # Cached: each choice computes at most its last block and its own tokens.
+    assert second.usage.cached_tokens == len(choices) * cacheable, second.usage
 
 
 @moemesh.function
@@ -137,6 +168,29 @@ def test_gen_constraints_and_bound_tools_take_other_nodes_outputs(runtime):
     assert state["lookup"] == {"order_id": fields["order_id"], "code": state["code"], "status": "paid"}
     assert state["async_echo"] == "echo paid"
     assert state.text().endswith('"status": "paid"}echo paid')
+
+
+def record_call(order_id):
+    return {"order_id": order_id, "at": time.monotonic()}
+
+
+@moemesh.function
+def early_field(s):
+    s += "Reply with a JSON object:"
+    s += moemesh.gen("fields", max_tokens=200, json_schema={
+        "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+                                         "story": {"type": "string", "minLength": 80, "maxLength": 90}},
+        "required": ["id", "story"], "additionalProperties": False})
+    s += moemesh.bind(record_call, order_id=s.ref("fields")["id"])
+
+
+def test_a_tool_bound_to_a_json_field_starts_while_the_rest_of_the_object_is_generated(runtime):
+    start = time.monotonic()
+    state = early_field.run(runtime=runtime)
+    fields, call = state.node("fields"), state["record_call"]
+    assert call["order_id"] == state["fields"]["id"] and len(state["fields"]["story"]) >= 80
+    # The gen ended no earlier than start + its seconds; the tool ran well before, as soon as "id" was complete.
+    assert call["at"] < start + fields.seconds - 0.2, (call["at"] - start, fields.seconds)
 
 
 def slow_tool(delay):
