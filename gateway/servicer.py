@@ -23,6 +23,7 @@ from gateway.engine import Engine
 from gateway.frontend import Frontend
 from gateway.model_info import ModelInfo
 from gateway.observability import observe_generate
+from gateway.slow_readers import SlowReaders
 from gateway.requests import ErrorCode, FinishReason, GenerationError, RequestOutput
 from gateway.validation import RequestError, RequestLimits
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -77,9 +78,10 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
 
     def __init__(self, *, tokenizer, limits: RequestLimits, model_info: ModelInfo,
                  get_engine: Callable[[], Engine | None], coalesce_outputs: bool = True,
-                 compiler: Compiler | None = None) -> None:
+                 compiler: Compiler | None = None, slow_readers: SlowReaders | None = None) -> None:
         self.frontend = Frontend(tokenizer=tokenizer, limits=limits, model_info=model_info,
-                                 get_engine=get_engine, coalesce_outputs=coalesce_outputs, compiler=compiler)
+                                 get_engine=get_engine, coalesce_outputs=coalesce_outputs, compiler=compiler,
+                                 slow_readers=slow_readers)
 
     @observe_generate
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):

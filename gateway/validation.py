@@ -134,6 +134,9 @@ class ValidatedRequest:
     n: int = 1
     # The log-probabilities the client asked for (top_logprobs implies logprobs).
     logprobs: LogprobSpec = NO_LOGPROBS
+    # GenerateRequest.priority is PRIORITY_BATCH: admitted after every waiting interactive
+    # request (gateway/policy.py).
+    is_batch: bool = False
 
 
 def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
@@ -141,6 +144,8 @@ def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
     """Check `req` against `limits`, tokenize its prompt and compile its constraint
     with `compiler` (None: a server without constraints); raise RequestError."""
     request_id = _check_request_id(req.request_id, limits)
+    if req.priority not in _PRIORITIES:
+        _fail("priority", f"must be one of {', '.join(gateway_pb2.Priority.keys())}, got {req.priority}")
     sampling = req.sampling
     spec = _sampling_spec(sampling, limits)
     n = _check_n(sampling.n, spec)
@@ -162,7 +167,11 @@ def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
         constraint=constraint,
         n=n,
         logprobs=logprobs,
+        is_batch=req.priority == gateway_pb2.PRIORITY_BATCH,
     )
+
+
+_PRIORITIES = frozenset(gateway_pb2.Priority.values())
 
 
 def _fail(field: str, detail: str) -> NoReturn:
