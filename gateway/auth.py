@@ -141,8 +141,8 @@ class KeyStore:
         self._keys: dict[str, ApiKey] = {}
         self._usage: dict[str, _Usage] = {}
         self._stamp: tuple | None = None
-        self._checked_at = -float("inf")
         self._load(required=True)
+        self._checked_at = clock()
 
     def _load(self, *, required: bool = False) -> None:
         try:
