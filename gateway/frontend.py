@@ -29,7 +29,7 @@ every one) and streamed interleaved, each output with its sample's index.
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from gateway.engine import Engine
 from gateway.live_requests import LiveRequests
@@ -72,14 +72,15 @@ class Frontend:
             return validate_request(*args)
         return await asyncio.to_thread(validate_request, *args)
 
-    async def generate(self, validated: ValidatedRequest, *,
-                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, validated: ValidatedRequest, *, deadline: float | None = None,
+                       end_call: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[RequestOutput]:
         """Submit `validated` and yield its outputs until the last of each sample
         (interleaved, each with its index); raises GenerationError.
 
         `deadline` (time.monotonic()) ends the request with DEADLINE_EXCEEDED in
         the batcher, which frees its blocks even if the transport's cancellation
-        never reaches the gateway.
+        never reaches the gateway. `end_call`: how the transport ends a call whose client
+        stopped reading (gateway/slow_readers.py).
         """
         engine = self._get_engine()
         if engine is None:
@@ -90,7 +91,7 @@ class Frontend:
             for handle in handles:
                 engine.abort(handle)
 
-        watch = self.slow_readers.open(validated.request_id, abort_all)
+        watch = self.slow_readers.open(validated.request_id, abort_all, end_call)
         try:
             for request in sample_requests(validated):
                 handles.append(engine.submit(request, deadline=deadline, leader=handles[0] if handles else None))

@@ -6,8 +6,11 @@ reading and the HTTP/2 flow-control windows are full, the write blocks, the Fron
 generator stays suspended in its `yield`, and the request's outputs queue up behind it while
 the request keeps its KV blocks on the rank (for up to its whole generation). So a stream
 whose write has not returned within `timeout_s` is a slow reader: `SlowReaders.run` aborts
-its requests in their engine (their blocks are freed at the next step) and cancels the task
-that writes (the transport's call ends and its HTTP/2 stream is reset).
+its requests in their engine (their blocks are freed at the next step) and ends the call: with
+the transport's `end_call` where it has one (the gRPC servicer aborts the call with
+RESOURCE_EXHAUSTED, which the client reads once it reads again: a cancelled handler task alone
+would leave the HTTP/2 stream open until the call's deadline), else by cancelling the task that
+writes (the HTTP endpoint: uvicorn then closes the response).
 
 Costs one clock read per message; the watch wakes every timeout_s / 4 (at most once a second).
 """
@@ -15,7 +18,7 @@ Costs one clock read per message; the watch wakes every timeout_s / 4 (at most o
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 log = logging.getLogger("gateway.slow_readers")
 
@@ -23,13 +26,15 @@ log = logging.getLogger("gateway.slow_readers")
 class StreamWatch:
     """One stream: when its current write started (None between writes), and what to abort."""
 
-    __slots__ = ("request_id", "writing_since", "_abort", "_task")
+    __slots__ = ("request_id", "writing_since", "_abort", "_task", "_end_call")
 
-    def __init__(self, request_id: str, abort: Callable[[], None], task: asyncio.Task | None) -> None:
+    def __init__(self, request_id: str, abort: Callable[[], None], task: asyncio.Task | None,
+                 end_call: Callable[[], Awaitable[None]] | None = None) -> None:
         self.request_id = request_id
         self.writing_since: float | None = None
         self._abort = abort
         self._task = task
+        self._end_call = end_call
 
     def start_write(self) -> None:
         self.writing_since = time.monotonic()
@@ -37,11 +42,15 @@ class StreamWatch:
     def end_write(self) -> None:
         self.writing_since = None
 
-    def cut_off(self) -> None:
-        """Aborts the stream's requests and cancels the task blocked in its write."""
+    def cut_off(self) -> asyncio.Future | None:
+        """Aborts the stream's requests and ends its call: end_call's task (returned), else
+        the writing task cancelled."""
         self._abort()
+        if self._end_call is not None:
+            return asyncio.ensure_future(self._end_call())
         if self._task is not None and not self._task.done():
             self._task.cancel()
+        return None
 
 
 class SlowReaders:
@@ -51,11 +60,15 @@ class SlowReaders:
         # 0: never cut off (the streams are still tracked; nothing scans them).
         self.timeout_s = timeout_s
         self._streams: set[StreamWatch] = set()
+        # The end_call tasks still running (kept referenced until done).
+        self._ending: set[asyncio.Future] = set()
         self.num_cut_off = 0
 
-    def open(self, request_id: str, abort: Callable[[], None]) -> StreamWatch:
-        """Tracks a stream written by the current task; abort() ends its requests."""
-        watch = StreamWatch(request_id, abort, asyncio.current_task())
+    def open(self, request_id: str, abort: Callable[[], None],
+             end_call: Callable[[], Awaitable[None]] | None = None) -> StreamWatch:
+        """Tracks a stream written by the current task; abort() ends its requests, end_call()
+        (if given) its call."""
+        watch = StreamWatch(request_id, abort, asyncio.current_task(), end_call)
         self._streams.add(watch)
         return watch
 
@@ -70,7 +83,10 @@ class SlowReaders:
             log.warning("request %s: the client has not read its stream for %.0f s; aborted",
                         watch.request_id, now - watch.writing_since)
             self._streams.discard(watch)
-            watch.cut_off()
+            ending = watch.cut_off()
+            if ending is not None:
+                self._ending.add(ending)
+                ending.add_done_callback(self._ending.discard)
         self.num_cut_off += len(stalled)
         return len(stalled)
 

@@ -36,3 +36,24 @@ def test_only_a_stream_stuck_in_a_write_past_the_timeout_is_cut_off():
 
 def test_a_timeout_of_zero_never_watches():
     asyncio.run(asyncio.wait_for(SlowReaders(0.0).run(), 1.0))
+
+
+def test_a_transport_with_end_call_ends_the_call_itself_and_its_task_is_not_cancelled():
+    async def run():
+        readers = SlowReaders(timeout_s=1.0)
+        ended = asyncio.Event()
+
+        async def end_call():
+            ended.set()
+
+        writer = asyncio.create_task(asyncio.sleep(3600))
+        watch = readers.open("r", lambda: None, end_call)
+        watch._task = writer
+        watch.start_write()
+        assert readers.cut_off_stalled(watch.writing_since + 2.0) == 1
+        await asyncio.wait_for(ended.wait(), 1.0)
+        result = writer.cancelled()
+        writer.cancel()
+        return result
+
+    assert asyncio.run(run()) is False
