@@ -10,7 +10,8 @@ its requests in their engine (their blocks are freed at the next step) and ends 
 the transport's `end_call` where it has one (the gRPC servicer aborts the call with
 RESOURCE_EXHAUSTED, which the client reads once it reads again: a cancelled handler task alone
 would leave the HTTP/2 stream open until the call's deadline), else by cancelling the task that
-writes (the HTTP endpoint: uvicorn then closes the response).
+writes (the HTTP endpoint: a no-op once its first output was taken, as the stream is written
+by Starlette's task; the aborted request's response then ends with finish reason "abort").
 
 Costs one clock read per message; the watch wakes every timeout_s / 4 (at most once a second).
 """
