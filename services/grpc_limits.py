@@ -131,24 +131,17 @@ class HostileInputInterceptor(grpc.aio.ServerInterceptor):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ServerLimits:
-    """Explicit bounds of one gRPC server (docs/configuration.md, docs/security.md)."""
+    """Explicit bounds of one gRPC server. A role's config exposes them as flags (the gateway's:
+    gateway/config.py, documented in docs/configuration.md and docs/security.md)."""
 
-    # The largest message received or sent; a larger one is refused with RESOURCE_EXHAUSTED.
-    max_message_bytes: int = 64 * 1024 * 1024
-    # Concurrent streams (calls) one client connection may hold open (HTTP/2 SETTINGS).
-    max_concurrent_streams: int = 1024
-    # The largest request metadata (headers) accepted; beyond it the call is refused.
-    max_metadata_bytes: int = 16 * 1024
-    # The server pings a connection idle this long, and drops it if no answer comes in
-    # keepalive_timeout_s: dead clients (a vanished host, a silent NAT) are detected.
-    keepalive_time_s: float = 60.0
-    keepalive_timeout_s: float = 20.0
-    # A client may ping at most this often; more pings (flooding) close its connection.
-    min_ping_interval_s: float = 10.0
-    # Whether clients may send keepalive pings while they have no call open.
+    max_message_bytes: int = 64 * 1024 * 1024  # received and sent
+    max_concurrent_streams: int = 1024  # per client connection
+    max_metadata_bytes: int = 16 * 1024  # request headers
+    keepalive_time_s: float = 60.0  # the server pings a connection idle this long ...
+    keepalive_timeout_s: float = 20.0  # ... and drops it if the ping is not answered in this
+    min_ping_interval_s: float = 10.0  # clients pinging more often are disconnected
     permit_keepalive_without_calls: bool = False
-    # A connection with no call open for this long is closed (GOAWAY); 0: never.
-    max_connection_idle_s: float = 0.0
+    max_connection_idle_s: float = 0.0  # GOAWAY to a connection without calls this long; 0: never
 
     def __post_init__(self) -> None:
         for name in ("max_message_bytes", "max_concurrent_streams", "max_metadata_bytes"):
