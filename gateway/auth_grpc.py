@@ -8,12 +8,15 @@ RESOURCE_EXHAUSTED with the trailing metadata `retry-after-ms` (when a retry can
 The key's name (never the key) is what logs see.
 """
 
+import inspect
 import logging
+from collections.abc import Callable
 
 import grpc
 
 from gateway.auth import AuthCode, AuthError, KeyStore, bearer_token
 from moe.gateway.v1 import gateway_pb2
+from services.grpc_limits import handler_kind
 
 log = logging.getLogger("gateway.auth")
 
@@ -50,6 +53,10 @@ async def _refuse(context: grpc.aio.ServicerContext, error: AuthError, method: s
     await context.abort(_STATUS[error.code], error.message, trailing_metadata=trailing)
 
 
+def _no_stream() -> None:
+    pass
+
+
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Authenticates and limits every call of GenerationService against a KeyStore."""
 
@@ -61,9 +68,11 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or not method.startswith(SERVICE_PREFIX):
             return handler
-        if method == GENERATE:
-            return handler._replace(unary_stream=self._generate(handler.unary_stream, method))
-        return handler._replace(unary_unary=self._unary(handler.unary_unary, method))
+        # Every method of the service, whatever its kind: a method added later is never open.
+        kind = handler_kind(handler)
+        behavior = getattr(handler, kind)
+        wrapped = self._stream(behavior, method) if handler.response_streaming else self._unary(behavior, method)
+        return handler._replace(**{kind: wrapped})
 
     def _unary(self, behavior, method: str):
         store = self.store
@@ -77,18 +86,35 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
         return call
 
-    def _generate(self, behavior, method: str):
+    def _stream(self, behavior, method: str):
+        """A streamed answer: Generate is checked against the key's classes and holds one of its
+        streams; other streaming methods count against the rate only."""
         store = self.store
+        is_generate = method == GENERATE
 
-        async def generate(request, context):
+        async def admit(request, context) -> Callable[[], None]:
             try:
-                close = store.admit_generate(store.authenticate(_token(context)), priority_name(request))
+                key = store.authenticate(_token(context))
+                if is_generate:
+                    return store.admit_generate(key, priority_name(request))
+                store.take_request(key)
+                return _no_stream
             except AuthError as error:
                 await _refuse(context, error, method)
+
+        async def stream(request, context):
+            close = await admit(request, context)
             try:
                 async for response in behavior(request, context):
                     yield response
             finally:
                 close()
 
-        return generate
+        async def written(request, context):  # a handler that writes with context.write
+            close = await admit(request, context)
+            try:
+                return await behavior(request, context)
+            finally:
+                close()
+
+        return stream if inspect.isasyncgenfunction(behavior) else written

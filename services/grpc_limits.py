@@ -108,6 +108,12 @@ def _wrap_behavior(behavior, method: str, request_streaming: bool):
     return behavior  # a synchronous handler (none in the mesh): left to gRPC
 
 
+def handler_kind(handler: grpc.RpcMethodHandler) -> str:
+    """The name of the handler's behaviour field: "unary_unary", "unary_stream", ..."""
+    return ("stream" if handler.request_streaming else "unary") + "_" + \
+        ("stream" if handler.response_streaming else "unary")
+
+
 class HostileInputInterceptor(grpc.aio.ServerInterceptor):
     """Unparseable requests -> INVALID_ARGUMENT, escaped exceptions -> INTERNAL "internal error"."""
 
@@ -120,8 +126,7 @@ class HostileInputInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or not method.startswith(self._prefix):
             return handler
-        kind = ("stream" if handler.request_streaming else "unary") + "_" + \
-               ("stream" if handler.response_streaming else "unary")
+        kind = handler_kind(handler)
         behavior = getattr(handler, kind)
         name = method.rsplit("/", 1)[-1]
         return handler._replace(
