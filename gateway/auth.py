@@ -22,8 +22,10 @@ keys read before (logged).
 
 Errors are AuthError with an AuthCode; each transport maps the code to its own status
 (UNAUTHENTICATED/401, PERMISSION_DENIED/403, RESOURCE_EXHAUSTED/429 with a retry hint).
+`ApiKeyCollector` exports the refusals and open streams per key name at scrape time.
 """
 
+import collections
 import dataclasses
 import enum
 import hashlib
@@ -34,9 +36,13 @@ import secrets
 import time
 from collections.abc import Callable
 
+from services import metrics
+
 log = logging.getLogger("gateway.auth")
 
 PRIORITIES = ("interactive", "batch")
+# The key label of refusals whose token names no key (none, or unknown).
+UNKNOWN_KEY = "-"
 KEY_PREFIX = "mm-"
 
 
@@ -141,6 +147,8 @@ class KeyStore:
         self._keys: dict[str, ApiKey] = {}
         self._usage: dict[str, _Usage] = {}
         self._stamp: tuple | None = None
+        # (key name or UNKNOWN_KEY, AuthCode value) -> refusals since start.
+        self.refusals: collections.Counter[tuple[str, str]] = collections.Counter()
         self._load(required=True)
         self._checked_at = clock()
 
@@ -172,17 +180,26 @@ class KeyStore:
         """The key of a bearer token; AuthError UNAUTHENTICATED for none or an unknown one."""
         self._maybe_reload()
         if not token:
-            raise AuthError(AuthCode.UNAUTHENTICATED, "an API key is required (authorization: Bearer KEY)")
+            raise self._refused(UNKNOWN_KEY, AuthError(
+                AuthCode.UNAUTHENTICATED, "an API key is required (authorization: Bearer KEY)"))
         key = self._keys.get(hash_key(token))
         if key is None:
-            raise AuthError(AuthCode.UNAUTHENTICATED, "the API key is not valid")
+            raise self._refused(UNKNOWN_KEY, AuthError(AuthCode.UNAUTHENTICATED, "the API key is not valid"))
         return key
+
+    def _refused(self, name: str, error: AuthError) -> AuthError:
+        self.refusals[name, error.code.value] += 1
+        return error
+
+    def open_streams(self) -> dict[str, int]:
+        """Open streams per key name (keys that had any since their last reload)."""
+        return {name: usage.num_streams for name, usage in self._usage.items()}
 
     def check_priority(self, key: ApiKey, priority: str) -> None:
         """AuthError PERMISSION_DENIED unless the key may ask for the priority class."""
         if priority not in key.priorities:
-            raise AuthError(AuthCode.PERMISSION_DENIED,
-                            f"API key {key.name!r} may not use priority {priority!r}")
+            raise self._refused(key.name, AuthError(AuthCode.PERMISSION_DENIED,
+                                                    f"API key {key.name!r} may not use priority {priority!r}"))
 
     def take_request(self, key: ApiKey) -> None:
         """Counts one call against the key's rate; AuthError RESOURCE_EXHAUSTED (with the
@@ -195,9 +212,9 @@ class KeyStore:
         usage.updated = now
         if usage.tokens < 1.0:
             wait_s = (1.0 - usage.tokens) / key.requests_per_s
-            raise AuthError(AuthCode.RESOURCE_EXHAUSTED,
-                            f"API key {key.name!r} is over its rate of {key.requests_per_s:g} requests/s",
-                            retry_after_s=wait_s)
+            raise self._refused(key.name, AuthError(
+                AuthCode.RESOURCE_EXHAUSTED, f"API key {key.name!r} is over its rate of {key.requests_per_s:g} "
+                                             "requests/s", retry_after_s=wait_s))
         usage.tokens -= 1.0
 
     def open_stream(self, key: ApiKey) -> Callable[[], None]:
@@ -205,9 +222,9 @@ class KeyStore:
         AuthError RESOURCE_EXHAUSTED when the key has max_streams open."""
         usage = self._usage_of(key, self._clock())
         if key.max_streams and usage.num_streams >= key.max_streams:
-            raise AuthError(AuthCode.RESOURCE_EXHAUSTED,
-                            f"API key {key.name!r} has its {key.max_streams} streams open",
-                            retry_after_s=1.0)
+            raise self._refused(key.name, AuthError(
+                AuthCode.RESOURCE_EXHAUSTED, f"API key {key.name!r} has its {key.max_streams} streams open",
+                retry_after_s=1.0))
         usage.num_streams += 1
 
         def close() -> None:
@@ -226,3 +243,22 @@ class KeyStore:
         if usage is None:
             usage = self._usage[key.name] = _Usage(key.burst, now)
         return usage
+
+
+class ApiKeyCollector:
+    """Scrape-time metrics of a KeyStore (None: the families without samples), by key name."""
+
+    def __init__(self, store: KeyStore | None) -> None:
+        self._store = store
+
+    def collect(self):
+        refusals = metrics.counter_family("api_key_refusals", "Calls refused by the API key check, by key name "
+                                          "(- for no or an unknown key) and reason.", ["key", "reason"])
+        streams = metrics.gauge_family("api_key_open_streams", "Generate streams open per key name.", ["key"])
+        if self._store is not None:
+            for (name, reason), count in sorted(self._store.refusals.items()):
+                refusals.add_metric([name, reason], count)
+            for name, count in sorted(self._store.open_streams().items()):
+                streams.add_metric([name], count)
+        yield refusals
+        yield streams

@@ -20,7 +20,7 @@ UNAVAILABLE), the server stops and the etcd lease is revoked (deregistered).
 import asyncio
 import logging
 
-from gateway.auth import KeyStore
+from gateway.auth import ApiKeyCollector, KeyStore
 from gateway.auth_grpc import ApiKeyInterceptor
 from gateway.batcher import Batcher
 from gateway.config import GatewayConfig
@@ -32,7 +32,7 @@ from gateway.kv_accounting import RankKV
 from gateway.model_info import model_info
 from gateway.observability import EngineObserver, GatewayReadiness, GatewayStateCollector
 from gateway.servicer import SERVICE_NAME, GenerationServicer
-from gateway.slow_readers import SlowReaders
+from gateway.slow_readers import SlowReaderCollector, SlowReaders
 from gateway.stats import GatewayStats
 from gateway.validation import GilFreeTokenizer, RequestLimits
 from moe.gateway.v1 import gateway_pb2_grpc
@@ -128,6 +128,9 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
                                   get_engine=get_engine, coalesce_outputs=config.coalesce_stream_outputs,
                                   compiler=compiler, slow_readers=slow_readers)
     keys = KeyStore(config.api_keys) if config.api_keys else None
+    probes.add_collector(SlowReaderCollector(slow_readers))
+    if keys is not None:
+        probes.add_collector(ApiKeyCollector(keys))
     # Keys first: a caller without one learns nothing, not even whether its bytes parse.
     interceptors = [*([ApiKeyInterceptor(keys)] if keys else []), grpc_limits.HostileInputInterceptor()]
     server = await grpc_util.start_server(

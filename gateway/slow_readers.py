@@ -21,6 +21,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from services import metrics
+
 log = logging.getLogger("gateway.slow_readers")
 
 
@@ -98,3 +100,17 @@ class SlowReaders:
         while True:
             await asyncio.sleep(min(1.0, self.timeout_s / 4))
             self.cut_off_stalled(time.monotonic())
+
+
+class SlowReaderCollector:
+    """Scrape-time metric of a SlowReaders (None: the family without a sample)."""
+
+    def __init__(self, readers: SlowReaders | None) -> None:
+        self._readers = readers
+
+    def collect(self):
+        cut = metrics.counter_family("slow_reader_cutoffs", "Streams cut off because their client stopped "
+                                     "reading for --slow-reader-timeout-s (their requests aborted).")
+        if self._readers is not None:
+            cut.add_metric([], self._readers.num_cut_off)
+        yield cut

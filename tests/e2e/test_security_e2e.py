@@ -192,11 +192,19 @@ def test_a_key_removed_from_the_file_is_refused_while_other_keys_keep_working(se
     assert_serves(stub, keys["good"])
 
 
-def kv_utilization(mesh) -> float:
+def metrics_text(mesh) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{mesh.gateway.metrics_port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return max(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == "moemesh_kv_cache_utilization_ratio")
+        return response.read().decode()
+
+
+def samples(mesh, name: str) -> dict[tuple, float]:
+    """The gateway's samples of one series: {sorted labels: value}."""
+    return {tuple(sorted(s.labels.items())): s.value for family in text_string_to_metric_families(metrics_text(mesh))
+            for s in family.samples if s.name == name}
+
+
+def kv_utilization(mesh) -> float:
+    return max(samples(mesh, "moemesh_kv_cache_utilization_ratio").values())
 
 
 def test_a_client_that_stops_reading_is_cut_off_and_its_kv_blocks_are_freed(secure_mesh, stub, keys):
@@ -235,6 +243,7 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_kv_blocks_are_freed(secu
         channel.close()
     log = pathlib.Path(mesh.gateway.log_path).read_text()
     assert "request slow-reader: the client has not read its stream" in log
+    assert samples(mesh, "moemesh_slow_reader_cutoffs_total")[()] >= 1
 
 
 def test_no_key_ever_appears_in_the_gateways_log(secure_mesh, stub, keys):
@@ -243,5 +252,10 @@ def test_no_key_ever_appears_in_the_gateways_log(secure_mesh, stub, keys):
         list(pool.map(lambda name: generate(stub, auth(keys[name])), NAMES))
     log = pathlib.Path(mesh.gateway.log_path).read_text()
     assert "api key file" in log  # the file's reloads are logged, by key name
+    refusals = samples(mesh, "moemesh_api_key_refusals_total")  # labelled by key name, never the key
+    assert refusals[(("key", "rated"), ("reason", "resource_exhausted"))] >= 1
+    assert refusals[(("key", "-"), ("reason", "unauthenticated"))] >= 1
+    assert refusals[(("key", "batch-only"), ("reason", "permission_denied"))] >= 1
+    text = metrics_text(mesh)
     for key in keys.values():
-        assert key not in log and hash_key(key) not in log
+        assert key not in log and hash_key(key) not in log and key not in text
