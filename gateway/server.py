@@ -12,6 +12,11 @@ summary is logged at exit.
 The OpenAI-compatible HTTP endpoint (gateway/http/, --http-port) runs in the
 same event loop over the servicer's Frontend; it stops after the drain.
 
+Both public transports run behind the API key check when --api-keys is set
+(gateway/auth.py); the gRPC server also behind the hostile-input interceptor
+and its explicit limits (services/grpc_limits.py), and every stream under the
+slow-reader watch (gateway/slow_readers.py); docs/security.md.
+
 SIGTERM/SIGINT drain: health goes NOT_SERVING, new requests get UNAVAILABLE,
 requests in flight finish within shutdown_grace_s (then fail with
 UNAVAILABLE), the server stops and the etcd lease is revoked (deregistered).
