@@ -9,6 +9,7 @@ from `MemberConfig`.
 import dataclasses
 
 from gateway.policy import POLICIES
+from services.grpc_limits import ServerLimits
 from services.settings import MemberConfig
 
 
@@ -80,9 +81,43 @@ class GatewayConfig(MemberConfig):
     # fail with UNAVAILABLE. Longer than the scheduler's reform_wait_s plus a
     # rank's rejoin, so a group that waits for a restarted rank keeps them.
     resume_timeout_s: float = 60.0
+    # Client API keys (docs/security.md): a JSON file of hashed keys and their limits, re-read
+    # when it changes. Empty: no authentication (a gateway bound to loopback, local use).
+    api_keys: str = ""
+    # A stream whose client has not taken its queued outputs for this long (it stopped reading)
+    # is aborted and its KV blocks freed; 0: never.
+    slow_reader_timeout_s: float = 30.0
+    # The largest gRPC message received or sent (larger: RESOURCE_EXHAUSTED).
+    max_message_bytes: int = 64 * 1024 * 1024
+    # gRPC calls one client connection may have open at once (HTTP/2 concurrent streams).
+    max_concurrent_streams: int = 1024
+    # The largest request metadata (headers) of a gRPC call, in bytes.
+    max_metadata_bytes: int = 16 * 1024
+    # The server pings a connection idle this long and drops it when no answer comes within
+    # keepalive_timeout_s: dead clients are found.
+    keepalive_time_s: float = 60.0
+    keepalive_timeout_s: float = 20.0
+    # Clients may ping at most this often; a client that pings more often is disconnected.
+    min_ping_interval_s: float = 10.0
+    # Whether clients may send keepalive pings while they have no call open.
+    keepalive_permit_without_calls: bool = False
+    # A client connection with no call open for this long is closed (GOAWAY); 0: never.
+    max_connection_idle_s: float = 0.0
+
+    def server_limits(self) -> ServerLimits:
+        """The public gRPC server's limits (services/grpc_limits.py)."""
+        return ServerLimits(
+            max_message_bytes=self.max_message_bytes, max_concurrent_streams=self.max_concurrent_streams,
+            max_metadata_bytes=self.max_metadata_bytes, keepalive_time_s=self.keepalive_time_s,
+            keepalive_timeout_s=self.keepalive_timeout_s, min_ping_interval_s=self.min_ping_interval_s,
+            permit_keepalive_without_calls=self.keepalive_permit_without_calls,
+            max_connection_idle_s=self.max_connection_idle_s)
 
     def __post_init__(self) -> None:
         MemberConfig.__post_init__(self)
+        self.server_limits()  # checks the limits (ValueError naming the bad one)
+        if not self.slow_reader_timeout_s >= 0:
+            raise ValueError(f"slow_reader_timeout_s must be >= 0, got {self.slow_reader_timeout_s}")
         if not self.model:
             raise ValueError(f"model must be a checkpoint directory, got {self.model!r}")
         for name in ("max_running_requests", "max_batch_tokens", "max_new_tokens_default",

@@ -17,7 +17,9 @@ paces the wake-ups of hundreds of streams so that its steps are not held up by
 them) gets the outputs it finds queued merged into one: the contract is the
 tokens and text since the previous message, and every message costs the event
 loop tens of microseconds in the transport. Live requests are kept by id from
-submit to the end of their stream, for Abort.
+submit to the end of their stream, for Abort. A stream whose client stops reading
+(its write does not return) is cut off by the gateway's SlowReaders
+(gateway/slow_readers.py), which aborts its requests.
 
 A request for n > 1 samples is n sequences (gateway/samples.py), all live
 under its request id (so Abort, a cancelled stream or a failed sample ends
@@ -27,13 +29,14 @@ every one) and streamed interleaved, each output with its sample's index.
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from gateway.engine import Engine
 from gateway.live_requests import LiveRequests
 from gateway.model_info import ModelInfo
 from gateway.requests import ErrorCode, GenerationError, RequestHandle, RequestOutput, merge_outputs
 from gateway.samples import interleave, sample_requests
+from gateway.slow_readers import SlowReaders
 from gateway.validation import (LARGE_INPUT_SIZE, RequestError, RequestLimits, ValidatedRequest, has_constraint,
                                 input_size, validate_request)
 from moe.gateway.v1 import gateway_pb2
@@ -49,7 +52,7 @@ class Frontend:
 
     def __init__(self, *, tokenizer, limits: RequestLimits, model_info: ModelInfo,
                  get_engine: Callable[[], Engine | None], coalesce_outputs: bool = True,
-                 compiler: Compiler | None = None) -> None:
+                 compiler: Compiler | None = None, slow_readers: SlowReaders | None = None) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
         self.model_info = model_info
@@ -59,6 +62,8 @@ class Frontend:
         self.live_requests = LiveRequests()
         # False: one output per message (tests that check the framing).
         self._coalesce_outputs = coalesce_outputs
+        # Every stream's writes are watched; with a timeout of 0 none is ever cut off.
+        self.slow_readers = slow_readers or SlowReaders(0.0)
 
     async def validate(self, request: gateway_pb2.GenerateRequest) -> ValidatedRequest:
         """validate_request, in a thread for a large input or a constraint; raises RequestError."""
@@ -67,19 +72,26 @@ class Frontend:
             return validate_request(*args)
         return await asyncio.to_thread(validate_request, *args)
 
-    async def generate(self, validated: ValidatedRequest, *,
-                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, validated: ValidatedRequest, *, deadline: float | None = None,
+                       end_call: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[RequestOutput]:
         """Submit `validated` and yield its outputs until the last of each sample
         (interleaved, each with its index); raises GenerationError.
 
         `deadline` (time.monotonic()) ends the request with DEADLINE_EXCEEDED in
         the batcher, which frees its blocks even if the transport's cancellation
-        never reaches the gateway.
+        never reaches the gateway. `end_call`: how the transport ends a call whose client
+        stopped reading (gateway/slow_readers.py).
         """
         engine = self._get_engine()
         if engine is None:
             raise GenerationError(ErrorCode.UNAVAILABLE, NO_GROUP_MESSAGE)
         handles: list[RequestHandle] = []
+
+        def abort_all() -> None:
+            for handle in handles:
+                engine.abort(handle)
+
+        watch = self.slow_readers.open(validated.request_id, abort_all, end_call)
         try:
             for request in sample_requests(validated):
                 handles.append(engine.submit(request, deadline=deadline, leader=handles[0] if handles else None))
@@ -90,12 +102,17 @@ class Frontend:
                 outputs = interleave(handles, coalesce_outputs=self._coalesce_outputs)
                 async with contextlib.aclosing(outputs):
                     async for output in outputs:
+                        watch.start_write()
                         yield output
+                        watch.end_write()
                 return
             async for output in handles[0]:
                 ready = handles[0].take_ready() if self._coalesce_outputs else None
+                watch.start_write()
                 yield merge_outputs([output, *ready]) if ready else output
+                watch.end_write()
         finally:
+            self.slow_readers.close(watch)
             for handle in handles:
                 self.live_requests.remove(validated.request_id, handle)
                 # A no-op once the request finished; otherwise the stream was left early.

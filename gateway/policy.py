@@ -5,6 +5,11 @@ cap, KV blocks) and stops at the first request that fits on no rank, so a
 request is never overtaken by those the policy put behind it. Preempted
 requests come first in the waiting list, oldest first.
 
+Priority classes come before any policy: every interactive request is
+considered before any batch one (GenerateRequest.priority), and within a class
+the policy's order holds (fcfs: first come, first served). A batch request can
+wait while interactive ones keep arriving: batch is for work that can wait.
+
 Policies register by name (`--policy`); `make_policy` builds one.
 
 - `fcfs`: first come, first served.
@@ -44,17 +49,30 @@ class SchedulePolicy(abc.ABC):
 
     name: ClassVar[str]
 
-    @abc.abstractmethod
     def order(self, waiting: Sequence[Seq], cached_tokens: Callable[[Seq], int]) -> Sequence[Seq]:
-        """waiting in the order to try them; cached_tokens(seq) is the longest cached
-        prefix the request has on any rank (a lookup, computed on demand)."""
+        """waiting in the order to try them: interactive before batch, each class in the
+        policy's order; cached_tokens(seq) is the longest cached prefix the request has on
+        any rank (a lookup, computed on demand)."""
+        return interactive_first(self.order_in_class(waiting, cached_tokens))
+
+    @abc.abstractmethod
+    def order_in_class(self, waiting: Sequence[Seq], cached_tokens: Callable[[Seq], int]) -> Sequence[Seq]:
+        """waiting in the policy's order (classes are separated afterwards, keeping it)."""
+
+
+def interactive_first(seqs: Sequence[Seq]) -> Sequence[Seq]:
+    """seqs with every batch request moved behind the interactive ones, each class's order kept."""
+    batch = [seq for seq in seqs if seq.request.is_batch]
+    if not batch:
+        return seqs
+    return [seq for seq in seqs if not seq.request.is_batch] + batch
 
 
 @register
 class FirstComeFirstServed(SchedulePolicy):
     name = "fcfs"
 
-    def order(self, waiting, cached_tokens):
+    def order_in_class(self, waiting, cached_tokens):
         return waiting
 
 
@@ -62,7 +80,7 @@ class FirstComeFirstServed(SchedulePolicy):
 class LongestPrefixMatch(SchedulePolicy):
     name = "lpm"
 
-    def order(self, waiting, cached_tokens):
+    def order_in_class(self, waiting, cached_tokens):
         if len(waiting) > LPM_MAX_QUEUE:
             return waiting
         return sorted(waiting, key=lambda seq: -cached_tokens(seq))

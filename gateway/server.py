@@ -12,6 +12,11 @@ summary is logged at exit.
 The OpenAI-compatible HTTP endpoint (gateway/http/, --http-port) runs in the
 same event loop over the servicer's Frontend; it stops after the drain.
 
+Both public transports run behind the API key check when --api-keys is set
+(gateway/auth.py); the gRPC server also behind the hostile-input interceptor
+and its explicit limits (services/grpc_limits.py), and every stream under the
+slow-reader watch (gateway/slow_readers.py); docs/security.md.
+
 SIGTERM/SIGINT drain: health goes NOT_SERVING, new requests get UNAVAILABLE,
 requests in flight finish within shutdown_grace_s (then fail with
 UNAVAILABLE), the server stops and the etcd lease is revoked (deregistered).
@@ -20,6 +25,8 @@ UNAVAILABLE), the server stops and the etcd lease is revoked (deregistered).
 import asyncio
 import logging
 
+from gateway.auth import ApiKeyCollector, KeyStore
+from gateway.auth_grpc import ApiKeyInterceptor
 from gateway.batcher import Batcher
 from gateway.config import GatewayConfig
 from gateway.engine import Engine
@@ -30,10 +37,11 @@ from gateway.kv_accounting import RankKV
 from gateway.model_info import model_info
 from gateway.observability import EngineObserver, GatewayReadiness, GatewayStateCollector
 from gateway.servicer import SERVICE_NAME, GenerationServicer
+from gateway.slow_readers import SlowReaderCollector, SlowReaders
 from gateway.stats import GatewayStats
 from gateway.validation import GilFreeTokenizer, RequestLimits
 from moe.gateway.v1 import gateway_pb2_grpc
-from services import gc_pauses, grpc_util, http_probes, process
+from services import gc_pauses, grpc_limits, grpc_util, http_probes, process
 from services.cluster import ClusterClient
 from services.constraints import Compiler
 from services.model.config import ModelConfig
@@ -120,19 +128,27 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     limits = request_limits(config, model)
     info = model_info(config.model, model, context_length=limits.max_context,
                       enable_prefix_cache=config.enable_prefix_cache)
+    slow_readers = SlowReaders(config.slow_reader_timeout_s)
     servicer = GenerationServicer(tokenizer=tokenizer, limits=limits, model_info=info,
                                   get_engine=get_engine, coalesce_outputs=config.coalesce_stream_outputs,
-                                  compiler=compiler)
+                                  compiler=compiler, slow_readers=slow_readers)
+    keys = KeyStore(config.api_keys) if config.api_keys else None
+    probes.add_collector(SlowReaderCollector(slow_readers))
+    if keys is not None:
+        probes.add_collector(ApiKeyCollector(keys))
+    # Keys first: a caller without one learns nothing, not even whether its bytes parse.
+    interceptors = [*([ApiKeyInterceptor(keys)] if keys else []), grpc_limits.HostileInputInterceptor()]
     server = await grpc_util.start_server(
         [lambda s: gateway_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, s)],
-        [SERVICE_NAME], host=config.host, port=config.port)
+        [SERVICE_NAME], host=config.host, port=config.port, interceptors=interceptors,
+        options=config.server_limits().options())
 
     async def set_serving(is_serving: bool) -> None:
         await server.set_serving(is_serving and not is_stopping)
 
     await set_serving(False)
     process.announce_port(ROLE, config, server.port)
-    http = await start_http(config, servicer.frontend, tokenizer)
+    http = await start_http(config, servicer.frontend, tokenizer, keys)
     gc_pauses.freeze("startup (tokenizer, servers)", enabled=config.gc_freeze,
                      young_threshold=config.gc_young_threshold)
     cluster = ClusterClient(config.etcd, prefix=config.key_prefix)
@@ -150,6 +166,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     manager_task = asyncio.create_task(follow_groups(), name="group-manager")
     stop_task = asyncio.create_task(stop.wait(), name="stop-signal")
     stats_task = asyncio.create_task(write_stats_periodically(config, stats), name="stats-writer")
+    slow_task = asyncio.create_task(slow_readers.run(), name="slow-readers")
     try:
         await asyncio.wait([manager_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
         if manager_task.done():
@@ -161,8 +178,9 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     finally:
         stop_task.cancel()
         stats_task.cancel()
+        slow_task.cancel()
         manager_task.cancel()
-        await asyncio.gather(manager_task, stats_task, return_exceptions=True)
+        await asyncio.gather(manager_task, stats_task, slow_task, return_exceptions=True)
         if http is not None:
             await http.stop()
         await server.stop(1.0)
@@ -174,12 +192,14 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         raise manager_task.exception()
 
 
-async def start_http(config: GatewayConfig, frontend, tokenizer: Tokenizer) -> HttpServer | None:
-    """The OpenAI-compatible endpoint over the servicer's Frontend, unless http_port is -1;
-    its port is written to the port file + ".http"."""
+async def start_http(config: GatewayConfig, frontend, tokenizer: Tokenizer,
+                     keys: KeyStore | None = None) -> HttpServer | None:
+    """The OpenAI-compatible endpoint over the servicer's Frontend (with the gRPC API's keys),
+    unless http_port is -1; its port is written to the port file + ".http"."""
     if config.http_port < 0:
         return None
-    http = await HttpServer.start(make_app(frontend, tokenizer.token_bytes), config.host, config.http_port)
+    http = await HttpServer.start(make_app(frontend, tokenizer.token_bytes, keys=keys),
+                                  config.host, config.http_port)
     log.info("OpenAI-compatible HTTP endpoint on http://%s:%d/v1", config.public_host, http.port)
     if config.port_file:
         process.write_port_file(process.http_port_file(config.port_file), http.port)

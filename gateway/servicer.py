@@ -11,6 +11,11 @@ Abort ends the live requests with the given request id exactly as a client's
 cancellation does, except that their streams end with an ABORT message.
 GetModelInfo answers from the ModelInfo fixed at start, plus the ranks of the
 engine that takes requests (0 while there is none).
+
+A Generate stream whose client stops reading is ended with RESOURCE_EXHAUSTED
+by the gateway's slow-reader watch (gateway/slow_readers.py). Status details
+are the Frontend's messages, never an exception's class or stack: whatever
+else escapes a handler is INTERNAL "internal error" (services/grpc_limits.py).
 """
 
 import logging
@@ -23,6 +28,7 @@ from gateway.engine import Engine
 from gateway.frontend import Frontend
 from gateway.model_info import ModelInfo
 from gateway.observability import observe_generate
+from gateway.slow_readers import SlowReaders
 from gateway.requests import ErrorCode, FinishReason, GenerationError, RequestOutput
 from gateway.validation import RequestError, RequestLimits
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -30,6 +36,7 @@ from services.constraints import Compiler
 
 log = logging.getLogger("gateway.servicer")
 
+SLOW_READER_MESSAGE = "the client did not read its stream in time (--slow-reader-timeout-s); the request was aborted"
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
 _STATUS = {
@@ -77,9 +84,10 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
 
     def __init__(self, *, tokenizer, limits: RequestLimits, model_info: ModelInfo,
                  get_engine: Callable[[], Engine | None], coalesce_outputs: bool = True,
-                 compiler: Compiler | None = None) -> None:
+                 compiler: Compiler | None = None, slow_readers: SlowReaders | None = None) -> None:
         self.frontend = Frontend(tokenizer=tokenizer, limits=limits, model_info=model_info,
-                                 get_engine=get_engine, coalesce_outputs=coalesce_outputs, compiler=compiler)
+                                 get_engine=get_engine, coalesce_outputs=coalesce_outputs, compiler=compiler,
+                                 slow_readers=slow_readers)
 
     @observe_generate
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -89,8 +97,19 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error.message)
         remaining_s = context.time_remaining()
         deadline = None if remaining_s is None else time.monotonic() + remaining_s
+
+        async def end_call() -> None:
+            # From the slow-reader watch's task, while this handler is stuck in a write. The
+            # headers went out first (below): an abort adds them to its batch otherwise, which
+            # gRPC refuses while the stuck write's batch still holds them.
+            try:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, SLOW_READER_MESSAGE)
+            except grpc.aio.AbortError:
+                pass
+
+        await context.send_initial_metadata(())
         try:
-            async for output in self.frontend.generate(validated, deadline=deadline):
+            async for output in self.frontend.generate(validated, deadline=deadline, end_call=end_call):
                 yield output_to_proto(output)
         except GenerationError as error:
             await context.abort(_STATUS[error.code], error.message)

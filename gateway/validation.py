@@ -136,6 +136,9 @@ class ValidatedRequest:
     logprobs: LogprobSpec = NO_LOGPROBS
     # With logprobs.prompt_logprobs: the first prompt position scored (0 and 1: all after the first).
     prompt_logprobs_start: int = 0
+    # GenerateRequest.priority is PRIORITY_BATCH: admitted after every waiting interactive
+    # request (gateway/policy.py).
+    is_batch: bool = False
 
 
 def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
@@ -143,6 +146,8 @@ def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
     """Check `req` against `limits`, tokenize its prompt and compile its constraint
     with `compiler` (None: a server without constraints); raise RequestError."""
     request_id = _check_request_id(req.request_id, limits)
+    if req.priority not in _PRIORITIES:
+        _fail("priority", f"must be one of {', '.join(gateway_pb2.Priority.keys())}, got {req.priority}")
     sampling = req.sampling
     spec = _sampling_spec(sampling, limits)
     n = _check_n(sampling.n, spec)
@@ -166,7 +171,11 @@ def validate_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
         n=n,
         logprobs=logprobs,
         prompt_logprobs_start=sampling.prompt_logprobs_start,
+        is_batch=req.priority == gateway_pb2.PRIORITY_BATCH,
     )
+
+
+_PRIORITIES = frozenset(gateway_pb2.Priority.values())
 
 
 def _fail(field: str, detail: str) -> NoReturn:

@@ -29,9 +29,9 @@ class AsyncClient(ClientBase):
 
     def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S, retry: RetryPolicy = RetryPolicy(),
                  metadata: Sequence[tuple[str, str]] = (), credentials: grpc.ChannelCredentials | None = None,
-                 options: Sequence[tuple[str, object]] = ()) -> None:
+                 options: Sequence[tuple[str, object]] = (), api_key: str | None = None) -> None:
         super().__init__(target, grpc.aio, timeout=timeout, retry=retry, metadata=metadata,
-                         credentials=credentials, options=options)
+                         credentials=credentials, options=options, api_key=api_key)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -43,7 +43,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         spec = launcher.MeshSpec(model_dir=model_dir, num_ranks=args.ranks, device=args.device,
                                  gateway_port=args.port, http_port=args.http_port, etcd=args.etcd or "",
-                                 work_dir=args.work_dir or "",
+                                 work_dir=args.work_dir or "", api_keys=args.api_keys or "",
                                  data_plane_nice=args.data_plane_nice)
     except ValueError as err:
         print(f"moemesh up: {err}", file=sys.stderr)
@@ -84,7 +84,7 @@ def _state() -> dict:
 def generate_arguments(args: argparse.Namespace) -> dict:
     """Client.stream's keyword arguments of `moemesh generate`'s flags; ValueError for an unreadable --json-schema."""
     kwargs = dict(request_id=args.request_id, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                  top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or [])
+                  top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or [], priority=args.priority)
     if args.chat:
         kwargs["messages"] = [{"role": "user", "content": args.prompt}]
     else:
@@ -114,6 +114,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"moemesh generate: {err}", file=sys.stderr)
         return 2
     last = None
+    # The key comes from $MOEMESH_API_KEY (never a flag: flags show in `ps` and shell history).
     with Client(target, timeout=args.timeout) as client:
         try:
             for chunk in client.stream(**kwargs):
@@ -193,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                     help="port of the OpenAI-compatible HTTP endpoint (0 = any free port, -1 = off)")
     up.add_argument("--etcd", help="use this etcd (host:port) instead of starting one")
+    up.add_argument("--api-keys", metavar="FILE",
+                    help="client API keys (docs/security.md); `moemesh generate` then reads $MOEMESH_API_KEY")
     up.add_argument("--work-dir", help="where logs and etcd data go (default: a temporary directory)")
     up.add_argument("--data-plane-nice", type=int, default=launcher.DEFAULT_DATA_PLANE_NICE,
                     help="niceness of the router, expert services and gateways, so that etcd and the "
@@ -210,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--request-id", default="cli")
+    gen.add_argument("--priority", choices=["interactive", "batch"], default="interactive",
+                     help="the request's class (the gateway admits interactive requests first)")
     constraint = gen.add_mutually_exclusive_group()
     constraint.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under this JSON Schema")
     constraint.add_argument("--regex", metavar="R", help="the whole output matches this regex (Rust regex syntax)")

@@ -7,13 +7,16 @@
 
 Every call has a deadline (`timeout`, the client's by default), is retried
 on UNAVAILABLE before its first token (client_retry.py says when), carries
-the caller's trace context, and fails with a MoemeshError. Keyword arguments
+the caller's trace context, and fails with a MoemeshError. With an API key
+(`api_key`, else the environment variable MOEMESH_API_KEY) every call sends
+`authorization: Bearer KEY` (docs/security.md). Keyword arguments
 of generate/stream mirror SamplingParams (client_request.SamplingOptions).
 AsyncClient (async_client.py) is the same over grpc.aio.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Unpack
@@ -26,6 +29,13 @@ from moemesh.client_request import Message, SamplingOptions
 from moemesh.client_retry import Deadline, RetryPolicy, call_metadata
 
 DEFAULT_TIMEOUT_S = 300.0
+API_KEY_ENV = "MOEMESH_API_KEY"
+
+
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """The `authorization` metadata of api_key, else of $MOEMESH_API_KEY; none if neither is set."""
+    key = os.environ.get(API_KEY_ENV) if api_key is None else api_key
+    return (("authorization", f"Bearer {key}"),) if key else ()
 
 
 class ClientBase:
@@ -33,12 +43,12 @@ class ClientBase:
 
     def __init__(self, target: str, channels, *, timeout: float | None, retry: RetryPolicy,
                  metadata: Sequence[tuple[str, str]], credentials: grpc.ChannelCredentials | None,
-                 options: Sequence[tuple[str, object]]) -> None:
+                 options: Sequence[tuple[str, object]], api_key: str | None = None) -> None:
         self.target = target
         # Each call's deadline unless it passes its own; None: no deadline.
         self.timeout = timeout
         self.retry = retry
-        self._metadata = tuple(metadata)
+        self._metadata = (*metadata, *auth_metadata(api_key))
         # `channels` is grpc or grpc.aio.
         self._channel = (channels.secure_channel(target, credentials, options=list(options)) if credentials
                          else channels.insecure_channel(target, options=list(options)))
@@ -54,9 +64,9 @@ class Client(ClientBase):
 
     def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S, retry: RetryPolicy = RetryPolicy(),
                  metadata: Sequence[tuple[str, str]] = (), credentials: grpc.ChannelCredentials | None = None,
-                 options: Sequence[tuple[str, object]] = ()) -> None:
+                 options: Sequence[tuple[str, object]] = (), api_key: str | None = None) -> None:
         super().__init__(target, grpc, timeout=timeout, retry=retry, metadata=metadata, credentials=credentials,
-                         options=options)
+                         options=options, api_key=api_key)
 
     def close(self) -> None:
         self._channel.close()

@@ -39,6 +39,8 @@ class SamplingOptions(TypedDict, total=False):
     prompt_logprobs: bool
     prompt_logprobs_start: int
     n: int
+    # Not a SamplingParams field: GenerateRequest.priority, "interactive" (default) or "batch".
+    priority: str
 
 
 CONSTRAINTS = ("json_schema", "json_object", "regex", "grammar", "choice")
@@ -89,15 +91,22 @@ def chat_messages(messages: Iterable[Message]) -> gateway_pb2.ChatMessages:
     return result
 
 
+_PRIORITIES = {"interactive": gateway_pb2.PRIORITY_INTERACTIVE, "batch": gateway_pb2.PRIORITY_BATCH}
+
+
 def generate_request(prompt: str | None = None, *, messages: Iterable[Message] | None = None,
-                     input_ids: Sequence[int] | None = None, request_id: str = "",
+                     input_ids: Sequence[int] | None = None, request_id: str = "", priority: str = "interactive",
                      **options) -> gateway_pb2.GenerateRequest:
-    """The GenerateRequest of exactly one input (prompt, messages or input_ids) and SamplingOptions."""
+    """The GenerateRequest of exactly one input (prompt, messages or input_ids) and SamplingOptions;
+    priority "interactive" or "batch" (the gateway admits interactive requests first)."""
+    if priority not in _PRIORITIES:
+        raise ValueError(f"priority must be one of {', '.join(_PRIORITIES)}, got {priority!r}")
     inputs = [name for name, value in (("prompt", prompt), ("messages", messages), ("input_ids", input_ids))
               if value is not None]
     if len(inputs) != 1:
         raise ValueError(f"exactly one of prompt, messages, input_ids must be given, got {inputs or 'none'}")
-    request = gateway_pb2.GenerateRequest(request_id=request_id, sampling=sampling_params(**options))
+    request = gateway_pb2.GenerateRequest(request_id=request_id, sampling=sampling_params(**options),
+                                          priority=_PRIORITIES[priority])
     if prompt is not None:
         request.prompt = prompt
     elif messages is not None:

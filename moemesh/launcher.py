@@ -54,6 +54,8 @@ class MeshSpec:
     etcd: str = ""
     # Where logs, port files and etcd's data go; empty makes a temporary dir.
     work_dir: str = ""
+    # Client API keys of every gateway (--api-keys; docs/security.md); empty: none needed.
+    api_keys: str = ""
     # Extra flags per role, e.g. {"expert_svc": ["--kv-blocks", "64"]}.
     extra_args: dict = dataclasses.field(default_factory=dict)
     # Extra environment variables of every process, e.g. the OTEL_* of tracing.
@@ -197,6 +199,8 @@ class Mesh:
         role_key = module.split(".")[0]
         cmd = [sys.executable, "-m", module, *args, "--port", str(port), "--port-file", str(port_file),
                "--metrics-port", "0", *self.spec.extra_args.get(role_key, [])]
+        if role_key == "gateway" and self.spec.api_keys:
+            cmd += ["--api-keys", str(pathlib.Path(self.spec.api_keys).resolve())]
         if role_key != "scheduler_svc" and self.spec.data_plane_nice and shutil.which("nice"):
             cmd = ["nice", "-n", str(self.spec.data_plane_nice), *cmd]  # set before exec: every thread has it
         self.roles.append(self._launch(name, cmd, port_file, log_path))

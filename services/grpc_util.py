@@ -54,6 +54,7 @@ async def start_server(
     host: str = "127.0.0.1",
     port: int = 0,
     interceptors=(),
+    options=(),
 ) -> Server:
     """Starts a grpc.aio server on host:port (0 picks a free port).
 
@@ -62,9 +63,11 @@ async def start_server(
     service_names: the full names of those services, for reflection.
     The overall health status starts NOT_SERVING; the role flips it. While
     tracing is on, every call of the role's services runs in a span
-    (telemetry.server_interceptors, ahead of `interceptors`).
+    (telemetry.server_interceptors, ahead of `interceptors`). `options`: grpc server
+    options that override the mesh's defaults (services/grpc_limits.ServerLimits).
     """
-    server = grpc.aio.server(options=_OPTIONS,
+    merged = list({**dict(_OPTIONS), **dict(options)}.items())
+    server = grpc.aio.server(options=merged,
                              interceptors=[*telemetry.server_interceptors(), *interceptors])
     for register in register_fns:
         register(server)

@@ -22,27 +22,38 @@ Each request is observed as a gRPC Generate call is (observability.py's
 RequestObservation: the same metrics, labelled with the same status names, the
 request's log context, and its root span: FastAPI's SERVER span, which
 continues the caller's `traceparent` header).
+
+With a key file (--api-keys) every /v1 route needs `Authorization: Bearer KEY`
+(gateway/http/auth.py: the gRPC API's keys, checks and limits); /health stays
+open. An unexpected exception is logged and answered 500 "internal error": no
+exception class or stack ever reaches the client.
 """
 
 import asyncio
 import json
+import logging
 import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
 import grpc
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from gateway.auth import ApiKey, AuthError, KeyStore
+from gateway.auth_grpc import priority_name
 from gateway.frontend import NO_GROUP_MESSAGE, Frontend
+from gateway.http.auth import admit_stream, auth_error_response, key_dependency
 from gateway.http import openai_api
 from gateway.http.openai_api import ApiError, ApiRequest
 from gateway.http.responses import ResponseState
 from gateway.observability import RequestObservation
 from gateway.requests import ErrorCode, GenerationError, RequestOutput
 from gateway.validation import RequestError
+
+log = logging.getLogger("gateway.http")
 
 _ERRORS = {  # ErrorCode -> (HTTP status, OpenAI error type, code)
     ErrorCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
@@ -133,9 +144,11 @@ async def _until_disconnect(request: Request, work):
 class OpenAIEndpoint:
     """The routes' logic over one Frontend; token_bytes(id) gives a token's bytes for logprobs."""
 
-    def __init__(self, frontend: Frontend, token_bytes: Callable[[int], bytes]) -> None:
+    def __init__(self, frontend: Frontend, token_bytes: Callable[[int], bytes],
+                 keys: KeyStore | None = None) -> None:
         self.frontend = frontend
         self.token_bytes = token_bytes
+        self.keys = keys
         self.created = int(time.time())
 
     @property
@@ -147,7 +160,8 @@ class OpenAIEndpoint:
         return {"object": "list", "data": [{"id": info.model_name, "object": "model", "created": self.created,
                                             "owned_by": "moemesh", "max_model_len": info.context_length}]}
 
-    async def generate(self, request: Request, route: str) -> Response:
+    async def generate(self, request: Request, route: str, key: ApiKey | None = None) -> Response:
+        """One generation; holds one of the key's streams until its response ends."""
         try:
             body = await request.json()
         except ValueError:
@@ -158,10 +172,20 @@ class OpenAIEndpoint:
         if api.model and api.model != self.model_name:
             raise ApiError(404, f"The model `{api.model}` does not exist", param="model", code="model_not_found")
         deadline = _deadline(request)
+        release = admit_stream(self.keys, key, priority_name(api.request))
+        try:
+            return await self._respond(request, api, response_id, deadline, release)
+        except BaseException:
+            release()
+            raise
+
+    async def _respond(self, request: Request, api: ApiRequest, response_id: str, deadline: float | None,
+                       release: Callable[[], None]) -> Response:
         call = HttpCall(request, api)
         state = ResponseState(api, response_id, self.model_name, self.token_bytes)
         if not api.stream:
             result = await _until_disconnect(request, self._collect(call, api, state, deadline))
+            release()
             return Response(status_code=499) if result is None else JSONResponse(result)
         try:
             started = await _until_disconnect(request, self._start(api, deadline))
@@ -175,7 +199,7 @@ class OpenAIEndpoint:
             call.finish(asyncio.CancelledError())
             return Response(status_code=499)
         outputs, first = started
-        return StreamingResponse(self._events(call, state, first, outputs), media_type="text/event-stream")
+        return StreamingResponse(self._events(call, state, first, outputs, release), media_type="text/event-stream")
 
     async def _start(self, api: ApiRequest,
                      deadline: float | None) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
@@ -214,7 +238,7 @@ class OpenAIEndpoint:
             call.finish(error)
 
     async def _events(self, call: HttpCall, state: ResponseState, first: RequestOutput,
-                      outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[bytes]:
+                      outputs: AsyncIterator[RequestOutput], release: Callable[[], None]) -> AsyncIterator[bytes]:
         """The server-sent events of a stream, ending with `data: [DONE]`."""
         error = None
         try:
@@ -233,14 +257,17 @@ class OpenAIEndpoint:
             error = caught
             raise
         finally:
+            release()
             await outputs.aclose()
             call.finish(error)
         yield b"data: [DONE]\n\n"
 
 
-def make_app(frontend: Frontend, token_bytes: Callable[[int], bytes]) -> FastAPI:
-    """The FastAPI application of the endpoint (served by gateway/http/server.py)."""
-    endpoint = OpenAIEndpoint(frontend, token_bytes)
+def make_app(frontend: Frontend, token_bytes: Callable[[int], bytes], *, keys: KeyStore | None = None) -> FastAPI:
+    """The FastAPI application of the endpoint (served by gateway/http/server.py); with keys,
+    the /v1 routes need an API key."""
+    endpoint = OpenAIEndpoint(frontend, token_bytes, keys)
+    require_key = Depends(key_dependency(keys))
     # No span per endpoint call: a stream outlives its endpoint's return, so the request's
     # root span (the observation's) is FastAPI's SERVER span of the whole request.
     app = FastAPI(title="moemesh", docs_url=None, redoc_url=None, openapi_url=None,
@@ -254,6 +281,15 @@ def make_app(frontend: Frontend, token_bytes: Callable[[int], bytes]) -> FastAPI
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
         return JSONResponse(ApiError(error.status_code, str(error.detail)).body(), status_code=error.status_code)
 
+    @app.exception_handler(AuthError)
+    async def auth_error(request: Request, error: AuthError) -> JSONResponse:
+        return auth_error_response(error)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=error)
+        return JSONResponse(ApiError(500, "internal error", type_="server_error").body(), status_code=500)
+
     @app.get("/health")
     async def health() -> Response:
         if frontend.num_ranks:
@@ -261,16 +297,16 @@ def make_app(frontend: Frontend, token_bytes: Callable[[int], bytes]) -> FastAPI
         error = generation_error(GenerationError(ErrorCode.UNAVAILABLE, NO_GROUP_MESSAGE))
         return JSONResponse(error.body(), status_code=error.status)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[require_key])
     async def models() -> dict:
         return endpoint.models()
 
     @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await endpoint.generate(request, "/v1/completions")
+    async def completions(request: Request, key: ApiKey | None = require_key) -> Response:
+        return await endpoint.generate(request, "/v1/completions", key)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await endpoint.generate(request, "/v1/chat/completions")
+    async def chat_completions(request: Request, key: ApiKey | None = require_key) -> Response:
+        return await endpoint.generate(request, "/v1/chat/completions", key)
 
     return app

@@ -116,6 +116,17 @@ def _common(body: dict, sampling: gateway_pb2.SamplingParams) -> dict:
             "return_token_ids": _get(body, "return_token_ids", (bool,), "a boolean", False)}
 
 
+_PRIORITIES = {"interactive": gateway_pb2.PRIORITY_INTERACTIVE, "batch": gateway_pb2.PRIORITY_BATCH}
+
+
+def _priority(body: dict) -> int:
+    """The body's `priority` ("interactive", the default, or "batch") as the proto's enum."""
+    value = _get(body, "priority", (str,), 'one of "interactive", "batch"', "interactive")
+    if value not in _PRIORITIES:
+        raise _bad("priority", f'must be one of "interactive", "batch", got {json.dumps(value)[:80]}')
+    return _PRIORITIES[value]
+
+
 def _response_format(value, sampling: gateway_pb2.SamplingParams) -> None:
     """response_format -> the proto's json_object or json_schema constraint."""
     if value is None:
@@ -144,7 +155,7 @@ def parse_completion(body: dict, request_id: str) -> ApiRequest:
         if num_top < 0:
             raise _bad("logprobs", f"must be an integer in [0, 20], got {num_top}")
         sampling.logprobs, sampling.top_logprobs = True, num_top
-    request = gateway_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
+    request = gateway_pb2.GenerateRequest(request_id=request_id, sampling=sampling, priority=_priority(body))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -171,7 +182,7 @@ def parse_chat(body: dict, request_id: str) -> ApiRequest:
         raise _bad("top_logprobs", f"must be an integer in [0, 20], got {num_top}")
     if is_logprobs:
         sampling.logprobs, sampling.top_logprobs = True, num_top or 0
-    request = gateway_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
+    request = gateway_pb2.GenerateRequest(request_id=request_id, sampling=sampling, priority=_priority(body))
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise _bad("messages", "must be a list of messages")

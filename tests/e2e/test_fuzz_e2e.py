@@ -5,10 +5,13 @@ Every answer must be a proper stream that ends with a finish reason, or a
 gRPC status the API promises for bad input or load (INVALID_ARGUMENT,
 RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED for a short deadline), never UNKNOWN
 or INTERNAL from a handler; afterwards every process is alive and a good
-request succeeds. The one UNKNOWN allowed is gRPC's own answer to bytes that
-its parser refuses before any handler runs (grpc.aio answers a DecodeError
-with UNKNOWN where other gRPC stacks say INTERNAL). Hypothesis runs a fixed
-number of examples, derandomized, so CI sees the same inputs on every run.
+request succeeds. The gateway (services/grpc_limits.py) answers bytes that do
+not parse with INVALID_ARGUMENT, with no parser internals in the details, and
+a message over its size limit with RESOURCE_EXHAUSTED. The one UNKNOWN still
+allowed is on the other roles' servers: gRPC's own answer to bytes that its
+parser refuses before any handler runs (grpc.aio answers a DecodeError with
+UNKNOWN where other gRPC stacks say INTERNAL). Hypothesis runs a fixed number
+of examples, derandomized, so CI sees the same inputs on every run.
 """
 
 import concurrent.futures
@@ -320,12 +323,34 @@ def is_undecodable(method, payload: bytes) -> bool:
     return False
 
 
+def varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((value & 0x7F) | (0x80 if value > 0x7F else 0))
+        value >>= 7
+        if not value:
+            return bytes(out)
+
+
+@st.composite
+def absurd_length_prefix(draw) -> bytes:
+    """A length-delimited field (any field number) whose length prefix claims far more bytes than
+    follow (up to 2**64 - 1, or a varint of 10+ bytes), maybe inside a valid prefix."""
+    field = draw(st.integers(1, 2**29 - 1))
+    length = draw(st.sampled_from([2**31, 2**32 + 5, 2**63, 2**64 - 1]) | st.integers(17, 2**64 - 1))
+    prefix = varint(length) if draw(st.booleans()) else b"\xff" * draw(st.integers(10, 12)) + b"\x01"
+    return varint(field << 3 | 2) + prefix + draw(st.binary(max_size=16))
+
+
 @st.composite
 def malformed_bytes(draw, method) -> bytes:
-    """Random bytes, or a valid message cut, spliced or with bytes flipped."""
-    kind = draw(st.sampled_from(["random", "valid", "damaged"]))
+    """Random bytes, an absurd length prefix, or a valid message cut, spliced or with bytes flipped."""
+    kind = draw(st.sampled_from(["random", "valid", "damaged", "absurd"]))
     if kind == "random":
         return draw(st.binary(max_size=512))
+    if kind == "absurd":
+        head = draw(valid_messages(method)) if draw(st.booleans()) else b""
+        return head + draw(absurd_length_prefix())
     data = bytearray(draw(valid_messages(method)))
     if kind == "valid":
         return bytes(data)
@@ -399,7 +424,11 @@ def test_malformed_bytes_get_a_proper_status(mesh, stub, service, method, prefix
         @given(payload=malformed_bytes(method), which=st.integers(0, len(roles) - 1))
         def fuzz(payload, which):
             code, details = raw_call(channels[which], method, payload)
-            if is_undecodable(method, payload) and code not in codes:
+            if is_undecodable(method, payload) and roles[which].name.startswith("gateway"):
+                # The gateway's own answer, before any handler runs: INVALID_ARGUMENT, no internals.
+                assert code == grpc.StatusCode.INVALID_ARGUMENT, (roles[which].name, code, details)
+                assert details == f"the request's bytes do not parse as {method.name}", details
+            elif is_undecodable(method, payload) and code not in codes:
                 # gRPC's own answer for bytes its parser refuses (grpc.aio says UNKNOWN, the
                 # other stacks INTERNAL), before any handler of ours runs.
                 where = (roles[which].name, code, details)
@@ -412,4 +441,19 @@ def test_malformed_bytes_get_a_proper_status(mesh, stub, service, method, prefix
     finally:
         for channel in channels:
             channel.close()
+    assert_mesh_serves(mesh, stub)
+
+
+GATEWAY_METHODS = [m for m in gateway_pb2.DESCRIPTOR.services_by_name["GenerationService"].methods]
+
+
+@pytest.mark.parametrize("method", GATEWAY_METHODS, ids=[m.name for m in GATEWAY_METHODS])
+def test_a_message_over_the_gateways_size_limit_is_resource_exhausted(mesh, stub, method):
+    """One byte past --max-message-bytes (64 MiB by default), valid bytes or not."""
+    with grpc.insecure_channel(mesh.gateway_address,
+                               options=[("grpc.max_send_message_length", -1)]) as channel:
+        for payload in (b"\x0a" + varint(64 << 20) + bytes(64 << 20),  # a string field of 64 MiB
+                        bytes(64 << 20) + b"\x00"):
+            code, details = raw_call(channel, method, payload)
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
     assert_mesh_serves(mesh, stub)

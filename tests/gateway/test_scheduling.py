@@ -286,7 +286,7 @@ def test_lpm_admits_the_request_with_the_longest_cached_prefix_first():
 
 def test_policies_are_registered_by_name():
     assert isinstance(make_policy("lpm"), LongestPrefixMatch)
-    assert make_policy("fcfs").order([1, 2], lambda s: 0) == [1, 2]
+    assert make_policy("fcfs").order_in_class([1, 2], lambda s: 0) == [1, 2]
     with pytest.raises(ValueError, match="fcfs, lpm"):
         make_policy("nope")
 

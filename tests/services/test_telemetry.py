@@ -27,8 +27,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from expert_svc import observability as expert_observability
 from expert_svc.state import RankState
+from gateway.auth import ApiKeyCollector
 from gateway.kv_accounting import RankKV
 from gateway.observability import GatewayReadiness, GatewayStateCollector, fragmentation_ratio, kv_utilization
+from gateway.slow_readers import SlowReaderCollector
 from moe.expert.v1 import expert_pb2
 from moe.router.v1 import router_pb2, router_pb2_grpc
 from router_svc.load import ExpertLoad
@@ -478,7 +480,7 @@ def all_metric_families() -> dict[str, str]:
     for cls in (metrics.CommonMetrics, metrics.GatewayMetrics, metrics.ExpertMetrics, metrics.SchedulerMetrics):
         cls(registry)
     for collector in (GatewayStateCollector(lambda: None, None), expert_observability.ExpertStateCollector(None),
-                      RouterStatsCollector(None)):
+                      RouterStatsCollector(None), ApiKeyCollector(None), SlowReaderCollector(None)):
         registry.register(collector)
     return {family.name: family.type for family in registry.collect()}
 

@@ -117,6 +117,8 @@ def test_the_sse_framing_ends_with_done():
     ({"prompt": "a", "stop": ["x", ""]}, 400, "stop"),
     ({"prompt": "a", "temperature": "warm"}, 400, "temperature"),     # a JSON type
     ({"prompt": "a", "model": "gpt-9"}, 404, "model"),
+    ({"prompt": "a", "priority": "urgent"}, 400, "priority"),
+    ({"prompt": "a", "priority": 1}, 400, "priority"),
 ])
 def test_bad_input_gets_its_status_and_openai_error_naming_the_parameter(body, status, param):
     async def scenario():

@@ -8,6 +8,7 @@ import pytest
 from gateway.http.openai_api import ApiError, parse_chat, parse_completion, param_of, request_error
 from gateway.http.responses import ResponseState, chat_logprobs, completion_logprobs
 from gateway.requests import FinishReason, RequestOutput
+from moe.gateway.v1 import gateway_pb2
 from services.step import TokenLogprob
 
 
@@ -197,3 +198,12 @@ def test_requests_without_logprobs_get_null_logprobs():
     state = ResponseState(api, "c", "m", TOKENS.__getitem__)
     state.add(output("He", [5], final=FinishReason.STOP))
     assert state.body()["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("body,priority", [({}, gateway_pb2.PRIORITY_INTERACTIVE),
+                                           ({"priority": "interactive"}, gateway_pb2.PRIORITY_INTERACTIVE),
+                                           ({"priority": "batch"}, gateway_pb2.PRIORITY_BATCH)])
+def test_the_priority_field_becomes_the_requests_class(body, priority):
+    assert parse_completion({"prompt": "a", **body}, "id").request.priority == priority
+    chat = parse_chat({"messages": [{"role": "user", "content": "a"}], **body}, "id")
+    assert chat.request.priority == priority

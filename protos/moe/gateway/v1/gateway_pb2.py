@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmoe/gateway/v1/gateway.proto\x12\x0emoe.gateway.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"=\n\x0c\x43hatMessages\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.moe.gateway.v1.ChatMessage\"\x8e\x03\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x0bjson_schema\x18\x08 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\t \x01(\x08H\x00\x12\x0f\n\x05regex\x18\n \x01(\tH\x00\x12\x11\n\x07grammar\x18\x0b \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x0c \x01(\x0b\x32\x16.moe.gateway.v1.ChoiceH\x00\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x0f \x01(\x08\x12\t\n\x01n\x18\x10 \x01(\r\x12\x1d\n\x15prompt_logprobs_start\x18\x11 \x01(\rB\x0c\n\nconstraintB\x07\n\x05_seed\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\'\n\x03top\x18\x03 \x03(\x0b\x32\x1a.moe.gateway.v1.TopLogprob\"\x19\n\x06\x43hoice\x12\x0f\n\x07options\x18\x01 \x03(\t\"\xd3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12-\n\tinput_ids\x18\x03 \x01(\x0b\x32\x18.moe.gateway.v1.TokenIdsH\x00\x12\x30\n\x08messages\x18\x04 \x01(\x0b\x32\x1c.moe.gateway.v1.ChatMessagesH\x00\x12\x30\n\x08sampling\x18\x05 \x01(\x0b\x32\x1e.moe.gateway.v1.SamplingParamsB\x07\n\x05input\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xae\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x33\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1c.moe.gateway.v1.FinishReason\x12$\n\x05usage\x18\x05 \x01(\x0b\x32\x15.moe.gateway.v1.Usage\x12\x14\n\x0cmatched_stop\x18\x06 \x01(\t\x12.\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1c.moe.gateway.v1.TokenLogprob\x12\x35\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1c.moe.gateway.v1.TokenLogprob\x12\r\n\x05index\x18\t \x01(\r\"\\\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x30\n\x08messages\x18\x02 \x01(\x0b\x32\x1c.moe.gateway.v1.ChatMessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xc7\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0bnum_experts\x18\x06 \x01(\r\x12\x1b\n\x13num_experts_per_tok\x18\x07 \x01(\r\x12\x11\n\tnum_ranks\x18\x08 \x01(\r\x12\x10\n\x08\x66\x65\x61tures\x18\t \x03(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xc9\x02\n\x11GenerationService\x12O\n\x08Generate\x12\x1f.moe.gateway.v1.GenerateRequest\x1a .moe.gateway.v1.GenerateResponse0\x01\x12M\n\x08Tokenize\x12\x1f.moe.gateway.v1.TokenizeRequest\x1a .moe.gateway.v1.TokenizeResponse\x12\x44\n\x05\x41\x62ort\x12\x1c.moe.gateway.v1.AbortRequest\x1a\x1d.moe.gateway.v1.AbortResponse\x12N\n\x0cGetModelInfo\x12#.moe.gateway.v1.GetModelInfoRequest\x1a\x19.moe.gateway.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmoe/gateway/v1/gateway.proto\x12\x0emoe.gateway.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"=\n\x0c\x43hatMessages\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.moe.gateway.v1.ChatMessage\"\x8e\x03\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x0bjson_schema\x18\x08 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\t \x01(\x08H\x00\x12\x0f\n\x05regex\x18\n \x01(\tH\x00\x12\x11\n\x07grammar\x18\x0b \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x0c \x01(\x0b\x32\x16.moe.gateway.v1.ChoiceH\x00\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x0f \x01(\x08\x12\t\n\x01n\x18\x10 \x01(\r\x12\x1d\n\x15prompt_logprobs_start\x18\x11 \x01(\rB\x0c\n\nconstraintB\x07\n\x05_seed\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\'\n\x03top\x18\x03 \x03(\x0b\x32\x1a.moe.gateway.v1.TopLogprob\"\x19\n\x06\x43hoice\x12\x0f\n\x07options\x18\x01 \x03(\t\"\xff\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12-\n\tinput_ids\x18\x03 \x01(\x0b\x32\x18.moe.gateway.v1.TokenIdsH\x00\x12\x30\n\x08messages\x18\x04 \x01(\x0b\x32\x1c.moe.gateway.v1.ChatMessagesH\x00\x12\x30\n\x08sampling\x18\x05 \x01(\x0b\x32\x1e.moe.gateway.v1.SamplingParams\x12*\n\x08priority\x18\x06 \x01(\x0e\x32\x18.moe.gateway.v1.PriorityB\x07\n\x05input\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xae\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x33\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1c.moe.gateway.v1.FinishReason\x12$\n\x05usage\x18\x05 \x01(\x0b\x32\x15.moe.gateway.v1.Usage\x12\x14\n\x0cmatched_stop\x18\x06 \x01(\t\x12.\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1c.moe.gateway.v1.TokenLogprob\x12\x35\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1c.moe.gateway.v1.TokenLogprob\x12\r\n\x05index\x18\t \x01(\r\"\\\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x30\n\x08messages\x18\x02 \x01(\x0b\x32\x1c.moe.gateway.v1.ChatMessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xc7\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0bnum_experts\x18\x06 \x01(\r\x12\x1b\n\x13num_experts_per_tok\x18\x07 \x01(\r\x12\x11\n\tnum_ranks\x18\x08 \x01(\r\x12\x10\n\x08\x66\x65\x61tures\x18\t \x03(\t*R\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x01\x12\x12\n\x0ePRIORITY_BATCH\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xc9\x02\n\x11GenerationService\x12O\n\x08Generate\x12\x1f.moe.gateway.v1.GenerateRequest\x1a .moe.gateway.v1.GenerateResponse0\x01\x12M\n\x08Tokenize\x12\x1f.moe.gateway.v1.TokenizeRequest\x1a .moe.gateway.v1.TokenizeResponse\x12\x44\n\x05\x41\x62ort\x12\x1c.moe.gateway.v1.AbortRequest\x1a\x1d.moe.gateway.v1.AbortResponse\x12N\n\x0cGetModelInfo\x12#.moe.gateway.v1.GetModelInfoRequest\x1a\x19.moe.gateway.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'moe.gateway.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1784
-  _globals['_FINISHREASON']._serialized_end=1904
+  _globals['_PRIORITY']._serialized_start=1828
+  _globals['_PRIORITY']._serialized_end=1910
+  _globals['_FINISHREASON']._serialized_start=1912
+  _globals['_FINISHREASON']._serialized_end=2032
   _globals['_TOKENIDS']._serialized_start=48
   _globals['_TOKENIDS']._serialized_end=71
   _globals['_CHATMESSAGE']._serialized_start=73
@@ -48,23 +50,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHOICE']._serialized_start=724
   _globals['_CHOICE']._serialized_end=749
   _globals['_GENERATEREQUEST']._serialized_start=752
-  _globals['_GENERATEREQUEST']._serialized_end=963
-  _globals['_USAGE']._serialized_start=965
-  _globals['_USAGE']._serialized_end=1045
-  _globals['_GENERATERESPONSE']._serialized_start=1048
-  _globals['_GENERATERESPONSE']._serialized_end=1350
-  _globals['_TOKENIZEREQUEST']._serialized_start=1352
-  _globals['_TOKENIZEREQUEST']._serialized_end=1444
-  _globals['_TOKENIZERESPONSE']._serialized_start=1446
-  _globals['_TOKENIZERESPONSE']._serialized_end=1483
-  _globals['_ABORTREQUEST']._serialized_start=1485
-  _globals['_ABORTREQUEST']._serialized_end=1519
-  _globals['_ABORTRESPONSE']._serialized_start=1521
-  _globals['_ABORTRESPONSE']._serialized_end=1557
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1559
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1580
-  _globals['_MODELINFO']._serialized_start=1583
-  _globals['_MODELINFO']._serialized_end=1782
-  _globals['_GENERATIONSERVICE']._serialized_start=1907
-  _globals['_GENERATIONSERVICE']._serialized_end=2236
+  _globals['_GENERATEREQUEST']._serialized_end=1007
+  _globals['_USAGE']._serialized_start=1009
+  _globals['_USAGE']._serialized_end=1089
+  _globals['_GENERATERESPONSE']._serialized_start=1092
+  _globals['_GENERATERESPONSE']._serialized_end=1394
+  _globals['_TOKENIZEREQUEST']._serialized_start=1396
+  _globals['_TOKENIZEREQUEST']._serialized_end=1488
+  _globals['_TOKENIZERESPONSE']._serialized_start=1490
+  _globals['_TOKENIZERESPONSE']._serialized_end=1527
+  _globals['_ABORTREQUEST']._serialized_start=1529
+  _globals['_ABORTREQUEST']._serialized_end=1563
+  _globals['_ABORTRESPONSE']._serialized_start=1565
+  _globals['_ABORTRESPONSE']._serialized_end=1601
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1603
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1624
+  _globals['_MODELINFO']._serialized_start=1627
+  _globals['_MODELINFO']._serialized_end=1826
+  _globals['_GENERATIONSERVICE']._serialized_start=2035
+  _globals['_GENERATIONSERVICE']._serialized_end=2364
 # @@protoc_insertion_point(module_scope)
