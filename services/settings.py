@@ -25,7 +25,7 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 
-from services import gc_pauses
+from services import gc_pauses, tls
 
 ENV_PREFIX = "MOEMESH_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -204,6 +204,10 @@ class MemberConfig:
     # Python's (700). Larger: fewer collections (and fewer full ones), each of
     # more objects, most of which reference counting has freed by then.
     gc_young_threshold: int = gc_pauses.DEFAULT_YOUNG_THRESHOLD
+    # Directory with ca.crt, tls.crt and tls.key (a Kubernetes TLS Secret): turns
+    # on mutual TLS for every gRPC server and channel of the process and for
+    # etcd (services/tls.py, docs/security.md); empty: plaintext.
+    tls_dir: str = ""
 
     def __post_init__(self) -> None:
         if not self.member_id or "/" in self.member_id or self.member_id.strip() != self.member_id:
@@ -213,6 +217,8 @@ class MemberConfig:
             raise ValueError(f"etcd must be host:port, got {self.etcd!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.tls_dir:
+            tls.TlsFiles.from_dir(self.tls_dir)  # ValueError naming a missing file
         if self.lease_ttl_s < 1:
             raise ValueError(f"lease_ttl_s must be >= 1 (etcd's minimum), got {self.lease_ttl_s}")
         if not self.key_prefix.startswith("/") or self.key_prefix.endswith("/"):
