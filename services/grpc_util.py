@@ -1,5 +1,5 @@
 """gRPC plumbing shared by every role: servers with health and reflection,
-channels with sane defaults.
+channels with sane defaults (mutual TLS when the process has it).
 
 Every server enables the standard health service (grpc.health.v1) and server
 reflection, so `grpcurl`/`buf curl` can call it with no stubs.
