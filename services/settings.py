@@ -25,7 +25,7 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 
-from services import gc_pauses, tls
+from services import gc_pauses
 
 ENV_PREFIX = "MOEMESH_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -206,7 +206,8 @@ class MemberConfig:
     gc_young_threshold: int = gc_pauses.DEFAULT_YOUNG_THRESHOLD
     # Directory with ca.crt, tls.crt and tls.key (a Kubernetes TLS Secret): turns
     # on mutual TLS for every gRPC server and channel of the process and for
-    # etcd (services/tls.py, docs/security.md); empty: plaintext.
+    # etcd (services/tls.py, docs/security.md); empty: plaintext. Its files are
+    # read at start-up (a missing one stops the process), not when parsing.
     tls_dir: str = ""
 
     def __post_init__(self) -> None:
@@ -217,8 +218,6 @@ class MemberConfig:
             raise ValueError(f"etcd must be host:port, got {self.etcd!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if self.tls_dir:
-            tls.TlsFiles.from_dir(self.tls_dir)  # ValueError naming a missing file
         if self.lease_ttl_s < 1:
             raise ValueError(f"lease_ttl_s must be >= 1 (etcd's minimum), got {self.lease_ttl_s}")
         if not self.key_prefix.startswith("/") or self.key_prefix.endswith("/"):
