@@ -217,3 +217,15 @@ def test_cert_manager_issues_every_mounted_secret_with_the_role_names(rendered, 
     for spec in certificates.values():
         assert spec["issuerRef"]["name"] in issuers
         assert spec.get("isCA") or spec["issuerRef"]["name"] == "moemesh-ca"
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_the_namespace_enforces_the_restricted_pod_security_standard(rendered, name):
+    labels = find(rendered[name], "Namespace", NAMESPACE)["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+    allowed_volumes = {"configMap", "emptyDir", "persistentVolumeClaim", "secret", "projected", "downwardAPI",
+                       "csi", "ephemeral"}
+    for component, pod in pods(rendered[name]).items():
+        assert pod["spec"]["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", component
+        for volume in pod["spec"].get("volumes", []):
+            assert set(volume) - {"name"} <= allowed_volumes, (component, volume)
