@@ -81,13 +81,16 @@ def _state() -> dict:
     return {}
 
 
-def tls_channel_args(args: argparse.Namespace, peer_role: str) -> tuple:
+def tls_channel_args(args: argparse.Namespace, peer_role: str, state: dict | None = None) -> tuple:
     """(credentials, options) of a channel to peer_role: the operator's
-    certificates of --tls-dir, else of the mesh `moemesh up --tls` started;
-    (None, ()) for a plaintext mesh."""
+    certificates of --tls-dir, else those of the mesh `moemesh up --tls`
+    started when the target is one of its addresses (or none is given);
+    (None, ()) for a plaintext mesh. ValueError for a directory without the files."""
     from services import tls
 
-    tls_dir = args.tls_dir or (None if args.target else _state().get("tls_dir"))
+    state = _state() if state is None else state
+    is_local = not args.target or args.target in (state.get("gateway"), *state.get("schedulers", []))
+    tls_dir = args.tls_dir or (state.get("tls_dir") if is_local else None)
     if not tls_dir:
         return None, ()
     files = tls.TlsFiles.from_dir(tls_dir)
