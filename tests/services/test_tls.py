@@ -128,35 +128,29 @@ def test_callers_without_a_certificate_of_the_ca_are_refused(pki):
                                                 grpc.StatusCode.UNAVAILABLE)
 
 
-def test_a_certificate_naming_no_role_is_unauthenticated(pki):
-    root, _ = pki
-
+def rank_info_between(server_tls: tls.MeshTls, caller_tls: tls.MeshTls) -> grpc.StatusCode:
+    """GetRankInfo's status from a caller, asking for an expert, to a server with server_tls."""
     async def body():
-        server = await start_expert(member(root, "expert"))
+        server = await start_expert(server_tls)
         try:
-            async with grpc_util.channel(f"127.0.0.1:{server.port}", "expert",
-                                         mesh_tls=member(root, "no-role", "gateway")) as channel:
+            async with grpc_util.channel(f"127.0.0.1:{server.port}", "expert", mesh_tls=caller_tls) as channel:
                 return await rank_info(channel)
         finally:
             await server.stop(0)
 
-    assert asyncio.run(body()) == grpc.StatusCode.UNAUTHENTICATED
+    return asyncio.run(body())
+
+
+def test_a_certificate_naming_no_role_is_unauthenticated(pki):
+    root, _ = pki
+    code = rank_info_between(member(root, "expert"), member(root, "no-role", "gateway"))
+    assert code == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_a_server_that_cannot_prove_its_role_is_refused_by_its_callers(pki):
     """A process serving with a router's certificate where the gateway expects an expert."""
     root, _ = pki
-
-    async def body():
-        server = await start_expert(member(root, "router"))
-        try:
-            async with grpc_util.channel(f"127.0.0.1:{server.port}", "expert",
-                                         mesh_tls=member(root, "gateway")) as channel:
-                return await rank_info(channel)
-        finally:
-            await server.stop(0)
-
-    assert asyncio.run(body()) == grpc.StatusCode.UNAVAILABLE
+    assert rank_info_between(member(root, "router"), member(root, "gateway")) == grpc.StatusCode.UNAVAILABLE
 
 
 def test_the_gateway_port_takes_clients_without_a_certificate(pki):
