@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from moe.router.v1 import router_pb2, router_pb2_grpc
 from moe.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from moemesh import cli, launcher
 from services import certs, tls
@@ -58,6 +59,18 @@ def test_tls_mesh_serves_as_the_plaintext_one(tls_mesh, hf_model):
             for i, prompt in enumerate(PROMPTS):
                 prompt_ids, token_ids = generate_ids(channel, f"tls-{with_cert}-{i}", prompt)
                 assert token_ids == hf_greedy(hf_model, prompt_ids, NUM_TOKENS)
+
+
+def test_ranks_report_their_hits_to_the_router_over_tls(tls_mesh):
+    """Runs after serving: the expert service's reports reached the router (ReportExpertHits, expert role)."""
+    router = next(r for r in tls_mesh.roles if r.name == "router")
+    with tls_mesh.operator_channel(f"127.0.0.1:{router.port}", "router") as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        deadline = time.monotonic() + 30
+        while (stats := stub.GetExpertStats(router_pb2.GetExpertStatsRequest(), timeout=5)).num_reports == 0:
+            assert time.monotonic() < deadline, "no hit report reached the router"
+            time.sleep(0.2)
+    assert sum(sum(layer.counts) for layer in stats.layers) > 0
 
 
 def test_plaintext_clients_are_refused(tls_mesh):
