@@ -89,8 +89,13 @@ def configure_telemetry(role: str, config: MemberConfig) -> None:
 
 def configure_tls(role: str, config: MemberConfig) -> None:
     """Mutual TLS as role for every server and channel of the process, when
-    config.tls_dir is set (services/tls.py)."""
-    tls.configure(tls.MeshTls(tls.TlsFiles.from_dir(config.tls_dir), role) if config.tls_dir else None)
+    config.tls_dir is set (services/tls.py); exits with status 2 naming a
+    missing file."""
+    try:
+        tls.configure(tls.MeshTls(tls.TlsFiles.from_dir(config.tls_dir), role) if config.tls_dir else None)
+    except ValueError as error:
+        print(f"--tls-dir: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def stop_on_signals() -> asyncio.Event:

@@ -6,9 +6,12 @@ files rotates the certificates without breaking open streams."""
 
 import asyncio
 import pathlib
+import subprocess
+import sys
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe.expert.v1 import expert_pb2, expert_pb2_grpc
 from moe.router.v1 import router_pb2
@@ -163,8 +166,6 @@ def test_the_gateway_port_takes_clients_without_a_certificate(pki):
         no_cert = grpc.ssl_channel_credentials(root_certificates=ca.cert)
         try:
             async with grpc.aio.secure_channel(target, no_cert, options=tls.channel_options("gateway")) as channel:
-                from grpc_health.v1 import health_pb2, health_pb2_grpc
-
                 health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
                 return health.status, await rank_info(channel)
         finally:
@@ -237,3 +238,10 @@ def member_of(directory: pathlib.Path, ca_cert: bytes, pem: certs.Pem, role: str
 def test_tls_dir_missing_a_file_is_a_config_error(tmp_path):
     with pytest.raises(ValueError, match="has no ca.crt"):
         tls.TlsFiles.from_dir(tmp_path)
+
+
+def test_a_role_started_with_an_incomplete_tls_dir_stops_naming_the_file(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "router_svc.main", "--member-id", "r0", "--metrics-port", "0",
+                             "--tls-dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "has no ca.crt" in result.stderr
