@@ -2,11 +2,13 @@
 N expert services and the gateway, each its own process.
 
 Used by `moemesh up` and by the end-to-end tests, so both start the mesh the
-same way. With `MeshSpec.tls` (`moemesh up --tls`) it first makes a throwaway
-CA and a certificate per role in the work directory (services/certs.py),
-starts etcd with client-certificate authentication and its users and roles
-(services/cluster/etcd_tls.py), and passes every role its `--tls-dir`. Every process binds port 0 (or the port asked for) and writes the
+same way. Every process binds port 0 (or the port asked for) and writes the
 bound port to a file that the launcher waits for.
+
+With `MeshSpec.tls` (`moemesh up --tls`) it first makes a throwaway CA and a
+certificate per role in the work directory (services/certs.py), starts etcd
+with client-certificate authentication and its users and roles
+(services/cluster/etcd_tls.py), and passes every role its `--tls-dir`.
 """
 
 import contextlib
