@@ -1,17 +1,22 @@
 """The whole mesh with mutual TLS (`moemesh up --tls`): it serves as the
 plaintext mesh does, the operator's CLI reaches it with its certificate, etcd
 refuses clients without the CA's certificate and writes outside a role's keys,
-and an expert service that cannot prove its identity never joins a group."""
+an expert service that cannot prove its identity never joins a group, and a
+rank's certificate rotates in place while it serves."""
 
 import asyncio
 import contextlib
 import io
+import socket
+import ssl
 import subprocess
 import sys
 import time
 
 import grpc
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from moe.router.v1 import router_pb2, router_pb2_grpc
@@ -152,3 +157,44 @@ def test_an_expert_that_cannot_prove_its_identity_never_joins(tls_mesh, tiny_mod
     assert "impostor" not in {m.member_id for m in state.members}
     assert all(r.member_id != "impostor" for g in state.groups for r in g.ranks)
     assert [r.member_id for g in state.groups for r in g.ranks] == ["expert-0"]
+
+
+def served_certificate(address: str, files: tls.TlsFiles, server_name: str) -> bytes:
+    """The DER certificate a new TLS connection to address is served (presenting files)."""
+    context = ssl.create_default_context(cafile=str(files.ca))
+    context.load_cert_chain(str(files.cert), str(files.key))
+    context.set_alpn_protocols(["h2"])
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        with context.wrap_socket(raw, server_hostname=server_name) as conn:
+            return conn.getpeercert(binary_form=True)
+
+
+def group_state(mesh) -> scheduler_pb2.GetClusterStateResponse:
+    with mesh.operator_channel(mesh.scheduler_addresses[0], "scheduler") as channel:
+        return scheduler_pb2_grpc.SchedulerServiceStub(channel).GetClusterState(
+            scheduler_pb2.GetClusterStateRequest(), timeout=5)
+
+
+def test_rotating_a_ranks_certificate_keeps_its_streams_and_serves_the_new_one(tls_mesh, hf_model):
+    """expert-0's files are replaced while it serves: new connections get the new
+    certificate, the gateway's open step streams go on (the group keeps its epoch)."""
+    expert = next(r for r in tls_mesh.roles if r.name == "expert-0")
+    address = f"127.0.0.1:{expert.port}"
+    operator = tls_mesh.tls_files("operator")
+    before = served_certificate(address, operator, tls.san("expert"))
+    epochs = [g.placement_epoch for g in group_state(tls_mesh).groups]
+    assert len(epochs) == 1
+    root = tls_mesh.work_dir / "tls"
+    ca = certs.Pem((root / "ca.crt").read_bytes(), (root / "ca.key").read_bytes())
+    rotated = certs.issue_role(ca, "expert")
+    certs.write_member(tls_mesh.tls_dirs["expert"], ca.cert, rotated)
+
+    after = served_certificate(address, operator, tls.san("expert"))
+    assert after != before
+    assert after == x509.load_pem_x509_certificate(rotated.cert).public_bytes(serialization.Encoding.DER)
+    with client_channel(tls_mesh, with_cert=False) as channel:
+        prompt_ids, token_ids = generate_ids(channel, "after-rotation", PROMPTS[0])
+    assert token_ids == hf_greedy(hf_model, prompt_ids, NUM_TOKENS)
+    assert [g.placement_epoch for g in group_state(tls_mesh).groups] == epochs
+    assert expert.proc.poll() is None
