@@ -117,23 +117,38 @@ def channel(target: str, peer_role: str | None = None, *, is_traced: bool = True
                                    interceptors=interceptors)
 
 
+def _tls_stamp() -> tuple | None:
+    """The process's certificate files' stamp (None without TLS, or while they are being replaced)."""
+    mesh_tls = tls.active()
+    if mesh_tls is None:
+        return None
+    try:
+        return mesh_tls.files.stamp()
+    except OSError:
+        return None
+
+
 class LastAddressStub:
     """One stub on one channel to the address called last: a caller that talks to
     one peer at a time (the scheduler leader, a probed process) reuses it while
-    the address stays, and a new address closes the old channel first."""
+    the address stays, and a new address closes the old channel first. So does
+    a rotated certificate: a channel keeps the credentials it was made with,
+    also when it reconnects, so a kept one would present an expired certificate."""
 
     def __init__(self, make_stub, peer_role: str | None = None, open_channel=channel):
         self._make_stub = make_stub
         self._open_channel = lambda address: open_channel(address, peer_role)
         self._address: str | None = None
+        self._tls_stamp: tuple | None = None
         self._channel: grpc.aio.Channel | None = None
         self._stub = None
 
     async def to(self, address: str):
         """The stub for address, on the kept channel or a new one."""
-        if address != self._address:
+        stamp = _tls_stamp()
+        if address != self._address or (stamp is not None and stamp != self._tls_stamp):
             await self.close()
-            self._address, self._channel = address, self._open_channel(address)
+            self._address, self._tls_stamp, self._channel = address, stamp, self._open_channel(address)
             self._stub = self._make_stub(self._channel)
         return self._stub
 

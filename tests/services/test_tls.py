@@ -245,3 +245,34 @@ def test_a_role_started_with_an_incomplete_tls_dir_stops_naming_the_file(tmp_pat
                              "--tls-dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "has no ca.crt" in result.stderr
+
+
+def test_a_kept_channel_is_reopened_once_the_certificate_rotates(tmp_path):
+    """LastAddressStub (the router's channel to the scheduler leader, the
+    schedulers' health probes) presents the new certificate after a rotation."""
+    ca = certs.make_ca()
+    gateway = member_of(tmp_path / "gateway", ca.cert, certs.issue_role(ca, "gateway"), "gateway")
+    servicer = FakeExpert()
+
+    async def body():
+        server = await start_expert(member_of(tmp_path / "expert", ca.cert, certs.issue_role(ca, "expert"),
+                                              "expert"), servicer)
+        stubs = grpc_util.LastAddressStub(expert_pb2_grpc.ExpertServiceStub, "expert")
+        target = f"127.0.0.1:{server.port}"
+        tls.configure(gateway)
+        try:
+            first = await stubs.to(target)
+            await first.GetRankInfo(expert_pb2.GetRankInfoRequest(), timeout=5)
+            assert await stubs.to(target) is first  # kept while nothing changed
+            certs.write_member(tmp_path / "gateway", ca.cert, certs.issue_role(ca, "gateway"))
+            second = await stubs.to(target)
+            await second.GetRankInfo(expert_pb2.GetRankInfoRequest(), timeout=5)
+            return first is not second
+        finally:
+            tls.configure(None)
+            await stubs.close()
+            await server.stop(0)
+
+    assert asyncio.run(body())
+    assert servicer.peer_certs[0] != servicer.peer_certs[1]
+    assert servicer.peer_certs[1].strip() == (tmp_path / "gateway" / tls.CERT_FILE).read_bytes().strip()
