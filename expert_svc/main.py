@@ -16,7 +16,7 @@ import sys
 from expert_svc.config import ExpertConfig
 from expert_svc.server import serve
 from services import telemetry
-from services.process import configure_telemetry
+from services.process import configure_telemetry, configure_tls
 from services.settings import parse_config
 
 
@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     """Runs one expert service; returns its exit status."""
     config = parse_config(ExpertConfig, argv, prog="expert_svc")
     configure_telemetry("expert", config)
+    configure_tls("expert", config)
     try:
         code, is_clean = asyncio.run(serve(config))
     finally:

@@ -69,7 +69,7 @@ class RouterClient:
                 return None
             if self._router_address is None:
                 return None
-            self._channel = grpc_util.channel(self._router_address)
+            self._channel = grpc_util.channel(self._router_address, "router")
         return router_pb2_grpc.RouterServiceStub(self._channel)
 
     async def close(self) -> None:

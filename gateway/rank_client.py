@@ -52,7 +52,7 @@ class GroupConnection:
     """Channels to the ranks of one assignment, by rank; close() ends its streams and channels."""
 
     def __init__(self, group: GroupAssignment):
-        self._channels = [grpc_util.channel(r.address) for r in group.ranks]
+        self._channels = [grpc_util.channel(r.address, "expert") for r in group.ranks]
         self._streams: list = []
 
     async def rank_statuses(self, timeout_s: float) -> list[RankStatus]:

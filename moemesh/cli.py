@@ -44,7 +44,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         spec = launcher.MeshSpec(model_dir=model_dir, num_ranks=args.ranks, device=args.device,
                                  gateway_port=args.port, http_port=args.http_port, etcd=args.etcd or "",
                                  work_dir=args.work_dir or "", api_keys=args.api_keys or "",
-                                 data_plane_nice=args.data_plane_nice)
+                                 data_plane_nice=args.data_plane_nice, tls=args.tls)
     except ValueError as err:
         print(f"moemesh up: {err}", file=sys.stderr)
         return 2
@@ -52,8 +52,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"starting moemesh: model {model_dir}, {args.ranks} rank(s) on {args.device}; logs in {mesh.work_dir}",
-          flush=True)
+    print(f"starting moemesh: model {model_dir}, {args.ranks} rank(s) on {args.device}; logs in {mesh.work_dir}"
+          + (" (mutual TLS)" if args.tls else ""), flush=True)
     mesh.start()
     http = f", {mesh.http_url} (OpenAI-compatible HTTP)" if mesh.http_url else ""
     print(f"moemesh is ready: gateway at {mesh.gateway_address} (gRPC){http}", flush=True)
@@ -79,6 +79,22 @@ def _state() -> dict:
     if launcher.STATE_FILE.is_file():
         return json.loads(launcher.STATE_FILE.read_text())
     return {}
+
+
+def tls_channel_args(args: argparse.Namespace, peer_role: str, state: dict | None = None) -> tuple:
+    """(credentials, options) of a channel to peer_role: the operator's
+    certificates of --tls-dir, else those of the mesh `moemesh up --tls`
+    started when the target is one of its addresses (or none is given);
+    (None, ()) for a plaintext mesh. ValueError for a directory without the files."""
+    from services import tls
+
+    state = _state() if state is None else state
+    is_local = not args.target or args.target in (state.get("gateway"), *state.get("schedulers", []))
+    tls_dir = args.tls_dir or (state.get("tls_dir") if is_local else None)
+    if not tls_dir:
+        return None, ()
+    files = tls.TlsFiles.from_dir(tls_dir)
+    return tls.channel_credentials(files), tls.channel_options(peer_role)
 
 
 def generate_arguments(args: argparse.Namespace) -> dict:
@@ -114,8 +130,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"moemesh generate: {err}", file=sys.stderr)
         return 2
     last = None
+    try:
+        credentials, options = tls_channel_args(args, "gateway")
+    except ValueError as err:
+        print(f"moemesh generate: {err}", file=sys.stderr)
+        return 2
     # The key comes from $MOEMESH_API_KEY (never a flag: flags show in `ps` and shell history).
-    with Client(target, timeout=args.timeout) as client:
+    with Client(target, timeout=args.timeout, credentials=credentials, options=options) as client:
         try:
             for chunk in client.stream(**kwargs):
                 print(chunk.text, end="", flush=True)
@@ -137,8 +158,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not targets:
         print("no mesh found: start one with `moemesh up` or pass --target SCHEDULER_ADDR", file=sys.stderr)
         return 1
+    try:
+        credentials, options = tls_channel_args(args, "scheduler")
+    except ValueError as err:
+        print(f"moemesh status: {err}", file=sys.stderr)
+        return 2
     for target in targets:
-        with grpc.insecure_channel(target) as channel:
+        with (grpc.secure_channel(target, credentials, options=options) if credentials
+              else grpc.insecure_channel(target)) as channel:
             stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
             try:
                 state = stub.GetClusterState(scheduler_pb2.GetClusterStateRequest(), timeout=3)
@@ -200,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--data-plane-nice", type=int, default=launcher.DEFAULT_DATA_PLANE_NICE,
                     help="niceness of the router, expert services and gateways, so that etcd and the "
                          "schedulers get the CPU first on a shared host (0 = none)")
+    up.add_argument("--tls", action="store_true",
+                    help="mutual TLS between every role and etcd, with a throwaway CA and certificates in the "
+                         "work dir; `generate` and `status` use them (docs/security.md)")
     up.set_defaults(fn=cmd_up)
 
     gen = sub.add_parser("generate", help="stream a completion from the gateway")
@@ -221,10 +251,14 @@ def build_parser() -> argparse.ArgumentParser:
     constraint.add_argument("--choice", metavar="A,B,C",
                             help="the output is exactly one of these comma-separated texts")
     gen.add_argument("--timeout", type=float, default=300.0)
+    gen.add_argument("--tls-dir", help="ca.crt, tls.crt, tls.key to call a TLS gateway with "
+                                       "(default: those of the mesh `moemesh up --tls` started)")
     gen.set_defaults(fn=cmd_generate)
 
     status = sub.add_parser("status", help="show the scheduler leader, groups, ranks and their state")
     status.add_argument("--target", help="a scheduler address (default: the mesh `moemesh up` started)")
+    status.add_argument("--tls-dir", help="the operator's ca.crt, tls.crt, tls.key for a TLS mesh "
+                                          "(default: those of the mesh `moemesh up --tls` started)")
     status.set_defaults(fn=cmd_status)
 
     make = sub.add_parser("make-model", help="write a random Qwen3-MoE checkpoint in the hub layout")

@@ -20,6 +20,12 @@ On one loopback member there is no network jitter that would make the
 shorter election timeout flap; a production cluster across machines should
 keep the election timeout at least ten heartbeats of its real round trip.
 
+With `tls_dir` (a directory with ca.crt and etcd's own tls.crt/tls.key,
+services/certs.make_local_pki) the client URL is https and etcd requires a
+client certificate of that CA (--client-cert-auth), whose CN it takes as the
+user name once authentication is on (services/cluster/etcd_tls.enable_auth).
+The peer URL stays plaintext: one member on loopback has no peers.
+
 `EtcdProcess.restart()` stops etcd and starts it again on the same data dir
 and ports (keys and leases survive): what the failover tests do to the mesh.
 """
@@ -30,6 +36,7 @@ import os
 import pathlib
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -74,6 +81,8 @@ class EtcdProcess:
     data_dir: pathlib.Path
     log_path: pathlib.Path
     process: subprocess.Popen
+    # ca.crt, tls.crt, tls.key of etcd's server certificate; None: plaintext.
+    tls_dir: pathlib.Path | None = None
 
     @property
     def client_port(self) -> int:
@@ -97,7 +106,8 @@ class EtcdProcess:
         """Stops this etcd and starts it again on the same data dir and ports;
         returns the new process (this one is then stopped for good)."""
         self.stop()
-        return start_etcd(self.data_dir, client_port=self.client_port, peer_port=self.peer_port)
+        return start_etcd(self.data_dir, client_port=self.client_port, peer_port=self.peer_port,
+                          tls_dir=self.tls_dir)
 
     def __enter__(self) -> "EtcdProcess":
         return self
@@ -113,18 +123,20 @@ def start_etcd(
     peer_port: int = 0,
     name: str = "moemesh",
     startup_timeout_s: float = 20.0,
+    tls_dir: str | os.PathLike | None = None,
 ) -> EtcdProcess:
     """Starts etcd with its data in data_dir and waits until /health answers.
 
     A port of 0 picks a free one. The log goes to data_dir/etcd.log.
     Raises RuntimeError with the log's tail if etcd exits or does not answer
-    within startup_timeout_s.
+    within startup_timeout_s. tls_dir: serve clients over mutual TLS (see above).
     """
+    tls_path = None if tls_dir is None else pathlib.Path(tls_dir)
     data_path = pathlib.Path(data_dir)
     data_path.mkdir(parents=True, exist_ok=True)
     attempts = _PORT_ATTEMPTS if client_port == 0 or peer_port == 0 else 1
     for attempt in range(attempts):
-        etcd = _spawn(data_path, client_port or free_port(), peer_port or free_port(), name)
+        etcd = _spawn(data_path, client_port or free_port(), peer_port or free_port(), name, tls_path)
         try:
             _wait_healthy(etcd, startup_timeout_s)
             log.info("etcd pid %d serving on %s", etcd.process.pid, etcd.endpoint)
@@ -137,8 +149,9 @@ def start_etcd(
     raise AssertionError("unreachable")
 
 
-def _spawn(data_path: pathlib.Path, client_port: int, peer_port: int, name: str) -> EtcdProcess:
-    client_url = f"http://127.0.0.1:{client_port}"
+def _spawn(data_path: pathlib.Path, client_port: int, peer_port: int, name: str,
+           tls_path: pathlib.Path | None) -> EtcdProcess:
+    client_url = f"{'https' if tls_path else 'http'}://127.0.0.1:{client_port}"
     peer_url = f"http://127.0.0.1:{peer_port}"
     args = [
         etcd_binary(),
@@ -152,6 +165,9 @@ def _spawn(data_path: pathlib.Path, client_port: int, peer_port: int, name: str)
         f"--heartbeat-interval={_HEARTBEAT_MS}",
         f"--election-timeout={_ELECTION_TIMEOUT_MS}",
     ]
+    if tls_path is not None:
+        args += ["--client-cert-auth", f"--trusted-ca-file={tls_path / 'ca.crt'}",
+                 f"--cert-file={tls_path / 'tls.crt'}", f"--key-file={tls_path / 'tls.key'}"]
     log_path = data_path / "etcd.log"
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(
@@ -163,11 +179,22 @@ def _spawn(data_path: pathlib.Path, client_port: int, peer_port: int, name: str)
         data_dir=data_path,
         log_path=log_path,
         process=process,
+        tls_dir=tls_path,
     )
 
 
+def _health_context(tls_path: pathlib.Path | None) -> ssl.SSLContext | None:
+    """/health over TLS presents etcd's own certificate (a client certificate of the CA)."""
+    if tls_path is None:
+        return None
+    context = ssl.create_default_context(cafile=str(tls_path / "ca.crt"))
+    context.load_cert_chain(str(tls_path / "tls.crt"), str(tls_path / "tls.key"))
+    return context
+
+
 def _wait_healthy(etcd: EtcdProcess, timeout_s: float) -> None:
-    url = f"http://{etcd.endpoint}/health"
+    context = _health_context(etcd.tls_dir)
+    url = f"{'https' if context else 'http'}://{etcd.endpoint}/health"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not etcd.is_running():
@@ -175,7 +202,7 @@ def _wait_healthy(etcd: EtcdProcess, timeout_s: float) -> None:
                 f"etcd exited with {etcd.process.returncode}; log tail:\n{_tail(etcd.log_path)}"
             )
         try:
-            with urllib.request.urlopen(url, timeout=1.0) as response:
+            with urllib.request.urlopen(url, timeout=1.0, context=context) as response:
                 if b'"health":"true"' in response.read():
                     return
         except (urllib.error.URLError, OSError):

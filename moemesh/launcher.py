@@ -4,6 +4,11 @@ N expert services and the gateway, each its own process.
 Used by `moemesh up` and by the end-to-end tests, so both start the mesh the
 same way. Every process binds port 0 (or the port asked for) and writes the
 bound port to a file that the launcher waits for.
+
+With `MeshSpec.tls` (`moemesh up --tls`) it first makes a throwaway CA and a
+certificate per role in the work directory (services/certs.py), starts etcd
+with client-certificate authentication and its users and roles
+(services/cluster/etcd_tls.py), and passes every role its `--tls-dir`.
 """
 
 import contextlib
@@ -23,6 +28,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moemesh import etcd
+from services import tls
 from services.process import http_port_file, metrics_port_file, read_port_file
 
 log = logging.getLogger(__name__)
@@ -66,8 +72,13 @@ class MeshSpec:
     # leader probes and a handover never queue behind a model step or a burst of streams.
     # 0: every process at the launcher's priority.
     data_plane_nice: int = DEFAULT_DATA_PLANE_NICE
+    # Mutual TLS between every role and etcd, with a throwaway CA in the work dir.
+    tls: bool = False
 
     def __post_init__(self) -> None:
+        if self.tls and self.etcd:
+            raise ValueError("--tls starts its own etcd (an existing one does not trust the throwaway CA); "
+                             "drop --etcd or --tls")
         if self.num_ranks < 1:
             raise ValueError(f"--ranks must be at least 1, got {self.num_ranks}")
         if self.num_standby < 0:
@@ -125,6 +136,8 @@ class Mesh:
         self.work_dir = pathlib.Path(spec.work_dir or self._tmp.name)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._restarts: dict[str, list[float]] = {}  # role name -> monotonic times of its restarts
+        # name (a role of tls.ROLES, "etcd", "root") -> its certificate directory, with spec.tls
+        self.tls_dirs: dict[str, pathlib.Path] = {}
 
     @property
     def gateway(self) -> Role:
@@ -163,10 +176,25 @@ class Mesh:
         self._write_state()
         return self
 
+    def tls_files(self, role: str) -> tls.TlsFiles | None:
+        """The certificate files of role (None without TLS)."""
+        return tls.TlsFiles.from_dir(self.tls_dirs[role]) if self.tls_dirs else None
+
+    def _start_etcd(self) -> None:
+        if self.spec.tls:
+            from services import certs  # cryptography: only for a TLS mesh
+            from services.cluster import etcd_tls
+
+            self.tls_dirs = certs.make_local_pki(self.work_dir / "tls")
+            self.etcd = etcd.start_etcd(self.work_dir / "etcd", tls_dir=self.tls_dirs["etcd"])
+            etcd_tls.enable_auth(self.etcd.endpoint, self.tls_files(certs.ETCD_ROOT))
+        else:
+            self.etcd = etcd.start_etcd(self.work_dir / "etcd")
+        self.etcd_endpoint = self.etcd.endpoint
+
     def _start_all(self) -> None:
         if not self.etcd_endpoint:
-            self.etcd = etcd.start_etcd(self.work_dir / "etcd")
-            self.etcd_endpoint = self.etcd.endpoint
+            self._start_etcd()
         common = ["--etcd", self.etcd_endpoint]
         for i in range(NUM_SCHEDULERS):
             self._spawn(f"scheduler-{i}", "scheduler_svc.main",
@@ -197,8 +225,9 @@ class Mesh:
         port_file.unlink(missing_ok=True)
         log_path = self.work_dir / f"{name}.log"
         role_key = module.split(".")[0]
+        tls_args = ["--tls-dir", str(self.tls_dirs[role_key.removesuffix("_svc")])] if self.tls_dirs else []
         cmd = [sys.executable, "-m", module, *args, "--port", str(port), "--port-file", str(port_file),
-               "--metrics-port", "0", *self.spec.extra_args.get(role_key, [])]
+               "--metrics-port", "0", *tls_args, *self.spec.extra_args.get(role_key, [])]
         if role_key == "gateway" and self.spec.api_keys:
             cmd += ["--api-keys", str(pathlib.Path(self.spec.api_keys).resolve())]
         if role_key != "scheduler_svc" and self.spec.data_plane_nice and shutil.which("nice"):
@@ -248,7 +277,7 @@ class Mesh:
 
     def _wait_serving(self, address: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(address) as ch:
+        with self.operator_channel(address, "gateway") as ch:
             stub = health_pb2_grpc.HealthStub(ch)
             while time.monotonic() < deadline:
                 self.check_alive()
@@ -258,6 +287,13 @@ class Mesh:
                         return
                 time.sleep(0.1)
         raise TimeoutError(f"gateway at {address} not SERVING after {timeout_s} s; log:\n{tail(self.gateway.log_path)}")
+
+    def operator_channel(self, address: str, peer_role: str) -> grpc.Channel:
+        """A blocking channel to a role, as the operator (with TLS: its certificate)."""
+        files = self.tls_files("operator")
+        if files is None:
+            return grpc.insecure_channel(address)
+        return grpc.secure_channel(address, tls.channel_credentials(files), options=tls.channel_options(peer_role))
 
     def restart_exited(self) -> list[str]:
         """Supervision, as `moemesh up` runs it (Kubernetes restarts pods the same
@@ -295,6 +331,8 @@ class Mesh:
             "schedulers": self.scheduler_addresses,
             "etcd": self.etcd_endpoint,
             "work_dir": str(self.work_dir),
+            # The operator's certificates (`moemesh status`, `generate`); null without TLS.
+            "tls_dir": str(self.tls_dirs["operator"]) if self.tls_dirs else None,
             "pids": {r.name: r.proc.pid for r in self.roles},
             "metrics": {r.name: f"127.0.0.1:{r.metrics_port}" for r in self.roles if r.metrics_port},
         }

@@ -19,7 +19,7 @@ class SchedulerClient:
         if deadline_s <= 0:
             raise ValueError(f"deadline_s must be positive, got {deadline_s}")
         self._deadline_s = deadline_s
-        self._stubs = grpc_util.LastAddressStub(scheduler_pb2_grpc.SchedulerServiceStub)
+        self._stubs = grpc_util.LastAddressStub(scheduler_pb2_grpc.SchedulerServiceStub, "scheduler")
 
     async def propose(self, address: str, proposal: Proposal) -> Committed:
         """ProposePlacement to the leader at address; ProposalError if it did not commit."""

@@ -35,12 +35,13 @@ _ANSWERS = {
 class HealthCheck:
     """Checks that the process at an address serves; one channel at a time."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, peer_role: str = "scheduler"):
         if timeout_s <= 0:
             raise ValueError(f"the leader probe's timeout must be > 0, got {timeout_s}")
         self._timeout_s = timeout_s
         self._stubs = grpc_util.LastAddressStub(
-            health_pb2_grpc.HealthStub, lambda address: grpc.aio.insecure_channel(address, options=_OPTIONS))
+            health_pb2_grpc.HealthStub, peer_role,
+            lambda address, role: grpc_util.channel(address, role, is_traced=False, options=_OPTIONS))
 
     async def __call__(self, address: str) -> "bool | object":
         """The leader probe's answer (health.leader_answer)."""

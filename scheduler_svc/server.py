@@ -97,7 +97,7 @@ async def with_gateway_probe(client: ClusterClient, config: SchedulerConfig, lea
     probing = None
     if config.gateway_probe_interval_s:
         probe = GatewayProbe(config.gateway_probe_interval_s, config.leader_probe_timeout_s, config.leader_probe_misses)
-        probing = asyncio.create_task(probe_gateways(client, probe, HealthCheck), name="gateway-probe")
+        probing = asyncio.create_task(probe_gateways(client, probe, lambda timeout_s: HealthCheck(timeout_s, "gateway")), name="gateway-probe")
     try:
         await lead
     finally:

@@ -17,7 +17,7 @@ import sys
 import typing
 from collections.abc import Sequence
 
-from services import gc_pauses, logging_json, telemetry
+from services import gc_pauses, logging_json, telemetry, tls
 from services.settings import MemberConfig, parse_config
 
 T = typing.TypeVar("T")
@@ -62,6 +62,7 @@ def run_role(role: str, cls: type[T], serve, argv: Sequence[str] | None = None, 
     SIGTERM or SIGINT; the spans still buffered are exported at the end."""
     config = parse_config(cls, argv, prog=prog)
     configure_telemetry(role, config)
+    configure_tls(role, config)
 
     async def main() -> None:
         await serve(config, stop_on_signals())
@@ -84,6 +85,17 @@ def configure_telemetry(role: str, config: MemberConfig) -> None:
     configure_logging(role, config)
     telemetry.configure_tracing(role)
     gc_pauses.observe()
+
+
+def configure_tls(role: str, config: MemberConfig) -> None:
+    """Mutual TLS as role for every server and channel of the process, when
+    config.tls_dir is set (services/tls.py); exits with status 2 naming a
+    missing file."""
+    try:
+        tls.configure(tls.MeshTls(tls.TlsFiles.from_dir(config.tls_dir), role) if config.tls_dir else None)
+    except ValueError as error:
+        print(f"--tls-dir: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def stop_on_signals() -> asyncio.Event:

@@ -204,6 +204,11 @@ class MemberConfig:
     # Python's (700). Larger: fewer collections (and fewer full ones), each of
     # more objects, most of which reference counting has freed by then.
     gc_young_threshold: int = gc_pauses.DEFAULT_YOUNG_THRESHOLD
+    # Directory with ca.crt, tls.crt and tls.key (a Kubernetes TLS Secret): turns
+    # on mutual TLS for every gRPC server and channel of the process and for
+    # etcd (services/tls.py, docs/security.md); empty: plaintext. Its files are
+    # read at start-up (a missing one stops the process), not when parsing.
+    tls_dir: str = ""
 
     def __post_init__(self) -> None:
         if not self.member_id or "/" in self.member_id or self.member_id.strip() != self.member_id:

@@ -30,6 +30,7 @@ from aetcd import rpc as etcd_rpc
 from aetcd import utils as etcd_utils
 
 from services import metrics
+from services.cluster import etcd_tls
 from services.cluster.records import ClusterSnapshot, Keys
 
 log = logging.getLogger(__name__)
@@ -123,8 +124,7 @@ class EtcdConnection:
             raise ValueError(f"etcd endpoint must be host:port, got {endpoint!r}")
         self.endpoint = endpoint
         self.keys = Keys(prefix)
-        self._etcd = aetcd.Client(host=host, port=int(port), timeout=call_timeout_s,
-                                  options=_CHANNEL_OPTIONS)
+        self._etcd = etcd_tls.make_client(host, int(port), timeout=call_timeout_s, options=_CHANNEL_OPTIONS)
         self._call_timeout_s = call_timeout_s
         self._retry_s = retry_s
         self._abandoned: set[asyncio.Task] = set()  # calls past their deadline, cancelled

@@ -24,6 +24,7 @@ DEPLOYMENT_FIELDS = {
     "rendezvous_port": "fixed, a declared container port",
     "model": "a path on the models volume",
     "group_size": "the expert replicas",
+    "tls_dir": "the mounted TLS Secret: mutual TLS where the mesh is deployed (docs/security.md)",
 }
 _ROW = re.compile(r"^\| `(MOEMESH_[A-Z0-9_]+)` \| `(--[a-z0-9-]+)` \| ([^|]+) \|")
 

@@ -53,3 +53,29 @@ def test_the_api_key_comes_from_the_argument_else_the_environment(monkeypatch):
     assert auth_metadata("given") == (("authorization", "Bearer given"),)
     monkeypatch.delenv("MOEMESH_API_KEY")
     assert auth_metadata(None) == ()
+
+
+def test_up_tls_flag_and_the_operator_certificates(tmp_path):
+    """`up --tls` asks for a TLS mesh; `generate`/`status` use --tls-dir, else the
+    operator's files of the mesh `up --tls` started, for its own addresses only."""
+    from services import certs, tls
+
+    assert cli.build_parser().parse_args(["up", "--tls"]).tls is True
+    assert cli.build_parser().parse_args(["up"]).tls is False
+    ca = certs.make_ca()
+    certs.write_member(tmp_path / "operator", ca.cert, certs.issue_role(ca, "operator"))
+    state = {"gateway": "127.0.0.1:5001", "schedulers": ["127.0.0.1:5002"], "tls_dir": str(tmp_path / "operator")}
+
+    def channel_args(*argv, role="gateway", state=state):
+        command = "status" if role == "scheduler" else "generate"
+        args = cli.build_parser().parse_args([command, *(["x"] if command == "generate" else []), *argv])
+        return cli.tls_channel_args(args, role, state)
+
+    credentials, options = channel_args()
+    assert credentials is not None and options == tls.channel_options("gateway")
+    assert channel_args("--target", "127.0.0.1:5002", role="scheduler")[1] == tls.channel_options("scheduler")
+    assert channel_args("--target", "10.0.0.9:50051") == (None, ())  # another mesh: plaintext unless told
+    assert channel_args("--target", "10.0.0.9:50051", "--tls-dir", str(tmp_path / "operator"))[0] is not None
+    assert channel_args(state={}) == (None, ())  # a plaintext local mesh
+    with pytest.raises(ValueError, match="has no ca.crt"):
+        channel_args("--tls-dir", str(tmp_path))
