@@ -26,6 +26,7 @@ Errors are AuthError with an AuthCode; each transport maps the code to its own s
 """
 
 import collections
+import contextvars
 import dataclasses
 import enum
 import hashlib
@@ -78,6 +79,12 @@ def bearer_token(value: str | None) -> str | None:
         return None
     scheme, _, token = value.strip().partition(" ")
     return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+# The name of the key the current call authenticated with (None: no key file, or not a call of
+# the API). Set by the gRPC interceptor around the handler; a request records it as its owner,
+# so that Abort ends only the caller's own requests (gateway/live_requests.py).
+caller_key_name: contextvars.ContextVar[str | None] = contextvars.ContextVar("caller_key_name", default=None)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import grpc
 
-from gateway.auth import AuthCode, AuthError, KeyStore, bearer_token
+from gateway.auth import AuthCode, AuthError, KeyStore, bearer_token, caller_key_name
 from moe.gateway.v1 import gateway_pb2
 from services.grpc_limits import handler_kind
 
@@ -79,9 +79,11 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
         async def call(request, context):
             try:
-                store.take_request(store.authenticate(_token(context)))
+                key = store.authenticate(_token(context))
+                store.take_request(key)
             except AuthError as error:
                 await _refuse(context, error, method)
+            caller_key_name.set(key.name)
             return await behavior(request, context)
 
         return call
@@ -95,6 +97,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         async def admit(request, context) -> Callable[[], None]:
             try:
                 key = store.authenticate(_token(context))
+                caller_key_name.set(key.name)
                 if is_generate:
                     return store.admit_generate(key, priority_name(request))
                 store.take_request(key)

@@ -73,14 +73,16 @@ class Frontend:
         return await asyncio.to_thread(validate_request, *args)
 
     async def generate(self, validated: ValidatedRequest, *, deadline: float | None = None,
-                       end_call: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[RequestOutput]:
+                       end_call: Callable[[], Awaitable[None]] | None = None,
+                       owner: str | None = None) -> AsyncIterator[RequestOutput]:
         """Submit `validated` and yield its outputs until the last of each sample
         (interleaved, each with its index); raises GenerationError.
 
         `deadline` (time.monotonic()) ends the request with DEADLINE_EXCEEDED in
         the batcher, which frees its blocks even if the transport's cancellation
         never reaches the gateway. `end_call`: how the transport ends a call whose client
-        stopped reading (gateway/slow_readers.py).
+        stopped reading (gateway/slow_readers.py). `owner`: the name of the caller's API key
+        (None without keys): only the same owner's Abort ends the request.
         """
         engine = self._get_engine()
         if engine is None:
@@ -95,7 +97,7 @@ class Frontend:
         try:
             for request in sample_requests(validated):
                 handles.append(engine.submit(request, deadline=deadline, leader=handles[0] if handles else None))
-                self.live_requests.add(validated.request_id, engine, handles[-1])
+                self.live_requests.add(validated.request_id, engine, handles[-1], owner)
                 log.debug("request %s: %d prompt tokens, seq %d", validated.request_id,
                           len(validated.prompt_ids), handles[-1].seq.seq_id)
             if len(handles) > 1:
@@ -118,11 +120,12 @@ class Frontend:
                 # A no-op once the request finished; otherwise the stream was left early.
                 engine.abort(handle)
 
-    def abort(self, request_id: str) -> int:
-        """End every live request with `request_id` (FINISH_REASON_ABORT); how many there were."""
+    def abort(self, request_id: str, owner: str | None = None) -> int:
+        """End every live request with `request_id` that `owner` (an API key's name, None
+        without keys) sent (FINISH_REASON_ABORT); how many there were."""
         if not request_id:
             raise RequestError("request_id", "request_id must not be empty")
-        return self.live_requests.abort(request_id)
+        return self.live_requests.abort(request_id, owner)
 
     @property
     def num_ranks(self) -> int:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import grpc
 
+from gateway.auth import caller_key_name
 from gateway.engine import Engine
 from gateway.frontend import Frontend
 from gateway.model_info import ModelInfo
@@ -109,7 +110,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
 
         await context.send_initial_metadata(())
         try:
-            async for output in self.frontend.generate(validated, deadline=deadline, end_call=end_call):
+            async for output in self.frontend.generate(validated, deadline=deadline, end_call=end_call,
+                                                       owner=caller_key_name.get()):
                 yield output_to_proto(output)
         except GenerationError as error:
             await context.abort(_STATUS[error.code], error.message)
@@ -117,7 +119,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
     async def Abort(self, request: gateway_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> gateway_pb2.AbortResponse:
         try:
-            num_aborted = self.frontend.abort(request.request_id)
+            num_aborted = self.frontend.abort(request.request_id, caller_key_name.get())
         except RequestError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error.message)
         if not num_aborted:

@@ -174,21 +174,21 @@ class OpenAIEndpoint:
         deadline = _deadline(request)
         release = admit_stream(self.keys, key, priority_name(api.request))
         try:
-            return await self._respond(request, api, response_id, deadline, release)
+            return await self._respond(request, api, response_id, deadline, release, key.name if key else None)
         except BaseException:
             release()
             raise
 
     async def _respond(self, request: Request, api: ApiRequest, response_id: str, deadline: float | None,
-                       release: Callable[[], None]) -> Response:
+                       release: Callable[[], None], owner: str | None) -> Response:
         call = HttpCall(request, api)
         state = ResponseState(api, response_id, self.model_name, self.token_bytes)
         if not api.stream:
-            result = await _until_disconnect(request, self._collect(call, api, state, deadline))
+            result = await _until_disconnect(request, self._collect(call, api, state, deadline, owner))
             release()
             return Response(status_code=499) if result is None else JSONResponse(result)
         try:
-            started = await _until_disconnect(request, self._start(api, deadline))
+            started = await _until_disconnect(request, self._start(api, deadline, owner))
         except GenerationError as error:
             call.finish(error)
             raise generation_error(error) from error
@@ -201,14 +201,15 @@ class OpenAIEndpoint:
         outputs, first = started
         return StreamingResponse(self._events(call, state, first, outputs, release), media_type="text/event-stream")
 
-    async def _start(self, api: ApiRequest,
-                     deadline: float | None) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
-        """Validates and submits: (the outputs' iterator, its first output); raises ApiError, GenerationError."""
+    async def _start(self, api: ApiRequest, deadline: float | None,
+                     owner: str | None) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
+        """Validates and submits as owner (the API key's name, None without keys): (the outputs'
+        iterator, its first output); raises ApiError, GenerationError."""
         try:
             validated = await self.frontend.validate(api.request)
         except RequestError as error:
             raise openai_api.request_error(error.field, error.message, api) from error
-        outputs = self.frontend.generate(validated, deadline=deadline)
+        outputs = self.frontend.generate(validated, deadline=deadline, owner=owner)
         try:
             return outputs, await anext(outputs)
         except BaseException:
@@ -216,11 +217,11 @@ class OpenAIEndpoint:
             raise
 
     async def _collect(self, call: HttpCall, api: ApiRequest, state: ResponseState,
-                       deadline: float | None) -> dict:
+                       deadline: float | None, owner: str | None) -> dict:
         """The whole response of a non-streaming request; raises ApiError."""
         error = outputs = None
         try:
-            outputs, output = await self._start(api, deadline)
+            outputs, output = await self._start(api, deadline, owner)
             while output is not None:
                 call.observation.on_output(output)
                 state.add(output)

@@ -179,6 +179,23 @@ def test_over_the_stream_limit_is_resource_exhausted_while_the_first_stream_runs
         time.sleep(0.2)
 
 
+def test_abort_ends_only_the_callers_own_requests(secure_mesh, stub, keys):
+    """Another key's Abort of a live request id is NOT_FOUND and the stream runs on; the owner's ends it."""
+    long = stub.Generate(request("owned", n=2000), metadata=auth(keys["good"]), timeout=120)
+    try:
+        next(long)  # live
+        with pytest.raises(grpc.RpcError) as foreign:
+            stub.Abort(gateway_pb2.AbortRequest(request_id="owned"), metadata=auth(keys["other"]), timeout=30)
+        assert foreign.value.code() == grpc.StatusCode.NOT_FOUND
+        next(long)  # still streaming
+        answer = stub.Abort(gateway_pb2.AbortRequest(request_id="owned"), metadata=auth(keys["good"]), timeout=30)
+        assert answer.num_aborted == 1
+        last = list(long)[-1]
+        assert last.finish_reason == gateway_pb2.FINISH_REASON_ABORT
+    finally:
+        long.cancel()
+
+
 def test_a_key_removed_from_the_file_is_refused_while_other_keys_keep_working(secure_mesh, stub, keys):
     mesh, key_file = secure_mesh
     assert_serves(stub, keys["revoked"])

@@ -105,3 +105,15 @@ def test_the_abort_call_ends_the_stream_with_abort_and_refuses_unknown_and_empty
     assert "request_id" in errors["empty"].details()
     assert_pool_clean(engine, ranks)
 
+
+
+def test_with_owners_abort_ends_only_the_owners_requests():
+    engine, _ = make_engine()
+    live = LiveRequests()
+    mine, theirs = (engine.submit(make_request(2, request_id="same")) for _ in range(2))
+    live.add("same", engine, mine, "alice")
+    live.add("same", engine, theirs, "bob")
+    assert live.abort("same", "mallory") == 0 and live.abort("same") == 0  # no key: not an owner
+    assert not mine.seq.is_aborted and not theirs.seq.is_aborted
+    assert live.abort("same", "alice") == 1
+    assert mine.seq.is_aborted and not theirs.seq.is_aborted

@@ -88,6 +88,8 @@ class GenerationServiceServicer:
         not require them to be unique, so when several live requests share an
         id, all of them are aborted. NOT_FOUND when no live request has the id
         (never seen, or already finished); INVALID_ARGUMENT for an empty id.
+        With API keys, only the requests the calling key sent are aborted; another
+        key's requests with the id count as not found.
         A client that cancels its Generate call gets the same clean-up.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
