@@ -1,0 +1,46 @@
+"""--num-spare-expert-slots: explicit counts, and `auto` sized from the KV budget and capped by the policy."""
+
+import pytest
+
+from expert_svc.config import ExpertConfig
+from expert_svc.spare_slots import KV_SHARE, auto_spare_slots, parse_setting, slots_cap
+
+MIB = 2**20
+
+
+def test_settings_parse_auto_or_a_count_and_quote_a_bad_value():
+    assert parse_setting("auto") is None and parse_setting("AUTO") is None
+    assert parse_setting("0") == 0 and parse_setting("3") == 3
+    for bad in ("-1", "two", ""):
+        with pytest.raises(ValueError, match=f"got {bad!r}"):
+            parse_setting(bad)
+
+
+def test_expert_config_defaults_to_auto_and_keeps_explicit_counts():
+    assert ExpertConfig(member_id="e", model="m").fixed_spare_slots is None
+    assert ExpertConfig(member_id="e", model="m", num_spare_expert_slots="2").fixed_spare_slots == 2
+    with pytest.raises(ValueError, match="num_spare_expert_slots"):
+        ExpertConfig(member_id="e", model="m", num_spare_expert_slots="-1")
+
+
+def test_one_rank_gets_none_whatever_the_memory():
+    chosen = auto_spare_slots(num_experts=128, num_ranks=1, kv_budget_bytes=10**12, slot_bytes=MIB)
+    assert chosen.num_slots == 0 and "one rank" in chosen.reason
+
+
+@pytest.mark.parametrize("num_experts, num_ranks, cap", [(8, 2, 4), (128, 2, 5), (128, 4, 5), (128, 8, 3)])
+def test_the_cap_covers_the_default_policy(num_experts, num_ranks, cap):
+    # 9 experts above 10%, each at most 3 copies (one a rank), spread over the ranks;
+    # never more than the experts the rank does not hold.
+    assert slots_cap(num_experts, num_ranks) == cap
+
+
+def test_auto_takes_at_most_its_share_of_the_kv_budget():
+    # Qwen3-30B-A3B in bf16: 48 layers x 3 x 2048 x 768 x 2 bytes a slot.
+    slot = 48 * 3 * 2048 * 768 * 2
+    roomy = auto_spare_slots(num_experts=128, num_ranks=2, kv_budget_bytes=80 * 2**30, slot_bytes=slot)
+    assert roomy.num_slots == slots_cap(128, 2)
+    tight = auto_spare_slots(num_experts=128, num_ranks=2, kv_budget_bytes=10 * 2**30, slot_bytes=slot)
+    assert tight.num_slots == int(10 * 2**30 * KV_SHARE) // slot == 2
+    assert tight.num_slots * slot <= KV_SHARE * 10 * 2**30
+    assert auto_spare_slots(num_experts=128, num_ranks=2, kv_budget_bytes=0, slot_bytes=slot).num_slots == 0
