@@ -44,7 +44,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         spec = launcher.MeshSpec(model_dir=model_dir, num_ranks=args.ranks, device=args.device,
                                  gateway_port=args.port, http_port=args.http_port, etcd=args.etcd or "",
                                  work_dir=args.work_dir or "",
-                                 data_plane_nice=args.data_plane_nice)
+                                 data_plane_nice=args.data_plane_nice,
+                                 num_spare_expert_slots=args.num_spare_expert_slots)
     except ValueError as err:
         print(f"moemesh up: {err}", file=sys.stderr)
         return 2
@@ -197,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--data-plane-nice", type=int, default=launcher.DEFAULT_DATA_PLANE_NICE,
                     help="niceness of the router, expert services and gateways, so that etcd and the "
                          "schedulers get the CPU first on a shared host (0 = none)")
+    up.add_argument("--num-spare-expert-slots", default="auto", metavar="auto|N",
+                    help="spare expert slots per MoE layer for replicas of hot experts: auto sizes them from "
+                         "memory (none with one rank), N reserves N, 0 turns replicas off (default: auto)")
     up.set_defaults(fn=cmd_up)
 
     gen = sub.add_parser("generate", help="stream a completion from the gateway")

@@ -2,8 +2,12 @@
 
 import pytest
 
+import math
+
 from expert_svc.config import ExpertConfig
-from expert_svc.spare_slots import KV_SHARE, auto_spare_slots, parse_setting, slots_cap
+from expert_svc.spare_slots import HOT_EXPERTS, KV_SHARE, MAX_COPIES, auto_spare_slots, parse_setting, slots_cap
+from moemesh import cli, launcher
+from router_svc.config import RouterConfig
 
 MIB = 2**20
 
@@ -44,3 +48,19 @@ def test_auto_takes_at_most_its_share_of_the_kv_budget():
     assert tight.num_slots == int(10 * 2**30 * KV_SHARE) // slot == 2
     assert tight.num_slots * slot <= KV_SHARE * 10 * 2**30
     assert auto_spare_slots(num_experts=128, num_ranks=2, kv_budget_bytes=0, slot_bytes=slot).num_slots == 0
+
+
+def test_the_router_defaults_are_the_documented_thresholds_and_the_cap_follows_them():
+    cfg = RouterConfig(member_id="r")
+    assert (cfg.scale_up_hit_rate, cfg.scale_up_window_s, cfg.max_replicas) == (0.10, 300.0, 3)
+    assert (cfg.scale_down_hit_rate, cfg.scale_down_window_s) == (0.03, 600.0)
+    assert HOT_EXPERTS == math.ceil(1 / cfg.scale_up_hit_rate) - 1 and MAX_COPIES == cfg.max_replicas
+
+
+def test_moemesh_up_passes_auto_unless_told_otherwise(tiny_model_dir):
+    args = cli.build_parser().parse_args(["up"])
+    assert args.num_spare_expert_slots == "auto"
+    assert cli.build_parser().parse_args(["up", "--num-spare-expert-slots", "0"]).num_spare_expert_slots == "0"
+    assert launcher.MeshSpec(model_dir=str(tiny_model_dir)).num_spare_expert_slots == "auto"
+    with pytest.raises(ValueError, match="num-spare-expert-slots"):
+        launcher.MeshSpec(model_dir=str(tiny_model_dir), num_spare_expert_slots="lots")
