@@ -64,3 +64,28 @@ def test_moemesh_up_passes_auto_unless_told_otherwise(tiny_model_dir):
     assert launcher.MeshSpec(model_dir=str(tiny_model_dir)).num_spare_expert_slots == "auto"
     with pytest.raises(ValueError, match="num-spare-expert-slots"):
         launcher.MeshSpec(model_dir=str(tiny_model_dir), num_spare_expert_slots="lots")
+
+
+class _Comm:
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+
+@pytest.mark.parametrize("kv_memory_bytes, world_size, expected", [
+    (256 * MIB, 2, 4),  # the CPU default: the cap (the 4 experts rank 0 does not hold)
+    (20 * 3 * (3 * 64 * 32 * 4), 2, 2),  # 10% of it holds two tiny slots (3 MoE layers of 3 x 64 x 32 fp32)
+    (256 * MIB, 1, 0),
+])
+def test_the_builder_sizes_auto_from_the_cpu_kv_memory(kv_memory_bytes, world_size, expected, caplog):
+    from expert_svc.model_builder import ModelBuilder
+    from services.model.random_weights import RandomWeights
+
+    builder = ModelBuilder(ExpertConfig(member_id="e", random_weights="tiny", kv_memory_bytes=kv_memory_bytes))
+    experts = range(8 // world_size)
+    weights = RandomWeights(builder.model_config, experts, 0, dtype=builder.dtype)
+    assert builder.slot_bytes(weights, experts) == 3 * 3 * 64 * 32 * 4
+    with caplog.at_level("INFO", logger="expert_svc"):
+        assert builder.spare_slots(weights, experts, _Comm(world_size)) == expected
+    assert f"--num-spare-expert-slots auto: {expected} spare slots" in caplog.text
+    explicit = ModelBuilder(ExpertConfig(member_id="e", random_weights="tiny", num_spare_expert_slots="1"))
+    assert explicit.spare_slots(weights, experts, _Comm(world_size)) == 1
