@@ -8,6 +8,7 @@ key_prefix, log_level) come from `MemberConfig`.
 
 import dataclasses
 
+from expert_svc.spare_slots import parse_setting
 from services.settings import MemberConfig
 
 _DTYPES = ("float32", "bfloat16")
@@ -115,9 +116,12 @@ class ExpertConfig(MemberConfig):
     # interpreter, not yet on two GPUs. Must be the same on every rank of a group.
     ep_exchange_signals: bool = False
     # Spare expert slots per MoE layer that can hold replicas of hot experts
-    # (placed by the router's scaling policy); 0 disables replicas. Must be
-    # the same on every rank of a group.
-    num_spare_expert_slots: int = 0
+    # (placed by the router's scaling policy): a count (0 disables replicas) or
+    # "auto": sized from the KV budget once the weights are in (at most 10% of
+    # it, at most what the default policy can fill; 0 on a group of one rank;
+    # expert_svc/spare_slots.py), the minimum over the ranks on CUDA, logged.
+    # Must be the same on every rank of a group.
+    num_spare_expert_slots: str = "auto"
     # Launch the next step on the device before the last one's sampled tokens
     # are read, when its plan has already arrived (expert_svc/executor.py):
     # the GPU runs step k+1 while the host answers step k. Off: each step
@@ -159,11 +163,11 @@ class ExpertConfig(MemberConfig):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("kv_blocks", "num_threads", "stats_every_steps", "max_fixed_capacity_tokens",
-                     "num_spare_expert_slots",
                      "cuda_graph_max_batch", "cuda_graph_max_context",
                      "random_weights_seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        parse_setting(self.num_spare_expert_slots)
         if self.cuda_graph_buckets.strip():
             _parse_buckets(self.cuda_graph_buckets)
         if not 0.0 < self.kv_memory_fraction <= 1.0:
@@ -184,6 +188,11 @@ class ExpertConfig(MemberConfig):
         if self.cuda_graph_buckets.strip():
             return tuple(b for b in _parse_buckets(self.cuda_graph_buckets) if b <= limit)
         return tuple(1 << i for i in range(limit.bit_length()) if 1 << i < limit) + ((limit,) if limit else ())
+
+    @property
+    def fixed_spare_slots(self) -> int | None:
+        """The explicit --num-spare-expert-slots count; None for auto (sized at build)."""
+        return parse_setting(self.num_spare_expert_slots)
 
     @property
     def dtype_name(self) -> str:

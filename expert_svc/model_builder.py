@@ -21,6 +21,7 @@ from expert_svc.constrained import ConstraintMasks
 from expert_svc.graph_runner import make_graph_runner
 from expert_svc.observability import MeteredExpertComm
 from expert_svc.runner import StepRunner
+from expert_svc.spare_slots import auto_spare_slots
 from services import metrics
 from services.cluster import GroupAssignment
 from services.constraints import Compiler
@@ -28,7 +29,7 @@ from services.kv_pool import KVPool, kv_cache_dtype
 from services.model.checkpoint import load_weights
 from services.model.config import DTYPES
 from services.model.qwen3_moe import Qwen3MoeModel
-from services.model.random_weights import RandomWeights, preset_quant, serving_model_config
+from services.model.random_weights import RandomWeights, serving_model_config
 from services.tokenizer import Tokenizer
 
 log = logging.getLogger("expert_svc")
@@ -47,8 +48,8 @@ class ModelBuilder:
         the group's process group), then the model and the KV pool."""
         cfg, mc = self.config, self.model_config
         if cfg.random_weights:  # benchmarks: drawn on the device as the model reads them
-            weights = RandomWeights(mc, expert_ids, cfg.random_weights_seed, dtype=self.dtype, device=cfg.device,
-                                    quant=preset_quant(cfg.random_weights))
+            weights = RandomWeights.for_preset(cfg.random_weights, mc, expert_ids, cfg.random_weights_seed,
+                                               dtype=self.dtype, device=cfg.device)
         else:
             weights = load_weights(cfg.model, mc, expert_ids, dtype=self.dtype, device=cfg.device)
         comm = MeteredExpertComm(connect(), is_timed=not cfg.is_cuda or cfg.debug_collective_timing,
@@ -56,7 +57,7 @@ class ModelBuilder:
         model = Qwen3MoeModel(mc, weights, expert_ids=expert_ids, comm=comm,
                               dtype=self.dtype, device=cfg.device, attention=cfg.attention_backend,
                               max_fixed_capacity_tokens=cfg.max_fixed_capacity_tokens,
-                              num_spare_expert_slots=cfg.num_spare_expert_slots,
+                              num_spare_expert_slots=self.spare_slots(weights, expert_ids, comm),
                               quantized_kernel=cfg.quantized_kernel)
         del weights
         if cfg.is_cuda and cfg.ep_exchange != "nccl" and comm.world_size > 1:
@@ -104,6 +105,42 @@ class ModelBuilder:
             raise RuntimeError(f"--ep-exchange symmetric: symmetric memory could not be set up ({reason})")
         log.warning("expert exchange: NCCL (symmetric memory could not be set up %s)", reason)
         return None
+
+    def spare_slots(self, weights, expert_ids: range, comm) -> int:
+        """The spare expert slots per MoE layer: the explicit count, or `auto` sized from the
+        KV budget the weights leave (expert_svc/spare_slots.py); on CUDA the minimum over the
+        group's ranks (a collective: every rank builds at once there), logged either way."""
+        cfg, mc = self.config, self.model_config
+        if cfg.fixed_spare_slots is not None:
+            return cfg.fixed_spare_slots
+        if cfg.is_cuda:  # weights still to be drawn (random ones are drawn as the model reads them)
+            pending = weights.num_bytes() if isinstance(weights, RandomWeights) else 0
+            free_bytes, _ = torch.cuda.mem_get_info(torch.device(cfg.device))
+            budget = int(max(0, free_bytes - pending) * cfg.kv_memory_fraction)
+        else:
+            budget = cfg.kv_memory_bytes
+        chosen = auto_spare_slots(num_experts=mc.num_experts, num_ranks=comm.world_size, kv_budget_bytes=budget,
+                                  slot_bytes=self.slot_bytes(weights, expert_ids))
+        num_slots = chosen.num_slots
+        if cfg.is_cuda and comm.world_size > 1:
+            num_slots = -comm.max_over_ranks(-num_slots, torch.device(cfg.device))
+        agreed = "" if num_slots == chosen.num_slots else f"; {num_slots}, the least of the group's ranks"
+        log.info("--num-spare-expert-slots auto: %d spare slots per MoE layer: %s%s", num_slots, chosen.reason,
+                 agreed)
+        return num_slots
+
+    def slot_bytes(self, weights, expert_ids: range) -> int:
+        """What one spare slot takes: one expert's projections in every MoE layer, as served
+        (the compute dtype, or a quantized checkpoint's stored layout)."""
+        mc = self.model_config
+        prefix = f"model.layers.{mc.moe_layers[0]}.mlp.experts.{expert_ids.start}."
+        item = torch.empty((), dtype=self.dtype).element_size()
+        total = 0
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            w = weights[prefix + proj + ".weight"]
+            total += (w.numel() * item if isinstance(w, torch.Tensor)
+                      else sum(t.numel() * t.element_size() for t in w.tensors.values()))
+        return total * len(mc.moe_layers)
 
     def kv_memory_bytes(self) -> int:
         """Bytes for the KV pool: kv_memory_bytes on the CPU, a fraction of the free memory on CUDA."""

@@ -25,7 +25,7 @@ from torch import Tensor
 from services.cluster import ClusterUnavailableError
 from services.model.checkpoint import CheckpointError, load_weights
 from services.model.expert_map import apply_placement, replica_tensor_names
-from services.model.random_weights import RandomWeights, preset_quant
+from services.model.random_weights import RandomWeights
 from services.placement import Placement
 from services.placement_store import PlacementStore
 
@@ -110,8 +110,8 @@ def expert_loader(config, model_config, dtype) -> LoadExperts:
     depend only on the seed and its name). Quantized experts come in their stored layouts
     (their scales included), which installing copies as they are."""
     if config.random_weights:
-        return lambda ids: RandomWeights(model_config, ids, config.random_weights_seed, dtype=dtype,
-                                         device=config.device, quant=preset_quant(config.random_weights))
+        return lambda ids: RandomWeights.for_preset(config.random_weights, model_config, ids,
+                                                    config.random_weights_seed, dtype=dtype, device=config.device)
     return lambda ids: load_weights(config.model, model_config, ids, dtype=dtype, device="cpu")
 
 

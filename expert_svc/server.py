@@ -152,7 +152,7 @@ class ExpertRank:
         rendezvous_port = cfg.rendezvous_port or _free_port(cfg.host)
         await self._cluster.register("expert", cfg.member_id, cfg.address(self._server.port),
                                      {"rendezvous_port": rendezvous_port, "device": cfg.device,
-                                      "num_spare_expert_slots": cfg.num_spare_expert_slots},
+                                      "num_spare_expert_slots": cfg.fixed_spare_slots or 0},
                                      ttl=cfg.lease_ttl_s)
         self._address = cfg.address(self._server.port)
         self._watch_task = asyncio.create_task(self._follow_assignment(), name="follow-assignment")
@@ -216,7 +216,9 @@ class ExpertRank:
                                        router=router, loop=asyncio.get_running_loop())
         s.num_kv_blocks, s.kv_block_size = kv_pool.num_blocks, cfg.kv_block_size
         self._runner = runner
-        if cfg.num_spare_expert_slots:  # expert replicas: stage and install placements
+        if cfg.fixed_spare_slots is None:  # auto: the router scales by what the build chose
+            await self._cluster.update_info({"num_spare_expert_slots": model.num_spare_expert_slots})
+        if model.num_spare_expert_slots:  # expert replicas: stage and install placements
             self._placement_task = placement.start_following(
                 model, runner, self._cluster, group_id=group.group_id, rank=rank, member_id=member_id,
                 load_experts=self._builder.expert_loader())

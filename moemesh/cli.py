@@ -44,7 +44,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         spec = launcher.MeshSpec(model_dir=model_dir, num_ranks=args.ranks, device=args.device,
                                  gateway_port=args.port, http_port=args.http_port, etcd=args.etcd or "",
                                  work_dir=args.work_dir or "", api_keys=args.api_keys or "",
-                                 data_plane_nice=args.data_plane_nice, tls=args.tls)
+                                 data_plane_nice=args.data_plane_nice, tls=args.tls,
+                                 num_spare_expert_slots=args.num_spare_expert_slots)
     except ValueError as err:
         print(f"moemesh up: {err}", file=sys.stderr)
         return 2
@@ -230,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--tls", action="store_true",
                     help="mutual TLS between every role and etcd, with a throwaway CA and certificates in the "
                          "work dir; `generate` and `status` use them (docs/security.md)")
+    up.add_argument("--num-spare-expert-slots", default="auto", metavar="auto|N",
+                    help="spare expert slots per MoE layer for replicas of hot experts: auto sizes them from "
+                         "memory (none with one rank), N reserves N, 0 turns replicas off (default: auto)")
     up.set_defaults(fn=cmd_up)
 
     gen = sub.add_parser("generate", help="stream a completion from the gateway")

@@ -74,6 +74,9 @@ class MeshSpec:
     data_plane_nice: int = DEFAULT_DATA_PLANE_NICE
     # Mutual TLS between every role and etcd, with a throwaway CA in the work dir.
     tls: bool = False
+    # The expert services' --num-spare-expert-slots: "auto" sizes the slots for expert replicas
+    # from memory (0 on one rank; expert_svc/spare_slots.py), or a count. extra_args may override it.
+    num_spare_expert_slots: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tls and self.etcd:
@@ -89,6 +92,9 @@ class MeshSpec:
             raise ValueError(f"--http-port must be in -1..65535 (-1: off), got {self.http_port}")
         if not 0 <= self.data_plane_nice <= 19:
             raise ValueError(f"data_plane_nice must be within 0..19, got {self.data_plane_nice}")
+        if self.num_spare_expert_slots != "auto" and not self.num_spare_expert_slots.isdigit():
+            raise ValueError(f"--num-spare-expert-slots must be 'auto' or a count >= 0, "
+                             f"got {self.num_spare_expert_slots!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if not (pathlib.Path(self.model_dir) / "config.json").is_file():
@@ -203,7 +209,8 @@ class Mesh:
         for r in range(self.spec.num_ranks + self.spec.num_standby):
             self._spawn(f"expert-{r}", "expert_svc.main",
                         [*common, "--member-id", f"expert-{r}", "--model", self.spec.model_dir,
-                         "--device", rank_device(self.spec.device, r)])
+                         "--device", rank_device(self.spec.device, r),
+                         "--num-spare-expert-slots", self.spec.num_spare_expert_slots])
         self._spawn("gateway", "gateway.main",
                     [*common, "--member-id", "gateway-0", "--model", self.spec.model_dir,
                      "--http-port", str(self.spec.http_port)],

@@ -87,6 +87,17 @@ class MemberSession(EtcdConnection):
         await self._new_session()
         self._keepalive_task = asyncio.create_task(self._keepalive(), name=f"keepalive-{member_id}")
 
+    async def update_info(self, info: dict) -> None:
+        """Merges `info` into the registered member's info and writes the member key again under
+        the current lease (a re-registration after a lost lease keeps it too)."""
+        reg = self._registration
+        if reg is None:
+            raise RuntimeError("update_info before register")
+        self._registration = reg = dataclasses.replace(reg, info={**reg.info, **info})
+        session = await self.live_session()
+        await self._retry("register", self._etcd.put, self.keys.member(reg.role, reg.member_id).encode(),
+                          member_value(reg.role, reg.member_id, reg.address, reg.info), lease=session.lease_id)
+
     @property
     def session(self) -> Session | None:
         """The current session (None before register); check `session.lost`."""

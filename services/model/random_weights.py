@@ -19,6 +19,16 @@ The released shapes also come quantized (`qwen3-30b-a3b-fp8`, `-awq`, ...):
 each projection is drawn the same way and then quantized on the device into
 the checkpoint layout (services/model/quant/), the gate and the rest dense.
 
+The `-skewed` presets (`tiny-skewed`, `qwen3-30b-a3b-skewed`: the same shapes)
+bias the random gates towards a few experts, for dynamic expert scaling
+(`Skew`): a constant hidden feature carries a token's class from its
+embedding to every gate, and each MoE layer's gate reads it with a large
+weight for its hot experts. Most tokens ("A" tokens) prefer top_k hot experts
+of the first half of the experts (rank 0 of 2 holds them), the token ids
+`SKEW_B_MODULUS - 1 (mod SKEW_B_MODULUS)` prefer top_k others of the second
+half; which ones is drawn from the seed per layer. Prompts of B tokens move
+the load away from the A experts.
+
 The gateway still needs a model directory for config.json and the tokenizer:
 `python -m services.model.random_weights --write-model-dir DIR --preset P`
 writes one with no weights. Its tokenizer is the Qwen3 one from the moemesh
@@ -77,18 +87,72 @@ PRESETS: dict[str, ModelConfig] = {
         intermediate_size=12288, moe_intermediate_size=1536),
 }
 _RELEASED = ("qwen3-30b-a3b", "qwen3-235b-a22b")
+# Shapes whose gates prefer a few experts (Skew): name -> shape preset.
+SKEWED_PRESETS: dict[str, str] = {"tiny-skewed": "tiny", "qwen3-30b-a3b-skewed": "qwen3-30b-a3b"}
+# Token ids = SKEW_B_MODULUS - 1 (mod SKEW_B_MODULUS) are the skewed presets' B tokens.
+SKEW_B_MODULUS = 16
+# How many gate logits a hot expert gains (layer 0, before the residual stream grows).
+SKEW_GATE_BOOST = 4.0
 # Quantized variants of the released shapes: name -> (shape preset, format).
 QUANT_PRESETS: dict[str, tuple[str, str]] = {f"{name}-{method}": (name, method)
                                              for name in _RELEASED for method in FORMATS}
 DEFAULT_INIT_STD = 0.02
 
 
+def preset_names() -> list[str]:
+    """Every preset, sorted."""
+    return sorted([*PRESETS, *QUANT_PRESETS, *SKEWED_PRESETS])
+
+
 def preset(name: str) -> ModelConfig:
-    """The model config of a preset (quantized ones included); ValueError naming the known ones."""
-    base = QUANT_PRESETS.get(name, (name, None))[0]
+    """The model config of a preset (quantized and skewed ones included); ValueError naming the known ones."""
+    base = SKEWED_PRESETS.get(name) or QUANT_PRESETS.get(name, (name, None))[0]
     if base not in PRESETS:
-        raise ValueError(f"random weights preset must be one of {sorted([*PRESETS, *QUANT_PRESETS])}, got {name!r}")
+        raise ValueError(f"random weights preset must be one of {preset_names()}, got {name!r}")
     return PRESETS[base]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Skew:
+    """The routing bias of a skewed preset (see the module doc): per MoE layer, the experts A
+    tokens prefer and those B tokens prefer, drawn from the seed."""
+
+    config: ModelConfig
+    seed: int
+
+    def hot_experts(self, layer: int) -> tuple[list[int], list[int]]:
+        """(A's hot experts, B's) of an MoE layer: top_k of each half of the experts."""
+        E, K = self.config.num_experts, self.config.num_experts_per_tok
+        generator = torch.Generator().manual_seed(tensor_seed(self.seed, f"skew/{layer}"))
+        a = torch.randperm(E // 2, generator=generator)[:K]
+        b = E // 2 + torch.randperm(E - E // 2, generator=generator)[:K]
+        return sorted(a.tolist()), sorted(b.tolist())
+
+    def apply(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """w (drawn for `name`) with the bias: dimension 0 of the residual stream holds +c (A)
+        or -c (B) from the embedding on, no projection reads or writes it but the gates."""
+        D = self.config.hidden_size
+        # c puts dimension 0 at the other dimensions' mean square: about sqrt(D/2) once normalised.
+        c = DEFAULT_INIT_STD * D ** 0.5
+        if name == "model.embed_tokens.weight":
+            w[:, 0] = c
+            w[SKEW_B_MODULUS - 1::SKEW_B_MODULUS, 0] = -c
+        elif name.endswith("mlp.gate.weight"):
+            a, b = self.hot_experts(int(name.split(".")[2]))
+            w[:, 0] = 0
+            w[a, 0] = SKEW_GATE_BOOST / (D / 2) ** 0.5
+            w[b, 0] = -SKEW_GATE_BOOST / (D / 2) ** 0.5
+        elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
+                            "up_proj.weight")) or name == "lm_head.weight":
+            w[:, 0] = 0
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[0, :] = 0
+        return w
+
+
+def preset_skew(name: str, config: ModelConfig, seed: int) -> Skew | None:
+    """The routing bias of a preset: None for the unskewed ones."""
+    return Skew(config, seed) if name in SKEWED_PRESETS else None
 
 
 def preset_quant(name: str) -> QuantConfig | None:
@@ -132,14 +196,23 @@ class RandomWeights(Mapping):
 
     def __init__(self, config: ModelConfig, expert_ids: Sequence[int], seed: int, *,
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-                 init_std: float = DEFAULT_INIT_STD, quant: QuantConfig | None = None):
+                 init_std: float = DEFAULT_INIT_STD, quant: QuantConfig | None = None, skew: Skew | None = None):
         if init_std <= 0:
             raise ValueError(f"init_std must be positive, got {init_std}")
         tensor_seed(seed, "")  # checks the seed now rather than at the first read
         self._shapes = expected_tensors(config, expert_ids)
         self._seed, self._dtype, self._device, self._std = seed, dtype, torch.device(device), init_std
         self._generator = torch.Generator(device=self._device)
-        self._quant = quant
+        self._quant, self._skew = quant, skew
+        if quant is not None and skew is not None:
+            raise ValueError("a skewed preset is not quantized")
+
+    @classmethod
+    def for_preset(cls, name: str, config: ModelConfig, expert_ids: Sequence[int], seed: int, *,
+                   dtype: torch.dtype, device: str | torch.device) -> "RandomWeights":
+        """A rank's weights of a preset, its quantization or routing bias included."""
+        return cls(config, expert_ids, seed, dtype=dtype, device=device, quant=preset_quant(name),
+                   skew=preset_skew(name, config, seed))
 
     def __getitem__(self, name: str) -> torch.Tensor | QuantWeight:
         shape = self._shapes[name]
@@ -150,7 +223,8 @@ class RandomWeights(Mapping):
         out = torch.empty(shape, dtype=self._dtype, device=self._device)
         if name.endswith("norm.weight"):
             return out.uniform_(0.9, 1.1, generator=self._generator)
-        return out.normal_(0.0, self._std, generator=self._generator)
+        out.normal_(0.0, self._std, generator=self._generator)
+        return out if self._skew is None else self._skew.apply(name, out)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._shapes)
@@ -190,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--write-model-dir", type=pathlib.Path, required=True,
                         help="directory to write config.json and the tokenizer into")
-    parser.add_argument("--preset", choices=sorted([*PRESETS, *QUANT_PRESETS]), default="qwen3-30b-a3b",
+    parser.add_argument("--preset", choices=preset_names(), default="qwen3-30b-a3b",
                         help="model shape")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
