@@ -24,12 +24,15 @@ from gateway.frontend import Frontend
 from gateway.model_info import ModelInfo
 from gateway.observability import observe_generate
 from gateway.requests import ErrorCode, FinishReason, GenerationError, RequestOutput
+from gateway.step_budget import Overloaded
 from gateway.validation import RequestError, RequestLimits
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.constraints import Compiler
 
 log = logging.getLogger("gateway.servicer")
 
+# Trailing metadata of a request refused under load: milliseconds before a retry may succeed.
+RETRY_AFTER_KEY = "retry-after-ms"
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
 _STATUS = {
@@ -93,6 +96,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             async for output in self.frontend.generate(validated, deadline=deadline):
                 yield output_to_proto(output)
         except GenerationError as error:
+            if isinstance(error, Overloaded):  # refused under load: when to try again
+                context.set_trailing_metadata(((RETRY_AFTER_KEY, str(error.retry_after_ms)),))
             await context.abort(_STATUS[error.code], error.message)
 
     async def Abort(self, request: gateway_pb2.AbortRequest,
