@@ -9,8 +9,11 @@ The step budget (per rank, per step), from the step-cost model (gateway/step_cos
   prefill chunks get what the rank's decodes leave of it, priced per token and
   by the context they attend to, so running requests keep their time per
   output token while prompts are prefilled beside them. Prefill still gets at
-  least `MIN_PREFILL_TOKENS` per rank and step, so that prompts always advance
-  (under a decode load that alone exceeds the target, TTFT stays bounded).
+  least `MIN_PREFILL_TOKENS` per rank and step, so that prompts always advance.
+  Where the decodes alone take longer than the target (it cannot be met: a
+  slow device, or more running requests than it allows), holding prompts back
+  would only add TTFT misses to the TPOT ones: prefill may then stretch the
+  step by `OVER_TARGET_STRETCH` of the excess (continuous at the target).
 - Chunks are cut from that budget in the batcher's order (oldest first);
   prefill_chunk_size, if set, caps one sequence's chunk as well.
 
@@ -36,6 +39,8 @@ from gateway.step_cost import StepCostModel, StepShape
 TPOT_SAFETY = 0.8
 # Prefill tokens a rank's step always gets (see the module docstring).
 MIN_PREFILL_TOKENS = 128
+# Past the target, the prefill ms a step gets per ms its decodes exceed it.
+OVER_TARGET_STRETCH = 0.5
 # Batch-class requests are refused at this share of the delay bound and of the queue.
 BATCH_SHARE = 0.5
 # The least retry hint: sooner, a refused client would mostly be refused again.
@@ -102,7 +107,8 @@ class BudgetRule:
         tokens_left = self.max_batch_tokens - num_tokens
         if not has_decodes or not self.tpot_target_ms:
             return StepBudget(tokens_left)
-        ms_left = self.tpot_target_ms * TPOT_SAFETY - model.predict_ms(shape)
+        target_ms, decode_ms = self.tpot_target_ms * TPOT_SAFETY, model.predict_ms(shape)
+        ms_left = max(target_ms - decode_ms, OVER_TARGET_STRETCH * (decode_ms - target_ms))
         return StepBudget(tokens_left, ms_left, MIN_PREFILL_TOKENS)
 
     def prefill_rate(self, model: StepCostModel, num_decodes: float) -> float:

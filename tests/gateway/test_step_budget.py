@@ -10,7 +10,8 @@ import random
 import pytest
 
 from gateway.requests import ErrorCode
-from gateway.step_budget import MIN_PREFILL_TOKENS, TPOT_SAFETY, BudgetRule, Overloaded, StepBudget
+from gateway.step_budget import (MIN_PREFILL_TOKENS, OVER_TARGET_STRETCH, TPOT_SAFETY, BudgetRule, Overloaded,
+                                 StepBudget)
 from gateway.step_cost import StepCostModel, StepShape
 from tests.gateway.fakes import reference_tokens, run_batch
 from tests.gateway.test_scheduling import Sim
@@ -122,9 +123,14 @@ def test_without_decodes_prefill_takes_the_whole_step_and_with_them_what_the_tar
     # Once chunks spent its time, only the floor is left, and then nothing.
     budget.take(model, 0, budget.chunk(model, 0, 10_000))
     assert budget.chunk(model, 0, 10_000) == 0 and budget.is_spent
-    # A decode load that alone exceeds the target still lets prompts advance.
-    heavy = rule.rank_budget(model, StepShape(num_decodes=1000), 1000, has_decodes=True)
-    assert heavy.chunk(model, 0, 10_000) == MIN_PREFILL_TOKENS
+    # At the target, only the floor: prompts still advance.
+    at_target = StepShape(num_decodes=int((40.0 * TPOT_SAFETY - TRUE_MS[0]) / TRUE_MS[1]))
+    assert rule.rank_budget(model, at_target, 150, has_decodes=True).chunk(model, 0, 10_000) == MIN_PREFILL_TOKENS
+    # A decode load that alone exceeds the target lets prefill stretch the step by half the excess.
+    heavy = StepShape(num_decodes=400)
+    excess_ms = true_ms(heavy) - 40.0 * TPOT_SAFETY
+    chunk = rule.rank_budget(model, heavy, 400, has_decodes=True).chunk(model, 0, 10_000)
+    assert abs(chunk - int(OVER_TARGET_STRETCH * excess_ms / TRUE_MS[2])) <= 1 and chunk > MIN_PREFILL_TOKENS
     # Off: the whole token budget even beside decodes.
     off = BudgetRule(8192, tpot_target_ms=0.0).rank_budget(model, decodes, 100, has_decodes=True)
     assert off.chunk(model, 0, 10_000) == 8092
