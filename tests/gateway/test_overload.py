@@ -25,20 +25,25 @@ def slow_engine(**kwargs):
     return engine
 
 
+async def refused_behind(gw: Gateway, first_ids: list[int]):
+    """(the error, the trailing metadata) of a request sent while one of first_ids waits."""
+    first = gw.stub.Generate(gateway_pb2.GenerateRequest(
+        request_id="a", input_ids=gateway_pb2.TokenIds(ids=first_ids)), timeout=10)
+    while not gw.engine.batcher.num_waiting:
+        await asyncio.sleep(0.01)
+    call = gw.stub.Generate(gateway_pb2.GenerateRequest(request_id="b", prompt="abc"), timeout=10)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call.read()
+    trailing = dict(await call.trailing_metadata())
+    first.cancel()
+    return err.value, trailing
+
+
 def test_grpc_refuses_a_request_that_would_wait_too_long_with_a_retry_hint():
     async def scenario():
         async with Gateway() as gw:
             gw.engine = slow_engine(max_queue_delay_ms=10.0)
-            first = gw.stub.Generate(gateway_pb2.GenerateRequest(
-                request_id="a", input_ids=gateway_pb2.TokenIds(ids=[30] * 80)), timeout=10)
-            while not gw.engine.batcher.num_waiting:    # 80 tokens queued: 80 ms ahead of the next
-                await asyncio.sleep(0.01)
-            call = gw.stub.Generate(gateway_pb2.GenerateRequest(request_id="b", prompt="abc"), timeout=10)
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await call.read()
-            trailing = dict(await call.trailing_metadata())
-            first.cancel()
-            return err.value, trailing, gw.engine
+            return *await refused_behind(gw, [30] * 80), gw.engine   # 80 ms of prefill ahead
 
     err, trailing, engine = run(scenario())
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -51,15 +56,7 @@ def test_grpc_full_queue_also_carries_the_hint():
     async def scenario():
         async with Gateway() as gw:
             gw.engine = slow_engine(max_waiting_requests=1, max_queue_delay_ms=0.0)
-            first = gw.stub.Generate(gateway_pb2.GenerateRequest(request_id="a", prompt="abc"), timeout=10)
-            while not gw.engine.batcher.num_waiting:
-                await asyncio.sleep(0.01)
-            call = gw.stub.Generate(gateway_pb2.GenerateRequest(request_id="b", prompt="abc"), timeout=10)
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await call.read()
-            trailing = dict(await call.trailing_metadata())
-            first.cancel()
-            return err.value, trailing
+            return await refused_behind(gw, [30] * 3)
 
     err, trailing = run(scenario())
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_waiting_requests 1" in err.details()
