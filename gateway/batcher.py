@@ -167,7 +167,8 @@ class Batcher:
                 f"({largest.num_blocks * largest.block_size - 1} tokens plus the first generated one)")
 
     def add(self, seq: Sequence) -> None:
-        """Queues a new sequence; raises GenerationError if it can never run or the queue is full."""
+        """Queues a new sequence; raises GenerationError if it can never run, step_budget.Overloaded
+        if the queue is full or the request would wait past max_queue_delay_ms."""
         assert seq.status is SeqStatus.WAITING and seq.rank is None
         self.check_fits(len(seq.prompt_ids))
         try:
@@ -217,7 +218,7 @@ class Batcher:
                 self._release(plan, seq)
             self._to_forget[plan.rank].clear()
             self._schedule_decodes(plan, step, batch)
-        self._plan_budgets(batch)
+        self._budgets = self.budget_rule.plan_budgets(self.cost_model, batch.plans, self._shapes)
         for plan in batch.plans:
             self._schedule_prefills(plan, step, batch)
         admission.admit(self, batch, step)
@@ -246,7 +247,8 @@ class Batcher:
         ones (StepResult.forced); `step_seconds`: the ranks' execute times of the step, for the
         step-cost model. Raises ValueError if they do not answer that step's plan."""
         expected_step, sampled, jumps = self._in_flight.popleft() if self._in_flight else (None, {}, {})
-        self._observe_step(self._step_shapes.pop(expected_step, ()), step_seconds)
+        if self.cost_model.observe_step(self._step_shapes.pop(expected_step, ()), step_seconds):
+            self.stats.step_cost_ms = self.cost_model.coefficients()
         if step_id != expected_step:
             raise ValueError(f"results of step {step_id}, but the oldest step in flight is {expected_step}")
         if tokens.keys() != sampled.keys():
@@ -479,25 +481,6 @@ class Batcher:
     def has_prefill_budget(self, rank: int) -> bool:
         """True while rank's step may take more prefill."""
         return not self._budgets[rank].is_spent
-
-    def _plan_budgets(self, batch: StepBatch) -> None:
-        """Each rank's prefill budget, once every rank's decodes are planned."""
-        for plan, shape in zip(batch.plans, self._shapes):
-            # A jump-forward chunk's forced tokens cost about what prefill tokens do.
-            shape.num_prefill_tokens += plan.num_tokens - len(plan.scheduled)
-        has_decodes = any(plan.scheduled for plan in batch.plans)
-        self._budgets = [self.budget_rule.rank_budget(self.cost_model, shape, plan.num_tokens, has_decodes=has_decodes)
-                         for plan, shape in zip(batch.plans, self._shapes)]
-
-    def _observe_step(self, shapes: Collection[StepShape], step_seconds: Collection[float]) -> None:
-        """Fits the cost model to a step: the ranks step together (their collectives), so the
-        step took the slowest rank's time, and its work is that of the costliest rank."""
-        if not shapes or not step_seconds:
-            return
-        shape = max(shapes, key=self.cost_model.predict_ms)
-        if shape.num_decodes or shape.num_prefill_tokens:  # a step that only forgets runs no model
-            self.cost_model.observe(shape, 1e3 * max(step_seconds))
-            self.stats.step_cost_ms = self.cost_model.coefficients()
 
     def _schedule_prefills(self, plan: RankPlan, step: "admission.StepState", batch: StepBatch) -> None:
         kv = self.ranks[plan.rank]

@@ -30,7 +30,9 @@ keep the other half of the headroom.
 
 import dataclasses
 import math
+from collections.abc import Sequence as Seq
 
+from gateway.plan import RankPlan
 from gateway.requests import ErrorCode, GenerationError
 from gateway.step_cost import StepCostModel, StepShape
 
@@ -110,6 +112,15 @@ class BudgetRule:
         target_ms, decode_ms = self.tpot_target_ms * TPOT_SAFETY, model.predict_ms(shape)
         ms_left = max(target_ms - decode_ms, OVER_TARGET_STRETCH * (decode_ms - target_ms))
         return StepBudget(tokens_left, ms_left, MIN_PREFILL_TOKENS)
+
+    def plan_budgets(self, model: StepCostModel, plans: Seq[RankPlan], shapes: Seq[StepShape]) -> list[StepBudget]:
+        """Each rank's prefill budget once every rank's decodes are planned (shapes: their work,
+        to which a jump-forward chunk's forced tokens are added, priced like prefill tokens)."""
+        for plan, shape in zip(plans, shapes):
+            shape.num_prefill_tokens += plan.num_tokens - len(plan.scheduled)
+        has_decodes = any(plan.scheduled for plan in plans)
+        return [self.rank_budget(model, shape, plan.num_tokens, has_decodes=has_decodes)
+                for plan, shape in zip(plans, shapes)]
 
     def prefill_rate(self, model: StepCostModel, num_decodes: float) -> float:
         """Prefill tokens per ms one rank achieves beside num_decodes decodes per step."""

@@ -25,6 +25,7 @@ step will cost; the batcher feeds it what steps did cost.
 
 import dataclasses
 import math
+from collections.abc import Sequence as Seq
 
 # Feature scales: rows per 100, tokens per 1,000, attention pairs per 1e6.
 _SCALES = (1.0, 1e-2, 1e-3, 1e-6)
@@ -113,6 +114,19 @@ class StepCostModel:
         if half_d <= 0:
             return int(ms / linear)
         return int((-linear + math.sqrt(linear * linear + 4 * half_d * ms)) / (2 * half_d))
+
+    def observe_step(self, shapes: Seq[StepShape], step_seconds: Seq[float]) -> bool:
+        """Fits the model to one step of a group (shapes and execute seconds by rank); True if
+        it was used. The ranks step together (their collectives), so the step took the slowest
+        rank's time, and its work is the costliest rank's; a step that only forgets sequences
+        runs no model and is not used."""
+        if not shapes or not step_seconds:
+            return False
+        shape = max(shapes, key=self.predict_ms)
+        if not (shape.num_decodes or shape.num_prefill_tokens):
+            return False
+        self.observe(shape, 1e3 * max(step_seconds))
+        return True
 
     def observe(self, shape: StepShape, step_ms: float) -> None:
         """Moves the fit towards one measured step (ignored unless positive and finite)."""
