@@ -25,6 +25,7 @@ DEPLOYMENT_FIELDS = {
     "model": "a path on the models volume",
     "group_size": "the expert replicas",
     "tls_dir": "the mounted TLS Secret: mutual TLS where the mesh is deployed (docs/security.md)",
+    "api_keys": "the mounted API-key Secret: clients authenticate where the mesh is deployed (docs/security.md)",
 }
 _ROW = re.compile(r"^\| `(MOEMESH_[A-Z0-9_]+)` \| `(--[a-z0-9-]+)` \| ([^|]+) \|")
 

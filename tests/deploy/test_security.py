@@ -205,7 +205,8 @@ def test_cert_manager_issues_every_mounted_secret_with_the_role_names(rendered, 
     issuers = {i["metadata"]["name"] for i in docs if i["kind"] == "Issuer"}
     mounted = {v["secret"]["secretName"] for pod in pods(docs).values()
                for v in pod["spec"].get("volumes", []) if "secret" in v}
-    assert mounted <= set(certificates)
+    # Every mounted Secret but the clients' API keys (the operator's own) is a certificate.
+    assert mounted - set(certificates) == {"moemesh-api-keys"}
     for role in ROLES:
         spec = certificates[f"moemesh-{role}-tls"]
         assert spec["commonName"] == role  # etcd's user name
@@ -229,3 +230,16 @@ def test_the_namespace_enforces_the_restricted_pod_security_standard(rendered, n
         assert pod["spec"]["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", component
         for volume in pod["spec"].get("volumes", []):
             assert set(volume) - {"name"} <= allowed_volumes, (component, volume)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_the_gateway_reads_its_api_keys_from_a_required_secret(rendered, name):
+    """A deployed gateway never serves without keys: the Secret is not optional and the env names its file."""
+    docs = rendered[name]
+    gateway = pods(docs)["gateway"]["spec"]
+    volume = next(v for v in gateway["volumes"] if v.get("secret", {}).get("secretName") == "moemesh-api-keys")
+    assert not volume["secret"].get("optional", False)
+    mount = next(m for c in gateway["containers"] for m in c.get("volumeMounts", []) if m["name"] == volume["name"])
+    env = {k: v for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("moemesh-gateway")
+           for k, v in d.get("data", {}).items()}
+    assert env["MOEMESH_API_KEYS"].startswith(mount["mountPath"] + "/")
