@@ -89,6 +89,7 @@ class AdmissionHost(Protocol):
     stats: GatewayStats
     max_running_requests: int
     max_batch_tokens: int
+    prefill_chunk_size: int
     jump_forward: bool
 
     @property
@@ -99,12 +100,6 @@ class AdmissionHost(Protocol):
 
     @property
     def waiting(self) -> list[Sequence]: ...
-
-    def prefill_chunk(self, rank: int, start: int, num_remaining: int) -> int:
-        """The prompt tokens from position start the rank's step may still prefill (step_budget.py)."""
-
-    def has_prefill_budget(self, rank: int) -> bool:
-        """True while the rank's step may take more prefill."""
 
     def start(self, plan: RankPlan, seq: Sequence) -> None:
         """Moves seq from waiting to running on plan's rank."""
@@ -149,7 +144,7 @@ def admit(batcher: AdmissionHost, batch: StepBatch, step: StepState) -> None:
 def _is_open(batcher: AdmissionHost, batch: StepBatch, step: StepState, rank: int) -> bool:
     return (not step.is_preempting[rank]
             and len(batcher.running[rank]) < batcher.max_running_requests
-            and batcher.has_prefill_budget(rank))
+            and batch.plans[rank].num_tokens < batcher.max_batch_tokens)
 
 
 def _place(batcher: AdmissionHost, batch: StepBatch, step: StepState, seq: Sequence, running_tokens: list[int]):
@@ -175,9 +170,8 @@ def _place(batcher: AdmissionHost, batch: StepBatch, step: StepState, seq: Seque
                 and seq.block_hashes[first_uncached] in step.computing[rank]):
             is_deferred = True
             continue
-        num_tokens = batcher.prefill_chunk(rank, match.num_cached_tokens, seq.num_tokens - match.num_cached_tokens)
-        if not num_tokens:
-            continue
+        budget = batcher.max_batch_tokens - batch.plans[rank].num_tokens
+        num_tokens = min(batcher.prefill_chunk_size, seq.num_tokens - match.num_cached_tokens, budget)
         num_new_blocks = kv.blocks_needed(match.num_cached_tokens + num_tokens) - len(match.nodes)
         reserve = watermark(kv) if batcher.running[rank] else 0
         if num_new_blocks + reserve <= kv.num_available - match.num_unreferenced:

@@ -10,19 +10,11 @@ rank. Per step and rank, in this order:
 1. Decodes: every running sequence past its prefill decodes one token (the
    rank feeds back the token it sampled), oldest first. max_running_requests
    <= max_batch_tokens, so decodes always fit the token budget.
-2. Prefill chunks: sequences still prefilling get chunks, oldest first, while
-   the step's prefill budget lasts (gateway/step_budget.py): all of
-   max_batch_tokens when no rank of the group decodes, else what the TPOT
-   target leaves beside the decodes, as the step-cost model (gateway/step_cost.py,
-   fit to the ranks' execute times in apply_results) predicts; prefill_chunk_size,
-   if set, caps one sequence's chunk. A long prompt beside decodes is spread
-   over several steps and never stretches them past the target.
+2. Prefill chunks: sequences still prefilling get up to prefill_chunk_size
+   tokens each, oldest first, while the token budget lasts: a long prompt is
+   spread over several steps and never stalls the decodes.
 3. Admission (admission.py): waiting requests in the policy's order start on
    the rank that fits them, reusing their longest cached prefix.
-
-`add()` refuses a request (step_budget.Overloaded: RESOURCE_EXHAUSTED with a
-retry hint) when the waiting queue is full or its predicted queueing delay
-exceeds max_queue_delay_ms.
 
 KV exhaustion: a sequence that needs a block when none is available (free or
 evictable from the prefix cache) preempts the newest running sequence of its
@@ -58,8 +50,6 @@ from gateway.policy import SchedulePolicy, make_policy
 from gateway.prefix_cache import extend_block_hashes
 from gateway.requests import ErrorCode, GenerationError, Sequence, SeqStatus
 from gateway.stats import GatewayStats
-from gateway.step_budget import BudgetRule, Overloaded, StepBudget
-from gateway.step_cost import StepCostModel, StepShape
 from services.step import ScheduledSequence, TokenLogprob
 
 
@@ -78,10 +68,8 @@ class Batcher:
         max_batch_tokens: int,
         max_context: int,
         eos_token_ids: Collection[int],
-        prefill_chunk_size: int = 0,
+        prefill_chunk_size: int = 512,
         max_waiting_requests: int = 1024,
-        tpot_target_ms: float = 40.0,
-        max_queue_delay_ms: float = 3000.0,
         policy: str | SchedulePolicy = "fcfs",
         stats: GatewayStats | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -93,17 +81,14 @@ class Batcher:
         if not 0 < max_running_requests <= max_batch_tokens:
             raise ValueError(f"need 0 < max_running_requests ({max_running_requests}) <= "
                              f"max_batch_tokens ({max_batch_tokens})")
-        if prefill_chunk_size < 0 or max_waiting_requests <= 0:
-            raise ValueError(f"prefill_chunk_size ({prefill_chunk_size}) must be >= 0 (0: no cap) and "
-                             f"max_waiting_requests ({max_waiting_requests}) positive")
+        if prefill_chunk_size <= 0 or max_waiting_requests <= 0:
+            raise ValueError(f"prefill_chunk_size ({prefill_chunk_size}) and max_waiting_requests "
+                             f"({max_waiting_requests}) must be positive")
         self.ranks = ranks
         self.max_running_requests = max_running_requests
         self.max_batch_tokens = max_batch_tokens
         self.max_context = max_context
-        # One sequence's chunk cap; 0: only the step's prefill budget limits it.
-        self.prefill_chunk_size = prefill_chunk_size or max_batch_tokens
-        self.budget_rule = BudgetRule(max_batch_tokens, tpot_target_ms, max_queue_delay_ms)
-        self.cost_model = StepCostModel()
+        self.prefill_chunk_size = prefill_chunk_size
         self.max_waiting_requests = max_waiting_requests
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
@@ -126,11 +111,6 @@ class Batcher:
         self._deadlines: list[tuple[float, int, Sequence]] = []
         self._next_seq_id = 1
         self._next_step_id = 1
-        # This schedule()'s work per rank (for the cost model) and prefill budgets.
-        self._shapes: list[StepShape] = []
-        self._budgets: list[StepBudget] = []
-        # Steps in flight: their shapes per rank, to fit the cost model to their execute times.
-        self._step_shapes: dict[int, list[StepShape]] = {}
 
     @property
     def num_ranks(self) -> int:
@@ -167,36 +147,19 @@ class Batcher:
                 f"({largest.num_blocks * largest.block_size - 1} tokens plus the first generated one)")
 
     def add(self, seq: Sequence) -> None:
-        """Queues a new sequence; raises GenerationError if it can never run, step_budget.Overloaded
-        if the queue is full or the request would wait past max_queue_delay_ms."""
+        """Queues a new sequence; raises GenerationError if it can never run or the queue is full."""
         assert seq.status is SeqStatus.WAITING and seq.rank is None
         self.check_fits(len(seq.prompt_ids))
-        try:
-            self.budget_rule.check_admission(
-                self.cost_model, num_prefill_tokens_ahead=self.num_prefill_tokens_ahead(),
-                num_decodes=sum(map(len, self.running)) / self.num_ranks, num_ranks=self.num_ranks,
-                num_waiting=self.num_waiting, max_waiting=self.max_waiting_requests,
-                # A later sample reuses its leader's prompt: no prefill of its own to wait for.
-                is_delay_checked=seq.leader is None,
-                # The request's priority class, where the API has one (interactive otherwise).
-                is_batch=getattr(seq.request, "is_batch", False))
-        except Overloaded as error:
-            if error.is_queue_full:
-                self.stats.num_rejected_queue_full += 1
-            else:
-                self.stats.num_rejected_overload += 1
-            raise
+        if self.num_waiting >= self.max_waiting_requests:
+            self.stats.num_rejected_queue_full += 1
+            raise GenerationError(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"the gateway's waiting queue is full ({self.num_waiting} requests wait, "
+                f"max_waiting_requests {self.max_waiting_requests}); retry later")
         self._queued[seq.seq_id] = seq
         self.stats.num_requests += 1
         if seq.deadline is not None:
             heapq.heappush(self._deadlines, (seq.deadline, seq.seq_id, seq))
-
-    def num_prefill_tokens_ahead(self) -> int:
-        """Prompt tokens still to prefill: the waiting requests' and the rest of those prefilling."""
-        waiting = sum(seq.num_tokens for seq in self._preempted) + sum(
-            seq.num_tokens for seq in self._queued.values() if seq.leader is None)  # samples reuse the prompt
-        return waiting + sum(seq.num_tokens - seq.num_computed for seqs in self.running for seq in seqs
-                             if not seq.is_prefilled)
 
     def abort(self, seq: Sequence, error: GenerationError | None = None) -> None:
         """Ends a sequence at the next schedule(), which frees its blocks; its last
@@ -212,14 +175,11 @@ class Batcher:
         self._expire_deadlines()
         self._drop_aborted(batch)
         step = admission.StepState(self.num_ranks)
-        self._shapes = [StepShape() for _ in batch.plans]
         for plan in batch.plans:
             for seq in self._to_forget[plan.rank]:
                 self._release(plan, seq)
             self._to_forget[plan.rank].clear()
             self._schedule_decodes(plan, step, batch)
-        self._budgets = self.budget_rule.plan_budgets(self.cost_model, batch.plans, self._shapes)
-        for plan in batch.plans:
             self._schedule_prefills(plan, step, batch)
         admission.admit(self, batch, step)
         self._publish(step)
@@ -227,7 +187,6 @@ class Batcher:
             batch.step_id = self._next_step_id
             self._next_step_id += 1
             self._in_flight.append((batch.step_id, step.sampled, step.jumps))
-            self._step_shapes[batch.step_id] = self._shapes
         elif self.num_waiting and not self._in_flight and not any(self.running):
             # Unreachable while add() checks fits; keeps the loop from spinning on nothing.
             seq = self.waiting[0]
@@ -239,16 +198,12 @@ class Batcher:
 
     def apply_results(self, step_id: int, tokens: Mapping[int, int],
                       logprobs: Mapping[int, TokenLogprob] | None = None,
-                      forced: Mapping[int, tuple[int, ...]] | None = None,
-                      step_seconds: Collection[float] = ()) -> list[SeqEvent]:
+                      forced: Mapping[int, tuple[int, ...]] | None = None) -> list[SeqEvent]:
         """Appends the oldest in-flight step's sampled tokens (seq_id -> token id, and seq_id ->
         its log-probability for those that asked), after the forced tokens of its jump-forward
         chunks, and returns the outputs; `forced`: the tokens constraints force after sampled
-        ones (StepResult.forced); `step_seconds`: the ranks' execute times of the step, for the
-        step-cost model. Raises ValueError if they do not answer that step's plan."""
+        ones (StepResult.forced). Raises ValueError if they do not answer that step's plan."""
         expected_step, sampled, jumps = self._in_flight.popleft() if self._in_flight else (None, {}, {})
-        if self.cost_model.observe_step(self._step_shapes.pop(expected_step, ()), step_seconds):
-            self.stats.step_cost_ms = self.cost_model.coefficients()
         if step_id != expected_step:
             raise ValueError(f"results of step {step_id}, but the oldest step in flight is {expected_step}")
         if tokens.keys() != sampled.keys():
@@ -297,7 +252,6 @@ class Batcher:
         self._queued.clear()
         self._aborted.clear()
         self._in_flight.clear()
-        self._step_shapes.clear()
         for rank in (*self.running, *self._to_forget):
             rank.clear()
         for seq in seqs:
@@ -348,11 +302,6 @@ class Batcher:
         token_ids = tuple(seq.token_ids[start:num_after]) if num_tokens else ()
         plan.scheduled.append(ScheduledSequence(seq.seq_id, token_ids, tuple(new_block_ids), is_sampled))
         plan.num_tokens += max(1, num_tokens)
-        if num_tokens:
-            self._shapes[plan.rank].add_chunk(start, num_tokens)
-            self._budgets[plan.rank].take(self.cost_model, start, num_tokens)
-        else:
-            self._shapes[plan.rank].num_decodes += 1
         seq.num_computed = num_after
         step.scheduled.append(seq)
         step.scheduled_ids.add(seq.seq_id)
@@ -473,25 +422,15 @@ class Batcher:
                     self.schedule_seq(plan, step, seq, 0)
             i += 1
 
-    def prefill_chunk(self, rank: int, start: int, num_remaining: int) -> int:
-        """The prompt tokens from position start (num_remaining left) that rank's step may
-        still prefill: its prefill budget, and prefill_chunk_size; 0 if none."""
-        return min(self.prefill_chunk_size, self._budgets[rank].chunk(self.cost_model, start, num_remaining))
-
-    def has_prefill_budget(self, rank: int) -> bool:
-        """True while rank's step may take more prefill."""
-        return not self._budgets[rank].is_spent
-
     def _schedule_prefills(self, plan: RankPlan, step: "admission.StepState", batch: StepBatch) -> None:
         kv = self.ranks[plan.rank]
         for seq in list(self.running[plan.rank]):
-            if not self.has_prefill_budget(plan.rank):
+            budget = self.max_batch_tokens - plan.num_tokens
+            if budget <= 0:
                 break
             if seq.is_prefilled or seq.status is not SeqStatus.RUNNING:
                 continue
-            num_tokens = self.prefill_chunk(plan.rank, seq.num_computed, seq.num_tokens - seq.num_computed)
-            if not num_tokens:
-                break  # the budget's time is spent: a chunk deeper into its prompt costs more
+            num_tokens = min(self.prefill_chunk_size, seq.num_tokens - seq.num_computed, budget)
             # Leave a few blocks for the decodes of the next steps, so a chunk does not
             # force their preemption right away.
             reserve = admission.watermark(kv) if len(self.running[plan.rank]) > 1 else 0

@@ -26,21 +26,9 @@ class GatewayConfig(MemberConfig):
     # Larger steps mean fewer of them under a high concurrency, and a lower
     # inter-token latency tail (docs/performance.md has the figures).
     max_batch_tokens: int = 8192
-    # The most prompt tokens of one sequence prefilled in one step; 0: no cap
-    # but the step's prefill budget (tpot_target_ms), so a prompt on an idle
-    # group is one step of up to max_batch_tokens, and beside decodes prompts
-    # take what the TPOT target leaves (docs/internals.md, "Step budget").
-    prefill_chunk_size: int = 0
-    # Time per output token the step budget protects, in ms: with decodes
-    # running, prefill chunks fill a step only up to this (less a safety
-    # margin), as predicted by a model fit to the ranks' step times. 0: off
-    # (every step takes up to max_batch_tokens of prefill).
-    tpot_target_ms: float = 40.0
-    # A new request whose predicted wait for its prefill (the prompt tokens
-    # queued ahead over the group's prefill rate) exceeds this many ms is
-    # refused with RESOURCE_EXHAUSTED and a retry-after-ms hint rather than
-    # queued into an SLO miss; batch-class requests at half of it. 0: off.
-    max_queue_delay_ms: float = 3000.0
+    # The most prompt tokens of one sequence prefilled in one step; longer
+    # prompts are prefilled in chunks, interleaved with the decodes of others.
+    prefill_chunk_size: int = 512
     # The order waiting requests are admitted in: fcfs (first come, first
     # served) or lpm (longest cached prefix first).
     policy: str = "fcfs"
@@ -133,12 +121,9 @@ class GatewayConfig(MemberConfig):
         if not self.model:
             raise ValueError(f"model must be a checkpoint directory, got {self.model!r}")
         for name in ("max_running_requests", "max_batch_tokens", "max_new_tokens_default",
-                     "max_waiting_requests", "stream_interval", "jump_forward_min_tokens"):
+                     "prefill_chunk_size", "max_waiting_requests", "stream_interval", "jump_forward_min_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("prefill_chunk_size", "tpot_target_ms", "max_queue_delay_ms"):
-            if not 0 <= getattr(self, name) < float("inf"):
-                raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
         if self.max_running_requests > self.max_batch_tokens:
             raise ValueError(
                 f"max_running_requests ({self.max_running_requests}) must not exceed max_batch_tokens "

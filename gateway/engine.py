@@ -270,8 +270,7 @@ class Engine:
                 self._route_logprobs(result.logprobs, tokens, logprobs)
             forced.update(result.forced)
         try:
-            events = self.batcher.apply_results(batch.step_id, tokens, logprobs, forced,
-                                                step_seconds=[r.execute_seconds for r in results])
+            events = self.batcher.apply_results(batch.step_id, tokens, logprobs, forced)
         except ValueError as error:
             raise GroupFailure(str(error)) from error
         self.num_steps += 1

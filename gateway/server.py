@@ -93,8 +93,6 @@ def engine_factory(config: GatewayConfig, model: ModelConfig, tokenizer: Tokeniz
             eos_token_ids=eos_ids,
             prefill_chunk_size=config.prefill_chunk_size,
             max_waiting_requests=config.max_waiting_requests,
-            tpot_target_ms=config.tpot_target_ms,
-            max_queue_delay_ms=config.max_queue_delay_ms,
             policy=config.policy,
             stats=stats,
             jump_forward=config.jump_forward,

@@ -29,11 +29,9 @@ def percentile(values, q: float) -> float:
 class GatewayStats:
     """Cumulative since the gateway started."""
 
-    # Requests queued, refused because the waiting queue was full, and refused because their
-    # predicted queueing delay exceeded max_queue_delay_ms (gateway/step_budget.py).
+    # Requests queued, and refused because the waiting queue was full.
     num_requests: int = 0
     num_rejected_queue_full: int = 0
-    num_rejected_overload: int = 0
     num_deadline_exceeded: int = 0
     num_aborted: int = 0
     # Prompt tokens of requests admitted for the first time, and how many of
@@ -48,8 +46,6 @@ class GatewayStats:
     # Output tokens a constraint forced that jump-forward appended without a step of their own.
     num_jump_forward_tokens: int = 0
     # Host seconds per step: planning (schedule + protobuf) and applying results.
-    # The step-cost model's coefficients (gateway/step_cost.py), as last fit to the ranks.
-    step_cost_ms: dict = dataclasses.field(default_factory=dict)
     plan_s: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=_NUM_TIMINGS))
     apply_s: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=_NUM_TIMINGS))
 

@@ -225,9 +225,7 @@ def run_mesh(args, cases: list[str], model_dir: pathlib.Path, drive=None) -> dic
     max_conc = max([_case_concurrency(c) for c in cases if c != "mix"] + [args.mix_concurrency, 8])
     per_rank = max(1, -(-max_conc // args.ranks))
     extra = {"expert_svc": ["--random-weights", args.preset, *args.expert_arg],
-             # Closed loops: the whole concurrency arrives at once by design, so no shedding on
-             # predicted delay (admission under load is bench/serving/goodput.py's subject).
-             "gateway": ["--max-running-requests", str(per_rank), "--max-queue-delay-ms", "0",
+             "gateway": ["--max-running-requests", str(per_rank),
                          "--max-batch-tokens", str(max(args.max_batch_tokens, per_rank)), *args.gateway_arg]}
     spec = MeshSpec(model_dir=str(model_dir), num_ranks=args.ranks, device=args.device, extra_args=extra,
                     ready_timeout_s=args.ready_timeout_s)

@@ -297,9 +297,7 @@ def run_with_own_mesh(args) -> tuple[list[RequestResult], float, dict | None, di
                          f"{max_context}: lower --scale or --output-scale")
     with tempfile.TemporaryDirectory(prefix="moemesh-bench-") as tmp:
         stats_path = pathlib.Path(tmp) / "gateway-stats.json"
-        # A closed loop's whole concurrency arrives at once: no shedding on predicted delay.
-        extra = {"gateway": ["--stats-file", str(stats_path), "--stats-interval-s", "0.2",
-                             "--max-queue-delay-ms", "0", *args.gateway_arg],
+        extra = {"gateway": ["--stats-file", str(stats_path), "--stats-interval-s", "0.2", *args.gateway_arg],
                  "expert_svc": list(args.expert_arg)}
         mesh = Mesh(MeshSpec(model_dir=args.model, num_ranks=args.ranks, device=args.device, extra_args=extra))
         mesh.start()

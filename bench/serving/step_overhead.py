@@ -283,8 +283,7 @@ async def run_case(args, num_ranks: int, concurrency: int) -> dict:
                for r, c in enumerate(channels)]
     batcher = Batcher([RankKV(num_blocks, BLOCK_SIZE) for _ in ports], max_running_requests=per_rank,
                       max_batch_tokens=max(4096, per_rank), max_context=max_context,
-                      eos_token_ids=tokenizer.eos_token_ids,
-                      max_queue_delay_ms=0.0)  # the whole concurrency arrives at once: none shed
+                      eos_token_ids=tokenizer.eos_token_ids)
     engine = timed_engine_class()(batcher, streams, make_detokenizer=lambda: IncrementalDetokenizer(tokenizer),
                                   group_id="g", placement_epoch=1, observer=EngineObserver(num_ranks),
                                   stream_interval=args.stream_interval)
