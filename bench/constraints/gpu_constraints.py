@@ -48,7 +48,7 @@ import time
 
 from bench.constraints import load
 from bench.serving.gpu_speed import scrape_steps, step_attribution
-from bench.serving.serve import RESULTS_DIR, run_load, summarize, write_result
+from bench.serving.serve import RESULTS_DIR, print_role_logs, role_metrics, run_load, summarize, write_result
 from bench.serving.workloads import ID_HIGH, ID_LOW, make_workload
 from gateway.stats import percentile
 
@@ -155,7 +155,7 @@ async def drive(target: str, args, metrics: dict[str, str], cases: list[str], ba
 
 def run_mesh(args, cases: list[str], model_dir: pathlib.Path, gateway_args: list[str], baselines: bool) -> dict:
     """Starts a mesh on random weights, runs the cases, stops it."""
-    from moemesh.launcher import Mesh, MeshSpec, tail
+    from moemesh.launcher import Mesh, MeshSpec
 
     extra = {"expert_svc": ["--random-weights", args.preset, *args.expert_arg],
              "gateway": ["--max-running-requests", str(args.concurrency),
@@ -166,13 +166,11 @@ def run_mesh(args, cases: list[str], model_dir: pathlib.Path, gateway_args: list
     try:
         mesh.start()
         startup_s = round(time.perf_counter() - start, 1)
-        metrics = {r.name: f"127.0.0.1:{r.metrics_port}" for r in mesh.roles
-                   if r.metrics_port and r.name.startswith(("expert", "gateway"))}
+        metrics = role_metrics(mesh)
         return {"startup_s": startup_s, "gateway_args": gateway_args,
                 "cases": asyncio.run(drive(mesh.gateway_address, args, metrics, cases, baselines))}
     except BaseException:
-        for role in mesh.roles:
-            print(f"--- {role.name} log\n{tail(role.log_path, 30)}", file=sys.stderr)
+        print_role_logs(mesh)
         raise
     finally:
         mesh.stop()

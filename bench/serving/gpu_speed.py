@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 
-from bench.serving.serve import RESULTS_DIR, run_load, summarize, write_result
+from bench.serving.serve import RESULTS_DIR, print_role_logs, role_metrics, run_load, summarize, write_result
 from bench.serving.workloads import make_workload
 
 HBM_BYTES_PER_S = 4.25e12
@@ -235,14 +235,12 @@ def run_mesh(args, cases: list[str], model_dir: pathlib.Path, drive=None) -> dic
         startup_s = time.perf_counter() - start
         print(f"mesh serving after {startup_s:.1f} s", flush=True)
         max_context = ModelConfig.from_model_dir(model_dir).max_position_embeddings
-        metrics = {r.name: f"127.0.0.1:{r.metrics_port}" for r in mesh.roles
-                   if r.metrics_port and r.name.startswith(("expert", "gateway"))}
+        metrics = role_metrics(mesh)
         results = asyncio.run(drive(mesh.gateway_address, args, cases, max_context, metrics))
         logs = {r.name: tail(r.log_path, 12) for r in mesh.roles if r.name.startswith(("expert", "gateway"))}
         exchange = {r.name: _exchange_line(r.log_path) for r in mesh.roles if r.name.startswith("expert")}
     except BaseException:
-        for role in mesh.roles:
-            print(f"--- {role.name} log\n{tail(role.log_path, 30)}", file=sys.stderr)
+        print_role_logs(mesh)
         raise
     finally:
         mesh.stop()

@@ -213,6 +213,20 @@ def markdown_table(report: dict) -> str:
     return "\n".join([header, rule, row])
 
 
+def role_metrics(mesh) -> dict[str, str]:
+    """The /metrics addresses of a running Mesh's expert services and gateways, by role name."""
+    return {r.name: f"127.0.0.1:{r.metrics_port}" for r in mesh.roles
+            if r.metrics_port and r.name.startswith(("expert", "gateway"))}
+
+
+def print_role_logs(mesh, lines: int = 30) -> None:
+    """The last lines of every role's log on stderr: what a failed mesh run leaves to read."""
+    from moemesh.launcher import tail
+
+    for role in mesh.roles:
+        print(f"--- {role.name} log\n{tail(role.log_path, lines)}", file=sys.stderr)
+
+
 def write_result(out_dir: pathlib.Path, name: str, report: dict, text: str) -> None:
     """Writes a benchmark's current result: <name>.json (the report) and <name>.md (`text`)."""
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ import tempfile
 import time
 
 from bench.serving.gpu_speed import scrape_steps, step_attribution, warm_up
-from bench.serving.serve import run_load, summarize, write_result
+from bench.serving.serve import print_role_logs, role_metrics, run_load, summarize, write_result
 from bench.serving.workloads import RequestSpec, make_workload
 
 VARIANTS = ("0", "auto")
@@ -65,7 +65,7 @@ async def drive(target: str, args, metrics: dict[str, str]) -> dict:
 
 def run_variant(args, model_dir: pathlib.Path, spares: str) -> dict:
     """One mesh with --num-spare-expert-slots `spares`: its results and installed placement epochs."""
-    from moemesh.launcher import Mesh, MeshSpec, tail
+    from moemesh.launcher import Mesh, MeshSpec
 
     window = args.scale_up_window_s
     per_rank = max(1, -(-args.concurrency // args.ranks))
@@ -79,13 +79,11 @@ def run_variant(args, model_dir: pathlib.Path, spares: str) -> dict:
         mesh = Mesh(spec)
         try:
             mesh.start()
-            metrics = {r.name: f"127.0.0.1:{r.metrics_port}" for r in mesh.roles
-                       if r.metrics_port and r.name.startswith(("expert", "gateway"))}
+            metrics = role_metrics(mesh)
             out = asyncio.run(drive(mesh.gateway_address, args, metrics))
             logs = {r.name: r.log_path.read_text(errors="replace") for r in mesh.roles if r.name.startswith("expert")}
         except BaseException:
-            for role in mesh.roles:
-                print(f"--- {role.name} log\n{tail(role.log_path, 30)}", file=sys.stderr)
+            print_role_logs(mesh)
             raise
         finally:
             mesh.stop()
