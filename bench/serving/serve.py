@@ -40,7 +40,7 @@ import time
 
 import grpc
 
-from bench.serving.workloads import WORKLOADS, RequestSpec, longest_request, make_workload
+from bench.serving.workloads import WORKLOADS, RequestSpec, ideal_hit_rate, longest_request, make_workload
 from gateway.stats import percentile
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -199,6 +199,7 @@ COLUMNS = (
     ("E2E p99 ms", lambda r: r["client"]["e2e_ms_p99"]),
     ("errors", lambda r: ", ".join(f"{k} {v}" for k, v in r["client"]["errors"].items()) or "none"),
     ("prefix hit", lambda r: f"{r['gateway']['prefix_hit_rate']:.1%}" if r["gateway"] else "n/a"),
+    ("ideal hit", lambda r: f"{r['ideal_hit_rate']:.1%}" if "ideal_hit_rate" in r else "n/a"),
     ("preempt", lambda r: r["gateway"]["num_preemptions"] if r["gateway"] else "n/a"),
     ("plan ms/step mean/p99", lambda r: (f"{r['gateway']['plan_ms_mean']:.3f} / {r['gateway']['plan_ms_p99']:.3f}"
                                          if r["gateway"] else "n/a")),
@@ -339,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
                    if k not in mesh_only},
         "client": summarize(results, duration_s),
         "gateway": gateway,
+        # What one cache shared by every rank would hit on the same requests: the placement's bound.
+        "ideal_hit_rate": round(ideal_hit_rate(make_workload(args.workload, args.num_requests, scale=args.scale,
+                                                             output_scale=args.output_scale, seed=args.seed)), 4),
     }
     json_path, md_path = write_report(report, args.out)
     print(markdown_table(report))

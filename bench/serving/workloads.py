@@ -10,6 +10,12 @@ CPU smoke run uses the same shapes in miniature (each length is at least 1).
 - `1k1k`: 1K-token prompts, 1K new tokens.
 - `shared-prefix`, chat behind one system prompt: a 2K-token system prompt
   shared by every request, a 256-token user turn of its own, 128 new tokens.
+- `system-prompts`, several applications behind one gateway: each request
+  takes one of 8 1K-token system prompts at random, then a 256-token user turn
+  of its own, 64 new tokens. With several data-parallel ranks, the prefix
+  cache hits only where a request lands on a rank that holds its system
+  prompt: the gateway's placement decides the hit rate (`ideal_hit_rate`
+  says what one cache shared by every rank would reach).
 """
 
 import dataclasses
@@ -48,8 +54,11 @@ MIX = (Shape("4k/32", 4096, 32, 0.6), Shape("2k/128", 2048, 128, 0.3), Shape("8k
 ONE_K_ONE_K = (Shape("1k/1k", 1024, 1024),)
 SHARED_PREFIX_SYSTEM_TOKENS = 2048
 SHARED_PREFIX_USER = Shape("2k+256/128", 256, 128)
+NUM_SYSTEM_PROMPTS = 8
+SYSTEM_PROMPT_TOKENS = 1024
+SYSTEM_PROMPTS_USER = Shape("1k+256/64", 256, 64)
 
-WORKLOADS = ("mix", "1k1k", "shared-prefix")
+WORKLOADS = ("mix", "1k1k", "shared-prefix", "system-prompts")
 
 
 def _scaled(length: int, scale: float) -> int:
@@ -75,6 +84,12 @@ def make_workload(name: str, num_requests: int, *, scale: float = 1.0, output_sc
         return [RequestSpec(user.kind, system + _random_ids(rng, _scaled(user.num_prompt_tokens, scale)),
                             _scaled(user.max_new_tokens, output_scale))
                 for _ in range(num_requests)]
+    if name == "system-prompts":
+        systems = [_random_ids(rng, _scaled(SYSTEM_PROMPT_TOKENS, scale)) for _ in range(NUM_SYSTEM_PROMPTS)]
+        user = SYSTEM_PROMPTS_USER
+        return [RequestSpec(user.kind, rng.choice(systems) + _random_ids(rng, _scaled(user.num_prompt_tokens, scale)),
+                            _scaled(user.max_new_tokens, output_scale))
+                for _ in range(num_requests)]
     shapes = MIX if name == "mix" else ONE_K_ONE_K
     specs = []
     for _ in range(num_requests):
@@ -82,6 +97,26 @@ def make_workload(name: str, num_requests: int, *, scale: float = 1.0, output_sc
         specs.append(RequestSpec(shape.kind, _random_ids(rng, _scaled(shape.num_prompt_tokens, scale)),
                                  _scaled(shape.max_new_tokens, output_scale)))
     return specs
+
+
+def ideal_hit_rate(specs: list[RequestSpec], block_size: int = 16) -> float:
+    """The prefix-cache hit rate of one unbounded cache shared by every rank, in whole blocks of
+    `block_size` tokens: each prompt hits the longest prefix it shares with an earlier prompt
+    (what a perfect placement over data-parallel ranks could reach; each rank's cache holds its
+    own blocks, so a request placed away from its prefix recomputes it)."""
+    seen: set[tuple[int, ...]] = set()
+    hits = total = 0
+    for spec in specs:
+        ids = spec.prompt_ids
+        # A cache match always leaves the last prompt token to compute.
+        full = (len(ids) - 1) // block_size
+        shared = 0
+        while shared < full and ids[:(shared + 1) * block_size] in seen:
+            shared += 1
+        hits += shared * block_size
+        total += len(ids)
+        seen.update(ids[:(b + 1) * block_size] for b in range(full))
+    return hits / total if total else 0.0
 
 
 def longest_request(specs: list[RequestSpec]) -> int:

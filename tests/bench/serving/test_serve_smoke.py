@@ -3,7 +3,7 @@
 import json
 
 from bench.serving import serve
-from bench.serving.workloads import make_workload
+from bench.serving.workloads import ideal_hit_rate, make_workload
 
 
 def test_workloads_are_seeded_and_scaled():
@@ -13,6 +13,16 @@ def test_workloads_are_seeded_and_scaled():
     shared = make_workload("shared-prefix", 3, scale=0.01, output_scale=0.5)
     assert len({s.prompt_ids[:20] for s in shared}) == 1 and len({s.prompt_ids for s in shared}) == 3
     assert [s.max_new_tokens for s in make_workload("1k1k", 2, output_scale=0.001)] == [1, 1]
+
+
+def test_system_prompts_workload_and_its_ideal_hit_rate():
+    specs = make_workload("system-prompts", 40, scale=0.1, seed=1)
+    systems = {s.prompt_ids[:102] for s in specs}
+    assert 2 <= len(systems) <= 8 and all(len(s.prompt_ids) == 102 + 26 for s in specs)
+    # Each system prompt's first request misses; the later ones hit its whole blocks (6 of 16 tokens).
+    expected = sum(96 for i, s in enumerate(specs) if s.prompt_ids[:102] in {t.prompt_ids[:102] for t in specs[:i]})
+    assert ideal_hit_rate(specs) == expected / (40 * 128)
+    assert ideal_hit_rate(make_workload("1k1k", 5, scale=0.01)) == 0.0
 
 
 def read_report(out_dir):
