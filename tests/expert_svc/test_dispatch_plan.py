@@ -53,7 +53,6 @@ def test_one_rank_has_no_plan():
     assert comm.plan is None
 
 
-
 def test_a_peer_lost_while_exchanging_hosts_fails_the_rendezvous(monkeypatch, caplog):
     comm = ExpertComm.local()
     comm.world_size = 2
