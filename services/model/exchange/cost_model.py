@@ -95,15 +95,16 @@ class LinkCosts:
         """These costs with "key=value,..." applied (KEYS: latencies and overheads in
         microseconds, bandwidths in GB/s)."""
         values = parse_overrides(text)
-        local, network = self.local, self.network
-        us, gbps = 1e-6, 1e9
-        local = Link(values.get("local_latency_us", local.latency_s / us) * us,
-                     values.get("local_gbps", local.bytes_per_s / gbps) * gbps)
-        network = Link(values.get("network_latency_us", network.latency_s / us) * us,
-                       values.get("network_gbps", network.bytes_per_s / gbps) * gbps)
-        return LinkCosts(local, network,
-                         alltoall_overhead_s=values.get("overhead_us", self.alltoall_overhead_s / us) * us,
-                         host_sync_s=values.get("sync_us", self.host_sync_s / us) * us)
+
+        def pick(key: str, current: float, unit: float) -> float:
+            return values[key] / unit if key in values else current
+        us, per_gb = 1e6, 1e-9  # a microsecond is 1 / us seconds, a GB/s 1 / per_gb bytes a second
+        return LinkCosts(
+            Link(pick("local_latency_us", self.local.latency_s, us), pick("local_gbps", self.local.bytes_per_s, per_gb)),
+            Link(pick("network_latency_us", self.network.latency_s, us),
+                 pick("network_gbps", self.network.bytes_per_s, per_gb)),
+            alltoall_overhead_s=pick("overhead_us", self.alltoall_overhead_s, us),
+            host_sync_s=pick("sync_us", self.host_sync_s, us))
 
 
 def parse_overrides(text: str) -> dict[str, float]:
