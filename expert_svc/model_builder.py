@@ -2,12 +2,14 @@
 
 `ModelBuilder.build` runs on the rank's model thread once the rank has its
 place in a group: it reads (or, for benchmarks, draws) the weights of the
-rank's experts plus the trunk and gates, then joins the group (the rendezvous, through the `connect` callable of the lifecycle),
+rank's experts plus the trunk and gates, then joins the group's process
+group (the rendezvous, through the `connect` callable of the lifecycle),
 learns which ranks share a host and plans the exchange design per step size
 (--ep-dispatch, services/model/exchange/cost_model.py), then builds the model
-on it, picks the expert exchange of decode steps and sizes the KV pool. `runner` wraps the model and the pool in the StepRunner that
-executes the gateway's plans, with its CUDA graphs. The lifecycle
-(expert_svc/server.py) decides when; this module decides what.
+on it, picks the expert exchange of decode steps and sizes the KV pool.
+`runner` wraps the model and the pool in the StepRunner that executes the
+gateway's plans, with its CUDA graphs. The lifecycle (expert_svc/server.py)
+decides when; this module decides what.
 """
 
 import logging

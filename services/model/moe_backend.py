@@ -87,20 +87,20 @@ def step_copies(layer: MoELayerState) -> int:
 def torch_design(layer: MoELayerState, x_TD: Tensor, capacity: int | None) -> tuple[bool, int | None]:
     """(everywhere, capacity) of a step in torch by the group's dispatch plan (comm.plan,
     exchange/cost_model.py): the gather design at a fixed capacity, or the all-to-all at the
-    capacity given. Without a plan, the all-to-all. A host-split step whose design depends
-    on its size finds its largest rank's tokens (one all_reduce, as every rank does)."""
+    capacity given. Without a plan, the all-to-all. A host-split step (capacity None) does not
+    know its largest rank's tokens: it takes the plan's design for every step above the fixed
+    capacity, the all-to-all where that depends on the size (learning the size would cost a
+    collective a layer, what the gather saves), and a forced gather learns the size (one
+    all_reduce, as every rank does)."""
     plan, comm = layer.comm.plan, layer.comm
     if plan is None or comm.world_size == 1:
         return False, capacity
     copies = step_copies(layer)
-    design = plan.design(capacity // copies) if capacity is not None else plan.splits_design()
-    if design is None:  # capacity None: the size decides
-        max_tokens = comm.max_over_ranks(x_TD.shape[0], x_TD.device)
-        design, capacity = plan.design(max_tokens), max(max_tokens, 1) * copies
-        capacity = capacity if design == "gather" else None
-    if design == "gather" and capacity is None:
-        capacity = max(comm.max_over_ranks(x_TD.shape[0], x_TD.device), 1) * copies
-    return design == "gather", capacity
+    if capacity is not None:
+        return plan.design(capacity // copies) == "gather", capacity
+    if plan.splits_design() != "gather":
+        return False, None
+    return True, max(comm.max_over_ranks(x_TD.shape[0], x_TD.device), 1) * copies
 
 
 class TorchMoE(MoEBackend):

@@ -100,7 +100,8 @@ class LinkCosts:
             return values[key] / unit if key in values else current
         us, per_gb = 1e6, 1e-9  # a microsecond is 1 / us seconds, a GB/s 1 / per_gb bytes a second
         return LinkCosts(
-            Link(pick("local_latency_us", self.local.latency_s, us), pick("local_gbps", self.local.bytes_per_s, per_gb)),
+            Link(pick("local_latency_us", self.local.latency_s, us),
+                 pick("local_gbps", self.local.bytes_per_s, per_gb)),
             Link(pick("network_latency_us", self.network.latency_s, us),
                  pick("network_gbps", self.network.bytes_per_s, per_gb)),
             alltoall_overhead_s=pick("overhead_us", self.alltoall_overhead_s, us),
