@@ -98,7 +98,7 @@ class ExpertConfig(MemberConfig):
     debug_collective_timing: bool = False
     # How the ranks of an expert-parallel group on CUDA exchange the MoE rows of
     # steps of up to max(max_fixed_capacity_tokens, cuda_graph_max_batch) tokens
-    # per rank (decode): "nccl" (an all_gather and a reduce_scatter a layer),
+    # per rank (decode) that take the gather design (ep_dispatch): "nccl" (an all_gather and a reduce_scatter a layer),
     # "symmetric" (buffers in torch's symmetric memory, read by the peers over
     # NVLink after a barrier kernel: services/model/exchange/symmetric.py; the rank
     # fails to start if that cannot be set up) or "auto" (symmetric if every
