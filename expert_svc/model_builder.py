@@ -33,7 +33,8 @@ from services.constraints import Compiler
 from services.kv_pool import KVPool, kv_cache_dtype
 from services.model.checkpoint import load_weights
 from services.model.config import DTYPES
-from services.model.exchange.cost_model import DispatchPlan, LinkCosts, RowShape, Topology
+from services.model.exchange.cost_model import LinkCosts, RowShape, Topology
+from services.model.exchange.plan import DispatchPlan
 from services.model.qwen3_moe import Qwen3MoeModel
 from services.model.random_weights import RandomWeights, serving_model_config
 from services.tokenizer import Tokenizer

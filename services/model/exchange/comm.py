@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from services.model.exchange.cost_model import DispatchPlan
+from services.model.exchange.plan import DispatchPlan
 
 
 class ExpertComm:

@@ -16,7 +16,8 @@ from services.model.batch import SeqInput, build_forward_batch
 from services.model.checkpoint import load_weights
 from services.model.config import ModelConfig
 from services.model.exchange.comm import ExpertComm
-from services.model.exchange.cost_model import DispatchPlan, LinkCosts, RowShape, Topology
+from services.model.exchange.cost_model import LinkCosts, RowShape, Topology
+from services.model.exchange.plan import DispatchPlan
 from services.model.make_model import make_random_checkpoint
 from services.model.moe import MoELayer
 from services.model.moe_dispatch import combine, dispatch, gate, local_expert_ids

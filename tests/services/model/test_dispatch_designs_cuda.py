@@ -28,7 +28,8 @@ MAX_FIXED = 64
 
 
 def _plan(setting: str, world_size: int):
-    from services.model.exchange.cost_model import DispatchPlan, LinkCosts, RowShape, Topology
+    from services.model.exchange.cost_model import LinkCosts, RowShape, Topology
+    from services.model.exchange.plan import DispatchPlan
 
     return DispatchPlan(setting, Topology(("host",) * world_size), RowShape(HIDDEN, TOP_K, 2),
                         LinkCosts.for_device("cuda"), MAX_FIXED)

@@ -5,9 +5,10 @@ import math
 
 import pytest
 
-from services.model.exchange.cost_model import (DispatchPlan, LinkCosts, RowShape, Topology, choose,
-                                                delivered_bytes, expected_ranks_per_token, hit_probabilities,
-                                                parse_overrides, rank_shares, step_cost)
+from services.model.exchange.cost_model import (LinkCosts, RowShape, Topology, choose, delivered_bytes,
+                                                expected_ranks_per_token, hit_probabilities, parse_overrides,
+                                                rank_shares, step_cost)
+from services.model.exchange.plan import DispatchPlan
 
 # Qwen3-235B-A22B's rows in bf16: D = 4096, top-8 of 128 experts.
 SHAPE = RowShape(hidden=4096, top_k=8, itemsize=2)
