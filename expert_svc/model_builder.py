@@ -78,15 +78,24 @@ class ModelBuilder:
 
     def plan_dispatch(self, comm) -> None:
         """Sets comm.plan, the group's exchange design per step size, and logs it: a collective
-        (the ranks tell each other their hosts), right after each rendezvous of the group."""
+        (the ranks tell each other their hosts and plan settings), right after each rendezvous
+        of the group. ValueError if the ranks' settings differ (they would pick other designs
+        and their collectives would not match)."""
         cfg, mc = self.config, self.model_config
         if comm.world_size == 1:
             comm.plan = None
             return
+        settings = f"{cfg.ep_dispatch}|{cfg.ep_link_costs}|{cfg.max_fixed_capacity_tokens}"
         try:
-            hosts = group_hosts(comm.group, cfg.ep_node or cfg.public_host, torch.device(cfg.device))
+            hosts, settings_N = gather_keys(comm.group, (cfg.ep_node or cfg.public_host, settings),
+                                            torch.device(cfg.device))
         except RuntimeError as error:  # a peer lost since the rendezvous: as a failed rendezvous
             raise RendezvousError(f"the ranks could not exchange their hosts: {error}") from error
+        if len(set(settings_N)) > 1:
+            ranks = [r for r, key in enumerate(settings_N) if key != settings_N[comm.rank]]
+            raise ValueError(f"--ep-dispatch, --ep-link-costs and --max-fixed-capacity-tokens must be the same on "
+                             f"every rank of a group: ranks {ranks} differ from rank {comm.rank}'s "
+                             f"{cfg.ep_dispatch!r}, {cfg.ep_link_costs!r}, {cfg.max_fixed_capacity_tokens}")
         shape = RowShape(mc.hidden_size, mc.num_experts_per_tok, torch.empty((), dtype=self.dtype).element_size())
         costs = LinkCosts.for_device("cuda" if cfg.is_cuda else "cpu", cfg.ep_link_costs)
         comm.plan = DispatchPlan(cfg.ep_dispatch, Topology(hosts), shape, costs, cfg.max_fixed_capacity_tokens)
@@ -196,9 +205,10 @@ class ModelBuilder:
         return placement.expert_loader(self.config, self.model_config, self.dtype)
 
 
-def group_hosts(group, node: str, device: torch.device) -> tuple[str, ...]:
-    """Every rank's host key in rank order (a CRC-32 of its node name, as text): one all_gather."""
-    mine = torch.tensor([zlib.crc32(node.encode())], dtype=torch.int64, device=device)
+def gather_keys(group, texts: tuple[str, ...], device: torch.device) -> tuple[tuple[str, ...], ...]:
+    """Per text of this rank, every rank's key of it in rank order (a CRC-32, as hex): one all_gather."""
+    mine = torch.tensor([zlib.crc32(text.encode()) for text in texts], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
-    return tuple(f"{int(t.item()):08x}" for t in every)
+    keys_NX = torch.stack(every).tolist()
+    return tuple(tuple(f"{keys[i]:08x}" for keys in keys_NX) for i in range(len(texts)))

@@ -1,6 +1,7 @@
 """How an expert rank plans its group's exchange design (expert_svc/model_builder.py, plan_dispatch):
 the ranks all_gather their hosts (--ep-node, else the advertised host) over the group right after the
-rendezvous, and every rank gets the same DispatchPlan, logged; a lost peer is a failed rendezvous.
+rendezvous, and every rank gets the same DispatchPlan, logged; a lost peer is a failed rendezvous,
+settings that differ between the ranks a clear error on every rank.
 Over two gloo processes."""
 
 import datetime
@@ -33,6 +34,10 @@ def _worker(rank: int, init_file: str, results) -> None:
                  ep_link_costs="network_gbps=3").plan_dispatch(comm)
         results.put((rank, one_host.topology.num_hosts, one_host.setting, comm.plan.topology.num_hosts,
                      comm.plan.setting, comm.plan.costs.network.bytes_per_s, comm.plan.topology.hosts))
+        # settings that differ: every rank refuses, none hangs
+        with pytest.raises(ValueError, match=rf"must be the same on every rank of a group: ranks \[{1 - rank}\] "
+                                             rf"differ from rank {rank}'s"):
+            _builder(ep_dispatch=("gather", "alltoall")[rank]).plan_dispatch(comm)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -72,7 +77,8 @@ def test_the_plan_is_logged_with_its_topology(monkeypatch, caplog):
 
     def gather(every, mine, group=None):
         every[0].copy_(mine)
-        every[1].fill_(7)
+        every[1].copy_(mine)
+        every[1][0] = 7  # another host, the same settings
 
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "all_gather", gather)
