@@ -97,7 +97,12 @@ def torch_design(layer: MoELayerState, x_TD: Tensor, capacity: int | None) -> tu
         return False, capacity
     copies = step_copies(layer)
     if capacity is not None:
-        return plan.design(capacity // copies) == "gather", capacity
+        rows_per_rank = capacity // copies
+        if plan.design(rows_per_rank) == "gather":
+            return True, capacity
+        # CUDA's models pad every step to a capacity (moe_backend.gathers_on): the all-to-all
+        # sends exactly the rows of a step too big for the fixed capacity.
+        return False, capacity if plan.is_fixed(rows_per_rank) else None
     if plan.splits_design() != "gather":
         return False, None
     return True, max(comm.max_over_ranks(x_TD.shape[0], x_TD.device), 1) * copies
