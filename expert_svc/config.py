@@ -9,6 +9,8 @@ key_prefix, log_level) come from `MemberConfig`.
 import dataclasses
 
 from expert_svc.spare_slots import parse_setting
+from services.model.exchange.cost_model import SETTINGS as _EP_DISPATCHES
+from services.model.exchange.cost_model import parse_overrides
 from services.settings import MemberConfig
 
 _DTYPES = ("float32", "bfloat16")
@@ -96,7 +98,7 @@ class ExpertConfig(MemberConfig):
     debug_collective_timing: bool = False
     # How the ranks of an expert-parallel group on CUDA exchange the MoE rows of
     # steps of up to max(max_fixed_capacity_tokens, cuda_graph_max_batch) tokens
-    # per rank (decode): "nccl" (an all_gather and a reduce_scatter a layer),
+    # per rank (decode) that take the gather design (ep_dispatch): "nccl" (an all_gather and a reduce_scatter a layer),
     # "symmetric" (buffers in torch's symmetric memory, read by the peers over
     # NVLink after a barrier kernel: services/model/exchange/symmetric.py; the rank
     # fails to start if that cannot be set up) or "auto" (symmetric if every
@@ -115,6 +117,27 @@ class ExpertConfig(MemberConfig):
     # (services/model/kernels/flags.py). Implies push. Opt-in: checked in the
     # interpreter, not yet on two GPUs. Must be the same on every rank of a group.
     ep_exchange_signals: bool = False
+    # The design that moves a step's MoE rows between the ranks (services/model/exchange/
+    # cost_model.py): "gather" (every rank gathers every rank's rows, then a
+    # reduce-scatter of fp32 partials: the fewest collectives, no host sync),
+    # "alltoall" (the deduplicated all-to-all: a token's row goes once to each
+    # rank holding one of its experts: fewer bytes when tokens reach few of the
+    # ranks, as across hosts) or "auto" (per step size, the design a cost model
+    # of the group's links prefers; logged when the group forms). Must be the
+    # same on every rank of a group.
+    ep_dispatch: str = "auto"
+    # The cost model's constants, "key=value,..." (latencies and overheads in us,
+    # bandwidths in GB/s per rank and direction): local_latency_us, local_gbps
+    # (ranks of one host: NVLink, or loopback on the CPU), network_latency_us,
+    # network_gbps (between hosts), overhead_us (the all-to-all's extra ops a
+    # layer), sync_us (its host-split sync); empty keeps the defaults. Must be
+    # the same on every rank of a group.
+    ep_link_costs: str = ""
+    # The machine this rank runs on, for the cost model: ranks with the same
+    # value share a host's local links (NVLink). Empty: the advertised host.
+    # Behind a pod network every pod has an address of its own: set it to the
+    # node's name (Kubernetes: spec.nodeName).
+    ep_node: str = ""
     # Spare expert slots per MoE layer that can hold replicas of hot experts
     # (placed by the router's scaling policy): a count (0 disables replicas) or
     # "auto": sized from the KV budget once the weights are in (at most 10% of
@@ -159,6 +182,9 @@ class ExpertConfig(MemberConfig):
             raise ValueError(f"ep_exchange must be one of {_EP_EXCHANGES}, got {self.ep_exchange!r}")
         if self.ep_exchange == "symmetric" and not self.is_cuda:
             raise ValueError(f"ep_exchange 'symmetric' needs a CUDA device, got device {self.device!r}")
+        if self.ep_dispatch not in _EP_DISPATCHES:
+            raise ValueError(f"ep_dispatch must be one of {_EP_DISPATCHES}, got {self.ep_dispatch!r}")
+        parse_overrides(self.ep_link_costs)
         for name in ("kv_block_size", "kv_memory_bytes", "cuda_graph_max_seq_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

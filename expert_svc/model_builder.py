@@ -3,23 +3,28 @@
 `ModelBuilder.build` runs on the rank's model thread once the rank has its
 place in a group: it reads (or, for benchmarks, draws) the weights of the
 rank's experts plus the trunk and gates, then joins the group's process
-group (the rendezvous, through the `connect` callable of the lifecycle), then
-builds the model on it, picks the expert exchange of decode steps and sizes
-the KV pool. `runner` wraps the model and the pool in the StepRunner that
-executes the gateway's plans, with its CUDA graphs. The lifecycle
-(expert_svc/server.py) decides when; this module decides what.
+group (the rendezvous, through the `connect` callable of the lifecycle),
+learns which ranks share a host and plans the exchange design per step size
+(--ep-dispatch, services/model/exchange/cost_model.py), then builds the model
+on it, picks the expert exchange of decode steps and sizes the KV pool.
+`runner` wraps the model and the pool in the StepRunner that executes the
+gateway's plans, with its CUDA graphs. The lifecycle (expert_svc/server.py)
+decides when; this module decides what.
 """
 
 import logging
+import zlib
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from expert_svc import placement
 from expert_svc.config import ExpertConfig
 from expert_svc.constrained import ConstraintMasks
 from expert_svc.graph_runner import make_graph_runner
 from expert_svc.observability import MeteredExpertComm
+from expert_svc.rendezvous import RendezvousError
 from expert_svc.runner import StepRunner
 from expert_svc.spare_slots import auto_spare_slots
 from services import metrics
@@ -28,6 +33,8 @@ from services.constraints import Compiler
 from services.kv_pool import KVPool, kv_cache_dtype
 from services.model.checkpoint import load_weights
 from services.model.config import DTYPES
+from services.model.exchange.cost_model import LinkCosts, RowShape, Topology
+from services.model.exchange.plan import DispatchPlan
 from services.model.qwen3_moe import Qwen3MoeModel
 from services.model.random_weights import RandomWeights, serving_model_config
 from services.tokenizer import Tokenizer
@@ -54,6 +61,7 @@ class ModelBuilder:
             weights = load_weights(cfg.model, mc, expert_ids, dtype=self.dtype, device=cfg.device)
         comm = MeteredExpertComm(connect(), is_timed=not cfg.is_cuda or cfg.debug_collective_timing,
                                  is_cuda=cfg.is_cuda)
+        self.plan_dispatch(comm)
         model = Qwen3MoeModel(mc, weights, expert_ids=expert_ids, comm=comm,
                               dtype=self.dtype, device=cfg.device, attention=cfg.attention_backend,
                               max_fixed_capacity_tokens=cfg.max_fixed_capacity_tokens,
@@ -67,6 +75,31 @@ class ModelBuilder:
             for name in ("collectives", "symmetric_memory"):
                 metrics.expert_metrics().exchange.labels(name).set(int(name == exchange))
         return model, self.kv_pool()
+
+    def plan_dispatch(self, comm) -> None:
+        """Sets comm.plan, the group's exchange design per step size, and logs it: a collective
+        (the ranks tell each other their hosts and plan settings), right after each rendezvous
+        of the group. ValueError if the ranks' settings differ (they would pick other designs
+        and their collectives would not match)."""
+        cfg, mc = self.config, self.model_config
+        if comm.world_size == 1:
+            comm.plan = None
+            return
+        settings = f"{cfg.ep_dispatch}|{cfg.ep_link_costs}|{cfg.max_fixed_capacity_tokens}"
+        try:
+            hosts, settings_N = gather_keys(comm.group, (cfg.ep_node or cfg.public_host, settings),
+                                            torch.device(cfg.device))
+        except RuntimeError as error:  # a peer lost since the rendezvous: as a failed rendezvous
+            raise RendezvousError(f"the ranks could not exchange their hosts: {error}") from error
+        if len(set(settings_N)) > 1:
+            ranks = [r for r, key in enumerate(settings_N) if key != settings_N[comm.rank]]
+            raise ValueError(f"--ep-dispatch, --ep-link-costs and --max-fixed-capacity-tokens must be the same on "
+                             f"every rank of a group: ranks {ranks} differ from rank {comm.rank}'s "
+                             f"{cfg.ep_dispatch!r}, {cfg.ep_link_costs!r}, {cfg.max_fixed_capacity_tokens}")
+        shape = RowShape(mc.hidden_size, mc.num_experts_per_tok, torch.empty((), dtype=self.dtype).element_size())
+        costs = LinkCosts.for_device("cuda" if cfg.is_cuda else "cpu", cfg.ep_link_costs)
+        comm.plan = DispatchPlan(cfg.ep_dispatch, Topology(hosts), shape, costs, cfg.max_fixed_capacity_tokens)
+        log.info("expert exchange design: %s", comm.plan.describe())
 
     def kv_pool(self) -> KVPool:
         """The KV pool: kv_blocks blocks, or as many as the KV memory holds."""
@@ -170,3 +203,12 @@ class ModelBuilder:
     def expert_loader(self) -> placement.LoadExperts:
         """Where replicas of experts are read from: the same source as the primaries."""
         return placement.expert_loader(self.config, self.model_config, self.dtype)
+
+
+def gather_keys(group, texts: tuple[str, ...], device: torch.device) -> tuple[tuple[str, ...], ...]:
+    """Per text of this rank, every rank's key of it in rank order (a CRC-32, as hex): one all_gather."""
+    mine = torch.tensor([zlib.crc32(text.encode()) for text in texts], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    keys_NX = torch.stack(every).tolist()
+    return tuple(tuple(f"{keys[i]:08x}" for keys in keys_NX) for i in range(len(texts)))

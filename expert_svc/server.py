@@ -270,6 +270,7 @@ class ExpertRank:
         runner.reset()
         runner.placement_epoch = group.epoch
         self._model.comm.group = self._link.connect(group, rank)
+        self._builder.plan_dispatch(self._model.comm)  # the new epoch's hosts
 
     def _on_step_failure(self, reason: str) -> None:
         if self.config.is_cuda:  # see the module docstring: exit, the restarted process rejoins

@@ -67,21 +67,54 @@ class MoEBackend(abc.ABC):
 
 
 def dispatched_moe(layer: MoELayerState, x_TD: Tensor, capacity: int | None,
-                   experts_fn: Callable[[Tensor, Tensor, Tensor, Tensor, int], Tensor] = experts) -> Tensor:
+                   experts_fn: Callable[[Tensor, Tensor, Tensor, Tensor, int], Tensor] = experts,
+                   everywhere: bool = False) -> Tensor:
     """gate -> dispatch -> experts (experts_fn) -> combine: out_TD; adds the routed experts
-    to layer.hit_counts_E."""
+    to layer.hit_counts_E. everywhere: the gather design (moe_dispatch.dispatch's)."""
     ids_TK, weights_TK, counts_E = gate(x_TD, layer.w_gate_ED, layer.top_k, layer.norm_topk_prob)
     layer.hit_counts_E += counts_E
-    x_PD, meta = dispatch(x_TD, ids_TK, weights_TK, counts_E, layer.comm, capacity, layer.slot_map)
+    x_PD, meta = dispatch(x_TD, ids_TK, weights_TK, counts_E, layer.comm, capacity, layer.slot_map, everywhere)
     y_PD = experts_fn(x_PD, meta.offsets_L, layer.w_gate_up_LGD, layer.w_down_LDF, layer.row_block)
     return combine(y_PD, meta, layer.comm)
 
 
+def step_copies(layer: MoELayerState) -> int:
+    """min(K, L): the copies one token sends one rank at most (capacity = rows per rank * this)."""
+    num_slots = layer.slot_map.num_slots if layer.slot_map is not None else layer.w_gate_ED.shape[0]
+    return min(layer.top_k, num_slots // layer.comm.world_size)
+
+
+def torch_design(layer: MoELayerState, x_TD: Tensor, capacity: int | None) -> tuple[bool, int | None]:
+    """(everywhere, capacity) of a step in torch by the group's dispatch plan (comm.plan,
+    exchange/cost_model.py): the gather design at a fixed capacity, or the all-to-all at the
+    capacity given. Without a plan, the all-to-all. A host-split step (capacity None) does not
+    know its largest rank's tokens: it takes the plan's design for every step above the fixed
+    capacity, the all-to-all where that depends on the size (learning the size would cost a
+    collective a layer, what the gather saves), and a forced gather learns the size (one
+    all_reduce, as every rank does)."""
+    plan, comm = layer.comm.plan, layer.comm
+    if plan is None or comm.world_size == 1:
+        return False, capacity
+    copies = step_copies(layer)
+    if capacity is not None:
+        rows_per_rank = capacity // copies
+        if plan.design(rows_per_rank) == "gather":
+            return True, capacity
+        # CUDA's models pad every step to a capacity (moe_backend.gathers_on): the all-to-all
+        # sends exactly the rows of a step too big for the fixed capacity.
+        return False, capacity if plan.is_fixed(rows_per_rank) else None
+    if plan.splits_design() != "gather":
+        return False, None
+    return True, max(comm.max_over_ranks(x_TD.shape[0], x_TD.device), 1) * copies
+
+
 class TorchMoE(MoEBackend):
-    """The dispatch path in torch, on any device and any number of ranks."""
+    """The dispatch path in torch, on any device and any number of ranks: the all-to-all, or
+    the gather design where the group's plan picks it."""
 
     def forward(self, layer, x_TD, capacity, add_norm):
-        out_TD = dispatched_moe(layer, x_TD, capacity)
+        everywhere, capacity = torch_design(layer, x_TD, capacity)
+        out_TD = dispatched_moe(layer, x_TD, capacity, everywhere=everywhere)
         return out_TD if add_norm is None else add_norm(out_TD)
 
 

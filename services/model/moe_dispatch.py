@@ -15,9 +15,15 @@ same dispatch/combine code runs. experts is moe_experts.experts (or, on CUDA,
 its Triton form): this module holds the other three steps.
 
 On CUDA with several ranks the Triton MoE backend takes kernels/moe_ep.py
-instead: every rank gathers every rank's rows and reduce-scatters fp32
-partials (a few kernels and two collectives a layer, the same roundings as the
-fixed-capacity mode below); what follows is the CPU's path and the fallback.
+for the gather design: every rank gathers every rank's rows and
+reduce-scatters fp32 partials (a few kernels and two collectives a layer, the
+same roundings as the fixed-capacity mode below). Which design a step takes,
+the gather or the deduplicated all-to-all below, is the group's
+exchange/cost_model.DispatchPlan (--ep-dispatch); what follows is the
+all-to-all, on the CPU and on CUDA, and with `everywhere` the gather design in
+torch (every token to every rank at a fixed capacity: the bytes of a gather
+and a reduce-scatter, through the same all_to_all, since gloo has no
+reduce-scatter; the same sums, so the same bits as the all-to-all).
 
 Dispatch sends a token's row at most once to each rank, whatever number of
 its K experts live there, with the token's K expert ids and weights appended
@@ -138,14 +144,15 @@ def gate(x_TD: Tensor, w_gate_ED: Tensor, top_k: int,
 
 def dispatch(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, counts_E: Tensor,
              comm: ExpertComm, capacity: int | None = None,
-             slot_map: SlotMap | None = None) -> tuple[Tensor, DispatchMeta]:
+             slot_map: SlotMap | None = None, everywhere: bool = False) -> tuple[Tensor, DispatchMeta]:
     """Sends each token's row once to every rank holding one of its experts; returns
     x_PD, the received rows once per local expert they need, sorted by local expert.
 
     capacity None: host splits; an int: fixed capacity, C (token, expert) copies
     per peer, so C / min(K, L) token rows per peer (ValueError if that is zero or
     fewer than this rank's tokens). With a slot_map the tokens go to replica
-    slots and x_PD is sorted by local slot. See the module doc.
+    slots and x_PD is sorted by local slot. everywhere (needs a capacity): every
+    token's row goes to every rank, the gather design. See the module doc.
     """
     # Each token's experts in increasing order, so that combine sums in that order.
     ids_TK, perm_TK = ids_TK.sort(dim=1)
@@ -157,6 +164,12 @@ def dispatch(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, counts_E: Tensor,
     num_local = num_slots // num_ranks
     dest_TK = ids_TK // num_local
     is_sent_TN = torch.zeros(num_tokens, num_ranks, dtype=torch.bool, device=x_TD.device).scatter_(1, dest_TK, True)
+    # The rows packed per rank: the ranks holding one of the token's experts, or with everywhere
+    # all of them; combine takes partials only from the first (a rank holding none of a row's
+    # experts computes no pair for it, so its partial reads rows the experts left unset).
+    is_packed_TN = torch.ones_like(is_sent_TN) if everywhere else is_sent_TN
+    if everywhere and capacity is None:
+        raise ValueError("the gather design (everywhere) needs a fixed capacity")
     if capacity is None:
         sent_N, send_splits, recv_splits, num_pairs = _exchange_counts(is_sent_TN, dest_TK, comm)
         before_N = sent_N.cumsum(0) - sent_N - 1
@@ -174,8 +187,8 @@ def dispatch(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, counts_E: Tensor,
     # A token's row of the send buffer per rank: the rank's block (before_N: the row before
     # it), then the token's place in it. Where the token does not go, a row of another token
     # or -1 (the last row): in bounds for combine's gather, which discards it.
-    returned_TN = is_sent_TN.cumsum(0) + before_N
-    send_JW = _pack(x_TD, ids_TK, weights_TK, is_sent_TN, returned_TN, num_send)
+    returned_TN = is_packed_TN.cumsum(0) + before_N
+    send_JW = _pack(x_TD, ids_TK, weights_TK, is_packed_TN, returned_TN, num_send)
     recv_JW = send_JW.new_empty(num_recv, send_JW.shape[1])
     comm.all_to_all(recv_JW, send_JW, recv_splits, send_splits)
     x_PD, offsets_L, pairs_JK, recv_weights_JK = _unpack(recv_JW, x_TD.shape[1], comm.rank, num_local, num_pairs)

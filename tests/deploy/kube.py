@@ -19,7 +19,7 @@ from services import settings
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 OVERLAYS = sorted(p.name for p in (DEPLOY / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
-GPU_OVERLAYS = ("h100x8", "qwen3-235b")
+GPU_OVERLAYS = ("h100x8", "qwen3-235b", "qwen3-235b-2x8")
 COMPONENT = "app.kubernetes.io/component"
 
 

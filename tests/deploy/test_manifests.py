@@ -28,8 +28,8 @@ PUBLIC_MODELS = {"Qwen3-235B-A22B": 128, "Qwen3-30B-A3B": 128}
 ALL = [*OVERLAYS, "base"]
 
 
-def test_the_three_overlays_exist():
-    assert set(OVERLAYS) == {"local-cpu", "h100x8", "qwen3-235b"}
+def test_the_four_overlays_exist():
+    assert set(OVERLAYS) == {"local-cpu", "h100x8", "qwen3-235b", "qwen3-235b-2x8"}
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -217,6 +217,7 @@ def test_expert_replicas_cover_the_model_in_one_group(rendered, name):
 def test_overlay_sizes(rendered):
     assert expert_sizing(rendered["h100x8"]) == (8, 8, 64, 8)
     assert expert_sizing(rendered["qwen3-235b"]) == (8, 16, 128, 8)
+    assert expert_sizing(rendered["qwen3-235b-2x8"]) == (16, 8, 128, 16)
     assert expert_sizing(rendered["local-cpu"])[0] * 4 == PRESETS["tiny"].num_experts
 
 

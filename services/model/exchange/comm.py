@@ -4,7 +4,9 @@ ExpertComm wraps the few torch.distributed collectives the dispatch path
 (moe_dispatch.py) and the gathered expert-parallel layer (kernels/moe_ep.py)
 use; with no group (one rank holding every expert) each is a copy, so the same
 code runs. Its `exchange`, when the expert service sets one up, is the
-symmetric-memory exchange (exchange/symmetric.py) for decode-sized steps.
+symmetric-memory exchange (exchange/symmetric.py) for decode-sized steps; its
+`plan`, when the expert service sets one, picks each step's design (gather or
+all-to-all: exchange/cost_model.py).
 """
 
 from collections.abc import Sequence
@@ -12,6 +14,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from services.model.exchange.plan import DispatchPlan
 
 
 class ExpertComm:
@@ -24,6 +28,9 @@ class ExpertComm:
         # kernels/moe_ep.py's exchange over symmetric memory (exchange/symmetric.py), if set:
         # the decode steps that fit its buffers go through it instead of NCCL.
         self.exchange = None
+        # The group's exchange design per step size (cost_model.DispatchPlan), if set; None keeps
+        # each backend's own: the gather on CUDA with the Triton backend, the all-to-all in torch.
+        self.plan: DispatchPlan | None = None
 
     @classmethod
     def local(cls) -> "ExpertComm":

@@ -5,7 +5,9 @@ Per step, from the layer's group and the step's size, with every switch read at 
 1. One rank holding every expert in its slot (no replicas), more than
    moe_small.MOE_MAX_TOKENS tokens: moe_grouped.grouped_moe (moe_grouped.ENABLED).
 2. Several ranks at a fixed capacity: moe_ep.gathered_moe, a gather and a reduce-scatter
-   (moe_ep.ENABLED).
+   (moe_ep.ENABLED), unless the group's plan (comm.plan, exchange/cost_model.py) picks
+   the all-to-all for the step's size: then 4., at the fixed capacity where the plan runs
+   the step at one (decode, CUDA graphs), else with host splits (exactly the rows).
 3. One rank, up to MOE_MAX_TOKENS tokens: moe_small.fused_moe.
 4. Otherwise the dispatch path (moe_dispatch.py), its experts by moe_gemm.sorted_experts
    (moe_gemm.EP_EXPERTS; moe_experts.experts for row blocks).
@@ -31,8 +33,11 @@ class TritonMoE(MoEBackend):
             return moe_grouped.grouped_moe(x_TD, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, layer.top_k,
                                            layer.norm_topk_prob, layer.hit_counts_E, add_norm=add_norm)
         if layer.comm.world_size > 1 and capacity is not None and self.gathers(x_TD.device):
-            rows_per_rank = capacity // min(layer.top_k, layer.w_gate_up_LGD.shape[0])
-            return moe_ep.gathered_moe(layer, x_TD, rows_per_rank, add_norm)
+            rows_per_rank, plan = capacity // min(layer.top_k, layer.w_gate_up_LGD.shape[0]), layer.comm.plan
+            if plan is None or plan.design(rows_per_rank) == "gather":
+                return moe_ep.gathered_moe(layer, x_TD, rows_per_rank, add_norm)
+            if not plan.is_fixed(rows_per_rank):  # the model pads every step here: send exactly the rows
+                capacity = None
         out_TD = self._output(layer, x_TD, capacity)
         return out_TD if add_norm is None else add_norm(out_TD)
 
