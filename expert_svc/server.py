@@ -23,6 +23,12 @@
    (or none: a standby took its place while it hung), `run` returns
    EXIT_ASSIGNMENT_LOST so that the supervisor restarts it clean (it then
    registers again as a standby).
+7. Fencing (expert_svc/fencing.py): once the rank's etcd lease has gone a
+   TTL without renewal (etcd unreachable: the host may be partitioned and
+   replaced), the serving epoch's steps are held and the rank is
+   NOT_SERVING; the same lease confirmed alive lifts the hold, a new lease
+   fails the epoch as in 5, so a cut-off rank never serves its old epoch
+   beside the group re-formed without it.
 
 On CUDA, steps 5 and 6 are not taken: NCCL's timeout does not free a host
 thread waiting on a stuck collective (seen on H200s with torch 2.11: still
@@ -47,7 +53,7 @@ import socket
 
 import torch
 
-from expert_svc import observability, placement
+from expert_svc import fencing, observability, placement
 from expert_svc.assignment import Action, AssignmentLostError, joined_placement, next_action
 from expert_svc.config import ExpertConfig
 from expert_svc.executor import StepExecutor
@@ -116,6 +122,7 @@ class ExpertRank:
         self._failure_tasks: set[asyncio.Task] = set()
         self._placement_task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
+        self._fence_task: asyncio.Task | None = None
         self._step_failed = asyncio.Event()
         self._failure_reason = ""
 
@@ -156,6 +163,7 @@ class ExpertRank:
                                      ttl=cfg.lease_ttl_s)
         self._address = cfg.address(self._server.port)
         self._watch_task = asyncio.create_task(self._follow_assignment(), name="follow-assignment")
+        self._fence_task = fencing.start(self.state, self._set_serving, lambda: self._cluster.session)
 
     async def run(self, stop: asyncio.Event) -> int:
         """Serves until `stop` is set (0), the assignment fails or is lost, or a
@@ -325,10 +333,11 @@ class ExpertRank:
         """
         if self._server is not None:
             await self._set_serving(False)
-        if self._watch_task is not None and not self._watch_task.done():
-            self._watch_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch_task
+        for task in (self._watch_task, self._fence_task):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._cluster is not None:
             await self._cluster.close()  # revokes the lease: peers see us leave at once
         if self._server is not None:
