@@ -193,22 +193,26 @@ class HostMesh:
         return [name for name, hosted in self.roles.items() if hosted.host == host]
 
     def stop(self) -> None:
-        """SIGTERM to every role (gateway first) and etcd, SIGKILL after a grace; waits for them."""
-        procs = [h.proc for h in reversed(self.roles.values()) if h.proc is not None]
-        procs += [self.etcd_proc] if self.etcd_proc is not None else []
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + 10
-        for proc in procs:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        """SIGTERM to every role (gateway first), then to etcd (the roles leave through it), SIGKILL
+        after a grace; waits for them."""
+        _terminate([h.proc for h in reversed(self.roles.values()) if h.proc is not None])
+        _terminate([self.etcd_proc] if self.etcd_proc is not None else [])
 
     def __enter__(self) -> "HostMesh":
         return self.start()
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def _terminate(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
