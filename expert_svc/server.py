@@ -149,7 +149,7 @@ class ExpertRank:
             [SERVICE_NAME], host=cfg.host, port=cfg.port)
         await self._set_serving(False)
         announce_port("expert", cfg, self._server.port)
-        self._cluster = ClusterClient(cfg.etcd, prefix=cfg.key_prefix)
+        self._cluster = ClusterClient(cfg.etcd, prefix=cfg.key_prefix, reach_timeout_s=cfg.etcd_connect_timeout_s)
         await self._cluster.connect()
         rendezvous_port = cfg.rendezvous_port or _free_port(cfg.host)
         await self._cluster.register("expert", cfg.member_id, cfg.address(self._server.port),
