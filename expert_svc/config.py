@@ -9,6 +9,7 @@ key_prefix, log_level) come from `MemberConfig`.
 import dataclasses
 
 from expert_svc.spare_slots import parse_setting
+from services import netaddr
 from services.settings import MemberConfig
 
 _DTYPES = ("float32", "bfloat16")
@@ -33,6 +34,11 @@ class ExpertConfig(MemberConfig):
     random_weights: str = ""
     # Seed of the random weights; the same on every rank of a group.
     random_weights_seed: int = 0
+    # The network interface of the collective (e.g. eth1, ib0): sets
+    # GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME before the process group starts,
+    # and advertise_host defaults to its IPv4 address. Empty: the interface
+    # holding the advertised address (when not loopback), else gloo's and NCCL's own choice.
+    ep_interface: str = ""
     # The port this rank hosts the torch.distributed store on if it becomes
     # rank 0; 0 picks a free one at start.
     rendezvous_port: int = 0
@@ -133,6 +139,8 @@ class ExpertConfig(MemberConfig):
     stats_deadline_s: float = 2.0
 
     def __post_init__(self) -> None:
+        if self.ep_interface and not self.advertise_host:
+            object.__setattr__(self, "advertise_host", netaddr.interface_address(self.ep_interface))
         MemberConfig.__post_init__(self)
         if not self.model and not self.random_weights:
             raise ValueError(f"model must be a checkpoint directory, got {self.model!r}")
@@ -175,6 +183,17 @@ class ExpertConfig(MemberConfig):
         for name in ("collective_timeout_s", "stats_deadline_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def collective_interface(self) -> str | None:
+        """The interface gloo and NCCL should use: ep_interface, else the one that
+        holds the advertised address (None for loopback or an address no interface
+        holds: the libraries choose)."""
+        if self.ep_interface:
+            return self.ep_interface
+        if netaddr.is_loopback(self.advertise_host):
+            return None
+        return netaddr.interface_of(self.advertise_host)
 
     @property
     def is_cuda(self) -> bool:

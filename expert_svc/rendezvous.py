@@ -13,10 +13,16 @@ rendezvous from the store it already holds, so its port is never bound
 twice; the other ranks open a fresh client each epoch.
 
 Model thread only: every call blocks (up to the collective timeout).
+
+`use_interface` points gloo and NCCL at one network interface (their
+GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME): without it gloo takes the address
+the host name resolves to, which on many hosts is a loopback or management
+address that the other hosts cannot reach.
 """
 
 import datetime
 import logging
+import os
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
@@ -24,6 +30,19 @@ from torch.distributed import distributed_c10d
 from services.cluster import GroupAssignment
 
 log = logging.getLogger("expert_svc")
+
+
+# The environment variables that pick the interface of gloo's and NCCL's sockets.
+INTERFACE_ENV_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def use_interface(interface: str, *, override: bool) -> None:
+    """Makes gloo and NCCL use `interface` (before any process group starts).
+    override=False keeps a variable the operator has already set."""
+    for name in INTERFACE_ENV_VARS:
+        if override or not os.environ.get(name):
+            os.environ[name] = interface
+    log.info("collective network interface: %s", ", ".join(f"{n}={os.environ[n]}" for n in INTERFACE_ENV_VARS))
 
 
 class RendezvousError(RuntimeError):

@@ -59,7 +59,7 @@ from expert_svc.config import ExpertConfig
 from expert_svc.executor import StepExecutor
 from expert_svc.model_builder import ModelBuilder
 from expert_svc.observability import step_hook
-from expert_svc.rendezvous import ProcessGroupLink, RendezvousError
+from expert_svc.rendezvous import ProcessGroupLink, RendezvousError, use_interface
 from expert_svc.router_client import RouterClient
 from expert_svc.runner import StepRunner
 from expert_svc.state import RankState
@@ -148,13 +148,15 @@ class ExpertRank:
         cfg = self.config
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        if cfg.collective_interface:
+            use_interface(cfg.collective_interface, override=bool(cfg.ep_interface))
         servicer = ExpertServicer(self.state)
         self._server = await grpc_util.start_server(
             [lambda s: expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, s)],
             [SERVICE_NAME], host=cfg.host, port=cfg.port)
         await self._set_serving(False)
         announce_port("expert", cfg, self._server.port)
-        self._cluster = ClusterClient(cfg.etcd, prefix=cfg.key_prefix)
+        self._cluster = ClusterClient(cfg.etcd, prefix=cfg.key_prefix, reach_timeout_s=cfg.etcd_connect_timeout_s)
         await self._cluster.connect()
         rendezvous_port = cfg.rendezvous_port or _free_port(cfg.host)
         await self._cluster.register("expert", cfg.member_id, cfg.address(self._server.port),
