@@ -9,9 +9,9 @@ three schedulers, the router and the gateway; each entry of `spec.ranks`
 (member id -> host) one expert service of the group, which forms from those
 alone; `spec.standbys` start once the gateway serves, so the scheduler never
 puts one into the first group. Every role binds and advertises its host's
-address on the subnet (--host), and the expert services' gloo uses the
-host's interface (GLOO_SOCKET_IFNAME), so every byte between roles crosses
-the bridge. Like moemesh.launcher, each process writes its bound port to a
+address on the subnet (--bind-host, --advertise-host), and the expert
+services' gloo uses the host's interface (--ep-interface), so every byte
+between roles crosses the bridge. Like moemesh.launcher, each process writes its bound port to a
 file that this waits for; logs and port files go to spec.work_dir.
 """
 
@@ -126,13 +126,14 @@ class HostMesh:
     def _spawn_expert(self, member_id: str, host: str) -> None:
         self._spawn(host, member_id, "expert_svc.main",
                     ["--etcd", self.etcd_endpoint, "--member-id", member_id, "--model", self.spec.model_dir,
-                     "--device", "cpu"])
+                     "--device", "cpu", "--ep-interface", netns.INTERFACE])  # gloo on the host's interface
 
     def _spawn(self, host: str, name: str, module: str, args: list[str]) -> None:
         port_file = self.work_dir / f"{name}.port"
         port_file.unlink(missing_ok=True)
         key = module.split(".")[0]
-        cmd = [sys.executable, "-m", module, *args, "--host", self.net.address(host), "--port", "0",
+        address = self.net.address(host)
+        cmd = [sys.executable, "-m", module, *args, "--bind-host", address, "--advertise-host", address, "--port", "0",
                "--port-file", str(port_file), "--metrics-port", "0", *self.spec.extra_args.get(key, [])]
         if key != "scheduler_svc" and shutil.which("nice"):  # the control plane first, as moemesh.launcher
             cmd = ["nice", "-n", str(DEFAULT_DATA_PLANE_NICE), *cmd]
@@ -142,8 +143,7 @@ class HostMesh:
 
     def _launch(self, name: str) -> None:
         hosted = self.roles[name]
-        # The host's interface for gloo: otherwise it binds the address the machine's hostname resolves to.
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": netns.INTERFACE}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         hosted.role.proc = self.net.popen(hosted.host, hosted.role.cmd, hosted.role.log_path, env)
 
     def _wait_port(self, name: str) -> int:

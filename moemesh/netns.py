@@ -28,6 +28,7 @@ namespaces, which takes their veths along. Root and iproute2 are required.
 import atexit
 import contextlib
 import ipaddress
+import itertools
 import os
 import pathlib
 import shutil
@@ -37,6 +38,7 @@ import subprocess
 PREFIX = "mmns"
 DEFAULT_SUBNET = "10.213.97.0/24"
 INTERFACE = "eth0"  # each host's interface, in its own namespace (GLOO_SOCKET_IFNAME)
+_networks = itertools.count()  # several networks of one process get distinct names
 
 
 class Unavailable(RuntimeError):
@@ -60,7 +62,7 @@ class Network:
         if self.subnet.prefixlen != 24 or self.subnet.version != 4:
             raise ValueError(f"the subnet must be an IPv4 /24, got {self.subnet}")
         self.hosts = list(hosts)
-        self.tag = f"{PREFIX}{os.getpid()}-"
+        self.tag = f"{PREFIX}{os.getpid()}-{next(_networks) % 10}"
         self.switch = f"{self.tag}sw"
         self._client_link = f"{self.tag}c"  # the root namespace's end (interface names: 15 chars at most)
         self._started = False

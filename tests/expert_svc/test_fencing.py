@@ -7,6 +7,7 @@ import concurrent.futures
 import time
 
 from expert_svc import fencing
+from expert_svc.observability import readiness
 from expert_svc.executor import StepExecutor
 from expert_svc.state import RankState
 from services.cluster.session import Session
@@ -59,12 +60,14 @@ def test_a_quiet_lease_holds_the_steps_and_the_same_lease_confirmed_alive_runs_t
         rank.go_quiet()
         await _until(lambda: rank.state.executor.is_held)
         assert rank.serving == [False]
+        assert {k: readiness(rank.state)()[k] for k in ("ready", "fenced")} == {"ready": False, "fenced": True}
         stream.send(2)
         await asyncio.sleep(0.3)
         assert ("launch", 2) not in runner.log  # fenced: the plan waits
         rank.session = Session(lease_id=7, ttl=TTL_S)  # etcd answers: the lease is alive
         await _until(lambda: len(stream.results) == 2)
         assert rank.serving == [False, True] and rank.failures == [] and not rank.state.executor.is_held
+        assert readiness(rank.state)()["ready"]
         await stream.close()
         await rank.stop()
         assert stream.error is None
