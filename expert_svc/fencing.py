@@ -42,6 +42,7 @@ async def watch_lease(session_of: Callable[[], Session | None], *, on_hold: Call
     """Runs until cancelled: on_hold once the current lease has gone a TTL without renewal; then on_lift
     when a live session on the same lease is back, on_expired when a live one on another lease is."""
     held_lease: int | None = None
+    held_renewal = 0.0  # the last renewal before the hold: lifting takes a later one
     while True:
         session = session_of()
         ttl = session.ttl if session is not None else 1
@@ -49,11 +50,12 @@ async def watch_lease(session_of: Callable[[], Session | None], *, on_hold: Call
             if held_lease is None:
                 quiet_s = time.monotonic() - session.last_renewed
                 if quiet_s >= session.ttl:
-                    held_lease = session.lease_id
+                    held_lease, held_renewal = session.lease_id, session.last_renewed
                     log.warning("fenced: lease %x not renewed for %.1f s (ttl %d s); holding this epoch's "
                                 "steps until etcd answers", session.lease_id, quiet_s, session.ttl)
                     await on_hold()
-            elif not session.lost.is_set():
+            elif not session.lost.is_set() and (session.lease_id != held_lease
+                                                or session.last_renewed > held_renewal):
                 if session.lease_id == held_lease:
                     log.info("lease %x confirmed alive: fence lifted", held_lease)
                     await on_lift()

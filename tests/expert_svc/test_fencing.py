@@ -123,3 +123,21 @@ def test_a_renewed_lease_is_never_fenced():
 
     with concurrent.futures.ThreadPoolExecutor(1) as model_thread:
         asyncio.run(body(model_thread))
+
+
+def test_a_quiet_lease_not_yet_marked_lost_stays_held_until_it_is_renewed():
+    """The keepalive may be slow to fail (a starved event loop): only a renewal after the hold lifts it."""
+    async def body(model_thread):
+        rank, _ = _rank(model_thread)
+        rank.start()
+        rank.session.last_renewed = time.monotonic() - TTL_S  # quiet, but no refresh has failed yet
+        await _until(lambda: rank.state.executor.is_held)
+        await asyncio.sleep(0.3)
+        assert rank.state.executor.is_held and rank.serving == [False]
+        rank.session.last_renewed = time.monotonic()  # the keepalive got through: the same lease lives
+        await _until(lambda: not rank.state.executor.is_held)
+        assert rank.serving == [False, True] and rank.failures == []
+        await rank.stop()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as model_thread:
+        asyncio.run(body(model_thread))
