@@ -58,7 +58,8 @@ def host_mesh(hosts, tiny_model_dir, tmp_path_factory):
     spec = multihost.HostMeshSpec(
         model_dir=str(tiny_model_dir), work_dir=str(tmp_path_factory.mktemp("multihost")),
         ranks={"expert-b": "b", "expert-c": "c"}, standbys={"expert-a": "a"},
-        extra_args={"expert_svc": ["--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S), "--lease-ttl-s", str(LEASE_TTL_S)],
+        extra_args={"expert_svc": ["--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S),
+                                   "--lease-ttl-s", str(LEASE_TTL_S)],
                     "scheduler_svc": ["--reform-settle-s", str(LEASE_TTL_S + 1)],
                     "gateway": ["--prefill-chunk-size", "16", "--resume-timeout-s", "60"]})
     with multihost.HostMesh(hosts, spec) as mesh:
