@@ -22,7 +22,6 @@ Skipped where network namespaces cannot be made (not root, no iproute2, a
 container without the right). MOEMESH_NETNS_SUBNET picks the /24.
 """
 
-import asyncio
 import subprocess
 import sys
 import time
@@ -33,7 +32,6 @@ from expert_svc.server import EXIT_ASSIGNMENT_LOST
 from moemesh import multihost, netns
 from services.cluster import ClusterClient
 from tests.bounded import eventually, run
-from tests.conftest import hf_greedy
 from tests.e2e.test_chaos_e2e import NEW_TOKENS, assert_all_complete, chaos, current_group, with_references
 
 COLLECTIVE_TIMEOUT_S = 4
@@ -106,7 +104,7 @@ def test_greedy_outputs_across_hosts_equal_the_reference(host_mesh, short_prompt
     assert host_of(host_mesh, group.rendezvous_address) == "b"  # rank 0's store: gloo meets across the bridge
 
 
-def test_host_c_lost_with_streams_in_flight_the_standby_takes_its_rank(host_mesh, short_prompts, hf_model):
+def test_host_c_lost_with_streams_in_flight_the_standby_takes_its_rank(host_mesh, short_prompts):
     ids, references = short_prompts
 
     async def lose_host_c(group, streams):
