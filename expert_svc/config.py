@@ -7,12 +7,19 @@ key_prefix, log_level) come from `MemberConfig`.
 """
 
 import dataclasses
+import hashlib
+import json
 
 from expert_svc.spare_slots import parse_setting
 from services import netaddr
 from services.settings import MemberConfig
 
 _DTYPES = ("float32", "bfloat16")
+# The fields whose help says "must be the same on every rank of a group" (checked by
+# tests/expert_svc/test_group_settings.py): registered, with the model's hash, as the
+# group settings that the scheduler compares (scheduler_svc/compat.py).
+SAME_ON_EVERY_RANK = ("random_weights", "random_weights_seed", "max_fixed_capacity_tokens", "ep_exchange",
+                      "ep_exchange_push", "ep_exchange_signals", "num_spare_expert_slots")
 # services.model.attention.ATTENTION_BACKEND_NAMES (not imported: it pulls in torch).
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
@@ -183,6 +190,14 @@ class ExpertConfig(MemberConfig):
         for name in ("collective_timeout_s", "stats_deadline_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def group_settings(self, model_config) -> dict:
+        """What must be equal on every rank of a group: a hash of the model's
+        config, the collective's backend, the compute dtype and SAME_ON_EVERY_RANK."""
+        config_json = json.dumps(dataclasses.asdict(model_config), sort_keys=True, default=str)
+        return {"model_config": hashlib.sha256(config_json.encode()).hexdigest()[:16],
+                "backend": "nccl" if self.is_cuda else "gloo", "dtype": self.dtype_name,
+                **{name: getattr(self, name) for name in SAME_ON_EVERY_RANK}}
 
     @property
     def collective_interface(self) -> str | None:
