@@ -43,7 +43,7 @@ class ExpertConfig(MemberConfig):
     random_weights_seed: int = 0
     # The network interface of the collective (e.g. eth1, ib0): sets
     # GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME before the process group starts,
-    # and advertise_host defaults to its IPv4 address. Empty: the interface
+    # and advertise_host defaults to its IPv4 address (unless host is a specific one). Empty: the interface
     # holding the advertised address (when not loopback), else gloo's and NCCL's own choice.
     ep_interface: str = ""
     # The port this rank hosts the torch.distributed store on if it becomes
@@ -146,7 +146,7 @@ class ExpertConfig(MemberConfig):
     stats_deadline_s: float = 2.0
 
     def __post_init__(self) -> None:
-        if self.ep_interface and not self.advertise_host:
+        if self.ep_interface and not self.advertise_host and netaddr.is_wildcard(self.host):
             object.__setattr__(self, "advertise_host", netaddr.interface_address(self.ep_interface))
         MemberConfig.__post_init__(self)
         if not self.model and not self.random_weights:

@@ -48,6 +48,8 @@ def test_ep_interface_gives_the_advertised_host_and_the_collective_interface():
     config = ExpertConfig(member_id="e0", model="m", ep_interface="lo")
     assert (config.advertise_host, config.collective_interface) == ("127.0.0.1", "lo")
     assert ExpertConfig(member_id="e0", model="m").collective_interface is None  # loopback: the libraries' choice
+    bound = ExpertConfig(member_id="e0", model="m", ep_interface="lo", host="127.0.0.3")
+    assert (bound.advertise_host, bound.collective_interface) == ("127.0.0.3", "lo")  # a specific bind host wins
     with pytest.raises(ValueError, match="interface 'nosuch0' has no IPv4 address"):
         ExpertConfig(member_id="e0", model="m", ep_interface="nosuch0")
 
