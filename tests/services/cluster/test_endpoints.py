@@ -60,3 +60,13 @@ def test_several_endpoints_use_the_one_that_answers(tmp_path):
                 return [m.member_id for m in await client.list_members("router")]
 
         assert asyncio.run(roundtrip()) == ["r0"]
+
+
+def test_a_role_exits_with_status_1_and_one_line_naming_etcd(capsys):
+    from services import process
+
+    with pytest.raises(SystemExit) as exit_info:
+        with process.exit_unreachable("router"):
+            raise ClusterUnavailableError("etcd unreachable within 1 s (10.0.0.1:2379: timed out)")
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err == "router: etcd unreachable within 1 s (10.0.0.1:2379: timed out)\n"
