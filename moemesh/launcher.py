@@ -128,7 +128,9 @@ class MeshSpec:
         from services.model.config import ModelConfig  # torch: only once a mesh is started
 
         num_experts = ModelConfig.from_model_dir(self.model_dir).num_experts
-        if num_experts % self.num_ranks:
+        # --ranks is the group size where the schedulers start; elsewhere the expert services started
+        # here, a part of a group (the scheduler leader refuses a size that does not divide the experts).
+        if "scheduler" in self.roles and num_experts % self.num_ranks:
             divisors = [n for n in range(1, num_experts + 1) if num_experts % n == 0]
             raise ValueError(f"--ranks {self.num_ranks} does not divide the {num_experts} experts of "
                              f"{self.model_dir!r} (each rank holds experts/ranks of them); use one of {divisors}")

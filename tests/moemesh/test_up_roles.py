@@ -33,6 +33,15 @@ def test_roles_on_one_host_tag_their_member_ids_with_its_address(tiny_model_dir)
                                                                           "127.0.0.2", "a")
 
 
+def test_ranks_must_divide_the_experts_only_where_it_is_the_group_size(tiny_model_dir):
+    with pytest.raises(ValueError, match="--ranks 3 does not divide the 8 experts"):
+        spec(tiny_model_dir, "--ranks", "3")
+    with pytest.raises(ValueError, match="--ranks 3 does not divide the 8 experts"):
+        spec(tiny_model_dir, "--ranks", "3", "--roles", "scheduler", "--etcd", "127.0.0.1:2379")
+    # three of a group of four on this host, the fourth elsewhere
+    assert spec(tiny_model_dir, "--ranks", "3", "--roles", "expert", "--etcd", "127.0.0.1:2379").num_ranks == 3
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--roles", "expert"], "without etcd in --roles, give --etcd HOST:PORT"),
     (["--roles", "expert,brain", "--etcd", "127.0.0.1:2379"], "--roles must be a non-empty list of "
