@@ -237,9 +237,10 @@ class Mesh:
             self.etcd = etcd.start_etcd(self.work_dir / "etcd", tls_dir=self.tls_dirs["etcd"])
             etcd_tls.enable_auth(self.etcd.endpoint, self.tls_files(certs.ETCD_ROOT))
         else:
-            # Other hosts reach it at this host's address (roles on several hosts).
-            self.etcd = etcd.start_etcd(self.work_dir / "etcd", listen_host=self.spec.bind_host or "127.0.0.1",
-                                        advertise_host=self.dial_host)
+            # With roles on other hosts, they reach it at this host's address.
+            spread = self.spec.bind_host or self.spec.advertise_host
+            hosts = {"listen_host": self.spec.bind_host or "0.0.0.0", "advertise_host": self.dial_host} if spread else {}
+            self.etcd = etcd.start_etcd(self.work_dir / "etcd", **hosts)
         self.etcd_endpoint = self.etcd.endpoint
 
     def _member_id(self, name: str) -> str:
