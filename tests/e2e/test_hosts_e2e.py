@@ -178,3 +178,13 @@ def test_the_mesh_serves_on_when_an_etcd_member_is_lost(hosts, etcd_cluster, hf_
     prompt = PROMPTS[0]
     assert generate_when_ready(address, prompt, timeout_s=60) == hf_greedy(hf_model, prompt_ids(address, prompt),
                                                                           NUM_NEW_TOKENS)
+
+
+def test_a_role_with_an_unreachable_etcd_exits_naming_it():
+    port = free_port("127.0.0.1")  # nothing listens there once the probe socket is closed
+    proc = subprocess.run([sys.executable, "-m", "router_svc.main", "--member-id", "r0", "--etcd",
+                           f"127.0.0.1:{port},127.0.0.2:{port}", "--etcd-connect-timeout-s", "1"],
+                          capture_output=True, text=True, timeout=READY_TIMEOUT_S)
+    assert proc.returncode == 1
+    assert f"router: etcd unreachable within 1 s (127.0.0.1:{port}: " in proc.stderr
+    assert f"127.0.0.2:{port}: " in proc.stderr and "Traceback" not in proc.stderr
