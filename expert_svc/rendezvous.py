@@ -27,6 +27,7 @@ import os
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from expert_svc import peers
 from services.cluster import GroupAssignment
 
 log = logging.getLogger("expert_svc")
@@ -55,6 +56,9 @@ class ProcessGroupLink:
     def __init__(self, backend: str, timeout_s: float):
         self.backend = backend
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        # This rank's registered gRPC address (set once registered): checked with
+        # the peers' before each rendezvous (expert_svc/peers.py); empty: no check.
+        self.advertised_address = ""
         self.epoch: int | None = None  # the epoch of the process group now up, None if none
         self._store: dist.TCPStore | None = None  # hosted while rank 0
         self._store_address: str | None = None
@@ -67,6 +71,11 @@ class ProcessGroupLink:
         # successful destroy_process_group() resets, and the name is part of gloo's
         # store keys: after a failed rendezvous the ranks would wait on different keys.
         distributed_c10d._world.group_count = 0
+        if self.advertised_address:
+            try:
+                peers.check_peers(group, rank, self.advertised_address)
+            except peers.PeerUnreachableError as error:
+                raise RendezvousError(str(error)) from error
         try:
             store = self._rendezvous_store(group.rendezvous_address, rank)
             dist.init_process_group(

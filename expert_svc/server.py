@@ -161,9 +161,11 @@ class ExpertRank:
         rendezvous_port = cfg.rendezvous_port or _free_port(cfg.host)
         await self._cluster.register("expert", cfg.member_id, cfg.address(self._server.port),
                                      {"rendezvous_port": rendezvous_port, "device": cfg.device,
-                                      "num_spare_expert_slots": cfg.fixed_spare_slots or 0},
+                                      "num_spare_expert_slots": cfg.fixed_spare_slots or 0,
+                                      "num_experts": self.model_config.num_experts,
+                                      "group_settings": cfg.group_settings(self.model_config)},
                                      ttl=cfg.lease_ttl_s)
-        self._address = cfg.address(self._server.port)
+        self._address = self._link.advertised_address = cfg.address(self._server.port)
         self._watch_task = asyncio.create_task(self._follow_assignment(), name="follow-assignment")
         self._fence_task = fencing.start(self.state, self._set_serving, lambda: self._cluster.session)
 

@@ -43,7 +43,7 @@ def mesh_spec(args: argparse.Namespace, model_dir: str) -> launcher.MeshSpec:
     roles = tuple(r.strip() for r in args.roles.split(",") if r.strip()) if args.roles else launcher.ALL_ROLES
     member_tag = args.member_tag
     if member_tag is None:  # several hosts: ids that differ per host
-        member_tag = "" if set(roles) == set(launcher.ALL_ROLES) else host_tag(args)
+        member_tag = "" if set(roles) == set(launcher.ALL_ROLES) else host_tag(args, roles)
     return launcher.MeshSpec(model_dir=model_dir, num_ranks=args.ranks, device=args.device,
                              gateway_port=args.port, http_port=args.http_port, etcd=args.etcd or "",
                              work_dir=args.work_dir or "", api_keys=args.api_keys or "",
@@ -53,13 +53,15 @@ def mesh_spec(args: argparse.Namespace, model_dir: str) -> launcher.MeshSpec:
                              ep_interface=args.ep_interface or "", member_tag=member_tag)
 
 
-def host_tag(args: argparse.Namespace) -> str:
+def host_tag(args: argparse.Namespace, roles: tuple[str, ...]) -> str:
     """This host's part of its roles' member ids: the address they advertise, as 10-0-0-2."""
     from services import netaddr
 
     if args.advertise_host:
         host = args.advertise_host
-    elif args.ep_interface:
+    elif args.bind_host and not netaddr.is_wildcard(args.bind_host):
+        host = args.bind_host
+    elif args.ep_interface and "expert" in roles:
         host = netaddr.interface_address(args.ep_interface)
     else:
         etcd_hosts = [h for h, _ in netaddr.split_endpoints(args.etcd)] if args.etcd else ["127.0.0.1"]

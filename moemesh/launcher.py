@@ -128,7 +128,9 @@ class MeshSpec:
         from services.model.config import ModelConfig  # torch: only once a mesh is started
 
         num_experts = ModelConfig.from_model_dir(self.model_dir).num_experts
-        if num_experts % self.num_ranks:
+        # --ranks is the group size where the schedulers start; elsewhere the expert services started
+        # here, a part of a group (the scheduler leader refuses a size that does not divide the experts).
+        if "scheduler" in self.roles and num_experts % self.num_ranks:
             divisors = [n for n in range(1, num_experts + 1) if num_experts % n == 0]
             raise ValueError(f"--ranks {self.num_ranks} does not divide the {num_experts} experts of "
                              f"{self.model_dir!r} (each rank holds experts/ranks of them); use one of {divisors}")
@@ -235,9 +237,10 @@ class Mesh:
             self.etcd = etcd.start_etcd(self.work_dir / "etcd", tls_dir=self.tls_dirs["etcd"])
             etcd_tls.enable_auth(self.etcd.endpoint, self.tls_files(certs.ETCD_ROOT))
         else:
-            # Other hosts reach it at this host's address (roles on several hosts).
-            self.etcd = etcd.start_etcd(self.work_dir / "etcd", listen_host=self.spec.bind_host or "127.0.0.1",
-                                        advertise_host=self.dial_host)
+            # With roles on other hosts, they reach it at this host's address.
+            spread = self.spec.bind_host or self.spec.advertise_host
+            hosts = {"listen_host": self.spec.bind_host or "0.0.0.0", "advertise_host": self.dial_host} if spread else {}
+            self.etcd = etcd.start_etcd(self.work_dir / "etcd", **hosts)
         self.etcd_endpoint = self.etcd.endpoint
 
     def _member_id(self, name: str) -> str:

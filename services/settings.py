@@ -101,7 +101,7 @@ def _add_argument(parser, field: dataclasses.Field, hint, comment: str, env) -> 
     else:
         kwargs["required"] = True
     shown = "required" if "required" in kwargs else f"default {kwargs['default']!r}"
-    kwargs["help"] = f"{help_text} ({shown})"
+    kwargs["help"] = f"{help_text} ({shown})".replace("%", "%%")  # argparse formats help with %
     if hint is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
     else:
