@@ -66,6 +66,9 @@ class Network:
         self.switch = f"{self.tag}sw"
         self._client_link = f"{self.tag}c"  # the root namespace's end (interface names: 15 chars at most)
         self._started = False
+        # host -> the processes popen started there: killed with the namespace's, since one that
+        # has not entered the namespace yet (`ip netns exec` still setting up) is not listed in it
+        self._procs: dict[str, list[subprocess.Popen]] = {host: [] for host in hosts}
 
     def namespace(self, host: str) -> str:
         return f"{self.tag}{host}"
@@ -117,9 +120,11 @@ class Network:
     def popen(self, host: str, cmd: list[str], log_path: pathlib.Path, env: dict | None = None) -> subprocess.Popen:
         """Starts cmd inside the host's namespace (`ip netns exec` execs it: the pid is the command's)."""
         with open(log_path, "ab") as out:
-            return subprocess.Popen(["ip", "netns", "exec", self.namespace(host), *cmd], stdout=out,
+            proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(host), *cmd], stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     start_new_session=True)
+        self._procs[host] = [p for p in self._procs[host] if p.poll() is None] + [proc]
+        return proc
 
     def pids(self, host: str) -> list[int]:
         """Every process in the host's namespace."""
@@ -128,7 +133,7 @@ class Network:
 
     def kill_host(self, host: str) -> list[int]:
         """SIGKILLs every process in the host's namespace at once (a host lost); returns their pids."""
-        pids = self.pids(host)
+        pids = sorted(set(self.pids(host)) | {p.pid for p in self._procs[host] if p.poll() is None})
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -144,7 +149,7 @@ class Network:
             return
         self._started = False
         for host in self.hosts:
-            _kill_namespace(self.namespace(host))
+            self.kill_host(host)
         for ns in [*map(self.namespace, self.hosts), self.switch]:
             _ip("netns", "delete", ns, check=False)
         _ip("link", "delete", self._client_link, check=False)  # gone with the switch; in case it was not
