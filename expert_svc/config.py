@@ -7,13 +7,21 @@ key_prefix, log_level) come from `MemberConfig`.
 """
 
 import dataclasses
+import hashlib
+import json
 
 from expert_svc.spare_slots import parse_setting
+from services import netaddr
 from services.model.exchange.cost_model import SETTINGS as _EP_DISPATCHES
 from services.model.exchange.cost_model import parse_overrides
 from services.settings import MemberConfig
 
 _DTYPES = ("float32", "bfloat16")
+# The fields whose help says "must be the same on every rank of a group" (checked by
+# tests/expert_svc/test_group_settings.py): registered, with the model's hash, as the
+# group settings that the scheduler compares (scheduler_svc/compat.py).
+SAME_ON_EVERY_RANK = ("random_weights", "random_weights_seed", "max_fixed_capacity_tokens", "ep_exchange",
+                      "ep_exchange_push", "ep_exchange_signals", "num_spare_expert_slots")
 # services.model.attention.ATTENTION_BACKEND_NAMES (not imported: it pulls in torch).
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
@@ -35,6 +43,11 @@ class ExpertConfig(MemberConfig):
     random_weights: str = ""
     # Seed of the random weights; the same on every rank of a group.
     random_weights_seed: int = 0
+    # The network interface of the collective (e.g. eth1, ib0): sets
+    # GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME before the process group starts,
+    # and advertise_host defaults to its IPv4 address (unless host is a specific one). Empty: the interface
+    # holding the advertised address (when not loopback), else gloo's and NCCL's own choice.
+    ep_interface: str = ""
     # The port this rank hosts the torch.distributed store on if it becomes
     # rank 0; 0 picks a free one at start.
     rendezvous_port: int = 0
@@ -156,6 +169,8 @@ class ExpertConfig(MemberConfig):
     stats_deadline_s: float = 2.0
 
     def __post_init__(self) -> None:
+        if self.ep_interface and not self.advertise_host and netaddr.is_wildcard(self.host):
+            object.__setattr__(self, "advertise_host", netaddr.interface_address(self.ep_interface))
         MemberConfig.__post_init__(self)
         if not self.model and not self.random_weights:
             raise ValueError(f"model must be a checkpoint directory, got {self.model!r}")
@@ -201,6 +216,25 @@ class ExpertConfig(MemberConfig):
         for name in ("collective_timeout_s", "stats_deadline_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def group_settings(self, model_config) -> dict:
+        """What must be equal on every rank of a group: a hash of the model's
+        config, the collective's backend, the compute dtype and SAME_ON_EVERY_RANK."""
+        config_json = json.dumps(dataclasses.asdict(model_config), sort_keys=True, default=str)
+        return {"model_config": hashlib.sha256(config_json.encode()).hexdigest()[:16],
+                "backend": "nccl" if self.is_cuda else "gloo", "dtype": self.dtype_name,
+                **{name: getattr(self, name) for name in SAME_ON_EVERY_RANK}}
+
+    @property
+    def collective_interface(self) -> str | None:
+        """The interface gloo and NCCL should use: ep_interface, else the one that
+        holds the advertised address (None for loopback or an address no interface
+        holds: the libraries choose)."""
+        if self.ep_interface:
+            return self.ep_interface
+        if netaddr.is_loopback(self.advertise_host):
+            return None
+        return netaddr.interface_of(self.advertise_host)
 
     @property
     def is_cuda(self) -> bool:

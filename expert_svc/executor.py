@@ -59,6 +59,9 @@ class StepExecutor:
         self._deadline_s = deadline_s
         self._last_read_at = 0.0  # time.perf_counter() when the last step's tokens were read
         self.failure: str | None = None  # why the executor failed, once it has
+        # Cleared while the rank is fenced (expert_svc/fencing.py): plans wait, none is launched.
+        self._released = asyncio.Event()
+        self._released.set()
 
     async def run(self, plans: AsyncIterator[StepPlan]) -> AsyncIterator[StepResult]:
         """One result per plan, in order, until `plans` ends. At a bad plan
@@ -97,6 +100,7 @@ class StepExecutor:
     async def _start(self, plan: StepPlan) -> "asyncio.Future[StepResult]":
         """Launches the plan's step: the future of its result, done unless its
         tokens are still to come from the device."""
+        await self._released.wait()
         if self.failure is not None:
             raise StepFailedError(f"step {plan.step_id} refused: {self.failure}")
         loop = asyncio.get_running_loop()
@@ -138,6 +142,23 @@ class StepExecutor:
                              f"(stuck in a collective?)") from error
         except Exception as error:  # anything else leaves the group's collectives out of step
             raise self._fail(f"step {step_id} failed: {error}") from error
+
+    def hold(self) -> None:
+        """Launches no further step until release() or fail(): plans that arrive wait."""
+        self._released.clear()
+
+    def release(self) -> None:
+        """Ends a hold: the waiting plans run."""
+        self._released.set()
+
+    @property
+    def is_held(self) -> bool:
+        return not self._released.is_set()
+
+    def fail(self, reason: str) -> None:
+        """Fails the executor from outside (a hold given up): waiting and later plans are refused."""
+        self._fail(reason)
+        self._released.set()
 
     def _fail(self, reason: str) -> StepFailedError:
         if self.failure is None:

@@ -16,7 +16,7 @@ import sys
 from expert_svc.config import ExpertConfig
 from expert_svc.server import serve
 from services import telemetry
-from services.process import configure_telemetry, configure_tls
+from services.process import configure_telemetry, configure_tls, exit_unreachable
 from services.settings import parse_config
 
 
@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_telemetry("expert", config)
     configure_tls("expert", config)
     try:
-        code, is_clean = asyncio.run(serve(config))
+        with exit_unreachable("expert"):
+            code, is_clean = asyncio.run(serve(config))
     finally:
         telemetry.shutdown_tracing()
     if not is_clean:

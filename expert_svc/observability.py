@@ -164,15 +164,18 @@ class SequenceTracer:
 
 
 def readiness(state: RankState):
-    """/readyz of a rank: assigned, every expert slot loaded, in the process group, no failed step."""
+    """/readyz of a rank: assigned, every expert slot loaded, in the process group, no failed step,
+    not fenced (expert_svc/fencing.py)."""
 
     def report() -> dict:
         executor = state.executor
         is_loaded = executor is not None
         failed = is_loaded and executor.failure is not None
+        fenced = is_loaded and executor.is_held
         num_experts = len(state.expert_ids)
         return {
-            "ready": is_loaded and not failed,
+            "ready": is_loaded and not failed and not fenced,
+            "fenced": fenced,
             "group_id": state.group_id or None,
             "rank": state.rank if state.group_id else None,
             "world_size": state.world_size,

@@ -13,17 +13,37 @@ rendezvous from the store it already holds, so its port is never bound
 twice; the other ranks open a fresh client each epoch.
 
 Model thread only: every call blocks (up to the collective timeout).
+
+`use_interface` points gloo and NCCL at one network interface (their
+GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME): without it gloo takes the address
+the host name resolves to, which on many hosts is a loopback or management
+address that the other hosts cannot reach.
 """
 
 import datetime
 import logging
+import os
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from expert_svc import peers
 from services.cluster import GroupAssignment
 
 log = logging.getLogger("expert_svc")
+
+
+# The environment variables that pick the interface of gloo's and NCCL's sockets.
+INTERFACE_ENV_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def use_interface(interface: str, *, override: bool) -> None:
+    """Makes gloo and NCCL use `interface` (before any process group starts).
+    override=False keeps a variable the operator has already set."""
+    for name in INTERFACE_ENV_VARS:
+        if override or not os.environ.get(name):
+            os.environ[name] = interface
+    log.info("collective network interface: %s", ", ".join(f"{n}={os.environ[n]}" for n in INTERFACE_ENV_VARS))
 
 
 class RendezvousError(RuntimeError):
@@ -36,6 +56,9 @@ class ProcessGroupLink:
     def __init__(self, backend: str, timeout_s: float):
         self.backend = backend
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        # This rank's registered gRPC address (set once registered): checked with
+        # the peers' before each rendezvous (expert_svc/peers.py); empty: no check.
+        self.advertised_address = ""
         self.epoch: int | None = None  # the epoch of the process group now up, None if none
         self._store: dist.TCPStore | None = None  # hosted while rank 0
         self._store_address: str | None = None
@@ -48,6 +71,11 @@ class ProcessGroupLink:
         # successful destroy_process_group() resets, and the name is part of gloo's
         # store keys: after a failed rendezvous the ranks would wait on different keys.
         distributed_c10d._world.group_count = 0
+        if self.advertised_address:
+            try:
+                peers.check_peers(group, rank, self.advertised_address)
+            except peers.PeerUnreachableError as error:
+                raise RendezvousError(str(error)) from error
         try:
             store = self._rendezvous_store(group.rendezvous_address, rank)
             dist.init_process_group(

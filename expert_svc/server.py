@@ -23,6 +23,12 @@
    (or none: a standby took its place while it hung), `run` returns
    EXIT_ASSIGNMENT_LOST so that the supervisor restarts it clean (it then
    registers again as a standby).
+7. Fencing (expert_svc/fencing.py): once the rank's etcd lease has gone a
+   TTL without renewal (etcd unreachable: the host may be partitioned and
+   replaced), the serving epoch's steps are held and the rank is
+   NOT_SERVING; the same lease confirmed alive lifts the hold, a new lease
+   fails the epoch as in 5, so a cut-off rank never serves its old epoch
+   beside the group re-formed without it.
 
 On CUDA, steps 5 and 6 are not taken: NCCL's timeout does not free a host
 thread waiting on a stuck collective (seen on H200s with torch 2.11: still
@@ -47,13 +53,13 @@ import socket
 
 import torch
 
-from expert_svc import observability, placement
+from expert_svc import fencing, observability, placement
 from expert_svc.assignment import Action, AssignmentLostError, joined_placement, next_action
 from expert_svc.config import ExpertConfig
 from expert_svc.executor import StepExecutor
 from expert_svc.model_builder import ModelBuilder
 from expert_svc.observability import step_hook
-from expert_svc.rendezvous import ProcessGroupLink, RendezvousError
+from expert_svc.rendezvous import ProcessGroupLink, RendezvousError, use_interface
 from expert_svc.router_client import RouterClient
 from expert_svc.runner import StepRunner
 from expert_svc.state import RankState
@@ -116,6 +122,7 @@ class ExpertRank:
         self._failure_tasks: set[asyncio.Task] = set()
         self._placement_task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
+        self._fence_task: asyncio.Task | None = None
         self._step_failed = asyncio.Event()
         self._failure_reason = ""
 
@@ -141,21 +148,26 @@ class ExpertRank:
         cfg = self.config
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        if cfg.collective_interface:
+            use_interface(cfg.collective_interface, override=bool(cfg.ep_interface))
         servicer = ExpertServicer(self.state)
         self._server = await grpc_util.start_server(
             [lambda s: expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, s)],
             [SERVICE_NAME], host=cfg.host, port=cfg.port)
         await self._set_serving(False)
         announce_port("expert", cfg, self._server.port)
-        self._cluster = ClusterClient(cfg.etcd, prefix=cfg.key_prefix)
+        self._cluster = ClusterClient(cfg.etcd, prefix=cfg.key_prefix, reach_timeout_s=cfg.etcd_connect_timeout_s)
         await self._cluster.connect()
         rendezvous_port = cfg.rendezvous_port or _free_port(cfg.host)
         await self._cluster.register("expert", cfg.member_id, cfg.address(self._server.port),
                                      {"rendezvous_port": rendezvous_port, "device": cfg.device,
-                                      "num_spare_expert_slots": cfg.fixed_spare_slots or 0},
+                                      "num_spare_expert_slots": cfg.fixed_spare_slots or 0,
+                                      "num_experts": self.model_config.num_experts,
+                                      "group_settings": cfg.group_settings(self.model_config)},
                                      ttl=cfg.lease_ttl_s)
-        self._address = cfg.address(self._server.port)
+        self._address = self._link.advertised_address = cfg.address(self._server.port)
         self._watch_task = asyncio.create_task(self._follow_assignment(), name="follow-assignment")
+        self._fence_task = fencing.start(self.state, self._set_serving, lambda: self._cluster.session)
 
     async def run(self, stop: asyncio.Event) -> int:
         """Serves until `stop` is set (0), the assignment fails or is lost, or a
@@ -326,10 +338,11 @@ class ExpertRank:
         """
         if self._server is not None:
             await self._set_serving(False)
-        if self._watch_task is not None and not self._watch_task.done():
-            self._watch_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch_task
+        for task in (self._watch_task, self._fence_task):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._cluster is not None:
             await self._cluster.close()  # revokes the lease: peers see us leave at once
         if self._server is not None:

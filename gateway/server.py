@@ -151,7 +151,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     http = await start_http(config, servicer.frontend, tokenizer, keys)
     gc_pauses.freeze("startup (tokenizer, servers)", enabled=config.gc_freeze,
                      young_threshold=config.gc_young_threshold)
-    cluster = ClusterClient(config.etcd, prefix=config.key_prefix)
+    cluster = ClusterClient(config.etcd, prefix=config.key_prefix, reach_timeout_s=config.etcd_connect_timeout_s)
     manager = GroupManager(
         cluster, member_id=config.member_id, address=config.address(server.port),
         make_engine=engine_factory(config, model, tokenizer, stats), set_serving=set_serving,

@@ -1,4 +1,4 @@
-"""The `moemesh` command: up, generate, status, make-model."""
+"""The `moemesh` command: up, etcd, generate, status, make-model."""
 
 import argparse
 import json
@@ -38,14 +38,42 @@ def default_model_dir(demo: pathlib.Path | None = None) -> str:
     return str(path)
 
 
+def mesh_spec(args: argparse.Namespace, model_dir: str) -> launcher.MeshSpec:
+    """The MeshSpec of `moemesh up`'s flags; ValueError naming a bad one."""
+    roles = tuple(r.strip() for r in args.roles.split(",") if r.strip()) if args.roles else launcher.ALL_ROLES
+    member_tag = args.member_tag
+    if member_tag is None:  # several hosts: ids that differ per host
+        member_tag = "" if set(roles) == set(launcher.ALL_ROLES) else host_tag(args, roles)
+    return launcher.MeshSpec(model_dir=model_dir, num_ranks=args.ranks, device=args.device,
+                             gateway_port=args.port, http_port=args.http_port, etcd=args.etcd or "",
+                             work_dir=args.work_dir or "", api_keys=args.api_keys or "",
+                             data_plane_nice=args.data_plane_nice, tls=args.tls,
+                             num_spare_expert_slots=args.num_spare_expert_slots, roles=roles,
+                             bind_host=args.bind_host or "", advertise_host=args.advertise_host or "",
+                             ep_interface=args.ep_interface or "", member_tag=member_tag)
+
+
+def host_tag(args: argparse.Namespace, roles: tuple[str, ...]) -> str:
+    """This host's part of its roles' member ids: the address they advertise, as 10-0-0-2."""
+    from services import netaddr
+
+    if args.advertise_host:
+        host = args.advertise_host
+    elif args.bind_host and not netaddr.is_wildcard(args.bind_host):
+        host = args.bind_host
+    elif args.ep_interface and "expert" in roles:
+        host = netaddr.interface_address(args.ep_interface)
+    else:
+        etcd_hosts = [h for h, _ in netaddr.split_endpoints(args.etcd)] if args.etcd else ["127.0.0.1"]
+        is_local = all(netaddr.is_loopback(h) for h in etcd_hosts)
+        host = netaddr.default_advertise_host(args.bind_host or ("127.0.0.1" if is_local else "0.0.0.0"), etcd_hosts)
+    return "".join(c if c.isalnum() else "-" for c in host).strip("-")
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     model_dir = args.model or default_model_dir()
     try:
-        spec = launcher.MeshSpec(model_dir=model_dir, num_ranks=args.ranks, device=args.device,
-                                 gateway_port=args.port, http_port=args.http_port, etcd=args.etcd or "",
-                                 work_dir=args.work_dir or "", api_keys=args.api_keys or "",
-                                 data_plane_nice=args.data_plane_nice, tls=args.tls,
-                                 num_spare_expert_slots=args.num_spare_expert_slots)
+        spec = mesh_spec(args, model_dir)
     except ValueError as err:
         print(f"moemesh up: {err}", file=sys.stderr)
         return 2
@@ -53,13 +81,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"starting moemesh: model {model_dir}, {args.ranks} rank(s) on {args.device}; logs in {mesh.work_dir}"
-          + (" (mutual TLS)" if args.tls else ""), flush=True)
+    print(f"starting moemesh ({','.join(spec.roles)}): model {model_dir}, {args.ranks} rank(s) on {args.device}; "
+          f"logs in {mesh.work_dir}" + (" (mutual TLS)" if args.tls else ""), flush=True)
     mesh.start()
-    http = f", {mesh.http_url} (OpenAI-compatible HTTP)" if mesh.http_url else ""
-    print(f"moemesh is ready: gateway at {mesh.gateway_address} (gRPC){http}", flush=True)
-    print(f"  try: moemesh generate --target {mesh.gateway_address} 'Hello, world!'", flush=True)
-    print(f"       moemesh status", flush=True)
+    if mesh.has_gateway:
+        http = f", {mesh.http_url} (OpenAI-compatible HTTP)" if mesh.http_url else ""
+        print(f"moemesh is ready: gateway at {mesh.gateway_address} (gRPC){http}", flush=True)
+        print(f"  try: moemesh generate --target {mesh.gateway_address} 'Hello, world!'", flush=True)
+        print(f"       moemesh status", flush=True)
+    else:
+        print(f"moemesh is ready: {', '.join(r.name for r in mesh.roles)} registered in etcd at "
+              f"{mesh.etcd_endpoint}", flush=True)
     print("Ctrl-C stops the mesh.", flush=True)
     try:
         while not stop.wait(0.5):
@@ -221,7 +253,20 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway port (0 = any free port)")
     up.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                     help="port of the OpenAI-compatible HTTP endpoint (0 = any free port, -1 = off)")
-    up.add_argument("--etcd", help="use this etcd (host:port) instead of starting one")
+    up.add_argument("--etcd", help="use this etcd (host:port, or h1:2379,h2:2379,h3:2379 for a cluster) "
+                                   "instead of starting one")
+    up.add_argument("--roles", metavar="R1,R2",
+                    help=f"start only these roles here, of {','.join(launcher.ALL_ROLES)} (default: all); the "
+                         "others run on other hosts on the same --etcd (docs/deploy.md, \"Many hosts\"). "
+                         "--ranks is then the group size of the schedulers and the expert services started here")
+    up.add_argument("--bind-host", help="every role's --bind-host (0.0.0.0: every interface; default: 127.0.0.1 "
+                                        "with a local etcd, else 0.0.0.0)")
+    up.add_argument("--advertise-host", help="every role's --advertise-host: the address other hosts reach this "
+                                             "one at (default: this host's address towards etcd)")
+    up.add_argument("--ep-interface", metavar="IFACE",
+                    help="the network interface of the expert services' collective (GLOO/NCCL_SOCKET_IFNAME)")
+    up.add_argument("--member-tag", help="appended to the member ids of the roles started here (expert-TAG-0); "
+                                         "default with --roles: the advertised address, e.g. 10-0-0-2")
     up.add_argument("--api-keys", metavar="FILE",
                     help="client API keys (docs/security.md); `moemesh generate` then reads $MOEMESH_API_KEY")
     up.add_argument("--work-dir", help="where logs and etcd data go (default: a temporary directory)")
@@ -235,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="spare expert slots per MoE layer for replicas of hot experts: auto sizes them from "
                          "memory (none with one rank), N reserves N, 0 turns replicas off (default: auto)")
     up.set_defaults(fn=cmd_up)
+
+    from moemesh import etcd_cli
+
+    etcd_cli.add_parser(sub)
 
     gen = sub.add_parser("generate", help="stream a completion from the gateway")
     gen.add_argument("prompt")

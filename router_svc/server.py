@@ -54,7 +54,8 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
     scheduler = SchedulerClient(config.propose_deadline_s)
     try:
         async with cluster.registered(config.etcd, ROLE, config.member_id, config.address(server.port),
-                                      ttl=config.lease_ttl_s, prefix=config.key_prefix) as client:
+                                      ttl=config.lease_ttl_s, prefix=config.key_prefix,
+                                      reach_timeout_s=config.etcd_connect_timeout_s) as client:
             await server.set_serving(True)
             is_registered = True
             process.announce_port(ROLE, config, server.port)

@@ -23,7 +23,11 @@ applied in this order:
    its gateway (the ranks stay loaded; the placement epoch is unchanged).
 3. Free gateways, by member id, go to the groups without one, by group id.
 4. While at least group_size free experts and a free gateway remain: a new
-   group of the first group_size free experts by member id, ranks 0..N-1,
+   group of the first group_size free experts by member id that may share a
+   group (the same model and group settings, and a group size that divides
+   their experts: scheduler_svc/compat.py; the others are refused, with a
+   message in `Plan.refusals`, and a standby replaces a rank only if it may
+   join the group's survivors), ranks 0..N-1,
    epoch 1, the rendezvous at rank 0's host and its `rendezvous_port`, and
    the first free gateway. Group ids are "g<k>" with the lowest k not in use
    (a deleted group's id is free again in the next plan: its ready and
@@ -45,6 +49,7 @@ import dataclasses
 import itertools
 from collections.abc import Collection, Mapping, Sequence
 
+from scheduler_svc import compat
 from services.cluster import GroupAssignment, Member, RankInfo
 
 # Defaults of the scheduler config's reform_wait_s and reform_settle_s.
@@ -63,6 +68,8 @@ class Plan:
     stale_epochs: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     # Broken groups not re-formed yet: group id -> when first seen broken (caller's clock).
     waiting_since: dict[str, float] = dataclasses.field(default_factory=dict)
+    # Why free experts were not grouped (mismatched settings, a size that does not divide the experts).
+    refusals: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -126,15 +133,17 @@ def plan_groups(
     free_experts = sorted(set(experts) - in_groups - set(unplaceable))
     ids_in_use = {g.group_id for g in groups}
     new_ids = (f"g{k}" for k in itertools.count() if f"g{k}" not in ids_in_use)
-    while len(free_experts) >= group_size and free_gateways:
-        chosen = [experts[i] for i in free_experts[:group_size]]
-        del free_experts[:group_size]
-        group = _new_group(next(new_ids), chosen, free_gateways.pop(0), term)
-        changed[group.group_id] = current[group.group_id] = group
+    sets, refusals = compat.compatible([experts[i] for i in free_experts], group_size)
+    for candidates in sets:
+        while len(candidates) >= group_size and free_gateways:
+            chosen = candidates[:group_size]
+            del candidates[:group_size]
+            group = _new_group(next(new_ids), chosen, free_gateways.pop(0), term)
+            changed[group.group_id] = current[group.group_id] = group
     stale = sorted((gid, epoch) for gid, epoch in key_epochs
                    if gid not in current or epoch < current[gid].epoch)
     return Plan(put=[changed[i] for i in sorted(changed)], delete=sorted(deleted),
-                unplaceable_ids=unplaceable, stale_epochs=stale, waiting_since=waiting)
+                unplaceable_ids=unplaceable, stale_epochs=stale, waiting_since=waiting, refusals=refusals)
 
 
 def _repair(group: GroupAssignment, experts: dict[str, Member], standbys: list[str], is_failed: bool,
@@ -150,14 +159,17 @@ def _repair(group: GroupAssignment, experts: dict[str, Member], standbys: list[s
             return _reformed(group, {}, experts, term)
         return since
     replacements: dict[int, Member] = {}
-    available = list(standbys)
+    survivors = [experts[r.member_id] for r in group.ranks if _is_present(r, experts)]
+    key = compat.settings_key(survivors[0]) if survivors else None
+    available = [s for s in standbys if key is None or compat.settings_key(experts[s]) == key]
     for rank in missing:
         if rank.member_id in experts and _rendezvous_port(experts[rank.member_id]) is not None:
             replacements[rank.rank] = experts[rank.member_id]  # restarted: back at a new address
         elif available:
             replacements[rank.rank] = experts[available.pop(0)]
     if len(replacements) == len(missing):
-        standbys[:] = available
+        used = {m.member_id for m in replacements.values()}
+        standbys[:] = [s for s in standbys if s not in used]
         return _reformed(group, replacements, experts, term)
     return "delete" if repair.now - since >= repair.reform_wait_s else since
 

@@ -42,7 +42,7 @@ _HANDOVER_BUDGET_S = 2.0
 
 async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
     """Runs the replica until stop is set."""
-    client = ClusterClient(config.etcd, prefix=config.key_prefix)
+    client = ClusterClient(config.etcd, prefix=config.key_prefix, reach_timeout_s=config.etcd_connect_timeout_s)
     leader_watch = LeaderWatch(client, config.member_id)  # leadership metrics and /readyz
     probes = await http_probes.start_probes(ROLE, config, leader_watch.readiness)
     # GetClusterState's view of the prefix; it also feeds the leadership metrics.

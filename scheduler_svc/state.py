@@ -40,6 +40,8 @@ class RepairState:
     reform_settle_s: float = REFORM_SETTLE_S
     # Group id -> when this leader first saw it broken (time.monotonic()).
     waiting_since: dict[str, float] = dataclasses.field(default_factory=dict)
+    # The plan's refusals last logged: each is logged once, not on every reconcile.
+    refusals: tuple[str, ...] = ()
 
 
 @telemetry.traced("scheduler.reconcile")
@@ -61,6 +63,9 @@ async def reconcile_once(client: ClusterClient, term: int, group_size: int,
     repair.waiting_since = plan.waiting_since
     if plan.unplaceable_ids:
         log.warning("experts without a rendezvous_port cannot be placed: %s", plan.unplaceable_ids)
+    for refusal in set(plan.refusals) - set(repair.refusals):
+        log.error("term %d: %s", term, refusal)
+    repair.refusals = tuple(plan.refusals)
     if plan.is_empty:
         return False
     if not await client.write_groups(term, plan.put, plan.delete, plan.stale_epochs):

@@ -9,6 +9,7 @@ port 0. The flags themselves come from services/settings.py.
 """
 
 import asyncio
+import contextlib
 import logging
 import os
 import pathlib
@@ -18,6 +19,7 @@ import typing
 from collections.abc import Sequence
 
 from services import gc_pauses, logging_json, telemetry, tls
+from services.cluster.connection import ClusterUnavailableError
 from services.settings import MemberConfig, parse_config
 
 T = typing.TypeVar("T")
@@ -59,7 +61,9 @@ def run_role(role: str, cls: type[T], serve, argv: Sequence[str] | None = None, 
     """What a role's main() does: parse cls from argv and env, set up logging
     (lines tagged with role) and tracing (from the OTEL_* environment), then
     run `await serve(config, stop)` until it returns, stop being set on
-    SIGTERM or SIGINT; the spans still buffered are exported at the end."""
+    SIGTERM or SIGINT; the spans still buffered are exported at the end.
+    An unreachable etcd at start ends the process with status 1 and one line
+    naming the endpoints (exit_unreachable)."""
     config = parse_config(cls, argv, prog=prog)
     configure_telemetry(role, config)
     configure_tls(role, config)
@@ -68,9 +72,21 @@ def run_role(role: str, cls: type[T], serve, argv: Sequence[str] | None = None, 
         await serve(config, stop_on_signals())
 
     try:
-        asyncio.run(main())
+        with exit_unreachable(role):
+            asyncio.run(main())
     finally:
         telemetry.shutdown_tracing()
+
+
+@contextlib.contextmanager
+def exit_unreachable(role: str):
+    """Turns etcd (or a peer) unreachable at start into a logged error and exit status 1, not a traceback."""
+    try:
+        yield
+    except ClusterUnavailableError as error:
+        logging.getLogger(role).error("%s", error)
+        print(f"{role}: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 def configure_logging(role: str, config: MemberConfig) -> None:

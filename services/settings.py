@@ -6,7 +6,9 @@ wins over the env var, the env var over the field's default; a field
 without a default must come from one of the two. The type comes from the
 annotation (str, int, float, bool, pathlib.Path, `X | None`, `tuple[X, ...]`
 as a comma-separated list); the help from the field's `metadata["help"]` or
-else from the `#` comment lines right above the field in the class body.
+else from the `#` comment lines right above the field in the class body;
+`metadata["aliases"]` adds other flags for the same field (`--host` is also
+`--bind-host`).
 The dataclass's `__post_init__` validates; its ValueError becomes a usage
 error (exit status 2) naming the bad value.
 
@@ -25,7 +27,7 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 
-from services import gc_pauses
+from services import gc_pauses, netaddr
 
 ENV_PREFIX = "MOEMESH_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -99,13 +101,13 @@ def _add_argument(parser, field: dataclasses.Field, hint, comment: str, env) -> 
     else:
         kwargs["required"] = True
     shown = "required" if "required" in kwargs else f"default {kwargs['default']!r}"
-    kwargs["help"] = f"{help_text} ({shown})"
+    kwargs["help"] = f"{help_text} ({shown})".replace("%", "%%")  # argparse formats help with %
     if hint is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
     else:
         kwargs["type"] = convert
         kwargs["metavar"] = field.name.upper()
-    parser.add_argument(flag(field.name), **kwargs)
+    parser.add_argument(flag(field.name), *field.metadata.get("aliases", ()), **kwargs)
 
 
 def _converter(hint) -> typing.Callable[[str], typing.Any]:
@@ -169,13 +171,23 @@ class MemberConfig:
 
     # Unique id of this process in the mesh (e.g. s0, r0, e3).
     member_id: str
-    # etcd client endpoint, host:port.
+    # etcd client endpoints, host:port, comma-separated for a cluster
+    # (h1:2379,h2:2379,h3:2379): the client uses the first that answers and
+    # moves to the next when it goes away.
     etcd: str = "127.0.0.1:2379"
-    # Interface the gRPC server binds.
-    host: str = "127.0.0.1"
-    # Host that peers use to reach this process (registered in etcd); empty
-    # means host (127.0.0.1 if host is a wildcard). In Kubernetes: the pod IP.
+    # Interface the gRPC server binds (also --bind-host). Empty: 127.0.0.1 when
+    # etcd is on this host and nothing else is advertised, else 0.0.0.0 (every
+    # interface), so that peers on other hosts reach it.
+    host: str = dataclasses.field(default="", metadata={"aliases": ("--bind-host",)})
+    # Host that peers use to reach this process (registered in etcd). Empty: the
+    # bind host if it is a specific address; for a wildcard bind 127.0.0.1 when
+    # etcd is on this host, else this host's address on the interface that
+    # routes to etcd (services/netaddr.py), never a loopback address. In
+    # Kubernetes: the pod IP.
     advertise_host: str = ""
+    # How long to wait for etcd at start before exiting with an error naming
+    # the endpoints: a wrong --etcd fails fast instead of hanging.
+    etcd_connect_timeout_s: float = 10.0
     # gRPC port; 0 picks a free one (see port_file).
     port: int = 0
     # If set, the bound port is written to this file once the server listens,
@@ -213,9 +225,13 @@ class MemberConfig:
     def __post_init__(self) -> None:
         if not self.member_id or "/" in self.member_id or self.member_id.strip() != self.member_id:
             raise ValueError(f"member_id must be non-empty, without '/' or spaces, got {self.member_id!r}")
-        host, _, port = self.etcd.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"etcd must be host:port, got {self.etcd!r}")
+        try:
+            etcd_hosts = [host for host, _ in netaddr.split_endpoints(self.etcd)]
+        except ValueError:
+            raise ValueError(f"etcd must be host:port[,host:port...], got {self.etcd!r}") from None
+        if self.etcd_connect_timeout_s <= 0:
+            raise ValueError(f"etcd_connect_timeout_s must be > 0, got {self.etcd_connect_timeout_s}")
+        self._resolve_hosts(etcd_hosts)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.lease_ttl_s < 1:
@@ -231,12 +247,30 @@ class MemberConfig:
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
 
+    def _resolve_hosts(self, etcd_hosts: list[str]) -> None:
+        """Fills an empty host and advertise_host with their defaults (see the
+        fields), once, so that every later read agrees; ValueError for a
+        loopback address when etcd is on another host."""
+        remote = [h for h in etcd_hosts if not netaddr.is_loopback(h)]
+        advertised = self.advertise_host
+        if not self.host:
+            is_local = not remote and (not advertised or netaddr.is_loopback(advertised))
+            object.__setattr__(self, "host", "127.0.0.1" if is_local else "0.0.0.0")
+        if remote and netaddr.is_loopback(self.host):
+            raise ValueError(f"host (--bind-host) {self.host!r} is a loopback address but etcd at {remote[0]!r} "
+                             f"is on another host: peers could not reach this process; bind 0.0.0.0 or an "
+                             f"address of this host")
+        if not advertised:
+            object.__setattr__(self, "advertise_host", netaddr.default_advertise_host(self.host, etcd_hosts))
+        elif remote and netaddr.is_loopback(advertised):
+            raise ValueError(f"advertise_host {advertised!r} is a loopback address but etcd at {remote[0]!r} is "
+                             f"on another host: peers there could not reach it")
+
     @property
     def public_host(self) -> str:
-        """The host other processes reach this one at."""
-        if self.advertise_host:
-            return self.advertise_host
-        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]") else self.host
+        """The host other processes reach this one at (advertise_host, filled at construction)."""
+        host = self.advertise_host
+        return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
     def address(self, port: int) -> str:
         """The address registered in etcd for a server bound to port."""

@@ -123,10 +123,12 @@ class ClusterClient(GroupOps):
 
 @contextlib.asynccontextmanager
 async def registered(endpoint: str, role: str, member_id: str, address: str, *, info: dict | None = None,
-                     ttl: int = 2, prefix: str = "/moemesh") -> AsyncIterator[ClusterClient]:
-    """A client connected (waiting for etcd as long as it takes) and registered
-    for the life of the block; leaving it revokes the lease."""
-    client = ClusterClient(endpoint, prefix=prefix)
+                     ttl: int = 2, prefix: str = "/moemesh",
+                     reach_timeout_s: float = 10.0) -> AsyncIterator[ClusterClient]:
+    """A client connected (waiting for etcd as long as it takes, once an endpoint
+    accepts connections: see EtcdConnection.connect) and registered for the life
+    of the block; leaving it revokes the lease."""
+    client = ClusterClient(endpoint, prefix=prefix, reach_timeout_s=reach_timeout_s)
     try:
         await client.connect(wait_s=None)
         await client.register(role, member_id, address, info, ttl=ttl)

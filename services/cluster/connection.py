@@ -2,7 +2,17 @@
 
 etcd being unreachable is survivable: one-shot calls retry with backoff for
 up to `retry_s` and then raise ClusterUnavailableError; watches retry until
-close(). Watches yield a state only when it changes: a watch that breaks
+close(). At start, though, an etcd that no endpoint even accepts a TCP
+connection for (a wrong --etcd, a firewall, etcd not started) fails
+`connect` within `reach_timeout_s` with an error naming every endpoint,
+instead of a silent wait: only an etcd that listens but does not answer yet
+(no quorum) is waited for as long as the caller asks.
+
+Several endpoints (an etcd cluster: "h1:2379,h2:2379,h3:2379") make one
+gRPC channel over all of them, with gRPC's pick_first policy: it uses the
+first that accepts a connection and, when that connection is lost, tries
+them again in order. Names are resolved once, here (gRPC's static address
+lists take IP addresses). Watches yield a state only when it changes: a watch that breaks
 and is re-established (an etcd restart) reads the state again and yields
 nothing if it is unchanged.
 
@@ -22,6 +32,7 @@ import asyncio
 import collections.abc
 import contextlib
 import logging
+import socket
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import aetcd
@@ -29,7 +40,7 @@ import grpc
 from aetcd import rpc as etcd_rpc
 from aetcd import utils as etcd_utils
 
-from services import metrics
+from services import metrics, netaddr
 from services.cluster import etcd_tls
 from services.cluster.records import ClusterSnapshot, Keys
 
@@ -114,19 +125,67 @@ def _checked_watch_response(response):
     return response
 
 
+def channel_target(endpoints: list[tuple[str, int]]) -> str:
+    """The gRPC target of etcd's endpoints: host:port for one, else a static
+    list of their addresses ("ipv4:10.0.0.1:2379,10.0.0.2:2379"); ValueError
+    for a name that does not resolve or a mix of IPv4 and IPv6."""
+    if len(endpoints) == 1:
+        host, port = endpoints[0]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    addresses = []
+    for host, port in endpoints:
+        try:
+            family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        except OSError as error:
+            raise ValueError(f"etcd endpoint {host}:{port} does not resolve: {error}") from None
+        addresses.append((family, f"[{sockaddr[0]}]:{port}" if family == socket.AF_INET6 else f"{sockaddr[0]}:{port}"))
+    families = {family for family, _ in addresses}
+    if len(families) > 1:
+        raise ValueError(f"etcd endpoints mix IPv4 and IPv6 addresses: {endpoints}")
+    scheme = "ipv6" if families == {socket.AF_INET6} else "ipv4"
+    return f"{scheme}:" + ",".join(address for _, address in addresses)
+
+
+async def check_reachable(endpoints: list[tuple[str, int]], timeout_s: float) -> None:
+    """Returns once one endpoint accepts a TCP connection; ClusterUnavailableError
+    naming each endpoint and its last error if none does within timeout_s."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    errors: dict[str, str] = {}
+    while True:
+        for host, port in endpoints:
+            attempt_s = max(0.05, min(1.0, deadline - loop.time()))
+            try:
+                async with asyncio.timeout(attempt_s):
+                    _, writer = await asyncio.open_connection(host, port)
+                writer.close()
+                return
+            except (OSError, TimeoutError) as error:
+                errors[f"{host}:{port}"] = (error.strerror or repr(error)) if isinstance(error, OSError) \
+                    else f"no answer in {attempt_s:.1f} s"
+        if loop.time() >= deadline:
+            detail = "; ".join(f"{e}: {why}" for e, why in errors.items())
+            raise ClusterUnavailableError(f"etcd unreachable within {timeout_s:g} s ({detail}); check --etcd, "
+                                          f"that etcd runs and that its port is open from this host")
+        await asyncio.sleep(0.1)
+
+
 class EtcdConnection:
     """One etcd channel with bounded calls, retries and change-only watches."""
 
     def __init__(self, endpoint: str, *, prefix: str = "/moemesh",
-                 call_timeout_s: float = 2.0, retry_s: float = 10.0):
-        host, _, port = endpoint.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"etcd endpoint must be host:port, got {endpoint!r}")
+                 call_timeout_s: float = 2.0, retry_s: float = 10.0, reach_timeout_s: float = 10.0):
+        try:
+            self._endpoints = netaddr.split_endpoints(endpoint)
+        except ValueError:
+            raise ValueError(f"etcd endpoint must be host:port[,host:port...], got {endpoint!r}") from None
         self.endpoint = endpoint
         self.keys = Keys(prefix)
-        self._etcd = etcd_tls.make_client(host, int(port), timeout=call_timeout_s, options=_CHANNEL_OPTIONS)
+        self._etcd = etcd_tls.make_client(channel_target(self._endpoints), timeout=call_timeout_s,
+                                          options=_CHANNEL_OPTIONS)
         self._call_timeout_s = call_timeout_s
         self._retry_s = retry_s
+        self._reach_timeout_s = reach_timeout_s
         self._abandoned: set[asyncio.Task] = set()  # calls past their deadline, cancelled
         self._closed = False
 
@@ -135,7 +194,9 @@ class EtcdConnection:
         return self._closed
 
     async def connect(self, wait_s: float | None = 30.0) -> None:
-        """Waits until etcd answers (None: forever); ClusterUnavailableError after wait_s."""
+        """Waits until etcd answers (None: forever); ClusterUnavailableError after
+        wait_s, or after reach_timeout_s if no endpoint accepts a connection."""
+        await check_reachable(self._endpoints, self._reach_timeout_s)
         await self._retry("connect", self._etcd.connect, budget_s=wait_s)
         await self._retry("connect", self._etcd.status, budget_s=wait_s)
         log.info("connected to etcd at %s", self.endpoint)

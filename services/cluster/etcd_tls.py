@@ -89,8 +89,12 @@ class TlsClient(aetcd.Client):
             self._is_connecting = False
 
 
-def make_client(host: str, port: int, **kwargs) -> aetcd.Client:
-    """An etcd client: on TLS when the process has it (tls.active()), else plaintext."""
+def make_client(target: str, **kwargs) -> aetcd.Client:
+    """An etcd client of the gRPC target (host:port, or a list of addresses:
+    services/cluster/connection.channel_target): on TLS when the process has
+    it (tls.active()), else plaintext. aetcd dials f"{host}:{port}", so the
+    target is handed over split at its last colon."""
+    host, _, port = target.rpartition(":")
     mesh_tls = tls.active()
     if mesh_tls is None:
         return aetcd.Client(host=host, port=port, **kwargs)
