@@ -269,7 +269,7 @@ class Mesh:
                          "--group-size", str(self.spec.num_ranks)])
         if "router" in roles:
             self._spawn("router", "router_svc.main", [*common, "--member-id", self._member_id("router-0")])
-        ep_interface = ["--ep-interface", self.spec.ep_interface] if self.spec.ep_interface else []
+        ep_interface = collective_interface_args(self.spec)
         for r in range(self.spec.num_ranks + self.spec.num_standby if "expert" in roles else 0):
             self._spawn(f"expert-{r}", "expert_svc.main",
                         [*common, "--member-id", self._member_id(f"expert-{r}"), "--model", self.spec.model_dir,
@@ -449,6 +449,13 @@ class Mesh:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def collective_interface_args(spec: MeshSpec) -> list[str]:
+    """The expert services' --ep-interface, only when the operator named one: a
+    per-host choice (interface names differ between machines), not a flag every
+    deployment sets; the Kubernetes manifests leave it to the pod's interface."""
+    return ["--ep-interface", spec.ep_interface] if spec.ep_interface else []
 
 
 def rank_device(device: str, rank: int) -> str:
