@@ -1,10 +1,12 @@
-"""What a health check of another process says, for the probes of the leader and of the gateways. Pure.
+"""What a health check of another process says, and when misses add up to a death, for the
+probes of the leader, of the gateways and of the expert services. Pure.
 
 The transport (a grpc.health.v1 Check) is scheduler_svc/health_client.py;
-the election (followers probing the leader) and the gateway probe (the
-leader probing the gateways) see only these answers.
+the election (followers probing the leader) and the member probes (the
+leader probing the gateways and the ranks: member_probe.py) see only these answers.
 """
 
+import dataclasses
 import enum
 from typing import Protocol
 
@@ -39,3 +41,42 @@ def leader_answer(health: Health) -> "bool | object":
     if health in (Health.REFUSED, Health.NOT_SERVING):
         return False
     return SILENT
+
+
+@dataclasses.dataclass(slots=True)
+class MissCounter:
+    """Consecutive missed checks per member (a key such as "id@address").
+
+    A check whose answer is in `misses` is a miss, any other answer resets the
+    count; only a member that answered once counts misses (one still starting,
+    or registered where nothing ever listened, is not known to have died).
+    `observe` says True once, when the count reaches `threshold`, and starts
+    counting again from zero."""
+
+    threshold: int
+    misses: frozenset
+    _counts: dict = dataclasses.field(default_factory=dict)
+    _answered: set = dataclasses.field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.threshold < 1:
+            raise ValueError(f"the miss threshold must be >= 1, got {self.threshold}")
+
+    def observe(self, key: str, health: Health) -> bool:
+        """Counts one check of key; True if key has now missed `threshold` in a row."""
+        if health not in self.misses:
+            self._answered.add(key)
+            self._counts.pop(key, None)
+            return False
+        if key not in self._answered:
+            return False
+        self._counts[key] = self._counts.get(key, 0) + 1
+        if self._counts[key] < self.threshold:
+            return False
+        del self._counts[key]
+        return True
+
+    def forget(self, key: str) -> None:
+        """The member left (or moved): its history goes."""
+        self._counts.pop(key, None)
+        self._answered.discard(key)
