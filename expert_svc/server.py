@@ -18,7 +18,8 @@
    rank (and the same group and size), the rank joins the new epoch's
    process group (expert_svc/rendezvous.py) WITHOUT reloading its weights,
    drops every sequence, marks itself ready for the new epoch and serves
-   again; a failed rendezvous is reported like a failed step. If the
+   again (a step of the old epoch still waiting in a collective on a hung
+   peer is made to fail at once: ProcessGroupLink.sever); a failed rendezvous is reported like a failed step. If the
    assignment is deleted or gives this member another rank, group or size
    (or none: a standby took its place while it hung), `run` returns
    EXIT_ASSIGNMENT_LOST so that the supervisor restarts it clean (it then
@@ -251,6 +252,9 @@ class ExpertRank:
         if old is not None and old.failure is None:
             # Plans of the old epoch that are still queued must not run on the new process group.
             old.failure = f"superseded by epoch {group.epoch}"
+        # A step of the old epoch may wait in a collective on a peer that hung: fail it now
+        # rather than at the collective timeout, so the model thread is free to rejoin.
+        await asyncio.to_thread(self._link.sever, s.placement_epoch)
         await self._set_serving(False)
         self._joined = joined_placement(group, self.config.member_id)
         s.placement_epoch = group.epoch
