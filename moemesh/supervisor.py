@@ -3,20 +3,23 @@
 `Mesh.restart_exited` (the loop `moemesh up` runs) restarts every role whose
 process exited. A process that hangs (SIGSTOP, a wedged event loop) never
 exits, so on its own it would hold its streams until the gateway's resume
-timeout. The `Supervisor` probes every role's /healthz (services/http_probes.py:
-answered on the role's event loop, so a frozen process is silent) every
-`interval_s` with a deadline of `timeout_s`, concurrently; a role that
-answered once and then misses `misses` probes in a row, silent or refused, is
-SIGKILLed (its whole process group), and the next `restart_exited` starts it
-again: an expert service registers as the same member, the scheduler re-forms
+timeout. The `Supervisor` probes every role's /readyz (services/http_probes.py:
+answered on the role's event loop, so a frozen process is silent; 200 while
+ready, 503 while not) every `interval_s` with a deadline of `timeout_s`,
+concurrently; a role that answered once and then misses `misses` probes in a
+row (refused, or silent after a ready answer) is SIGKILLed (its whole process
+group), and the next `restart_exited` starts it again: an expert service registers as the same member, the scheduler re-forms
 its group with it (or a standby took its rank already), and the gateway resumes
 the streams from their checkpoints. Its peers, which waited on it in a
 collective, see their connections closed by the kill and fail at once.
 
-With the defaults a frozen process is killed 0.6 to 1.1 s after it froze;
-the deadline stays above the longest pause of a healthy loop that the probes
-have to tolerate (a busy gateway under load, a rank loading its weights).
-A role that has not written its metrics port yet (starting) is not probed.
+With the defaults a frozen ready process is killed 0.6 to 1.1 s after it
+froze. A process that is not ready (a rank loading its weights or joining,
+a standby) holds no stream, and its loop may stall for a moment on the way
+(the garbage collector freezing the loaded weights' objects takes about half
+a second on the tiny model): its silence counts towards `misses_not_ready`
+instead (about 4.5 s). A role that has not written its metrics port yet
+(starting) is not probed.
 """
 
 import concurrent.futures
@@ -40,13 +43,15 @@ class SupervisorConfig:
     interval_s: float = 0.2
     # Deadline of one GET /healthz.
     timeout_s: float = 0.3
-    # Probes missed in a row (no answer in time, or refused) after which the process is killed.
+    # Probes missed in a row (refused, or silent after a ready answer) after which the process is killed.
     misses: int = 3
+    # Silent probes in a row after which a process whose last answer was "not ready" is killed.
+    misses_not_ready: int = 15
 
     def __post_init__(self) -> None:
-        if self.interval_s <= 0 or self.timeout_s <= 0 or self.misses < 1:
+        if self.interval_s <= 0 or self.timeout_s <= 0 or self.misses < 1 or self.misses_not_ready < 1:
             raise ValueError(f"the supervisor needs interval_s > 0, timeout_s > 0 and misses >= 1, got "
-                             f"{self.interval_s}, {self.timeout_s}, {self.misses}")
+                             f"{self.interval_s}, {self.timeout_s}, {self.misses}, {self.misses_not_ready}")
 
     @property
     def detection_s(self) -> tuple[float, float]:
@@ -55,12 +60,12 @@ class SupervisorConfig:
         return (self.misses - 1) * round_s, self.misses * round_s + self.interval_s
 
 
-def healthz(port: int, timeout_s: float) -> Health:
-    """One GET /healthz on 127.0.0.1:port: SERVING on 200, REFUSED if nothing listens,
+def readyz(port: int, timeout_s: float) -> Health:
+    """One GET /readyz on 127.0.0.1:port: SERVING on 200, REFUSED if nothing listens,
     NO_ANSWER past the deadline, NOT_SERVING for any other answer."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     try:
-        connection.request("GET", "/healthz")
+        connection.request("GET", "/readyz")
         return Health.SERVING if connection.getresponse().status == 200 else Health.NOT_SERVING
     except ConnectionRefusedError:
         return Health.REFUSED
@@ -75,11 +80,12 @@ class Supervisor:
     gives the current roles (objects with `name`, `proc`, `metrics_port`)."""
 
     def __init__(self, roles: Callable[[], list], config: SupervisorConfig = SupervisorConfig(),
-                 probe: Callable[[int, float], Health] = healthz):
+                 probe: Callable[[int, float], Health] = readyz):
         self._roles = roles
         self.config = config
         self._probe = probe
-        self._counter = MissCounter(config.misses, frozenset({Health.REFUSED, Health.NO_ANSWER}))
+        self._counter = MissCounter(config.misses, frozenset({Health.REFUSED, Health.NO_ANSWER}),
+                                    threshold_not_serving=config.misses_not_ready)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="supervisor-probe")
@@ -109,8 +115,8 @@ class Supervisor:
         killed = []
         for (role, key, _), health in zip(targets, answers):
             if self._counter.observe(key, health) and role.proc.poll() is None:
-                log.warning("%s (pid %d) missed %d health checks in a row: killing it to restart it",
-                            role.name, role.proc.pid, self.config.misses)
+                log.warning("%s (pid %d) stopped answering its health checks: killing it to restart it",
+                            role.name, role.proc.pid)
                 try:
                     os.killpg(role.proc.pid, signal.SIGKILL)
                 except ProcessLookupError:

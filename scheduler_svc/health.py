@@ -50,28 +50,39 @@ class MissCounter:
     A check whose answer is in `misses` is a miss, any other answer resets the
     count; only a member that answered once counts misses (one still starting,
     or registered where nothing ever listened, is not known to have died).
-    `observe` says True once, when the count reaches `threshold`, and starts
+    Silence (NO_ANSWER) is judged by the last answer: after SERVING it is a
+    miss like any; after NOT_SERVING (a member loading, joining or waiting,
+    whose event loop may stall for a moment, holding no stream) it counts
+    towards `threshold_not_serving` instead, or not at all when that is None.
+    `observe` says True once, when a count reaches its threshold, and starts
     counting again from zero."""
 
     threshold: int
     misses: frozenset
+    threshold_not_serving: int | None = None
     _counts: dict = dataclasses.field(default_factory=dict)
-    _answered: set = dataclasses.field(default_factory=set)
+    _last: dict = dataclasses.field(default_factory=dict)  # key -> its last answer (SERVING or NOT_SERVING)
 
     def __post_init__(self) -> None:
-        if self.threshold < 1:
-            raise ValueError(f"the miss threshold must be >= 1, got {self.threshold}")
+        if self.threshold < 1 or (self.threshold_not_serving is not None and self.threshold_not_serving < 1):
+            raise ValueError(f"the miss threshold must be >= 1, got {self.threshold}, {self.threshold_not_serving}")
 
     def observe(self, key: str, health: Health) -> bool:
-        """Counts one check of key; True if key has now missed `threshold` in a row."""
+        """Counts one check of key; True if key has now missed its threshold in a row."""
         if health not in self.misses:
-            self._answered.add(key)
+            self._last[key] = health
             self._counts.pop(key, None)
             return False
-        if key not in self._answered:
+        last = self._last.get(key)
+        if last is None:
             return False
+        threshold = self.threshold
+        if health is Health.NO_ANSWER and last is not Health.SERVING:
+            if self.threshold_not_serving is None:
+                return False
+            threshold = self.threshold_not_serving
         self._counts[key] = self._counts.get(key, 0) + 1
-        if self._counts[key] < self.threshold:
+        if self._counts[key] < threshold:
             return False
         del self._counts[key]
         return True
@@ -79,4 +90,4 @@ class MissCounter:
     def forget(self, key: str) -> None:
         """The member left (or moved): its history goes."""
         self._counts.pop(key, None)
-        self._answered.discard(key)
+        self._last.pop(key, None)

@@ -17,10 +17,14 @@ What counts as a miss differs by role (`MemberProbe.is_silence_a_miss`):
   gone). A gateway that answers late (busy, or hung) is left to its lease,
   so a slow gateway never loses its group to the probe;
 - expert services: a refused connection, and also no answer within the
-  deadline. A hung rank (SIGSTOP, a stuck event loop) holds every stream of
-  its group (its peers wait on it in the collective), so it is treated as
-  lost: a rank's health answers come from its event loop, never from the
-  model thread, so a long step does not make it late.
+  deadline from a rank whose last answer was SERVING. A hung serving rank
+  (SIGSTOP, a stuck event loop) holds every stream of its group (its peers
+  wait on it in the collective), so it is treated as lost: a rank's health
+  answers come from its event loop, never from the model thread, so a long
+  step does not make it late. A rank that is NOT_SERVING (loading, joining:
+  its loop stalls for a moment, e.g. while the garbage collector freezes the
+  loaded weights' objects) holds no stream, and its silence is left to its
+  lease.
 
 NOT_SERVING (a standby, a loading or draining member) always counts as an
 answer: the process is there. Never having answered at an address (still

@@ -1,6 +1,7 @@
-"""The supervisor of `moemesh up` (moemesh/supervisor.py): a process whose /healthz stops
+"""The supervisor of `moemesh up` (moemesh/supervisor.py): a ready process whose /readyz stops
 answering (SIGSTOP) is killed after the configured misses, and Mesh.restart_exited starts
-it again; a process that answers, or one never seen answering, is left alone."""
+it again; a process that answers, one never seen answering, or one not ready for a while
+(loading) is left alone."""
 
 import os
 import pathlib
@@ -11,7 +12,7 @@ import time
 import pytest
 
 from moemesh import launcher
-from moemesh.supervisor import Supervisor, SupervisorConfig, healthz
+from moemesh.supervisor import Supervisor, SupervisorConfig, readyz
 from scheduler_svc.health import Health
 
 # A stand-in role: the real probe server of services/http_probes.py on its own loop, its
@@ -22,6 +23,7 @@ from services.http_probes import ProbeServer
 from services.process import metrics_port_file, write_port_file
 async def main():
     server = ProbeServer()
+    server.set_readiness(lambda: {"ready": True})
     port = await server.start("127.0.0.1", 0)
     write_port_file(metrics_port_file(sys.argv[1]), port)
     pathlib.Path(sys.argv[1]).write_text("4242")
@@ -47,7 +49,7 @@ def test_a_frozen_role_is_killed_and_restarted(tmp_path, tiny_model_dir, monkeyp
         config = mesh.supervisor.config
         first = mesh.roles[0].proc
         time.sleep(3 * config.interval_s)  # it answered once: known alive
-        assert healthz(mesh.roles[0].metrics_port, 1.0) is Health.SERVING
+        assert readyz(mesh.roles[0].metrics_port, 1.0) is Health.SERVING
         os.kill(first.pid, signal.SIGSTOP)
         frozen_at = time.monotonic()
         first.wait(10)
@@ -79,8 +81,11 @@ def test_only_misses_in_a_row_of_a_role_seen_alive_kill(monkeypatch):
     monkeypatch.setattr(os, "killpg", lambda pid, sig: killed.append((pid, sig)))
     answers = {1: Health.SERVING, 2: Health.NO_ANSWER, 3: Health.NOT_SERVING}
     roles = [_Role("alive", _Proc(10), 1), _Role("never-answered", _Proc(20), 2),
-             _Role("not-serving", _Proc(30), 3), _Role("starting", _Proc(40), None)]
-    supervisor = Supervisor(lambda: roles, SupervisorConfig(misses=2), probe=lambda port, timeout_s: answers[port])
+             _Role("loading", _Proc(30), 3), _Role("starting", _Proc(40), None)]
+    supervisor = Supervisor(lambda: roles, SupervisorConfig(misses=2, misses_not_ready=9),
+                            probe=lambda port, timeout_s: answers[port])
+    supervisor.probe_once()
+    answers[3] = Health.NO_ANSWER  # not ready, then silent: a loading rank's stalled loop
     for _ in range(5):
         assert supervisor.probe_once() == []  # a silent role never seen alive is still starting
     answers[1] = Health.NO_ANSWER
@@ -89,12 +94,12 @@ def test_only_misses_in_a_row_of_a_role_seen_alive_kill(monkeypatch):
     assert supervisor.probe_once() == []
     answers[1] = Health.REFUSED
     assert supervisor.probe_once() == []
-    assert supervisor.probe_once() == ["alive"]
-    assert killed == [(10, signal.SIGKILL)]
+    assert supervisor.probe_once() == ["alive", "loading"]  # "loading": its 9th silent probe
+    assert killed == [(10, signal.SIGKILL), (30, signal.SIGKILL)]
     supervisor.stop()
 
 
-@pytest.mark.parametrize("kwargs", [dict(interval_s=0), dict(timeout_s=-1), dict(misses=0)])
+@pytest.mark.parametrize("kwargs", [dict(interval_s=0), dict(timeout_s=-1), dict(misses=0), dict(misses_not_ready=0)])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError, match="supervisor needs"):
         SupervisorConfig(**kwargs)

@@ -20,9 +20,20 @@ def test_an_answer_resets_the_count_and_not_serving_is_an_answer():
     counter = MissCounter(2, SILENT_OR_REFUSED)
     counter.observe("a", Health.SERVING)
     assert not counter.observe("a", Health.NO_ANSWER)
-    assert not counter.observe("a", Health.NOT_SERVING)
+    assert not counter.observe("a", Health.SERVING)
     assert not counter.observe("a", Health.NO_ANSWER)
     assert counter.observe("a", Health.NO_ANSWER)
+
+
+def test_silence_after_not_serving_counts_towards_its_own_threshold():
+    lenient = MissCounter(2, SILENT_OR_REFUSED)  # threshold_not_serving None: never
+    lenient.observe("loading", Health.NOT_SERVING)
+    assert not any(lenient.observe("loading", Health.NO_ANSWER) for _ in range(10))
+    assert not lenient.observe("loading", Health.REFUSED)
+    assert lenient.observe("loading", Health.REFUSED)  # a refusal is definite, whatever the last answer
+    patient = MissCounter(2, SILENT_OR_REFUSED, threshold_not_serving=5)
+    patient.observe("loading", Health.NOT_SERVING)
+    assert [patient.observe("loading", Health.NO_ANSWER) for _ in range(5)] == [False] * 4 + [True]
 
 
 def test_a_member_never_seen_alive_never_misses():
@@ -42,7 +53,9 @@ def test_only_the_answers_that_count_are_misses():
     ranks = MemberProbe("expert", misses=2, is_silence_a_miss=True).counter()
     ranks.observe("r", Health.SERVING)
     assert not ranks.observe("r", Health.NO_ANSWER)
-    assert ranks.observe("r", Health.NO_ANSWER)  # a hung rank is a lost one
+    assert ranks.observe("r", Health.NO_ANSWER)  # a hung serving rank is a lost one
+    ranks.observe("loading", Health.NOT_SERVING)
+    assert not any(ranks.observe("loading", Health.NO_ANSWER) for _ in range(5))  # left to its lease
 
 
 def test_detection_bounds_follow_the_settings():
@@ -62,3 +75,5 @@ def test_bad_settings_are_refused(kwargs):
         MemberProbe("expert", **kwargs)
     with pytest.raises(ValueError, match="threshold"):
         MissCounter(0, SILENT_OR_REFUSED)
+    with pytest.raises(ValueError, match="threshold"):
+        MissCounter(1, SILENT_OR_REFUSED, threshold_not_serving=0)
