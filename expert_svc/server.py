@@ -156,6 +156,8 @@ class ExpertRank:
                                       "num_spare_expert_slots": cfg.fixed_spare_slots or 0},
                                      ttl=cfg.lease_ttl_s)
         self._address = cfg.address(self._server.port)
+        # Before any assignment (a standby's wait): the join then freezes only what it loads.
+        gc_pauses.freeze("startup", enabled=cfg.gc_freeze)
         self._watch_task = asyncio.create_task(self._follow_assignment(), name="follow-assignment")
 
     async def run(self, stop: asyncio.Event) -> int:
@@ -224,7 +226,8 @@ class ExpertRank:
                 model, runner, self._cluster, group_id=group.group_id, rank=rank, member_id=member_id,
                 load_experts=self._builder.expert_loader())
         self._new_executor(runner)
-        gc_pauses.freeze("loading the weights", enabled=cfg.gc_freeze, young_threshold=cfg.gc_young_threshold)
+        gc_pauses.freeze("loading the weights", enabled=cfg.gc_freeze, young_threshold=cfg.gc_young_threshold,
+                         keep_frozen=True)
         await self._mark_ready(group)
         log.info("rank %d of group %s ready: %d KV blocks of %d tokens", rank, group.group_id,
                  kv_pool.num_blocks, cfg.kv_block_size)
