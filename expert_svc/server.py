@@ -2,7 +2,10 @@
 
 1. Start the gRPC server (GetRankInfo answers from here on, is_ready false)
    and write the port file.
-2. Register in etcd as role "expert" with info {"rendezvous_port", "device"}.
+2. Allocate the KV pool where its size does not depend on the rank (the
+   CPU, or a fixed --kv-blocks) and freeze the startup heap, then register
+   in etcd as role "expert" with info {"rendezvous_port", "device"}: a
+   standby is placed only once warm.
 3. Watch for the group assignment. Once assigned rank r of N: load only the
    experts [r*E/N, (r+1)*E/N) plus the trunk and gates, join the group's
    torch.distributed process group (gloo on the CPU, NCCL on CUDA) at the
@@ -148,6 +151,11 @@ class ExpertRank:
             [SERVICE_NAME], host=cfg.host, port=cfg.port)
         await self._set_serving(False)
         announce_port("expert", cfg, self._server.port)
+        # Before registering (a standby is placed only once warm), what does not depend on
+        # the rank: the KV pool, and the startup heap frozen (the join then freezes only
+        # what it loads), so that taking a failed rank's place costs neither.
+        await self._on_model_thread(self._builder.prepare_kv_pool)
+        gc_pauses.freeze("startup", enabled=cfg.gc_freeze)
         self._cluster = ClusterClient(cfg.etcd, prefix=cfg.key_prefix)
         await self._cluster.connect()
         rendezvous_port = cfg.rendezvous_port or _free_port(cfg.host)
@@ -156,8 +164,6 @@ class ExpertRank:
                                       "num_spare_expert_slots": cfg.fixed_spare_slots or 0},
                                      ttl=cfg.lease_ttl_s)
         self._address = cfg.address(self._server.port)
-        # Before any assignment (a standby's wait): the join then freezes only what it loads.
-        gc_pauses.freeze("startup", enabled=cfg.gc_freeze)
         self._watch_task = asyncio.create_task(self._follow_assignment(), name="follow-assignment")
 
     async def run(self, stop: asyncio.Event) -> int:
