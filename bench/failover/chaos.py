@@ -213,21 +213,28 @@ async def run(args) -> dict:
     })
     started = time.monotonic()
     with launcher.Mesh(spec) as mesh:
-        async with ClusterClient(mesh.etcd_endpoint) as cluster, \
-                grpc.aio.insecure_channel(mesh.gateway_address) as channel:
-            load, stop = Load(), asyncio.Event()
-            stub = gateway_pb2_grpc.GenerationServiceStub(channel)
-            clients = [asyncio.create_task(client_loop(stub, load, stop, c, args)) for c in range(args.clients)]
-            bench = Bench(mesh, cluster, load, args)
-            try:
-                for case in args.cases:
-                    for i in range(args.iterations):
-                        await bench.iteration(case, i)
-                await bench.wait_healthy()
-            finally:
-                stop.set()
-                await asyncio.wait(clients, timeout=120)
+        bench, load = await drive(mesh, args)
     return summary(bench, load, time.monotonic() - started, args)
+
+
+async def drive(mesh: launcher.Mesh, args, *, num_experts: int = 3, bench_type=None) -> tuple[Bench, Load]:
+    """Keeps `args.clients` streams in flight on the mesh while every case's iterations run
+    (bench_type's, Bench by default); returns the bench and what the clients saw."""
+    async with ClusterClient(mesh.etcd_endpoint) as cluster, \
+            grpc.aio.insecure_channel(mesh.gateway_address) as channel:
+        load, stop = Load(), asyncio.Event()
+        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
+        clients = [asyncio.create_task(client_loop(stub, load, stop, c, args)) for c in range(args.clients)]
+        bench = (bench_type or Bench)(mesh, cluster, load, args, num_experts)
+        try:
+            for case in args.cases:
+                for i in range(args.iterations):
+                    await bench.iteration(case, i)
+            await bench.wait_healthy()
+        finally:
+            stop.set()
+            await asyncio.wait(clients, timeout=120)
+    return bench, load
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,12 +33,8 @@ import sys
 import threading
 import time
 
-import grpc
-
 from bench.failover import chaos
-from moe.gateway.v1 import gateway_pb2_grpc
 from moemesh import launcher
-from services.cluster import ClusterClient
 
 MODES = ("standby", "supervised")
 TARGET_P99_MS = 1000.0
@@ -67,24 +63,13 @@ async def run_mode(mode: str, args) -> dict:
 
             supervising = threading.Thread(target=supervise, name="supervise", daemon=True)
             supervising.start()
-        async with ClusterClient(mesh.etcd_endpoint) as cluster, \
-                grpc.aio.insecure_channel(mesh.gateway_address) as channel:
-            load, stop = chaos.Load(), asyncio.Event()
-            stub = gateway_pb2_grpc.GenerationServiceStub(channel)
-            clients = [asyncio.create_task(chaos.client_loop(stub, load, stop, c, args)) for c in range(args.clients)]
-            bench_type = SupervisedBench if mode == "supervised" else chaos.Bench
-            bench = bench_type(mesh, cluster, load, args, num_experts=3 if mode == "standby" else 2)
-            try:
-                for case in args.cases:
-                    for i in range(args.iterations):
-                        await bench.iteration(case, i)
-                await bench.wait_healthy()
-            finally:
-                stop.set()
-                await asyncio.wait(clients, timeout=120)
-                stop_supervising.set()
-                if supervising is not None:
-                    await asyncio.to_thread(supervising.join, 60)
+        try:
+            bench, load = await chaos.drive(mesh, args, num_experts=3 if mode == "standby" else 2,
+                                            bench_type=SupervisedBench if mode == "supervised" else chaos.Bench)
+        finally:
+            stop_supervising.set()
+            if supervising is not None:
+                await asyncio.to_thread(supervising.join, 60)
         killed = list(mesh.supervisor.killed) if mesh.supervisor is not None else []
     result = chaos.summary(bench, load, time.monotonic() - started, args)
     result["supervisor_kills"] = killed
