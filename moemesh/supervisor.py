@@ -13,12 +13,13 @@ its group with it (or a standby took its rank already), and the gateway resumes
 the streams from their checkpoints. Its peers, which waited on it in a
 collective, see their connections closed by the kill and fail at once.
 
-With the defaults a frozen ready process is killed 0.6 to 1.1 s after it
-froze. A process that is not ready (a rank loading its weights or joining,
+With the defaults a frozen ready process is killed 1.0 to 1.7 s after it
+froze (the group of a frozen rank does not wait for that where a standby is
+registered: the scheduler's rank probe re-forms it in 0.3 to 0.55 s). A process that is not ready (a rank loading its weights or joining,
 a standby) holds no stream, and its loop may stall for a moment on the way
 (the garbage collector freezing the loaded weights' objects takes about half
 a second on the tiny model): its silence counts towards `misses_not_ready`
-instead (about 4.5 s). A role that has not written its metrics port yet
+instead (about 7.5 s). A role that has not written its metrics port yet
 (starting) is not probed.
 """
 
@@ -41,8 +42,8 @@ class SupervisorConfig:
     """How often and how patiently the supervisor probes."""
 
     interval_s: float = 0.2
-    # Deadline of one GET /healthz.
-    timeout_s: float = 0.3
+    # Deadline of one GET /readyz: above a busy gateway's longest loop stall under load.
+    timeout_s: float = 0.5
     # Probes missed in a row (refused, or silent after a ready answer) after which the process is killed.
     misses: int = 3
     # Silent probes in a row after which a process whose last answer was "not ready" is killed.

@@ -102,7 +102,7 @@ def write(results: dict, args, out: pathlib.Path) -> None:
               "the dead or frozen rank, the group is re-formed on the standby (which loads its experts), the "
               "survivor severs the old epoch's connections, the gateway re-prefills every stream. supervised: "
               "the restarted process's start and weight load come on top (the supervisor kills a frozen one "
-              "after 3 missed /healthz probes of 0.3 s)."]
+              "after 3 missed /readyz probes of 0.5 s)."]
     (out / "rank_recovery.md").write_text("\n".join(lines) + "\n")
 
 
