@@ -49,8 +49,9 @@ class SupervisedBench(chaos.Bench):
 
 
 async def run_mode(mode: str, args) -> dict:
+    work_dir = str(args.work_dir / mode) if args.work_dir else ""
     spec = launcher.MeshSpec(model_dir=args.model, num_ranks=2, num_standby=1 if mode == "standby" else 0,
-                             extra_args={"expert_svc": ["--collective-timeout-s", str(args.collective_timeout_s)]})
+                             work_dir=work_dir, extra_args={"expert_svc": ["--collective-timeout-s", str(args.collective_timeout_s)]})
     started = time.monotonic()
     with launcher.Mesh(spec) as mesh:
         stop_supervising = threading.Event()
@@ -118,6 +119,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--collective-timeout-s", type=float, default=30.0)
     parser.add_argument("--settle-s", type=float, default=1.0, help="load before each disruption")
     parser.add_argument("--out", type=pathlib.Path, default=chaos.RESULTS_DIR)
+    parser.add_argument("--work-dir", type=pathlib.Path, default=None,
+                        help="keep each mesh's logs in WORK_DIR/<mode> (default: a temporary directory)")
     args = parser.parse_args(argv)
     if bad := [m for m in args.modes if m not in MODES] + [c for c in args.cases if c not in chaos.CASES]:
         parser.error(f"unknown modes or cases {bad}")
