@@ -33,6 +33,7 @@ import logging
 import os
 import socket
 import threading
+import time
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
@@ -114,6 +115,7 @@ class ProcessGroupLink:
     def _rendezvous_store(self, address: str, rank: int) -> dist.Store:
         host, port = address.rsplit(":", 1)
         if rank != 0:
+            _wait_listening(host, int(port), self.timeout.total_seconds())
             return dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout)
         if self._store is None or self._store_address != address:
             self._store = None
@@ -157,3 +159,18 @@ def _connections_since(before: dict[int, str], store_port: int) -> dict[int, str
             if store_port not in ports:
                 pairs[fd] = inode
     return pairs
+
+
+def _wait_listening(host: str, port: int, timeout_s: float, poll_s: float = 0.005) -> None:
+    """Until something accepts connections at host:port (or timeout_s passed: the store's own
+    connect then fails with its error). A new rank 0 (a standby taking a failed rank's place)
+    binds its store only after its assignment reaches it and its experts are loaded; a
+    TCPStore client that gets there first backs off for hundreds of milliseconds between
+    attempts, and every stream of the group waits on that."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=max(poll_s, 0.1)):
+                return
+        except OSError:
+            time.sleep(poll_s)

@@ -48,6 +48,7 @@ import contextlib
 import logging
 import pathlib
 import socket
+import time
 
 import torch
 
@@ -269,20 +270,27 @@ class ExpertRank:
         s.placement_epoch = group.epoch
         log.info("group %s re-formed: joining epoch %d as rank %d (weights kept) at %s", group.group_id,
                  group.epoch, rank, group.rendezvous_address)
+        started = time.monotonic()
         try:
-            await self._on_model_thread(self._reconnect, group, rank, self._runner)
+            waited_s, connect_s = await self._on_model_thread(self._reconnect, group, rank, self._runner, started)
         except RendezvousError as error:
             self._report_failure(group.epoch, str(error))
             return
         self._new_executor(self._runner)
         await self._mark_ready(group)
-        log.info("rank %d of group %s ready again in epoch %d", rank, group.group_id, group.epoch)
+        # The split says where a slow recovery went: the old epoch's step, or the rendezvous.
+        log.info("rank %d of group %s ready again in epoch %d (%.0f ms for the model thread, %.0f ms rendezvous)",
+                 rank, group.group_id, group.epoch, 1e3 * waited_s, 1e3 * connect_s)
 
-    def _reconnect(self, group: GroupAssignment, rank: int, runner: StepRunner) -> None:
-        """Model thread: the new epoch's process group under the same model; no sequence survives."""
+    def _reconnect(self, group: GroupAssignment, rank: int, runner: StepRunner,
+                   queued_at: float) -> tuple[float, float]:
+        """Model thread: the new epoch's process group under the same model; no sequence survives.
+        Returns (seconds it waited for the model thread, seconds the rendezvous took)."""
+        started = time.monotonic()
         runner.reset()
         runner.placement_epoch = group.epoch
         self._model.comm.group = self._link.connect(group, rank)
+        return started - queued_at, time.monotonic() - started
 
     def _on_step_failure(self, reason: str) -> None:
         if self.config.is_cuda:  # see the module docstring: exit, the restarted process rejoins
