@@ -49,6 +49,7 @@ class ModelBuilder:
         self.config = config
         self.model_config = serving_model_config(config.model, config.random_weights)
         self.dtype = DTYPES[config.dtype_name]
+        self._ready_kv_pool: KVPool | None = None  # allocated ahead by prepare_kv_pool
 
     def build(self, expert_ids: range, connect: Callable[[], object]) -> tuple[Qwen3MoeModel, KVPool]:
         """Model thread: the weights of expert_ids, then the rendezvous (`connect()` returns
@@ -101,8 +102,19 @@ class ModelBuilder:
         comm.plan = DispatchPlan(cfg.ep_dispatch, Topology(hosts), shape, costs, cfg.max_fixed_capacity_tokens)
         log.info("expert exchange design: %s", comm.plan.describe())
 
+    def prepare_kv_pool(self) -> None:
+        """Model thread, before any assignment: allocates the KV pool now where its size does
+        not depend on what the weights leave free (the CPU, or a fixed kv_blocks), so that a
+        standby taking a failed rank's place does not allocate (and fault in) it on the
+        recovery path; the next build uses it."""
+        if self._ready_kv_pool is None and (not self.config.is_cuda or self.config.kv_blocks):
+            self._ready_kv_pool = self.kv_pool()
+
     def kv_pool(self) -> KVPool:
-        """The KV pool: kv_blocks blocks, or as many as the KV memory holds."""
+        """The KV pool: the one prepared ahead (once), else kv_blocks blocks, or as many as the KV memory holds."""
+        if self._ready_kv_pool is not None:
+            pool, self._ready_kv_pool = self._ready_kv_pool, None
+            return pool
         cfg, mc = self.config, self.model_config
         cache_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)
         num_blocks = cfg.kv_blocks or KVPool.blocks_for_memory(

@@ -2,7 +2,10 @@
 
 1. Start the gRPC server (GetRankInfo answers from here on, is_ready false)
    and write the port file.
-2. Register in etcd as role "expert" with info {"rendezvous_port", "device"}.
+2. Allocate the KV pool where its size does not depend on the rank (the
+   CPU, or a fixed --kv-blocks) and freeze the startup heap, then register
+   in etcd as role "expert" with info {"rendezvous_port", "device"}: a
+   standby is placed only once warm.
 3. Watch for the group assignment. Once assigned rank r of N: load only the
    experts [r*E/N, (r+1)*E/N) plus the trunk and gates, join the group's
    torch.distributed process group (gloo on the CPU, NCCL on CUDA) at the
@@ -18,7 +21,8 @@
    rank (and the same group and size), the rank joins the new epoch's
    process group (expert_svc/rendezvous.py) WITHOUT reloading its weights,
    drops every sequence, marks itself ready for the new epoch and serves
-   again; a failed rendezvous is reported like a failed step. If the
+   again (a step of the old epoch still waiting in a collective on a hung
+   peer is made to fail at once: ProcessGroupLink.sever); a failed rendezvous is reported like a failed step. If the
    assignment is deleted or gives this member another rank, group or size
    (or none: a standby took its place while it hung), `run` returns
    EXIT_ASSIGNMENT_LOST so that the supervisor restarts it clean (it then
@@ -50,6 +54,7 @@ import contextlib
 import logging
 import pathlib
 import socket
+import time
 
 import torch
 
@@ -156,6 +161,11 @@ class ExpertRank:
             [SERVICE_NAME], host=cfg.host, port=cfg.port)
         await self._set_serving(False)
         announce_port("expert", cfg, self._server.port)
+        # Before registering (a standby is placed only once warm), what does not depend on
+        # the rank: the KV pool, and the startup heap frozen (the join then freezes only
+        # what it loads), so that taking a failed rank's place costs neither.
+        await self._on_model_thread(self._builder.prepare_kv_pool)
+        gc_pauses.freeze("startup", enabled=cfg.gc_freeze)
         self._cluster = ClusterClient(cfg.etcd, prefix=cfg.key_prefix, reach_timeout_s=cfg.etcd_connect_timeout_s)
         await self._cluster.connect()
         rendezvous_port = cfg.rendezvous_port or _free_port(cfg.host)
@@ -235,7 +245,8 @@ class ExpertRank:
                 model, runner, self._cluster, group_id=group.group_id, rank=rank, member_id=member_id,
                 load_experts=self._builder.expert_loader())
         self._new_executor(runner)
-        gc_pauses.freeze("loading the weights", enabled=cfg.gc_freeze, young_threshold=cfg.gc_young_threshold)
+        gc_pauses.freeze("loading the weights", enabled=cfg.gc_freeze, young_threshold=cfg.gc_young_threshold,
+                         keep_frozen=True)
         await self._mark_ready(group)
         log.info("rank %d of group %s ready: %d KV blocks of %d tokens", rank, group.group_id,
                  kv_pool.num_blocks, cfg.kv_block_size)
@@ -263,26 +274,36 @@ class ExpertRank:
         if old is not None and old.failure is None:
             # Plans of the old epoch that are still queued must not run on the new process group.
             old.failure = f"superseded by epoch {group.epoch}"
+        # A step of the old epoch may wait in a collective on a peer that hung: fail it now
+        # rather than at the collective timeout, so the model thread is free to rejoin.
+        await asyncio.to_thread(self._link.sever, s.placement_epoch)
         await self._set_serving(False)
         self._joined = joined_placement(group, self.config.member_id)
         s.placement_epoch = group.epoch
         log.info("group %s re-formed: joining epoch %d as rank %d (weights kept) at %s", group.group_id,
                  group.epoch, rank, group.rendezvous_address)
+        started = time.monotonic()
         try:
-            await self._on_model_thread(self._reconnect, group, rank, self._runner)
+            waited_s, connect_s = await self._on_model_thread(self._reconnect, group, rank, self._runner, started)
         except RendezvousError as error:
             self._report_failure(group.epoch, str(error))
             return
         self._new_executor(self._runner)
         await self._mark_ready(group)
-        log.info("rank %d of group %s ready again in epoch %d", rank, group.group_id, group.epoch)
+        # The split says where a slow recovery went: the old epoch's step, or the rendezvous.
+        log.info("rank %d of group %s ready again in epoch %d (%.0f ms for the model thread, %.0f ms rendezvous)",
+                 rank, group.group_id, group.epoch, 1e3 * waited_s, 1e3 * connect_s)
 
-    def _reconnect(self, group: GroupAssignment, rank: int, runner: StepRunner) -> None:
-        """Model thread: the new epoch's process group under the same model; no sequence survives."""
+    def _reconnect(self, group: GroupAssignment, rank: int, runner: StepRunner,
+                   queued_at: float) -> tuple[float, float]:
+        """Model thread: the new epoch's process group under the same model; no sequence survives.
+        Returns (seconds it waited for the model thread, seconds the rendezvous took)."""
+        started = time.monotonic()
         runner.reset()
         runner.placement_epoch = group.epoch
         self._model.comm.group = self._link.connect(group, rank)
         self._builder.plan_dispatch(self._model.comm)  # the new epoch's hosts
+        return started - queued_at, time.monotonic() - started
 
     def _on_step_failure(self, reason: str) -> None:
         if self.config.is_cuda:  # see the module docstring: exit, the restarted process rejoins

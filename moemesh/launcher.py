@@ -29,7 +29,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from moemesh import etcd
+from moemesh import etcd, supervisor
 from services import tls
 from services.process import http_port_file, metrics_port_file, read_port_file
 
@@ -172,6 +172,7 @@ class Mesh:
         self._restarts: dict[str, list[float]] = {}  # role name -> monotonic times of its restarts
         # name (a role of tls.ROLES, "etcd", "root") -> its certificate directory, with spec.tls
         self.tls_dirs: dict[str, pathlib.Path] = {}
+        self.supervisor: supervisor.Supervisor | None = None  # started by the first restart_exited
 
     @property
     def gateway(self) -> Role:
@@ -374,7 +375,11 @@ class Mesh:
         purpose and rejoins as the member it was (the scheduler re-forms its
         group); a gateway or scheduler comes back as a standby or follower.
         Raises RuntimeError for a role that exited more than
-        MAX_RESTARTS_PER_WINDOW times within RESTART_WINDOW_S (a crash loop)."""
+        MAX_RESTARTS_PER_WINDOW times within RESTART_WINDOW_S (a crash loop).
+        The first call starts the supervisor (moemesh/supervisor.py), which kills
+        a role that stops answering its health checks, for this to restart."""
+        if self.supervisor is None:
+            self.supervisor = supervisor.Supervisor(lambda: list(self.roles)).start()
         restarted = []
         now = time.monotonic()
         for role in list(self.roles):
@@ -421,6 +426,8 @@ class Mesh:
         Returns each role's exit code.
         """
         codes = {}
+        if self.supervisor is not None:
+            self.supervisor.stop()
         for role in reversed(self.roles):
             if role.proc.poll() is None:
                 role.proc.send_signal(signal.SIGTERM)

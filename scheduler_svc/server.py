@@ -4,7 +4,8 @@ Connects to etcd, serves SchedulerService (health SERVING once etcd
 answered), builds its view of the cluster (GetClusterState answers from
 it), then registers as a scheduler member and campaigns for leadership;
 the leader forms worker groups and health-checks the gateways (a dead one
-loses its lease at once: scheduler_svc/gateway_probe.py), the followers
+loses its lease at once) and the expert services (a dead or hung rank loses
+its lease at once, and its group is re-formed: scheduler_svc/member_probe.py), the followers
 health-check the leader and depose it when it stops answering
 (scheduler_svc/election.py).
 SIGTERM/SIGINT: a leader first hands its term to a live follower
@@ -23,7 +24,7 @@ from moe.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.cluster_view import ClusterView
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.election import Election, LeaderProbe
-from scheduler_svc.gateway_probe import GatewayProbe, probe_gateways
+from scheduler_svc.member_probe import MemberProbe, probe_members
 from scheduler_svc.health_client import HealthCheck
 from scheduler_svc.observability import LeaderWatch
 from scheduler_svc.servicer import SchedulerServicer
@@ -65,7 +66,7 @@ async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
         await view.wait_warm(watch)
         await client.register(ROLE, config.member_id, address, ttl=config.lease_ttl_s)
         election = Election(client, config.member_id, address, probe=leader_probe(config, health_check))
-        campaign = asyncio.create_task(election.run(lambda leadership: with_gateway_probe(
+        campaign = asyncio.create_task(election.run(lambda leadership: with_member_probes(
             client, config, lead_groups(client, leadership, config.group_size, RepairState(
                 reform_wait_s=config.reform_wait_s, reform_settle_s=config.reform_settle_s)))))
         await server.set_serving(True)
@@ -92,16 +93,22 @@ async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
         log.info("stopped")
 
 
-async def with_gateway_probe(client: ClusterClient, config: SchedulerConfig, lead: Awaitable[None]) -> None:
-    """Runs the leader's work, and meanwhile its probe of the gateways (scheduler_svc/gateway_probe.py)."""
-    probing = None
+async def with_member_probes(client: ClusterClient, config: SchedulerConfig, lead: Awaitable[None]) -> None:
+    """Runs the leader's work, and meanwhile its probes of the gateways and the ranks
+    (scheduler_svc/member_probe.py)."""
+    probes = []
     if config.gateway_probe_interval_s:
-        probe = GatewayProbe(config.gateway_probe_interval_s, config.leader_probe_timeout_s, config.leader_probe_misses)
-        probing = asyncio.create_task(probe_gateways(client, probe, lambda timeout_s: HealthCheck(timeout_s, "gateway")), name="gateway-probe")
+        probes.append(MemberProbe("gateway", config.gateway_probe_interval_s, config.leader_probe_timeout_s,
+                                  config.leader_probe_misses))
+    if config.rank_probe_interval_s:
+        probes.append(MemberProbe("expert", config.rank_probe_interval_s, config.rank_probe_timeout_s,
+                                  config.rank_probe_misses, is_silence_a_miss=True))
+    probing = [asyncio.create_task(probe_members(client, probe, lambda timeout_s, role=probe.role: HealthCheck(
+        timeout_s, role)), name=f"{probe.role}-probe") for probe in probes]
     try:
         await lead
     finally:
-        await cancel_and_wait([probing], what="the gateway probe")
+        await cancel_and_wait(probing, what="the member probes")
 
 
 def leader_probe(config: SchedulerConfig, check: HealthCheck) -> LeaderProbe | None:

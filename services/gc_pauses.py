@@ -16,7 +16,11 @@ the tokenizer, the servers).
   gc.freeze(): the objects alive now move to a permanent generation that
   later collections skip (reference counting still frees them). A later
   freeze (a rank that loads a new group's weights) first unfreezes, so
-  garbage that startup left in reference cycles is still collected then.
+  garbage that startup left in reference cycles is still collected then;
+  unless `keep_frozen`: an expert service freezes its startup heap while it
+  waits for a group (a standby), and once assigned collects and freezes only
+  what the load added, so that taking over a failed rank's place does not pay
+  for a walk of the whole heap (about half a second) on the recovery path.
   `--gc-freeze false` turns it off (MemberConfig.gc_freeze).
   `--gc-young-threshold N` sets the young generation's threshold at the same
   point (gc.set_threshold's first value, Python's default 700).
@@ -78,15 +82,17 @@ def recording():
         _recorders.remove(pauses)
 
 
-def freeze(what: str, *, enabled: bool = True, young_threshold: int = 0) -> int:
-    """Collects everything, then freezes the survivors; returns how many are frozen (0 if disabled).
-    young_threshold > 0 becomes the young generation's collection threshold (either way)."""
+def freeze(what: str, *, enabled: bool = True, young_threshold: int = 0, keep_frozen: bool = False) -> int:
+    """Collects everything (with keep_frozen: everything not frozen yet), then freezes the
+    survivors; returns how many are frozen (0 if disabled). young_threshold > 0 becomes the
+    young generation's collection threshold (either way)."""
     if young_threshold:
         gc.set_threshold(young_threshold, *gc.get_threshold()[1:])
     if not enabled:
         return 0
     start = time.perf_counter()
-    gc.unfreeze()
+    if not keep_frozen:
+        gc.unfreeze()
     gc.collect()
     gc.freeze()
     count = gc.get_freeze_count()

@@ -97,8 +97,9 @@ def recovery_s(arrivals: list[float], struck_at: float) -> float:
 class Bench:
     """The disruption loop over one running mesh."""
 
-    def __init__(self, mesh: launcher.Mesh, cluster: ClusterClient, load: Load, args):
+    def __init__(self, mesh: launcher.Mesh, cluster: ClusterClient, load: Load, args, num_experts: int = 3):
         self.mesh, self.cluster, self.load, self.args = mesh, cluster, load, args
+        self.num_experts = num_experts  # registered when the mesh is whole (ranks + standbys)
         self.results: dict[str, list[float]] = {case: [] for case in args.cases}
 
     async def group(self) -> GroupAssignment:
@@ -106,25 +107,39 @@ class Bench:
         return group
 
     async def wait_healthy(self, timeout_s: float = 60.0) -> GroupAssignment:
-        """Until 3 experts are registered and the group's epoch is ready, and tokens flow."""
+        """Until every expert is registered and the group's epoch is ready, and tokens flow."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             experts = await self.cluster.list_members("expert")
             group = await self.group()
             ready = await self.cluster.ready_ranks(group.group_id, group.epoch)
-            if len(experts) == 3 and ready == set(range(group.world_size)) and self.load.arrivals \
+            if len(experts) == self.num_experts and ready == set(range(group.world_size)) and self.load.arrivals \
                     and self.load.arrivals[-1] > time.monotonic() - 0.5:
                 return group
             await asyncio.sleep(0.2)
         raise TimeoutError(f"the mesh did not settle within {timeout_s} s")
 
     async def iteration(self, case: str, i: int) -> None:
+        group, name, role, struck_at = await self.strike(case, i)
+        await self.wait_recovered(case, i, group, struck_at)
+        if case == "hang":
+            os.kill(role.proc.pid, signal.SIGCONT)  # awake, it finds its rank taken and exits
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.to_thread(role.proc.wait, 30)
+        await asyncio.to_thread(self.mesh.restart, name)
+
+    async def strike(self, case: str, i: int) -> tuple[GroupAssignment, str, launcher.Role, float]:
+        """Signals rank i % world_size of the healthy group: (group, victim's name and role, when)."""
         group = await self.wait_healthy()
         await asyncio.sleep(self.args.settle_s)
         name = group.ranks[i % group.world_size].member_id
         role = next(r for r in self.mesh.roles if r.name == name)
         struck_at = time.monotonic()
         os.kill(role.proc.pid, CASES[case])
+        return group, name, role, struck_at
+
+    async def wait_recovered(self, case: str, i: int, group: GroupAssignment, struck_at: float) -> None:
+        """Until tokens flow on a newer epoch; records the recovery time."""
         reformed_at = None
         while reformed_at is None or self.load.arrivals[-1] < reformed_at:
             if time.monotonic() - struck_at > 90:
@@ -135,13 +150,7 @@ class Bench:
         await asyncio.sleep(0.5)
         took = recovery_s(self.load.arrivals, struck_at)
         self.results[case].append(took)
-        print(f"{case} {i}: rank {i % group.world_size} ({name}), recovered in {took * 1000:.0f} ms",
-              flush=True)
-        if case == "hang":
-            os.kill(role.proc.pid, signal.SIGCONT)  # awake, it finds its rank taken and exits
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                await asyncio.to_thread(role.proc.wait, 30)
-        await asyncio.to_thread(self.mesh.restart, name)
+        print(f"{case} {i}: rank {i % group.world_size}, recovered in {took * 1000:.0f} ms", flush=True)
 
 
 def summary(bench: Bench, load: Load, wall_s: float, args) -> dict:
@@ -204,21 +213,28 @@ async def run(args) -> dict:
     })
     started = time.monotonic()
     with launcher.Mesh(spec) as mesh:
-        async with ClusterClient(mesh.etcd_endpoint) as cluster, \
-                grpc.aio.insecure_channel(mesh.gateway_address) as channel:
-            load, stop = Load(), asyncio.Event()
-            stub = gateway_pb2_grpc.GenerationServiceStub(channel)
-            clients = [asyncio.create_task(client_loop(stub, load, stop, c, args)) for c in range(args.clients)]
-            bench = Bench(mesh, cluster, load, args)
-            try:
-                for case in args.cases:
-                    for i in range(args.iterations):
-                        await bench.iteration(case, i)
-                await bench.wait_healthy()
-            finally:
-                stop.set()
-                await asyncio.wait(clients, timeout=120)
+        bench, load = await drive(mesh, args)
     return summary(bench, load, time.monotonic() - started, args)
+
+
+async def drive(mesh: launcher.Mesh, args, *, num_experts: int = 3, bench_type=None) -> tuple[Bench, Load]:
+    """Keeps `args.clients` streams in flight on the mesh while every case's iterations run
+    (bench_type's, Bench by default); returns the bench and what the clients saw."""
+    async with ClusterClient(mesh.etcd_endpoint) as cluster, \
+            grpc.aio.insecure_channel(mesh.gateway_address) as channel:
+        load, stop = Load(), asyncio.Event()
+        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
+        clients = [asyncio.create_task(client_loop(stub, load, stop, c, args)) for c in range(args.clients)]
+        bench = (bench_type or Bench)(mesh, cluster, load, args, num_experts)
+        try:
+            for case in args.cases:
+                for i in range(args.iterations):
+                    await bench.iteration(case, i)
+            await bench.wait_healthy()
+        finally:
+            stop.set()
+            await asyncio.wait(clients, timeout=120)
+    return bench, load
 
 
 def main(argv: list[str] | None = None) -> int:

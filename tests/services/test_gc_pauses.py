@@ -55,6 +55,23 @@ def test_freeze_skips_the_survivors_and_a_later_freeze_collects_their_cycles(unf
     assert alive() is None
 
 
+def test_keep_frozen_collects_and_freezes_only_what_came_since(unfrozen):
+    """A standby froze its startup heap; its join collects only what the load added."""
+    old_a, old_b = Node(), Node()
+    old_a.other, old_b.other = old_b, old_a
+    old = weakref.ref(old_a)
+    first = gc_pauses.freeze("startup")
+    del old_a, old_b
+    new_a, new_b, kept = Node(), Node(), Node()
+    new_a.other, new_b.other = new_b, new_a
+    new = weakref.ref(new_a)
+    del new_a, new_b
+    second = gc_pauses.freeze("loading the weights", keep_frozen=True)
+    assert new() is None  # the new cycle was collected
+    assert old() is not None  # the frozen one was not walked
+    assert second >= first + 1 and gc.is_tracked(kept)  # the survivors joined the frozen ones
+
+
 def test_freeze_sets_the_young_threshold_even_when_disabled(unfrozen):
     before = gc.get_threshold()
     try:

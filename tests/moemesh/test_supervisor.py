@@ -1,0 +1,105 @@
+"""The supervisor of `moemesh up` (moemesh/supervisor.py): a ready process whose /readyz stops
+answering (SIGSTOP) is killed after the configured misses, and Mesh.restart_exited starts
+it again; a process that answers, one never seen answering, or one not ready for a while
+(loading) is left alone."""
+
+import os
+import pathlib
+import signal
+import sys
+import time
+
+import pytest
+
+from moemesh import launcher
+from moemesh.supervisor import Supervisor, SupervisorConfig, readyz
+from scheduler_svc.health import Health
+
+# A stand-in role: the real probe server of services/http_probes.py on its own loop, its
+# port in "<port file>.metrics" as every role writes it, then it serves until killed.
+_ROLE = r"""
+import asyncio, pathlib, sys
+from services.http_probes import ProbeServer
+from services.process import metrics_port_file, write_port_file
+async def main():
+    server = ProbeServer()
+    server.set_readiness(lambda: {"ready": True})
+    port = await server.start("127.0.0.1", 0)
+    write_port_file(metrics_port_file(sys.argv[1]), port)
+    pathlib.Path(sys.argv[1]).write_text("4242")
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+
+def _mesh(tmp_path: pathlib.Path, tiny_model_dir) -> launcher.Mesh:
+    mesh = launcher.Mesh(launcher.MeshSpec(model_dir=str(tiny_model_dir), work_dir=str(tmp_path)))
+    port_file = tmp_path / "gateway.port"
+    cmd = [sys.executable, "-c", _ROLE, str(port_file)]
+    mesh.roles.append(mesh._launch("gateway", cmd, port_file, tmp_path / "gateway.log"))
+    mesh.roles[-1].port = mesh._wait_port(mesh.roles[-1], 60)
+    return mesh
+
+
+def test_a_frozen_role_is_killed_and_restarted(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(launcher, "STATE_FILE", tmp_path / "state.json")
+    mesh = _mesh(tmp_path, tiny_model_dir)
+    try:
+        assert mesh.restart_exited() == []  # starts the supervisor
+        config = mesh.supervisor.config
+        first = mesh.roles[0].proc
+        time.sleep(3 * config.interval_s)  # it answered once: known alive
+        assert readyz(mesh.roles[0].metrics_port, 1.0) is Health.SERVING
+        os.kill(first.pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        first.wait(10)
+        took = time.monotonic() - frozen_at
+        low, high = config.detection_s
+        assert low - 0.1 <= took <= high + 1.0, (took, config.detection_s)  # + slack for a loaded CI host
+        assert first.returncode == -signal.SIGKILL and mesh.supervisor.killed == ["gateway"]
+        assert mesh.restart_exited() == ["gateway"]
+        assert mesh.roles[0].proc.pid != first.pid and mesh.roles[0].proc.poll() is None
+    finally:
+        mesh.stop(grace_s=1)
+
+
+class _Role:
+    def __init__(self, name: str, proc, metrics_port: int | None):
+        self.name, self.proc, self.metrics_port = name, proc, metrics_port
+
+
+class _Proc:
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def poll(self):
+        return None
+
+
+def test_only_misses_in_a_row_of_a_role_seen_alive_kill(monkeypatch):
+    killed = []
+    monkeypatch.setattr(os, "killpg", lambda pid, sig: killed.append((pid, sig)))
+    answers = {1: Health.SERVING, 2: Health.NO_ANSWER, 3: Health.NOT_SERVING}
+    roles = [_Role("alive", _Proc(10), 1), _Role("never-answered", _Proc(20), 2),
+             _Role("loading", _Proc(30), 3), _Role("starting", _Proc(40), None)]
+    supervisor = Supervisor(lambda: roles, SupervisorConfig(misses=2, misses_not_ready=9),
+                            probe=lambda port, timeout_s: answers[port])
+    supervisor.probe_once()
+    answers[3] = Health.NO_ANSWER  # not ready, then silent: a loading rank's stalled loop
+    for _ in range(5):
+        assert supervisor.probe_once() == []  # a silent role never seen alive is still starting
+    answers[1] = Health.NO_ANSWER
+    assert supervisor.probe_once() == []
+    answers[1] = Health.SERVING  # one answer resets the count
+    assert supervisor.probe_once() == []
+    answers[1] = Health.REFUSED
+    assert supervisor.probe_once() == []
+    assert supervisor.probe_once() == ["alive", "loading"]  # "loading": its 9th silent probe
+    assert killed == [(10, signal.SIGKILL), (30, signal.SIGKILL)]
+    supervisor.stop()
+
+
+@pytest.mark.parametrize("kwargs", [dict(interval_s=0), dict(timeout_s=-1), dict(misses=0), dict(misses_not_ready=0)])
+def test_bad_settings_are_refused(kwargs):
+    with pytest.raises(ValueError, match="supervisor needs"):
+        SupervisorConfig(**kwargs)
