@@ -29,9 +29,11 @@ def percentile(values, q: float) -> float:
 class GatewayStats:
     """Cumulative since the gateway started."""
 
-    # Requests queued, and refused because the waiting queue was full.
+    # Requests queued, refused because the waiting queue was full, and refused because their
+    # predicted time to first token was past what their class may wait (gateway/step_budget.py).
     num_requests: int = 0
     num_rejected_queue_full: int = 0
+    num_rejected_overload: int = 0
     num_deadline_exceeded: int = 0
     num_aborted: int = 0
     # Prompt tokens of requests admitted for the first time, and how many of
@@ -45,6 +47,8 @@ class GatewayStats:
     num_step_tokens: int = 0
     # Output tokens a constraint forced that jump-forward appended without a step of their own.
     num_jump_forward_tokens: int = 0
+    # The step-cost model's fitted scale (gateway/step_cost.py; 1: its priors as they are).
+    step_cost_scale: float = 1.0
     # Host seconds per step: planning (schedule + protobuf) and applying results.
     plan_s: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=_NUM_TIMINGS))
     apply_s: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=_NUM_TIMINGS))

@@ -1,0 +1,108 @@
+"""What a step costs on a rank: a fixed-shape linear model, with one bounded scale fit online.
+
+    step_ms ~ scale * (fixed + per_decode * decodes + per_token * prefill_tokens + per_pair * pairs)
+
+`pairs` is, summed over the step's prefill chunks, chunk tokens times the mean
+context they attend to (start + tokens / 2): the quadratic part of a long
+prompt. The coefficients are shaped like one H200 running the Qwen3-30B-A3B
+shape in bf16 (a few ms a step, ~0.09 ms a decode row, ~10 us a prompt token
+plus its attention), so the budget is sound from the first step, before any
+measurement.
+
+Only one number is fit: `scale`, the ratio of the ranks' measured step times to
+the model's, for steps that carry at least FIT_MIN_PREFILL_TOKENS of prefill
+(the steps whose size the budget decides). The measure is the rank's own
+StepResult.execute_seconds: with pipelined steps a rank counts a step from its
+launch or, if it was launched ahead, from the end of the step before it, so
+it is the step's own device time and not the wall time the gateway sees
+between a plan and its result (which holds the step before it too). The
+scale moves as an exponential average of log ratios, and never leaves
+[MIN_SCALE, MAX_SCALE]: a device slower or faster than the prior, or a
+misleading measure, can shift the budget by at most that factor, so prefill
+is never priced out of the steps (a fit of several free coefficients to
+collinear features could do that, and extrapolate wildly).
+
+Pure arithmetic, no I/O.
+"""
+
+import dataclasses
+import math
+
+# Priors (ms): a step's fixed cost, a decode row, a prompt token, a (token, context token) pair.
+FIXED_MS = 2.5
+DECODE_MS = 0.09
+TOKEN_MS = 0.0095
+PAIR_MS = 1.2e-6
+# The fit's bounds and pace.
+MIN_SCALE = 0.5
+MAX_SCALE = 2.0
+FIT_WEIGHT = 0.05
+FIT_MIN_PREFILL_TOKENS = 256
+
+
+@dataclasses.dataclass(slots=True)
+class StepShape:
+    """The work of one rank's step, as the cost model sees it."""
+
+    num_decodes: int = 0
+    num_prefill_tokens: int = 0
+    # Sum over prefill chunks of tokens * (start + tokens / 2).
+    pairs: float = 0.0
+
+    def add_chunk(self, start: int, num_tokens: int) -> None:
+        """Counts a prefill chunk of num_tokens tokens at positions start..start+num_tokens-1."""
+        self.num_prefill_tokens += num_tokens
+        self.pairs += num_tokens * (start + num_tokens / 2)
+
+
+@dataclasses.dataclass(slots=True)
+class StepCost:
+    """The model; `scale` is the fitted factor (1: the priors as they are)."""
+
+    fixed_ms: float = FIXED_MS
+    decode_ms: float = DECODE_MS
+    token_ms: float = TOKEN_MS
+    pair_ms: float = PAIR_MS
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("fixed_ms", "decode_ms", "token_ms", "pair_ms"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
+        if self.token_ms <= 0:
+            raise ValueError(f"token_ms must be positive, got {self.token_ms}")
+        self.scale = min(MAX_SCALE, max(MIN_SCALE, self.scale))
+
+    def base_ms(self, num_decodes: int, num_other_tokens: int = 0) -> float:
+        """A step with num_decodes decode rows and num_other_tokens tokens priced like
+        prompt tokens at no depth (jump-forward chunks), before any prefill chunk."""
+        return self.scale * (self.fixed_ms + self.decode_ms * num_decodes + self.token_ms * num_other_tokens)
+
+    def chunk_ms(self, start: int, num_tokens: int) -> float:
+        """The cost a prefill chunk of num_tokens tokens from position start adds to a step."""
+        return self.scale * num_tokens * (self.token_ms + self.pair_ms * (start + num_tokens / 2))
+
+    def predict_ms(self, shape: StepShape) -> float:
+        return self.scale * (self.fixed_ms + self.decode_ms * shape.num_decodes
+                             + self.token_ms * shape.num_prefill_tokens + self.pair_ms * shape.pairs)
+
+    def tokens_within(self, ms: float, start: int) -> int:
+        """The most tokens of a chunk from position start whose chunk_ms is within ms (0 if none)."""
+        if ms <= 0:
+            return 0
+        # scale * (pair/2 * n^2 + (token + pair * start) * n) = ms
+        a = self.scale * self.pair_ms / 2
+        b = self.scale * (self.token_ms + self.pair_ms * start)
+        n = ms / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * ms)) / (2 * a)
+        return max(0, int(n))
+
+    def observe(self, shape: StepShape, measured_ms: float) -> bool:
+        """Moves scale towards measured_ms / the prior's prediction for a step with enough
+        prefill; True if it did (other steps, and non-positive times, are ignored)."""
+        if shape.num_prefill_tokens < FIT_MIN_PREFILL_TOKENS or not 0 < measured_ms < math.inf:
+            return False
+        prior_ms = self.predict_ms(shape) / self.scale
+        ratio = min(MAX_SCALE, max(MIN_SCALE, measured_ms / prior_ms))
+        log_scale = (1 - FIT_WEIGHT) * math.log(self.scale) + FIT_WEIGHT * math.log(ratio)
+        self.scale = min(MAX_SCALE, max(MIN_SCALE, math.exp(log_scale)))
+        return True
