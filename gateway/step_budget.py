@@ -20,7 +20,7 @@ The step budget (per rank and step), priced by the cost model (gateway/step_cost
 Admission under overload (`check_admission`): a new request's time to first
 token is predicted as the prompt tokens ahead of it (those of its class and of
 higher classes: waiting prompts and the rest of those being prefilled) plus its
-own, over the group's prefill rate at the current decode load, plus a step.
+own, over the group's prefill rate at the current decode load.
 An interactive request predicted past `ttft_target_ms * SHED_MARGIN` cannot
 make its TTFT target even if admitted; a batch request is refused already past
 `ttft_target_ms` and counts every prompt ahead (interactive ones overtake it),
@@ -169,9 +169,9 @@ class BudgetRule:
         """The predicted TTFT (ms) of a new request with num_tokens_ahead prompt tokens to
         prefill before its own num_prompt_tokens; raises Overloaded if it is past the shedding
         bound (module docstring). num_decodes: the mean decoding requests per rank."""
-        rate, step_ms = self.prefill_rate(cost, num_decodes)
+        rate, _ = self.prefill_rate(cost, num_decodes)
         wait_ms = num_tokens_ahead / (num_ranks * rate)
-        ttft_ms = wait_ms + num_prompt_tokens / (num_ranks * rate) + step_ms
+        ttft_ms = wait_ms + num_prompt_tokens / (num_ranks * rate)
         bound_ms = self.ttft_target_ms * (1.0 if is_batch else SHED_MARGIN)
         if bound_ms and ttft_ms > bound_ms:
             what = "a batch-priority request" if is_batch else "the request"
