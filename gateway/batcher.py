@@ -51,6 +51,7 @@ be re-prefilled (prompt plus generated tokens) and continue.
 import bisect
 import collections
 import heapq
+import logging
 import time
 from collections.abc import Callable, Collection, Mapping
 
@@ -64,6 +65,11 @@ from gateway.stats import GatewayStats
 from gateway.step_budget import BudgetRule, DecodeProgress, Overloaded, StepBudget
 from gateway.step_cost import StepCost, StepShape
 from services.step import ScheduledSequence, TokenLogprob
+
+
+log = logging.getLogger("gateway.batcher")
+# The step-cost scale is logged when it has moved by this factor since it was last logged.
+_SCALE_LOG_STEP = 1.1
 
 
 def _arrival(seq: Sequence) -> int:
@@ -84,7 +90,7 @@ class Batcher:
         prefill_chunk_size: int = 0,
         max_waiting_requests: int = 1024,
         tpot_target_ms: float = 40.0,
-        ttft_target_ms: float = 500.0,
+        ttft_target_ms: float = 0.0,
         min_prefill_tokens: int = 1024,
         policy: str | SchedulePolicy = "fcfs",
         stats: GatewayStats | None = None,
@@ -107,6 +113,7 @@ class Batcher:
         self.budget_rule = BudgetRule(max_batch_tokens, tpot_target_ms, ttft_target_ms, min_prefill_tokens,
                                       prefill_chunk_size)
         self.cost = StepCost()
+        self._logged_scale = self.cost.scale
         self.max_waiting_requests = max_waiting_requests
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
@@ -262,6 +269,10 @@ class Batcher:
             # The group steps together: its slowest rank's time is every rank's step.
             if self.cost.observe(max(shapes, key=self.cost.predict_ms), 1e3 * max(step_seconds)):
                 self.stats.step_cost_scale = round(self.cost.scale, 4)
+                if max(self._logged_scale / self.cost.scale, self.cost.scale / self._logged_scale) >= _SCALE_LOG_STEP:
+                    self._logged_scale = self.cost.scale
+                    log.info("step-cost scale now %.3f (the ranks' prefill steps against the model's priors)",
+                             self.cost.scale)
         now = self._clock()
         if step_id != expected_step:
             raise ValueError(f"results of step {step_id}, but the oldest step in flight is {expected_step}")

@@ -103,7 +103,7 @@ class BudgetRule:
     # 0: no decode latency budget (every step may fill max_batch_tokens).
     tpot_target_ms: float = 40.0
     # 0: no shedding on predicted TTFT.
-    ttft_target_ms: float = 500.0
+    ttft_target_ms: float = 0.0
     min_prefill_tokens: int = 1024
     # One sequence's chunk cap; 0: none.
     prefill_chunk_size: int = 0

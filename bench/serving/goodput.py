@@ -11,7 +11,9 @@ for every answer. Per rate: completed requests/s, TTFT p50/p99, time per output 
 a request's (end - first token) / (output tokens - 1)) p50/p99, E2E p99, the share of requests
 that met the SLO (TTFT <= --slo-ttft-ms and TPOT <= --slo-tpot-ms; a failed request misses it),
 the GPU's busy share (the rank's step time over the wall time, from its /metrics), the prompt
-tokens/s achieved and that rate's FLOPs against the bf16 peak.
+tokens/s achieved and that rate's FLOPs against the bf16 peak. The gateway sheds requests it
+predicts past the TTFT SLO (`--ttft-target-ms`, docs/configuration.md; off with --no-shed):
+a refused request counts as a miss, as any failed one.
 
 Requests that arrive in the first --settle-s seconds of a rate are sent but not counted, so the
 figures describe the steady state rather than the empty start. The sweep stops after two rates
@@ -211,6 +213,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-scale", type=float, default=1.0, help="multiplies the prompt lengths")
     parser.add_argument("--max-running", type=int, default=256, help="the gateway's --max-running-requests")
     parser.add_argument("--max-batch-tokens", type=int, default=8192, help="the gateway's --max-batch-tokens")
+    parser.add_argument("--shed", action=argparse.BooleanOptionalAction, default=True,
+                        help="the gateway sheds requests predicted past the TTFT SLO (--ttft-target-ms "
+                             "--slo-ttft-ms); a --gateway-arg may still override it")
     parser.add_argument("--gateway-arg", action="append", default=[], metavar="ARG")
     parser.add_argument("--expert-arg", action="append", default=[], metavar="ARG")
     parser.add_argument("--seed", type=int, default=0)
@@ -226,6 +231,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--rates must be positive, --duration-s positive and above --settle-s")
     # What gpu_speed.run_mesh and warm_up read.
     args.mix_concurrency, args.output_scale = args.max_running, 1.0
+    if args.shed:  # first, so that the caller's own gateway args win
+        args.gateway_arg = [f"--ttft-target-ms={args.slo_ttft_ms:g}", *args.gateway_arg]
     return args
 
 

@@ -57,3 +57,10 @@ def test_rates_are_parsed_and_checked():
         parse_args(["--rates", "0,2"])
     with pytest.raises(SystemExit):
         parse_args(["--duration-s", "5", "--settle-s", "5"])
+
+
+def test_the_gateway_sheds_at_the_ttft_slo_unless_told_otherwise():
+    assert parse_args(["--slo-ttft-ms", "300"]).gateway_arg == ["--ttft-target-ms=300"]
+    assert parse_args(["--gateway-arg=--ttft-target-ms=0"]).gateway_arg == [
+        "--ttft-target-ms=500", "--ttft-target-ms=0"]   # the caller's own, later, wins
+    assert parse_args(["--no-shed"]).gateway_arg == []
