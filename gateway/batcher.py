@@ -187,7 +187,8 @@ class Batcher:
                 ErrorCode.RESOURCE_EXHAUSTED,
                 f"the gateway's waiting queue is full ({self.num_waiting} requests wait, "
                 f"max_waiting_requests {self.max_waiting_requests}); retry later")
-        if seq.leader is None:  # a later sample reuses its leader's prompt: nothing of its own to wait for
+        # A later sample reuses its leader's prompt: nothing of its own to wait for.
+        if self.budget_rule.ttft_target_ms and seq.leader is None:
             is_batch = seq.request.is_batch
             try:
                 self.budget_rule.check_admission(
