@@ -301,3 +301,21 @@ def test_the_cost_scale_follows_the_ranks_step_times():
     tokens = {s.seq_id: 30 for s in batch.plans[0].scheduled if s.is_sampled}
     batcher.apply_results(batch.step_id, tokens, step_seconds=[2 * predicted / 1e3, predicted / 1e3])
     assert batcher.cost.scale > 1.0 and batcher.stats.step_cost_scale == round(batcher.cost.scale, 4)
+
+
+def test_decoding_requests_ahead_of_their_target_lend_the_next_step_their_slack():
+    now = [0.0]
+    batcher = big_batcher(clock=lambda: now[0])
+    decoding = [add(batcher, request(16, f"d{i}", max_new_tokens=41)) for i in range(4)]
+    for _ in range(11):       # the first token, then 10 more 10 ms apart: 300 ms ahead of 40 ms a token
+        step(batcher)
+        now[0] += 0.010
+    assert all(len(s.output_ids) == 11 and s.first_token_at == 0.0 for s in decoding)
+    long = add(batcher, request(12_000, "long"))
+    batch, _ = step(batcher)
+    rule, cost = batcher.budget_rule, batcher.cost
+    slack = rule.slack_ms([DecodeProgress(10, 100.0, 30)] * 4)
+    assert slack == pytest.approx(10.0)
+    assert prefill_sizes(batch)[long.seq_id] == rule.rank_budget(cost, 4, 4, has_decodes=True,
+                                                                 slack_ms=slack).chunk(cost, 0, 12_000)
+    assert prefill_sizes(batch)[long.seq_id] > rule.rank_budget(cost, 4, 4, has_decodes=True).chunk(cost, 0, 12_000)
