@@ -118,16 +118,17 @@ def watermark(kv: RankKV) -> int:
     return max(1, kv.num_blocks // 100)
 
 
-def admit(batcher: AdmissionHost, batch: StepBatch, step: StepState, is_batch: bool | None = None) -> None:
+def admit(batcher: AdmissionHost, batch: StepBatch, step: StepState, is_batch: bool | None = None) -> bool:
     """Starts waiting sequences while they fit, in the policy's order; is_batch: only those of
-    that priority class (None: both)."""
+    that priority class (None: both). True if it stopped at a request that fits nowhere (those
+    behind it, the next class's included, must not overtake it)."""
     if not batcher.num_waiting:
-        return
+        return False
     waiting = batcher.waiting
     if is_batch is not None:
         waiting = [seq for seq in waiting if seq.request.is_batch == is_batch]
         if not waiting:
-            return
+            return False
     running_tokens = [sum(s.num_tokens for s in seqs) for seqs in batcher.running]
 
     def cached_tokens(seq: Sequence) -> int:
@@ -137,19 +138,20 @@ def admit(batcher: AdmissionHost, batch: StepBatch, step: StepState, is_batch: b
     num_deferred = 0
     for seq in batcher.policy.order(waiting, cached_tokens):
         if not any(_is_open(batcher, batch, step, r) for r in range(batcher.num_ranks)):
-            return
+            return True
         if seq.num_in_flight:
             continue  # preempted with a token in flight: back once it has arrived
         placement = _place(batcher, batch, step, seq, running_tokens)
         if placement is _DEFER:
             num_deferred += 1
             if num_deferred >= MAX_DEFERRED:
-                return  # a burst behind one prefix: looking further costs more than it gains
+                return True  # a burst behind one prefix: looking further costs more than it gains
             continue
         if placement is None:
-            return
+            return True
         _start(batcher, batch, step, seq, placement)
         running_tokens[placement.rank] += seq.num_tokens
+    return False
 
 
 def _is_open(batcher: AdmissionHost, batch: StepBatch, step: StepState, rank: int) -> bool:

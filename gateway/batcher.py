@@ -235,10 +235,12 @@ class Batcher:
             self._to_forget[plan.rank].clear()
             self._schedule_decodes(plan, step, batch)
         self._plan_budgets(batch, step)
+        is_blocked = False
         for is_batch in (False, True):  # interactive prompts first, batch ones with what is left
             for plan in batch.plans:
                 self._schedule_prefills(plan, step, batch, is_batch)
-            admission.admit(self, batch, step, is_batch)
+            # A batch request never overtakes an interactive one that fits nowhere yet.
+            is_blocked = is_blocked or admission.admit(self, batch, step, is_batch)
         self._publish(step)
         if not batch.is_empty:
             batch.step_id = self._next_step_id

@@ -319,3 +319,17 @@ def test_decoding_requests_ahead_of_their_target_lend_the_next_step_their_slack(
     assert prefill_sizes(batch)[long.seq_id] == rule.rank_budget(cost, 4, 4, has_decodes=True,
                                                                  slack_ms=slack).chunk(cost, 0, 12_000)
     assert prefill_sizes(batch)[long.seq_id] > rule.rank_budget(cost, 4, 4, has_decodes=True).chunk(cost, 0, 12_000)
+
+
+def test_a_batch_request_never_overtakes_an_interactive_one_that_fits_nowhere_yet():
+    batcher = make_batcher(num_blocks=16, block_size=4, max_batch_tokens=64)   # 64 tokens of KV
+    first = add(batcher, request(40, "first", max_new_tokens=4))
+    step(batcher)
+    blocked = add(batcher, request(40, "blocked"))      # waits for first's blocks
+    small = add(batcher, request(4, "small", is_batch=True))
+    step(batcher)
+    assert first.is_prefilled and blocked.rank is None and small.rank is None
+    while not first.is_finished:
+        step(batcher)
+    step(batcher)
+    assert blocked.rank is not None
