@@ -139,8 +139,12 @@ class Batcher:
         # This schedule()'s work per rank (for the cost model) and prefill budgets.
         self._shapes: list[StepShape] = []
         self._budgets: list[StepBudget] = []
-        # Steps in flight: their shapes per rank, to fit the cost model to their execute times.
+        # Steps in flight: their shapes per rank, to fit the cost model to their execute times,
+        # and their predicted ms.
         self._step_shapes: dict[int, list[StepShape]] = {}
+        self._step_ms: dict[int, float] = {}
+        # True when the last step planned carried no prefill while prompts waited for it.
+        self._prefill_held = False
 
     @property
     def num_ranks(self) -> int:
@@ -247,6 +251,7 @@ class Batcher:
             self._next_step_id += 1
             self._in_flight.append((batch.step_id, step.sampled, step.jumps))
             self._step_shapes[batch.step_id] = self._shapes
+            self._step_ms[batch.step_id] = max(self.cost.step_ms(shape) for shape in self._shapes)
         elif self.num_waiting and not self._in_flight and not any(self.running):
             # Unreachable while add() checks fits; keeps the loop from spinning on nothing.
             seq = self.waiting[0]
@@ -254,6 +259,9 @@ class Batcher:
             seq.status = SeqStatus.FINISHED
             batch.events.append((seq, GenerationError(
                 ErrorCode.RESOURCE_EXHAUSTED, "the request cannot be scheduled on any rank")))
+        # The next step prefills whatever its allowance if this one held waiting prompts back.
+        self._prefill_held = not any(shape.num_prefill_tokens for shape in self._shapes) and (
+            bool(self.num_waiting) or any(not s.is_prefilled for seqs in self.running for s in seqs))
         return batch
 
     def apply_results(self, step_id: int, tokens: Mapping[int, int],
@@ -268,14 +276,17 @@ class Batcher:
         not answer that step's plan."""
         expected_step, sampled, jumps = self._in_flight.popleft() if self._in_flight else (None, {}, {})
         shapes = self._step_shapes.pop(expected_step, ())
+        self._step_ms.pop(expected_step, None)
         if step_seconds and shapes:
             # The group steps together: its slowest rank's time is every rank's step.
-            if self.cost.observe(max(shapes, key=self.cost.predict_ms), 1e3 * max(step_seconds)):
+            if self.cost.observe(max(shapes, key=self.cost.step_ms), 1e3 * max(step_seconds)):
                 self.stats.step_cost_scale = round(self.cost.scale, 4)
+                self.stats.step_floor_ms = round(self.cost.floor_ms, 2)
                 if max(self._logged_scale / self.cost.scale, self.cost.scale / self._logged_scale) >= _SCALE_LOG_STEP:
                     self._logged_scale = self.cost.scale
-                    log.info("step-cost scale now %.3f (the ranks' prefill steps against the model's priors)",
-                             self.cost.scale)
+                    log.info("step-cost scale now %.3f (the ranks' prefill steps against the model's priors), "
+                             "floor %.1f ms, decode scale %.2f", self.cost.scale, self.cost.floor_ms,
+                             self.cost.decode_scale)
         now = self._clock()
         if step_id != expected_step:
             raise ValueError(f"results of step {step_id}, but the oldest step in flight is {expected_step}")
@@ -329,6 +340,7 @@ class Batcher:
         self._aborted.clear()
         self._in_flight.clear()
         self._step_shapes.clear()
+        self._step_ms.clear()
         for rank in (*self.running, *self._to_forget):
             rank.clear()
         for seq in seqs:
@@ -509,12 +521,23 @@ class Batcher:
         decodes limit it (batch traffic never holds an interactive prompt back)."""
         interactive = [seq for seq in step.scheduled if not seq.request.is_batch]
         decodes = [len(plan.scheduled) if interactive else 0 for plan in batch.plans]
-        progress = [DecodeProgress(len(seq.output_ids) - 1, 1e3 * (seq.last_token_at - seq.first_token_at),
-                                   seq.request.max_new_tokens - len(seq.output_ids))
-                    for seq in interactive if seq.first_token_at is not None]
-        slack_ms = self.budget_rule.slack_ms(progress) if any(decodes) else 0.0
+        allowance_ms = None
+        if interactive:
+            progress = []
+            for seq in interactive:
+                in_flight = seq.num_in_flight - 1   # this step's token counts already
+                remaining = seq.request.max_new_tokens - len(seq.output_ids) - seq.num_in_flight
+                if seq.first_token_at is None:
+                    progress.append(DecodeProgress(0, 0.0, remaining, has_first_token=False))
+                else:
+                    progress.append(DecodeProgress(len(seq.output_ids) - 1,
+                                                   1e3 * (seq.last_token_at - seq.first_token_at),
+                                                   remaining, in_flight))
+            in_flight_ms = self._step_ms.get(self._in_flight[-1][0], 0.0) if self._in_flight else 0.0
+            allowance_ms = self.budget_rule.allowance_ms(
+                progress, decode_step_ms=self.cost.decode_step_ms(max(decodes)), in_flight_ms=in_flight_ms)
         self._budgets = self.budget_rule.plan_budgets(self.cost, decodes, [p.num_tokens for p in batch.plans],
-                                                      slack_ms)
+                                                      allowance_ms=allowance_ms, is_forced=self._prefill_held)
 
     def prefill_chunk(self, rank: int, start: int, num_remaining: int) -> int:
         """The prompt tokens from position start (num_remaining left) that rank's step may

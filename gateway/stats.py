@@ -49,6 +49,8 @@ class GatewayStats:
     num_jump_forward_tokens: int = 0
     # The step-cost model's fitted scale (gateway/step_cost.py; 1: its priors as they are).
     step_cost_scale: float = 1.0
+    # Its floor: the least a step with prefill takes, in ms.
+    step_floor_ms: float = 0.0
     # Host seconds per step: planning (schedule + protobuf) and applying results.
     plan_s: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=_NUM_TIMINGS))
     apply_s: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=_NUM_TIMINGS))

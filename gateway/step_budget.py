@@ -1,19 +1,22 @@
 """How much prefill each step carries, and whether a new request can still be served in time.
 
 The step budget (per rank and step), priced by the cost model (gateway/step_cost.py):
-- No decode anywhere in the group: prefill gets all of max_batch_tokens. The
-  ranks of a group step together (their expert collectives), so one rank's
-  decodes make every rank's step count.
-- With decodes: the step may last `tpot_target_ms * TPOT_SHARE` (the rest of
-  the target is the model's error and the gateway's own time), plus the slack
-  of the decoding requests: the SLO is on a request's MEAN time per output
-  token, so a request whose tokens came faster than the target so far may
-  spend that margin, spread over the tokens it still has to generate. The
-  tightest request decides (`slack_ms`); one behind its target shrinks the
-  step instead (unless it is too far behind to be saved). Prefill chunks get what the decodes leave of that time.
-- Prefill always gets at least `min_prefill_tokens` per rank and step while
-  prompts wait: a step stretched a little past the target costs the running
-  requests a few ms of their mean, prompts held back cost their whole TTFT.
+- No interactive request decodes in the group: prefill gets all of
+  max_batch_tokens. The ranks of a group step together (their expert
+  collectives), so one rank's decodes make every rank's step count.
+- With decodes, the SLO is on each request's MEAN time per output token, so
+  the step may be as long as the tightest decoding request allows
+  (`allowance_ms`): its margin against `tpot_target_ms * TPOT_SHARE` a token
+  so far (the rest of the target is the model's error and the gateway's own
+  time), plus what one decode-only step after this one would win back. Prefill
+  chunks get what the decodes leave of that. A step with prefill costs at
+  least the cost model's floor (an eager step's own cost): where the allowance
+  does not cover it, the step is decode-only and the requests gain the time a
+  longer prefill step then spends, so prefill steps alternate with cheap
+  decode steps and fill what the pair allows, instead of every step carrying
+  a little prefill at the floor's price.
+- Prompts are never starved: a step after one that held them back prefills
+  whatever the allowance, at least `min_prefill_tokens` and up to the floor.
 - Chunks are cut in the batcher's order (interactive before batch, oldest
   first); `prefill_chunk_size`, if set, caps one sequence's chunk too.
 
@@ -34,13 +37,10 @@ import math
 from collections.abc import Iterable, Sequence as Seq
 
 from gateway.requests import ErrorCode, GenerationError
-from gateway.step_cost import StepCost
+from gateway.step_cost import StepCost, StepShape
 
 # The share of the TPOT target a predicted step may use (see the module docstring).
 TPOT_SHARE = 0.9
-# Bounds of the slack a step may add (or, negative, take) as shares of the step's target.
-MAX_SLACK_SHARE = 1.0
-MIN_SLACK_SHARE = -0.5
 # An interactive request is refused once its predicted TTFT exceeds this many TTFT targets.
 SHED_MARGIN = 2.0
 # The least retry hint: sooner, a refused client would mostly be refused again.
@@ -91,8 +91,12 @@ class DecodeProgress:
     # Output tokens after its first whose results have arrived, and the ms they took.
     num_intervals: int
     elapsed_ms: float
-    # Tokens it may still generate (max_new_tokens left).
+    # Tokens it may still generate after the step being planned.
     num_remaining: int
+    # Its tokens of earlier steps still in flight (results not applied yet).
+    num_in_flight: int = 0
+    # False while its first token has not arrived (the step being planned is its first interval).
+    has_first_token: bool = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -120,49 +124,74 @@ class BudgetRule:
 
     @property
     def step_target_ms(self) -> float:
-        """The predicted length a step with decodes aims at, before slack."""
+        """The mean step length aimed at while requests decode."""
         return self.tpot_target_ms * TPOT_SHARE
 
-    def slack_ms(self, progress: Iterable[DecodeProgress]) -> float:
-        """What the decoding requests' mean-TPOT margin adds to (or takes from) the next step:
-        the smallest margin per remaining token, within the MIN/MAX_SLACK_SHARE bounds."""
-        if not self.tpot_target_ms:
-            return 0.0
+    def allowance_ms(self, progress: Iterable[DecodeProgress], *, decode_step_ms: float,
+                     in_flight_ms: float = 0.0) -> float:
+        """The longest the next step may be for every decoding request to keep its mean time per
+        output token at the step target: the tightest request's margin so far (its target
+        times its intervals after this step, less their time, the step in flight counted at
+        in_flight_ms), plus what one decode-only step of decode_step_ms after this one would
+        win back where the request has a token left for it. A request whose margin does not
+        even cover a decode-only step cannot be saved and is left out."""
         target = self.step_target_ms
-        # A request so far behind that it would need steps of no time cannot be saved: the
-        # others' steps do not shrink for it.
-        per_token = [margin for p in progress if p.num_intervals > 0
-                     if (margin := (self.tpot_target_ms * p.num_intervals - p.elapsed_ms)
-                         / max(1, p.num_remaining)) > -target]
-        if not per_token:
-            return 0.0
-        return min(MAX_SLACK_SHARE * target, max(MIN_SLACK_SHARE * target, min(per_token)))
+        recovery = max(0.0, target - decode_step_ms)
+        tightest = math.inf
+        for p in progress:
+            if p.has_first_token:
+                intervals = p.num_intervals + p.num_in_flight + 1
+                margin = target * intervals - p.elapsed_ms - p.num_in_flight * in_flight_ms
+            else:
+                margin = target
+            margin += recovery * min(1, p.num_remaining)
+            if margin >= decode_step_ms:
+                tightest = min(tightest, margin)
+        return target if tightest == math.inf else tightest
 
-    def rank_budget(self, cost: StepCost, num_decodes: int, num_tokens: int, *,
-                    has_decodes: bool, slack_ms: float = 0.0) -> StepBudget:
+    def rank_budget(self, cost: StepCost, num_decodes: int, num_tokens: int, *, has_decodes: bool,
+                    allowance_ms: float | None = None, is_forced: bool = False) -> StepBudget:
         """The prefill budget of a rank whose step holds num_decodes decode rows and num_tokens
         input tokens so far (a jump-forward chunk's tokens beyond its row priced like prompt
-        tokens); has_decodes: some rank of the group decodes."""
+        tokens); has_decodes: some interactive request of the group decodes; allowance_ms: how
+        long the step may be (allowance_ms(), default the step target); is_forced: the last
+        step held prompts back, so this one prefills whatever the allowance."""
         tokens_left = self.max_batch_tokens - num_tokens
         if not has_decodes or not self.tpot_target_ms:
             return StepBudget(tokens_left, chunk_cap=self.prefill_chunk_size)
-        ms_left = self.step_target_ms + slack_ms - cost.base_ms(num_decodes, num_tokens - num_decodes)
-        return StepBudget(tokens_left, ms_left, self.min_prefill_tokens, self.prefill_chunk_size)
+        allowance = self.step_target_ms if allowance_ms is None else allowance_ms
+        base_ms = cost.base_ms(num_decodes, num_tokens - num_decodes)
+        if allowance >= max(cost.floor_ms, base_ms):
+            return StepBudget(tokens_left, allowance - base_ms, 0, self.prefill_chunk_size)
+        if is_forced:  # a step with prefill costs the floor anyway: it may fill it
+            return StepBudget(tokens_left, max(cost.floor_ms, allowance) - base_ms, self.min_prefill_tokens,
+                              self.prefill_chunk_size)
+        return StepBudget(0)   # a decode-only step: the decoding requests win back time for the next
 
-    def plan_budgets(self, cost: StepCost, decodes: Seq[int], num_tokens: Seq[int],
-                     slack_ms: float = 0.0) -> list[StepBudget]:
+    def plan_budgets(self, cost: StepCost, decodes: Seq[int], num_tokens: Seq[int], *,
+                     allowance_ms: float | None = None, is_forced: bool = False) -> list[StepBudget]:
         """Each rank's prefill budget once every rank's decodes are planned."""
         has_decodes = any(decodes)
-        return [self.rank_budget(cost, d, n, has_decodes=has_decodes, slack_ms=slack_ms)
-                for d, n in zip(decodes, num_tokens)]
+        return [self.rank_budget(cost, d, n, has_decodes=has_decodes, allowance_ms=allowance_ms,
+                                 is_forced=is_forced) for d, n in zip(decodes, num_tokens)]
 
     def prefill_rate(self, cost: StepCost, num_decodes: float) -> tuple[float, float]:
-        """(prompt tokens per ms, step ms) of one rank's steps beside num_decodes decodes each."""
+        """(prompt tokens per ms, ms per prefill step) of one rank beside num_decodes decodes a
+        step, in the steady state of the budget: a prefill step as long as its allowance with a
+        decode-only step after it, or, where the floor exceeds the allowance, every other step."""
         decodes = math.ceil(num_decodes)
-        budget = self.rank_budget(cost, decodes, decodes, has_decodes=decodes > 0)
+        if not decodes:
+            budget = self.rank_budget(cost, 0, 0, has_decodes=False)
+            tokens = max(1, budget.chunk(cost, 0, self.max_batch_tokens))
+            step_ms = cost.step_ms(_shape(0, tokens))
+            return tokens / max(1e-3, step_ms), step_ms
+        decode_ms = cost.decode_step_ms(decodes)
+        allowance = self.step_target_ms + max(0.0, self.step_target_ms - decode_ms)
+        budget = self.rank_budget(cost, decodes, decodes, has_decodes=True, allowance_ms=allowance, is_forced=True)
         tokens = max(1, budget.chunk(cost, 0, self.max_batch_tokens))
-        step_ms = cost.base_ms(decodes) + cost.chunk_ms(0, tokens)
-        return tokens / max(1e-3, step_ms), step_ms
+        step_ms = cost.step_ms(_shape(decodes, tokens))
+        period_ms = step_ms + (decode_ms if step_ms > self.step_target_ms else 0.0)
+        return tokens / max(1e-3, period_ms), step_ms
 
     def check_admission(self, cost: StepCost, *, num_tokens_ahead: int, num_prompt_tokens: int,
                         num_decodes: float, num_ranks: int, is_batch: bool) -> float:
@@ -181,3 +210,9 @@ class BudgetRule:
                 f"{wait_ms:.0f} ms of prefill), past the {bound_ms:.0f} ms it may wait "
                 f"(--ttft-target-ms {self.ttft_target_ms:g}); retry later", ttft_ms - bound_ms)
         return ttft_ms
+
+
+def _shape(num_decodes: int, num_prefill_tokens: int) -> StepShape:
+    shape = StepShape(num_decodes)
+    shape.add_chunk(0, num_prefill_tokens)
+    return shape

@@ -1,6 +1,7 @@
-"""What a step costs on a rank: a fixed-shape linear model, with one bounded scale fit online.
+"""What a step costs on a rank: a fixed-shape linear model, with a few bounded numbers fit online.
 
-    step_ms ~ scale * (fixed + per_decode * decodes + per_token * prefill_tokens + per_pair * pairs)
+    work_ms = scale * (fixed + per_decode * decodes + per_token * prefill_tokens + per_pair * pairs)
+    step_ms = max(floor, work_ms) for a step with prefill, decode_scale / scale * work_ms without
 
 `pairs` is, summed over the step's prefill chunks, chunk tokens times the mean
 context they attend to (start + tokens / 2): the quadratic part of a long
@@ -9,15 +10,21 @@ shape in bf16 (a few ms a step, ~0.09 ms a decode row, ~10 us a prompt token
 plus its attention), so the budget is sound from the first step, before any
 measurement.
 
-Only one number is fit: `scale`, the ratio of the ranks' measured step times to
-the model's, for steps that carry at least FIT_MIN_PREFILL_TOKENS of prefill
+A step that carries prefill runs eagerly, and an eager step has a cost of its
+own whatever it holds (the host launching every layer's kernels, every expert's
+weights read once a step touches them all): `floor`, the least such a step
+takes, learnt from the steps whose work the model prices at under half their
+time (prior 0: the model does not guess it). Decode-only steps replay CUDA
+graphs, priced by their own `decode_scale`. `scale` is the ratio of measured to
+modelled time of steps with at least FIT_MIN_PREFILL_TOKENS of prefill that ran
+clearly above the floor and that the model prices at 60% of their time or more
 (the steps whose size the budget decides). The measure is the rank's own
 StepResult.execute_seconds: with pipelined steps a rank counts a step from its
 launch or, if it was launched ahead, from the end of the step before it, so
 it is the step's own device time and not the wall time the gateway sees
 between a plan and its result (which holds the step before it too). The
-scale moves as an exponential average of log ratios, and never leaves
-[MIN_SCALE, MAX_SCALE]: a device slower or faster than the prior, or a
+scales move as exponential averages of log ratios, the floor as one of times;
+none leaves its bounds ([MIN_SCALE, MAX_SCALE], [0, MAX_FLOOR_MS]): a device slower or faster than the prior, or a
 misleading measure, can shift the budget by at most that factor, so prefill
 is never priced out of the steps (a fit of several free coefficients to
 collinear features could do that, and extrapolate wildly).
@@ -38,6 +45,9 @@ MIN_SCALE = 0.5
 MAX_SCALE = 2.0
 FIT_WEIGHT = 0.05
 FIT_MIN_PREFILL_TOKENS = 256
+MAX_DECODE_SCALE = 4.0
+MAX_FLOOR_MS = 200.0
+FLOOR_WEIGHT = 0.2
 
 
 @dataclasses.dataclass(slots=True)
@@ -64,6 +74,8 @@ class StepCost:
     token_ms: float = TOKEN_MS
     pair_ms: float = PAIR_MS
     scale: float = 1.0
+    floor_ms: float = 0.0
+    decode_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("fixed_ms", "decode_ms", "token_ms", "pair_ms"):
@@ -72,6 +84,8 @@ class StepCost:
         if self.token_ms <= 0:
             raise ValueError(f"token_ms must be positive, got {self.token_ms}")
         self.scale = min(MAX_SCALE, max(MIN_SCALE, self.scale))
+        self.floor_ms = min(MAX_FLOOR_MS, max(0.0, self.floor_ms))
+        self.decode_scale = min(MAX_DECODE_SCALE, max(MIN_SCALE, self.decode_scale))
 
     def base_ms(self, num_decodes: int, num_other_tokens: int = 0) -> float:
         """A step with num_decodes decode rows and num_other_tokens tokens priced like
@@ -83,8 +97,19 @@ class StepCost:
         return self.scale * num_tokens * (self.token_ms + self.pair_ms * (start + num_tokens / 2))
 
     def predict_ms(self, shape: StepShape) -> float:
+        """The step's work (no floor)."""
         return self.scale * (self.fixed_ms + self.decode_ms * shape.num_decodes
                              + self.token_ms * shape.num_prefill_tokens + self.pair_ms * shape.pairs)
+
+    def step_ms(self, shape: StepShape) -> float:
+        """What the step takes: its work, at least the floor with prefill; decode-only at its own scale."""
+        if shape.num_prefill_tokens:
+            return max(self.floor_ms, self.predict_ms(shape))
+        return self.decode_step_ms(shape.num_decodes)
+
+    def decode_step_ms(self, num_decodes: int) -> float:
+        """A decode-only step of num_decodes rows."""
+        return self.decode_scale * (self.fixed_ms + self.decode_ms * num_decodes)
 
     def tokens_within(self, ms: float, start: int) -> int:
         """The most tokens of a chunk from position start whose chunk_ms is within ms (0 if none)."""
@@ -97,12 +122,28 @@ class StepCost:
         return max(0, int(n))
 
     def observe(self, shape: StepShape, measured_ms: float) -> bool:
-        """Moves scale towards measured_ms / the prior's prediction for a step with enough
-        prefill; True if it did (other steps, and non-positive times, are ignored)."""
-        if shape.num_prefill_tokens < FIT_MIN_PREFILL_TOKENS or not 0 < measured_ms < math.inf:
+        """Fits the floor and the scales to a step's measured time (module docstring); True if
+        one of them moved (non-positive or infinite times are ignored)."""
+        if not 0 < measured_ms < math.inf or not (shape.num_prefill_tokens or shape.num_decodes):
             return False
-        prior_ms = self.predict_ms(shape) / self.scale
-        ratio = min(MAX_SCALE, max(MIN_SCALE, measured_ms / prior_ms))
-        log_scale = (1 - FIT_WEIGHT) * math.log(self.scale) + FIT_WEIGHT * math.log(ratio)
-        self.scale = min(MAX_SCALE, max(MIN_SCALE, math.exp(log_scale)))
-        return True
+        if not shape.num_prefill_tokens:
+            ratio = measured_ms / (self.fixed_ms + self.decode_ms * shape.num_decodes)
+            self.decode_scale = _towards(self.decode_scale, ratio, MIN_SCALE, MAX_DECODE_SCALE)
+            return True
+        work_ms = self.predict_ms(shape)
+        moved = False
+        if measured_ms < self.floor_ms or work_ms <= 0.5 * measured_ms:
+            floor = self.floor_ms + FLOOR_WEIGHT * (measured_ms - self.floor_ms)
+            self.floor_ms = min(MAX_FLOOR_MS, max(0.0, floor))
+            moved = True
+        if (shape.num_prefill_tokens >= FIT_MIN_PREFILL_TOKENS and measured_ms > 1.1 * self.floor_ms
+                and work_ms >= 0.6 * measured_ms):
+            self.scale = _towards(self.scale, measured_ms / (work_ms / self.scale), MIN_SCALE, MAX_SCALE)
+            moved = True
+        return moved
+
+
+def _towards(value: float, ratio: float, low: float, high: float) -> float:
+    """value moved FIT_WEIGHT of the way to ratio in log space, within [low, high]."""
+    ratio = min(high, max(low, ratio))
+    return min(high, max(low, math.exp((1 - FIT_WEIGHT) * math.log(value) + FIT_WEIGHT * math.log(ratio))))

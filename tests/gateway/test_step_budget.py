@@ -8,9 +8,9 @@ import math
 import pytest
 
 from gateway.requests import ErrorCode, GenerationError
-from gateway.step_budget import (BudgetRule, DecodeProgress, MIN_RETRY_AFTER_MS, Overloaded, SHED_MARGIN,
-                                 TPOT_SHARE)
-from gateway.step_cost import MAX_SCALE, MIN_SCALE, StepCost, StepShape
+from gateway.step_budget import BudgetRule, DecodeProgress, MIN_RETRY_AFTER_MS, Overloaded, SHED_MARGIN, TPOT_SHARE
+from gateway.step_cost import (DECODE_MS, FIXED_MS, MAX_DECODE_SCALE, MAX_FLOOR_MS, MAX_SCALE, MIN_SCALE, StepCost,
+                               StepShape)
 from tests.gateway.fakes import make_request
 from tests.gateway.test_batcher import add, make_batcher, step
 
@@ -43,25 +43,57 @@ def test_a_chunk_deeper_into_its_prompt_costs_more():
 
 
 def test_the_fit_follows_steps_with_prefill_but_never_leaves_its_bounds():
-    shape = StepShape(num_decodes=10)
-    shape.add_chunk(0, 2000)
+    big = StepShape(num_decodes=10)
+    big.add_chunk(0, 2000)
     cost = StepCost()
-    prior = cost.predict_ms(shape)
+    prior = cost.predict_ms(big)
     for _ in range(200):
-        assert cost.observe(shape, 1.5 * prior)
-    assert cost.scale == pytest.approx(1.5, rel=1e-3)
+        assert cost.observe(big, 1.5 * prior)     # work-bound steps: the scale
+    assert cost.scale == pytest.approx(1.5, rel=1e-3) and cost.floor_ms == 0.0
     for _ in range(500):
-        cost.observe(shape, 100 * prior)   # a misleading measure moves it to the bound only
-    assert cost.scale == pytest.approx(MAX_SCALE)
-    for _ in range(500):
-        cost.observe(shape, prior / 100)
+        cost.observe(big, 0.01 * prior)           # a misleading measure moves it to the bound only
     assert cost.scale == pytest.approx(MIN_SCALE)
-    # Decode-only steps, small chunks and nonsense times leave it alone.
-    assert not cost.observe(StepShape(num_decodes=200), 1.0)
-    small = StepShape()
-    small.add_chunk(0, 100)
-    assert not cost.observe(small, 1.0) and not cost.observe(shape, 0.0) and not cost.observe(shape, math.inf)
+    # Decode-only steps, and nonsense times, leave it alone.
+    cost.observe(StepShape(num_decodes=200), 1.0)
+    assert not cost.observe(big, 0.0) and not cost.observe(big, math.inf)
     assert cost.scale == pytest.approx(MIN_SCALE)
+
+
+def test_steps_whose_work_is_far_under_their_time_teach_the_floor():
+    small = StepShape(num_decodes=10)
+    small.add_chunk(0, 300)                       # ~6 ms of work
+    cost = StepCost()
+    for _ in range(50):
+        cost.observe(small, 45.0)
+    assert cost.floor_ms == pytest.approx(45.0, rel=1e-3) and cost.scale == 1.0
+    assert cost.step_ms(small) == pytest.approx(45.0, rel=1e-3)
+    big = StepShape(num_decodes=10)
+    big.add_chunk(0, 6000)                        # ~100 ms of work: above the floor
+    assert cost.step_ms(big) == cost.predict_ms(big) > 45.0
+    # A floor-bound step of moderate work does not count for the scale.
+    mid = StepShape(num_decodes=10)
+    mid.add_chunk(0, 2500)                        # ~36 ms of work, measured at the floor
+    for _ in range(50):
+        cost.observe(mid, 45.0)
+    assert cost.scale == 1.0
+    for _ in range(100):
+        cost.observe(small, 1e4)
+    assert cost.floor_ms == pytest.approx(MAX_FLOOR_MS)
+    for _ in range(100):
+        cost.observe(small, 5.0)                  # faster than the floor: it comes down
+    assert cost.floor_ms == pytest.approx(5.0, rel=1e-3)
+
+
+def test_decode_only_steps_have_their_own_bounded_scale():
+    cost = StepCost()
+    decodes = StepShape(num_decodes=100)
+    for _ in range(300):
+        cost.observe(decodes, 2 * (FIXED_MS + DECODE_MS * 100))
+    assert cost.decode_scale == pytest.approx(2.0, rel=1e-3) and cost.scale == 1.0
+    assert cost.step_ms(decodes) == pytest.approx(cost.decode_step_ms(100)) == pytest.approx(2 * (FIXED_MS + 9.0))
+    for _ in range(300):
+        cost.observe(decodes, 1e4)
+    assert cost.decode_scale == pytest.approx(MAX_DECODE_SCALE)
 
 
 def test_bad_coefficients_are_refused():
@@ -93,19 +125,33 @@ def test_beside_decodes_prefill_gets_what_the_tpot_target_leaves():
     assert budget.chunk(COST, n, 1000) == 0
 
 
-def test_the_floor_keeps_prompts_moving_beside_many_decodes():
+def test_where_the_decodes_leave_no_room_the_step_is_decode_only_and_the_next_one_prefills():
     budget = RULE.rank_budget(COST, 400, 400, has_decodes=True)   # the decodes alone exceed the target
-    assert budget.ms_left < 0 and budget.chunk(COST, 0, 5000) == 1024
-    budget.take(COST, 0, 1000)
-    assert budget.chunk(COST, 1000, 5000) == 24
-    budget.take(COST, 1000, 24)
-    assert budget.is_spent
+    assert budget.chunk(COST, 0, 5000) == 0 and budget.is_spent
+    forced = RULE.rank_budget(COST, 400, 400, has_decodes=True, is_forced=True)
+    assert forced.chunk(COST, 0, 5000) == 1024
+    forced.take(COST, 0, 1000)
+    assert forced.chunk(COST, 1000, 5000) == 24
+    forced.take(COST, 1000, 24)
+    assert forced.is_spent
+
+
+def test_a_step_that_cannot_pay_the_floor_is_decode_only_and_a_forced_one_fills_the_floor():
+    cost = StepCost(floor_ms=50.0)
+    assert RULE.rank_budget(cost, 16, 16, has_decodes=True).chunk(cost, 0, 9000) == 0      # 36 ms < 50
+    forced = RULE.rank_budget(cost, 16, 16, has_decodes=True, is_forced=True).chunk(cost, 0, 9000)
+    assert cost.base_ms(16) + cost.chunk_ms(0, forced) <= 50.0 < cost.base_ms(16) + cost.chunk_ms(0, forced + 1)
+    # After a decode-only step the requests allow a step past the floor: it is filled to that.
+    allowed = RULE.rank_budget(cost, 16, 16, has_decodes=True, allowance_ms=64.0).chunk(cost, 0, 9000)
+    assert cost.base_ms(16) + cost.chunk_ms(0, allowed) <= 64.0 < cost.base_ms(16) + cost.chunk_ms(0, allowed + 1)
 
 
 def test_a_chunk_never_exceeds_the_tokens_left_nor_the_per_sequence_cap():
     capped = dataclasses.replace(RULE, prefill_chunk_size=512)
     assert capped.rank_budget(COST, 0, 0, has_decodes=False).chunk(COST, 0, 4096) == 512
-    assert RULE.rank_budget(COST, 3, 8190, has_decodes=True).chunk(COST, 0, 4096) == 2
+    assert capped.rank_budget(COST, 4, 4, has_decodes=True).chunk(COST, 0, 4096) == 512
+    small = dataclasses.replace(RULE, max_batch_tokens=10)
+    assert small.rank_budget(COST, 3, 3, has_decodes=True).chunk(COST, 0, 4096) == 7
 
 
 def test_an_off_tpot_target_lets_every_step_fill_max_batch_tokens():
@@ -119,21 +165,28 @@ def test_plan_budgets_protects_every_rank_when_one_decodes():
     assert RULE.plan_budgets(COST, [0, 0], [0, 0])[0].ms_left == math.inf
 
 
-def test_slack_is_the_tightest_margin_per_remaining_token_within_bounds():
-    ahead = DecodeProgress(num_intervals=10, elapsed_ms=200.0, num_remaining=20)   # 200 ms ahead: +10 a token
-    behind = DecodeProgress(num_intervals=10, elapsed_ms=460.0, num_remaining=30)  # 60 ms behind: -2 a token
-    fresh = DecodeProgress(num_intervals=0, elapsed_ms=0.0, num_remaining=31)
-    assert RULE.slack_ms([ahead, fresh]) == pytest.approx(10.0)
-    assert RULE.slack_ms([ahead, behind]) == pytest.approx(-2.0)
-    assert RULE.slack_ms([fresh]) == RULE.slack_ms([]) == 0.0
-    lost = DecodeProgress(num_intervals=10, elapsed_ms=5000.0, num_remaining=2)   # cannot be saved: ignored
-    assert RULE.slack_ms([ahead, lost]) == pytest.approx(10.0)
-    step_ms = 40.0 * TPOT_SHARE
-    assert RULE.slack_ms([DecodeProgress(10, 0.0, 1)]) == pytest.approx(step_ms)          # at most one target more
-    assert RULE.slack_ms([DecodeProgress(10, 420.0, 1)]) == pytest.approx(-0.5 * step_ms)  # at most half less
-    with_slack = RULE.rank_budget(COST, 8, 8, has_decodes=True, slack_ms=10.0)
-    without = RULE.rank_budget(COST, 8, 8, has_decodes=True)
-    assert with_slack.ms_left == pytest.approx(without.ms_left + 10.0)
+def test_the_allowance_is_the_tightest_requests_margin_plus_one_decode_steps_recovery():
+    target = 40.0 * TPOT_SHARE
+    decode_ms = 6.0
+    recovery = target - decode_ms
+    ahead = DecodeProgress(num_intervals=10, elapsed_ms=200.0, num_remaining=20)    # 10 ms a token so far
+    behind = DecodeProgress(num_intervals=10, elapsed_ms=380.0, num_remaining=30)
+    fresh = DecodeProgress(num_intervals=0, elapsed_ms=0.0, num_remaining=31, has_first_token=False)
+    assert RULE.allowance_ms([ahead], decode_step_ms=decode_ms) == pytest.approx(11 * target - 200.0 + recovery)
+    assert RULE.allowance_ms([ahead, behind, fresh], decode_step_ms=decode_ms) == pytest.approx(
+        11 * target - 380.0 + recovery)
+    assert RULE.allowance_ms([fresh], decode_step_ms=decode_ms) == pytest.approx(target + recovery)
+    assert RULE.allowance_ms([], decode_step_ms=decode_ms) == target
+    # Its last token: no decode-only step after this one to win time back.
+    last = DecodeProgress(num_intervals=10, elapsed_ms=10 * target, num_remaining=0)
+    assert RULE.allowance_ms([ahead, last], decode_step_ms=decode_ms) == pytest.approx(target)
+    # A token still in flight counts at the in-flight step's predicted time.
+    flying = DecodeProgress(num_intervals=10, elapsed_ms=10 * target, num_remaining=5, num_in_flight=1)
+    assert RULE.allowance_ms([flying], decode_step_ms=decode_ms, in_flight_ms=50.0) == pytest.approx(
+        12 * target - 10 * target - 50.0 + recovery)
+    # One too far behind to be saved by any step is left out.
+    lost = DecodeProgress(num_intervals=10, elapsed_ms=5000.0, num_remaining=2)
+    assert RULE.allowance_ms([ahead, lost], decode_step_ms=decode_ms) == pytest.approx(11 * target - 200.0 + recovery)
 
 
 def test_bad_rules_are_refused():
@@ -205,7 +258,7 @@ def prefill_sizes(batch, rank=0) -> dict[int, int]:
 
 def request(n: int, rid: str, *, is_batch=False, max_new_tokens=64):
     return dataclasses.replace(make_request(n, max_new_tokens=max_new_tokens, ignore_eos=True, request_id=rid,
-                                            prompt_ids=[100 + len(rid)] * n), is_batch=is_batch)
+                                            prompt_ids=[100 + sum(map(ord, rid)) % 1000] * n), is_batch=is_batch)
 
 
 def test_a_prompt_on_an_idle_group_is_prefilled_in_one_step_without_a_512_cap():
@@ -222,13 +275,12 @@ def test_beside_interactive_decodes_a_long_prompt_is_cut_to_the_budget():
     long = add(batcher, request(8000, "long"))
     batch, _ = step(batcher)
     chunk = prefill_sizes(batch)[long.seq_id]
-    expected = batcher.budget_rule.rank_budget(batcher.cost, 16, 16, has_decodes=True).chunk(batcher.cost, 0, 8000)
+    rule, cost = batcher.budget_rule, batcher.cost
+    # Each decoding request has its first token and its first interval to come, then a decode-only step.
+    allowance = rule.step_target_ms + rule.step_target_ms - cost.decode_step_ms(16)
+    expected = rule.rank_budget(cost, 16, 16, has_decodes=True, allowance_ms=allowance).chunk(cost, 0, 8000)
     assert chunk == expected and 1024 < chunk < 8000
-    shape_ms = batcher.cost.base_ms(16) + batcher.cost.chunk_ms(0, chunk)
-    assert shape_ms <= 40.0 * TPOT_SHARE + 1e-9
-    # The next chunk, deeper into the prompt, carries on from there.
-    batch, _ = step(batcher)
-    assert 1024 <= prefill_sizes(batch)[long.seq_id] <= chunk
+    assert cost.base_ms(16) + cost.chunk_ms(0, chunk) <= allowance + 1e-9
     assert all(s.is_prefilled for s in decoding)
 
 
@@ -243,19 +295,19 @@ def test_batch_decodes_alone_do_not_hold_an_interactive_prompt_back():
 
 
 def test_an_interactive_prompt_takes_the_budget_before_a_batch_prompt_in_progress():
-    batcher = big_batcher()
+    batcher = big_batcher(max_batch_tokens=16_384)
     for i in range(8):
         add(batcher, request(16, f"d{i}"))                        # interactive decodes: a timed budget
     step(batcher)
-    early = add(batcher, request(12_000, "batch", is_batch=True))
+    early = add(batcher, request(30_000, "batch", is_batch=True))
     batch, _ = step(batcher)
     assert early.seq_id in prefill_sizes(batch)                   # alone, it is prefilled
     late = add(batcher, request(4000, "inter"))
-    batch, _ = step(batcher)
-    sizes = prefill_sizes(batch)
-    assert sizes[late.seq_id] >= 1024
-    budget = batcher.budget_rule.rank_budget(batcher.cost, 8, 8, has_decodes=True)
-    assert sizes.get(early.seq_id, 0) <= budget.chunk(batcher.cost, 0, 12_000) - sizes[late.seq_id]
+    sizes = {}
+    while late.seq_id not in sizes:
+        batch, _ = step(batcher)
+        sizes = prefill_sizes(batch)
+    assert sizes[late.seq_id] == 4000 and sizes.get(early.seq_id, 0) < sizes[late.seq_id]
 
 
 def test_the_batcher_sheds_the_overflow_of_a_burst_and_counts_it():
@@ -299,26 +351,25 @@ def test_the_cost_scale_follows_the_ranks_step_times():
     batch = batcher.schedule()
     predicted = batcher.cost.predict_ms(batcher._step_shapes[batch.step_id][0])
     tokens = {s.seq_id: 30 for s in batch.plans[0].scheduled if s.is_sampled}
-    batcher.apply_results(batch.step_id, tokens, step_seconds=[2 * predicted / 1e3, predicted / 1e3])
+    batcher.apply_results(batch.step_id, tokens, step_seconds=[1.5 * predicted / 1e3, predicted / 1e3])
     assert batcher.cost.scale > 1.0 and batcher.stats.step_cost_scale == round(batcher.cost.scale, 4)
 
 
-def test_decoding_requests_ahead_of_their_target_lend_the_next_step_their_slack():
+def test_decoding_requests_ahead_of_their_target_lend_the_next_step_their_margin():
     now = [0.0]
     batcher = big_batcher(clock=lambda: now[0])
     decoding = [add(batcher, request(16, f"d{i}", max_new_tokens=41)) for i in range(4)]
-    for _ in range(11):       # the first token, then 10 more 10 ms apart: 300 ms ahead of 40 ms a token
+    for _ in range(11):       # the first token, then 10 more 10 ms apart
         step(batcher)
         now[0] += 0.010
     assert all(len(s.output_ids) == 11 and s.first_token_at == 0.0 for s in decoding)
     long = add(batcher, request(12_000, "long"))
     batch, _ = step(batcher)
     rule, cost = batcher.budget_rule, batcher.cost
-    slack = rule.slack_ms([DecodeProgress(10, 100.0, 30)] * 4)
-    assert slack == pytest.approx(10.0)
-    assert prefill_sizes(batch)[long.seq_id] == rule.rank_budget(cost, 4, 4, has_decodes=True,
-                                                                 slack_ms=slack).chunk(cost, 0, 12_000)
-    assert prefill_sizes(batch)[long.seq_id] > rule.rank_budget(cost, 4, 4, has_decodes=True).chunk(cost, 0, 12_000)
+    allowance = rule.allowance_ms([DecodeProgress(10, 100.0, 29)] * 4, decode_step_ms=cost.decode_step_ms(4))
+    assert allowance == pytest.approx(11 * rule.step_target_ms - 100.0 + rule.step_target_ms - cost.decode_step_ms(4))
+    assert prefill_sizes(batch)[long.seq_id] == rule.rank_budget(
+        cost, 4, 4, has_decodes=True, allowance_ms=allowance).chunk(cost, 0, 12_000)
 
 
 def test_a_batch_request_never_overtakes_an_interactive_one_that_fits_nowhere_yet():
