@@ -207,6 +207,10 @@ class Batcher:
         if seq.deadline is not None:
             heapq.heappush(self._deadlines, (seq.deadline, seq.seq_id, seq))
 
+    def step_shapes(self, step_id: int) -> list[StepShape]:
+        """The work of each rank in a step in flight, as the step-cost model sees it."""
+        return self._step_shapes[step_id]
+
     def num_prefill_tokens_ahead(self, *, include_batch: bool = True) -> int:
         """Prompt tokens still to prefill (waiting, and the rest of those prefilling) ahead of a new
         request: batch-priority ones only with include_batch (interactive ones overtake them)."""

@@ -13,12 +13,16 @@ measurement.
 A step that carries prefill runs eagerly, and an eager step has a cost of its
 own whatever it holds (the host launching every layer's kernels, every expert's
 weights read once a step touches them all): `floor`, the least such a step
-takes, learnt from the steps whose work the model prices at under half their
-time (prior 0: the model does not guess it). Decode-only steps replay CUDA
-graphs, priced by their own `decode_scale`. `scale` is the ratio of measured to
-modelled time of steps with at least FIT_MIN_PREFILL_TOKENS of prefill that ran
-clearly above the floor and that the model prices at 60% of their time or more
-(the steps whose size the budget decides). The measure is the rank's own
+takes, tracked as a low quantile of the measured times of steps with prefill
+(it moves down fast and up slowly; prior 0: the model does not guess it).
+Decode-only steps replay CUDA graphs, priced by their own `decode_scale`.
+`scale` is the ratio of measured to modelled time of steps with at least
+FIT_MIN_PREFILL_TOKENS of prefill measured clearly above the floor, or priced
+by the model above their measured time: at the floor a step's time says
+nothing of its work but an upper bound. (Fitting the scale to floor-bound steps
+has a stable wrong answer: a doubled scale explains them, keeps the budget's
+steps small, and so keeps them floor-bound.)
+The measure is the rank's own
 StepResult.execute_seconds: with pipelined steps a rank counts a step from its
 launch or, if it was launched ahead, from the end of the step before it, so
 it is the step's own device time and not the wall time the gateway sees
@@ -48,6 +52,9 @@ FIT_MIN_PREFILL_TOKENS = 256
 MAX_DECODE_SCALE = 4.0
 MAX_FLOOR_MS = 200.0
 FLOOR_WEIGHT = 0.2
+FLOOR_UP_SLOWER = 10.0
+# A step measured this far above the floor is work-bound.
+ABOVE_FLOOR = 1.25
 
 
 @dataclasses.dataclass(slots=True)
@@ -130,17 +137,19 @@ class StepCost:
             ratio = measured_ms / (self.fixed_ms + self.decode_ms * shape.num_decodes)
             self.decode_scale = _towards(self.decode_scale, ratio, MIN_SCALE, MAX_DECODE_SCALE)
             return True
+        # The floor follows a low quantile of these steps' times (down fast, up slowly): the least a
+        # step with prefill takes, whatever its size.
+        weight = FLOOR_WEIGHT if measured_ms < self.floor_ms else FLOOR_WEIGHT / FLOOR_UP_SLOWER
+        self.floor_ms = min(MAX_FLOOR_MS, max(0.0, self.floor_ms + weight * (measured_ms - self.floor_ms)))
+        # The scale learns from steps measured clearly above the floor (their time is their work),
+        # and from steps the model prices above their time (at the floor, a step's time is only
+        # an upper bound of its work, which still corrects a scale too high); other floor-bound
+        # steps say nothing of it.
         work_ms = self.predict_ms(shape)
-        moved = False
-        if measured_ms < self.floor_ms or work_ms <= 0.5 * measured_ms:
-            floor = self.floor_ms + FLOOR_WEIGHT * (measured_ms - self.floor_ms)
-            self.floor_ms = min(MAX_FLOOR_MS, max(0.0, floor))
-            moved = True
-        if (shape.num_prefill_tokens >= FIT_MIN_PREFILL_TOKENS and measured_ms > 1.1 * self.floor_ms
-                and work_ms >= 0.6 * measured_ms):
+        if shape.num_prefill_tokens >= FIT_MIN_PREFILL_TOKENS and (
+                measured_ms > ABOVE_FLOOR * self.floor_ms or work_ms > ABOVE_FLOOR * measured_ms):
             self.scale = _towards(self.scale, measured_ms / (work_ms / self.scale), MIN_SCALE, MAX_SCALE)
-            moved = True
-        return moved
+        return True
 
 
 def _towards(value: float, ratio: float, low: float, high: float) -> float:
