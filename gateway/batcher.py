@@ -283,9 +283,12 @@ class Batcher:
         self._step_ms.pop(expected_step, None)
         if step_seconds and shapes:
             # The group steps together: its slowest rank's time is every rank's step.
-            if self.cost.observe(max(shapes, key=self.cost.step_ms), 1e3 * max(step_seconds)):
+            shape, measured_ms = max(shapes, key=self.cost.step_ms), 1e3 * max(step_seconds)
+            self.stats.record_step_time(shape.num_prefill_tokens, measured_ms)
+            if self.cost.observe(shape, measured_ms):
                 self.stats.step_cost_scale = round(self.cost.scale, 4)
                 self.stats.step_floor_ms = round(self.cost.floor_ms, 2)
+                self.stats.step_decode_scale = round(self.cost.decode_scale, 3)
                 if max(self._logged_scale / self.cost.scale, self.cost.scale / self._logged_scale) >= _SCALE_LOG_STEP:
                     self._logged_scale = self.cost.scale
                     log.info("step-cost scale now %.3f (the ranks' prefill steps against the model's priors), "

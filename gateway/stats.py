@@ -49,8 +49,19 @@ class GatewayStats:
     num_jump_forward_tokens: int = 0
     # The step-cost model's fitted scale (gateway/step_cost.py; 1: its priors as they are).
     step_cost_scale: float = 1.0
-    # Its floor: the least a step with prefill takes, in ms.
+    # Its floor: the least a step with prefill takes, in ms; and the decode-only steps' scale.
     step_floor_ms: float = 0.0
+    step_decode_scale: float = 1.0
+    # Steps whose ranks' times came back, with and without prefill: how many, their summed
+    # time (the slowest rank's, ms), their prefill tokens; and the prefill tokens of the
+    # latest steps (0 for a decode-only one), for percentiles over a window.
+    num_prefill_steps: int = 0
+    num_decode_steps: int = 0
+    prefill_step_ms: float = 0.0
+    decode_step_ms: float = 0.0
+    num_step_prefill_tokens: int = 0
+    recent_prefill_tokens: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=_NUM_TIMINGS))
     # Host seconds per step: planning (schedule + protobuf) and applying results.
     plan_s: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=_NUM_TIMINGS))
     apply_s: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=_NUM_TIMINGS))
@@ -60,6 +71,17 @@ class GatewayStats:
         """Share of first-admission prompt tokens served from the prefix cache."""
         return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
+    def record_step_time(self, num_prefill_tokens: int, ms: float) -> None:
+        """A step's prefill tokens and its ranks' (slowest) time, once its results are back."""
+        if num_prefill_tokens:
+            self.num_prefill_steps += 1
+            self.prefill_step_ms += ms
+            self.num_step_prefill_tokens += num_prefill_tokens
+        else:
+            self.num_decode_steps += 1
+            self.decode_step_ms += ms
+        self.recent_prefill_tokens.append(num_prefill_tokens)
+
     def record_step(self, num_tokens: int, plan_s: float) -> None:
         self.num_steps += 1
         self.num_step_tokens += num_tokens
@@ -68,7 +90,8 @@ class GatewayStats:
     def snapshot(self) -> dict:
         """The counters and timing summaries, JSON-ready."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name not in ("plan_s", "apply_s")}
+               if f.name not in ("plan_s", "apply_s", "recent_prefill_tokens")}
+        out["recent_prefill_tokens"] = list(self.recent_prefill_tokens)
         out["prefix_hit_rate"] = round(self.prefix_hit_rate, 6)
         for name in ("plan_s", "apply_s"):
             values = list(getattr(self, name))
