@@ -62,6 +62,9 @@ class GatewayStats:
     num_step_prefill_tokens: int = 0
     recent_prefill_tokens: collections.deque = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=_NUM_TIMINGS))
+    # The latest steps as [prefill tokens, decodes, the prefill tokens' mean context, the cost
+    # model's ms, the ranks' ms]: what a step of that shape costs, to check the model against.
+    recent_steps: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=64))
     # Host seconds per step: planning (schedule + protobuf) and applying results.
     plan_s: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=_NUM_TIMINGS))
     apply_s: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=_NUM_TIMINGS))
@@ -71,8 +74,11 @@ class GatewayStats:
         """Share of first-admission prompt tokens served from the prefix cache."""
         return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
-    def record_step_time(self, num_prefill_tokens: int, ms: float) -> None:
-        """A step's prefill tokens and its ranks' (slowest) time, once its results are back."""
+    def record_step_time(self, num_prefill_tokens: int, ms: float, sample: list | None = None) -> None:
+        """A step's prefill tokens and its ranks' (slowest) time, once its results are back; sample:
+        its entry of recent_steps."""
+        if sample is not None:
+            self.recent_steps.append(sample)
         if num_prefill_tokens:
             self.num_prefill_steps += 1
             self.prefill_step_ms += ms
@@ -90,8 +96,9 @@ class GatewayStats:
     def snapshot(self) -> dict:
         """The counters and timing summaries, JSON-ready."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name not in ("plan_s", "apply_s", "recent_prefill_tokens")}
+               if f.name not in ("plan_s", "apply_s", "recent_prefill_tokens", "recent_steps")}
         out["recent_prefill_tokens"] = list(self.recent_prefill_tokens)
+        out["recent_steps"] = list(self.recent_steps)
         out["prefix_hit_rate"] = round(self.prefix_hit_rate, 6)
         for name in ("plan_s", "apply_s"):
             values = list(getattr(self, name))

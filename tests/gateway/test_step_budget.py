@@ -360,6 +360,10 @@ def test_the_cost_scale_follows_the_ranks_step_times():
     tokens = {s.seq_id: 30 for s in batch.plans[0].scheduled if s.is_sampled}
     batcher.apply_results(batch.step_id, tokens, step_seconds=[1.5 * predicted / 1e3, predicted / 1e3])
     assert batcher.cost.scale > 1.0 and batcher.stats.step_cost_scale == round(batcher.cost.scale, 4)
+    stats = batcher.stats
+    assert (stats.num_prefill_steps, stats.num_decode_steps, stats.num_step_prefill_tokens) == (1, 0, 4096)
+    assert stats.prefill_step_ms == pytest.approx(1.5 * predicted)
+    assert stats.recent_steps[-1][:3] == [4096, 0, 2048] and stats.recent_steps[-1][4] == round(1.5 * predicted, 1)
 
 
 def test_decoding_requests_ahead_of_their_target_lend_the_next_step_their_margin():
