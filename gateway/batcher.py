@@ -285,9 +285,8 @@ class Batcher:
             # The group steps together: its slowest rank's time is every rank's step.
             shape, measured_ms = max(shapes, key=self.cost.step_ms), 1e3 * max(step_seconds)
             self.stats.record_step_time(shape.num_prefill_tokens, measured_ms, [
-                shape.num_prefill_tokens, shape.num_decodes,
-                round(shape.pairs / shape.num_prefill_tokens) if shape.num_prefill_tokens else 0,
-                round(self.cost.step_ms(shape), 1), round(measured_ms, 1)])
+                shape.num_prefill_tokens, shape.num_decodes, round(shape.pairs / shape.num_prefill_tokens),
+                round(self.cost.step_ms(shape), 1), round(measured_ms, 1)] if shape.num_prefill_tokens else None)
             if self.cost.observe(shape, measured_ms):
                 self.stats.step_cost_scale = round(self.cost.scale, 4)
                 self.stats.step_floor_ms = round(self.cost.floor_ms, 2)

@@ -62,8 +62,8 @@ class GatewayStats:
     num_step_prefill_tokens: int = 0
     recent_prefill_tokens: collections.deque = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=_NUM_TIMINGS))
-    # The latest steps as [prefill tokens, decodes, the prefill tokens' mean context, the cost
-    # model's ms, the ranks' ms]: what a step of that shape costs, to check the model against.
+    # The latest steps with prefill as [prefill tokens, decodes, the prefill tokens' mean context,
+    # the cost model's ms, the ranks' ms]: what a step of that shape costs, to check the model.
     recent_steps: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=64))
     # Host seconds per step: planning (schedule + protobuf) and applying results.
     plan_s: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=_NUM_TIMINGS))

@@ -129,7 +129,7 @@ def schedule_row(before: dict, after: dict) -> dict:
         "fit": {"scale": after.get("step_cost_scale"), "floor_ms": after.get("step_floor_ms"),
                 "decode_scale": after.get("step_decode_scale")},
         "shed": delta("num_rejected_overload"),
-        # [prefill tokens, decodes, mean context of the prefill tokens, model ms, measured ms]
+        # The last steps with prefill: [prefill tokens, decodes, their mean context, model ms, measured ms]
         "last_steps": after.get("recent_steps", [])[-16:],
     }
 
