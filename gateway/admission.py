@@ -4,7 +4,7 @@ Part of the batcher: batcher.Batcher calls `admit` after scheduling the
 running sequences and is, to admission, only the narrow `AdmissionHost`
 below (what it reads, and the two calls that start a sequence). The policy orders the waiting requests; each is started
 on a rank that has room for its first prefill chunk: a free running slot,
-token budget left in the step, and KV blocks for the chunk beyond its cached
+prefill budget left in the step (batcher.py, step_budget.py), and KV blocks for the chunk beyond its cached
 prefix, keeping `watermark` blocks spare for the decodes of the running
 sequences. The first request that fits nowhere stops admission (so the
 policy's order is kept, and a long prompt is never starved by short ones).
@@ -89,7 +89,6 @@ class AdmissionHost(Protocol):
     stats: GatewayStats
     max_running_requests: int
     max_batch_tokens: int
-    prefill_chunk_size: int
     jump_forward: bool
 
     @property
@@ -100,6 +99,12 @@ class AdmissionHost(Protocol):
 
     @property
     def waiting(self) -> list[Sequence]: ...
+
+    def prefill_chunk(self, rank: int, start: int, num_remaining: int) -> int:
+        """The prompt tokens from position start the rank's step may still prefill (step_budget.py)."""
+
+    def has_prefill_budget(self, rank: int) -> bool:
+        """True while the rank's step may take more prefill."""
 
     def start(self, plan: RankPlan, seq: Sequence) -> None:
         """Moves seq from waiting to running on plan's rank."""
@@ -113,10 +118,17 @@ def watermark(kv: RankKV) -> int:
     return max(1, kv.num_blocks // 100)
 
 
-def admit(batcher: AdmissionHost, batch: StepBatch, step: StepState) -> None:
-    """Starts waiting sequences while they fit, in the policy's order."""
+def admit(batcher: AdmissionHost, batch: StepBatch, step: StepState, is_batch: bool | None = None) -> bool:
+    """Starts waiting sequences while they fit, in the policy's order; is_batch: only those of
+    that priority class (None: both). True if it stopped at a request that fits nowhere (those
+    behind it, the next class's included, must not overtake it)."""
     if not batcher.num_waiting:
-        return
+        return False
+    waiting = batcher.waiting
+    if is_batch is not None:
+        waiting = [seq for seq in waiting if seq.request.is_batch == is_batch]
+        if not waiting:
+            return False
     running_tokens = [sum(s.num_tokens for s in seqs) for seqs in batcher.running]
 
     def cached_tokens(seq: Sequence) -> int:
@@ -124,27 +136,28 @@ def admit(batcher: AdmissionHost, batch: StepBatch, step: StepState) -> None:
         return max(_match(kv, seq, is_estimate=True).num_cached_tokens for kv in batcher.ranks)
 
     num_deferred = 0
-    for seq in batcher.policy.order(batcher.waiting, cached_tokens):
+    for seq in batcher.policy.order(waiting, cached_tokens):
         if not any(_is_open(batcher, batch, step, r) for r in range(batcher.num_ranks)):
-            return
+            return True
         if seq.num_in_flight:
             continue  # preempted with a token in flight: back once it has arrived
         placement = _place(batcher, batch, step, seq, running_tokens)
         if placement is _DEFER:
             num_deferred += 1
             if num_deferred >= MAX_DEFERRED:
-                return  # a burst behind one prefix: looking further costs more than it gains
+                return True  # a burst behind one prefix: looking further costs more than it gains
             continue
         if placement is None:
-            return
+            return True
         _start(batcher, batch, step, seq, placement)
         running_tokens[placement.rank] += seq.num_tokens
+    return False
 
 
 def _is_open(batcher: AdmissionHost, batch: StepBatch, step: StepState, rank: int) -> bool:
     return (not step.is_preempting[rank]
             and len(batcher.running[rank]) < batcher.max_running_requests
-            and batch.plans[rank].num_tokens < batcher.max_batch_tokens)
+            and batcher.has_prefill_budget(rank))
 
 
 def _place(batcher: AdmissionHost, batch: StepBatch, step: StepState, seq: Sequence, running_tokens: list[int]):
@@ -170,8 +183,9 @@ def _place(batcher: AdmissionHost, batch: StepBatch, step: StepState, seq: Seque
                 and seq.block_hashes[first_uncached] in step.computing[rank]):
             is_deferred = True
             continue
-        budget = batcher.max_batch_tokens - batch.plans[rank].num_tokens
-        num_tokens = min(batcher.prefill_chunk_size, seq.num_tokens - match.num_cached_tokens, budget)
+        num_tokens = batcher.prefill_chunk(rank, match.num_cached_tokens, seq.num_tokens - match.num_cached_tokens)
+        if not num_tokens:
+            continue
         num_new_blocks = kv.blocks_needed(match.num_cached_tokens + num_tokens) - len(match.nodes)
         reserve = watermark(kv) if batcher.running[rank] else 0
         if num_new_blocks + reserve <= kv.num_available - match.num_unreferenced:

@@ -10,11 +10,22 @@ rank. Per step and rank, in this order:
 1. Decodes: every running sequence past its prefill decodes one token (the
    rank feeds back the token it sampled), oldest first. max_running_requests
    <= max_batch_tokens, so decodes always fit the token budget.
-2. Prefill chunks: sequences still prefilling get up to prefill_chunk_size
-   tokens each, oldest first, while the token budget lasts: a long prompt is
-   spread over several steps and never stalls the decodes.
+2. Prefill chunks: sequences still prefilling get chunks, oldest first, while
+   the step's prefill budget lasts (gateway/step_budget.py): all of
+   max_batch_tokens when no interactive request decodes in the group, else
+   what the TPOT target (and the decoding requests' slack against it) leaves
+   beside the decodes, as the step-cost model (gateway/step_cost.py, its scale
+   fit to the ranks' execute times in apply_results) prices it, but at least
+   min_prefill_tokens; prefill_chunk_size, if set, caps one sequence's chunk.
 3. Admission (admission.py): waiting requests in the policy's order start on
    the rank that fits them, reusing their longest cached prefix.
+Priority classes: steps 2 and 3 run for interactive requests first, then for
+batch ones with what is left of the budget, so a batch prompt never takes
+prefill from an interactive one; batch decodes alone do not limit the budget.
+
+`add()` refuses a request (step_budget.Overloaded: RESOURCE_EXHAUSTED with the
+predicted wait and a retry hint) when its predicted time to first token is past
+what its class may wait, and (GenerationError) when the waiting queue is full.
 
 KV exhaustion: a sequence that needs a block when none is available (free or
 evictable from the prefix cache) preempts the newest running sequence of its
@@ -40,6 +51,7 @@ be re-prefilled (prompt plus generated tokens) and continue.
 import bisect
 import collections
 import heapq
+import logging
 import time
 from collections.abc import Callable, Collection, Mapping
 
@@ -50,7 +62,14 @@ from gateway.policy import SchedulePolicy, make_policy
 from gateway.prefix_cache import extend_block_hashes
 from gateway.requests import ErrorCode, GenerationError, Sequence, SeqStatus
 from gateway.stats import GatewayStats
+from gateway.step_budget import BudgetRule, DecodeProgress, Overloaded, StepBudget
+from gateway.step_cost import StepCost, StepShape
 from services.step import ScheduledSequence, TokenLogprob
+
+
+log = logging.getLogger("gateway.batcher")
+# The step-cost scale is logged when it has moved by this factor since it was last logged.
+_SCALE_LOG_STEP = 1.1
 
 
 def _arrival(seq: Sequence) -> int:
@@ -68,8 +87,11 @@ class Batcher:
         max_batch_tokens: int,
         max_context: int,
         eos_token_ids: Collection[int],
-        prefill_chunk_size: int = 512,
+        prefill_chunk_size: int = 0,
         max_waiting_requests: int = 1024,
+        tpot_target_ms: float = 40.0,
+        ttft_target_ms: float = 0.0,
+        min_prefill_tokens: int = 1024,
         policy: str | SchedulePolicy = "fcfs",
         stats: GatewayStats | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -81,14 +103,17 @@ class Batcher:
         if not 0 < max_running_requests <= max_batch_tokens:
             raise ValueError(f"need 0 < max_running_requests ({max_running_requests}) <= "
                              f"max_batch_tokens ({max_batch_tokens})")
-        if prefill_chunk_size <= 0 or max_waiting_requests <= 0:
-            raise ValueError(f"prefill_chunk_size ({prefill_chunk_size}) and max_waiting_requests "
-                             f"({max_waiting_requests}) must be positive")
+        if prefill_chunk_size < 0 or max_waiting_requests <= 0:
+            raise ValueError(f"prefill_chunk_size ({prefill_chunk_size}) must be >= 0 (0: no cap) and "
+                             f"max_waiting_requests ({max_waiting_requests}) positive")
         self.ranks = ranks
         self.max_running_requests = max_running_requests
         self.max_batch_tokens = max_batch_tokens
         self.max_context = max_context
-        self.prefill_chunk_size = prefill_chunk_size
+        self.budget_rule = BudgetRule(max_batch_tokens, tpot_target_ms, ttft_target_ms, min_prefill_tokens,
+                                      prefill_chunk_size)
+        self.cost = StepCost()
+        self._logged_scale = self.cost.scale
         self.max_waiting_requests = max_waiting_requests
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
@@ -111,6 +136,15 @@ class Batcher:
         self._deadlines: list[tuple[float, int, Sequence]] = []
         self._next_seq_id = 1
         self._next_step_id = 1
+        # This schedule()'s work per rank (for the cost model) and prefill budgets.
+        self._shapes: list[StepShape] = []
+        self._budgets: list[StepBudget] = []
+        # Steps in flight: their shapes per rank, to fit the cost model to their execute times,
+        # and their predicted ms.
+        self._step_shapes: dict[int, list[StepShape]] = {}
+        self._step_ms: dict[int, float] = {}
+        # True when the last step planned carried no prefill while prompts waited for it.
+        self._prefill_held = False
 
     @property
     def num_ranks(self) -> int:
@@ -147,7 +181,8 @@ class Batcher:
                 f"({largest.num_blocks * largest.block_size - 1} tokens plus the first generated one)")
 
     def add(self, seq: Sequence) -> None:
-        """Queues a new sequence; raises GenerationError if it can never run or the queue is full."""
+        """Queues a new sequence; raises GenerationError if it can never run or the queue is full,
+        step_budget.Overloaded if it would wait past what its priority class may (step_budget.py)."""
         assert seq.status is SeqStatus.WAITING and seq.rank is None
         self.check_fits(len(seq.prompt_ids))
         if self.num_waiting >= self.max_waiting_requests:
@@ -156,10 +191,36 @@ class Batcher:
                 ErrorCode.RESOURCE_EXHAUSTED,
                 f"the gateway's waiting queue is full ({self.num_waiting} requests wait, "
                 f"max_waiting_requests {self.max_waiting_requests}); retry later")
+        # A later sample reuses its leader's prompt: nothing of its own to wait for.
+        if self.budget_rule.ttft_target_ms and seq.leader is None:
+            is_batch = seq.request.is_batch
+            try:
+                self.budget_rule.check_admission(
+                    self.cost, num_tokens_ahead=self.num_prefill_tokens_ahead(include_batch=is_batch),
+                    num_prompt_tokens=seq.num_tokens, num_decodes=sum(map(len, self.running)) / self.num_ranks,
+                    num_ranks=self.num_ranks, is_batch=is_batch)
+            except Overloaded:
+                self.stats.num_rejected_overload += 1
+                raise
         self._queued[seq.seq_id] = seq
         self.stats.num_requests += 1
         if seq.deadline is not None:
             heapq.heappush(self._deadlines, (seq.deadline, seq.seq_id, seq))
+
+    def step_shapes(self, step_id: int) -> list[StepShape]:
+        """The work of each rank in a step in flight, as the step-cost model sees it."""
+        return self._step_shapes[step_id]
+
+    def num_prefill_tokens_ahead(self, *, include_batch: bool = True) -> int:
+        """Prompt tokens still to prefill (waiting, and the rest of those prefilling) ahead of a new
+        request: batch-priority ones only with include_batch (interactive ones overtake them)."""
+        def counted(seq: Sequence) -> bool:
+            return seq.leader is None and (include_batch or not seq.request.is_batch)
+
+        waiting = sum(seq.num_tokens for seq in self._preempted) + sum(
+            seq.num_tokens for seq in self._queued.values() if counted(seq))
+        return waiting + sum(seq.num_tokens - seq.num_computed for seqs in self.running for seq in seqs
+                             if not seq.is_prefilled and counted(seq))
 
     def abort(self, seq: Sequence, error: GenerationError | None = None) -> None:
         """Ends a sequence at the next schedule(), which frees its blocks; its last
@@ -175,18 +236,26 @@ class Batcher:
         self._expire_deadlines()
         self._drop_aborted(batch)
         step = admission.StepState(self.num_ranks)
+        self._shapes = [StepShape() for _ in batch.plans]
         for plan in batch.plans:
             for seq in self._to_forget[plan.rank]:
                 self._release(plan, seq)
             self._to_forget[plan.rank].clear()
             self._schedule_decodes(plan, step, batch)
-            self._schedule_prefills(plan, step, batch)
-        admission.admit(self, batch, step)
+        self._plan_budgets(batch, step)
+        is_blocked = False
+        for is_batch in (False, True):  # interactive prompts first, batch ones with what is left
+            for plan in batch.plans:
+                self._schedule_prefills(plan, step, batch, is_batch)
+            # A batch request never overtakes an interactive one that fits nowhere yet.
+            is_blocked = is_blocked or admission.admit(self, batch, step, is_batch)
         self._publish(step)
         if not batch.is_empty:
             batch.step_id = self._next_step_id
             self._next_step_id += 1
             self._in_flight.append((batch.step_id, step.sampled, step.jumps))
+            self._step_shapes[batch.step_id] = self._shapes
+            self._step_ms[batch.step_id] = max(self.cost.step_ms(shape) for shape in self._shapes)
         elif self.num_waiting and not self._in_flight and not any(self.running):
             # Unreachable while add() checks fits; keeps the loop from spinning on nothing.
             seq = self.waiting[0]
@@ -194,16 +263,40 @@ class Batcher:
             seq.status = SeqStatus.FINISHED
             batch.events.append((seq, GenerationError(
                 ErrorCode.RESOURCE_EXHAUSTED, "the request cannot be scheduled on any rank")))
+        # The next step prefills whatever its allowance if this one held waiting prompts back.
+        self._prefill_held = not any(shape.num_prefill_tokens for shape in self._shapes) and (
+            bool(self.num_waiting) or any(not s.is_prefilled for seqs in self.running for s in seqs))
         return batch
 
     def apply_results(self, step_id: int, tokens: Mapping[int, int],
                       logprobs: Mapping[int, TokenLogprob] | None = None,
-                      forced: Mapping[int, tuple[int, ...]] | None = None) -> list[SeqEvent]:
+                      forced: Mapping[int, tuple[int, ...]] | None = None,
+                      step_seconds: Collection[float] = ()) -> list[SeqEvent]:
         """Appends the oldest in-flight step's sampled tokens (seq_id -> token id, and seq_id ->
         its log-probability for those that asked), after the forced tokens of its jump-forward
         chunks, and returns the outputs; `forced`: the tokens constraints force after sampled
-        ones (StepResult.forced). Raises ValueError if they do not answer that step's plan."""
+        ones (StepResult.forced); `step_seconds`: the ranks' execute times of the step
+        (StepResult.execute_seconds), for the step-cost model. Raises ValueError if they do
+        not answer that step's plan."""
         expected_step, sampled, jumps = self._in_flight.popleft() if self._in_flight else (None, {}, {})
+        shapes = self._step_shapes.pop(expected_step, ())
+        self._step_ms.pop(expected_step, None)
+        if step_seconds and shapes:
+            # The group steps together: its slowest rank's time is every rank's step.
+            shape, measured_ms = max(shapes, key=self.cost.step_ms), 1e3 * max(step_seconds)
+            self.stats.record_step_time(shape.num_prefill_tokens, measured_ms, [
+                shape.num_prefill_tokens, shape.num_decodes, round(shape.pairs / shape.num_prefill_tokens),
+                round(self.cost.step_ms(shape), 1), round(measured_ms, 1)] if shape.num_prefill_tokens else None)
+            if self.cost.observe(shape, measured_ms):
+                self.stats.step_cost_scale = round(self.cost.scale, 4)
+                self.stats.step_floor_ms = round(self.cost.floor_ms, 2)
+                self.stats.step_decode_scale = round(self.cost.decode_scale, 3)
+                if max(self._logged_scale / self.cost.scale, self.cost.scale / self._logged_scale) >= _SCALE_LOG_STEP:
+                    self._logged_scale = self.cost.scale
+                    log.info("step-cost scale now %.3f (the ranks' prefill steps against the model's priors), "
+                             "floor %.1f ms, decode scale %.2f", self.cost.scale, self.cost.floor_ms,
+                             self.cost.decode_scale)
+        now = self._clock()
         if step_id != expected_step:
             raise ValueError(f"results of step {step_id}, but the oldest step in flight is {expected_step}")
         if tokens.keys() != sampled.keys():
@@ -227,6 +320,9 @@ class Batcher:
                     continue
             output = seq.append_token(token_id, self.eos_token_ids, self.max_context,
                                       logprobs.get(seq_id) if logprobs else None)
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+            seq.last_token_at = now
             if output.is_final:
                 self._finish(seq)
             events.append((seq, output))
@@ -252,6 +348,8 @@ class Batcher:
         self._queued.clear()
         self._aborted.clear()
         self._in_flight.clear()
+        self._step_shapes.clear()
+        self._step_ms.clear()
         for rank in (*self.running, *self._to_forget):
             rank.clear()
         for seq in seqs:
@@ -302,6 +400,11 @@ class Batcher:
         token_ids = tuple(seq.token_ids[start:num_after]) if num_tokens else ()
         plan.scheduled.append(ScheduledSequence(seq.seq_id, token_ids, tuple(new_block_ids), is_sampled))
         plan.num_tokens += max(1, num_tokens)
+        if num_tokens:
+            self._shapes[plan.rank].add_chunk(start, num_tokens)
+            self._budgets[plan.rank].take(self.cost, start, num_tokens)
+        else:
+            self._shapes[plan.rank].num_decodes += 1
         seq.num_computed = num_after
         step.scheduled.append(seq)
         step.scheduled_ids.add(seq.seq_id)
@@ -422,15 +525,49 @@ class Batcher:
                     self.schedule_seq(plan, step, seq, 0)
             i += 1
 
-    def _schedule_prefills(self, plan: RankPlan, step: "admission.StepState", batch: StepBatch) -> None:
+    def _plan_budgets(self, batch: StepBatch, step: "admission.StepState") -> None:
+        """Each rank's prefill budget, once every rank's decodes are planned: only interactive
+        decodes limit it (batch traffic never holds an interactive prompt back)."""
+        interactive = [seq for seq in step.scheduled if not seq.request.is_batch]
+        decodes = [len(plan.scheduled) if interactive else 0 for plan in batch.plans]
+        allowance_ms = None
+        if interactive:
+            progress = []
+            for seq in interactive:
+                in_flight = seq.num_in_flight - 1   # this step's token counts already
+                remaining = seq.request.max_new_tokens - len(seq.output_ids) - seq.num_in_flight
+                if seq.first_token_at is None:
+                    progress.append(DecodeProgress(0, 0.0, remaining, has_first_token=False))
+                else:
+                    progress.append(DecodeProgress(len(seq.output_ids) - 1,
+                                                   1e3 * (seq.last_token_at - seq.first_token_at),
+                                                   remaining, in_flight))
+            in_flight_ms = self._step_ms.get(self._in_flight[-1][0], 0.0) if self._in_flight else 0.0
+            allowance_ms = self.budget_rule.allowance_ms(
+                progress, decode_step_ms=self.cost.decode_step_ms(max(decodes)), in_flight_ms=in_flight_ms)
+        self._budgets = self.budget_rule.plan_budgets(self.cost, decodes, [p.num_tokens for p in batch.plans],
+                                                      allowance_ms=allowance_ms, is_forced=self._prefill_held)
+
+    def prefill_chunk(self, rank: int, start: int, num_remaining: int) -> int:
+        """The prompt tokens from position start (num_remaining left) that rank's step may
+        still prefill: its prefill budget; 0 if none."""
+        return self._budgets[rank].chunk(self.cost, start, num_remaining)
+
+    def has_prefill_budget(self, rank: int) -> bool:
+        """True while rank's step may take more prefill."""
+        return not self._budgets[rank].is_spent
+
+    def _schedule_prefills(self, plan: RankPlan, step: "admission.StepState", batch: StepBatch,
+                           is_batch: bool) -> None:
         kv = self.ranks[plan.rank]
         for seq in list(self.running[plan.rank]):
-            budget = self.max_batch_tokens - plan.num_tokens
-            if budget <= 0:
+            if not self.has_prefill_budget(plan.rank):
                 break
-            if seq.is_prefilled or seq.status is not SeqStatus.RUNNING:
+            if seq.is_prefilled or seq.status is not SeqStatus.RUNNING or seq.request.is_batch != is_batch:
                 continue
-            num_tokens = min(self.prefill_chunk_size, seq.num_tokens - seq.num_computed, budget)
+            num_tokens = self.prefill_chunk(plan.rank, seq.num_computed, seq.num_tokens - seq.num_computed)
+            if not num_tokens:
+                break  # the budget's time is spent: a chunk deeper into a prompt costs more
             # Leave a few blocks for the decodes of the next steps, so a chunk does not
             # force their preemption right away.
             reserve = admission.watermark(kv) if len(self.running[plan.rank]) > 1 else 0

@@ -26,9 +26,24 @@ class GatewayConfig(MemberConfig):
     # Larger steps mean fewer of them under a high concurrency, and a lower
     # inter-token latency tail (docs/performance.md has the figures).
     max_batch_tokens: int = 8192
-    # The most prompt tokens of one sequence prefilled in one step; longer
-    # prompts are prefilled in chunks, interleaved with the decodes of others.
-    prefill_chunk_size: int = 512
+    # The most prompt tokens of one sequence prefilled in one step; 0: no cap
+    # but the step's prefill budget (tpot_target_ms), so a prompt on an idle
+    # group is one step of up to max_batch_tokens, and beside decodes prompts
+    # take what the TPOT target leaves (docs/internals.md, "Step budget").
+    prefill_chunk_size: int = 0
+    # Mean time per output token the step budget protects, in ms: while
+    # interactive requests decode, prefill fills a step only up to what the
+    # step-cost model predicts this leaves (less a margin, plus the decoding
+    # requests' slack against it). 0: off (every step may fill max_batch_tokens).
+    tpot_target_ms: float = 40.0
+    # Prefill tokens a step always gets while prompts wait, whatever tpot_target_ms.
+    min_prefill_tokens: int = 1024
+    # Time to first token the gateway aims at, in ms (the TTFT SLO): a new
+    # interactive request predicted to get its first token after twice this
+    # (batch-priority: after this) is refused with RESOURCE_EXHAUSTED rather
+    # than queued into a miss that also delays every request behind it.
+    # 0 (the default): no such shedding, as closed-loop benchmarks want.
+    ttft_target_ms: float = 0.0
     # The order waiting requests are admitted in: fcfs (first come, first
     # served) or lpm (longest cached prefix first).
     policy: str = "fcfs"
@@ -121,9 +136,12 @@ class GatewayConfig(MemberConfig):
         if not self.model:
             raise ValueError(f"model must be a checkpoint directory, got {self.model!r}")
         for name in ("max_running_requests", "max_batch_tokens", "max_new_tokens_default",
-                     "prefill_chunk_size", "max_waiting_requests", "stream_interval", "jump_forward_min_tokens"):
+                     "max_waiting_requests", "stream_interval", "jump_forward_min_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("prefill_chunk_size", "min_prefill_tokens", "tpot_target_ms", "ttft_target_ms"):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
         if self.max_running_requests > self.max_batch_tokens:
             raise ValueError(
                 f"max_running_requests ({self.max_running_requests}) must not exceed max_batch_tokens "

@@ -270,7 +270,8 @@ class Engine:
                 self._route_logprobs(result.logprobs, tokens, logprobs)
             forced.update(result.forced)
         try:
-            events = self.batcher.apply_results(batch.step_id, tokens, logprobs, forced)
+            events = self.batcher.apply_results(batch.step_id, tokens, logprobs, forced,
+                                                step_seconds=[r.execute_seconds for r in results])
         except ValueError as error:
             raise GroupFailure(str(error)) from error
         self.num_steps += 1

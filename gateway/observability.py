@@ -359,6 +359,7 @@ class GatewayStateCollector:
             preemptions.add_metric([], stats.num_preemptions)
             jumped.add_metric([], stats.num_jump_forward_tokens)
             rejected.add_metric(["queue_full"], stats.num_rejected_queue_full)
+            rejected.add_metric(["overload"], stats.num_rejected_overload)
         yield from (queried, hits, ratio, preemptions, jumped, rejected)
 
 

@@ -97,7 +97,7 @@ class Sequence:
         "seq_id", "request", "prompt_ids", "output_ids", "token_ids", "rank", "status",
         "num_computed", "num_in_flight", "is_prefilled", "is_aborted", "finish_reason", "deadline",
         "block_hashes", "num_preemptions", "num_cached_tokens", "jump", "_detokenizer", "_stops", "_has_stops",
-        "leader", "prompt_logprobs", "_is_first_output",
+        "leader", "prompt_logprobs", "_is_first_output", "first_token_at", "last_token_at",
     )
 
     def __init__(self, seq_id: int, request, detokenizer, *, deadline: float | None = None,
@@ -140,6 +140,11 @@ class Sequence:
         # first output carries them).
         self.prompt_logprobs: list[TokenLogprob] = []
         self._is_first_output = True
+        # The batcher's clock when the results carrying its first and its latest output token
+        # were applied (None before the first): its time per output token so far, which the
+        # step budget (gateway/step_budget.py) weighs against the TPOT target.
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
 
     @property
     def request_id(self) -> str:

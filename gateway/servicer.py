@@ -31,12 +31,15 @@ from gateway.model_info import ModelInfo
 from gateway.observability import observe_generate
 from gateway.slow_readers import SlowReaders
 from gateway.requests import ErrorCode, FinishReason, GenerationError, RequestOutput
+from gateway.step_budget import Overloaded
 from gateway.validation import RequestError, RequestLimits
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.constraints import Compiler
 
 log = logging.getLogger("gateway.servicer")
 
+# Trailing metadata of a request refused under load: milliseconds before a retry may succeed.
+RETRY_AFTER_KEY = "retry-after-ms"
 SLOW_READER_MESSAGE = "the client did not read its stream in time (--slow-reader-timeout-s); the request was aborted"
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
@@ -114,6 +117,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                                                        owner=caller_key_name.get()):
                 yield output_to_proto(output)
         except GenerationError as error:
+            if isinstance(error, Overloaded):  # refused under load: when to try again
+                context.set_trailing_metadata(((RETRY_AFTER_KEY, str(error.retry_after_ms)),))
             await context.abort(_STATUS[error.code], error.message)
 
     async def Abort(self, request: gateway_pb2.AbortRequest,

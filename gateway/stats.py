@@ -29,9 +29,11 @@ def percentile(values, q: float) -> float:
 class GatewayStats:
     """Cumulative since the gateway started."""
 
-    # Requests queued, and refused because the waiting queue was full.
+    # Requests queued, refused because the waiting queue was full, and refused because their
+    # predicted time to first token was past what their class may wait (gateway/step_budget.py).
     num_requests: int = 0
     num_rejected_queue_full: int = 0
+    num_rejected_overload: int = 0
     num_deadline_exceeded: int = 0
     num_aborted: int = 0
     # Prompt tokens of requests admitted for the first time, and how many of
@@ -45,6 +47,24 @@ class GatewayStats:
     num_step_tokens: int = 0
     # Output tokens a constraint forced that jump-forward appended without a step of their own.
     num_jump_forward_tokens: int = 0
+    # The step-cost model's fitted scale (gateway/step_cost.py; 1: its priors as they are).
+    step_cost_scale: float = 1.0
+    # Its floor: the least a step with prefill takes, in ms; and the decode-only steps' scale.
+    step_floor_ms: float = 0.0
+    step_decode_scale: float = 1.0
+    # Steps whose ranks' times came back, with and without prefill: how many, their summed
+    # time (the slowest rank's, ms), their prefill tokens; and the prefill tokens of the
+    # latest steps (0 for a decode-only one), for percentiles over a window.
+    num_prefill_steps: int = 0
+    num_decode_steps: int = 0
+    prefill_step_ms: float = 0.0
+    decode_step_ms: float = 0.0
+    num_step_prefill_tokens: int = 0
+    recent_prefill_tokens: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=_NUM_TIMINGS))
+    # The latest steps with prefill as [prefill tokens, decodes, the prefill tokens' mean context,
+    # the cost model's ms, the ranks' ms]: what a step of that shape costs, to check the model.
+    recent_steps: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=64))
     # Host seconds per step: planning (schedule + protobuf) and applying results.
     plan_s: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=_NUM_TIMINGS))
     apply_s: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=_NUM_TIMINGS))
@@ -54,6 +74,20 @@ class GatewayStats:
         """Share of first-admission prompt tokens served from the prefix cache."""
         return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
+    def record_step_time(self, num_prefill_tokens: int, ms: float, sample: list | None = None) -> None:
+        """A step's prefill tokens and its ranks' (slowest) time, once its results are back; sample:
+        its entry of recent_steps."""
+        if sample is not None:
+            self.recent_steps.append(sample)
+        if num_prefill_tokens:
+            self.num_prefill_steps += 1
+            self.prefill_step_ms += ms
+            self.num_step_prefill_tokens += num_prefill_tokens
+        else:
+            self.num_decode_steps += 1
+            self.decode_step_ms += ms
+        self.recent_prefill_tokens.append(num_prefill_tokens)
+
     def record_step(self, num_tokens: int, plan_s: float) -> None:
         self.num_steps += 1
         self.num_step_tokens += num_tokens
@@ -62,7 +96,9 @@ class GatewayStats:
     def snapshot(self) -> dict:
         """The counters and timing summaries, JSON-ready."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name not in ("plan_s", "apply_s")}
+               if f.name not in ("plan_s", "apply_s", "recent_prefill_tokens", "recent_steps")}
+        out["recent_prefill_tokens"] = list(self.recent_prefill_tokens)
+        out["recent_steps"] = list(self.recent_steps)
         out["prefix_hit_rate"] = round(self.prefix_hit_rate, 6)
         for name in ("plan_s", "apply_s"):
             values = list(getattr(self, name))

@@ -11,7 +11,9 @@ for every answer. Per rate: completed requests/s, TTFT p50/p99, time per output 
 a request's (end - first token) / (output tokens - 1)) p50/p99, E2E p99, the share of requests
 that met the SLO (TTFT <= --slo-ttft-ms and TPOT <= --slo-tpot-ms; a failed request misses it),
 the GPU's busy share (the rank's step time over the wall time, from its /metrics), the prompt
-tokens/s achieved and that rate's FLOPs against the bf16 peak.
+tokens/s achieved and that rate's FLOPs against the bf16 peak. The gateway sheds requests it
+predicts past the TTFT SLO (`--ttft-target-ms`, docs/configuration.md; off with --no-shed):
+a refused request counts as a miss, as any failed one.
 
 Requests that arrive in the first --settle-s seconds of a rate are sent but not counted, so the
 figures describe the steady state rather than the empty start. The sweep stops after two rates
@@ -105,6 +107,42 @@ def rate_row(rate: float, results: list[RequestResult], prompt_lens: list[int], 
     }
 
 
+def schedule_row(before: dict, after: dict) -> dict:
+    """Where the steps of one rate went, from the gateway's stats file before and after it: steps/s is
+    left to the caller; the share of steps with prefill, their prefill tokens (mean, p50, p99), the
+    ranks' mean ms of steps with and without prefill, and the step-cost model's fit at the end."""
+    def delta(key):
+        return after.get(key, 0) - before.get(key, 0)
+
+    prefill_steps, decode_steps = delta("num_prefill_steps"), delta("num_decode_steps")
+    steps = prefill_steps + decode_steps
+    recent = after.get("recent_prefill_tokens", [])
+    window = [n for n in recent[max(0, len(recent) - steps):] if n] if steps else []
+    return {
+        "steps": steps,
+        "prefill_step_share": round(prefill_steps / steps, 3) if steps else None,
+        "prefill_tokens_per_prefill_step": round(delta("num_step_prefill_tokens") / prefill_steps) if prefill_steps else None,
+        "prefill_tokens_p50": percentile(window, 50) if window else None,
+        "prefill_tokens_p99": percentile(window, 99) if window else None,
+        "prefill_step_ms": round(delta("prefill_step_ms") / prefill_steps, 2) if prefill_steps else None,
+        "decode_step_ms": round(delta("decode_step_ms") / decode_steps, 2) if decode_steps else None,
+        "fit": {"scale": after.get("step_cost_scale"), "floor_ms": after.get("step_floor_ms"),
+                "decode_scale": after.get("step_decode_scale")},
+        "shed": delta("num_rejected_overload"),
+        # The last steps with prefill: [prefill tokens, decodes, their mean context, model ms, measured ms]
+        "last_steps": after.get("recent_steps", [])[-16:],
+    }
+
+
+def _read_stats(path) -> dict:
+    """The gateway's stats file (rewritten every 0.5 s: waited for once), {} if there is none."""
+    time.sleep(0.7)
+    try:
+        return json.loads(pathlib.Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def goodput(rows: list[dict], attainment: float) -> float:
     """The highest rate whose SLO attainment is at least `attainment` (0 if none)."""
     return max((row["rate"] for row in rows if row["slo_attainment"] >= attainment), default=0.0)
@@ -123,16 +161,23 @@ async def _sweep(target: str, args, cases: list[str], max_context: int, metrics:
         assert max(len(s.prompt_ids) + s.max_new_tokens for s in specs) <= max_context
         load.rate = rate
         before = await asyncio.to_thread(scrape_steps, metrics)
+        stats_before = await asyncio.to_thread(_read_stats, args.stats_path) if args.stats_path else {}
         results, duration_s = await run_load(target, specs, load, f"rate{rate:g}")
         steps = step_attribution(before, await asyncio.to_thread(scrape_steps, metrics), duration_s)
+        stats_after = await asyncio.to_thread(_read_stats, args.stats_path) if args.stats_path else {}
         lens = [len(s.prompt_ids) for s in specs]
         row = rate_row(rate, results, lens, duration_s, args.settle_s, args,
                        [flops_per_prompt(config, n) for n in lens])
         experts = [v for role, v in steps.items() if role.startswith("expert")]
         row["busy_share"] = min((v["busy_share"] for v in experts if v["busy_share"] is not None), default=None)
         row["steps"] = steps
+        if stats_after:
+            row["schedule"] = schedule_row(stats_before, stats_after)
+            row["schedule"]["steps_per_s"] = round(row["schedule"]["steps"] / duration_s, 1)
         rows.append(row)
-        print(f"rate {rate:g}: {json.dumps({k: v for k, v in row.items() if k != 'steps'})}", flush=True)
+        print(f"rate {rate:g}: {json.dumps({k: v for k, v in row.items() if k not in ('steps', 'schedule')})}",
+              flush=True)
+        print(f"rate {rate:g} steps: {json.dumps(row.get('schedule'))}", flush=True)
         below = below + 1 if row["slo_attainment"] < args.stop_below else 0
         if below >= 2:
             print(f"two rates in a row below {args.stop_below:.0%} attainment: the sweep stops", flush=True)
@@ -211,6 +256,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-scale", type=float, default=1.0, help="multiplies the prompt lengths")
     parser.add_argument("--max-running", type=int, default=256, help="the gateway's --max-running-requests")
     parser.add_argument("--max-batch-tokens", type=int, default=8192, help="the gateway's --max-batch-tokens")
+    parser.add_argument("--shed", action=argparse.BooleanOptionalAction, default=True,
+                        help="the gateway sheds requests predicted past the TTFT SLO (--ttft-target-ms "
+                             "--slo-ttft-ms); a --gateway-arg may still override it")
     parser.add_argument("--gateway-arg", action="append", default=[], metavar="ARG")
     parser.add_argument("--expert-arg", action="append", default=[], metavar="ARG")
     parser.add_argument("--seed", type=int, default=0)
@@ -224,8 +272,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--rates must be numbers, got {args.rates!r}")
     if not args.rate_list or min(args.rate_list) <= 0 or args.duration_s <= 0 or args.settle_s >= args.duration_s:
         parser.error("--rates must be positive, --duration-s positive and above --settle-s")
-    # What gpu_speed.run_mesh and warm_up read.
-    args.mix_concurrency, args.output_scale = args.max_running, 1.0
+    # What gpu_speed.run_mesh and warm_up read; the stats file is main's.
+    args.mix_concurrency, args.output_scale, args.stats_path = args.max_running, 1.0, ""
+    if args.shed:  # first, so that the caller's own gateway args win
+        args.gateway_arg = [f"--ttft-target-ms={args.slo_ttft_ms:g}", *args.gateway_arg]
     return args
 
 
@@ -242,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
                          if k not in ("plot", "mix_concurrency", "output_scale")}}
     with tempfile.TemporaryDirectory(prefix="goodput-") as tmp:
         model_dir = write_model_dir(pathlib.Path(tmp) / args.preset, args.preset)
+        # The gateway's counters, per rate: where the steps went (schedule_row).
+        args.stats_path = str(pathlib.Path(tmp) / "gateway-stats.json")
+        args.gateway_arg = [*args.gateway_arg, f"--stats-file={args.stats_path}", "--stats-interval-s=0.5"]
         try:
             report["mesh"] = run_mesh(args, [], model_dir, drive=_sweep)
         except Exception as error:
@@ -251,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(report)
     write_result(args.out, f"goodput_{args.kind}", report, text)
     print(text)
+    for role, lines in report["mesh"].get("log_tails", {}).items():
+        print(f"--- {role} log tail\n{lines}")
     return 0 if rows else 1
 
 

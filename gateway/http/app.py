@@ -51,6 +51,7 @@ from gateway.http.openai_api import ApiError, ApiRequest
 from gateway.http.responses import ResponseState
 from gateway.observability import RequestObservation
 from gateway.requests import ErrorCode, GenerationError, RequestOutput
+from gateway.step_budget import Overloaded
 from gateway.validation import RequestError
 
 log = logging.getLogger("gateway.http")
@@ -64,9 +65,14 @@ _ERRORS = {  # ErrorCode -> (HTTP status, OpenAI error type, code)
 
 
 def generation_error(error: GenerationError) -> ApiError:
-    """The OpenAI error of a failed generation."""
+    """The OpenAI error of a failed generation; one refused under load says when to retry
+    (Retry-After in seconds, and retry-after-ms, which OpenAI's clients read first)."""
     status, kind, code = _ERRORS[error.code]
-    return ApiError(status, error.message, type_=kind, code=code)
+    headers = None
+    if isinstance(error, Overloaded):
+        headers = {"Retry-After": str(math.ceil(error.retry_after_ms / 1000)),
+                   "retry-after-ms": str(error.retry_after_ms)}
+    return ApiError(status, error.message, type_=kind, code=code, headers=headers)
 
 
 def _deadline(request: Request) -> float | None:
@@ -276,7 +282,7 @@ def make_app(frontend: Frontend, token_bytes: Callable[[int], bytes], *, keys: K
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:

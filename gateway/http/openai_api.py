@@ -30,9 +30,12 @@ class ApiError(Exception):
     """A request refused before or by the Frontend, in OpenAI's error shape."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None) -> None:
+                 type_: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        # Response headers beside the body (Retry-After of a request refused under load).
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -275,6 +275,6 @@ def test_bad_limits_are_rejected():
     with pytest.raises(ValueError, match="100"):
         make_batcher(max_running_requests=100, max_batch_tokens=10)
     with pytest.raises(ValueError, match="prefill_chunk_size"):
-        make_batcher(prefill_chunk_size=0)
+        make_batcher(prefill_chunk_size=-1)
     with pytest.raises(ValueError, match="policy must be one of fcfs, lpm, got 'random'"):
         make_batcher(policy="random")

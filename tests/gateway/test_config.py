@@ -32,7 +32,9 @@ def test_scheduler_knobs_come_from_flags_and_env():
 
 
 @pytest.mark.parametrize("field,value,needle", [
-    ("prefill_chunk_size", 0, "prefill_chunk_size must be positive, got 0"),
+    ("prefill_chunk_size", -1, "prefill_chunk_size must be >= 0 (0: off), got -1"),
+    ("tpot_target_ms", float("nan"), "tpot_target_ms must be >= 0 (0: off), got nan"),
+    ("ttft_target_ms", -5.0, "ttft_target_ms must be >= 0 (0: off), got -5.0"),
     ("max_waiting_requests", -1, "max_waiting_requests must be positive, got -1"),
     ("policy", "sjf", "policy must be one of fcfs, lpm, got 'sjf'"),
     ("stats_interval_s", -1.0, "stats_interval_s must be >= 0, got -1.0"),

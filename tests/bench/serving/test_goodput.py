@@ -57,3 +57,26 @@ def test_rates_are_parsed_and_checked():
         parse_args(["--rates", "0,2"])
     with pytest.raises(SystemExit):
         parse_args(["--duration-s", "5", "--settle-s", "5"])
+
+
+def test_the_gateway_sheds_at_the_ttft_slo_unless_told_otherwise():
+    assert parse_args(["--slo-ttft-ms", "300"]).gateway_arg == ["--ttft-target-ms=300"]
+    assert parse_args(["--gateway-arg=--ttft-target-ms=0"]).gateway_arg == [
+        "--ttft-target-ms=500", "--ttft-target-ms=0"]   # the caller's own, later, wins
+    assert parse_args(["--no-shed"]).gateway_arg == []
+
+
+def test_schedule_row_says_where_the_steps_of_a_rate_went():
+    from bench.serving.goodput import schedule_row
+
+    before = {"num_prefill_steps": 10, "num_decode_steps": 5, "prefill_step_ms": 500.0, "decode_step_ms": 40.0,
+              "num_step_prefill_tokens": 20_000, "num_rejected_overload": 1, "recent_prefill_tokens": [7] * 15}
+    after = {"num_prefill_steps": 14, "num_decode_steps": 9, "prefill_step_ms": 760.0, "decode_step_ms": 72.0,
+             "num_step_prefill_tokens": 36_000, "num_rejected_overload": 3, "step_cost_scale": 1.1,
+             "step_floor_ms": 48.0, "step_decode_scale": 1.5,
+             "recent_prefill_tokens": [7] * 15 + [4000, 0, 4000, 0, 2000, 0, 6000, 0]}
+    row = schedule_row(before, after)
+    assert row["steps"] == 8 and row["prefill_step_share"] == 0.5 and row["prefill_tokens_per_prefill_step"] == 4000
+    assert (row["prefill_tokens_p50"], row["prefill_tokens_p99"]) == (4000, 6000)
+    assert row["prefill_step_ms"] == 65.0 and row["decode_step_ms"] == 8.0 and row["shed"] == 2
+    assert row["fit"] == {"scale": 1.1, "floor_ms": 48.0, "decode_scale": 1.5}
