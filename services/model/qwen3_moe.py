@@ -157,8 +157,9 @@ class Qwen3MoeModel:
         if all(isinstance(p, Tensor) for p in (w_q_HKD, w_k_GKD, w_v_GKD)):
             w_qkv_XD = torch.cat((w_q_HKD, w_k_GKD, w_v_GKD))
             w_q_HKD, w_k_GKD, w_v_GKD = w_qkv_XD.split([w_q_HKD.shape[0], w_k_GKD.shape[0], w_v_GKD.shape[0]])
-        elif self.device.type == "cuda" and all(isinstance(p, QuantWeight) for p in (w_q_HKD, w_k_GKD, w_v_GKD)):
-            # One q|k|v kernel launch on CUDA; the CPU keeps its three reference projections.
+        elif all(isinstance(p, QuantWeight) and p.kernel is not None for p in (w_q_HKD, w_k_GKD, w_v_GKD)):
+            # One q|k|v kernel launch where kernels compute them (CUDA); the reference path (the
+            # CPU) keeps its three projections.
             w_qkv_XD = QuantWeight.concat_outputs((w_q_HKD, w_k_GKD, w_v_GKD))
             if w_qkv_XD is not None:
                 w_q_HKD = w_k_GKD = w_v_GKD = None

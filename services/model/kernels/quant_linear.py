@@ -17,6 +17,8 @@ so the calls capture in CUDA graphs.
 Legend: T tokens, K in-features, N out-features.
 """
 
+import dataclasses
+
 from torch import Tensor
 
 from services.model.kernels import quant_awq, quant_fp8
@@ -40,9 +42,12 @@ def fp8_weight_only(x_TK: Tensor, weight: QuantWeight) -> Tensor:
 
 
 def awq_weight_only(x_TK: Tensor, weight: QuantWeight) -> Tensor:
-    """y_TN: the 4-bit weights dequantized in registers."""
+    """y_TN: the 4-bit weights dequantized in registers (K steps of at most one group: tiny
+    test models have groups below 128)."""
     t = weight.tensors
-    return quant_awq.linear(_rows(x_TK), t["qweight"], t["qzeros"], t["scales"], weight.group_size)
+    tiles = quant_awq.default_tiles(x_TK.shape[0], weight.out_features, weight.in_features)
+    tiles = dataclasses.replace(tiles, block_k=min(tiles.block_k, weight.group_size))
+    return quant_awq.linear(_rows(x_TK), t["qweight"], t["qzeros"], t["scales"], weight.group_size, tiles)
 
 
 register_kernel("fp8", "fp8", fp8_tensor_cores)
