@@ -4,8 +4,9 @@ Weights come as the hub's on-disk names, holding only this rank's experts;
 attention and the dense layers are replicated on every rank, the experts are
 split (see moe.py). Quantized projections (services/model/quant/) stay in
 their stored layouts and go through quant.dispatch.linear: a registered
-kernel, or F.linear on the dequantized weight (the CPU reference path); the
-gate, embeddings, norms and LM head are dense. Legend: T tokens, D hidden,
+kernel (CUDA, in the fused layer loop too; q|k|v as one weight where their
+layouts allow), or F.linear on the dequantized weight (the CPU reference
+path); the gate, embeddings, norms and LM head are dense. Legend: T tokens, D hidden,
 H heads, G KV heads, K head_dim, S sampled rows, V vocab.
 """
 

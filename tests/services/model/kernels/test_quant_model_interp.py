@@ -38,11 +38,20 @@ QUANTS = {"fp8": QuantConfig("fp8"), "awq": QuantConfig("awq", group_size=32)}
 TOKENS = torch.randint(256, (24,), generator=torch.Generator().manual_seed(3)).tolist()
 
 
+def _weights(method, tmp_path_factory):
+    root = tmp_path_factory.mktemp(method)
+    make_random_checkpoint(root, SMALL, seed=7, with_tokenizer=False, quant=QUANTS[method])
+    return load_weights(root, SMALL, range(SMALL.num_experts))
+
+
 @pytest.fixture(scope="module", params=sorted(QUANTS))
 def weights(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(request.param)
-    make_random_checkpoint(root, SMALL, seed=7, with_tokenizer=False, quant=QUANTS[request.param])
-    return load_weights(root, SMALL, range(SMALL.num_experts))
+    return _weights(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def fp8_weights(tmp_path_factory):
+    return _weights("fp8", tmp_path_factory)
 
 
 class _Calls:
@@ -123,11 +132,10 @@ def test_the_kernel_paths_give_the_reference_logits(weights, quant_linear, quant
     assert model.layers[0].feed_forward.quant_experts._dense is None  # never dequantized
 
 
-def test_the_fp8_tensor_core_path(weights, quant_linear, quant_moe, fused_layer, monkeypatch):
+def test_the_fp8_tensor_core_path(fp8_weights, quant_linear, quant_moe, fused_layer, monkeypatch):
     """A prefill of 20 tokens (past WEIGHT_ONLY_MAX_ROWS): activations quantized per token and
     128-channel group; the decode steps after it take the weight-only kernels."""
-    if next(iter(w for w in weights.values() if isinstance(w, QuantWeight))).method != "fp8":
-        pytest.skip("AWQ has no tensor-core path")
+    weights = fp8_weights
     reference = qwen3_moe.Qwen3MoeModel(SMALL, weights, expert_ids=range(SMALL.num_experts))
     model, kernel = _kernel_model(weights, quant_linear, monkeypatch, "fp8")
     for i in SMALL.moe_layers:
