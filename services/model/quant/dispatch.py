@@ -80,7 +80,8 @@ def choose_path(requested: str, method: str, device: torch.device | str) -> Quan
     elif method == "awq":
         path, reason = "weight-only", "AWQ 4-bit weights are dequantized in the kernel"
     elif has_fp8:
-        path, reason = "fp8", f"compute capability {capability[0]}.{capability[1]} has FP8 tensor cores"
+        path, reason = "fp8", (f"compute capability {capability[0]}.{capability[1]} has FP8 tensor cores: FP8 "
+                               f"GEMMs for big steps, weight-only GEMVs for small ones")
     else:
         path, reason = "weight-only", (f"compute capability {capability[0]}.{capability[1]} has no FP8 "
                                        f"tensor cores (needs 8.9)")

@@ -15,6 +15,7 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -52,6 +53,25 @@ def weights(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def fp8_weights(tmp_path_factory):
     return _weights("fp8", tmp_path_factory)
+
+
+@pytest.fixture
+def exact_fp8_rounding():
+    """fp32 -> float8_e4m3fn in the interpreter through torch: the interpreter rounds wrongly
+    where the rounding carries into an odd exponent (test_quant_kernels_interp.py's fixture)."""
+    import triton.language as tl
+    import triton.runtime.interpreter as interpreter
+
+    original = interpreter._convert_float
+
+    def convert(values, src_type, dst_type, rounding_mode):
+        if dst_type == tl.float8e4nv and src_type == tl.float32:
+            return torch.from_numpy(np.ascontiguousarray(values)).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return original(values, src_type, dst_type, rounding_mode)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(interpreter, "_convert_float", convert)
+        yield
 
 
 class _Calls:
@@ -132,7 +152,7 @@ def test_the_kernel_paths_give_the_reference_logits(weights, quant_linear, quant
     assert model.layers[0].feed_forward.quant_experts._dense is None  # never dequantized
 
 
-def test_the_fp8_tensor_core_path(fp8_weights, quant_linear, quant_moe, fused_layer, monkeypatch):
+def test_the_fp8_tensor_core_path(fp8_weights, quant_linear, quant_moe, fused_layer, monkeypatch, exact_fp8_rounding):
     """A prefill of 20 tokens (past WEIGHT_ONLY_MAX_ROWS): activations quantized per token and
     128-channel group; the decode steps after it take the weight-only kernels."""
     weights = fp8_weights
@@ -142,8 +162,7 @@ def test_the_fp8_tensor_core_path(fp8_weights, quant_linear, quant_moe, fused_la
         model.layers[i].feed_forward.backend = _ForcedQuantMoE(quant_moe, [])
     expected = _steps(reference, _pool(), None, monkeypatch, 20)
     got = _steps(model, _pool(), fused_layer, monkeypatch, 20)
-    scale = expected[0].abs().max()
-    assert (got[0] - expected[0]).abs().max() < 0.05 * scale  # float8 activations
-    for ours, theirs in zip(got[1:], expected[1:]):
-        assert (ours - theirs).abs().max() < 0.05 * scale
+    errors = [float((ours - theirs).abs().max() / theirs.abs().max()) for ours, theirs in zip(got, expected)]
+    print("fp8 tensor-core path, max |logit error| / max |logit| per step:", errors)
+    assert max(errors) < 0.05  # float8 activations in the prefill (and its K/V in the decode steps')
     assert kernel.count > 0
