@@ -89,8 +89,10 @@ class TorchMoE(MoEBackend):
 
 MOE_BACKENDS: dict[str, type[MoEBackend]] = {"torch": TorchMoE}
 # Backends whose module registers them on import (it needs triton, which CPU installs lack).
+# Not a name to ask for: what "auto" and "triton" become for layers of quantized experts on CUDA.
+QUANTIZED_TRITON = "triton-quant"
 _LAZY_BACKEND_MODULES = {"triton": "services.model.kernels.moe_triton",
-                         "triton-quant": "services.model.kernels.quant_moe"}
+                         QUANTIZED_TRITON: "services.model.kernels.quant_moe"}
 MOE_BACKEND_NAMES = ("auto", "torch", "triton")
 
 
@@ -100,7 +102,7 @@ def make_moe_backend(name: str, device: torch.device | str, *, quantized: bool =
     if name == "auto":
         name = "triton" if torch.device(device).type == "cuda" else "torch"
     if quantized and name == "triton":
-        name = "triton-quant"
+        name = QUANTIZED_TRITON
     return registered("MoE", name, MOE_BACKENDS, _LAZY_BACKEND_MODULES, MOE_BACKEND_NAMES)()
 
 

@@ -37,7 +37,7 @@ from services.model.kernels import launch, moe_align, moe_ep, moe_gemm, moe_grou
 from services.model.kernels import routing
 from services.model.kernels.quant_fp8 import WEIGHT_ONLY_MAX_ROWS
 from services.model.layers import AddNorm
-from services.model.moe_backend import MOE_BACKENDS, MoEBackend, MoELayerState, dispatched_moe
+from services.model.moe_backend import MOE_BACKENDS, QUANTIZED_TRITON, MoEBackend, MoELayerState, dispatched_moe
 from services.model.moe_dispatch import combine, dispatch, gate
 from services.model.quant.experts import QuantExperts
 
@@ -162,4 +162,4 @@ class QuantTritonMoE(MoEBackend):
         return device.type == "cuda" and launch.ENABLED and moe_ep.ENABLED
 
 
-MOE_BACKENDS["triton-quant"] = QuantTritonMoE
+MOE_BACKENDS[QUANTIZED_TRITON] = QuantTritonMoE
