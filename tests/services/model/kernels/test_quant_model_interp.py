@@ -23,8 +23,11 @@ from services.kv_pool import KVPool  # noqa: E402
 from services.model import qwen3_moe  # noqa: E402
 from services.model.batch import SeqInput, build_decode_batch, build_forward_batch  # noqa: E402
 from services.model.checkpoint import load_weights  # noqa: E402
+from services.model.exchange.comm import ExpertComm  # noqa: E402
 from services.model.make_model import PRESETS, make_random_checkpoint  # noqa: E402
+from services.model.moe import MoELayer  # noqa: E402
 from services.model.moe_backend import MoEBackend  # noqa: E402
+from services.model.quant.experts import QuantExperts  # noqa: E402
 from services.model.quant.dispatch import QuantPath  # noqa: E402
 from services.model.quant.formats import QuantConfig  # noqa: E402
 from services.model.quant.linear import QuantWeight  # noqa: E402
@@ -169,3 +172,39 @@ def test_the_fp8_tensor_core_path(fp8_weights, quant_linear, quant_moe, fused_la
     # layout is off by about the logits themselves.
     assert max(errors) < 0.3
     assert kernel.count > 0
+
+
+@pytest.mark.parametrize("method", sorted(QUANTS))
+def test_gathered_rows_through_the_quantized_expert_gemms(quant_moe, method):
+    """Expert parallelism by gather (moe_ep.local_partials with the quantized GEMMs), two ranks
+    simulated in one process: the sum of both ranks' partials is the one-rank torch layer's output
+    on the dequantized weights."""
+    tep, num_experts, hidden, width, top_k, tokens_N = quant_moe.moe_ep, 8, 64, 32, 2, [5, 3]
+    g = torch.Generator().manual_seed(4)
+    w_gate_ED = torch.randn(num_experts, hidden, generator=g)
+    projections = [[QuantWeight.quantize(torch.randn(n, k, generator=g) * k ** -0.5, QUANTS[method])
+                    for n, k in ((width, hidden), (width, hidden), (hidden, width))] for _ in range(num_experts)]
+    dense_gate_up = torch.stack([torch.cat((gate.dequantize(), up.dequantize())) for gate, up, _ in projections])
+    dense_down = torch.stack([down.dequantize() for _, _, down in projections])
+    reference = MoELayer(w_gate_ED, dense_gate_up, dense_down, top_k=top_k, norm_topk_prob=True,
+                         comm=ExpertComm.local(), hit_counts_E=torch.zeros(num_experts, dtype=torch.int64))
+    rows_per_rank, num_local = max(tokens_N), num_experts // 2
+    xs = [torch.randn(n, hidden, generator=g) for n in tokens_N]
+    sends = []
+    for x_TD in xs:
+        ids_TK, weights_TK = quant_moe.routing.route(torch.nn.functional.linear(x_TD, w_gate_ED), top_k, True,
+                                                     torch.zeros(num_experts, dtype=torch.int64), x_TD.dtype)[:2]
+        sends.append(tep.pack(x_TD, ids_TK, weights_TK, rows_per_rank))
+    recv_JW = torch.cat(sends)
+    gemm = tep.moe_gemm
+    config = gemm.MoEConfig(16, gemm.GemmBlocks(32, 32, 4, 1), gemm.GemmBlocks(32, 32, 4, 1))
+    partials = []
+    for rank in range(2):
+        mine = projections[rank * num_local:(rank + 1) * num_local]
+        stacks = [dataclasses.replace(QuantWeight.stack([p[i] for p in mine]), path="weight-only") for i in range(3)]
+        experts = QuantExperts(*stacks, dtype=torch.float32, cache_dense=False)
+        partials.append(tep.local_partials(recv_JW, hidden, top_k, 1 + rank * num_local, None, None, config,
+                                           gemms=quant_moe.ExpertGemms(experts)))
+    summed_JD = torch.stack(partials).sum(0)
+    for rank, n in enumerate(tokens_N):
+        torch.testing.assert_close(summed_JD[rank * rows_per_rank:][:n], reference(xs[rank]), atol=1e-4, rtol=1e-4)
