@@ -9,6 +9,7 @@ through the registered linear kernels, the fused layer loop and the "triton-quan
   kernels ran (counted).
 - The decode graph runner: captured replays give the eager steps' logits.
 - A spare slot per layer (the dispatch path's sorted_experts), with a replica copied in.
+- Expert parallelism by gather: two ranks' local_partials with the quantized GEMMs, simulated.
 
     python -m pytest -q tests/services/model/test_quant_model_cuda.py
 """
@@ -172,3 +173,49 @@ def test_spare_slots_take_the_dispatch_path_and_a_replica_is_read_from_its_slot(
     moe.load_slot(CONFIG.num_experts, hub, "model.layers.0.mlp.experts.3.")
     for key, tensor in moe.quant_experts.gate_up_tensors.items():
         assert torch.equal(tensor[-1].view(torch.uint8), tensor[3].view(torch.uint8)), key
+
+
+@pytest.mark.parametrize("method", sorted(QUANTS))
+@pytest.mark.parametrize("tokens_N", [[5, 3], [40, 24]])  # 16 gathered rows or fewer: weight-only; more: FP8's "fp8"
+def test_gathered_rows_through_the_quantized_expert_gemms(method, tokens_N):
+    """Expert parallelism by gather (moe_ep.local_partials with kernels/quant_moe.ExpertGemms, default
+    tiles), two ranks simulated on one GPU in fp32: the sum of both ranks' partials against the
+    one-rank torch layer on the dequantized weights."""
+    from services.model.exchange.comm import ExpertComm
+    from services.model.kernels import moe_ep, quant_moe, routing
+    from services.model.moe import MoELayer
+
+    num_experts, hidden, width, top_k = 8, 256, 128, 2
+    quant = QuantConfig("awq", group_size=128) if method == "awq" else QUANTS["fp8"]
+    g = torch.Generator(device="cuda").manual_seed(4)
+    w_gate_ED = torch.randn(num_experts, hidden, generator=g, device="cuda")
+    projections = [[QuantWeight.quantize(torch.randn(n, k, generator=g, device="cuda") * k ** -0.5, quant)
+                    for n, k in ((width, hidden), (width, hidden), (hidden, width))] for _ in range(num_experts)]
+    dense_gate_up = torch.stack([torch.cat((gate.dequantize(), up.dequantize())) for gate, up, _ in projections])
+    dense_down = torch.stack([down.dequantize() for _, _, down in projections])
+    reference = MoELayer(w_gate_ED, dense_gate_up, dense_down, top_k=top_k, norm_topk_prob=True,
+                         comm=ExpertComm.local(), hit_counts_E=torch.zeros(num_experts, dtype=torch.int64,
+                                                                           device="cuda"), backend="torch")
+    rows_per_rank, num_local = max(tokens_N), num_experts // 2
+    xs = [torch.randn(n, hidden, generator=g, device="cuda") for n in tokens_N]
+    sends = []
+    for x_TD in xs:
+        ids_TK, weights_TK = routing.route(torch.nn.functional.linear(x_TD, w_gate_ED), top_k, True,
+                                           torch.zeros(num_experts, dtype=torch.int64, device="cuda"), x_TD.dtype)[:2]
+        sends.append(moe_ep.pack(x_TD, ids_TK, weights_TK, rows_per_rank))
+    recv_JW = torch.cat(sends)
+    partials = []
+    for rank in range(2):
+        mine = projections[rank * num_local:(rank + 1) * num_local]
+        stacks = [dataclasses.replace(QuantWeight.stack([p[i] for p in mine]), path=method if method == "fp8"
+                                      else "weight-only") for i in range(3)]
+        experts = QuantExperts(*stacks, dtype=torch.float32, cache_dense=False)
+        partials.append(moe_ep.local_partials(recv_JW, hidden, top_k, 1 + rank * num_local, None, None,
+                                              gemms=quant_moe.ExpertGemms(experts)))
+    summed_JD = torch.stack(partials).sum(0)
+    # "fp8" above 16 rows quantizes x and SiLU(gate) * up per token and 128-channel group.
+    tolerance = 0.1 if method == "fp8" and recv_JW.shape[0] > 16 else 1e-4
+    for rank, n in enumerate(tokens_N):
+        expected = reference(xs[rank])
+        error = float((summed_JD[rank * rows_per_rank:][:n] - expected).abs().max() / expected.abs().max())
+        assert error < tolerance, (method, tokens_N, rank, error)
