@@ -58,16 +58,18 @@ def _pool(model, num_seqs=1) -> KVPool:
     return KVPool.for_model(CONFIG, num_seqs * BLOCKS_PER_SEQ, BLOCK_SIZE, model.dtype, model.device)
 
 
-def _greedy(model, steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy decoding of PROMPT (one prefill, then one token a step): tokens and each step's logits."""
+def _greedy(model, steps: int, forced: list[int] | None = None) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy decoding of PROMPT (one prefill, then one token a step): each step's argmax and
+    logits. `forced`: feed these tokens instead of the argmaxes (teacher forcing, so that two
+    models compare on the same contexts even where their argmaxes differ)."""
     kv, blocks, tokens, logits = _pool(model), list(range(BLOCKS_PER_SEQ)), [], []
     ids, done = PROMPT, 0
-    for _ in range(steps):
+    for step in range(steps):
         batch = build_forward_batch([SeqInput(0, ids, done, blocks, True)], BLOCK_SIZE, model.device)
         out = model.forward(batch, kv)[-1].float().cpu()
         done += len(ids)
-        ids = [int(out.argmax())]
-        tokens.append(ids[0])
+        tokens.append(int(out.argmax()))
+        ids = [tokens[-1] if forced is None else forced[step]]
         logits.append(out)
     return tokens, logits
 
@@ -100,7 +102,7 @@ def _relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
 def test_bf16_matches_the_dequantized_bf16_model_and_runs_the_kernels(dirs, monkeypatch):
     method, quantized, dense = dirs
     dense_model = _model(dense, dtype=torch.bfloat16)
-    _, expected = _greedy(dense_model, 4)
+    dense_tokens, expected = _greedy(dense_model, 4)
     calls = {}
     dispatch.load_kernels()
     for key, fn in list(dispatch._KERNELS.items()):
@@ -118,9 +120,10 @@ def test_bf16_matches_the_dequantized_bf16_model_and_runs_the_kernels(dirs, monk
     assert type(model.layers[0].feed_forward.backend).__name__ == "QuantTritonMoE"
     assert isinstance(model.layers[0].w_qkv_XD, QuantWeight)
     _refuse_dequantizing(monkeypatch)
-    _, logits = _greedy(model, 4)
+    tokens, logits = _greedy(model, 4, forced=dense_tokens)  # the dense model's contexts
     errors = [_relative_error(ours, theirs) for ours, theirs in zip(logits, expected)]
-    print(f"{method} ({model.quant_paths[method].path}): max |logit error| / max |logit| per step {errors}")
+    print(f"{method} ({model.quant_paths[method].path}): max |logit error| / max |logit| per step {errors}; "
+          f"argmax {tokens} (dense {dense_tokens})")
     # bf16 rounds differently in the kernels; FP8's prefill also quantizes its activations (float8:
     # 3 mantissa bits; about a tenth of the largest logit of this random model under the
     # interpreter in fp32), and the decode steps attend to its K/V. A wrong scale or layout is
