@@ -4,8 +4,9 @@ MoELayer holds the layer's gate, its rank's expert weights (plus spare slots
 for replicas, expert_map.py) and the group its experts are spread over; each
 step it hands to the backend it was built with (moe_backend.py: "torch", the
 dispatch path of moe_dispatch.py in torch; "triton", kernels/moe_triton.py on
-CUDA). Quantized experts (services/model/quant/experts.py) keep their
-stored layouts; the torch path reads them dequantized. Every rank runs every
+CUDA; quantized experts (services/model/quant/experts.py), which keep their
+stored layouts, "triton-quant" on CUDA, kernels/quant_moe.py). The torch path
+reads quantized experts dequantized. Every rank runs every
 step of every MoE layer, even with no tokens, so that the collectives of all
 ranks line up.
 

@@ -8,9 +8,11 @@ experts -> combine in torch, on any device and any number of ranks),
 "triton" (kernels/moe_triton.py: Triton kernels on CUDA, a kernel family
 picked per step; registered when its module is imported, which needs triton,
 so it is loaded only when asked for) and "auto" (triton for layers on CUDA,
-torch otherwise, and torch for quantized experts: the Triton expert kernels
-read dense weights; quantized ones are the dispatch point where quantized
-expert kernels plug in, services/model/quant/).
+torch otherwise). Layers of quantized experts (services/model/quant/experts.py)
+asking for "auto" or "triton" on CUDA get "triton-quant" instead
+(kernels/quant_moe.py: the FP8 and AWQ expert kernels on the stored layouts);
+the torch backend computes them on their dequantized weights (the CPU's
+reference path).
 
 Legend as in moe_dispatch.py: T tokens of this rank, D hidden, E experts, K experts per token.
 """
@@ -120,15 +122,20 @@ class TorchMoE(MoEBackend):
 
 MOE_BACKENDS: dict[str, type[MoEBackend]] = {"torch": TorchMoE}
 # Backends whose module registers them on import (it needs triton, which CPU installs lack).
-_LAZY_BACKEND_MODULES = {"triton": "services.model.kernels.moe_triton"}
+# Not a name to ask for: what "auto" and "triton" become for layers of quantized experts on CUDA.
+QUANTIZED_TRITON = "triton-quant"
+_LAZY_BACKEND_MODULES = {"triton": "services.model.kernels.moe_triton",
+                         QUANTIZED_TRITON: "services.model.kernels.quant_moe"}
 MOE_BACKEND_NAMES = ("auto", "torch", "triton")
 
 
 def make_moe_backend(name: str, device: torch.device | str, *, quantized: bool = False) -> MoEBackend:
     """The registered backend called `name` (one of MOE_BACKEND_NAMES) for layers on `device`
-    (`quantized`: layers of quantized experts, which "auto" gives the torch backend)."""
+    (`quantized`: layers of quantized experts, whose Triton backend is "triton-quant")."""
     if name == "auto":
-        name = "triton" if torch.device(device).type == "cuda" and not quantized else "torch"
+        name = "triton" if torch.device(device).type == "cuda" else "torch"
+    if quantized and name == "triton":
+        name = QUANTIZED_TRITON
     return registered("MoE", name, MOE_BACKENDS, _LAZY_BACKEND_MODULES, MOE_BACKEND_NAMES)()
 
 

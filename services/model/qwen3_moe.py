@@ -4,8 +4,9 @@ Weights come as the hub's on-disk names, holding only this rank's experts;
 attention and the dense layers are replicated on every rank, the experts are
 split (see moe.py). Quantized projections (services/model/quant/) stay in
 their stored layouts and go through quant.dispatch.linear: a registered
-kernel, or F.linear on the dequantized weight (the CPU reference path); the
-gate, embeddings, norms and LM head are dense. Legend: T tokens, D hidden,
+kernel (CUDA, in the fused layer loop too; q|k|v as one weight where their
+layouts allow), or F.linear on the dequantized weight (the CPU reference
+path); the gate, embeddings, norms and LM head are dense. Legend: T tokens, D hidden,
 H heads, G KV heads, K head_dim, S sampled rows, V vocab.
 """
 
@@ -42,11 +43,14 @@ DEFAULT_MAX_FIXED_CAPACITY_TOKENS = 256
 @dataclasses.dataclass(slots=True)
 class _DecoderLayer:
     input_norm_D: Tensor
-    w_q_HKD: Tensor | QuantWeight  # [H * K, D]
-    w_k_GKD: Tensor | QuantWeight  # [G * K, D]
-    w_v_GKD: Tensor | QuantWeight  # [G * K, D]
-    # [(H + 2G) * K, D]: q, k, v stacked; the three above are views of it (None when quantized)
-    w_qkv_XD: Tensor | None
+    # q, k, v: None where w_qkv_XD is a QuantWeight (only the concatenated one is kept)
+    w_q_HKD: Tensor | QuantWeight | None  # [H * K, D]
+    w_k_GKD: Tensor | QuantWeight | None  # [G * K, D]
+    w_v_GKD: Tensor | QuantWeight | None  # [G * K, D]
+    # [(H + 2G) * K, D]: q, k, v stacked; dense: the three above are views of it. Quantized on
+    # CUDA: their stored layouts side by side where they allow it (QuantWeight.concat_outputs),
+    # else None (three projections).
+    w_qkv_XD: Tensor | QuantWeight | None
     w_o_DHK: Tensor | QuantWeight  # [D, H * K]
     q_norm_K: Tensor
     k_norm_K: Tensor
@@ -75,7 +79,8 @@ class _Converted(Mapping):
         if path is None:
             path = self.quant_paths[weight.method] = choose_path(self._quantized_kernel, weight.method, self._device)
             logger.info("%s quantized weights: %s path (%s)", weight.method, path.path, path.reason)
-        return dataclasses.replace(weight.to(self._device), kernel=path.kernel, cache_dense=path.cache_dense)
+        return dataclasses.replace(weight.to(self._device), kernel=path.kernel, path=path.path,
+                                   cache_dense=path.cache_dense)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._weights)
@@ -153,6 +158,12 @@ class Qwen3MoeModel:
         if all(isinstance(p, Tensor) for p in (w_q_HKD, w_k_GKD, w_v_GKD)):
             w_qkv_XD = torch.cat((w_q_HKD, w_k_GKD, w_v_GKD))
             w_q_HKD, w_k_GKD, w_v_GKD = w_qkv_XD.split([w_q_HKD.shape[0], w_k_GKD.shape[0], w_v_GKD.shape[0]])
+        elif all(isinstance(p, QuantWeight) and p.kernel is not None for p in (w_q_HKD, w_k_GKD, w_v_GKD)):
+            # One q|k|v kernel launch where kernels compute them (CUDA); the reference path (the
+            # CPU) keeps its three projections.
+            w_qkv_XD = QuantWeight.concat_outputs((w_q_HKD, w_k_GKD, w_v_GKD))
+            if w_qkv_XD is not None:
+                w_q_HKD = w_k_GKD = w_v_GKD = None
         return _DecoderLayer(
             input_norm_D=w[prefix + "input_layernorm.weight"],
             w_q_HKD=w_q_HKD,
@@ -202,9 +213,7 @@ class Qwen3MoeModel:
         """
         x_TD = self.embed_VD[batch.input_ids_T]
         cos_TK, sin_TK = self.rotary.cos_sin(batch.positions_T, self.dtype)
-        # The fused loop's kernels read dense weights: a quantized model takes the torch loop,
-        # whose projections go through quant.dispatch.linear.
-        fused = None if self.quant_paths else _fused_kernels(self.device)
+        fused = _fused_kernels(self.device)
         if fused is not None:
             x_SD = self._layers_fused(fused, x_TD, cos_TK, sin_TK, batch, kv, capacity, last_row_hits_LE)
             return _logits(x_SD, self.lm_head_VD, logits_SV)
@@ -222,14 +231,15 @@ class Qwen3MoeModel:
                       kv: KVPool, capacity: int | None, last_row_hits_LE: Tensor | None) -> Tensor:
         """The layer loop with kernels/fused_layer.py's kernels (CUDA): each residual add fused with
         the next RMSNorm, one q|k|v matmul, the projections through fused.linear (a GEMV
-        kernel for one token); returns the sampled rows, final-normed."""
+        kernel for one token; quantized ones their registered kernels); returns the sampled
+        rows, final-normed."""
         c, eps, pending_TD, h_TD = self.config, self.config.rms_norm_eps, None, None
         x_TD = x_TD.contiguous()
         for i, layer in enumerate(self.layers):
             if h_TD is None:  # the first layer, or the last feed-forward's output is pending
                 h_TD = fused.add_rms_norm_(x_TD, pending_TD, layer.input_norm_D, eps)
             q_THK, k_TGK, v_TGK = fused.qkv_norm_rotary(
-                fused.linear(h_TD, layer.w_qkv_XD), layer.q_norm_K, layer.k_norm_K, cos_TK, sin_TK,
+                _qkv(fused.linear, h_TD, layer), layer.q_norm_K, layer.k_norm_K, cos_TK, sin_TK,
                 c.num_attention_heads, c.num_key_value_heads, eps)
             o_THK = self.attention.forward(i, q_THK, k_TGK, v_TGK, batch, kv, c.head_dim ** -0.5)
             attn_TD = fused.linear(o_THK.reshape(h_TD.shape[0], c.num_attention_heads * c.head_dim), layer.w_o_DHK)
@@ -250,9 +260,15 @@ class Qwen3MoeModel:
         q_shape = (num_tokens, c.num_attention_heads, c.head_dim)
         kv_shape = (num_tokens, c.num_key_value_heads, c.head_dim)
         # Qwen3 normalises each head of q and k before the rotation.
-        q_THK = rms_norm(linear(h_TD, layer.w_q_HKD).view(q_shape), layer.q_norm_K, c.rms_norm_eps)
-        k_TGK = rms_norm(linear(h_TD, layer.w_k_GKD).view(kv_shape), layer.k_norm_K, c.rms_norm_eps)
-        v_TGK = linear(h_TD, layer.w_v_GKD).view(kv_shape)
+        if layer.w_q_HKD is None:  # quantized q|k|v in one weight
+            q_TX, k_TX, v_TX = linear(h_TD, layer.w_qkv_XD).split([q_shape[1] * c.head_dim,
+                                                                    kv_shape[1] * c.head_dim,
+                                                                    kv_shape[1] * c.head_dim], dim=1)
+        else:
+            q_TX, k_TX, v_TX = (linear(h_TD, w) for w in (layer.w_q_HKD, layer.w_k_GKD, layer.w_v_GKD))
+        q_THK = rms_norm(q_TX.reshape(q_shape), layer.q_norm_K, c.rms_norm_eps)
+        k_TGK = rms_norm(k_TX.reshape(kv_shape), layer.k_norm_K, c.rms_norm_eps)
+        v_TGK = v_TX.reshape(kv_shape)
         q_THK = apply_rotary(q_THK, cos_TK, sin_TK)
         k_TGK = apply_rotary(k_TGK, cos_TK, sin_TK)
         o_THK = self.attention.forward(i, q_THK, k_TGK, v_TGK, batch, kv, c.head_dim ** -0.5)
@@ -269,6 +285,14 @@ def _fused_kernels(device: torch.device):
     if device.type != "cuda":
         return None
     return importlib.import_module(_FUSED_LAYER_MODULE).fused_layer_kernels()
+
+
+def _qkv(linear: Callable[[Tensor, Tensor | QuantWeight], Tensor], h_TD: Tensor, layer: _DecoderLayer) -> Tensor:
+    """The q|k|v projection [T, X]: one matmul, or three side by side where quantized q, k, v
+    could not be stored as one weight (QuantWeight.concat_outputs)."""
+    if layer.w_qkv_XD is not None:
+        return linear(h_TD, layer.w_qkv_XD)
+    return torch.cat([linear(h_TD, w) for w in (layer.w_q_HKD, layer.w_k_GKD, layer.w_v_GKD)], dim=1)
 
 
 def _logits(x_SD: Tensor, lm_head_VD: Tensor, logits_SV: Tensor | None) -> Tensor:

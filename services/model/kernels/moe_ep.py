@@ -274,17 +274,23 @@ def partials(y_RD: Tensor, meta_JM: Tensor, id_offset: int, num_local: int, out:
     return partial_JD
 
 
-def local_partials(recv_JW: Tensor, hidden: int, top_k: int, id_offset: int, w_gate_up_LGD: Tensor,
-                   w_down_LDF: Tensor, config: moe_gemm.MoEConfig | None = None, out: Tensor | None = None,
+def local_partials(recv_JW: Tensor, hidden: int, top_k: int, id_offset: int, w_gate_up_LGD: Tensor | None,
+                   w_down_LDF: Tensor | None, config: moe_gemm.MoEConfig | None = None, out: Tensor | None = None,
                    owners: tuple[Tensor, int] | None = None, signal: flags.Flags | None = None,
-                   wait: flags.Flags | None = None) -> Tensor:
+                   wait: flags.Flags | None = None, gemms=None) -> Tensor:
     """Steps 4-5 on the gathered rows: the fp32 partial_JD (into out or owners, and signal, as
     partials takes them) of this rank's local experts, whose global ids (+ 1, as packed) start at
-    id_offset; with wait, once the peers' flags say their rows are in recv_JW."""
-    num_rows, num_local = recv_JW.shape[0], w_gate_up_LGD.shape[0]
+    id_offset; with wait, once the peers' flags say their rows are in recv_JW. gemms (quantized
+    experts, kernels/quant_moe.ExpertGemms: num_slots and aligned(x_JD, a, top_k, num_routed,
+    config) -> y_RD) in place of moe_gemm's on the dense weights."""
+    num_rows = recv_JW.shape[0]
+    num_local = w_gate_up_LGD.shape[0] if gemms is None else gemms.num_slots
     meta_JM = _meta(recv_JW, hidden)
     config = config or local_config(num_rows)
     a = moe_align.align(meta_JM[:, :top_k], num_local, config.block_m, id_offset, wait=wait)
+    if gemms is not None:
+        y_RD = gemms.aligned(recv_JW[:, :hidden], a, top_k, num_rows * top_k, config)
+        return partials(y_RD, meta_JM, id_offset, num_local, out, owners, signal)
     act_PF = moe_gemm.gate_up(recv_JW[:, :hidden], a, w_gate_up_LGD, top_k, config.gate_up, config.tiles_first)
     y_RD = moe_gemm.down(act_PF, a, w_down_LDF, num_rows * top_k, config.down, config.tiles_first)
     return partials(y_RD, meta_JM, id_offset, num_local, out, owners, signal)
@@ -320,28 +326,30 @@ def _route_and_pack(layer, x_TD: Tensor, rows_per_rank: int, out: Tensor | None 
     return pack(x_TD, ids_TK, weights_TK, rows_per_rank, out, dests, signal)
 
 
-def gathered_moe(layer, x_TD: Tensor, rows_per_rank: int, add_norm: AddNorm | None = None) -> Tensor:
+def gathered_moe(layer, x_TD: Tensor, rows_per_rank: int, add_norm: AddNorm | None = None, gemms=None) -> Tensor:
     """MoELayer's output for this rank's x_TD, every rank passing the same rows_per_rank
     (>= each rank's token count); adds the routed experts to layer.hit_counts_E. With add_norm,
     add_norm(the output) (fused into the exchange's sum). Steps that fit comm.exchange's
-    buffers exchange through it (the exchange's protocol), others through NCCL."""
+    buffers exchange through it (the exchange's protocol), others through NCCL. gemms: the
+    quantized experts' GEMMs (local_partials')."""
     comm: ExpertComm = layer.comm
     num_tokens, hidden = x_TD.shape
-    num_local = layer.w_gate_up_LGD.shape[0]
+    num_local = layer.w_gate_up_LGD.shape[0] if gemms is None else gemms.num_slots
+    w_gate_up_LGD, w_down_LDF = (layer.w_gate_up_LGD, layer.w_down_LDF) if gemms is None else (None, None)
     id_offset = 1 + comm.rank * num_local
     x_TD = x_TD.contiguous()
     exchange = comm.exchange
     if exchange is not None and exchange.fits(rows_per_rank, row_width(hidden, layer.top_k, x_TD.dtype)):
         _route_and_pack(layer, x_TD, rows_per_rank, *exchange.row_target(rows_per_rank))
         recv_JW, wait = exchange.gathered_rows(rows_per_rank)
-        local_partials(recv_JW, hidden, layer.top_k, id_offset, layer.w_gate_up_LGD, layer.w_down_LDF, None,
-                       *exchange.partial_target(rows_per_rank), wait=wait)
+        local_partials(recv_JW, hidden, layer.top_k, id_offset, w_gate_up_LGD, w_down_LDF, None,
+                       *exchange.partial_target(rows_per_rank), wait=wait, gemms=gemms)
         # The exchange rounds the fp32 sum to the model dtype in its own kernel.
         return exchange.reduce(num_tokens, rows_per_rank, x_TD.dtype, add_norm)
     send_BW = _route_and_pack(layer, x_TD, rows_per_rank)
     recv_JW = send_BW.new_empty(comm.world_size * rows_per_rank, send_BW.shape[1])
     comm.all_gather(recv_JW, send_BW)
-    partial_JD = local_partials(recv_JW, hidden, layer.top_k, id_offset, layer.w_gate_up_LGD, layer.w_down_LDF)
+    partial_JD = local_partials(recv_JW, hidden, layer.top_k, id_offset, w_gate_up_LGD, w_down_LDF, gemms=gemms)
     out_BD = partial_JD.new_empty(rows_per_rank, hidden)
     comm.reduce_scatter(out_BD, partial_JD)  # NCCL sums in fp32
     out_TD = out_BD[:num_tokens].to(x_TD.dtype)

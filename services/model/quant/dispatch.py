@@ -5,12 +5,15 @@ checkpoints on GPUs of compute capability 8.9 and above), "weight-only"
 (weights dequantized in registers, activations in the compute dtype: AWQ
 always, FP8 on older GPUs) and "reference" (the CPU: F.linear on weights
 dequantized by formats.py). `auto` picks by format and device. A kernel module
-registers its functions with `register_kernel(method, path, fn)`; a path with
-no kernel registered dequantizes on the device instead (slow, but the same
-results), and the log line of `choose_path` says so.
+registers its functions with `register_kernel(method, path, fn)`:
+kernels/quant_linear.py, imported by `choose_path` the first time it picks a
+path on CUDA (it needs triton, which CPU installs lack). A path with no kernel
+registered dequantizes on the device instead (slow, but the same results), and
+the log line of `choose_path` says so.
 """
 
 import dataclasses
+import importlib
 import logging
 from collections.abc import Callable
 
@@ -27,6 +30,17 @@ FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores; A100 (8.0) 
 
 # (method, path) -> fn(x_TK, weight) -> y_TN, added by the kernel modules.
 _KERNELS: dict[tuple[str, str], Callable[[Tensor, QuantWeight], Tensor]] = {}
+# The module registering the Triton kernels, imported on CUDA only.
+KERNEL_MODULE = "services.model.kernels.quant_linear"
+
+
+def load_kernels() -> str | None:
+    """Imports KERNEL_MODULE (registering its kernels); the reason it cannot be, or None."""
+    try:
+        importlib.import_module(KERNEL_MODULE)
+    except ImportError as error:
+        return f"{KERNEL_MODULE} cannot be loaded ({error})"
+    return None
 
 
 def register_kernel(method: str, path: str, fn: Callable[[Tensor, QuantWeight], Tensor]) -> None:
@@ -66,13 +80,17 @@ def choose_path(requested: str, method: str, device: torch.device | str) -> Quan
     elif method == "awq":
         path, reason = "weight-only", "AWQ 4-bit weights are dequantized in the kernel"
     elif has_fp8:
-        path, reason = "fp8", f"compute capability {capability[0]}.{capability[1]} has FP8 tensor cores"
+        path, reason = "fp8", (f"compute capability {capability[0]}.{capability[1]} has FP8 tensor cores: FP8 "
+                               f"GEMMs for big steps, weight-only GEMVs for small ones")
     else:
         path, reason = "weight-only", (f"compute capability {capability[0]}.{capability[1]} has no FP8 "
                                        f"tensor cores (needs 8.9)")
+    missing = load_kernels()
     kernel = _KERNELS.get((method, path))
     if kernel is None:
-        reason += "; no kernel registered: dequantizing on the GPU per call"
+        reason += f"; no kernel registered{f' ({missing})' if missing else ''}: dequantizing on the GPU per call"
+    else:
+        reason += f"; kernel {kernel.__module__}.{kernel.__qualname__}"
     return QuantPath(path, reason, kernel, False)
 
 

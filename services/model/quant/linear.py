@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from services.model.quant.formats import QuantConfig, awq_dequantize, awq_quantize, fp8_dequantize, fp8_quantize
+from services.model.quant.formats import (FP8_BLOCK, QuantConfig, awq_dequantize, awq_quantize, fp8_dequantize,
+                                          fp8_quantize)
 
 # The stored tensors of each format, under their checkpoint suffixes.
 LAYOUT_KEYS = {"fp8": ("weight", "weight_scale_inv"), "awq": ("qweight", "qzeros", "scales")}
@@ -41,6 +42,9 @@ class QuantWeight:
     group_size: int = 0  # AWQ's G
     # The compute path's kernel, (x_TK, self) -> y_TN, or None: F.linear on `dense` (dispatch.py).
     kernel: Callable[[Tensor, "QuantWeight"], Tensor] | None = None
+    # The compute path (dispatch.QuantPath.path): "fp8", "weight-only" or "reference"; the expert
+    # kernels read it to pick their GEMMs.
+    path: str = "reference"
     cache_dense: bool = False
     _dense: Tensor | None = None
 
@@ -111,6 +115,26 @@ class QuantWeight:
         qweight, qzeros, scales = awq_quantize(w_NK, quant.group_size)
         return cls("awq", {"qweight": qweight, "qzeros": qzeros, "scales": scales}, n, k,
                    group_size=quant.group_size)
+
+    @classmethod
+    def concat_outputs(cls, parts: Sequence["QuantWeight"]) -> "QuantWeight | None":
+        """One linear computing the parts' outputs side by side (q|k|v: one kernel launch
+        instead of three), or None where the layouts do not allow it: FP8 needs every part
+        but the last to end on a 128-row block boundary (a partial block's scale covers
+        only its own rows); AWQ always concatenates along the output columns (each part's
+        width is a multiple of 8). Exactly the parts' weights: the stored tensors side by side."""
+        first = parts[0]
+        if any(p.lead_shape or (p.method, p.in_features, p.group_size) != (first.method, first.in_features,
+                                                                           first.group_size) for p in parts):
+            return None
+        if first.method == "fp8":
+            if any(p.out_features % FP8_BLOCK for p in parts[:-1]):
+                return None
+            tensors = {key: torch.cat([p.tensors[key] for p in parts], dim=-2) for key in LAYOUT_KEYS["fp8"]}
+        else:
+            tensors = {key: torch.cat([p.tensors[key] for p in parts], dim=-1) for key in LAYOUT_KEYS["awq"]}
+        return dataclasses.replace(first, tensors=tensors, out_features=sum(p.out_features for p in parts),
+                                   _dense=None)
 
     def hub_tensors(self, name: str) -> dict[str, Tensor]:
         """The checkpoint's tensors of linear weight `name` (`X.weight`): X.weight and

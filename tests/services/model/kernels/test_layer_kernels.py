@@ -209,8 +209,9 @@ def test_half_precision_token_blocks(rotary, monkeypatch):
 def test_fused_layer_kernels_follow_the_switch(fused_layer, gemv, launch, monkeypatch):
     """The loop's kernels are the modules' own, read at each step; none while launch.ENABLED is
     off; and none on the CPU, which keeps the torch loop."""
-    monkeypatch.setattr(gemv, "linear", lambda x_TD, w_ND: x_TD @ w_ND.T)
-    assert fused_layer.fused_layer_kernels().linear is gemv.linear
+    monkeypatch.setattr(gemv, "linear", lambda x_TD, w_ND: torch.full((x_TD.shape[0], w_ND.shape[0]), 3.0))
+    assert torch.equal(fused_layer.fused_layer_kernels().linear(torch.ones(2, 4), torch.ones(5, 4)),
+                       torch.full((2, 5), 3.0))
     monkeypatch.setattr(launch, "ENABLED", False)
     assert fused_layer.fused_layer_kernels() is None
     assert qwen3_moe._fused_kernels(torch.device("cpu")) is None

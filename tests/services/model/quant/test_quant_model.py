@@ -121,11 +121,15 @@ def test_the_path_is_chosen_by_format_and_compute_capability(monkeypatch):
         dispatch.choose_path("int4", "awq", "cpu")
     with pytest.raises(ValueError, match="needs an FP8 checkpoint; this one is AWQ"):
         dispatch.choose_path("fp8", "awq", "cpu")
+    # No kernel module (a CUDA install without triton): dequantized per call, and the log says so.
+    monkeypatch.setattr(dispatch, "_KERNELS", {})
+    monkeypatch.setattr(dispatch, "load_kernels", lambda: "no triton")
     for capability, expected in (((9, 0), "fp8"), ((8, 9), "fp8"), ((8, 0), "weight-only")):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
         path = dispatch.choose_path("auto", "fp8", "cuda")
         assert path.path == expected and not path.cache_dense and path.kernel is None
-        assert f"{capability[0]}.{capability[1]}" in path.reason and "no kernel registered" in path.reason
+        assert f"{capability[0]}.{capability[1]}" in path.reason
+        assert path.reason.endswith("no kernel registered (no triton): dequantizing on the GPU per call")
         assert dispatch.choose_path("auto", "awq", "cuda").path == "weight-only"
     with pytest.raises(ValueError, match="needs FP8 tensor cores .* this GPU has 8.0: use weight-only"):
         dispatch.choose_path("fp8", "fp8", "cuda")
@@ -181,3 +185,18 @@ def test_random_quantized_weights_route_as_their_dequantized_twin():
     bf16 = Qwen3MoeModel(SMALL, Dequantized(weights), expert_ids=range(SMALL.num_experts), dtype=torch.bfloat16)
     report = routing_agreement(model, bf16, PROMPTS)  # the bf16 twin rounds otherwise: a report, not a bound
     assert len(report) == len(SMALL.moe_layers) and all(0.5 <= r.overlap <= 1.0 for r in report)
+
+
+def test_on_cuda_the_triton_kernels_are_registered_and_named_in_the_reason(monkeypatch):
+    """choose_path on CUDA imports kernels/quant_linear.py (triton is installed here, the
+    device mocked): every format and path gets its kernel, and the log's reason names it."""
+    pytest.importorskip("triton")
+    for capability, method, requested, expected in (((9, 0), "fp8", "auto", "fp8_tensor_cores"),
+                                                    ((9, 0), "fp8", "weight-only", "fp8_weight_only"),
+                                                    ((8, 0), "fp8", "auto", "fp8_weight_only"),
+                                                    ((9, 0), "awq", "auto", "awq_weight_only")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        path = dispatch.choose_path(requested, method, "cuda")
+        assert path.kernel.__name__ == expected and path.kernel.__module__ == dispatch.KERNEL_MODULE
+        assert path.reason.endswith(f"; kernel {dispatch.KERNEL_MODULE}.{expected}") and "no kernel" not in path.reason
+    assert {("fp8", "fp8"), ("fp8", "weight-only"), ("awq", "weight-only")} <= set(dispatch._KERNELS)
