@@ -52,7 +52,8 @@
 #            bandwidth bound and against bf16; limit 560 s (one GPU: kind nvidia-h200, KIND=nvidia-h200)
 #     quant235 bench/serving/quant_speed.py on qwen3-235b-a22b-awq (124 GB of weights on one H200): b1, c16, c64,
 #            mix (${QUANT235_CASES}), the memory plan and the KV capacity in tokens; limit 560 s (one GPU)
-#     quantacc bench/accuracy/hf_parity.py --quant fp8 then --quant awq on the 30B shape cut to 8 layers
+#     quantacc tests/services/model/test_random_quant_cuda.py (the random quantized presets drawn on the GPU),
+#            then bench/accuracy/hf_parity.py --quant fp8 then --quant awq on the 30B shape cut to 8 layers
 #            (${QUANTACC_LAYERS}), the references on the dequantized weights; limit 240 s each
 #     routing bench/accuracy/routing_agreement.py on the 30B shape (fp8 and awq against their dequantized
 #            twins and the unquantized draw); limit 240 s
@@ -150,7 +151,8 @@ for step in $STEPS; do
         quant235) part quant235 560 python3 -m bench.serving.quant_speed --kind "$KIND" --name quant235_speed \
                 --presets qwen3-235b-a22b-awq --cases "${QUANT235_CASES:-b1,c16,c64,mix}" --mix-requests 32 \
                 ${QUANT235_ARGS:-} --out "$RESULTS/quant235" ;;
-        quantacc) part quantacc_fp8 240 python3 -m bench.accuracy.hf_parity --quant fp8 --layers "${QUANTACC_LAYERS:-8}" --batches 1,8,256 \
+        quantacc) part quantacc_draw 60 python3 -m pytest -q -p no:cacheprovider tests/services/model/test_random_quant_cuda.py
+                part quantacc_fp8 240 python3 -m bench.accuracy.hf_parity --quant fp8 --layers "${QUANTACC_LAYERS:-8}" --batches 1,8,256 \
                 --mixed 16 --out "$RESULTS/quantacc_fp8"
                 part quantacc_awq 240 python3 -m bench.accuracy.hf_parity --quant awq --layers "${QUANTACC_LAYERS:-8}" --batches 1,8,256 \
                 --mixed 16 --out "$RESULTS/quantacc_awq" ;;
