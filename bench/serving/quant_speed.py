@@ -98,6 +98,8 @@ def markdown(report: dict) -> str:
         lines.append(f"- {preset}: {json.dumps(run.get('plan', {}))}"
                      + (f"; KV blocks measured {run['kv_blocks_measured']}" if run.get("kv_blocks_measured") else "")
                      + (f"; path {json.dumps(run['quant_paths'])}" if run.get("quant_paths") else "")
+                     + (f"; KV tokens the cases hold at their end {json.dumps(run['kv_tokens_needed'])}"
+                        if run.get("kv_tokens_needed") else "")
                      + (f"; FAILED: `{run['error']}`" if run.get("error") else ""))
     lines += ["", "| preset | case | conc | figure | unit | bound (weights) | share | bound (+KV) | share | "
               "vs first preset | target |", "|" + "---|" * 11]
@@ -113,6 +115,13 @@ def markdown(report: dict) -> str:
                          f"{row['itl_ms_p50']}/{row['itl_ms_p99']} ms, ok {row['num_ok']}/{row['num_requests']}, "
                          f"steps {json.dumps(row.get('steps', {}))}")
     return "\n".join(lines) + "\n"
+
+
+def kv_tokens_needed(cases: list[str], prompt_scale: float, output_scale: float) -> dict[str, int]:
+    """The KV tokens each 1K-in/1K-out case holds at its end (every sequence at its full length):
+    beyond the pool's capacity the gateway preempts, and the figure says so."""
+    length = round(1024 * prompt_scale) + round(1024 * output_scale)
+    return {c: length * (1 if c == "b1" else int(c[1:])) for c in cases if c == "b1" or c[1:].isdigit()}
 
 
 def kv_blocks(metrics: dict[str, str]) -> dict[str, int]:
@@ -151,7 +160,8 @@ def run_preset(args, preset: str) -> dict:
         seen.update(await asyncio.to_thread(kv_blocks, metrics))
         return await gpu_speed._drive(target, run_args, cases, max_context, metrics)
 
-    out = {"plan": plan.summary(), "expert_arg": expert_args}
+    out = {"plan": plan.summary(), "expert_arg": expert_args,
+           "kv_tokens_needed": kv_tokens_needed(args.cases.split(","), args.prompt_scale, args.output_scale)}
     with tempfile.TemporaryDirectory(prefix="quant-speed-") as tmp:
         model_dir = write_model_dir(pathlib.Path(tmp) / preset, preset)
         try:

@@ -128,6 +128,8 @@ def test_each_preset_runs_gpu_speeds_mesh_with_its_plan(monkeypatch, tmp_path):
     assert cases == ["b1", "c16"] and has_config and run_args.max_batch_tokens == 4096
     assert run_args.expert_arg == ["--kv-cache-dtype=fp8_e4m3"]  # the default fraction leaves the reserve
     assert out["plan"]["kv_tokens"] > 0 and out["cases"] == {"b1": {"concurrency": 1}}
+    assert out["kv_tokens_needed"] == {"b1": 2048, "c16": 16 * 2048}
+    assert quant_speed.kv_tokens_needed(["c64", "mix"], 1.0, 0.25) == {"c64": 64 * 1280}
 
     args.device_bytes = 130_000_000_000  # a smaller GPU: the plan lowers the fraction
     out = quant_speed.run_preset(args, "qwen3-235b-a22b-awq")
