@@ -93,6 +93,12 @@ def markdown(report: dict) -> str:
     cfg = report["config"]
     lines = [f"# Quantized serving speed, {cfg['kind']}, one GPU", "", f"Command: `{report['command']}`", "",
              f"Date: {report['date']}", "", f"Setup: {json.dumps(report.get('setup', {}))}", "",
+             f"Cases: cN and b1 send {round(1024 * cfg['prompt_scale'])}-token prompts for "
+             f"{round(1024 * cfg['output_scale'])} new tokens (the issue's targets are at 1K-in/1K-out); the mix "
+             f"sends {cfg.get('mix_requests')} requests at concurrency {cfg.get('mix_concurrency')}, prompts scaled "
+             f"by {cfg['prompt_scale']}. Bounds: quant_plan.py (HBM bound of the weights a decode step reads in the "
+             f"stored layout, with the KV reads at the case's mean context; the mix: prefill at the tensor-core "
+             f"peak plus decode at the HBM bound).", "",
              "Memory plan per preset (estimates; `kv_blocks_measured` from the service's /metrics):", ""]
     for preset, run in report["presets"].items():
         lines.append(f"- {preset}: {json.dumps(run.get('plan', {}))}"
