@@ -149,7 +149,10 @@ def run_preset(args, preset: str) -> dict:
     """One preset's mesh and cases; the plan and the measured KV blocks beside them."""
     sizes = {"max_batch_tokens": args.max_batch_tokens, "device_bytes": args.device_bytes}
     plan = memory_plan(preset, **sizes)
-    fraction = kv_fraction(preset, **sizes)
+    try:
+        fraction = kv_fraction(preset, **sizes)
+    except ValueError as error:  # the weights do not fit one GPU: nothing to start
+        return {"plan": plan.summary(), "error": str(error)}
     expert_args = list(args.expert_arg)
     if fraction < DEFAULT_KV_FRACTION:  # the default would not leave the activations and graphs their room
         expert_args += ["--kv-memory-fraction", str(fraction)]

@@ -136,6 +136,8 @@ def test_each_preset_runs_gpu_speeds_mesh_with_its_plan(monkeypatch, tmp_path):
     run_args = seen["qwen3-235b-a22b-awq"][0]
     assert run_args.expert_arg[1] == "--kv-memory-fraction" and float(run_args.expert_arg[2]) < 0.8
     assert out["plan"]["fits"]
+    too_big = quant_speed.run_preset(args, "qwen3-235b-a22b-fp8")  # 236 GB: refused before any mesh starts
+    assert "reserve" in too_big["error"] and not too_big["plan"]["fits"] and "qwen3-235b-a22b-fp8" not in seen
 
 
 def _model_dir(path):
