@@ -47,6 +47,19 @@
 #     quantkern tests/services/model/kernels/test_quant_kernels_cuda.py (the FP8 and AWQ kernels against their
 #            torch references in bf16; limit 270 s), then bench/kernels/quant_kernels.py (each kernel's time, GB/s
 #            and TFLOP/s at Qwen3-30B-A3B's shapes, M = ${QUANT_TOKENS:-1,8,64,256,4096}; limit 300 s): one GPU
+#     quant  bench/serving/quant_speed.py (issue 29): Qwen3-30B-A3B random weights in bf16, FP8 and AWQ
+#            (${QUANT_PRESETS}), one mesh each after the other: b1, c256, mix (${QUANT_CASES}), each against its
+#            bandwidth bound and against bf16; ${QUANT_ARGS:-"--output-scale 0.25 --mix-requests 32"} (1K-in/256-out
+#            and 32 mix requests, to fit about 5 minutes; QUANT_ARGS=" " for 1K/1K); limit 330 s (one GPU: kind
+#            nvidia-h200, KIND=nvidia-h200; results are written after each preset, so a cut run keeps the first)
+#     quant235 bench/serving/quant_speed.py on qwen3-235b-a22b-awq (124 GB of weights on one H200): b1, c16, c64,
+#            mix (${QUANT235_CASES}), the memory plan and the KV capacity in tokens; QUANT235_ARGS as QUANT_ARGS;
+#            limit 330 s (one GPU)
+#     quantacc tests/services/model/test_random_quant_cuda.py (the random quantized presets drawn on the GPU),
+#            then bench/accuracy/hf_parity.py --quant fp8 then --quant awq on the 30B shape cut to 8 layers
+#            (${QUANTACC_LAYERS}), the references on the dequantized weights; limit 240 s each
+#     routing bench/accuracy/routing_agreement.py on the 30B shape (fp8 and awq against their dequantized
+#            twins and the unquantized draw); limit 240 s
 #   N1_ARGS / N2_ARGS / CONSTRAINTS_ARGS / PROGRAMS_ARGS add arguments to those runs (e.g. N1_ARGS="--max-batch-tokens 8192");
 #   MOE_TOKENS picks the moe sweep's step sizes (default 128,256,4096).
 #
@@ -135,6 +148,20 @@ for step in $STEPS; do
                 tests/services/model/kernels/test_quant_kernels_cuda.py
                 part quantkern_bench 300 python3 -m bench.kernels.quant_kernels --tokens "${QUANT_TOKENS:-1,8,64,256,4096}" \
                 --out "$RESULTS/quantkern" ;;
+        quant) part quant 330 python3 -m bench.serving.quant_speed --kind "$KIND" \
+                --presets "${QUANT_PRESETS:-qwen3-30b-a3b,qwen3-30b-a3b-fp8,qwen3-30b-a3b-awq}" \
+                --cases "${QUANT_CASES:-b1,c256,mix}" ${QUANT_ARGS:---output-scale 0.25 --mix-requests 32} \
+                --out "$RESULTS/quant" ;;
+        quant235) part quant235 330 python3 -m bench.serving.quant_speed --kind "$KIND" --name quant235_speed \
+                --presets qwen3-235b-a22b-awq --cases "${QUANT235_CASES:-b1,c16,c64,mix}" \
+                ${QUANT235_ARGS:---output-scale 0.25 --mix-requests 32} --out "$RESULTS/quant235" ;;
+        quantacc) part quantacc_draw 60 python3 -m pytest -q -p no:cacheprovider tests/services/model/test_random_quant_cuda.py
+                part quantacc_fp8 240 python3 -m bench.accuracy.hf_parity --quant fp8 --layers "${QUANTACC_LAYERS:-8}" --batches 1,8,256 \
+                --mixed 16 --out "$RESULTS/quantacc_fp8"
+                part quantacc_awq 240 python3 -m bench.accuracy.hf_parity --quant awq --layers "${QUANTACC_LAYERS:-8}" --batches 1,8,256 \
+                --mixed 16 --out "$RESULTS/quantacc_awq" ;;
+        routing) part routing 240 python3 -m bench.accuracy.routing_agreement --preset qwen3-30b-a3b \
+                --out "$RESULTS/routing" ;;
         constraints) part constraints 300 python3 -m bench.constraints.gpu_constraints --kind "$KIND" \
                 ${CONSTRAINTS_ARGS:-} --out "$RESULTS/constraints" ;;
         goodput) part goodput 540 python3 -m bench.serving.goodput --kind "$KIND" --rates "${GOODPUT_RATES:-2,4,6,8,10,12,16}" \

@@ -25,6 +25,13 @@ candidate's logits at every position are set against the oracle's:
   decoding while the other half's prompts arrive in two chunks (the second
   attending to the first's cache), each chunk in a step with their decodes.
 
+With `--quant fp8|awq` (bench/accuracy/quant_parity.py) the serving model runs the
+weights quantized into the checkpoint layout on the path `--quantized-kernel` picks,
+and both transformers runs use the DEQUANTIZED weights; the weight-only paths are
+held to the bounds below, the FP8 tensor-core path to quant_parity's.
+
+    python -m bench.accuracy.hf_parity --quant awq --layers 8 --out /tmp/awq    # the 30B shape, 8 layers
+
 A run passes when its mean absolute logit error is at most MAX_ERROR_RATIO times
 transformers bf16's on the same positions and its worst row's (one position's
 mean over the vocabulary) at most MAX_WORST_ROW_RATIO times transformers bf16's
@@ -45,12 +52,14 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.accuracy import quant_parity  # noqa: E402
 from bench.serving.gpu_speed import hf_model  # noqa: E402
 from expert_svc.graph_runner import make_graph_runner  # noqa: E402
 from services.kv_pool import KV_CACHE_DTYPES, KVPool, kv_cache_dtype  # noqa: E402
 from services.model.batch import SeqInput, build_forward_batch  # noqa: E402
 from services.model.qwen3_moe import Qwen3MoeModel  # noqa: E402
-from services.model.random_weights import RandomWeights, preset  # noqa: E402
+from services.model.quant.dispatch import QUANTIZED_KERNELS  # noqa: E402
+from services.model.random_weights import preset  # noqa: E402
 
 BLOCK_SIZE = 16
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -81,6 +90,10 @@ def parse_args(argv=None):
     p.add_argument("--attention", default="auto", help="moemesh's attention backend (the expert service's default)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", *KV_CACHE_DTYPES),
                    help="moemesh's KV cache: auto (bf16, the check's setting) or fp8_e4m3 (what it costs in accuracy)")
+    p.add_argument("--quant", choices=("fp8", "awq"), default=None,
+                   help="serve the weights quantized (references on the dequantized weights)")
+    p.add_argument("--quantized-kernel", choices=QUANTIZED_KERNELS, default="auto",
+                   help="the quantized weights' path (the expert service's flag)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     return p.parse_args(argv)
 
@@ -123,7 +136,7 @@ def make_tokens(config, num_seqs: int, length: int, seed: int) -> torch.Tensor:
 
 def hf_logits(config, args, tokens_BL, dtype, **implementations):
     """Yields (first sequence, logits [n, L, V] on the device) per chunk of transformers' forwards."""
-    weights = RandomWeights(config, range(config.num_experts), args.seed, device=args.device)
+    weights = quant_parity.reference_weights(config, args, args.device)
     model = hf_model(config, weights, dtype, args.device, **implementations)
     try:
         with torch.inference_mode():
@@ -157,9 +170,10 @@ def score_hf_bf16(config, args, tokens_BL, ref_BLV) -> RowErrors:
 
 
 def build_moemesh(config, args) -> Qwen3MoeModel:
-    weights = RandomWeights(config, range(config.num_experts), args.seed, dtype=torch.bfloat16, device=args.device)
+    weights = quant_parity.serving_weights(config, args, args.device)
     return Qwen3MoeModel(config, weights, expert_ids=range(config.num_experts), dtype=torch.bfloat16,
-                         device=args.device, attention=args.attention)
+                         device=args.device, attention=args.attention,
+                         quantized_kernel=getattr(args, "quantized_kernel", "auto"))
 
 
 class MoemeshScorer:
@@ -260,6 +274,8 @@ def run(args, corrupt=None) -> dict:
     # host loops stale lengths).
     graphs = make_graph_runner(model, kv, BLOCK_SIZE, GRAPH_BUCKETS, max_context=per_seq * BLOCK_SIZE)
     phases = {"prefill": slice(0, args.prompt_tokens), "decode": slice(args.prompt_tokens, length)}
+    path, path_reason = quant_parity.compute_path(model)
+    judge = quant_parity.fp8_verdict if path == "fp8" else verdict
     rows = []
     scorer = MoemeshScorer(model, kv, graphs, ref_BLV, args.device)
     runs = [(str(b), max(b, MIN_SEQS)) for b in batches] + ([(f"{args.mixed} mixed", args.mixed)] * bool(args.mixed))
@@ -275,12 +291,13 @@ def run(args, corrupt=None) -> dict:
             baseline = hf_errors.summary(num_seqs, positions)
             candidate = errors.summary(num_seqs, positions)
             rows.append({"batch": name, "phase": phase, "hf_bf16": baseline, "moemesh": candidate,
-                         **verdict(candidate, baseline)})
+                         **judge(candidate, baseline)})
     marks.append(time.perf_counter())
     timings = dict(zip(("oracle_s", "hf_bf16_s", "moemesh_s"), (b - a for a, b in zip(marks, marks[1:]))))
     return {"config": {"preset": args.preset, "layers": config.num_hidden_layers, "seed": args.seed,
                        "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
                        "attention": type(model.attention).__name__, "device": args.device,
+                       "quant": getattr(args, "quant", None), "path": path, "path_reason": path_reason,
                        "kv_cache_dtype": str(kv.k_cache.dtype).removeprefix("torch.")},
             "graph_counts": None if graphs is None else [graphs.num_eager, graphs.num_captures, graphs.num_replays],
             "oracle_max_abs_logit": ref_BLV.abs().max().item(), "rows": rows, "timings_s": timings,
@@ -290,17 +307,23 @@ def run(args, corrupt=None) -> dict:
 def render(result: dict, command: str) -> str:
     c, counts = result["config"], result["graph_counts"]
     decode = "eager" if counts is None else f"CUDA graphs: eager / captures / replays {counts}"
+    quant = (f" Quantized: {c['quant']}, served on the `{c['path']}` path ({c['path_reason']}); both transformers "
+             f"runs on the dequantized weights." if c.get("quant") else "")
+    bounds = (f"the FP8 tensor-core path's bounds: <= {quant_parity.FP8_MAX_ERROR_RATIO}x, worst position <= "
+              f"{quant_parity.FP8_MAX_WORST_ROW_RATIO}x, argmax agreement at most "
+              f"{100 * quant_parity.FP8_MAX_AGREE_DROP:.0f} points below transformers bf16's"
+              if c.get("path") == "fp8" else "")
     lines = ["# moemesh against transformers on the same weights", "", f"Command: `{command}`", "",
              f"Model: {c['preset']} shape, {c['layers']} layers, random weights (seed {c['seed']}), bf16; "
              f"moemesh attention `{c['attention']}` on {c['device']}, KV cache {c['kv_cache_dtype']}; "
              f"{c['prompt_tokens']} prompt tokens (one prefill step's logits at every position) then "
              f"{c['decode_tokens']} decode steps ({decode}), the same random tokens for every model; "
-             f"the oracle's largest |logit| {result['oracle_max_abs_logit']:.3g}.",
+             f"the oracle's largest |logit| {result['oracle_max_abs_logit']:.3g}.{quant}",
              "", "Logit errors are against transformers fp32 (eager attention and experts) on the same weights: "
              "the mean |error| over positions and vocabulary, the worst position's mean, the largest single "
              "|error|, and the share of positions whose argmax is the oracle's. A run passes at a mean |error| "
              f"<= {MAX_ERROR_RATIO}x transformers bf16's on the same positions and a worst position <= "
-             f"{MAX_WORST_ROW_RATIO}x transformers bf16's.", "",
+             f"{MAX_WORST_ROW_RATIO}x transformers bf16's{'; here ' + bounds if bounds else ''}.", "",
              "| batch | phase | positions | transformers bf16: mean / worst / max err, agree | "
              "moemesh: mean / worst / max err, agree | error ratio | worst ratio | ok |",
              "|---:|---|---:|---|---|---:|---:|---|"]

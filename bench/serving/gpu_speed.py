@@ -239,18 +239,23 @@ def run_mesh(args, cases: list[str], model_dir: pathlib.Path, drive=None) -> dic
         results = asyncio.run(drive(mesh.gateway_address, args, cases, max_context, metrics))
         logs = {r.name: tail(r.log_path, 12) for r in mesh.roles if r.name.startswith(("expert", "gateway"))}
         exchange = {r.name: _exchange_line(r.log_path) for r in mesh.roles if r.name.startswith("expert")}
+        # A quantized preset's compute path and why (services/model/qwen3_moe.py logs it once per format).
+        quant_paths = {r.name: _exchange_line(r.log_path, "quantized weights:") for r in mesh.roles
+                       if r.name.startswith("expert")}
     except BaseException:
         print_role_logs(mesh)
         raise
     finally:
         mesh.stop()
-    return {"startup_s": round(startup_s, 1), "cases": results, "log_tails": logs, "exchange": exchange}
+    return {"startup_s": round(startup_s, 1), "cases": results, "log_tails": logs, "exchange": exchange,
+            "quant_paths": {name: line for name, line in quant_paths.items() if line}}
 
 
-def _exchange_line(log_path) -> str:
-    """What an expert service logged about its expert exchange (expert_svc/model_builder.py), if anything."""
-    lines = [line for line in log_path.read_text(errors="replace").splitlines() if "expert exchange" in line]
-    return lines[-1].split("expert exchange", 1)[1].strip(" :") if lines else ""
+def _exchange_line(log_path, marker: str = "expert exchange") -> str:
+    """What an expert service last logged after `marker` (by default about its expert exchange,
+    expert_svc/model_builder.py), if anything."""
+    lines = [line for line in log_path.read_text(errors="replace").splitlines() if marker in line]
+    return lines[-1].split(marker, 1)[1].strip(" :") if lines else ""
 
 
 def hf_worker(args) -> dict:

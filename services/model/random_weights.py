@@ -16,8 +16,13 @@ ranks (for one device type and dtype). Norm weights are drawn in [0.9, 1.1],
 everything else from N(0, init_std), as transformers initialises them.
 
 The released shapes also come quantized (`qwen3-30b-a3b-fp8`, `-awq`, ...):
-each projection is drawn the same way and then quantized on the device into
-the checkpoint layout (services/model/quant/), the gate and the rest dense.
+a preset's projections are drawn directly in the checkpoint layout on the
+device (services/model/random_quant.py: random fp8 bytes and block scales,
+random qweight nibbles, zero points and group scales; the 235B AWQ shape in
+seconds, with no dense temporary), the gate and the rest dense. Built with
+`quant=` and `stored=False` (tests, accuracy checks), each projection is
+instead drawn dense as the unquantized preset draws it and quantized, so it
+stays close to that preset's weight.
 
 The `-skewed` presets (`tiny-skewed`, `qwen3-30b-a3b-skewed`: the same shapes)
 bias the random gates towards a few experts, for dynamic expert scaling
@@ -53,6 +58,7 @@ from services.model.config import ModelConfig
 from services.model.make_model import PRESETS as TEST_PRESETS
 from services.model.quant.formats import FORMATS, QuantConfig, stored_bytes
 from services.model.quant.linear import QuantWeight, is_projection
+from services.model.random_quant import random_quant
 
 logger = logging.getLogger(__name__)
 
@@ -191,32 +197,37 @@ class RandomWeights(Mapping):
     """One rank's weights (hub names, only `expert_ids`' experts), drawn on read.
 
     Reading a name twice draws the same values again (a new tensor). With
-    `quant`, projections come quantized (QuantWeight, drawn in fp32 first).
+    `quant`, projections come quantized (QuantWeight): drawn in the stored
+    layout if `stored` (random_quant.py), else drawn in fp32 and quantized.
     """
 
     def __init__(self, config: ModelConfig, expert_ids: Sequence[int], seed: int, *,
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-                 init_std: float = DEFAULT_INIT_STD, quant: QuantConfig | None = None, skew: Skew | None = None):
+                 init_std: float = DEFAULT_INIT_STD, quant: QuantConfig | None = None, skew: Skew | None = None,
+                 stored: bool = False):
         if init_std <= 0:
             raise ValueError(f"init_std must be positive, got {init_std}")
         tensor_seed(seed, "")  # checks the seed now rather than at the first read
         self._shapes = expected_tensors(config, expert_ids)
         self._seed, self._dtype, self._device, self._std = seed, dtype, torch.device(device), init_std
         self._generator = torch.Generator(device=self._device)
-        self._quant, self._skew = quant, skew
+        self._quant, self._skew, self._stored = quant, skew, stored
         if quant is not None and skew is not None:
             raise ValueError("a skewed preset is not quantized")
 
     @classmethod
     def for_preset(cls, name: str, config: ModelConfig, expert_ids: Sequence[int], seed: int, *,
                    dtype: torch.dtype, device: str | torch.device) -> "RandomWeights":
-        """A rank's weights of a preset, its quantization or routing bias included."""
+        """A rank's weights of a preset, its quantization (drawn in the stored layout) or
+        routing bias included."""
         return cls(config, expert_ids, seed, dtype=dtype, device=device, quant=preset_quant(name),
-                   skew=preset_skew(name, config, seed))
+                   skew=preset_skew(name, config, seed), stored=True)
 
     def __getitem__(self, name: str) -> torch.Tensor | QuantWeight:
         shape = self._shapes[name]
         self._generator.manual_seed(tensor_seed(self._seed, name))
+        if self._quant is not None and is_projection(name) and self._stored:
+            return random_quant(self._quant, shape, self._std, self._generator, self._device)
         if self._quant is not None and is_projection(name):
             w = torch.empty(shape, device=self._device).normal_(0.0, self._std, generator=self._generator)
             return QuantWeight.quantize(w, self._quant)

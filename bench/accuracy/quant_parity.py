@@ -1,0 +1,71 @@
+"""The quantized side of bench/accuracy/hf_parity.py: weights, their dequantized twin, the FP8 path's bound.
+
+With `--quant fp8|awq` the serving model runs random weights quantized into
+the checkpoint layout (each projection drawn as the dense preset draws it,
+then quantized: a real checkpoint's value distribution), and every reference
+(transformers fp32, the oracle; transformers bf16, the bound) runs on the
+DEQUANTIZED weights, which is what the quantized model computes with: any
+logit error left is the serving path's, not the quantization's.
+
+Verdicts: the weight-only paths (AWQ, FP8 with `--quantized-kernel
+weight-only`, the CPU's reference path) compute in bf16 on weights that are
+exact, so they are held to the bf16 bounds (hf_parity.MAX_ERROR_RATIO,
+MAX_WORST_ROW_RATIO). The FP8 tensor-core path also rounds every projection's
+input to e4m3 (per token and 128-channel group): FP8_MAX_ERROR_RATIO and
+FP8_MAX_AGREE_DROP are its bounds (docs/configuration.md, "Quantized
+checkpoints", says why these values).
+"""
+
+import torch
+
+from services.model.make_model import awq_group_size
+from services.model.quant.formats import QuantConfig
+from services.model.quant.linear import Dequantized
+from services.model.random_weights import RandomWeights
+
+# e4m3 keeps 3 mantissa bits against bf16's 8 (with the implicit bit): a rounding step 2^-4
+# of the leading bit against 2^-8, 16 times larger, on each projection's input.
+FP8_MAX_ERROR_RATIO = 16.0
+# Its worst position, as the bf16 bound's 3x over the mean ratio.
+FP8_MAX_WORST_ROW_RATIO = 3 * FP8_MAX_ERROR_RATIO
+# The most argmax agreement (share of positions, 0..1) the FP8 path may lose against transformers bf16's.
+FP8_MAX_AGREE_DROP = 0.05
+
+
+def quant_config(method: str | None, config) -> QuantConfig | None:
+    """The QuantConfig of --quant: AWQ's group size 128, or a tiny model's largest that divides."""
+    if not method:
+        return None
+    return QuantConfig(method, group_size=awq_group_size(config)) if method == "awq" else QuantConfig(method)
+
+
+def serving_weights(config, args, device) -> RandomWeights:
+    """The weights the serving model runs: bf16, projections quantized if --quant."""
+    return RandomWeights(config, range(config.num_experts), args.seed, dtype=torch.bfloat16, device=device,
+                         quant=quant_config(getattr(args, "quant", None), config))
+
+
+def reference_weights(config, args, device):
+    """What transformers runs: the same draw, projections dequantized (fp32) if --quant."""
+    weights = serving_weights(config, args, device)
+    return Dequantized(weights) if getattr(args, "quant", None) else weights
+
+
+def compute_path(model) -> tuple[str, str]:
+    """(path, why) the serving model's quantized weights take ("bf16", "" when not quantized)."""
+    if not model.quant_paths:
+        return "bf16", ""
+    (method, path), = model.quant_paths.items()
+    return path.path, f"{method}: {path.reason}"
+
+
+def fp8_verdict(candidate: dict, baseline: dict) -> dict:
+    """The FP8 tensor-core path's verdict: its error within FP8_MAX_ERROR_RATIO (worst row
+    FP8_MAX_WORST_ROW_RATIO) of transformers bf16's, its argmax agreement at most
+    FP8_MAX_AGREE_DROP below bf16's."""
+    ratio = candidate["mean_abs_err"] / baseline["mean_abs_err"]
+    worst_ratio = candidate["worst_row_err"] / baseline["worst_row_err"]
+    drop = baseline["argmax_agree"] - candidate["argmax_agree"]
+    return {"error_ratio": ratio, "worst_row_ratio": worst_ratio, "argmax_drop": drop,
+            "ok": ratio <= FP8_MAX_ERROR_RATIO and worst_ratio <= FP8_MAX_WORST_ROW_RATIO
+            and drop <= FP8_MAX_AGREE_DROP}
