@@ -30,12 +30,14 @@ class GatewayConfig(MemberConfig):
     # but the step's prefill budget (tpot_target_ms), so a prompt on an idle
     # group is one step of up to max_batch_tokens, and beside decodes prompts
     # take what the TPOT target leaves (docs/internals.md, "Step budget").
-    prefill_chunk_size: int = 0
+    prefill_chunk_size: int = 512
     # Mean time per output token the step budget protects, in ms: while
-    # interactive requests decode, prefill fills a step only up to what the
-    # step-cost model predicts this leaves (less a margin, plus the decoding
-    # requests' slack against it). 0: off (every step may fill max_batch_tokens).
-    tpot_target_ms: float = 40.0
+    # interactive requests decode, a step carries prefill only up to what the
+    # decoding requests' mean-TPOT margin allows, as the step-cost model predicts.
+    # 0 (the default): off, every step may fill max_batch_tokens. Opt-in (with
+    # prefill_chunk_size 0): it serves SLO traffic better but not yet
+    # closed-loop throughput (docs/configuration.md).
+    tpot_target_ms: float = 0.0
     # Prefill tokens a step always gets while prompts wait, whatever tpot_target_ms.
     min_prefill_tokens: int = 1024
     # Time to first token the gateway aims at, in ms (the TTFT SLO): a new

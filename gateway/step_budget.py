@@ -180,10 +180,10 @@ class BudgetRule:
         step, in the steady state of the budget: a prefill step as long as its allowance with a
         decode-only step after it, or, where the floor exceeds the allowance, every other step."""
         decodes = math.ceil(num_decodes)
-        if not decodes:
-            budget = self.rank_budget(cost, 0, 0, has_decodes=False)
+        if not decodes or not self.tpot_target_ms:   # several sequences' chunks fill a step: no cap
+            budget = dataclasses.replace(self.rank_budget(cost, decodes, decodes, has_decodes=False), chunk_cap=0)
             tokens = max(1, budget.chunk(cost, 0, self.max_batch_tokens))
-            step_ms = cost.step_ms(_shape(0, tokens))
+            step_ms = cost.step_ms(_shape(decodes, tokens))
             return tokens / max(1e-3, step_ms), step_ms
         decode_ms = cost.decode_step_ms(decodes)
         allowance = self.step_target_ms + max(0.0, self.step_target_ms - decode_ms)

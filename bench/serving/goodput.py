@@ -13,7 +13,9 @@ that met the SLO (TTFT <= --slo-ttft-ms and TPOT <= --slo-tpot-ms; a failed requ
 the GPU's busy share (the rank's step time over the wall time, from its /metrics), the prompt
 tokens/s achieved and that rate's FLOPs against the bf16 peak. The gateway sheds requests it
 predicts past the TTFT SLO (`--ttft-target-ms`, docs/configuration.md; off with --no-shed):
-a refused request counts as a miss, as any failed one.
+a refused request counts as a miss, as any failed one; and its steps follow the SLO step budget
+(`--tpot-target-ms` at the TPOT SLO, no per-sequence chunk cap; --no-step-budget: the gateway's
+default scheduler).
 
 Requests that arrive in the first --settle-s seconds of a rate are sent but not counted, so the
 figures describe the steady state rather than the empty start. The sweep stops after two rates
@@ -256,6 +258,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-scale", type=float, default=1.0, help="multiplies the prompt lengths")
     parser.add_argument("--max-running", type=int, default=256, help="the gateway's --max-running-requests")
     parser.add_argument("--max-batch-tokens", type=int, default=8192, help="the gateway's --max-batch-tokens")
+    parser.add_argument("--step-budget", action=argparse.BooleanOptionalAction, default=True,
+                        help="the gateway's SLO step budget (--tpot-target-ms --slo-tpot-ms, --prefill-chunk-size 0;"
+                             " opt-in in the gateway); --no-step-budget: its default scheduler")
     parser.add_argument("--shed", action=argparse.BooleanOptionalAction, default=True,
                         help="the gateway sheds requests predicted past the TTFT SLO (--ttft-target-ms "
                              "--slo-ttft-ms); a --gateway-arg may still override it")
@@ -274,8 +279,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--rates must be positive, --duration-s positive and above --settle-s")
     # What gpu_speed.run_mesh and warm_up read; the stats file is main's.
     args.mix_concurrency, args.output_scale, args.stats_path = args.max_running, 1.0, ""
-    if args.shed:  # first, so that the caller's own gateway args win
-        args.gateway_arg = [f"--ttft-target-ms={args.slo_ttft_ms:g}", *args.gateway_arg]
+    # First, so that the caller's own gateway args win.
+    budget = [f"--tpot-target-ms={args.slo_tpot_ms:g}", "--prefill-chunk-size=0"] if args.step_budget else []
+    shed = [f"--ttft-target-ms={args.slo_ttft_ms:g}"] if args.shed else []
+    args.gateway_arg = [*budget, *shed, *args.gateway_arg]
     return args
 
 

@@ -50,6 +50,8 @@ def simulate(rate: float, args, seed: int = 0) -> dict:
     batcher = Batcher([RankKV(args.kv_blocks, 16, enable_prefix_cache=False)], max_running_requests=args.max_running,
                       max_batch_tokens=args.max_batch_tokens, max_context=65_536, eos_token_ids=[_EOS],
                       tpot_target_ms=args.tpot_target_ms, ttft_target_ms=args.ttft_target_ms,
+                      # The step budget's configuration, as the goodput bench runs it; without it the default.
+                      prefill_chunk_size=0 if args.tpot_target_ms else 512,
                       min_prefill_tokens=args.min_prefill_tokens, clock=lambda: now[0])
     device = StepCost()
     specs = make_workload("mix", max(1, round(rate * args.duration_s)), seed=seed)
@@ -122,7 +124,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--noise", type=float, default=0.05, help="relative jitter of a step's time")
     parser.add_argument("--slo-ttft-ms", type=float, default=500.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=40.0)
-    parser.add_argument("--tpot-target-ms", type=float, default=40.0, help="the gateway's")
+    parser.add_argument("--tpot-target-ms", type=float, default=40.0,
+                        help="the gateway's (0: its default scheduler, 512-token chunks)")
     parser.add_argument("--ttft-target-ms", type=float, default=500.0, help="the gateway's (0: no shedding)")
     parser.add_argument("--min-prefill-tokens", type=int, default=1024, help="the gateway's")
     parser.add_argument("--max-running", type=int, default=256)

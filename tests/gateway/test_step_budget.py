@@ -255,7 +255,7 @@ def test_an_off_ttft_target_sheds_nothing():
 def big_batcher(**kwargs):
     # A clock that stands still unless the test moves it: the decoding requests' times are the test's.
     kwargs = {"num_blocks": 2048, "block_size": 16, "max_running_requests": 64, "max_batch_tokens": 8192,
-              "max_context": 32_768, "clock": lambda: 0.0, **kwargs}
+              "max_context": 32_768, "clock": lambda: 0.0, "tpot_target_ms": 40.0, "prefill_chunk_size": 0, **kwargs}
     return make_batcher(**kwargs)
 
 

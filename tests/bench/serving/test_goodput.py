@@ -59,11 +59,13 @@ def test_rates_are_parsed_and_checked():
         parse_args(["--duration-s", "5", "--settle-s", "5"])
 
 
-def test_the_gateway_sheds_at_the_ttft_slo_unless_told_otherwise():
-    assert parse_args(["--slo-ttft-ms", "300"]).gateway_arg == ["--ttft-target-ms=300"]
+def test_the_gateway_runs_the_step_budget_and_sheds_at_the_slo_unless_told_otherwise():
+    budget = ["--tpot-target-ms=40", "--prefill-chunk-size=0"]
+    assert parse_args(["--slo-ttft-ms", "300"]).gateway_arg == [*budget, "--ttft-target-ms=300"]
     assert parse_args(["--gateway-arg=--ttft-target-ms=0"]).gateway_arg == [
-        "--ttft-target-ms=500", "--ttft-target-ms=0"]   # the caller's own, later, wins
-    assert parse_args(["--no-shed"]).gateway_arg == []
+        *budget, "--ttft-target-ms=500", "--ttft-target-ms=0"]   # the caller's own, later, wins
+    assert parse_args(["--no-shed", "--slo-tpot-ms", "50"]).gateway_arg == ["--tpot-target-ms=50", "--prefill-chunk-size=0"]
+    assert parse_args(["--no-shed", "--no-step-budget"]).gateway_arg == []
 
 
 def test_schedule_row_says_where_the_steps_of_a_rate_went():
