@@ -103,6 +103,10 @@ def test_bf16_matches_the_dequantized_bf16_model_and_runs_the_kernels(dirs, monk
     method, quantized, dense = dirs
     dense_model = _model(dense, dtype=torch.bfloat16)
     dense_tokens, expected = _greedy(dense_model, 4)
+    # bf16's own error on this model: the dense twin in fp32 against it, on the same contexts (a
+    # near-tied gate can route a token otherwise in bf16: about 0.07 at step 3 here, on the CPU too).
+    _, fp32_logits = _greedy(_model(dense, dtype=torch.float32), 4, forced=dense_tokens)
+    bf16_errors = [_relative_error(ours, theirs) for ours, theirs in zip(fp32_logits, expected)]
     calls = {}
     dispatch.load_kernels()
     for key, fn in list(dispatch._KERNELS.items()):
@@ -123,12 +127,14 @@ def test_bf16_matches_the_dequantized_bf16_model_and_runs_the_kernels(dirs, monk
     tokens, logits = _greedy(model, 4, forced=dense_tokens)  # the dense model's contexts
     errors = [_relative_error(ours, theirs) for ours, theirs in zip(logits, expected)]
     print(f"{method} ({model.quant_paths[method].path}): max |logit error| / max |logit| per step {errors}; "
-          f"argmax {tokens} (dense {dense_tokens})")
-    # bf16 rounds differently in the kernels; FP8's prefill also quantizes its activations (float8:
-    # 3 mantissa bits; about a tenth of the largest logit of this random model under the
-    # interpreter in fp32), and the decode steps attend to its K/V. A wrong scale or layout is
-    # off by about the logits themselves.
-    assert max(errors) < (0.3 if method == "fp8" else 0.05)
+          f"argmax {tokens} (dense {dense_tokens}); dense fp32 against dense bf16 {bf16_errors}")
+    # Within bf16's own error plus: AWQ 0.03 (the kernels dequantize in fp32, the twin holds bf16
+    # roundings of the same weights); FP8 0.3, its prefill quantizing its activations (float8: 3
+    # mantissa bits; about a tenth of the largest logit of this random model under the interpreter
+    # in fp32) and the decode steps attending to its K/V. A wrong scale or layout is off by about
+    # the logits themselves.
+    margin = 0.3 if method == "fp8" else 0.03
+    assert all(e < b + margin for e, b in zip(errors, bf16_errors)), (errors, bf16_errors)
     expected_path = "fp8" if method == "fp8" else "weight-only"
     assert calls.get((method, expected_path), 0) > 0 and set(calls) == {(method, expected_path)}
     assert moe_calls.count("grouped_moe") == len(CONFIG.moe_layers)  # the prefill
