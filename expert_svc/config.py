@@ -21,7 +21,8 @@ _DTYPES = ("float32", "bfloat16")
 # tests/expert_svc/test_group_settings.py): registered, with the model's hash, as the
 # group settings that the scheduler compares (scheduler_svc/compat.py).
 SAME_ON_EVERY_RANK = ("random_weights", "random_weights_seed", "max_fixed_capacity_tokens", "ep_exchange",
-                      "ep_exchange_push", "ep_exchange_signals", "num_spare_expert_slots")
+                      "ep_exchange_push", "ep_exchange_signals", "num_spare_expert_slots", "ep_dispatch",
+                      "ep_link_costs")
 # services.model.attention.ATTENTION_BACKEND_NAMES (not imported: it pulls in torch).
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _KV_CACHE_DTYPES = ("auto", "fp8_e4m3")

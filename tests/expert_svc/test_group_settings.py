@@ -55,7 +55,9 @@ def test_ep_interface_gives_the_advertised_host_and_the_collective_interface():
 
 
 def test_use_interface_sets_gloo_and_nccl_unless_the_operator_did(monkeypatch):
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    # Set, then deleted: monkeypatch restores only what it saw, and use_interface sets both.
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "unset")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
     rendezvous.use_interface("eth1", override=False)
     assert (os.environ["GLOO_SOCKET_IFNAME"], os.environ["NCCL_SOCKET_IFNAME"]) == ("eth1", "ib0")

@@ -387,11 +387,11 @@ def test_expert_readiness_and_hit_counts():
     state = RankState(member_id="e0", model_name="m")
     report = expert_observability.readiness(state)
     assert report() == {"ready": False, "group_id": None, "rank": None, "world_size": 0,
-                        "experts_ready": "0/0", "step_failed": False}
+                        "experts_ready": "0/0", "step_failed": False, "fenced": False}
     state.group_id, state.world_size, state.expert_ids = "g0", 2, (4, 5, 6, 7)
     state.rank = 1
     assert report()["experts_ready"] == "0/4"
-    state.executor = types.SimpleNamespace(failure=None, runner=types.SimpleNamespace(seq_ids=[1, 2]))
+    state.executor = types.SimpleNamespace(failure=None, is_held=False, runner=types.SimpleNamespace(seq_ids=[1, 2]))
     assert report()["ready"] and report()["experts_ready"] == "4/4"
     reporter = types.SimpleNamespace(moe_layers=[1, 3], counts_LE=torch.tensor([[5, 0], [1, 2]]))
     registry = CollectorRegistry()

@@ -16,7 +16,6 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -25,6 +24,7 @@ from services.model.kernels import quant_ref as ref  # noqa: E402
 from services.model.kernels.quant_select import select_quant_kernel  # noqa: E402
 from services.model.moe import MoELayer  # noqa: E402
 from services.model.moe_dispatch import gate  # noqa: E402
+from tests import triton_interpreter  # noqa: E402
 from tests.triton_interpreter import interpreted_fixture  # noqa: E402
 
 quant_fp8 = interpreted_fixture("kernels.quant_fp8")
@@ -40,20 +40,8 @@ E, D, F, TOP_K = 4, 160, 72, 2  # experts: D, F not multiples of 128 (F a multip
 
 @pytest.fixture(scope="module", autouse=True)
 def exact_fp8_rounding():
-    """fp32 -> float8_e4m3fn in the interpreter through torch (see the module docstring)."""
-    pytest.importorskip("triton")
-    import triton.language as tl
-    import triton.runtime.interpreter as interpreter
-
-    original = interpreter._convert_float
-
-    def convert(values, src_type, dst_type, rounding_mode):
-        if dst_type == tl.float8e4nv and src_type == tl.float32:
-            return torch.from_numpy(np.ascontiguousarray(values)).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-        return original(values, src_type, dst_type, rounding_mode)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(interpreter, "_convert_float", convert)
+    """fp32 -> float8_e4m3fn in the interpreter through torch (tests/triton_interpreter.py)."""
+    with triton_interpreter.exact_fp8_rounding():
         yield
 
 

@@ -15,7 +15,6 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -31,6 +30,7 @@ from services.model.quant.experts import QuantExperts  # noqa: E402
 from services.model.quant.dispatch import QuantPath  # noqa: E402
 from services.model.quant.formats import QuantConfig  # noqa: E402
 from services.model.quant.linear import QuantWeight  # noqa: E402
+from tests import triton_interpreter  # noqa: E402
 from tests.triton_interpreter import interpreted_fixture  # noqa: E402
 
 quant_linear = interpreted_fixture("kernels.quant_linear")
@@ -60,20 +60,8 @@ def fp8_weights(tmp_path_factory):
 
 @pytest.fixture
 def exact_fp8_rounding():
-    """fp32 -> float8_e4m3fn in the interpreter through torch: the interpreter rounds wrongly
-    where the rounding carries into an odd exponent (test_quant_kernels_interp.py's fixture)."""
-    import triton.language as tl
-    import triton.runtime.interpreter as interpreter
-
-    original = interpreter._convert_float
-
-    def convert(values, src_type, dst_type, rounding_mode):
-        if dst_type == tl.float8e4nv and src_type == tl.float32:
-            return torch.from_numpy(np.ascontiguousarray(values)).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-        return original(values, src_type, dst_type, rounding_mode)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(interpreter, "_convert_float", convert)
+    """fp32 -> float8_e4m3fn in the interpreter through torch (tests/triton_interpreter.py)."""
+    with triton_interpreter.exact_fp8_rounding():
         yield
 
 
