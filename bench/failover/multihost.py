@@ -43,29 +43,15 @@ CASES = ("host", "partition")
 NUM_EXPERTS = 3  # the group's two ranks and one standby
 
 
-class Bench:
-    """The failure loop over one running mesh."""
+class Bench(chaos.Bench):
+    """The failure loop over one running mesh: chaos.Bench's group and settling, this mesh's cases."""
 
     def __init__(self, mesh: multihost.HostMesh, cluster: ClusterClient, load: Load, args):
-        self.mesh, self.cluster, self.load, self.args = mesh, cluster, load, args
-        self.results: dict[str, list[float]] = {case: [] for case in CASES}
-
-    async def group(self) -> GroupAssignment:
-        [group] = await self.cluster.list_groups()
-        return group
+        super().__init__(mesh, cluster, load, argparse.Namespace(cases=CASES), num_experts=NUM_EXPERTS)
+        self.args = args
 
     async def wait_healthy(self, timeout_s: float = 90.0) -> GroupAssignment:
-        """Until every expert is registered, the group's epoch is ready and tokens flow."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            experts = await self.cluster.list_members("expert")
-            group = await self.group()
-            ready = await self.cluster.ready_ranks(group.group_id, group.epoch)
-            if len(experts) == NUM_EXPERTS and ready == set(range(group.world_size)) and self.load.arrivals \
-                    and self.load.arrivals[-1] > time.monotonic() - 0.5:
-                return group
-            await asyncio.sleep(0.2)
-        raise TimeoutError(f"the mesh did not settle within {timeout_s} s")
+        return await super().wait_healthy(timeout_s)
 
     def victim(self, group: GroupAssignment) -> tuple[str, str]:
         """(member id, host) of the group's rank on another host than the control plane's."""
