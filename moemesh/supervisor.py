@@ -5,22 +5,28 @@ process exited. A process that hangs (SIGSTOP, a wedged event loop) never
 exits, so on its own it would hold its streams until the gateway's resume
 timeout. The `Supervisor` probes every role's /readyz (services/http_probes.py:
 answered on the role's event loop, so a frozen process is silent; 200 while
-ready, 503 while not) every `interval_s` with a deadline of `timeout_s`,
-concurrently; a role that answered once and then misses `misses` probes in a
-row (refused, or silent after a ready answer) is SIGKILLed (its whole process
-group), and the next `restart_exited` starts it again: an expert service registers as the same member, the scheduler re-forms
-its group with it (or a standby took its rank already), and the gateway resumes
-the streams from their checkpoints. Its peers, which waited on it in a
-collective, see their connections closed by the kill and fail at once.
+ready, 503 while not): a GET every `interval_s`, each with a long deadline
+and several in flight at once, so that a late answer still counts and a
+role whose every answer is late still answers every `interval_s`. It
+judges the roles every `interval_s` by the time since their last answer
+(scheduler_svc.health.SilenceJudge): a role that answered once and then is
+refused `refusals` GETs in a row, or is silent for `silent_s` after a ready
+answer, is SIGKILLed (its whole process group), and the next
+`restart_exited` starts it again: an expert service registers as the same
+member, the scheduler re-forms its group with it (or a standby took its rank
+already), and the gateway resumes the streams from their checkpoints. Its
+peers, which waited on it in a collective, see their connections closed by
+the kill and fail at once.
 
-With the defaults a frozen ready process is killed 1.0 to 1.7 s after it
-froze (the group of a frozen rank does not wait for that where a standby is
-registered: the scheduler's rank probe re-forms it in 0.3 to 0.55 s). A process that is not ready (a rank loading its weights or joining,
-a standby) holds no stream, and its loop may stall for a moment on the way
-(the garbage collector freezing the loaded weights' objects takes about half
-a second on the tiny model): its silence counts towards `misses_not_ready`
-instead (about 7.5 s). A role that has not written its metrics port yet
-(starting) is not probed.
+A process slowed down by a loaded host answers late but answers, and is
+kept. With the defaults a frozen ready process is killed 1.0 to 1.2 s after
+its last answer (the group of a frozen rank does not wait for that where a
+standby is registered: the scheduler's rank probe re-forms it sooner). A
+process that is not ready (a rank loading its weights or joining, a
+standby) holds no stream, and its loop may stall for a while on the way
+(the garbage collector freezing the loaded weights' objects): its silence
+counts only after `silent_not_ready_s`. A role that has not written its
+metrics port yet (starting) is not probed.
 """
 
 import concurrent.futures
@@ -30,11 +36,15 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 
-from scheduler_svc.health import Health, MissCounter
+from scheduler_svc.health import Health, SilenceJudge
 
 log = logging.getLogger(__name__)
+
+# GETs of one role in flight at once (a frozen role holds them all until their deadline).
+MAX_IN_FLIGHT = 4
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,23 +52,32 @@ class SupervisorConfig:
     """How often and how patiently the supervisor probes."""
 
     interval_s: float = 0.2
-    # Deadline of one GET /readyz: above a busy gateway's longest loop stall under load.
-    timeout_s: float = 0.5
-    # Probes missed in a row (refused, or silent after a ready answer) after which the process is killed.
-    misses: int = 3
-    # Silent probes in a row after which a process whose last answer was "not ready" is killed.
-    misses_not_ready: int = 15
+    # Refused GETs in a row (nothing listens: the process is gone) after which it is killed.
+    refusals: int = 2
+    # Seconds without an answer, after a ready one, after which the process is killed:
+    # above a busy gateway's longest loop stall under load.
+    silent_s: float = 1.0
+    # The same after a "not ready" answer (loading, joining: no stream waits on it).
+    silent_not_ready_s: float = 7.5
+    # Deadline of one GET: long, so that a late answer still counts as one.
+    deadline_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if self.interval_s <= 0 or self.timeout_s <= 0 or self.misses < 1 or self.misses_not_ready < 1:
-            raise ValueError(f"the supervisor needs interval_s > 0, timeout_s > 0 and misses >= 1, got "
-                             f"{self.interval_s}, {self.timeout_s}, {self.misses}, {self.misses_not_ready}")
+        if self.interval_s <= 0 or self.deadline_s <= 0:
+            raise ValueError(f"the supervisor needs interval_s > 0 and deadline_s > 0, got "
+                             f"{self.interval_s}, {self.deadline_s}")
+        self.judge()  # checks the rest
 
     @property
     def detection_s(self) -> tuple[float, float]:
-        """The least and most time from a freeze to the kill."""
-        round_s = max(self.interval_s, self.timeout_s)
-        return (self.misses - 1) * round_s, self.misses * round_s + self.interval_s
+        """The least and most time from a ready process's freeze to the kill."""
+        return max(0.0, self.silent_s - self.interval_s), self.silent_s + self.interval_s
+
+    def judge(self) -> SilenceJudge:
+        try:
+            return SilenceJudge(self.refusals, self.silent_s, self.silent_not_ready_s)
+        except ValueError as error:
+            raise ValueError(f"the supervisor needs {error}") from None
 
 
 def readyz(port: int, timeout_s: float) -> Health:
@@ -85,11 +104,12 @@ class Supervisor:
         self._roles = roles
         self.config = config
         self._probe = probe
-        self._counter = MissCounter(config.misses, frozenset({Health.REFUSED, Health.NO_ANSWER}),
-                                    threshold_not_serving=config.misses_not_ready)
+        self._judge = config.judge()
+        self._lock = threading.Lock()  # the judge and _in_flight, between the probing threads and the judging one
+        self._in_flight: dict[str, int] = {}  # "name@pid" -> its GETs not answered yet
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="supervisor-probe")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="supervisor-probe")
         self.killed: list[str] = []  # names of the roles it killed, in order
 
     def start(self) -> "Supervisor":
@@ -104,25 +124,47 @@ class Supervisor:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.config.interval_s):
-            self.probe_once()
+        due = time.monotonic()
+        while not self._stop.wait(max(0.0, due - time.monotonic())):
+            # A late tick (this process starved of CPU) may not have every answer recorded: it only probes.
+            self.judge_once(judge=time.monotonic() - due <= self.config.interval_s)
+            due = max(due + self.config.interval_s, time.monotonic())
 
-    def probe_once(self) -> list[str]:
-        """Probes every running role once, concurrently; kills those that missed
-        `misses` in a row; returns their names."""
-        targets = [(role, f"{role.name}@{role.proc.pid}", port) for role in self._roles()
-                   if role.proc.poll() is None and (port := role.metrics_port) is not None]
-        answers = list(self._pool.map(lambda t: self._probe(t[2], self.config.timeout_s), targets))
+    def judge_once(self, judge: bool = True) -> list[str]:
+        """Sends every role one more GET (up to MAX_IN_FLIGHT unanswered each), forgets the
+        roles gone, and (if `judge`) kills those that stopped answering; returns their names."""
+        targets = {f"{role.name}@{role.proc.pid}": (role, port) for role in self._roles()
+                   if role.proc.poll() is None and (port := role.metrics_port) is not None}
+        with self._lock:
+            for key in [k for k in self._in_flight if k not in targets]:
+                del self._in_flight[key]
+                self._judge.forget(key)
+            sends = [(key, port) for key, (_, port) in targets.items() if self._in_flight.get(key, 0) < MAX_IN_FLIGHT]
+            for key, _ in sends:
+                self._in_flight[key] = self._in_flight.get(key, 0) + 1
+        for key, port in sends:
+            self._pool.submit(self._probe_one, key, port)
         killed = []
-        for (role, key, _), health in zip(targets, answers):
-            if self._counter.observe(key, health) and role.proc.poll() is None:
-                log.warning("%s (pid %d) stopped answering its health checks: killing it to restart it",
-                            role.name, role.proc.pid)
-                try:
-                    os.killpg(role.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    continue
-                self._counter.forget(key)
-                killed.append(role.name)
+        now = time.monotonic()
+        for key, (role, _) in targets.items() if judge else ():
+            with self._lock:
+                why = self._judge.why(key, now) if self._judge.is_lost(key, now) else None
+                if why is not None:
+                    self._judge.forget(key)
+            if why is None or role.proc.poll() is not None:
+                continue
+            log.warning("%s (pid %d) %s: killing it to restart it", role.name, role.proc.pid, why)
+            try:
+                os.killpg(role.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            killed.append(role.name)
         self.killed += killed
         return killed
+
+    def _probe_one(self, key: str, port: int) -> None:
+        health = self._probe(port, self.config.deadline_s)
+        with self._lock:
+            if key in self._in_flight:  # else the role is gone: nothing to record
+                self._in_flight[key] -= 1
+                self._judge.answered(key, health, time.monotonic())

@@ -31,16 +31,18 @@ class SchedulerConfig(MemberConfig):
     gateway_probe_interval_s: float = 0.1
     # How often the leader health-checks every expert service; 0 turns it off
     # (a dead or hung rank is then found only by its lease and the collective
-    # timeout). A rank that answered once and then misses rank_probe_misses
-    # checks in a row, refused or unanswered within rank_probe_timeout_s (a
-    # hung rank is a lost one), loses its lease at once, and its group is
-    # re-formed. The defaults find a dead or frozen rank in 0.3 to 0.55 s.
+    # timeout). Each check waits for its answer, however late: a slow rank is
+    # kept. A rank that answered once and then is refused rank_probe_misses
+    # checks in a row (its process is gone), or does not answer for
+    # rank_probe_silent_s after a SERVING answer (hung: a lost one), loses its
+    # lease at once, and its group is re-formed.
     rank_probe_interval_s: float = 0.1
-    # Deadline of one health check of a rank: far above a rank's answer time
-    # (its event loop answers, never the model thread), below the detection budget.
-    rank_probe_timeout_s: float = 0.15
-    # Consecutive missed checks after which a rank's lease is revoked.
-    rank_probe_misses: int = 3
+    # Refused checks in a row after which a rank's lease is revoked.
+    rank_probe_misses: int = 2
+    # Seconds of silence, after a SERVING answer, after which a rank's lease is
+    # revoked: far above a rank's answer time (its event loop answers, never
+    # the model thread), below the one-second recovery budget.
+    rank_probe_silent_s: float = 0.45
     # How long a group that lost a rank waits for a member to fill it (a
     # standby expert, or the same member registering again) before it is
     # deleted and its requests fail.
@@ -68,8 +70,8 @@ class SchedulerConfig(MemberConfig):
             raise ValueError(f"leader_probe_silent_s must be >= 0, got {self.leader_probe_silent_s}")
         if self.rank_probe_interval_s < 0:
             raise ValueError(f"rank_probe_interval_s must be >= 0, got {self.rank_probe_interval_s}")
-        if self.rank_probe_timeout_s <= 0:
-            raise ValueError(f"rank_probe_timeout_s must be > 0, got {self.rank_probe_timeout_s}")
+        if self.rank_probe_silent_s <= 0:
+            raise ValueError(f"rank_probe_silent_s must be > 0, got {self.rank_probe_silent_s}")
         if self.rank_probe_misses < 1:
             raise ValueError(f"rank_probe_misses must be >= 1, got {self.rank_probe_misses}")
         if self.leader_probe_misses < 1:

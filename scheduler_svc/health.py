@@ -44,50 +44,72 @@ def leader_answer(health: Health) -> "bool | object":
 
 
 @dataclasses.dataclass(slots=True)
-class MissCounter:
-    """Consecutive missed checks per member (a key such as "id@address").
+class SilenceJudge:
+    """When a probed member is lost, judged by the time since its last answer rather
+    than by missed deadlines.
 
-    A check whose answer is in `misses` is a miss, any other answer resets the
-    count; only a member that answered once counts misses (one still starting,
-    or registered where nothing ever listened, is not known to have died).
-    Silence (NO_ANSWER) is judged by the last answer: after SERVING it is a
-    miss like any; after NOT_SERVING (a member loading, joining or waiting,
-    whose event loop may stall for a moment, holding no stream) it counts
-    towards `threshold_not_serving` instead, or not at all when that is None.
-    `observe` says True once, when a count reaches its threshold, and starts
-    counting again from zero."""
+    The prober checks each member one request after another, each with a deadline
+    long enough that a late answer still arrives (`answered` records what each check
+    said, and when). A member slowed down (a loaded host, a busy event loop) keeps
+    answering, however late, and is never lost; only one that stops answering is:
+    frozen (SIGSTOP, a wedged loop), gone (refused) or cut off. `is_lost` is True for
+    a member that answered once and then
 
-    threshold: int
-    misses: frozenset
-    threshold_not_serving: int | None = None
-    _counts: dict = dataclasses.field(default_factory=dict)
-    _last: dict = dataclasses.field(default_factory=dict)  # key -> its last answer (SERVING or NOT_SERVING)
+    - was refused `refusals` checks in a row (nothing listens: the process is gone), or
+    - has been silent for `silent_s` since an answer that was SERVING (a hung serving
+      process holds its streams), or for `silent_not_serving_s` since a NOT_SERVING
+      one (loading, joining or waiting: its loop may stall for a while and it holds no
+      stream); None for either: that silence never counts. A silence counts only while
+      another member (if any was ever heard) was heard within it: when all go silent at
+      once, the prober itself (starved of CPU) or its network is the likelier cause, and
+      the leases decide.
+
+    A member never seen answering (still starting, or registered where nothing ever
+    listened) is never lost. Times are the caller's clock (monotonic seconds)."""
+
+    refusals: int
+    silent_s: float | None = None
+    silent_not_serving_s: float | None = None
+    _last: dict = dataclasses.field(default_factory=dict)  # key -> (time, SERVING or NOT_SERVING)
+    _refused: dict = dataclasses.field(default_factory=dict)  # key -> refusals in a row
 
     def __post_init__(self) -> None:
-        if self.threshold < 1 or (self.threshold_not_serving is not None and self.threshold_not_serving < 1):
-            raise ValueError(f"the miss threshold must be >= 1, got {self.threshold}, {self.threshold_not_serving}")
+        if self.refusals < 1 or any(s is not None and s <= 0 for s in (self.silent_s, self.silent_not_serving_s)):
+            raise ValueError(f"a silence judge needs refusals >= 1 and silences > 0, got {self.refusals}, "
+                             f"{self.silent_s}, {self.silent_not_serving_s}")
 
-    def observe(self, key: str, health: Health) -> bool:
-        """Counts one check of key; True if key has now missed its threshold in a row."""
-        if health not in self.misses:
-            self._last[key] = health
-            self._counts.pop(key, None)
-            return False
+    def answered(self, key: str, health: Health, now: float) -> None:
+        """Records one check of key that ended at `now` (NO_ANSWER: its deadline passed)."""
+        if health is Health.REFUSED:
+            if key in self._last:
+                self._refused[key] = self._refused.get(key, 0) + 1
+        elif health is not Health.NO_ANSWER:
+            self._last[key] = (now, health)
+            self._refused.pop(key, None)
+
+    def is_lost(self, key: str, now: float) -> bool:
         last = self._last.get(key)
         if last is None:
             return False
-        threshold = self.threshold
-        if health is Health.NO_ANSWER and last is not Health.SERVING:
-            if self.threshold_not_serving is None:
-                return False
-            threshold = self.threshold_not_serving
-        self._counts[key] = self._counts.get(key, 0) + 1
-        if self._counts[key] < threshold:
+        if self._refused.get(key, 0) >= self.refusals:
+            return True
+        since, health = last
+        allowed = self.silent_s if health is Health.SERVING else self.silent_not_serving_s
+        if allowed is None or now - since < allowed:
             return False
-        del self._counts[key]
-        return True
+        # Only a silence of its own: when no other member was heard meanwhile, the prober
+        # (starved of CPU) or its network is the likelier cause, and the leases decide instead.
+        others = [t for k, (t, _) in self._last.items() if k != key]
+        return not others or any(now - t < allowed for t in others)
+
+    def why(self, key: str, now: float) -> str:
+        """Why is_lost said True, for the log."""
+        if self._refused.get(key, 0) >= self.refusals:
+            return f"refused {self._refused[key]} health checks in a row"
+        since, health = self._last[key]
+        return f"has not answered a health check for {now - since:.2f} s (last answer {health.value})"
 
     def forget(self, key: str) -> None:
-        """The member left (or moved): its history goes."""
-        self._counts.pop(key, None)
+        """The member left (or was given up on): its history goes."""
         self._last.pop(key, None)
+        self._refused.pop(key, None)

@@ -3,32 +3,38 @@ gateway's group goes to a standby, and a dead or hung rank's group is
 re-formed, within a few hundred milliseconds instead of a lease TTL.
 
 While it leads, the scheduler health-checks every registered member of a
-role every `interval_s` (one HealthChecker each: health_client.HealthCheck).
-A member that answered a check once at its address and then misses `misses`
-checks in a row has its lease revoked (ClusterClient.depose_member, only if
-its member key still holds that address): its member key goes at once, and
-the planner treats it as any member that left (a gateway's group goes to a
-free gateway; a rank's group is re-formed on a standby, or on the same member
-once it registers again: docs/internals.md, "Rank failures").
+role (one HealthChecker each: health_client.HealthCheck), a check every
+`interval_s`, each with a long deadline (`deadline_s`) and several in flight
+at once, so that a late answer is still an answer and a member whose every
+answer is late still answers every `interval_s`. Every `interval_s` it judges the
+members by the time since their last answer (health.SilenceJudge): a member
+that answered once and then is refused `refusals` checks in a row, or (where
+`silent_s` is set) stays silent for `silent_s` after a SERVING answer, has
+its lease revoked (ClusterClient.depose_member, only if its member key still
+holds that address): its member key goes at once, and the planner treats it
+as any member that left (a gateway's group goes to a free gateway; a rank's
+group is re-formed on a standby, or on the same member once it registers
+again: docs/internals.md, "Rank failures").
 
-What counts as a miss differs by role (`MemberProbe.is_silence_a_miss`):
+Judging by silence rather than by a short deadline is what keeps a slow
+member: a rank on a loaded host whose answers take half a second still
+answers every half second, and is kept; one frozen (SIGSTOP, a stuck event
+loop) stops, and is lost `silent_s` after its last answer.
 
-- gateways: only a refused connection (nothing listens: the process is
-  gone). A gateway that answers late (busy, or hung) is left to its lease,
-  so a slow gateway never loses its group to the probe;
-- expert services: a refused connection, and also no answer within the
-  deadline from a rank whose last answer was SERVING. A hung serving rank
-  (SIGSTOP, a stuck event loop) holds every stream of its group (its peers
-  wait on it in the collective), so it is treated as lost: a rank's health
-  answers come from its event loop, never from the model thread, so a long
-  step does not make it late. A rank that is NOT_SERVING (loading, joining:
-  its loop stalls for a moment, e.g. while the garbage collector freezes the
-  loaded weights' objects) holds no stream, and its silence is left to its
-  lease.
+- gateways: only refusals (nothing listens: the process is gone). A gateway
+  that answers late or not at all (busy, or hung) is left to its lease, so a
+  slow gateway never loses its group to the probe;
+- expert services: refusals, and silence after a SERVING answer. A hung
+  serving rank holds every stream of its group (its peers wait on it in the
+  collective), so it is treated as lost: a rank's health answers come from
+  its event loop, never from the model thread, so a long step does not
+  silence it. A rank that is NOT_SERVING (loading, joining: its loop stalls
+  for a moment, e.g. while the garbage collector freezes the loaded weights'
+  objects) holds no stream, and its silence is left to its lease.
 
-NOT_SERVING (a standby, a loading or draining member) always counts as an
-answer: the process is there. Never having answered at an address (still
-starting, or registered where nothing ever listened) is not a miss.
+A tick of the judge that comes late (this scheduler was starved of CPU, so
+answers that arrived meanwhile may not be recorded yet) judges nobody: the
+next one does.
 """
 
 import asyncio
@@ -37,10 +43,13 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
-from scheduler_svc.health import Health, HealthChecker, MissCounter
+from scheduler_svc.health import HealthChecker, SilenceJudge
 from services.cluster import ClusterClient, Member, cancel_and_wait
 
 log = logging.getLogger(__name__)
+
+# Checks of one member in flight at once (a frozen member holds them all until their deadline).
+MAX_IN_FLIGHT = 8
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,67 +58,85 @@ class MemberProbe:
 
     role: str = "gateway"
     interval_s: float = 0.1
-    timeout_s: float = 0.1
-    # Consecutive missed checks after which the member's lease is revoked.
-    misses: int = 2
-    # Whether a check unanswered within timeout_s is a miss (else only a refusal is).
-    is_silence_a_miss: bool = False
+    # Refused checks in a row after which the member's lease is revoked.
+    refusals: int = 2
+    # Seconds without an answer after a SERVING one after which it is revoked (None: silence never counts).
+    silent_s: float | None = None
+    # Deadline of one check: long, so that a late answer still counts as one.
+    deadline_s: float = 2.0
 
     def __post_init__(self) -> None:
-        if self.interval_s <= 0 or self.timeout_s <= 0 or self.misses < 1:
-            raise ValueError(f"a member probe needs interval_s > 0, timeout_s > 0 and misses >= 1, got "
-                             f"{self.interval_s}, {self.timeout_s}, {self.misses}")
+        if self.interval_s <= 0 or self.deadline_s <= 0:
+            raise ValueError(f"a member probe needs interval_s > 0 and deadline_s > 0, got "
+                             f"{self.interval_s}, {self.deadline_s}")
+        self.judge()  # checks refusals and silent_s
 
     @property
     def detection_s(self) -> tuple[float, float]:
-        """The least and most time from a member's death (or freeze) to the revocation, probing
-        apart: `misses` checks, each a round that takes the deadline when the member is silent."""
-        round_s = max(self.interval_s, self.timeout_s) if self.is_silence_a_miss else self.interval_s
-        return (self.misses - 1) * round_s, self.misses * round_s + self.interval_s
+        """The least and most time from a member's freeze (or, for a role whose silence
+        does not count, its death) to the revocation, etcd apart."""
+        if self.silent_s is None:
+            return (self.refusals - 1) * self.interval_s, (self.refusals + 1) * self.interval_s
+        return max(0.0, self.silent_s - self.interval_s), self.silent_s + self.interval_s
 
-    def counter(self) -> MissCounter:
-        misses = {Health.REFUSED, Health.NO_ANSWER} if self.is_silence_a_miss else {Health.REFUSED}
-        return MissCounter(self.misses, frozenset(misses))
+    def judge(self) -> SilenceJudge:
+        return SilenceJudge(self.refusals, self.silent_s)
 
 
 async def probe_members(client: ClusterClient, probe: MemberProbe,
                         new_check: Callable[[float], HealthChecker]) -> None:
     """Checks the registered members of probe.role until cancelled (see the module
-    docstring); new_check(timeout_s) makes the checker of one member."""
+    docstring); new_check(deadline_s) makes the checker of one member."""
     members: dict[str, Member] = {}
-    checks: dict[str, HealthChecker] = {}
-    counter = probe.counter()
+    checking: dict[str, asyncio.Task] = {}  # "id@address" -> its checks
+    judge = probe.judge()
+    loop = asyncio.get_running_loop()
 
     async def follow_members() -> None:
         async with contextlib.aclosing(client.watch_members(probe.role)) as changes:
             async for current in changes:
                 members.clear()
-                members.update((m.member_id, m) for m in current)
+                members.update((f"{m.member_id}@{m.address}", m) for m in current)
 
-    async def check(member: Member) -> None:
-        key = f"{member.member_id}@{member.address}"
-        if key not in checks:
-            checks[key] = new_check(probe.timeout_s)
-        if counter.observe(key, await checks[key].health(member.address)):
-            log.warning("%s %s at %s missed %d health checks in a row: revoking its lease", probe.role,
-                        member.member_id, member.address, probe.misses)
-            await client.depose_member(probe.role, member.member_id, member.address)
+    async def keep_checking(key: str, address: str) -> None:
+        """A check every interval_s, each waiting up to deadline_s, several in flight at once:
+        a member whose every answer is late still answers every interval_s."""
+        check = new_check(probe.deadline_s)
+        in_flight: set[asyncio.Task] = set()
+
+        async def one() -> None:
+            judge.answered(key, await check.health(address), loop.time())
+
+        try:
+            while True:
+                if len(in_flight) < MAX_IN_FLIGHT:
+                    task = asyncio.create_task(one())
+                    in_flight.add(task)
+                    task.add_done_callback(in_flight.discard)
+                await asyncio.sleep(probe.interval_s)
+        finally:
+            await cancel_and_wait(list(in_flight), 2.0, what=f"the checks of {key}")
+            await check.close()
 
     following = asyncio.create_task(follow_members(), name=f"{probe.role}-members")
-    loop = asyncio.get_running_loop()
     try:
-        while True:
-            started = loop.time()
-            current = list(members.values())
-            await asyncio.gather(*(check(m) for m in current))
-            live = {f"{m.member_id}@{m.address}" for m in current}
-            for key in [k for k in checks if k not in live]:  # gone: its channel too
-                await checks.pop(key).close()
-                counter.forget(key)
-            if following.done():  # the watch ends only when the client is closed
-                return
-            await asyncio.sleep(max(0.0, started + probe.interval_s - loop.time()))
+        due = loop.time()
+        while not following.done():  # the watch ends only when the client is closed
+            for key in [k for k in checking if k not in members]:  # gone: its checks too
+                await cancel_and_wait([checking.pop(key)], 2.0, what=f"the checks of {key}")
+                judge.forget(key)
+            for key, member in members.items():
+                if key not in checking:
+                    checking[key] = asyncio.create_task(keep_checking(key, member.address), name=f"check-{key}")
+            now = loop.time()
+            if now - due <= probe.interval_s:  # on time: every answer that came is recorded
+                for key, member in list(members.items()):
+                    if judge.is_lost(key, now):
+                        log.warning("%s %s at %s %s: revoking its lease", probe.role, member.member_id,
+                                    member.address, judge.why(key, now))
+                        judge.forget(key)  # lost again only after a new answer
+                        await client.depose_member(probe.role, member.member_id, member.address)
+            due = max(due + probe.interval_s, now)
+            await asyncio.sleep(max(0.0, due - loop.time()))
     finally:
-        await cancel_and_wait([following], 2.0, what=f"the {probe.role} members watch")
-        for health_check in checks.values():
-            await health_check.close()
+        await cancel_and_wait([following, *checking.values()], 2.0, what=f"the {probe.role} probes")

@@ -98,13 +98,12 @@ async def with_member_probes(client: ClusterClient, config: SchedulerConfig, lea
     (scheduler_svc/member_probe.py)."""
     probes = []
     if config.gateway_probe_interval_s:
-        probes.append(MemberProbe("gateway", config.gateway_probe_interval_s, config.leader_probe_timeout_s,
-                                  config.leader_probe_misses))
+        probes.append(MemberProbe("gateway", config.gateway_probe_interval_s, config.leader_probe_misses))
     if config.rank_probe_interval_s:
-        probes.append(MemberProbe("expert", config.rank_probe_interval_s, config.rank_probe_timeout_s,
-                                  config.rank_probe_misses, is_silence_a_miss=True))
-    probing = [asyncio.create_task(probe_members(client, probe, lambda timeout_s, role=probe.role: HealthCheck(
-        timeout_s, role)), name=f"{probe.role}-probe") for probe in probes]
+        probes.append(MemberProbe("expert", config.rank_probe_interval_s, config.rank_probe_misses,
+                                  silent_s=config.rank_probe_silent_s))
+    probing = [asyncio.create_task(probe_members(client, probe, lambda deadline_s, role=probe.role: HealthCheck(
+        deadline_s, role)), name=f"{probe.role}-probe") for probe in probes]
     try:
         await lead
     finally:

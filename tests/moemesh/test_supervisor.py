@@ -1,7 +1,7 @@
 """The supervisor of `moemesh up` (moemesh/supervisor.py): a ready process whose /readyz stops
-answering (SIGSTOP) is killed after the configured misses, and Mesh.restart_exited starts
-it again; a process that answers, one never seen answering, or one not ready for a while
-(loading) is left alone."""
+answering (SIGSTOP) is killed after the configured silence, and Mesh.restart_exited starts
+it again; a process that answers however late, one never seen answering, or one not ready
+for a while (loading) is left alone."""
 
 import os
 import pathlib
@@ -76,30 +76,47 @@ class _Proc:
         return None
 
 
-def test_only_misses_in_a_row_of_a_role_seen_alive_kill(monkeypatch):
+def test_silence_after_a_ready_answer_or_refusals_kill_and_late_answers_do_not(monkeypatch):
     killed = []
     monkeypatch.setattr(os, "killpg", lambda pid, sig: killed.append((pid, sig)))
-    answers = {1: Health.SERVING, 2: Health.NO_ANSWER, 3: Health.NOT_SERVING}
-    roles = [_Role("alive", _Proc(10), 1), _Role("never-answered", _Proc(20), 2),
-             _Role("loading", _Proc(30), 3), _Role("starting", _Proc(40), None)]
-    supervisor = Supervisor(lambda: roles, SupervisorConfig(misses=2, misses_not_ready=9),
-                            probe=lambda port, timeout_s: answers[port])
-    supervisor.probe_once()
-    answers[3] = Health.NO_ANSWER  # not ready, then silent: a loading rank's stalled loop
-    for _ in range(5):
-        assert supervisor.probe_once() == []  # a silent role never seen alive is still starting
-    answers[1] = Health.NO_ANSWER
-    assert supervisor.probe_once() == []
-    answers[1] = Health.SERVING  # one answer resets the count
-    assert supervisor.probe_once() == []
-    answers[1] = Health.REFUSED
-    assert supervisor.probe_once() == []
-    assert supervisor.probe_once() == ["alive", "loading"]  # "loading": its 9th silent probe
-    assert killed == [(10, signal.SIGKILL), (30, signal.SIGKILL)]
-    supervisor.stop()
+    answers = {1: Health.SERVING, 2: Health.NO_ANSWER, 3: Health.NOT_SERVING, 5: Health.SERVING, 6: Health.SERVING}
+
+    def probe(port: int, deadline_s: float) -> Health:
+        if port == 5:
+            time.sleep(0.25)  # a loaded role: each answer comes far past the interval, but comes
+        elif answers[port] is Health.NO_ANSWER:
+            time.sleep(0.05)  # as a frozen process, up to a (short, here) deadline
+        return answers[port]
+
+    roles = [_Role("frozen", _Proc(10), 1), _Role("never-answered", _Proc(20), 2), _Role("loading", _Proc(30), 3),
+             _Role("starting", _Proc(40), None), _Role("slow", _Proc(50), 5), _Role("gone", _Proc(60), 6)]
+    config = SupervisorConfig(interval_s=0.02, refusals=2, silent_s=0.4, silent_not_ready_s=1.2)
+    supervisor = Supervisor(lambda: roles, config, probe=probe)
+
+    def judge_for(seconds: float) -> dict[str, float]:
+        """Judges every interval for `seconds`; the roles killed, with when."""
+        start, kills = time.monotonic(), {}
+        while time.monotonic() - start < seconds:
+            for name in supervisor.judge_once():
+                kills[name] = time.monotonic() - start
+            time.sleep(config.interval_s)
+        return kills
+
+    try:
+        assert judge_for(0.5) == {}  # all answered once (but never-answered and starting)
+        answers.update({1: Health.NO_ANSWER, 3: Health.NO_ANSWER, 6: Health.REFUSED})
+        kills = judge_for(2.0)
+        assert set(kills) == {"frozen", "loading", "gone"}, kills
+        assert kills["gone"] < kills["frozen"] < kills["loading"], kills
+        assert 0.3 <= kills["frozen"] <= 1.0, kills  # silent_s after its last answer, + slack for a loaded host
+        assert kills["loading"] >= 1.1, kills  # silent_not_ready_s
+        assert sorted(killed) == [(10, signal.SIGKILL), (30, signal.SIGKILL), (60, signal.SIGKILL)]
+    finally:
+        supervisor.stop()
 
 
-@pytest.mark.parametrize("kwargs", [dict(interval_s=0), dict(timeout_s=-1), dict(misses=0), dict(misses_not_ready=0)])
+@pytest.mark.parametrize("kwargs", [dict(interval_s=0), dict(deadline_s=-1), dict(refusals=0),
+                                    dict(silent_s=0), dict(silent_not_ready_s=0)])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError, match="supervisor needs"):
         SupervisorConfig(**kwargs)

@@ -38,7 +38,7 @@ def test_a_gateway_that_dies_loses_its_lease_and_a_standby_keeps_it(etcd, key_pr
             await leader._etcd.put(leader.keys.member("gateway", member_id).encode(), json.dumps(
                 {"member_id": member_id, "role": "gateway", "address": f"127.0.0.1:{port}"}).encode(),
                 lease=lease.id)
-        probing = asyncio.create_task(probe_members(leader, MemberProbe("gateway", interval_s=0.05, timeout_s=0.1, misses=2), HealthCheck))
+        probing = asyncio.create_task(probe_members(leader, MemberProbe("gateway", interval_s=0.05, refusals=2), HealthCheck))
 
         async def gateway_ids() -> set[str]:
             return {m.member_id for m in await leader.list_members("gateway")}
@@ -65,14 +65,18 @@ class _Scripted:
     """A HealthChecker whose answers the test sets, per address."""
 
     answers: dict[str, Health] = {}
+    latency_s: dict[str, float] = {}
 
-    def __init__(self, timeout_s: float):
-        self.timeout_s = timeout_s
+    def __init__(self, deadline_s: float):
+        self.deadline_s = deadline_s
 
     async def health(self, address: str) -> Health:
-        if self.answers[address] is Health.NO_ANSWER:
-            await asyncio.sleep(self.timeout_s)  # as a hung process: the deadline passes
-        return self.answers[address]
+        answer = self.answers[address]
+        if answer is Health.NO_ANSWER:
+            await asyncio.sleep(self.deadline_s)  # as a hung process: the deadline passes
+        elif address in self.latency_s:
+            await asyncio.sleep(self.latency_s[address])  # as a loaded one: late, but it answers
+        return answer
 
     async def close(self) -> None:
         pass
@@ -82,19 +86,23 @@ def test_a_hung_rank_loses_its_lease_and_a_hung_gateway_keeps_it(etcd, key_prefi
     async def body():
         leader = ClusterClient(etcd.endpoint, prefix=key_prefix)
         await leader.connect()
-        for role, member_id in (("expert", "rank-hung"), ("expert", "rank-ok"), ("gateway", "gw-hung")):
+        for role, member_id in (("expert", "rank-hung"), ("expert", "rank-ok"), ("expert", "rank-slow"),
+                                ("gateway", "gw-hung")):
             lease = await leader._etcd.lease(5)
             await leader._etcd.put(leader.keys.member(role, member_id).encode(), json.dumps(
                 {"member_id": member_id, "role": role, "address": member_id}).encode(), lease=lease.id)
-        _Scripted.answers = {"rank-hung": Health.SERVING, "rank-ok": Health.NOT_SERVING, "gw-hung": Health.SERVING}
-        ranks = MemberProbe("expert", interval_s=0.05, timeout_s=0.1, misses=3, is_silence_a_miss=True)
-        gateways = MemberProbe("gateway", interval_s=0.05, timeout_s=0.1, misses=2)
+        _Scripted.answers = {"rank-hung": Health.SERVING, "rank-ok": Health.NOT_SERVING, "rank-slow": Health.SERVING,
+                             "gw-hung": Health.SERVING}
+        # rank-slow answers every check 0.2 s late, four times the interval: a short deadline would lose it.
+        _Scripted.latency_s = {"rank-slow": 0.2}
+        ranks = MemberProbe("expert", interval_s=0.05, refusals=3, silent_s=0.3)
+        gateways = MemberProbe("gateway", interval_s=0.05, refusals=2)
         probing = [asyncio.create_task(probe_members(leader, p, _Scripted)) for p in (ranks, gateways)]
 
         async def member_ids() -> set[str]:
             return {m.member_id for m in await leader.list_members()}
 
-        await asyncio.sleep(0.3)  # every member has answered once
+        await asyncio.sleep(0.5)  # every member has answered once
         _Scripted.answers.update({"rank-hung": Health.NO_ANSWER, "gw-hung": Health.NO_ANSWER})
         frozen_at = time.monotonic()
         while "rank-hung" in await member_ids():
@@ -104,7 +112,8 @@ def test_a_hung_rank_loses_its_lease_and_a_hung_gateway_keeps_it(etcd, key_prefi
         low, high = ranks.detection_s
         assert low - 0.05 <= took <= high + 0.5, (took, ranks.detection_s)
         await asyncio.sleep(0.5)
-        assert await member_ids() == {"rank-ok", "gw-hung"}  # NOT_SERVING answers; a late gateway is left
+        # NOT_SERVING answers, so does the slow rank, however late; a silent gateway is left to its lease.
+        assert await member_ids() == {"rank-ok", "rank-slow", "gw-hung"}
         assert await cancel_and_wait(probing, 5.0)
         await leader.close()
 

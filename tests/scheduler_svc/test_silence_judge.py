@@ -1,0 +1,104 @@
+"""SilenceJudge and MemberProbe's settings: refusals in a row, silence measured from the last
+answer however late it came, resets, members never seen alive."""
+
+import pytest
+
+from scheduler_svc.health import Health, SilenceJudge
+from scheduler_svc.member_probe import MemberProbe
+
+
+def test_refusals_in_a_row_lose_a_member_and_any_answer_resets_them():
+    judge = SilenceJudge(3)
+    judge.answered("a", Health.SERVING, 0.0)
+    for t in (0.1, 0.2):
+        judge.answered("a", Health.REFUSED, t)
+    assert not judge.is_lost("a", 0.25)
+    judge.answered("a", Health.NOT_SERVING, 0.3)  # an answer: the process is there
+    for t in (0.4, 0.5):
+        judge.answered("a", Health.REFUSED, t)
+    judge.answered("a", Health.NO_ANSWER, 0.6)  # a deadline passing neither resets nor counts
+    assert not judge.is_lost("a", 0.6)
+    judge.answered("a", Health.REFUSED, 0.7)
+    assert judge.is_lost("a", 0.7)
+    assert "refused 3 health checks in a row" in judge.why("a", 0.7)
+
+
+def test_silence_counts_from_the_last_answer_however_late_it_came():
+    judge = SilenceJudge(2, silent_s=0.5)
+    # A slow member: every answer takes 0.4 s, yet one arrives every 0.5 s at most.
+    for t in (0.0, 0.5, 1.0, 1.5, 2.0):
+        judge.answered("slow", Health.SERVING, t)
+        assert not judge.is_lost("slow", t + 0.49)
+    judge.answered("other", Health.NOT_SERVING, 2.4)  # another member still heard
+    # Frozen after its answer at 2.0: lost 0.5 s later, not before.
+    judge.answered("slow", Health.NO_ANSWER, 4.0)
+    assert not judge.is_lost("slow", 2.25)
+    assert judge.is_lost("slow", 2.5)
+    assert "has not answered a health check for 0.50 s (last answer serving)" in judge.why("slow", 2.5)
+
+
+def test_when_every_member_is_silent_at_once_nobody_is_lost():
+    judge = SilenceJudge(2, silent_s=0.5)
+    judge.answered("a", Health.SERVING, 1.0)
+    judge.answered("b", Health.SERVING, 1.1)
+    assert not judge.is_lost("a", 2.0) and not judge.is_lost("b", 2.0)  # the prober was starved, or cut off
+    judge.answered("b", Health.SERVING, 1.9)
+    assert judge.is_lost("a", 2.0) and not judge.is_lost("b", 2.0)
+    judge.answered("a", Health.REFUSED, 5.0)
+    judge.answered("a", Health.REFUSED, 5.1)
+    assert judge.is_lost("a", 5.1)  # refusals need no one else
+    alone = SilenceJudge(2, silent_s=0.5)
+    alone.answered("a", Health.SERVING, 1.0)
+    assert alone.is_lost("a", 1.5)  # no other member to tell by: its silence counts
+
+
+def test_silence_after_not_serving_has_its_own_allowance():
+    lenient = SilenceJudge(2, silent_s=0.45)  # silent_not_serving_s None: never
+    lenient.answered("loading", Health.NOT_SERVING, 0.0)
+    assert not lenient.is_lost("loading", 100.0)
+    lenient.answered("loading", Health.REFUSED, 100.1)
+    lenient.answered("loading", Health.REFUSED, 100.2)
+    assert lenient.is_lost("loading", 100.2)  # a refusal is definite, whatever the last answer
+    patient = SilenceJudge(2, silent_s=0.45, silent_not_serving_s=5.0)
+    patient.answered("loading", Health.NOT_SERVING, 0.0)
+    patient.answered("other", Health.SERVING, 4.8)
+    assert not patient.is_lost("loading", 4.9) and patient.is_lost("loading", 5.0)
+    gateways = SilenceJudge(2)  # silence never counts
+    gateways.answered("g", Health.SERVING, 0.0)
+    assert not gateways.is_lost("g", 100.0)
+
+
+def test_a_member_never_seen_alive_is_never_lost_and_forget_drops_the_history():
+    judge = SilenceJudge(1, silent_s=0.1)
+    for t in range(5):
+        judge.answered("never", Health.REFUSED, float(t))
+        judge.answered("never", Health.NO_ANSWER, float(t))
+    assert not judge.is_lost("never", 10.0)
+    judge.answered("b", Health.SERVING, 0.0)
+    judge.answered("c", Health.SERVING, 0.95)
+    assert judge.is_lost("b", 1.0)
+    judge.forget("b")  # gone from the members, or given up on: its history goes
+    assert not judge.is_lost("b", 1.0)
+    judge.answered("b", Health.REFUSED, 1.1)
+    assert not judge.is_lost("b", 1.1)
+
+
+def test_detection_bounds_follow_the_settings():
+    from scheduler_svc.config import SchedulerConfig
+
+    config = SchedulerConfig(member_id="s0", etcd="127.0.0.1:2379")
+    probe = MemberProbe("expert", config.rank_probe_interval_s, config.rank_probe_misses,
+                        silent_s=config.rank_probe_silent_s)
+    low, high = probe.detection_s
+    assert 0.3 <= low < high <= 0.6, probe.detection_s  # the documented 0.35 to 0.55 s
+    assert MemberProbe("gateway", 0.1, 2).detection_s == pytest.approx((0.1, 0.3))
+
+
+@pytest.mark.parametrize("kwargs", [dict(interval_s=0), dict(deadline_s=0), dict(refusals=0), dict(silent_s=0)])
+def test_bad_settings_are_refused(kwargs):
+    with pytest.raises(ValueError, match="member probe|silence judge"):
+        MemberProbe("expert", **kwargs)
+    with pytest.raises(ValueError, match="silence judge"):
+        SilenceJudge(0)
+    with pytest.raises(ValueError, match="silence judge"):
+        SilenceJudge(1, silent_s=1.0, silent_not_serving_s=-1.0)
