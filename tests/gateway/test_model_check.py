@@ -156,3 +156,36 @@ def test_the_gateway_serves_only_a_group_of_its_own_model(tmp_path, same_model):
     assert model_identity.describe(gateway) in refused.message and model_identity.describe(ranks) in refused.message
     assert report["ready"] is False and report["serving"] is False
     assert report["model_mismatch"] == manager.model_mismatch
+
+
+def test_requests_parked_for_a_group_that_is_re_formed_on_another_model_fail_at_once(tmp_path):
+    gateway = model_identity.identity(TINY, _dir(tmp_path / "g", b"tok"))
+    other = model_identity.identity(dataclasses.replace(TINY, num_hidden_layers=TINY.num_hidden_layers + 1),
+                                    str(tmp_path / "g"))
+
+    async def scenario():
+        expert = await grpc_util.start_server(
+            [lambda s: expert_pb2_grpc.add_ExpertServiceServicer_to_server(FakeExpertService(), s)], [])
+        address = f"127.0.0.1:{expert.port}"
+        cluster = MembersCluster([_member("e0", gateway)])
+        manager = start_manager(cluster, make_from_infos, model_identity=gateway, resume_timeout_s=60)
+        task = asyncio.create_task(manager.run())
+        try:
+            await cluster.assignments.put(assignment(address))
+            await wait_for(lambda: manager.engine is not None)
+            running = manager.engine.submit(make_request(2, max_new_tokens=10_000))
+            await running.__anext__()
+            cluster.members = [_member("e0", other)]     # the rank came back with another checkpoint
+            start = asyncio.get_running_loop().time()
+            await cluster.assignments.put(assignment(address, epoch=2))
+            with pytest.raises(GenerationError) as failed:
+                await collect(running)
+            return failed.value, asyncio.get_running_loop().time() - start, manager.engine
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await expert.stop(0)
+
+    failed, seconds, engine = run(scenario())
+    assert failed.code is ErrorCode.UNAVAILABLE and "differs from the model of group 'g1' epoch 2" in failed.message
+    assert seconds < 5 and engine is None     # not the 60 s resume timeout
