@@ -7,11 +7,9 @@ key_prefix, log_level) come from `MemberConfig`.
 """
 
 import dataclasses
-import hashlib
-import json
 
 from expert_svc.spare_slots import parse_setting
-from services import netaddr
+from services import model_identity, netaddr
 from services.model.exchange.cost_model import SETTINGS as _EP_DISPATCHES
 from services.model.exchange.cost_model import parse_overrides
 from services.settings import MemberConfig
@@ -219,10 +217,10 @@ class ExpertConfig(MemberConfig):
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
     def group_settings(self, model_config) -> dict:
-        """What must be equal on every rank of a group: a hash of the model's
-        config, the collective's backend, the compute dtype and SAME_ON_EVERY_RANK."""
-        config_json = json.dumps(dataclasses.asdict(model_config), sort_keys=True, default=str)
-        return {"model_config": hashlib.sha256(config_json.encode()).hexdigest()[:16],
+        """What must be equal on every rank of a group: the model's identity (a hash of
+        its config and of its tokenizer, services/model_identity.py; the gateway checks
+        it too), the collective's backend, the compute dtype and SAME_ON_EVERY_RANK."""
+        return {**model_identity.identity(model_config, self.model),
                 "backend": "nccl" if self.is_cuda else "gloo", "dtype": self.dtype_name,
                 **{name: getattr(self, name) for name in SAME_ON_EVERY_RANK}}
 

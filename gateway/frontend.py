@@ -52,8 +52,11 @@ class Frontend:
 
     def __init__(self, *, tokenizer, limits: RequestLimits, model_info: ModelInfo,
                  get_engine: Callable[[], Engine | None], coalesce_outputs: bool = True,
-                 compiler: Compiler | None = None, slow_readers: SlowReaders | None = None) -> None:
+                 compiler: Compiler | None = None, slow_readers: SlowReaders | None = None,
+                 no_group_reason: Callable[[], str | None] = lambda: None) -> None:
         self.tokenizer = tokenizer
+        # Why there is no engine, when the gateway knows (its group serves another model).
+        self._no_group_reason = no_group_reason
         self.limits = limits
         self.model_info = model_info
         # Compiles requests' constraints (None: constrained requests are refused).
@@ -86,7 +89,9 @@ class Frontend:
         """
         engine = self._get_engine()
         if engine is None:
-            raise GenerationError(ErrorCode.UNAVAILABLE, NO_GROUP_MESSAGE)
+            reason = self._no_group_reason()
+            raise GenerationError(ErrorCode.UNAVAILABLE,
+                                  f"{NO_GROUP_MESSAGE}: {reason}" if reason else NO_GROUP_MESSAGE)
         handles: list[RequestHandle] = []
 
         def abort_all() -> None:

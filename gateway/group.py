@@ -18,6 +18,13 @@ resumes each from its checkpoint (Engine.adopt). If none starts within
 UNAVAILABLE. A changed assignment is followed at once; a group that broke
 under the same assignment is tried again, with backoff, once all its ranks
 are ready again.
+
+Before setting up a group, the gateway checks that its ranks serve its model
+(gateway/model_check.py, against what they registered in etcd). A group that
+does not is never sent a step: the error naming both models is logged, the
+parked requests fail with it, `model_mismatch` holds it (new requests get it
+as UNAVAILABLE, readiness reports it), and the check is repeated with
+backoff until the assignment changes.
 """
 
 import asyncio
@@ -25,7 +32,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
-from gateway import placement_watch
+from gateway import model_check, placement_watch
 from gateway.engine import Engine, GroupFailure
 from gateway.rank_client import GroupConnection, RankCallError, RankStatus, error_text
 from services import telemetry
@@ -81,6 +88,7 @@ class GroupManager:
         rank_call_timeout_s: float = 10.0,
         lease_ttl_s: int = 2,
         resume_timeout_s: float = 60.0,
+        model_identity: dict | None = None,
     ) -> None:
         self._cluster = cluster
         self._member_id = member_id
@@ -90,6 +98,10 @@ class GroupManager:
         self._rank_call_timeout_s = rank_call_timeout_s
         self._lease_ttl_s = lease_ttl_s
         self._resume_timeout_s = resume_timeout_s
+        # The gateway's model identity (services/model_identity.py); None: not checked.
+        self._model_identity = model_identity
+        # Why the assigned group is refused (its ranks serve another model); None otherwise.
+        self.model_mismatch: str | None = None
         # The engine that takes requests: the running one, or the parked one of a
         # failed group whose requests wait for the next engine.
         self._engine: Engine | None = None
@@ -122,6 +134,7 @@ class GroupManager:
                     continue
                 await self._stop_group(f"the worker group assignment changed to {_describe(group)}")
                 self._group = group
+                self.model_mismatch = None
                 if group is not None:
                     self._task = asyncio.create_task(self._serve(group), name=f"group-{group.group_id}")
         finally:
@@ -193,6 +206,10 @@ class GroupManager:
         while True:
             log.info("assigned to %s; waiting until its ranks are ready", name)
             await self._cluster.wait_group_ready(group)
+            if await self._refuse_other_model(group):
+                delay_s = min(2 * delay_s, _RETRY_MAX_S)
+                await asyncio.sleep(delay_s)
+                continue
             try:
                 num_steps = await self._serve_once(group)
             except (GroupSetupError, GroupFailure, RankCallError) as error:
@@ -222,6 +239,21 @@ class GroupManager:
             if engine is not None:
                 self._park(engine, name)
             await connection.close()
+
+    async def _refuse_other_model(self, group: GroupAssignment) -> bool:
+        """True (logged, parked requests failed) if the group's ranks registered another model."""
+        if self._model_identity is None:
+            return False
+        members = await self._cluster.list_members("expert")
+        problem = model_check.mismatch(self._model_identity, group, members)
+        if problem is None:
+            self.model_mismatch = None
+            return False
+        if problem != self.model_mismatch:
+            log.error("not serving %s: %s", _describe(group), problem)
+        self.model_mismatch = problem
+        self._fail_parked(problem)
+        return True
 
     @telemetry.traced("gateway.connect_group")
     async def _connect(self, group: GroupAssignment, connection: GroupConnection) -> list[RankStatus]:

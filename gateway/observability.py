@@ -391,6 +391,10 @@ class GatewayReadiness:
             "kv_utilization_limit": KV_READY_LIMIT,
             "serving": engine is not None,
         }
+        if self._manager.model_mismatch:
+            # The group serves another model (gateway/model_check.py): never ready on it.
+            report["model_mismatch"] = self._manager.model_mismatch
+            report["serving"] = False
         report["ready"] = (report["group_formed"] and report["serving"] and num_loaded == self._num_experts
                            and utilization < KV_READY_LIMIT)
         return report

@@ -41,7 +41,7 @@ from gateway.slow_readers import SlowReaderCollector, SlowReaders
 from gateway.stats import GatewayStats
 from gateway.validation import GilFreeTokenizer, RequestLimits
 from moe.gateway.v1 import gateway_pb2_grpc
-from services import gc_pauses, grpc_limits, grpc_util, http_probes, process
+from services import gc_pauses, grpc_limits, grpc_util, http_probes, model_identity, process
 from services.cluster import ClusterClient
 from services.constraints import Compiler
 from services.model.config import ModelConfig
@@ -134,7 +134,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     slow_readers = SlowReaders(config.slow_reader_timeout_s)
     servicer = GenerationServicer(tokenizer=tokenizer, limits=limits, model_info=info,
                                   get_engine=get_engine, coalesce_outputs=config.coalesce_stream_outputs,
-                                  compiler=compiler, slow_readers=slow_readers)
+                                  compiler=compiler, slow_readers=slow_readers,
+                                  no_group_reason=lambda: None if manager is None else manager.model_mismatch)
     keys = KeyStore(config.api_keys) if config.api_keys else None
     probes.add_collector(SlowReaderCollector(slow_readers))
     if keys is not None:
@@ -159,7 +160,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         cluster, member_id=config.member_id, address=config.address(server.port),
         make_engine=engine_factory(config, model, tokenizer, stats), set_serving=set_serving,
         rank_call_timeout_s=config.rank_call_timeout_s, lease_ttl_s=config.lease_ttl_s,
-        resume_timeout_s=config.resume_timeout_s)
+        resume_timeout_s=config.resume_timeout_s, model_identity=model_identity.identity(model, config.model))
     probes.set_readiness(GatewayReadiness(manager, model.num_experts, cluster))
 
     async def follow_groups() -> None:

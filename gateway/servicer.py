@@ -88,10 +88,11 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
 
     def __init__(self, *, tokenizer, limits: RequestLimits, model_info: ModelInfo,
                  get_engine: Callable[[], Engine | None], coalesce_outputs: bool = True,
-                 compiler: Compiler | None = None, slow_readers: SlowReaders | None = None) -> None:
+                 compiler: Compiler | None = None, slow_readers: SlowReaders | None = None,
+                 no_group_reason: Callable[[], str | None] = lambda: None) -> None:
         self.frontend = Frontend(tokenizer=tokenizer, limits=limits, model_info=model_info,
                                  get_engine=get_engine, coalesce_outputs=coalesce_outputs, compiler=compiler,
-                                 slow_readers=slow_readers)
+                                 slow_readers=slow_readers, no_group_reason=no_group_reason)
 
     @observe_generate
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):

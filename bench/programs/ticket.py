@@ -21,7 +21,10 @@ tokenized differently, so their answers may differ in length; --answer-tokens
 makes every answer that long, for equal work), and the
 program's mean seconds per node (from its submission, inputs' wait
 included). Results: a table on stdout and programs_<device>.json / .md under
---out (default bench/results/).
+--out (default bench/results/), one file per device: a run merges into the
+file it finds there by (answer length setting, version, concurrency), its rows
+replacing those of earlier runs, the others kept; each row names its run
+("run": an index into "runs", which keeps every run's command and commit).
 """
 
 import argparse
@@ -125,7 +128,7 @@ def parse_args(argv):
     parser.add_argument("--rounds", type=int, default=5, help="batches per version and concurrency, in turns")
     parser.add_argument("--answer-tokens", type=int,
                         help="every answer exactly this long (end-of-sequence ignored): equal work in both versions; "
-                             "results under programs_<device>_answers<N>")
+                             "its rows sit beside the free-length ones in programs_<device>")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     if args.model is not None and args.target is not None:
@@ -159,29 +162,77 @@ def run(args, target: str) -> list[dict]:
     return rows
 
 
+def answers_text(answers: int | None) -> str:
+    return "up to 48 tokens (end-of-sequence ends them)" if answers is None else f"exactly {answers} tokens"
+
+
+def _row_order(row: dict) -> tuple:
+    """Rows by answer setting (free-length first), concurrency, then sequential before program."""
+    return row["answers"] is not None, row["answers"] or 0, row["concurrency"], row["kind"] != "sequential"
+
+
+def normalized(report: dict, answers: int | None = None) -> dict:
+    """A result in the merged form ("runs", each row naming its run and its answer setting); a
+    result written before results merged (one run, whose --answer-tokens was `answers`) becomes
+    that one run."""
+    if "runs" in report:
+        return report
+    run = {k: report[k] for k in ("command", "commit", "model", "device") if k in report}
+    run.update(answers=answers, **{k: report[k] for k in ("note",) if k in report})
+    return {**report, "runs": [run], "rows": [{**r, "answers": answers, "run": 0} for r in report["rows"]]}
+
+
+def merged(old: dict | None, new: dict) -> dict:
+    """`new` (one run) merged into `old`: its rows replace old's of the same answer setting,
+    version and concurrency; old's other rows stay."""
+    new = normalized(new)
+    if old is None:
+        return new
+    old = normalized(old)
+    offset = len(old["runs"])
+    rows = [{**r, "run": r["run"] + offset} for r in new["rows"]]
+    taken = {(r["answers"], r["kind"], r["concurrency"]) for r in rows}
+    rows += [r for r in old["rows"] if (r["answers"], r["kind"], r["concurrency"]) not in taken]
+    return {**new, "runs": old["runs"] + new["runs"], "rows": sorted(rows, key=_row_order)}
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# The ticket pipeline: program vs sequential Generate calls ({report['device']})\n",
+             "Runs (each row names its run):\n"]
+    for i, run in enumerate(report["runs"]):
+        note = f" {run['note']}." if run.get("note") else ""
+        lines.append(f"- run {i}: `{run['command']}`; commit {run['commit']}.{note} Model: {run['model']}; "
+                     f"api delay {run.get('api_delay', 0.3)} s; answers {answers_text(run['answers'])}.")
+    for answers in sorted({r["answers"] for r in report["rows"]}, key=lambda a: (a is not None, a or 0)):
+        rows = [r for r in report["rows"] if r["answers"] == answers]
+        lines += ["", f"## Answers {answers_text(answers)}\n",
+                  "| version | concurrency | tickets | p50 s | p99 s | wall s | prompt tokens prefilled | "
+                  "answer tokens | run |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['kind']} | {r['concurrency']} | {r['num_tickets']} | {r['p50_s']} | {r['p99_s']} | "
+                  f"{r['wall_s']} | {r['prefilled_tokens']} | {r['answer_tokens']} | {r['run']} |" for r in rows]
+        by_load = {(r["kind"], r["concurrency"]): r for r in rows}
+        lines += ["", "| concurrency | program p50 / sequential p50 | program's mean s per node |", "|---|---|---|"]
+        for concurrency in sorted({c for _, c in by_load}):
+            program, sequential = by_load.get(("program", concurrency)), by_load.get(("sequential", concurrency))
+            if program and sequential:
+                nodes = ", ".join(f"{k} {v}" for k, v in program["node_mean_s"].items())
+                lines.append(f"| {concurrency} | {program['p50_s'] / sequential['p50_s']:.2f} | {nodes} |")
+    return "\n".join(lines) + "\n"
+
+
 def write(args, rows: list[dict], model: str) -> None:
     command = "python -m bench.programs.ticket " + " ".join(sys.argv[1:])
-    name = f"programs_{args.device}" + ("" if args.answer_tokens is None else f"_answers{args.answer_tokens}")
+    name = f"programs_{args.device}"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
-    lines = [f"# The ticket pipeline: program vs sequential Generate calls ({args.device})\n", f"`{command}`\n",
-             f"Commit {commit}. Model: {model}; api delay {args.api_delay} s; answers "
-             + ("up to 48 tokens (end-of-sequence ends them)" if args.answer_tokens is None
-                else f"exactly {args.answer_tokens} tokens") + ".\n",
-             "| version | concurrency | tickets | p50 s | p99 s | wall s | prompt tokens prefilled | answer tokens |",
-             "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['kind']} | {r['concurrency']} | {r['num_tickets']} | {r['p50_s']} | {r['p99_s']} | "
-              f"{r['wall_s']} | {r['prefilled_tokens']} | {r['answer_tokens']} |" for r in rows]
-    by_load = {(r["kind"], r["concurrency"]): r for r in rows}
-    lines += ["", "| concurrency | program p50 / sequential p50 | program's mean s per node |", "|---|---|---|"]
-    for concurrency in sorted({c for _, c in by_load}):
-        program, sequential = by_load.get(("program", concurrency)), by_load.get(("sequential", concurrency))
-        if program and sequential:
-            nodes = ", ".join(f"{k} {v}" for k, v in program["node_mean_s"].items())
-            lines.append(f"| {concurrency} | {program['p50_s'] / sequential['p50_s']:.2f} | {nodes} |")
-    write_result(args.out, name, {"command": command, "commit": commit, "model": model, "device": args.device,
-                                  "rows": rows},
-                 "\n".join(lines) + "\n")
+    run = {"command": command, "commit": commit, "model": model, "device": args.device,
+           "api_delay": args.api_delay, "answers": args.answer_tokens,
+           "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    path = args.out / f"{name}.json"
+    new = {**{k: run[k] for k in ("command", "commit", "model", "device")}, "runs": [run],
+           "rows": [{**r, "answers": args.answer_tokens, "run": 0} for r in rows]}
+    report = merged(json.loads(path.read_text()) if path.is_file() else None, new)
+    write_result(args.out, name, report, markdown(report))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,15 @@ figure of the same case (the bf16 baseline when it comes first). Before each
 mesh the memory plan (quant_plan.memory_plan) gives the KV capacity and the
 --kv-memory-fraction that leaves the activation and CUDA-graph reserve; the
 KV blocks the service really made are read from its /metrics.
-Results: <out>/<name>_<kind>.md and .json, rewritten after each preset.
+
+Results: <out>/<name>_<kind>.md and .json (one file per GPU kind), rewritten
+after each preset. A run merges into the file it finds there by (preset,
+case): the cases it measured replace those of earlier runs, the others stay,
+each case's row naming its run (`"run"`: an index into `"runs"`, which keeps
+every run's command, date, setup, config and per-preset figures: plan, KV
+blocks, startup). So a run of one case (`--cases c256`) adds to the same
+file as the full run. `--name` is for another subject (the 235B preset's
+runs, quant235_speed), whose baseline is not the 30B's.
 """
 
 import argparse
@@ -54,6 +62,47 @@ def measured(case: str, row: dict) -> tuple[float, str]:
     return row["output_tokens_per_s"], "out tok/s"
 
 
+def normalized(report: dict) -> dict:
+    """A result in the merged form ("runs", each case's row naming its run); a result written
+    before results merged (one run, no "runs") becomes that one run."""
+    if "runs" in report:
+        return report
+    run = {"command": report["command"], "date": report["date"], "setup": report.get("setup", {}),
+           "config": report["config"], "presets": {p: _run_fields(r) for p, r in report["presets"].items()}}
+    presets = {p: {**r, "cases": {c: {**row, "run": 0} for c, row in r.get("cases", {}).items()}}
+               for p, r in report["presets"].items()}
+    return {**report, "runs": [run], "presets": presets}
+
+
+def _run_fields(preset_run: dict) -> dict:
+    """What a run measured of a preset besides its cases (the logs are kept for the latest run only)."""
+    return {k: v for k, v in preset_run.items() if k not in ("cases", "log_tails")}
+
+
+def merged(old: dict | None, new: dict) -> dict:
+    """`new` (one run) merged into `old` by (preset, case): new's cases replace old's, old's other
+    cases stay; a preset's other fields are the newest run's (every run's stay in "runs"); the
+    presets keep old's order, new ones after (the first is every ratio's baseline)."""
+    new = normalized(new)
+    if old is None:
+        return new
+    old = normalized(old)
+    offset = len(old["runs"])
+    presets = dict(old["presets"])
+    for preset, run in new["presets"].items():
+        before = presets.get(preset, {})
+        cases = {**before.get("cases", {}),
+                 **{c: {**row, "run": row["run"] + offset} for c, row in run.get("cases", {}).items()}}
+        needed = {**before.get("kv_tokens_needed", {}), **run.get("kv_tokens_needed", {})}
+        presets[preset] = {**run, "cases": cases, "kv_tokens_needed": needed}
+    return {**new, "runs": old["runs"] + new["runs"], "presets": presets}
+
+
+def read_result(path: pathlib.Path) -> dict | None:
+    """The result already at path, None if there is none."""
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def case_bound(preset: str, case: str, row: dict, config: dict) -> tuple[float, float]:
     """(bound of the headline figure on weights only, with the KV reads too) for one case."""
     kv_element = 1 if gpu_speed.kv_cache_dtype(config.get("expert_arg", [])) == "fp8_e4m3" else 2
@@ -74,14 +123,16 @@ def table(report: dict) -> list[dict]:
     for preset, run in report["presets"].items():
         for case, row in run.get("cases", {}).items():
             value, unit = measured(case, row)
-            weights_bound, kv_bound = case_bound(preset, case, row, report["config"])
+            config = report["runs"][row["run"]]["config"] if "run" in row else report["config"]
+            weights_bound, kv_bound = case_bound(preset, case, row, config)
             baseline.setdefault(case, (preset, value))
             base_preset, base_value = baseline[case]
             out = {"preset": preset, "case": case, "concurrency": row["concurrency"], "value": value, "unit": unit,
                    "bound": weights_bound, "share_of_bound": round(value / weights_bound, 3) if weights_bound else None,
                    "bound_with_kv": kv_bound,
                    "share_of_bound_with_kv": round(value / kv_bound, 3) if kv_bound else None,
-                   "vs_first": round(value / base_value, 3) if base_value and base_preset != preset else None}
+                   "vs_first": round(value / base_value, 3) if base_value and base_preset != preset else None,
+                   "run": row.get("run")}
             target = TARGETS.get((preset, case))
             if target is not None:
                 out["target"], out["target_met"] = target, value >= target
@@ -90,16 +141,21 @@ def table(report: dict) -> list[dict]:
 
 
 def markdown(report: dict) -> str:
-    cfg = report["config"]
-    lines = [f"# Quantized serving speed, {cfg['kind']}, one GPU", "", f"Command: `{report['command']}`", "",
-             f"Date: {report['date']}", "", f"Setup: {json.dumps(report.get('setup', {}))}", "",
-             f"Cases: cN and b1 send {round(1024 * cfg['prompt_scale'])}-token prompts for "
-             f"{round(1024 * cfg['output_scale'])} new tokens (the issue's targets are at 1K-in/1K-out); the mix "
-             f"sends {cfg.get('mix_requests')} requests at concurrency {cfg.get('mix_concurrency')}, prompts scaled "
-             f"by {cfg['prompt_scale']}. Bounds: quant_plan.py (HBM bound of the weights a decode step reads in the "
-             f"stored layout, with the KV reads at the case's mean context; the mix: prefill at the tensor-core "
-             f"peak plus decode at the HBM bound).", "",
-             "Memory plan per preset (estimates; `kv_blocks_measured` from the service's /metrics):", ""]
+    runs = report.get("runs") or [{"command": report["command"], "date": report["date"], "config": report["config"]}]
+    lines = [f"# Quantized serving speed, {report['config']['kind']}, one GPU", "",
+             "Runs (each row of the table names its run; the latest run's setup below):", ""]
+    for i, run in enumerate(runs):
+        cfg = run["config"]
+        lines.append(f"- run {i}, {run['date']}: `{run['command']}`; cN and b1 send "
+                     f"{round(1024 * cfg['prompt_scale'])}-token prompts for {round(1024 * cfg['output_scale'])} new "
+                     f"tokens, the mix {cfg.get('mix_requests')} requests at concurrency "
+                     f"{cfg.get('mix_concurrency')}, prompts scaled by {cfg['prompt_scale']}")
+    lines += ["", f"Setup: {json.dumps(report.get('setup', {}))}", "",
+              "The issue's targets are at 1K-in/1K-out. Bounds: quant_plan.py (HBM bound of the weights a decode "
+              "step reads in the stored layout, with the KV reads at the case's mean context; the mix: prefill at "
+              "the tensor-core peak plus decode at the HBM bound).", "",
+              "Memory plan per preset, from its latest run (estimates; `kv_blocks_measured` from the service's "
+              "/metrics):", ""]
     for preset, run in report["presets"].items():
         lines.append(f"- {preset}: {json.dumps(run.get('plan', {}))}"
                      + (f"; KV blocks measured {run['kv_blocks_measured']}" if run.get("kv_blocks_measured") else "")
@@ -108,17 +164,19 @@ def markdown(report: dict) -> str:
                         if run.get("kv_tokens_needed") else "")
                      + (f"; FAILED: `{run['error']}`" if run.get("error") else ""))
     lines += ["", "| preset | case | conc | figure | unit | bound (weights) | share | bound (+KV) | share | "
-              "vs first preset | target |", "|" + "---|" * 11]
+              "vs first preset | target | run |", "|" + "---|" * 12]
     for r in table(report):
         target = "" if "target" not in r else f">= {r['target']}: {'met' if r['target_met'] else 'NOT met'}"
         lines.append(f"| {r['preset']} | {r['case']} | {r['concurrency']} | {r['value']} | {r['unit']} | "
                      f"{r['bound']} | {r['share_of_bound']} | {r['bound_with_kv']} | {r['share_of_bound_with_kv']} | "
-                     f"{r['vs_first'] if r['vs_first'] is not None else ''} | {target} |")
+                     f"{r['vs_first'] if r['vs_first'] is not None else ''} | {target} | "
+                     f"{r['run'] if r['run'] is not None else ''} |")
     lines += ["", "Per case, as gpu_speed reports it (latencies, steps):", ""]
     for preset, run in report["presets"].items():
         for case, row in run.get("cases", {}).items():
-            lines.append(f"- {preset} {case}: TTFT p50/p99 {row['ttft_ms_p50']}/{row['ttft_ms_p99']} ms, ITL p50/p99 "
-                         f"{row['itl_ms_p50']}/{row['itl_ms_p99']} ms, ok {row['num_ok']}/{row['num_requests']}, "
+            which = f" (run {row['run']})" if "run" in row else ""
+            lines.append(f"- {preset} {case}{which}: TTFT p50/p99 {row['ttft_ms_p50']}/{row['ttft_ms_p99']} ms, "
+                         f"ITL p50/p99 {row['itl_ms_p50']}/{row['itl_ms_p99']} ms, ok {row['num_ok']}/{row['num_requests']}, "
                          f"steps {json.dumps(row.get('steps', {}))}")
     return "\n".join(lines) + "\n"
 
@@ -188,7 +246,9 @@ def run_preset(args, preset: str) -> dict:
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m bench.serving.quant_speed", description=__doc__.split("\n\n")[0])
     p.add_argument("--kind", default="nvidia-h200", help="machine name, for the result files")
-    p.add_argument("--name", default="quant_speed", help="result file name (before _<kind>)")
+    p.add_argument("--name", default="quant_speed",
+                   help="result file name (before _<kind>); runs of one name and kind merge into one file by "
+                        "(preset, case): another name only for another subject (its own baseline)")
     p.add_argument("--presets", default="qwen3-30b-a3b,qwen3-30b-a3b-fp8,qwen3-30b-a3b-awq",
                    help="random-weights presets, in order (the first is every ratio's baseline)")
     p.add_argument("--cases", default="b1,c256,mix", help="comma list of b1, cN, mix")
@@ -213,12 +273,16 @@ def main(argv: list[str] | None = None) -> int:
               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
               "config": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
               "setup": gpu_speed._setup(), "presets": {}}
+    name = f"{args.name}_{args.kind}"
+    earlier = read_result(args.out / f"{name}.json")
+    result = merged(earlier, report)
     for preset in [p for p in args.presets.split(",") if p]:
         print(f"=== {preset}", flush=True)
         report["presets"][preset] = run_preset(args, preset)
-        report["table"] = table(report)
-        write_result(args.out, f"{args.name}_{args.kind}", report, markdown(report))
-    print(markdown(report), flush=True)
+        result = merged(earlier, report)
+        result["table"] = table(result)
+        write_result(args.out, name, result, markdown(result))
+    print(markdown(result), flush=True)
     return 1 if any("error" in run for run in report["presets"].values()) else 0
 
 

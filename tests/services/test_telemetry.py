@@ -326,6 +326,7 @@ class FakeManager:
     def __init__(self):
         self.group = None
         self.engine = None
+        self.model_mismatch = None
 
 
 class FakeCluster:

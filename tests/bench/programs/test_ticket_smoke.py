@@ -20,6 +20,6 @@ def test_ticket_bench_measures_both_versions_and_writes_its_results(mesh, tmp_pa
 def test_ticket_bench_with_fixed_answers_compares_equal_work(mesh, tmp_path):
     rc = ticket.main(["--target", mesh.gateway_address, "--num-tickets", "2", "--concurrency", "2",
                       "--api-delay", "0.01", "--answer-tokens", "3", "--out", str(tmp_path)])
-    report = json.loads((tmp_path / "programs_cpu_answers3.json").read_text())
+    report = json.loads((tmp_path / "programs_cpu.json").read_text())
     assert rc == 0 and report["commit"] and [r["answer_tokens"] for r in report["rows"]] == [6, 6]
-    assert "exactly 3 tokens" in (tmp_path / "programs_cpu_answers3.md").read_text()
+    assert "exactly 3 tokens" in (tmp_path / "programs_cpu.md").read_text()
