@@ -192,8 +192,10 @@ class _FakeComm(ExpertComm):
         self.rank, self.world_size = rank, world_size
 
 
-@pytest.mark.parametrize("tokens_N", [[5, 3], [0, 7], [4, 0, 9, 1]])
-@pytest.mark.parametrize("top_k", [2, 3])
+# Two ranks (4 local experts each, both top_k below that): each top_k once, one case with an idle rank.
+# Four ranks (2 local experts each): top_k equal to that and above it (a token's experts on one rank:
+# up to min(top_k, 2)).
+@pytest.mark.parametrize(("tokens_N", "top_k"), [([5, 3], 2), ([0, 7], 3), ([4, 0, 9, 1], 2), ([4, 0, 9, 1], 3)])
 def test_simulated_ranks_match_the_one_rank_layer(tep, tokens_N, top_k):
     for out_TD, expected_TD in _simulated(tep, _weights(torch.float32), top_k, tokens_N, torch.float32):
         torch.testing.assert_close(out_TD, expected_TD, atol=1e-5, rtol=1e-5)
