@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 def test_skew_bench_runs_on_the_cpu(tmp_path):
     out = subprocess.run([sys.executable, "-m", "bench.serving.skew", "--device", "cpu", "--preset", "tiny-skewed",
                           "--kind", "cpu", "--concurrency", "4", "--requests", "8", "--prompt-tokens", "48",
-                          "--new-tokens", "4", "--settle-s", "8", "--scale-up-window-s", "1.5", "--prompt-scale",
+                          "--new-tokens", "4", "--settle-s", "5", "--scale-up-window-s", "1", "--prompt-scale",
                           "0.03", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout + out.stderr
     results = json.loads((tmp_path / "skew_cpu.json").read_text())["results"]

@@ -192,8 +192,10 @@ class _FakeComm(ExpertComm):
         self.rank, self.world_size = rank, world_size
 
 
-@pytest.mark.parametrize("tokens_N", [[5, 3], [0, 7], [4, 0, 9, 1]])
-@pytest.mark.parametrize("top_k", [2, 3])
+# Two ranks (4 local experts each, both top_k below that): each top_k once, one case with an idle rank.
+# Four ranks (2 local experts each): top_k equal to that and above it (a token's experts on one rank:
+# up to min(top_k, 2)).
+@pytest.mark.parametrize(("tokens_N", "top_k"), [([5, 3], 2), ([0, 7], 3), ([4, 0, 9, 1], 2), ([4, 0, 9, 1], 3)])
 def test_simulated_ranks_match_the_one_rank_layer(tep, tokens_N, top_k):
     for out_TD, expected_TD in _simulated(tep, _weights(torch.float32), top_k, tokens_N, torch.float32):
         torch.testing.assert_close(out_TD, expected_TD, atol=1e-5, rtol=1e-5)
@@ -261,7 +263,7 @@ def _pointers(buffers) -> torch.Tensor:
     return torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
 
 
-def _gloo_worker(rank: int, init_file: str, tokens_N: list[int], top_k: int, exchange: bool) -> None:
+def _gloo_worker(rank: int, init_file: str, cases: list[tuple[list[int], bool]], top_k: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
     try:
@@ -270,33 +272,39 @@ def _gloo_worker(rank: int, init_file: str, tokens_N: list[int], top_k: int, exc
               interpreted("kernels.norm") as norm):
             tep.moe_gemm.default_config = lambda _num_tokens: _config(tep)
             weights = _weights(torch.float32)
-            comm = ExpertComm(dist.group.WORLD)
-            rows_per_rank = max(tokens_N) + 1
-            if exchange:  # buffers for this step exactly: a bigger one takes the collectives
-                comm.exchange = _GlooExchange(rows_per_rank, tep.row_width(HIDDEN, top_k, torch.float32),
-                                              torch.float32, rank, sx)
-            layer = _layer(weights, top_k, comm)
-            reference = _layer(weights, top_k)
-            x_TD = _tokens(tokens_N[rank], torch.float32, seed=rank)
-            out_TD = tep.gathered_moe(layer, x_TD, rows_per_rank=rows_per_rank)
-            expected_TD = reference(x_TD)
-            torch.testing.assert_close(out_TD, expected_TD, atol=1e-5, rtol=1e-5)
-            assert torch.equal(layer.hit_counts_E, reference.hit_counts_E)  # this rank's tokens' experts
-            # With the fused layer loop's residual add and next norm: the same bits as after the layer.
-            norm_D = torch.rand(HIDDEN, generator=torch.Generator().manual_seed(9)) + 0.5
-            residual_TD = _tokens(tokens_N[rank], torch.float32, seed=20 + rank)
-            fused_x_TD, unfused_x_TD = residual_TD.clone(), residual_TD.clone()
-            h_TD = tep.gathered_moe(layer, x_TD, rows_per_rank, _add_norm(norm, fused_x_TD, norm_D))
-            expected_h_TD = _add_norm(norm, unfused_x_TD, norm_D)(out_TD)
-            assert torch.equal(fused_x_TD, unfused_x_TD) and torch.equal(h_TD, expected_h_TD)
-            if exchange:
-                assert comm.exchange.calls == ["gathered_rows", "reduce"] * 2
-                out_TD = tep.gathered_moe(layer, x_TD, rows_per_rank=rows_per_rank + 1)
-                assert comm.exchange.calls == ["gathered_rows", "reduce"] * 2  # did not fit: collectives
-                torch.testing.assert_close(out_TD, expected_TD, atol=1e-5, rtol=1e-5)
+            for tokens_N, exchange in cases:
+                _gloo_case(rank, tep, sx, norm, weights, tokens_N, top_k, exchange)
         dist.barrier()  # both ranks past their last collective before either tears gloo down
     finally:
         dist.destroy_process_group()
+
+
+def _gloo_case(rank: int, tep, sx, norm, weights, tokens_N: list[int], top_k: int, exchange: bool) -> None:
+    """One step of the layer on this rank of the two, tokens_N[rank] tokens, checked against the one-rank layer."""
+    comm = ExpertComm(dist.group.WORLD)
+    rows_per_rank = max(tokens_N) + 1
+    if exchange:  # buffers for this step exactly: a bigger one takes the collectives
+        comm.exchange = _GlooExchange(rows_per_rank, tep.row_width(HIDDEN, top_k, torch.float32),
+                                      torch.float32, rank, sx)
+    layer = _layer(weights, top_k, comm)
+    reference = _layer(weights, top_k)
+    x_TD = _tokens(tokens_N[rank], torch.float32, seed=rank)
+    out_TD = tep.gathered_moe(layer, x_TD, rows_per_rank=rows_per_rank)
+    expected_TD = reference(x_TD)
+    torch.testing.assert_close(out_TD, expected_TD, atol=1e-5, rtol=1e-5)
+    assert torch.equal(layer.hit_counts_E, reference.hit_counts_E)  # this rank's tokens' experts
+    # With the fused layer loop's residual add and next norm: the same bits as after the layer.
+    norm_D = torch.rand(HIDDEN, generator=torch.Generator().manual_seed(9)) + 0.5
+    residual_TD = _tokens(tokens_N[rank], torch.float32, seed=20 + rank)
+    fused_x_TD, unfused_x_TD = residual_TD.clone(), residual_TD.clone()
+    h_TD = tep.gathered_moe(layer, x_TD, rows_per_rank, _add_norm(norm, fused_x_TD, norm_D))
+    expected_h_TD = _add_norm(norm, unfused_x_TD, norm_D)(out_TD)
+    assert torch.equal(fused_x_TD, unfused_x_TD) and torch.equal(h_TD, expected_h_TD)
+    if exchange:
+        assert comm.exchange.calls == ["gathered_rows", "reduce"] * 2
+        out_TD = tep.gathered_moe(layer, x_TD, rows_per_rank=rows_per_rank + 1)
+        assert comm.exchange.calls == ["gathered_rows", "reduce"] * 2  # did not fit: collectives
+        torch.testing.assert_close(out_TD, expected_TD, atol=1e-5, rtol=1e-5)
 
 
 def _add_norm(norm, x_TD: torch.Tensor, norm_D: torch.Tensor) -> AddNorm:
@@ -304,12 +312,13 @@ def _add_norm(norm, x_TD: torch.Tensor, norm_D: torch.Tensor) -> AddNorm:
     return AddNorm(x_TD, norm_D, 1e-6, norm.add_rms_norm_)
 
 
-@pytest.mark.parametrize("tokens_N,exchange", [([5, 3], False), ([0, 4], False), ([5, 3], True)])
-def test_gathered_moe_over_two_gloo_ranks(tmp_path, tokens_N, exchange):
+def test_gathered_moe_over_two_gloo_ranks(tmp_path):
     """The whole layer with its all_gather and reduce_scatter (an idle rank too, and a padding row);
-    through an exchange's buffers where the step fits them."""
+    through an exchange's buffers where the step fits them. The cases one after the other in one
+    pair of processes (spawning a pair costs more than a case)."""
     pytest.importorskip("triton")
-    torch.multiprocessing.spawn(_gloo_worker, args=(str(tmp_path / "rendezvous"), tokens_N, 2, exchange), nprocs=2)
+    cases = [([5, 3], False), ([0, 4], False), ([5, 3], True)]
+    torch.multiprocessing.spawn(_gloo_worker, args=(str(tmp_path / "rendezvous"), cases, 2), nprocs=2)
 
 
 def test_expert_parallel_steps_on_cuda_take_a_fixed_capacity(monkeypatch):

@@ -176,14 +176,20 @@ def test_fused_moe_rounds_like_torch_in_half_precision(moe_small):
     assert torch.equal(out, layer(x))
 
 
-@pytest.mark.parametrize("single_token_kernels", [True, False])
-@pytest.mark.parametrize("tiles", [SMALL_TILES, FMA_TILES, ONE_TOKEN_TILES])
+# Without the single-token kernels one token takes moe_tiles(1)'s tiles, not ONE_TOKEN_MOE_TILES:
+# one case covers it.
+@pytest.mark.parametrize(("single_token_kernels", "tiles"),
+                         [(True, SMALL_TILES), (True, FMA_TILES), (True, ONE_TOKEN_TILES), (False, None)],
+                         ids=["dot", "fma", "one-token", "no-single-token-kernels"])
 def test_fused_moe_one_token_rounds_like_torch(launch, moe_small, monkeypatch, single_token_kernels, tiles):
     """One token (gate_route, or the matmul and route; tl.dot, FMA or one-token kernels),
     fp16: the same bits as the MoELayer."""
     half = torch.float16
     monkeypatch.setattr(launch, "SINGLE_TOKEN_KERNELS", single_token_kernels)
-    monkeypatch.setattr(moe_small, "ONE_TOKEN_MOE_TILES", moe_small.MoeTiles(**tiles))
+    if tiles is not None:
+        monkeypatch.setattr(moe_small, "ONE_TOKEN_MOE_TILES", moe_small.MoeTiles(**tiles))
+    else:
+        monkeypatch.setattr(moe_small, "ONE_TOKEN_MOE_TILES", None)  # never read without them
     layer = _moe_layer(num_experts=16, hidden=64, width=48, top_k=4)
     weights = [w.to(half) for w in (layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF)]
     layer = MoELayer(*weights, top_k=4, norm_topk_prob=True, comm=ExpertComm.local(),

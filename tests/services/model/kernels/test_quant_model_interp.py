@@ -5,9 +5,11 @@ the registered linear kernels (kernels/quant_linear.py) in the fused layer loop
 dequantized weights) of the same checkpoint.
 
 TRITON_INTERPRET=1 must be set before the kernels are defined, so this file sets it first.
-fp32 throughout (the interpreter's tl.dot reads bf16 as raw bits). The model is tiny-h160:
-hidden 160 (FP8's edge blocks partial, AWQ groups of 32), q 128 rows and k, v 64 (FP8's q|k|v
-cannot be one weight: three projections; AWQ's is one).
+fp32 throughout (the interpreter's tl.dot reads bf16 as raw bits). The model is tiny-h160 cut to
+two layers, an MoE layer then a dense one (every kernel of the loop, each residual add fused into
+the next norm, the last into the final norm; more layers would only repeat them under the slow
+interpreter): hidden 160 (FP8's edge blocks partial, AWQ groups of 32), q 128 rows and k, v 64
+(FP8's q|k|v cannot be one weight: three projections; AWQ's is one).
 """
 
 import dataclasses
@@ -37,7 +39,7 @@ quant_linear = interpreted_fixture("kernels.quant_linear")
 quant_moe = interpreted_fixture("kernels.quant_moe")
 fused_layer = interpreted_fixture("kernels.fused_layer")
 
-SMALL = dataclasses.replace(PRESETS["tiny-h160"], vocab_size=256, eos_token_ids=(255,))
+SMALL = dataclasses.replace(PRESETS["tiny-h160"], vocab_size=256, eos_token_ids=(255,), num_hidden_layers=2)
 QUANTS = {"fp8": QuantConfig("fp8"), "awq": QuantConfig("awq", group_size=32)}
 TOKENS = torch.randint(256, (24,), generator=torch.Generator().manual_seed(3)).tolist()
 
@@ -98,14 +100,15 @@ class _ForcedQuantMoE(MoEBackend):
         return self.quant_moe.quantized_moe(layer, x_TD, capacity, add_norm, gathers=False)
 
 
-def _steps(model, pool, fused, monkeypatch, prefill: int):
-    """A prefill chunk of `prefill` tokens, then two one-row decode steps and one two-row step
-    (one row padding); the logits of each."""
+def _steps(model, pool, fused, monkeypatch, prefill: int, decode_rows=(1, 2)):
+    """A prefill chunk of `prefill` tokens, then a decode step of each of decode_rows rows (one
+    row: the GEMV and one-token kernels; two, one of them padding: the skinny and grouped ones);
+    the logits of each."""
     batches = [build_forward_batch([SeqInput(0, TOKENS[:prefill], 0, [3, 1], True)], 16, "cpu")]
-    batches += [build_decode_batch([SeqInput(0, [TOKENS[n]], n, [3, 1], True)], 16, "cpu", num_rows=rows,
-                                   max_blocks=2) for n, rows in ((prefill, 1), (prefill + 1, 1), (prefill + 2, 2))]
+    batches += [build_decode_batch([SeqInput(0, [TOKENS[prefill + i]], prefill + i, [3, 1], True)], 16, "cpu",
+                                   num_rows=rows, max_blocks=2) for i, rows in enumerate(decode_rows)]
     out = []
-    for batch, capacity in zip(batches, (None, 2, 2, 4)):
+    for batch, capacity in zip(batches, (None, 2, 4)):
         with monkeypatch.context() as patch:
             if fused is not None:
                 patch.setattr(qwen3_moe, "_fused_kernels", lambda device: fused.fused_layer_kernels())
@@ -117,48 +120,56 @@ def _pool():
     return KVPool.for_model(SMALL, 4, 16, torch.float32, "cpu")
 
 
-@pytest.mark.parametrize("spares", [0, 1])  # 1: a spare slot per layer: the dispatch path's sorted_experts
+# spares 0: the fused loop's kernels and the registered linear kernels with the one-rank expert kernels
+# (one_token_experts, grouped_moe); 1: a spare slot per layer, the dispatch path's sorted_experts, the
+# rest in torch (the linear kernels would only repeat 0's).
+@pytest.mark.parametrize("spares", [0, 1])
 def test_the_kernel_paths_give_the_reference_logits(weights, quant_linear, quant_moe, fused_layer, monkeypatch,
                                                     spares):
     reference = qwen3_moe.Qwen3MoeModel(SMALL, weights, expert_ids=range(SMALL.num_experts),
                                         num_spare_expert_slots=spares)
-    model, kernel = _kernel_model(weights, quant_linear, monkeypatch, "weight-only", num_spare_expert_slots=spares)
-    layer = model.layers[0]
-    method = layer.w_o_DHK.method
-    # AWQ's q|k|v is one stored weight; FP8's k (64 rows) ends inside a 128-row block: three.
-    assert (layer.w_qkv_XD is not None) == (method == "awq") and (layer.w_q_HKD is None) == (method == "awq")
+    if spares:
+        model = qwen3_moe.Qwen3MoeModel(SMALL, weights, expert_ids=range(SMALL.num_experts),
+                                        num_spare_expert_slots=spares)
+    else:
+        model, kernel = _kernel_model(weights, quant_linear, monkeypatch, "weight-only")
+        layer = model.layers[0]
+        method = layer.w_o_DHK.method
+        # AWQ's q|k|v is one stored weight; FP8's k (64 rows) ends inside a 128-row block: three.
+        assert (layer.w_qkv_XD is not None) == (method == "awq") and (layer.w_q_HKD is None) == (method == "awq")
     calls: list[str] = []
     for i in SMALL.moe_layers:
         model.layers[i].feed_forward.backend = _ForcedQuantMoE(quant_moe, calls)
     expected = _steps(reference, _pool(), None, monkeypatch, 7)
-    got = _steps(model, _pool(), fused_layer, monkeypatch, 7)
+    got = _steps(model, _pool(), None if spares else fused_layer, monkeypatch, 7)
     for ours, theirs in zip(got, expected):
         torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=0)
         assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
     assert torch.equal(model.hit_counts_LE, reference.hit_counts_LE)
-    # Every projection through the registered kernel: 4 steps x (q|k|v as 1 or 3, o) x 4 layers, plus
-    # the dense layer's gate, up and down.
-    assert kernel.count == 4 * ((2 if method == "awq" else 4) * 4 + 3)
-    assert calls == [("dispatch" if spares else "one_rank")] * (4 * len(SMALL.moe_layers))
+    if not spares:
+        # Every projection through the registered kernel: 3 steps x (q|k|v as 1 or 3, o) x 2 layers, plus
+        # the dense layer's gate, up and down.
+        assert kernel.count == 3 * ((2 if method == "awq" else 4) * 2 + 3)
+    assert calls == [("dispatch" if spares else "one_rank")] * (3 * len(SMALL.moe_layers))
     assert model.layers[0].feed_forward.quant_experts._dense is None  # never dequantized
 
 
 def test_the_fp8_tensor_core_path(fp8_weights, quant_linear, quant_moe, fused_layer, monkeypatch, exact_fp8_rounding):
     """A prefill of 20 tokens (past WEIGHT_ONLY_MAX_ROWS): activations quantized per token and
-    128-channel group; the decode steps after it take the weight-only kernels."""
+    128-channel group; the decode step after it takes the weight-only kernels (on its K/V)."""
     weights = fp8_weights
     reference = qwen3_moe.Qwen3MoeModel(SMALL, weights, expert_ids=range(SMALL.num_experts))
     model, kernel = _kernel_model(weights, quant_linear, monkeypatch, "fp8")
     for i in SMALL.moe_layers:
         model.layers[i].feed_forward.backend = _ForcedQuantMoE(quant_moe, [])
-    expected = _steps(reference, _pool(), None, monkeypatch, 20)
-    got = _steps(model, _pool(), fused_layer, monkeypatch, 20)
+    expected = _steps(reference, _pool(), None, monkeypatch, 20, decode_rows=(1,))
+    got = _steps(model, _pool(), fused_layer, monkeypatch, 20, decode_rows=(1,))
     errors = [float((ours - theirs).abs().max() / theirs.abs().max()) for ours, theirs in zip(got, expected)]
     print("fp8 tensor-core path, max |logit error| / max |logit| per step:", errors)
-    # float8 activations (3 mantissa bits) in the prefill and its K/V in the decode steps', through
-    # four layers of a random model: about a tenth of the largest logit here (quant_ref's
-    # quant_act_fp8 before the attention and dense projections alone, in torch, gives 0.10 on this
-    # prefill). A wrong scale or layout is off by about the logits themselves.
+    # float8 activations (3 mantissa bits) in the prefill and its K/V in the decode step's, through
+    # two layers of a random model: about a tenth of the largest logit here (with four layers,
+    # quant_ref's quant_act_fp8 before the attention and dense projections alone, in torch, gave 0.10
+    # on this prefill). A wrong scale or layout is off by about the logits themselves.
     assert max(errors) < 0.3
     assert kernel.count > 0
 
