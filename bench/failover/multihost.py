@@ -129,8 +129,8 @@ def write(result: dict, out: pathlib.Path) -> None:
                      f"{c['recovery_ms_max']:.0f} | {runs} |")
     lines += ["", "Recovery: from the failure to the first token after the longest gap in all clients' tokens. "
               "host: every process of the rank's host SIGKILLed at once; partition: the rank's host cut off the "
-              "bridge (nothing errors at once). Either way the scheduler leader's rank probe misses the rank "
-              "(3 checks, 0.1 s apart) and revokes its lease, the survivor severs the old epoch's connections, "
+              "bridge (nothing errors at once). The scheduler leader's rank probe loses the rank (2 refused checks, "
+              "or 0.45 s without an answer after a serving one) and revokes its lease, the survivor severs the old epoch's connections, "
               "and the standby joins it; without the probe the lease TTL and the collective timeout bound it."]
     (out / "multihost.md").write_text("\n".join(lines) + "\n")
 
