@@ -146,6 +146,9 @@ class Supervisor:
             self._pool.submit(self._probe_one, key, port)
         killed = []
         now = time.monotonic()
+        if not judge:  # this process was paused or starved, not the roles: their silence counts from now
+            with self._lock:
+                self._judge.pardon(now)
         for key, (role, _) in targets.items() if judge else ():
             with self._lock:
                 why = self._judge.why(key, now) if self._judge.is_lost(key, now) else None

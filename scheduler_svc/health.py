@@ -109,6 +109,12 @@ class SilenceJudge:
         since, health = self._last[key]
         return f"has not answered a health check for {now - since:.2f} s (last answer {health.value})"
 
+    def pardon(self, now: float) -> None:
+        """The prober itself was not running (paused, starved of CPU) until `now`: nothing
+        is known of the members' silence meanwhile, so every silence counts from `now`."""
+        for key, (since, health) in self._last.items():
+            self._last[key] = (max(since, now), health)
+
     def forget(self, key: str) -> None:
         """The member left (or was given up on): its history goes."""
         self._last.pop(key, None)

@@ -129,7 +129,9 @@ async def probe_members(client: ClusterClient, probe: MemberProbe,
                 if key not in checking:
                     checking[key] = asyncio.create_task(keep_checking(key, member.address), name=f"check-{key}")
             now = loop.time()
-            if now - due <= probe.interval_s:  # on time: every answer that came is recorded
+            if now - due > probe.interval_s:  # late: this prober was paused or starved, not the members
+                judge.pardon(now)
+            else:
                 for key, member in list(members.items()):
                     if judge.is_lost(key, now):
                         log.warning("%s %s at %s %s: revoking its lease", probe.role, member.member_id,

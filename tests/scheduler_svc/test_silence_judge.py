@@ -102,3 +102,15 @@ def test_bad_settings_are_refused(kwargs):
         SilenceJudge(0)
     with pytest.raises(ValueError, match="silence judge"):
         SilenceJudge(1, silent_s=1.0, silent_not_serving_s=-1.0)
+
+
+def test_a_pause_of_the_prober_itself_is_pardoned():
+    """Woken after a pause (SIGSTOP, starved), the prober knows nothing of the members' silence
+    meanwhile: the first member to answer must not make the others look silent for the whole pause."""
+    judge = SilenceJudge(2, silent_s=0.5)
+    judge.answered("a", Health.SERVING, 1.0)
+    judge.answered("b", Health.SERVING, 1.0)
+    judge.pardon(10.0)  # paused from 1.0 to 10.0
+    judge.answered("a", Health.SERVING, 10.05)
+    assert not judge.is_lost("b", 10.1)  # b's answer is still on its way
+    assert judge.is_lost("b", 10.5)  # silent for the allowance after the pause: lost
