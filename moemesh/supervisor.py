@@ -75,7 +75,8 @@ class SupervisorConfig:
 
     def judge(self) -> SilenceJudge:
         try:
-            return SilenceJudge(self.refusals, self.silent_s, self.silent_not_ready_s)
+            return SilenceJudge(self.refusals, self.silent_s, self.silent_not_ready_s,
+                                interval_s=self.interval_s)
         except ValueError as error:
             raise ValueError(f"the supervisor needs {error}") from None
 
@@ -124,15 +125,13 @@ class Supervisor:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> None:
-        due = time.monotonic()
-        while not self._stop.wait(max(0.0, due - time.monotonic())):
-            # A late tick (this process starved of CPU) may not have every answer recorded: it only probes.
-            self.judge_once(judge=time.monotonic() - due <= self.config.interval_s)
-            due = max(due + self.config.interval_s, time.monotonic())
+        while not self._stop.wait(self.config.interval_s):
+            self.judge_once()
 
-    def judge_once(self, judge: bool = True) -> list[str]:
+    def judge_once(self) -> list[str]:
         """Sends every role one more GET (up to MAX_IN_FLIGHT unanswered each), forgets the
-        roles gone, and (if `judge`) kills those that stopped answering; returns their names."""
+        roles gone, and kills those that stopped answering (this round's own lateness
+        forgiven: SilenceJudge.tick); returns their names."""
         targets = {f"{role.name}@{role.proc.pid}": (role, port) for role in self._roles()
                    if role.proc.poll() is None and (port := role.metrics_port) is not None}
         with self._lock:
@@ -146,10 +145,9 @@ class Supervisor:
             self._pool.submit(self._probe_one, key, port)
         killed = []
         now = time.monotonic()
-        if not judge:  # this process was paused or starved, not the roles: their silence counts from now
-            with self._lock:
-                self._judge.pardon(now)
-        for key, (role, _) in targets.items() if judge else ():
+        with self._lock:
+            self._judge.tick(now)
+        for key, (role, _) in targets.items():
             with self._lock:
                 why = self._judge.why(key, now) if self._judge.is_lost(key, now) else None
                 if why is not None:

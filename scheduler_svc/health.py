@@ -70,6 +70,9 @@ class SilenceJudge:
     refusals: int
     silent_s: float | None = None
     silent_not_serving_s: float | None = None
+    # How often the prober judges (`tick`): a longer gap between rounds is the prober's own pause.
+    interval_s: float | None = None
+    _last_tick: float | None = None
     _last: dict = dataclasses.field(default_factory=dict)  # key -> (time, SERVING or NOT_SERVING)
     _refused: dict = dataclasses.field(default_factory=dict)  # key -> refusals in a row
 
@@ -109,11 +112,20 @@ class SilenceJudge:
         since, health = self._last[key]
         return f"has not answered a health check for {now - since:.2f} s (last answer {health.value})"
 
-    def pardon(self, now: float) -> None:
-        """The prober itself was not running (paused, starved of CPU) until `now`: nothing
-        is known of the members' silence meanwhile, so every silence counts from `now`."""
-        for key, (since, health) in self._last.items():
-            self._last[key] = (max(since, now), health)
+    def tick(self, now: float) -> None:
+        """Starts a judging round. A round later than `interval_s` after the last one means the
+        prober itself was not running (paused, starved of CPU) for the excess: answers may be
+        waiting unread and nothing is known of the members meanwhile, so that time does not
+        count as their silence (every member's last answer moves forward by it, never past now).
+        A prober that is only ever late still judges: its lateness is forgiven, not its members'
+        silence."""
+        last, self._last_tick = self._last_tick, now
+        if last is None or self.interval_s is None:
+            return
+        excess = now - last - self.interval_s
+        if excess > 0:
+            for key, (since, health) in self._last.items():
+                self._last[key] = (min(since + excess, now), health)
 
     def forget(self, key: str) -> None:
         """The member left (or was given up on): its history goes."""

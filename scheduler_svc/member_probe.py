@@ -32,9 +32,9 @@ loop) stops, and is lost `silent_s` after its last answer.
   for a moment, e.g. while the garbage collector freezes the loaded weights'
   objects) holds no stream, and its silence is left to its lease.
 
-A tick of the judge that comes late (this scheduler was starved of CPU, so
-answers that arrived meanwhile may not be recorded yet) judges nobody: the
-next one does.
+A judging round that comes late (this scheduler was paused or starved of
+CPU, so answers that arrived meanwhile may not be recorded yet) does not
+count its own lateness as the members' silence (SilenceJudge.tick).
 """
 
 import asyncio
@@ -80,7 +80,7 @@ class MemberProbe:
         return max(0.0, self.silent_s - self.interval_s), self.silent_s + self.interval_s
 
     def judge(self) -> SilenceJudge:
-        return SilenceJudge(self.refusals, self.silent_s)
+        return SilenceJudge(self.refusals, self.silent_s, interval_s=self.interval_s)
 
 
 async def probe_members(client: ClusterClient, probe: MemberProbe,
@@ -129,15 +129,13 @@ async def probe_members(client: ClusterClient, probe: MemberProbe,
                 if key not in checking:
                     checking[key] = asyncio.create_task(keep_checking(key, member.address), name=f"check-{key}")
             now = loop.time()
-            if now - due > probe.interval_s:  # late: this prober was paused or starved, not the members
-                judge.pardon(now)
-            else:
-                for key, member in list(members.items()):
-                    if judge.is_lost(key, now):
-                        log.warning("%s %s at %s %s: revoking its lease", probe.role, member.member_id,
-                                    member.address, judge.why(key, now))
-                        judge.forget(key)  # lost again only after a new answer
-                        await client.depose_member(probe.role, member.member_id, member.address)
+            judge.tick(now)
+            for key, member in list(members.items()):
+                if judge.is_lost(key, now):
+                    log.warning("%s %s at %s %s: revoking its lease", probe.role, member.member_id,
+                                member.address, judge.why(key, now))
+                    judge.forget(key)  # lost again only after a new answer
+                    await client.depose_member(probe.role, member.member_id, member.address)
             due = max(due + probe.interval_s, now)
             await asyncio.sleep(max(0.0, due - loop.time()))
     finally:

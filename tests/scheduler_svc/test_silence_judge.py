@@ -107,10 +107,32 @@ def test_bad_settings_are_refused(kwargs):
 def test_a_pause_of_the_prober_itself_is_pardoned():
     """Woken after a pause (SIGSTOP, starved), the prober knows nothing of the members' silence
     meanwhile: the first member to answer must not make the others look silent for the whole pause."""
-    judge = SilenceJudge(2, silent_s=0.5)
+    judge = SilenceJudge(2, silent_s=0.5, interval_s=0.1)
     judge.answered("a", Health.SERVING, 1.0)
     judge.answered("b", Health.SERVING, 1.0)
-    judge.pardon(10.0)  # paused from 1.0 to 10.0
+    judge.tick(1.0)
+    judge.tick(1.1)  # on time
+    judge.tick(10.0)  # paused from 1.1 to 10.0: 8.8 s not the members' silence
     judge.answered("a", Health.SERVING, 10.05)
     assert not judge.is_lost("b", 10.1)  # b's answer is still on its way
-    assert judge.is_lost("b", 10.5)  # silent for the allowance after the pause: lost
+    judge.tick(10.1)
+    assert not judge.is_lost("b", 10.25)
+    judge.tick(10.2)
+    judge.tick(10.3)
+    assert judge.is_lost("b", 10.35)  # silent for the allowance after the pause: lost
+
+
+def test_a_prober_that_is_always_late_still_judges():
+    """Rounds every 0.3 s against an interval of 0.1 s: 0.2 s of each is forgiven, the rest counts."""
+    judge = SilenceJudge(2, silent_s=0.5, interval_s=0.1)
+    judge.answered("a", Health.SERVING, 0.0)
+    judge.tick(0.0)
+    lost_at = None
+    for i in range(1, 20):
+        now = 0.3 * i
+        judge.answered("witness", Health.SERVING, now)
+        judge.tick(now)
+        if judge.is_lost("a", now):
+            lost_at = now
+            break
+    assert lost_at is not None and 1.2 <= lost_at <= 1.8, lost_at
