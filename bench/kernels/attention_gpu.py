@@ -22,8 +22,10 @@
    static batch has), to show the split count chosen from the width still
    fits short contexts. Sweeps of the split count and tile shape show how
    good the defaults are.
-3. Prefill speed: one 2048-token prompt and a 512-token chunk at offset 3584,
-   Triton against the torch reference.
+3. Prefill speed: whole prompts of 2,048, 4,096 and 8,192 tokens and chunks of
+   512 after 3,584 cached and 4,096 after 4,096: the backend (whole prompts
+   through torch's fused attention), its prefill kernel alone (kernel_only),
+   other kernel tiles, and the torch reference (up to 4,096 tokens).
 
 Writes attention_gpu.md and attention_gpu.json under --out. Exit status 1 if
 an accuracy check fails. Needs CUDA, torch and triton only.
@@ -131,6 +133,10 @@ def accuracy() -> list[dict]:
         batch = build_forward_batch(_seqs(mixed_decode_specs, 512, rng), BLOCK_SIZE, DEVICE)
         rows.append(_check(f"{shape_name} mixed prefill, mixed_decode (5 decodes via the decode kernel)",
                            TritonPagedAttention(mixed_decode=True), batch, num_heads, num_kv_heads))
+        # Whole prompts of 1,536 and 1,200 tokens through torch's fused attention, beside a chunk and a decode.
+        batch = build_forward_batch(_seqs([(1536, 0), (300, 500), (1, 900), (1200, 0)], 512, rng), BLOCK_SIZE, DEVICE)
+        rows.append(_check(f"{shape_name} whole prompts via the fused attention (+ chunk, decode)",
+                           TritonPagedAttention(), batch, num_heads, num_kv_heads))
         # --kv-cache-dtype fp8_e4m3: the same kernels over a float8 cache.
         batch = build_decode_batch(_seqs(decode_specs, 512, rng), BLOCK_SIZE, DEVICE, num_rows=11, max_blocks=200)
         rows.append(_check(f"{shape_name} decode, fp8 KV cache", TritonPagedAttention(), batch, num_heads,
@@ -263,17 +269,21 @@ def decode_speed(iters) -> tuple[list[dict], list[dict]]:
 def prefill_speed(iters) -> list[dict]:
     num_heads, num_kv_heads = SHAPES["30B-A3B"]
     rows = []
-    for q_len, cached in ((2048, 0), (512, 3584)):
-        seqs = _seqs([(q_len, cached)], 4096 // BLOCK_SIZE, random.Random(3))
+    for q_len, cached in ((2048, 0), (512, 3584), (4096, 0), (8192, 0), (4096, 4096)):
+        seqs = _seqs([(q_len, cached)], (q_len + cached) // BLOCK_SIZE, random.Random(3))
         batch = build_forward_batch(seqs, BLOCK_SIZE, DEVICE)
-        pool = _pool(1, 4096 // BLOCK_SIZE, num_kv_heads, torch.bfloat16)
+        pool = _pool(1, (q_len + cached) // BLOCK_SIZE, num_kv_heads, torch.bfloat16)
         q, k, v = _inputs(q_len, num_heads, num_kv_heads, torch.bfloat16)
         row = {"new_tokens": q_len, "cached_tokens": cached}
-        backends = {"triton": TritonPagedAttention(), "torch_ref": TorchReferenceAttention(),
+        backends = {"triton": TritonPagedAttention(), "kernel_only": TritonPagedAttention(sdpa_min_tokens=0),
+                    "torch_ref": TorchReferenceAttention(),
+                    "triton_256x8": TritonPagedAttention(prefill_rows=256, num_warps=8, sdpa_min_tokens=0),
                     "triton_128x4": TritonPagedAttention(prefill_rows=128),
                     "triton_128x8": TritonPagedAttention(prefill_rows=128, num_warps=8)}
         for name, backend in backends.items():
-            if name.startswith("triton_1"):  # a variant; one that does not compile is a result
+            if name == "torch_ref" and q_len + cached > 4096:  # its score matrix alone would take seconds
+                continue
+            if name.startswith("triton_"):  # a variant; one that does not compile is a result
                 try:
                     backend.forward(0, q, k, v, batch, pool, HEAD_DIM ** -0.5)
                 except Exception as error:  # noqa: BLE001
@@ -339,8 +349,9 @@ def main() -> int:
         "## Decode variants: split count, block_n, warps (CUDA graph, per layer)",
         _table(sweep, ["batch", "context", "splits", "block_n", "num_warps", "graph_us", "graph_tbps", "error"]),
         "## Prefill, one sequence (32 q / 4 KV heads; triton_RxW: R rows per program, W warps)",
-        _table(prefill, ["new_tokens", "cached_tokens", "triton_us", "triton_tflops", "triton_128x4_us",
-                         "triton_128x8_us", "torch_ref_us", "torch_ref_tflops"]),
+        _table(prefill, ["new_tokens", "cached_tokens", "triton_us", "triton_tflops", "kernel_only_us",
+                         "kernel_only_tflops", "triton_256x8_us", "triton_128x4_us", "triton_128x8_us", "torch_ref_us",
+                         "torch_ref_tflops"]),
         "Errors: " + ("; ".join(result["errors"]) or "none"),
     ]) + "\n"
     print(md, flush=True)

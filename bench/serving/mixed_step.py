@@ -10,14 +10,16 @@ serving model (random weights, bf16), model.forward of:
 - prefill: 8 new prompts x 512 tokens;
 - mixed: 8 chunks x 480 tokens, each after 512 cached, plus 256 decodes at 1K context
   (4,096 tokens, the gateway's --max-batch-tokens);
-- decode: the 256 decodes alone, eagerly.
+- decode: the 256 decodes alone, eagerly;
+- with --long-prompt L: long, one whole prompt of L tokens (nothing cached), and
+  long_mixed, it beside the decodes (the production mix's 4-8K prompts).
 For each: the host time until forward returns (launches) and the wall time to the
 device's end, over 5 steps after 3 warm-ups; the host syncs of one step
 (torch.cuda.set_sync_debug_mode "warn": each sync warns with where it happened);
 and the top kernels of one step (torch.profiler). Then the mixed step again with
 each --variants setting of the triton attention (TritonPagedAttention's knobs:
 mixed_decode sends the decodes through the decode kernel, prefill_rows, block_n,
-num_warps, prefill_stages): its wall time and its logits' largest difference from the default's.
+num_warps, prefill_stages, sdpa_min_tokens: 0 keeps whole prompts in the prefill kernel): its wall time and its logits' largest difference from the default's.
 Writes mixed_step.json and .md.
 """
 
@@ -41,7 +43,7 @@ NUM_CHUNKS = 8
 # name=knob:value,...: TritonPagedAttention settings the mixed step is timed with.
 DEFAULT_VARIANTS = ("mixed_decode=mixed_decode:1;rows128=prefill_rows:128,num_warps:8;"
                     "rows128_mixed=prefill_rows:128,num_warps:8,mixed_decode:1;block_n128=block_n:128;"
-                    "rows32=prefill_rows:32;stages2=prefill_stages:2;stages4=prefill_stages:4")
+                    "rows32=prefill_rows:32;stages2=prefill_stages:2;stages4=prefill_stages:4;sdpa_off=sdpa_min_tokens:0")
 
 
 def parse_variants(text: str) -> dict[str, dict[str, int]]:
@@ -58,7 +60,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def step_batches(per_seq: int, num_decodes: int, num_chunks: int) -> dict[str, list[SeqInput]]:
+def step_batches(per_seq: int, num_decodes: int, num_chunks: int, long_prompt: int = 0) -> dict[str, list[SeqInput]]:
     def table(i: int) -> list[int]:
         return list(range(i * per_seq, (i + 1) * per_seq))
 
@@ -66,7 +68,13 @@ def step_batches(per_seq: int, num_decodes: int, num_chunks: int) -> dict[str, l
     fresh = [SeqInput(num_decodes + i, [2000 + i] * 512, 0, table(num_decodes + i), True) for i in range(num_chunks)]
     chunks = [SeqInput(num_decodes + i, [2000 + i] * 480, 512, table(num_decodes + i), True)
               for i in range(num_chunks)]
-    return {"prefill": fresh, "mixed": chunks + decodes, "decode": decodes}
+    steps = {"prefill": fresh, "mixed": chunks + decodes, "decode": decodes}
+    if long_prompt:  # its blocks after every other sequence's
+        first = (num_decodes + num_chunks) * per_seq
+        long = SeqInput(num_decodes + num_chunks, [3000] * long_prompt, 0,
+                        list(range(first, first + -(-long_prompt // BLOCK))), True)
+        steps |= {"long": [long], "long_mixed": [long] + decodes}
+    return steps
 
 
 def time_step(model, batch, kv, device: str, num_tokens: int) -> dict:
@@ -144,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=0, help="fewer layers (0: the preset's)")
     parser.add_argument("--decodes", type=int, default=NUM_DECODES, help="decode rows of the mixed step")
     parser.add_argument("--chunks", type=int, default=NUM_CHUNKS, help="prefill chunks of the mixed step")
+    parser.add_argument("--long-prompt", type=int, default=0,
+                        help="also time one whole prompt of this many tokens, alone and beside the decodes")
+    parser.add_argument("--variants-step", default="mixed", help="the step the variants are timed on")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS, help="triton attention settings to time the mixed "
                         "step with: name=knob:value,...;... ('' for none; CUDA only)")
     parser.add_argument("--out", type=pathlib.Path, required=True)
@@ -164,8 +175,10 @@ def main(argv: list[str] | None = None) -> int:
               "layers": config.num_hidden_layers, "device": args.device,
               "model_build_s": round(time.perf_counter() - start, 1), "steps": {}}
     per_seq = -(-(CONTEXT + 1) // BLOCK)
-    kv = KVPool.for_model(config, per_seq * (args.decodes + args.chunks), BLOCK, dtype, args.device)
-    for name, seqs in step_batches(per_seq, args.decodes, args.chunks).items():
+    kv = KVPool.for_model(config, per_seq * (args.decodes + args.chunks) + -(-args.long_prompt // BLOCK), BLOCK,
+                          dtype, args.device)
+    steps = step_batches(per_seq, args.decodes, args.chunks, args.long_prompt)
+    for name, seqs in steps.items():
         batch = build_forward_batch(seqs, BLOCK, args.device)
         num_tokens = batch.num_tokens
         row = time_step(model, batch, kv, args.device, num_tokens)
@@ -175,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {num_tokens} tokens, launch {row['launch_ms']} ms, wall {row['wall_ms']} ms, "
               f"{len(row['host_syncs'])} host syncs", *row["host_syncs"][:8], row["profile"], sep="\n", flush=True)
     if args.device == "cuda" and args.variants:
-        report["variants"] = time_variants(model, kv, step_batches(per_seq, args.decodes, args.chunks)["mixed"],
-                                           parse_variants(args.variants), args.device)
+        report["variants_step"] = args.variants_step
+        report["variants"] = time_variants(model, kv, steps[args.variants_step], parse_variants(args.variants),
+                                           args.device)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "mixed_step.json").write_text(json.dumps(report, indent=1) + "\n")
     lines = ["# Eager prefill, mixed and decode steps of the serving model", "",
@@ -185,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {name} | {r['tokens']} | {r['launch_ms']} | {r['wall_ms']} | {len(r['host_syncs'])} |"
               for name, r in report["steps"].items()]
     if report.get("variants"):
-        lines += ["", "## The mixed step with other triton attention settings", "",
+        lines += ["", f"## The {report['variants_step']} step with other triton attention settings", "",
                   "| variant | settings | wall ms | largest logit difference from the default |", "|---|---|---:|---:|"]
         lines += [f"| {name} | {v['knobs']} | {v['wall_ms']} | {v['max_logit_diff']} |"
                   for name, v in report["variants"].items()]

@@ -24,6 +24,16 @@ the launch grid and the split count depend on tensor shapes alone.
   programs for 3,072 tiles of work). With mixed_decode the single-token
   sequences of such a batch go through the decode kernel instead (their
   K/V stored with the chunks'), as a list of sequence ids.
+- Whole prompts (no cached prefix) of at least SDPA_PREFILL_MIN_TOKENS tokens:
+  torch's scaled_dot_product_attention on the step's own K/V (cuDNN's fused
+  kernel first), causal, query heads grouped over the KV heads; the prefill
+  kernel tiles the rest of the batch. On an H200 cuDNN ran a 4-8K-token
+  causal prompt at about twice the prefill kernel's speed, and the FLOPs of a
+  long prompt's attention grow with its square, so these prompts are where a
+  prefill step's attention time goes; with a cached prefix (later chunks,
+  prefix-cache hits) the causal mask is aligned to the bottom right, which
+  cuDNN ran no faster than this kernel, so those stay here. A float8 cache
+  keeps every prompt here: this kernel attends to the K/V as stored, rounded.
 - Expanded decode (ForwardBatch.is_expanded: a sequence's few new tokens as
   consecutive decode rows): row j + 1 reads row j's K/V, which another
   program of the same launch would write, so the KV-write kernel stores every
@@ -35,9 +45,11 @@ N context tokens of one loop step, S splits.
 """
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.model.attention import ATTENTION_BACKENDS, AttentionBackend
 from services.model.batch import to_device
@@ -69,6 +81,12 @@ DECODE_LAUNCH: dict[str, int] = {}
 # (docs/performance.md).
 # False: bf16 operands (the model dtype), e.g. to compare.
 FP8_DOTS_IN_FP16 = True
+# Whole prompts of at least this many tokens go to torch's fused attention (module doc); 0: none.
+SDPA_PREFILL_MIN_TOKENS = 1024
+# Its kernels in the order tried: cuDNN's was the fastest causal prefill on an H200; off CUDA
+# only the math one runs.
+_SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                  SDPBackend.MATH]
 # The number of SMs assumed off CUDA (the interpreter), for the split count.
 _CPU_NUM_SMS = 4
 
@@ -253,6 +271,17 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, co
              out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
+def _attend_whole_prompt(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, o_THK: Tensor, start: int, length: int,
+                         scale: float) -> None:
+    """o_THK's rows start..start+length: causal attention of one whole prompt (nothing cached)
+    over its own K/V, by torch's fused kernels; views in, no copies of q, K or V."""
+    rows = slice(start, start + length)
+    q, k, v = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q_THK, k_TGK, v_TGK))  # [1, heads, L, D]
+    with sdpa_kernel(_SDPA_BACKENDS, set_priority=True):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    o_THK[rows] = out[0].transpose(0, 1)
+
+
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
     """Splits per (sequence, KV head): a power of two giving about DECODE_PROGRAMS_PER_SM
     programs per SM.
@@ -278,18 +307,22 @@ class TritonPagedAttention(AttentionBackend):
     batch with prefill chunks, the single-token sequences (the decodes) go
     through the decode kernel (its split-K over the context, GROUP_PAD rows a
     program) instead of a prefill tile each (prefill_rows rows, one token's
-    group heads valid).
+    group heads valid). `sdpa_min_tokens`: whole prompts this long or longer go to torch's
+    fused attention (None: SDPA_PREFILL_MIN_TOKENS; 0: none).
     """
 
     def __init__(self, decode_splits: int | None = None, *, block_n: int = 64, prefill_rows: int = 64,
-                 num_warps: int = 4, prefill_stages: int | None = None, mixed_decode: bool = False):
+                 num_warps: int = 4, prefill_stages: int | None = None, mixed_decode: bool = False,
+                 sdpa_min_tokens: int | None = None):
         if decode_splits is not None and (decode_splits <= 0 or decode_splits & (decode_splits - 1)):
             raise ValueError(f"decode_splits must be a power of two, got {decode_splits}")
         self.decode_splits, self.block_n, self.prefill_rows = decode_splits, block_n, prefill_rows
         self.num_warps, self.mixed_decode = num_warps, mixed_decode
         self.prefill_launch = {} if prefill_stages is None else {"num_stages": prefill_stages}
+        self.sdpa_min_tokens = SDPA_PREFILL_MIN_TOKENS if sdpa_min_tokens is None else sdpa_min_tokens
         self._num_sms: dict[torch.device, int] = {}
-        # (batch, block_q, tiles, decode sequences): the last prefill batch's work lists (_prefill_tiles).
+        # (batch, block_q, whole, tiles, decode sequences, whole prompts): the last prefill batch's
+        # work lists (_prefill_tiles).
         self._tiles: tuple | None = None
 
     def forward(self, layer, q_THK, k_TGK, v_TGK, batch, kv, scale):
@@ -325,7 +358,10 @@ class TritonPagedAttention(AttentionBackend):
         else:
             group_pad = triton.next_power_of_2(group)
             block_q = max(1, self.prefill_rows // group_pad)
-            tiles_2W, decode_seqs_D = self._prefill_tiles(batch, block_q, q_THK.device)
+            whole_ok = k_cache.element_size() > 1  # a float8 cache: attend to the K/V as stored
+            tiles_2W, decode_seqs_D, whole = self._prefill_tiles(batch, block_q, q_THK.device, whole_ok)
+            for start, length in whole:
+                _attend_whole_prompt(q_THK, k_TGK, v_TGK, o_THK, start, length, scale)
             if tiles_2W.shape[1]:
                 _prefill_kernel[(tiles_2W.shape[1], num_kv_heads)](
                     cu_q_lens_ptr=batch.cu_q_lens_B1, tiles_ptr=tiles_2W, num_tiles=tiles_2W.shape[1],
@@ -335,15 +371,22 @@ class TritonPagedAttention(AttentionBackend):
                              num_kv_heads, max_context, q_THK.device, (decode_seqs_D, batch.cu_q_lens_B1))
         return o_THK
 
-    def _prefill_tiles(self, batch, block_q: int, device: torch.device) -> tuple[Tensor, Tensor | None]:
+    def _prefill_tiles(self, batch, block_q: int, device: torch.device,
+                       whole_ok: bool = False) -> tuple[Tensor, Tensor | None, list[tuple[int, int]]]:
         """The work lists of a batch with prefill chunks, on the device; built once per batch
         (every layer of a step reuses them), without a sync: [2, W] int32, the sequence and
-        tile of each of the W query tiles the prefill kernel runs, and with mixed_decode the
-        int32 ids of the single-token sequences the decode kernel runs instead (None if none)."""
-        if self._tiles is not None and self._tiles[0] is batch and self._tiles[1] == block_q:
-            return self._tiles[2], self._tiles[3]
-        seqs, tiles, decodes = [], [], []
-        for b, q_len in enumerate(batch.q_lens):
+        tile of each of the W query tiles the prefill kernel runs; with mixed_decode the
+        int32 ids of the single-token sequences the decode kernel runs instead (None if none);
+        and (if whole_ok) the (first row, length) of each whole prompt torch's fused attention
+        takes (at least sdpa_min_tokens new tokens, nothing cached)."""
+        key = (batch, block_q, whole_ok)
+        if self._tiles is not None and self._tiles[0] is batch and self._tiles[1:3] == key[1:]:
+            return self._tiles[3:]
+        seqs, tiles, decodes, whole = [], [], [], []
+        for b, (start, q_len, context_len) in enumerate(zip(batch.cu_q_lens, batch.q_lens, batch.context_lens)):
+            if whole_ok and self.sdpa_min_tokens and q_len >= self.sdpa_min_tokens and context_len == q_len:
+                whole.append((start, q_len))
+                continue
             if self.mixed_decode and q_len == 1:
                 decodes.append(b)
                 continue
@@ -353,8 +396,8 @@ class TritonPagedAttention(AttentionBackend):
         on_device = to_device(torch.tensor(seqs + tiles + decodes, dtype=torch.int32), device)  # one copy
         tiles_2W = on_device[:2 * len(tiles)].view(2, len(tiles))
         decode_seqs_D = on_device[2 * len(tiles):] if decodes else None
-        self._tiles = (batch, block_q, tiles_2W, decode_seqs_D)
-        return tiles_2W, decode_seqs_D
+        self._tiles = (*key, tiles_2W, decode_seqs_D, whole)
+        return tiles_2W, decode_seqs_D, whole
 
     def _decode(self, common: dict, k_TGK: Tensor, v_TGK: Tensor, slot_mapping_T: Tensor, num_seqs: int,
                 num_heads: int, num_kv_heads: int, max_context: int, device: torch.device,

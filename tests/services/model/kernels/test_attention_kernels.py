@@ -151,7 +151,8 @@ def test_prefill_launches_one_program_per_query_tile_and_head(triton_attention):
             SeqInput(2, list(range(13)), 0, tables[2], True), SeqInput(3, list(range(20)), 3, tables[3], True)]
     batch = build_forward_batch(seqs, BLOCK_SIZE, "cpu")
     backend = triton_attention.TritonPagedAttention(block_n=16, prefill_rows=16)  # group 4: 4 tokens a tile
-    tiles, decodes = backend._prefill_tiles(batch, 4, torch.device("cpu"))
+    tiles, decodes, whole = backend._prefill_tiles(batch, 4, torch.device("cpu"))
+    assert whole == []
     assert tiles.tolist() == [[0, 0, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3], [0, 1, 0, 0, 1, 2, 3, 0, 1, 2, 3, 4]]
     assert decodes is None
     assert backend._prefill_tiles(batch, 4, torch.device("cpu"))[0] is tiles  # once per step, not per layer
@@ -198,7 +199,7 @@ def test_mixed_batch_decodes_through_the_decode_kernel(triton_attention, shape, 
     backend = triton_attention.TritonPagedAttention(splits, block_n=16, prefill_rows=16, mixed_decode=True)
     _compare(backend, batch, *shape)
     group_pad = triton_attention.triton.next_power_of_2(shape[0] // shape[1])
-    tiles, decodes = backend._prefill_tiles(batch, max(1, 16 // group_pad), torch.device("cpu"))
+    tiles, decodes, _ = backend._prefill_tiles(batch, max(1, 16 // group_pad), torch.device("cpu"))
     assert decodes.tolist() == [0, 2, 4, 5] and 0 not in tiles[0].tolist() and 2 not in tiles[0].tolist()
 
 
@@ -211,6 +212,32 @@ def test_mixed_decode_launches(triton_attention):
     # group 4: 4 tokens a tile; chunks of 7, 13 and 20 tokens: 2 + 4 + 5 tiles; the decode grid
     # KV heads x decodes x splits (DECODE_HEADS_FIRST).
     assert launched == {"_prefill_kernel": [(11, 2)], "_decode_kernel": [(2, 4, 4)], "_decode_reduce_kernel": [(4, 8)]}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_whole_prompts_go_to_fused_attention(triton_attention, shape):
+    """Prompts with nothing cached, at least sdpa_min_tokens long, attend through torch's fused
+    attention (grouped query heads); the chunks after a cached prefix, the decodes and the shorter
+    prompts stay in the kernels, and the batch matches the reference."""
+    batch = _mixed_batch()  # whole prompts of 13 and 1 tokens (sequences 3 and 5), chunks of 7 and 20 after a prefix
+    backend = triton_attention.TritonPagedAttention(4, block_n=16, prefill_rows=16, sdpa_min_tokens=8)
+    _compare(backend, batch, *shape)
+    group_pad = triton_attention.triton.next_power_of_2(shape[0] // shape[1])
+    tiles, _, whole = backend._prefill_tiles(batch, max(1, 16 // group_pad), torch.device("cpu"), True)
+    start = batch.cu_q_lens[3]
+    assert whole == [(start, 13)] and 3 not in tiles[0].tolist() and 6 in tiles[0].tolist()
+
+
+def test_whole_prompts_stay_in_the_kernel_over_a_float8_cache(triton_attention):
+    """A float8 cache: the prefill kernel reads back the rounded K/V it stored, so no prompt goes
+    to the fused attention (which would attend to the unrounded K/V in hand)."""
+    batch = _mixed_batch()
+    backend = triton_attention.TritonPagedAttention(4, block_n=16, prefill_rows=16, sdpa_min_tokens=8)
+    pools = [KVPool(1, NUM_BLOCKS, BLOCK_SIZE, 2, 32, torch.float8_e4m3fn, "cpu")]
+    q, k, v = (torch.randn(batch.num_tokens, h, 32) for h in (8, 2, 2))
+    launched = _launch_grids(triton_attention, ["_prefill_kernel"],
+                             lambda: backend.forward(0, q, k, v, batch, pools[0], 32 ** -0.5))
+    assert backend._tiles[-1] == [] and launched["_prefill_kernel"]
 
 
 def test_padded_decode_rows_write_nothing_and_return_zeros(triton_attention):
