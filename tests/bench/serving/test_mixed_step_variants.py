@@ -26,7 +26,7 @@ def test_parse_variants():
         "a": {"mixed_decode": 1}, "b": {"prefill_rows": 128, "num_warps": 8}}
     assert mixed_step.parse_variants("") == {}
     assert set(mixed_step.parse_variants(mixed_step.DEFAULT_VARIANTS)) == {
-        "mixed_decode", "rows128", "rows128_mixed", "block_n128", "rows32", "stages2", "stages4"}
+        "mixed_decode", "rows128", "rows128_mixed", "block_n128", "rows32", "stages2", "stages4", "sdpa_off"}
 
 
 def test_variants_time_the_mixed_step_and_match_the_default():
