@@ -31,6 +31,8 @@ EP_EXPERTS = True
 # Bigger steps launch each column tile over every block in turn. The faster order on an H200
 # up to this size (docs/performance.md).
 TILES_FIRST_MAX_TOKENS = 512
+# Shared memory a block may use on an H100/H200 (227 KB).
+SHARED_MEMORY_BYTES = 232448
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -155,6 +157,14 @@ def _grid(num_blocks: int, num_tiles: int, tiles_first: bool) -> tuple[int, int]
     return (num_tiles, num_blocks) if tiles_first else (num_blocks, num_tiles)
 
 
+def _stages(tile: GemmBlocks, block_m: int, element_size: int, num_weights: int) -> int:
+    """tile.num_stages, fewer where its buffers (one fewer than the stages) would not fit an H100/H200
+    block's shared memory: 4-byte operands (an fp32 model) double a stage's bytes, and the bf16
+    tiles were sized to fit once, not twice."""
+    stage_bytes = tile.block_k * (block_m + num_weights * tile.block_n) * element_size
+    return max(1, min(tile.num_stages, SHARED_MEMORY_BYTES // stage_bytes + 1))
+
+
 def gate_up(x_TD: Tensor, a: Alignment, w_gate_up_EGD: Tensor, top_k: int, tile: GemmBlocks,
             tiles_first: bool = False) -> Tensor:
     """act_PF = SiLU(x W_gate^T) * (x W_up^T) for each position's routed row, by expert
@@ -169,7 +179,8 @@ def gate_up(x_TD: Tensor, a: Alignment, w_gate_up_EGD: Tensor, top_k: int, tile:
             x_TD, a.sorted_ids_P, a.starts_E, a.counts_E, a.ends_E, w_gate_up_EGD, act_PF, num_experts, hidden,
             width, x_TD.stride(0), TOP_K=top_k, BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             BLOCK_E=triton.next_power_of_2(num_experts), EVEN_K=hidden % tile.block_k == 0,
-            TILES_FIRST=tiles_first, num_warps=tile.num_warps, num_stages=tile.num_stages)
+            TILES_FIRST=tiles_first, num_warps=tile.num_warps,
+            num_stages=_stages(tile, a.block_m, x_TD.element_size(), 2))
     return act_PF
 
 
@@ -184,7 +195,8 @@ def down(act_PF: Tensor, a: Alignment, w_down_EDF: Tensor, num_routed: int, tile
             act_PF, a.sorted_ids_P, a.starts_E, a.counts_E, a.ends_E, w_down_EDF, y_RD, num_experts, hidden,
             width, BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             BLOCK_E=triton.next_power_of_2(num_experts), EVEN_K=width % tile.block_k == 0,
-            TILES_FIRST=tiles_first, num_warps=tile.num_warps, num_stages=tile.num_stages)
+            TILES_FIRST=tiles_first, num_warps=tile.num_warps,
+            num_stages=_stages(tile, a.block_m, act_PF.element_size(), 1))
     return y_RD
 
 
