@@ -50,17 +50,84 @@ def awq_tile(q_ptr, z_ptr, s_ptr, k, k_mask, group, j, j_mask, n, n_mask, num_pa
 
 
 @triton.jit
-def awq_gemv_cols(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask, num_packed, out_features, k_start, k_end,
-                  GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """fp32 [BLOCK_N]: x[k_start:k_end] @ W[k_start:k_end, n] on the CUDA cores (k_start a multiple of BLOCK_K)."""
-    acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < k_end
-        x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-        w, s = awq_tile(q_ptr, z_ptr, s_ptr, k, k_mask, k0 // GROUP, j, j_mask, n, n_mask, num_packed, out_features)
-        acc += (x[:, None] * s[None, :]) * w.to(tl.float32)
-    return tl.sum(acc, 0)
+def awq_column(j, I: tl.constexpr):
+    """The columns of nibble I of packed columns j: 8 j + [0, 2, 4, 6, 1, 3, 5, 7][I] (AWQ's order)."""
+    return 8 * j + ((I % 4) * 2 + I // 4)
+
+
+@triton.jit
+def awq_bits(lo, hi, I: tl.constexpr):
+    """fp32 2^23 + v 16^(I % 4), v nibble I of the int32s (lo, hi = lo >> 16): exact, by one AND|OR
+    into a float's mantissa instead of a shift and an int-to-float conversion per value."""
+    if I >= 4:
+        v = hi & (0xF << (4 * (I - 4)))
+    else:
+        v = lo & (0xF << (4 * I))
+    return (v | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gemv_step_loads(x_ptr, q_ptr, z_ptr, s_ptr, k0, k_end, j, j_mask, num_packed, out_features, GROUP: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """x [BLOCK_K], qweight [BLOCK_K, C], the group's packed zeros [C] and 8 scale vectors [C] of the
+    step at k0, each nibble's divided by awq_bits' 16^(I % 4) (exact: a power of two)."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = k < k_end
+    group = k0 // GROUP
+    g_mask = j_mask & (k0 < k_end)  # the step past the end (awq_gemv_cols' last prefetch) reads nothing
+    x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + k.to(tl.int64)[:, None] * num_packed + j[None, :], mask=k_mask[:, None] & j_mask[None, :],
+                other=0)
+    z = tl.load(z_ptr + group * num_packed + j, mask=g_mask, other=0)
+    s = ()
+    for i in tl.static_range(8):
+        n = awq_column(j, i)
+        s_i = tl.load(s_ptr + group * out_features + n, mask=g_mask & (n < out_features), other=0.0)
+        s = s + (s_i.to(tl.float32) / (1 << (4 * (i % 4))),)
+    return x, q, z, s
+
+
+@triton.jit
+def _gemv_step_fmas(acc, x, q, z, s):
+    """acc (8 x [BLOCK_K, C]) + x[k] (q - z) s of each nibble: (q - z) 16^(I % 4) exact as the
+    difference of two awq_bits, times the step's pre-divided scales."""
+    q_hi, z_hi = q >> 16, z >> 16
+    out = ()
+    for i in tl.static_range(8):
+        w = awq_bits(q, q_hi, i) - awq_bits(z, z_hi, i)[None, :]
+        out = out + (acc[i] + x[:, None] * (w * s[i][None, :]),)
+    return out
+
+
+@triton.jit
+def awq_gemv_cols(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, num_packed, out_features, k_start, k_end,
+                  GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
+    """8 fp32 [BLOCK_C]: x[k_start:k_end] @ W[k_start:k_end, awq_column(j, I)] for nibble I = 0..7, on
+    the CUDA cores (k_start a multiple of BLOCK_K). Each nibble sums in its own [BLOCK_K, BLOCK_C]
+    accumulator in the layout qweight is loaded in: no unpacking reshape, so no layout conversion
+    through shared memory per step. The next step's loads are issued before this step's FMAs."""
+    acc = ()
+    for i in tl.static_range(8):
+        acc = acc + (tl.zeros([BLOCK_K, BLOCK_C], tl.float32),)
+    x, q, z, s = _gemv_step_loads(x_ptr, q_ptr, z_ptr, s_ptr, k_start, k_end, j, j_mask, num_packed, out_features,
+                                  GROUP, BLOCK_K)
+    for k0 in range(k_start + BLOCK_K, k_end + BLOCK_K, BLOCK_K):  # one step past the end: its loads all masked
+        x_next, q_next, z_next, s_next = _gemv_step_loads(x_ptr, q_ptr, z_ptr, s_ptr, k0, k_end, j, j_mask,
+                                                          num_packed, out_features, GROUP, BLOCK_K)
+        acc = _gemv_step_fmas(acc, x, q, z, s)
+        x, q, z, s = x_next, q_next, z_next, s_next
+    out = ()
+    for i in tl.static_range(8):
+        out = out + (tl.sum(acc[i], 0),)
+    return out
+
+
+@triton.jit
+def awq_store_cols(y_ptr, values, j, j_mask, out_features):
+    """Stores awq_gemv_cols' 8 vectors at their columns of row y_ptr, in y's dtype."""
+    for i in tl.static_range(8):
+        n = awq_column(j, i)
+        tl.store(y_ptr + n, values[i].to(y_ptr.dtype.element_ty), mask=j_mask & (n < out_features))
 
 
 @triton.jit
@@ -94,14 +161,17 @@ def _linear_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, num_rows, out_features, nu
     k_start = split * k_split
     k_end = tl.minimum(k_start + k_split, in_features)
     if BLOCK_M == 1:  # one row on the CUDA cores
-        acc = awq_gemv_cols(x_ptr + tl.program_id(0).to(tl.int64) * x_stride, q_ptr, z_ptr, s_ptr, j, j_mask, n,
-                            n_mask, num_packed, out_features, k_start, k_end, GROUP, BLOCK_K, BLOCK_N)[None, :]
+        row = split * num_rows + tl.program_id(0)  # split > 0: fp32 partials
+        values = awq_gemv_cols(x_ptr + tl.program_id(0).to(tl.int64) * x_stride, q_ptr, z_ptr, s_ptr, j, j_mask,
+                               num_packed, out_features, k_start, k_end, GROUP, BLOCK_K, BLOCK_N // 8)
+        awq_store_cols(y_ptr + row.to(tl.int64) * out_features, values, j, j_mask, out_features)
     else:
         acc = awq_block_dot(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x_ptr + m.to(tl.int64) * x_stride, m_mask,
                             q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask, num_packed, out_features, k_start, k_end,
                             GROUP, BLOCK_K)
-    y_rows = y_ptr + (split * num_rows + m).to(tl.int64) * out_features  # split > 0: fp32 partials
-    tl.store(y_rows[:, None] + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        y_rows = y_ptr + (split * num_rows + m).to(tl.int64) * out_features  # split > 0: fp32 partials
+        tl.store(y_rows[:, None] + n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

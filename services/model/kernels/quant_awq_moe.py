@@ -31,7 +31,8 @@ from services.model.kernels import moe_align, moe_gemm, moe_grouped
 from services.model.kernels.launch import uses_pdl, wait_for_previous_kernel
 from services.model.kernels.moe_gemm import GemmBlocks, MoEConfig, _block_rows, _grid
 from services.model.kernels.moe_small import MoeTiles
-from services.model.kernels.quant_awq import awq_block_dot, awq_columns, awq_gemv_cols, awq_tile, check_layout
+from services.model.kernels.quant_awq import (awq_block_dot, awq_columns, awq_gemv_cols, awq_store_cols, awq_tile,
+                                              check_layout)
 from services.model.kernels.quant_fp8_moe import silu_mul
 from services.model.kernels.quant_ref import AWQ_GROUP, AWQ_PACK
 from services.model.layers import AddNorm
@@ -183,14 +184,17 @@ def _one_token_gate_up_kernel(x_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, act_ptr, q_st
     if PDL:
         wait_for_previous_kernel()
     e = tl.load(ids_ptr + k).to(tl.int64)
-    f, f_mask, j, j_mask = awq_columns(f_block, WIDTH // 8, WIDTH, BLOCK_F)  # the gate's; the up's are WIDTH further
+    j = f_block * (BLOCK_F // 8) + tl.arange(0, BLOCK_F // 8)  # the gate's packed columns; the up's WIDTH / 8 on
+    j_mask = j < WIDTH // 8
     q_e, z_e, s_e = q_ptr + e * q_stride, z_ptr + e * z_stride, s_ptr + e * s_stride
-    gate = awq_gemv_cols(x_ptr, q_e, z_e, s_e, j, j_mask, f, f_mask, 2 * WIDTH // 8, 2 * WIDTH, 0, HIDDEN, GROUP,
-                         BLOCK_D, BLOCK_F)
-    up = awq_gemv_cols(x_ptr, q_e, z_e, s_e, j + WIDTH // 8, j_mask, f + WIDTH, f_mask, 2 * WIDTH // 8, 2 * WIDTH, 0,
-                       HIDDEN, GROUP, BLOCK_D, BLOCK_F)
-    act = silu_mul(gate, up, act_ptr.dtype.element_ty)
-    tl.store(act_ptr + k * WIDTH + f, act.to(act_ptr.dtype.element_ty), mask=f_mask)
+    gate = awq_gemv_cols(x_ptr, q_e, z_e, s_e, j, j_mask, 2 * WIDTH // 8, 2 * WIDTH, 0, HIDDEN, GROUP, BLOCK_D,
+                         BLOCK_F // 8)
+    up = awq_gemv_cols(x_ptr, q_e, z_e, s_e, j + WIDTH // 8, j_mask, 2 * WIDTH // 8, 2 * WIDTH, 0, HIDDEN, GROUP,
+                       BLOCK_D, BLOCK_F // 8)
+    act = ()
+    for i in tl.static_range(8):
+        act = act + (silu_mul(gate[i], up[i], act_ptr.dtype.element_ty),)
+    awq_store_cols(act_ptr + k * WIDTH, act, j, j_mask, WIDTH)
 
 
 @triton.jit
@@ -201,12 +205,13 @@ def _one_token_down_kernel(act_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, y_ptr, q_strid
     for gate_up's act (ids are final once gate_up runs)."""
     o_block, k = tl.program_id(0), tl.program_id(1)
     e = tl.load(ids_ptr + k).to(tl.int64)
-    o, o_mask, j, j_mask = awq_columns(o_block, (HIDDEN + 7) // 8, HIDDEN, BLOCK_O)
+    j = o_block * (BLOCK_O // 8) + tl.arange(0, BLOCK_O // 8)
+    j_mask = j < (HIDDEN + 7) // 8
     if PDL:
         wait_for_previous_kernel()
     y = awq_gemv_cols(act_ptr + k * WIDTH, q_ptr + e * q_stride, z_ptr + e * z_stride, s_ptr + e * s_stride, j,
-                      j_mask, o, o_mask, (HIDDEN + 7) // 8, HIDDEN, 0, WIDTH, GROUP, BLOCK_F, BLOCK_O)
-    tl.store(y_ptr + k * HIDDEN + o, y.to(y_ptr.dtype.element_ty), mask=o_mask)
+                      j_mask, (HIDDEN + 7) // 8, HIDDEN, 0, WIDTH, GROUP, BLOCK_F, BLOCK_O // 8)
+    awq_store_cols(y_ptr + k * HIDDEN, y, j, j_mask, HIDDEN)
 
 
 # One token's tiles (MoeTiles' one-token fields): gate_up_f and down_o multiples of 8, gate_up_d and
