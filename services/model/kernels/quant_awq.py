@@ -28,6 +28,8 @@ from services.model.kernels.quant_ref import AWQ_GROUP, AWQ_PACK
 
 # Steps of at most this many rows take skinny tiles (16 rows a program; see default_tiles).
 SKINNY_MAX_ROWS = 16
+# The one-row GEMV's programs at least (an H200 has 132 SMs), before it splits along K.
+GEMV_MIN_PROGRAMS = 128
 
 
 @triton.jit
@@ -67,16 +69,14 @@ def awq_bits(lo, hi, I: tl.constexpr):
 
 
 @triton.jit
-def _gemv_step_loads(x_ptr, q_ptr, z_ptr, s_ptr, k0, k_end, j, j_mask, num_packed, out_features, GROUP: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-    """x [BLOCK_K], qweight [BLOCK_K, C], the group's packed zeros [C] and 8 scale vectors [C] of the
-    step at k0, each nibble's divided by awq_bits' 16^(I % 4) (exact: a power of two)."""
+def _gemv_step_weights(q_ptr, z_ptr, s_ptr, k0, k_end, j, j_mask, num_packed, out_features, GROUP: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """qweight [BLOCK_K, C], the group's packed zeros [C] and 8 scale vectors [C] of the step at k0,
+    each nibble's divided by awq_bits' 16^(I % 4) (exact: a power of two); nothing past k_end."""
     k = k0 + tl.arange(0, BLOCK_K)
-    k_mask = k < k_end
     group = k0 // GROUP
-    g_mask = j_mask & (k0 < k_end)  # the step past the end (awq_gemv_cols' last prefetch) reads nothing
-    x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-    q = tl.load(q_ptr + k.to(tl.int64)[:, None] * num_packed + j[None, :], mask=k_mask[:, None] & j_mask[None, :],
+    g_mask = j_mask & (k0 < k_end)
+    q = tl.load(q_ptr + k.to(tl.int64)[:, None] * num_packed + j[None, :], mask=(k < k_end)[:, None] & j_mask[None, :],
                 other=0)
     z = tl.load(z_ptr + group * num_packed + j, mask=g_mask, other=0)
     s = ()
@@ -84,7 +84,7 @@ def _gemv_step_loads(x_ptr, q_ptr, z_ptr, s_ptr, k0, k_end, j, j_mask, num_packe
         n = awq_column(j, i)
         s_i = tl.load(s_ptr + group * out_features + n, mask=g_mask & (n < out_features), other=0.0)
         s = s + (s_i.to(tl.float32) / (1 << (4 * (i % 4))),)
-    return x, q, z, s
+    return q, z, s
 
 
 @triton.jit
@@ -105,17 +105,20 @@ def awq_gemv_cols(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, num_packed, out_feature
     """8 fp32 [BLOCK_C]: x[k_start:k_end] @ W[k_start:k_end, awq_column(j, I)] for nibble I = 0..7, on
     the CUDA cores (k_start a multiple of BLOCK_K). Each nibble sums in its own [BLOCK_K, BLOCK_C]
     accumulator in the layout qweight is loaded in: no unpacking reshape, so no layout conversion
-    through shared memory per step. The next step's loads are issued before this step's FMAs."""
+    through shared memory per step. The next step's weights are loaded before this step's FMAs
+    (x is not: carried over the loop, it would be converted to qweight's layout every step)."""
     acc = ()
     for i in tl.static_range(8):
         acc = acc + (tl.zeros([BLOCK_K, BLOCK_C], tl.float32),)
-    x, q, z, s = _gemv_step_loads(x_ptr, q_ptr, z_ptr, s_ptr, k_start, k_end, j, j_mask, num_packed, out_features,
-                                  GROUP, BLOCK_K)
-    for k0 in range(k_start + BLOCK_K, k_end + BLOCK_K, BLOCK_K):  # one step past the end: its loads all masked
-        x_next, q_next, z_next, s_next = _gemv_step_loads(x_ptr, q_ptr, z_ptr, s_ptr, k0, k_end, j, j_mask,
-                                                          num_packed, out_features, GROUP, BLOCK_K)
+    q, z, s = _gemv_step_weights(q_ptr, z_ptr, s_ptr, k_start, k_end, j, j_mask, num_packed, out_features, GROUP,
+                                 BLOCK_K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        q_next, z_next, s_next = _gemv_step_weights(q_ptr, z_ptr, s_ptr, k0 + BLOCK_K, k_end, j, j_mask, num_packed,
+                                                    out_features, GROUP, BLOCK_K)
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)
         acc = _gemv_step_fmas(acc, x, q, z, s)
-        x, q, z, s = x_next, q_next, z_next, s_next
+        q, z, s = q_next, z_next, s_next
     out = ()
     for i in tl.static_range(8):
         out = out + (tl.sum(acc[i], 0),)
@@ -188,12 +191,19 @@ class AwqTiles:
 
 def default_tiles(num_rows: int, out_features: int, in_features: int) -> AwqTiles:
     """The tiles for a step: one row's GEMV, skinny tiles up to SKINNY_MAX_ROWS, square tiles above;
-    each split along K while its grid is small (quant_fp8.num_splits)."""
-    block_m = 1 if num_rows == 1 else 16 if num_rows <= SKINNY_MAX_ROWS else 64 if num_rows <= 64 else 128
+    each split along K while its grid is small (quant_fp8.num_splits). The GEMV takes the widest
+    columns (whole 32-byte sectors of qweight's rows at 64) that still give GEMV_MIN_PROGRAMS, and
+    splits only below that (the split's partials cost a second pass)."""
+    if num_rows == 1:
+        block_n = next((b for b in (64, 32) if triton.cdiv(out_features, b) >= GEMV_MIN_PROGRAMS), 16)
+        programs = triton.cdiv(out_features, block_n)
+        splits = 1 if programs >= GEMV_MIN_PROGRAMS else num_splits(programs, in_features, 4 * AWQ_GROUP)
+        return AwqTiles(1, block_n, 64, splits, 4, 1)
+    block_m = 16 if num_rows <= SKINNY_MAX_ROWS else 64 if num_rows <= 64 else 128
     block_n = 64 if block_m <= 16 else 128
     programs = triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n)
-    return AwqTiles(block_m, block_n, 128 if block_m == 1 else 64, num_splits(programs, in_features, 2 * AWQ_GROUP),
-                    4 if block_m < 128 else 8, 3)
+    return AwqTiles(block_m, block_n, 64, num_splits(programs, in_features, 2 * AWQ_GROUP), 4 if block_m < 128 else 8,
+                    3)
 
 
 def check_layout(qweight: Tensor, qzeros: Tensor, scales: Tensor, group: int) -> tuple[int, int]:

@@ -38,6 +38,12 @@ from services.model.kernels.quant_ref import AWQ_GROUP, AWQ_PACK
 from services.model.layers import AddNorm
 
 
+# The grouped GEMMs' K step at most (one group of 128 in two steps), and both GEMMs' blocks up to
+# 128 tokens (moe_gemm.default_config's block_k 128 there unpacks twice the 4-bit tile a step).
+AWQ_MAX_STEP = 64
+AWQ_SMALL_BLOCKS = GemmBlocks(block_n=128, block_k=64, num_warps=4, num_stages=3)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class AwqWeights:
     """One projection of every expert in AWQ's layout: qweight [E, K, N/8], qzeros [E, K/G, N/8], scales [E, K/G, N]."""
@@ -147,13 +153,31 @@ def down(act_PF: Tensor, a: moe_align.Alignment, w_down: AwqWeights, num_routed:
     return y_RD
 
 
+def fit_config(config: MoEConfig, group: int = AWQ_GROUP) -> MoEConfig:
+    """config with each GEMM's K step at most AWQ_MAX_STEP and one group (tiny test models have
+    groups below 128): each step unpacks a [block_k, block_n] tile of 4-bit values in registers,
+    which at block_k 128 costs more than the longer loop it saves."""
+    def fit(blocks: GemmBlocks) -> GemmBlocks:
+        return dataclasses.replace(blocks, block_k=min(blocks.block_k, AWQ_MAX_STEP, group))
+    return dataclasses.replace(config, gate_up=fit(config.gate_up), down=fit(config.down))
+
+
+def default_config(num_tokens: int, group: int = AWQ_GROUP) -> MoEConfig:
+    """moe_gemm.default_config's blocks for a step of num_tokens, fitted to AWQ (fit_config); up to
+    128 tokens both GEMMs take AWQ_SMALL_BLOCKS."""
+    config = moe_gemm.default_config(num_tokens)
+    if num_tokens <= 128:
+        config = dataclasses.replace(config, gate_up=AWQ_SMALL_BLOCKS, down=AWQ_SMALL_BLOCKS)
+    return fit_config(config, group)
+
+
 def grouped_moe(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up: AwqWeights, w_down: AwqWeights, top_k: int,
                 norm_topk_prob: bool, hit_counts_E: Tensor, config: MoEConfig | None = None,
                 add_norm: AddNorm | None = None) -> Tensor:
     """moe_grouped.grouped_moe with AWQ experts (the gate stays bf16): route, align, gate_up, down, combine."""
     num_experts, num_tokens = w_gate_ED.shape[0], x_TD.shape[0]
     assert w_gate_up.qweight.shape[0] == w_down.qweight.shape[0] == num_experts, "no spare slots here"
-    config = config or moe_gemm.default_config(num_tokens)
+    config = config or default_config(num_tokens, w_gate_up.group)
     ids_TK, weights_TK, counts_CE = moe_grouped.route(x_TD, w_gate_ED, top_k, norm_topk_prob, hit_counts_E)
     a = moe_align.align(ids_TK, num_experts, config.block_m, chunk_counts=counts_CE)
     act_PF = gate_up(x_TD, a, w_gate_up, top_k, config.gate_up, config.tiles_first)
@@ -168,7 +192,7 @@ def sorted_experts(x_PD: Tensor, offsets_L: Tensor, w_gate_up: AwqWeights, w_dow
     """moe_gemm.sorted_experts (the dispatch path's rows, already sorted by local expert; rows past
     offsets_L[-1] neither read nor written) on AWQ experts."""
     num_rows, num_local = x_PD.shape[0], offsets_L.shape[0]
-    config = config or moe_gemm.default_config(16 * num_rows // num_local)
+    config = config or default_config(16 * num_rows // num_local, w_gate_up.group)
     a = moe_align.segments(offsets_L, num_rows, config.block_m)
     act_PF = gate_up(x_PD, a, w_gate_up, 1, config.gate_up, config.tiles_first)
     return down(act_PF, a, w_down, num_rows, config.down, config.tiles_first)
@@ -216,8 +240,8 @@ def _one_token_down_kernel(act_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, y_ptr, q_strid
 
 # One token's tiles (MoeTiles' one-token fields): gate_up_f and down_o multiples of 8, gate_up_d and
 # down_f dividing the group size.
-ONE_TOKEN_TILES = MoeTiles(gate_up_f=32, gate_up_d=128, gate_up_stages=3, gate_up_warps=4, down_o=64, down_f=128,
-                           down_warps=4, one_token=True, down_stages=3)
+ONE_TOKEN_TILES = MoeTiles(gate_up_f=32, gate_up_d=64, gate_up_stages=1, gate_up_warps=4, down_o=64, down_f=64,
+                           down_warps=4, one_token=True, down_stages=1)
 
 
 def one_token_gate_up(x_1D: Tensor, ids_1K: Tensor, w_gate_up: AwqWeights, tiles: MoeTiles = ONE_TOKEN_TILES) -> Tensor:
