@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from services.model.kernels.launch import wait_for_previous_kernel
 from services.model.kernels.quant_fp8 import num_splits, split_output, sum_splits
 from services.model.kernels.quant_ref import AWQ_GROUP, AWQ_PACK
 
@@ -101,17 +102,20 @@ def _gemv_step_fmas(acc, x, q, z, s):
 
 @triton.jit
 def awq_gemv_cols(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, num_packed, out_features, k_start, k_end,
-                  GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
+                  GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
     """8 fp32 [BLOCK_C]: x[k_start:k_end] @ W[k_start:k_end, awq_column(j, I)] for nibble I = 0..7, on
     the CUDA cores (k_start a multiple of BLOCK_K). Each nibble sums in its own [BLOCK_K, BLOCK_C]
     accumulator in the layout qweight is loaded in: no unpacking reshape, so no layout conversion
     through shared memory per step. The next step's weights are loaded before this step's FMAs
-    (x is not: carried over the loop, it would be converted to qweight's layout every step)."""
+    (x is not: carried over the loop, it would be converted to qweight's layout every step). PDL: the
+    first step's weights are loaded before waiting for the previous kernel (which writes x)."""
     acc = ()
     for i in tl.static_range(8):
         acc = acc + (tl.zeros([BLOCK_K, BLOCK_C], tl.float32),)
     q, z, s = _gemv_step_weights(q_ptr, z_ptr, s_ptr, k_start, k_end, j, j_mask, num_packed, out_features, GROUP,
                                  BLOCK_K)
+    if PDL:
+        wait_for_previous_kernel()
     for k0 in range(k_start, k_end, BLOCK_K):
         q_next, z_next, s_next = _gemv_step_weights(q_ptr, z_ptr, s_ptr, k0 + BLOCK_K, k_end, j, j_mask, num_packed,
                                                     out_features, GROUP, BLOCK_K)

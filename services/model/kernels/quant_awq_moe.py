@@ -225,16 +225,14 @@ def _one_token_gate_up_kernel(x_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, act_ptr, q_st
 def _one_token_down_kernel(act_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, y_ptr, q_stride, z_stride, s_stride,
                            HIDDEN: tl.constexpr, WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_O: tl.constexpr,
                            BLOCK_F: tl.constexpr, PDL: tl.constexpr):
-    """y[k, o]: the k-th expert's down projection of act[k], rounded to the model dtype. PDL: waits
-    for gate_up's act (ids are final once gate_up runs)."""
+    """y[k, o]: the k-th expert's down projection of act[k], rounded to the model dtype. PDL: its
+    first weights are loaded before it waits for gate_up's act (ids are final once gate_up runs)."""
     o_block, k = tl.program_id(0), tl.program_id(1)
     e = tl.load(ids_ptr + k).to(tl.int64)
     j = o_block * (BLOCK_O // 8) + tl.arange(0, BLOCK_O // 8)
     j_mask = j < (HIDDEN + 7) // 8
-    if PDL:
-        wait_for_previous_kernel()
     y = awq_gemv_cols(act_ptr + k * WIDTH, q_ptr + e * q_stride, z_ptr + e * z_stride, s_ptr + e * s_stride, j,
-                      j_mask, (HIDDEN + 7) // 8, HIDDEN, 0, WIDTH, GROUP, BLOCK_F, BLOCK_O // 8)
+                      j_mask, (HIDDEN + 7) // 8, HIDDEN, 0, WIDTH, GROUP, BLOCK_F, BLOCK_O // 8, PDL)
     awq_store_cols(y_ptr + k * HIDDEN, y, j, j_mask, HIDDEN)
 
 
