@@ -5,13 +5,13 @@ int32 (eight 4-bit values an int32 in AWQ's interleaved order: column c of each 
 at bits 4 * [0, 4, 1, 5, 2, 6, 3, 7][c]), qzeros [K/G, N/8] packed the same way,
 scales [K/G, N] fp16, G = 128; y = x @ W with W[k, n] = (q - z[k // G, n]) * s[k // G, n].
 
-Each step of BLOCK_K rows (BLOCK_K divides G: one group a step) unpacks its
-[BLOCK_K, BLOCK_N / 8] int32 tile to [BLOCK_K, BLOCK_N] values, subtracts the
-group's zeros and leaves the scale out: q - z is a small integer, exact in
-bf16, so the step is tl.dot(x, q - z) on the tensor cores (or, for one row, FMAs
-on the CUDA cores) and its fp32 result times the group's scales. The same
-kernels serve decode (GEMV, split along K to fill the GPU) and prefill (GEMM
-tiles); there is no 4-bit tensor-core product to do better.
+One row (decode) takes quant_awq_gemv's GEMV on the CUDA cores, split along K with
+the splits summed in the kernel. More rows take GEMM tiles: each step of BLOCK_K
+rows (BLOCK_K divides G: one group a step) unpacks its [BLOCK_K, BLOCK_N / 8] int32
+tile to [BLOCK_K, BLOCK_N] values, subtracts the group's zeros and leaves the scale
+out: q - z is a small integer, exact in bf16, so the step is tl.dot(x, q - z) on
+the tensor cores and its fp32 result times the group's scales (splits along K
+summed after); there is no 4-bit tensor-core product to do better.
 
 Legend: M rows (tokens), N output features, K input features, N8 = ceil(N/8) packed columns.
 """
@@ -23,14 +23,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from services.model.kernels.launch import wait_for_previous_kernel
+from services.model.kernels.quant_awq_gemv import (awq_gemv_cols, awq_last_split, awq_store_cols, awq_sum_splits,
+                                                   split_counters)
 from services.model.kernels.quant_fp8 import num_splits, split_output, sum_splits
 from services.model.kernels.quant_ref import AWQ_GROUP, AWQ_PACK
 
 # Steps of at most this many rows take skinny tiles (16 rows a program; see default_tiles).
 SKINNY_MAX_ROWS = 16
-# The one-row GEMV's programs at least (an H200 has 132 SMs), before it splits along K.
-GEMV_MIN_PROGRAMS = 128
+# The one-row GEMV's programs: about four on each of an H200's 132 SMs; and its least steps a split.
+GEMV_PROGRAMS = 4 * 132
+GEMV_MIN_STEPS = 4
 
 
 @triton.jit
@@ -50,91 +52,6 @@ def awq_tile(q_ptr, z_ptr, s_ptr, k, k_mask, group, j, j_mask, n, n_mask, num_pa
     z = awq_unpack(z_ptr + group * num_packed + j[None, :], j_mask[None, :])
     s = tl.load(s_ptr + group * out_features + n, mask=n_mask, other=0.0).to(tl.float32)
     return q - z, s
-
-
-@triton.jit
-def awq_column(j, I: tl.constexpr):
-    """The columns of nibble I of packed columns j: 8 j + [0, 2, 4, 6, 1, 3, 5, 7][I] (AWQ's order)."""
-    return 8 * j + ((I % 4) * 2 + I // 4)
-
-
-@triton.jit
-def awq_bits(lo, hi, I: tl.constexpr):
-    """fp32 2^23 + v 16^(I % 4), v nibble I of the int32s (lo, hi = lo >> 16): exact, by one AND|OR
-    into a float's mantissa instead of a shift and an int-to-float conversion per value."""
-    if I >= 4:
-        v = hi & (0xF << (4 * (I - 4)))
-    else:
-        v = lo & (0xF << (4 * I))
-    return (v | 0x4B000000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _gemv_step_weights(q_ptr, z_ptr, s_ptr, k0, k_end, j, j_mask, num_packed, out_features, GROUP: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
-    """qweight [BLOCK_K, C], the group's packed zeros [C] and 8 scale vectors [C] of the step at k0,
-    each nibble's divided by awq_bits' 16^(I % 4) (exact: a power of two); nothing past k_end."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    group = k0 // GROUP
-    g_mask = j_mask & (k0 < k_end)
-    q = tl.load(q_ptr + k.to(tl.int64)[:, None] * num_packed + j[None, :], mask=(k < k_end)[:, None] & j_mask[None, :],
-                other=0)
-    z = tl.load(z_ptr + group * num_packed + j, mask=g_mask, other=0)
-    s = ()
-    for i in tl.static_range(8):
-        n = awq_column(j, i)
-        s_i = tl.load(s_ptr + group * out_features + n, mask=g_mask & (n < out_features), other=0.0)
-        s = s + (s_i.to(tl.float32) / (1 << (4 * (i % 4))),)
-    return q, z, s
-
-
-@triton.jit
-def _gemv_step_fmas(acc, x, q, z, s):
-    """acc (8 x [BLOCK_K, C]) + x[k] (q - z) s of each nibble: (q - z) 16^(I % 4) exact as the
-    difference of two awq_bits, times the step's pre-divided scales."""
-    q_hi, z_hi = q >> 16, z >> 16
-    out = ()
-    for i in tl.static_range(8):
-        w = awq_bits(q, q_hi, i) - awq_bits(z, z_hi, i)[None, :]
-        out = out + (acc[i] + x[:, None] * (w * s[i][None, :]),)
-    return out
-
-
-@triton.jit
-def awq_gemv_cols(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, num_packed, out_features, k_start, k_end,
-                  GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
-    """8 fp32 [BLOCK_C]: x[k_start:k_end] @ W[k_start:k_end, awq_column(j, I)] for nibble I = 0..7, on
-    the CUDA cores (k_start a multiple of BLOCK_K). Each nibble sums in its own [BLOCK_K, BLOCK_C]
-    accumulator in the layout qweight is loaded in: no unpacking reshape, so no layout conversion
-    through shared memory per step. The next step's weights are loaded before this step's FMAs
-    (x is not: carried over the loop, it would be converted to qweight's layout every step). PDL: the
-    first step's weights are loaded before waiting for the previous kernel (which writes x)."""
-    acc = ()
-    for i in tl.static_range(8):
-        acc = acc + (tl.zeros([BLOCK_K, BLOCK_C], tl.float32),)
-    q, z, s = _gemv_step_weights(q_ptr, z_ptr, s_ptr, k_start, k_end, j, j_mask, num_packed, out_features, GROUP,
-                                 BLOCK_K)
-    if PDL:
-        wait_for_previous_kernel()
-    for k0 in range(k_start, k_end, BLOCK_K):
-        q_next, z_next, s_next = _gemv_step_weights(q_ptr, z_ptr, s_ptr, k0 + BLOCK_K, k_end, j, j_mask, num_packed,
-                                                    out_features, GROUP, BLOCK_K)
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)
-        acc = _gemv_step_fmas(acc, x, q, z, s)
-        q, z, s = q_next, z_next, s_next
-    out = ()
-    for i in tl.static_range(8):
-        out = out + (tl.sum(acc[i], 0),)
-    return out
-
-
-@triton.jit
-def awq_store_cols(y_ptr, values, j, j_mask, out_features):
-    """Stores awq_gemv_cols' 8 vectors at their columns of row y_ptr, in y's dtype."""
-    for i in tl.static_range(8):
-        n = awq_column(j, i)
-        tl.store(y_ptr + n, values[i].to(y_ptr.dtype.element_ty), mask=j_mask & (n < out_features))
 
 
 @triton.jit
@@ -167,18 +84,35 @@ def _linear_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, num_rows, out_features, nu
     split = tl.program_id(2)
     k_start = split * k_split
     k_end = tl.minimum(k_start + k_split, in_features)
-    if BLOCK_M == 1:  # one row on the CUDA cores
-        row = split * num_rows + tl.program_id(0)  # split > 0: fp32 partials
-        values = awq_gemv_cols(x_ptr + tl.program_id(0).to(tl.int64) * x_stride, q_ptr, z_ptr, s_ptr, j, j_mask,
-                               num_packed, out_features, k_start, k_end, GROUP, BLOCK_K, BLOCK_N // 8)
-        awq_store_cols(y_ptr + row.to(tl.int64) * out_features, values, j, j_mask, out_features)
+    acc = awq_block_dot(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x_ptr + m.to(tl.int64) * x_stride, m_mask,
+                        q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask, num_packed, out_features, k_start, k_end,
+                        GROUP, BLOCK_K)
+    y_rows = y_ptr + (split * num_rows + m).to(tl.int64) * out_features  # split > 0: fp32 partials
+    tl.store(y_rows[:, None] + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, partials_ptr, counters_ptr, num_rows, out_features, num_packed,
+                 in_features, x_stride, k_split, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLITS: tl.constexpr):
+    """One row's y (program_id 0) on the CUDA cores (quant_awq_gemv.py), SPLITS programs along K."""
+    row, n_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    j = n_block * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    j_mask = j < num_packed
+    k_start = split * k_split
+    values = awq_gemv_cols(x_ptr + row.to(tl.int64) * x_stride, q_ptr, z_ptr, s_ptr, j, j_mask, num_packed,
+                           out_features, k_start, tl.minimum(k_start + k_split, in_features), GROUP, BLOCK_K,
+                           BLOCK_N // 8)
+    y_row = y_ptr + row.to(tl.int64) * out_features
+    if SPLITS == 1:
+        awq_store_cols(y_row, values, j, j_mask, out_features)
     else:
-        acc = awq_block_dot(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x_ptr + m.to(tl.int64) * x_stride, m_mask,
-                            q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask, num_packed, out_features, k_start, k_end,
-                            GROUP, BLOCK_K)
-        y_rows = y_ptr + (split * num_rows + m).to(tl.int64) * out_features  # split > 0: fp32 partials
-        tl.store(y_rows[:, None] + n[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=m_mask[:, None] & n_mask[None, :])
+        split_stride = num_rows * out_features
+        partials = partials_ptr + row.to(tl.int64) * out_features
+        awq_store_cols(partials + split * split_stride, values, j, j_mask, out_features)
+        if awq_last_split(counters_ptr + row * tl.num_programs(1) + n_block, SPLITS):
+            awq_store_cols(y_row, awq_sum_splits(partials, split_stride, j, j_mask, out_features, SPLITS), j, j_mask,
+                           out_features)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -195,14 +129,15 @@ class AwqTiles:
 
 def default_tiles(num_rows: int, out_features: int, in_features: int) -> AwqTiles:
     """The tiles for a step: one row's GEMV, skinny tiles up to SKINNY_MAX_ROWS, square tiles above;
-    each split along K while its grid is small (quant_fp8.num_splits). The GEMV takes the widest
-    columns (whole 32-byte sectors of qweight's rows at 64) that still give GEMV_MIN_PROGRAMS, and
-    splits only below that (the split's partials cost a second pass)."""
+    each split along K while its grid is small (quant_fp8.num_splits). The GEMV reads whole 32-byte
+    sectors of qweight's rows (64 columns) and splits along K towards GEMV_PROGRAMS, each split at
+    least GEMV_MIN_STEPS steps deep: what keeps enough bytes in flight is programs, since each
+    one's registers grow with its tile (one accumulator per value, quant_awq_gemv.py)."""
     if num_rows == 1:
-        block_n = next((b for b in (64, 32) if triton.cdiv(out_features, b) >= GEMV_MIN_PROGRAMS), 16)
-        programs = triton.cdiv(out_features, block_n)
-        splits = 1 if programs >= GEMV_MIN_PROGRAMS else num_splits(programs, in_features, 4 * AWQ_GROUP)
-        return AwqTiles(1, block_n, 64, splits, 4, 1)
+        block_n, block_k = 64, 64
+        splits = max(1, min(GEMV_PROGRAMS // triton.cdiv(out_features, block_n),
+                            triton.cdiv(in_features, GEMV_MIN_STEPS * block_k)))
+        return AwqTiles(1, block_n, block_k, splits, 4, 1)
     block_m = 16 if num_rows <= SKINNY_MAX_ROWS else 64 if num_rows <= 64 else 128
     block_n = 64 if block_m <= 16 else 128
     programs = triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n)
@@ -229,6 +164,8 @@ def linear(x_MK: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group:
     assert x_MK.shape[1] == in_features and x_MK.stride(1) == 1
     tiles = tiles or default_tiles(num_rows, out_features, in_features)
     assert group % tiles.block_k == 0 and tiles.block_n % AWQ_PACK == 0, tiles
+    if tiles.block_m == 1:
+        return _gemv(x_MK, qweight, qzeros, scales, group, tiles)
     y, k_split = split_output(num_rows, out_features, in_features, tiles.block_k, tiles.split_k, x_MK.dtype,
                               x_MK.device)
     if num_rows:
@@ -237,3 +174,20 @@ def linear(x_MK: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group:
                              x_MK.stride(0), k_split, GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                              BLOCK_K=tiles.block_k, num_warps=tiles.warps, num_stages=tiles.stages)
     return sum_splits(y, x_MK.dtype)
+
+
+def _gemv(x_MK: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group: int, tiles: AwqTiles) -> Tensor:
+    """linear for tiles.block_m == 1: each row by _gemv_kernel, the splits summed in the kernel."""
+    (num_rows, in_features), out_features = x_MK.shape, scales.shape[-1]
+    k_split = triton.cdiv(triton.cdiv(in_features, tiles.block_k), tiles.split_k) * tiles.block_k
+    splits = triton.cdiv(in_features, k_split)
+    y = x_MK.new_empty(num_rows, out_features)
+    grid = (num_rows, triton.cdiv(out_features, tiles.block_n), splits)
+    partials = torch.empty(splits if splits > 1 else 0, num_rows, out_features, dtype=torch.float32,
+                           device=x_MK.device)
+    counters = split_counters(x_MK.device, grid[0] * grid[1]) if splits > 1 else partials
+    if num_rows:
+        _gemv_kernel[grid](x_MK, qweight, qzeros, scales, y, partials, counters, num_rows, out_features,
+                           qweight.shape[1], in_features, x_MK.stride(0), k_split, GROUP=group, BLOCK_N=tiles.block_n,
+                           BLOCK_K=tiles.block_k, SPLITS=splits, num_warps=tiles.warps, num_stages=tiles.stages)
+    return y

@@ -31,8 +31,8 @@ from services.model.kernels import moe_align, moe_gemm, moe_grouped
 from services.model.kernels.launch import uses_pdl, wait_for_previous_kernel
 from services.model.kernels.moe_gemm import GemmBlocks, MoEConfig, _block_rows, _grid
 from services.model.kernels.moe_small import MoeTiles
-from services.model.kernels.quant_awq import (awq_block_dot, awq_columns, awq_gemv_cols, awq_store_cols, awq_tile,
-                                              check_layout)
+from services.model.kernels.quant_awq import awq_block_dot, awq_columns, awq_tile, check_layout
+from services.model.kernels.quant_awq_gemv import awq_gemv_cols, awq_store_cols
 from services.model.kernels.quant_fp8_moe import silu_mul
 from services.model.kernels.quant_ref import AWQ_GROUP, AWQ_PACK
 from services.model.layers import AddNorm

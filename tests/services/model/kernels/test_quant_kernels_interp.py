@@ -135,15 +135,29 @@ def awq_weight():
     return qweight, qzeros, scales, ref.dequant_awq(qweight, qzeros, scales)
 
 
-@pytest.mark.parametrize(("num_rows", "split_k"), [(1, None), (1, 3), (3, None), (16, 2), (100, None)])
+@pytest.mark.parametrize(("num_rows", "split_k"), [(1, None), (1, 1), (1, 3), (3, None), (16, 2), (100, None)])
 def test_awq_linear(quant_awq, awq_weight, num_rows, split_k):
+    """The default tiles and some split along K; one row's splits are summed in the GEMV kernel,
+    whose split counters are left zero for the next call."""
     qweight, qzeros, scales, w_ref = awq_weight
     x = _randn(num_rows, K, seed=num_rows)
     tiles = quant_awq.default_tiles(num_rows, N, K)
     if split_k:
         tiles = quant_awq.AwqTiles(tiles.block_m, tiles.block_n, tiles.block_k, split_k, tiles.warps, tiles.stages)
-    torch.testing.assert_close(quant_awq.linear(x, qweight, qzeros, scales, tiles=tiles), x @ w_ref, atol=1e-4,
-                               rtol=1e-5)
+    for _ in range(2):
+        torch.testing.assert_close(quant_awq.linear(x, qweight, qzeros, scales, tiles=tiles), x @ w_ref, atol=1e-4,
+                                   rtol=1e-5)
+    assert not quant_awq.split_counters(x.device, 1).any()
+
+
+def test_awq_gemv_columns_past_the_last_multiple_of_8(quant_awq):
+    """N = 203: qweight's last packed column holds 3 real columns (masked by column, not by packed
+    column), K = 200 ends in a partial group, split along K (two splits of 128, the second partial)."""
+    qweight, qzeros, scales = ref.quant_awq(_randn(200, 203, seed=21))
+    x = _randn(1, 200, seed=22)
+    tiles = quant_awq.AwqTiles(1, 16, 64, 3, 4, 1)
+    torch.testing.assert_close(quant_awq.linear(x, qweight, qzeros, scales, tiles=tiles),
+                               x @ ref.dequant_awq(qweight, qzeros, scales), atol=1e-4, rtol=1e-5)
 
 
 def _moe_weights(seed=9):
