@@ -14,7 +14,6 @@ The first AWQ line of each case is the default; the fastest is marked.
 """
 
 import argparse
-import dataclasses
 import sys
 
 import torch
@@ -26,12 +25,14 @@ from services.model.kernels import quant_ref as ref
 from services.model.kernels.moe_gemm import GemmBlocks, MoEConfig
 
 # (block_n, block_k, split_k, warps) of the one-row GEMV; the GEMM rows: (block_m, block_n, block_k, split_k, warps).
-GEMV_TILES = [(64, 64, 1, 4), (32, 64, 1, 4), (16, 64, 1, 4), (32, 128, 1, 4), (64, 128, 1, 8), (64, 64, 2, 4),
-              (64, 64, 3, 4), (128, 64, 2, 8)]
+GEMV_TILES = [(64, 64, 1, 4), (32, 64, 1, 4), (64, 64, 3, 4), (64, 64, 8, 4), (64, 64, 12, 4), (64, 128, 6, 8),
+              (32, 64, 4, 4), (128, 64, 8, 8), (64, 64, 32, 4)]
 GEMM_TILES = [(64, 64, 64, 1, 4), (64, 128, 64, 1, 4), (64, 64, 128, 1, 4), (64, 128, 64, 2, 4)]
-# (gate_up_f, gate_up_d, gate_up_warps, down_o, down_f, down_warps) of the one-token kernels.
-ONE_TOKEN = [(16, 64, 4, 64, 64, 4), (32, 128, 4, 64, 128, 4), (64, 64, 8, 64, 64, 4), (32, 64, 4, 32, 64, 4),
-             (32, 64, 4, 128, 64, 8), (16, 128, 4, 32, 128, 4)]
+# (gate_up_f, gate_up_d, gate_up_splits, gate_up_warps, down_o, down_f, down_splits, down_warps) of the
+# one-token kernels.
+ONE_TOKEN = [(64, 64, 1, 4, 64, 64, 1, 4), (64, 64, 8, 4, 64, 64, 4, 4), (32, 64, 2, 4, 64, 64, 2, 4),
+             (64, 128, 4, 8, 64, 128, 2, 8), (32, 64, 1, 4, 32, 64, 1, 4), (64, 64, 4, 4, 128, 64, 4, 8),
+             (128, 64, 8, 8, 64, 64, 3, 4)]
 GROUPED = [(128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 4)]
 
 
@@ -81,8 +82,7 @@ def moe_one_token(copies: list[dict], reps: int) -> None:
     y_bf16 = moe_bf16(x, copies[0])
     dequant = moe_reference(x, _dequantized(copies[0]))
     base = quant_awq_moe.ONE_TOKEN_TILES
-    variants = [base] + [dataclasses.replace(base, gate_up_f=f, gate_up_d=d, gate_up_warps=wg, down_o=o, down_f=df,
-                                             down_warps=wd) for f, d, wg, o, df, wd in ONE_TOKEN]
+    variants = [base] + [quant_awq_moe.OneTokenTiles(*t) for t in ONE_TOKEN]
     rows = []
     for i, tiles in enumerate(variants):
         def run(x, c, tiles=tiles):
@@ -90,8 +90,9 @@ def moe_one_token(copies: list[dict], reps: int) -> None:
             return quant_awq_moe.one_token_experts(x, ids, weights, *c["awq"], tiles)
         if i and tiles == base:
             continue
-        label = (("default " if i == 0 else "") + f"gu f{tiles.gate_up_f} d{tiles.gate_up_d} w{tiles.gate_up_warps}"
-                 f" | down o{tiles.down_o} f{tiles.down_f} w{tiles.down_warps}")
+        label = (("default " if i == 0 else "") + f"gu f{tiles.gate_up_f} d{tiles.gate_up_d} s{tiles.gate_up_splits} "
+                 f"w{tiles.gate_up_warps} | down o{tiles.down_o} f{tiles.down_f} s{tiles.down_splits} "
+                 f"w{tiles.down_warps}")
         rows.append((label, time_us(run, x, copies, reps), _errors(run(x, copies[0]), y_bf16, dequant)))
     _report("moe M=1", rows, bf16_us)
 

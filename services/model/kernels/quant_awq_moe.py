@@ -10,8 +10,9 @@ expert's weights in AWQ's layout (quant_awq.py, K rows by N columns):
 - gate_up / down: moe_gemm's grouped GEMMs over moe_align's segments, weights
   dequantized in registers (tl.dot on q - z, times the group's scales).
 - one_token_gate_up / one_token_down: batch-1 decode's per-expert GEMVs on the CUDA
-  cores (PDL launches); down writes each expert's rounded output and
-  moe_grouped.combine sums them in expert order.
+  cores (quant_awq_gemv.py, each split along its reduction and summed in the kernel;
+  PDL launches); down writes each expert's rounded output and moe_grouped.combine
+  sums them in expert order.
 - grouped_moe: moe_grouped.grouped_moe on these; sorted_experts: moe_gemm.sorted_experts
   on these (the dispatch path's rows).
 
@@ -23,6 +24,7 @@ R = T * K routed rows, P padded positions.
 
 import dataclasses
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -30,9 +32,9 @@ from torch import Tensor
 from services.model.kernels import moe_align, moe_gemm, moe_grouped
 from services.model.kernels.launch import uses_pdl, wait_for_previous_kernel
 from services.model.kernels.moe_gemm import GemmBlocks, MoEConfig, _block_rows, _grid
-from services.model.kernels.moe_small import MoeTiles
 from services.model.kernels.quant_awq import awq_block_dot, awq_columns, awq_tile, check_layout
-from services.model.kernels.quant_awq_gemv import awq_gemv_cols, awq_store_cols
+from services.model.kernels.quant_awq_gemv import (MAX_SPLIT_TILES, awq_gemv_cols, awq_last_split, awq_store_cols,
+                                                   awq_sum_splits, split_counters)
 from services.model.kernels.quant_fp8_moe import silu_mul
 from services.model.kernels.quant_ref import AWQ_GROUP, AWQ_PACK
 from services.model.layers import AddNorm
@@ -199,79 +201,151 @@ def sorted_experts(x_PD: Tensor, offsets_L: Tensor, w_gate_up: AwqWeights, w_dow
 
 
 @triton.jit
-def _one_token_gate_up_kernel(x_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, act_ptr, q_stride, z_stride, s_stride,
-                              HIDDEN: tl.constexpr, WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_F: tl.constexpr,
-                              BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    """act[k, f] = SiLU(gate) * up of the token's k-th expert, on the CUDA cores. PDL: waits for
-    gate_route's ids, then lets the down kernel start."""
-    f_block, k = tl.program_id(0), tl.program_id(1)
+def _silu_mul_store(act_row, gate, up, j, j_mask, width):
+    act = ()
+    for i in tl.static_range(8):
+        act = act + (silu_mul(gate[i], up[i], act_row.dtype.element_ty),)
+    awq_store_cols(act_row, act, j, j_mask, width)
+
+
+@triton.jit
+def _one_token_gate_up_kernel(x_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, act_ptr, partials_ptr, counters_ptr, q_stride,
+                              z_stride, s_stride, d_split, HIDDEN: tl.constexpr, WIDTH: tl.constexpr,
+                              GROUP: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
+                              SPLITS: tl.constexpr, PDL: tl.constexpr):
+    """act[k, f] = SiLU(gate) * up of the token's k-th expert, on the CUDA cores, SPLITS programs
+    along D (the last of a tile's sums their partials first). PDL: waits for gate_route's ids,
+    then lets the down kernel start."""
+    f_block, k, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if PDL:
         wait_for_previous_kernel()
     e = tl.load(ids_ptr + k).to(tl.int64)
     j = f_block * (BLOCK_F // 8) + tl.arange(0, BLOCK_F // 8)  # the gate's packed columns; the up's WIDTH / 8 on
     j_mask = j < WIDTH // 8
     q_e, z_e, s_e = q_ptr + e * q_stride, z_ptr + e * z_stride, s_ptr + e * s_stride
-    gate = awq_gemv_cols(x_ptr, q_e, z_e, s_e, j, j_mask, 2 * WIDTH // 8, 2 * WIDTH, 0, HIDDEN, GROUP, BLOCK_D,
+    d_start = split * d_split
+    d_end = tl.minimum(d_start + d_split, HIDDEN)
+    gate = awq_gemv_cols(x_ptr, q_e, z_e, s_e, j, j_mask, 2 * WIDTH // 8, 2 * WIDTH, d_start, d_end, GROUP, BLOCK_D,
                          BLOCK_F // 8)
-    up = awq_gemv_cols(x_ptr, q_e, z_e, s_e, j + WIDTH // 8, j_mask, 2 * WIDTH // 8, 2 * WIDTH, 0, HIDDEN, GROUP,
-                       BLOCK_D, BLOCK_F // 8)
-    act = ()
-    for i in tl.static_range(8):
-        act = act + (silu_mul(gate[i], up[i], act_ptr.dtype.element_ty),)
-    awq_store_cols(act_ptr + k * WIDTH, act, j, j_mask, WIDTH)
+    up = awq_gemv_cols(x_ptr, q_e, z_e, s_e, j + WIDTH // 8, j_mask, 2 * WIDTH // 8, 2 * WIDTH, d_start, d_end,
+                       GROUP, BLOCK_D, BLOCK_F // 8)
+    if SPLITS == 1:
+        _silu_mul_store(act_ptr + k * WIDTH, gate, up, j, j_mask, WIDTH)
+    else:  # partials [SPLITS, K, 2F]: gate's columns, then up's
+        split_stride = tl.num_programs(1) * 2 * WIDTH
+        partials = partials_ptr + k * 2 * WIDTH
+        awq_store_cols(partials + split * split_stride, gate, j, j_mask, WIDTH)
+        awq_store_cols(partials + split * split_stride + WIDTH, up, j, j_mask, WIDTH)
+        if awq_last_split(counters_ptr + k * tl.num_programs(0) + f_block, SPLITS):
+            _silu_mul_store(act_ptr + k * WIDTH, awq_sum_splits(partials, split_stride, j, j_mask, WIDTH, SPLITS),
+                            awq_sum_splits(partials + WIDTH, split_stride, j, j_mask, WIDTH, SPLITS), j, j_mask,
+                            WIDTH)
 
 
 @triton.jit
-def _one_token_down_kernel(act_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, y_ptr, q_stride, z_stride, s_stride,
-                           HIDDEN: tl.constexpr, WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_O: tl.constexpr,
-                           BLOCK_F: tl.constexpr, PDL: tl.constexpr):
-    """y[k, o]: the k-th expert's down projection of act[k], rounded to the model dtype. PDL: its
-    first weights are loaded before it waits for gate_up's act (ids are final once gate_up runs)."""
-    o_block, k = tl.program_id(0), tl.program_id(1)
+def _one_token_down_kernel(act_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, y_ptr, partials_ptr, counters_ptr, q_stride,
+                           z_stride, s_stride, f_split, HIDDEN: tl.constexpr, WIDTH: tl.constexpr,
+                           GROUP: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_F: tl.constexpr, SPLITS: tl.constexpr,
+                           PDL: tl.constexpr):
+    """y[k, o]: the k-th expert's down projection of act[k], rounded to the model dtype, SPLITS
+    programs along F. PDL: its first weights are loaded before it waits for gate_up's act (ids
+    are final once gate_up runs)."""
+    o_block, k, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = tl.load(ids_ptr + k).to(tl.int64)
     j = o_block * (BLOCK_O // 8) + tl.arange(0, BLOCK_O // 8)
     j_mask = j < (HIDDEN + 7) // 8
+    f_start = split * f_split
     y = awq_gemv_cols(act_ptr + k * WIDTH, q_ptr + e * q_stride, z_ptr + e * z_stride, s_ptr + e * s_stride, j,
-                      j_mask, (HIDDEN + 7) // 8, HIDDEN, 0, WIDTH, GROUP, BLOCK_F, BLOCK_O // 8, PDL)
-    awq_store_cols(y_ptr + k * HIDDEN, y, j, j_mask, HIDDEN)
+                      j_mask, (HIDDEN + 7) // 8, HIDDEN, f_start, tl.minimum(f_start + f_split, WIDTH), GROUP, BLOCK_F,
+                      BLOCK_O // 8, PDL)
+    if SPLITS == 1:
+        awq_store_cols(y_ptr + k * HIDDEN, y, j, j_mask, HIDDEN)
+    else:
+        split_stride = tl.num_programs(1) * HIDDEN
+        partials = partials_ptr + k * HIDDEN
+        awq_store_cols(partials + split * split_stride, y, j, j_mask, HIDDEN)
+        if awq_last_split(counters_ptr + k * tl.num_programs(0) + o_block, SPLITS):
+            awq_store_cols(y_ptr + k * HIDDEN, awq_sum_splits(partials, split_stride, j, j_mask, HIDDEN, SPLITS), j,
+                           j_mask, HIDDEN)
 
 
-# One token's tiles (MoeTiles' one-token fields): gate_up_f and down_o multiples of 8, gate_up_d and
-# down_f dividing the group size.
-ONE_TOKEN_TILES = MoeTiles(gate_up_f=32, gate_up_d=64, gate_up_stages=1, gate_up_warps=4, down_o=64, down_f=64,
-                           down_warps=4, one_token=True, down_stages=1)
+@dataclasses.dataclass(frozen=True, slots=True)
+class OneTokenTiles:
+    """Launch shape of the one-token kernels: gate_up_f and down_o columns a program (multiples of
+    8; 64 reads whole 32-byte sectors of each qweight row), gate_up_d and down_f rows a step
+    (dividing the group size), *_splits programs along the reduction (towards, not past)."""
+
+    gate_up_f: int
+    gate_up_d: int
+    gate_up_splits: int
+    gate_up_warps: int
+    down_o: int
+    down_f: int
+    down_splits: int
+    down_warps: int
 
 
-def one_token_gate_up(x_1D: Tensor, ids_1K: Tensor, w_gate_up: AwqWeights, tiles: MoeTiles = ONE_TOKEN_TILES) -> Tensor:
+# Qwen3-30B-A3B's one token (D 2048, F 768, 8 experts): about 400 and 500 programs.
+ONE_TOKEN_TILES = OneTokenTiles(gate_up_f=64, gate_up_d=64, gate_up_splits=4, gate_up_warps=4, down_o=64, down_f=64,
+                                down_splits=2, down_warps=4)
+# down's split counters start here, apart from gate_up's (PDL starts down while gate_up runs).
+_DOWN_COUNTERS = MAX_SPLIT_TILES // 2
+
+
+def _splits(depth: int, step: int, splits: int) -> tuple[int, int]:
+    """(rows a split, a multiple of step; the splits that gives) of depth rows in at most `splits`."""
+    rows = triton.cdiv(triton.cdiv(depth, step), splits) * step
+    return rows, triton.cdiv(depth, rows)
+
+
+def _split_buffers(device, splits: int, rows: int, cols: int, num_tiles: int, offset: int):
+    """(fp32 partials [splits, rows, cols], the kernel's split counters) of a launch (empty ones unsplit)."""
+    partials = torch.empty(splits if splits > 1 else 0, rows, cols, dtype=torch.float32, device=device)
+    if splits == 1:
+        return partials, partials
+    assert num_tiles <= _DOWN_COUNTERS, num_tiles
+    return partials, split_counters(device, MAX_SPLIT_TILES)[offset:]
+
+
+def one_token_gate_up(x_1D: Tensor, ids_1K: Tensor, w_gate_up: AwqWeights,
+                      tiles: OneTokenTiles = ONE_TOKEN_TILES) -> Tensor:
     """act_KF: SiLU(gate) * up of x_1D through each of its K experts (moe_small.one_token_gate_up)."""
     _, hidden, width = _gate_up_shape(w_gate_up)
     top_k = ids_1K.shape[1]
     assert x_1D.shape == (1, hidden) and x_1D.is_contiguous() and ids_1K.is_contiguous()
     assert w_gate_up.group % tiles.gate_up_d == 0 and tiles.gate_up_f % AWQ_PACK == 0
     act_KF = x_1D.new_empty(top_k, width)
-    _one_token_gate_up_kernel[(triton.cdiv(width, tiles.gate_up_f), top_k)](
-        x_1D, ids_1K, w_gate_up.qweight, w_gate_up.qzeros, w_gate_up.scales, act_KF, *w_gate_up.expert_strides(),
-        HIDDEN=hidden, WIDTH=width, GROUP=w_gate_up.group, BLOCK_F=tiles.gate_up_f, BLOCK_D=tiles.gate_up_d,
-        PDL=uses_pdl(x_1D), num_warps=tiles.gate_up_warps, num_stages=tiles.gate_up_stages, launch_pdl=uses_pdl(x_1D))
+    d_split, splits = _splits(hidden, tiles.gate_up_d, tiles.gate_up_splits)
+    grid = (triton.cdiv(width, tiles.gate_up_f), top_k, splits)
+    partials, counters = _split_buffers(x_1D.device, splits, top_k, 2 * width, grid[0] * top_k, 0)
+    _one_token_gate_up_kernel[grid](
+        x_1D, ids_1K, w_gate_up.qweight, w_gate_up.qzeros, w_gate_up.scales, act_KF, partials, counters,
+        *w_gate_up.expert_strides(), d_split, HIDDEN=hidden, WIDTH=width, GROUP=w_gate_up.group,
+        BLOCK_F=tiles.gate_up_f, BLOCK_D=tiles.gate_up_d, SPLITS=splits, PDL=uses_pdl(x_1D),
+        num_warps=tiles.gate_up_warps, num_stages=1, launch_pdl=uses_pdl(x_1D))
     return act_KF
 
 
 def one_token_down(act_KF: Tensor, ids_1K: Tensor, weights_1K: Tensor, w_down: AwqWeights,
-                   tiles: MoeTiles = ONE_TOKEN_TILES) -> Tensor:
+                   tiles: OneTokenTiles = ONE_TOKEN_TILES) -> Tensor:
     """out_1D: the K experts' down projections of act_KF, weighted and summed in expert order."""
     _, width, hidden = w_down.shape()
     top_k = act_KF.shape[0]
     assert act_KF.shape[1] == width and act_KF.is_contiguous()
     assert w_down.group % tiles.down_f == 0 and tiles.down_o % AWQ_PACK == 0
     y_KD = act_KF.new_empty(top_k, hidden)
-    _one_token_down_kernel[(triton.cdiv(hidden, tiles.down_o), top_k)](
-        act_KF, ids_1K, w_down.qweight, w_down.qzeros, w_down.scales, y_KD, *w_down.expert_strides(), HIDDEN=hidden,
-        WIDTH=width, GROUP=w_down.group, BLOCK_O=tiles.down_o, BLOCK_F=tiles.down_f, PDL=uses_pdl(ids_1K),
-        num_warps=tiles.down_warps, num_stages=tiles.down_stages, launch_pdl=uses_pdl(ids_1K))
+    f_split, splits = _splits(width, tiles.down_f, tiles.down_splits)
+    grid = (triton.cdiv(hidden, tiles.down_o), top_k, splits)
+    partials, counters = _split_buffers(act_KF.device, splits, top_k, hidden, grid[0] * top_k, _DOWN_COUNTERS)
+    _one_token_down_kernel[grid](
+        act_KF, ids_1K, w_down.qweight, w_down.qzeros, w_down.scales, y_KD, partials, counters,
+        *w_down.expert_strides(), f_split, HIDDEN=hidden, WIDTH=width, GROUP=w_down.group, BLOCK_O=tiles.down_o,
+        BLOCK_F=tiles.down_f, SPLITS=splits, PDL=uses_pdl(ids_1K), num_warps=tiles.down_warps, num_stages=1,
+        launch_pdl=uses_pdl(ids_1K))
     return moe_grouped.combine(y_KD, None, weights_1K)
 
 
 def one_token_experts(x_1D: Tensor, ids_1K: Tensor, weights_1K: Tensor, w_gate_up: AwqWeights, w_down: AwqWeights,
-                      tiles: MoeTiles = ONE_TOKEN_TILES) -> Tensor:
+                      tiles: OneTokenTiles = ONE_TOKEN_TILES) -> Tensor:
     """One token's MoE output from its routing (routing.gate_route's ids_1K, weights_1K)."""
     return one_token_down(one_token_gate_up(x_1D, ids_1K, w_gate_up, tiles), ids_1K, weights_1K, w_down, tiles)
