@@ -201,45 +201,33 @@ def sorted_experts(x_PD: Tensor, offsets_L: Tensor, w_gate_up: AwqWeights, w_dow
 
 
 @triton.jit
-def _silu_mul_store(act_row, gate, up, j, j_mask, width):
-    act = ()
-    for i in tl.static_range(8):
-        act = act + (silu_mul(gate[i], up[i], act_row.dtype.element_ty),)
-    awq_store_cols(act_row, act, j, j_mask, width)
-
-
-@triton.jit
 def _one_token_gate_up_kernel(x_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, act_ptr, partials_ptr, counters_ptr, q_stride,
                               z_stride, s_stride, d_split, HIDDEN: tl.constexpr, WIDTH: tl.constexpr,
                               GROUP: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
                               SPLITS: tl.constexpr, PDL: tl.constexpr):
-    """act[k, f] = SiLU(gate) * up of the token's k-th expert, on the CUDA cores, SPLITS programs
-    along D (the last of a tile's sums their partials first). PDL: waits for gate_route's ids,
-    then lets the down kernel start."""
-    f_block, k, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """act[k, f] = SiLU(gate) * up of the token's k-th expert, on the CUDA cores: 2 SPLITS programs
+    a tile, the gate's SPLITS along D then the up's (one GEMV's registers each), the last of them
+    summing the partials. PDL: waits for gate_route's ids, then lets the down kernel start."""
+    f_block, k, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if PDL:
         wait_for_previous_kernel()
     e = tl.load(ids_ptr + k).to(tl.int64)
     j = f_block * (BLOCK_F // 8) + tl.arange(0, BLOCK_F // 8)  # the gate's packed columns; the up's WIDTH / 8 on
     j_mask = j < WIDTH // 8
-    q_e, z_e, s_e = q_ptr + e * q_stride, z_ptr + e * z_stride, s_ptr + e * s_stride
-    d_start = split * d_split
-    d_end = tl.minimum(d_start + d_split, HIDDEN)
-    gate = awq_gemv_cols(x_ptr, q_e, z_e, s_e, j, j_mask, 2 * WIDTH // 8, 2 * WIDTH, d_start, d_end, GROUP, BLOCK_D,
-                         BLOCK_F // 8)
-    up = awq_gemv_cols(x_ptr, q_e, z_e, s_e, j + WIDTH // 8, j_mask, 2 * WIDTH // 8, 2 * WIDTH, d_start, d_end,
-                       GROUP, BLOCK_D, BLOCK_F // 8)
-    if SPLITS == 1:
-        _silu_mul_store(act_ptr + k * WIDTH, gate, up, j, j_mask, WIDTH)
-    else:  # partials [SPLITS, K, 2F]: gate's columns, then up's
-        split_stride = tl.num_programs(1) * 2 * WIDTH
-        partials = partials_ptr + k * 2 * WIDTH
-        awq_store_cols(partials + split * split_stride, gate, j, j_mask, WIDTH)
-        awq_store_cols(partials + split * split_stride + WIDTH, up, j, j_mask, WIDTH)
-        if awq_last_split(counters_ptr + k * tl.num_programs(0) + f_block, SPLITS):
-            _silu_mul_store(act_ptr + k * WIDTH, awq_sum_splits(partials, split_stride, j, j_mask, WIDTH, SPLITS),
-                            awq_sum_splits(partials + WIDTH, split_stride, j, j_mask, WIDTH, SPLITS), j, j_mask,
-                            WIDTH)
+    d_start = (part % SPLITS) * d_split
+    values = awq_gemv_cols(x_ptr, q_ptr + e * q_stride, z_ptr + e * z_stride, s_ptr + e * s_stride,
+                           j + (part // SPLITS) * (WIDTH // 8), j_mask, 2 * WIDTH // 8, 2 * WIDTH, d_start,
+                           tl.minimum(d_start + d_split, HIDDEN), GROUP, BLOCK_D, BLOCK_F // 8)
+    part_stride = tl.num_programs(1) * WIDTH  # partials [2 SPLITS, K, F]: the gate's splits, then the up's
+    partials = partials_ptr + k * WIDTH
+    awq_store_cols(partials + part * part_stride, values, j, j_mask, WIDTH)
+    if awq_last_split(counters_ptr + k * tl.num_programs(0) + f_block, 2 * SPLITS):
+        gate = awq_sum_splits(partials, part_stride, j, j_mask, WIDTH, SPLITS)
+        up = awq_sum_splits(partials + SPLITS * part_stride, part_stride, j, j_mask, WIDTH, SPLITS)
+        act = ()
+        for i in tl.static_range(8):
+            act = act + (silu_mul(gate[i], up[i], act_ptr.dtype.element_ty),)
+        awq_store_cols(act_ptr + k * WIDTH, act, j, j_mask, WIDTH)
 
 
 @triton.jit
@@ -273,7 +261,8 @@ def _one_token_down_kernel(act_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, y_ptr, partial
 class OneTokenTiles:
     """Launch shape of the one-token kernels: gate_up_f and down_o columns a program (multiples of
     8; 64 reads whole 32-byte sectors of each qweight row), gate_up_d and down_f rows a step
-    (dividing the group size), *_splits programs along the reduction (towards, not past)."""
+    (dividing the group size), *_splits programs along the reduction (towards, not past; gate_up
+    has as many again: the gate's and the up's run apart)."""
 
     gate_up_f: int
     gate_up_d: int
@@ -285,8 +274,8 @@ class OneTokenTiles:
     down_warps: int
 
 
-# Qwen3-30B-A3B's one token (D 2048, F 768, 8 experts): about 400 and 500 programs.
-ONE_TOKEN_TILES = OneTokenTiles(gate_up_f=64, gate_up_d=64, gate_up_splits=4, gate_up_warps=4, down_o=64, down_f=64,
+# Qwen3-30B-A3B's one token (D 2048, F 768, 8 experts): about 600 and 500 programs.
+ONE_TOKEN_TILES = OneTokenTiles(gate_up_f=64, gate_up_d=64, gate_up_splits=3, gate_up_warps=4, down_o=64, down_f=64,
                                 down_splits=2, down_warps=4)
 # down's split counters start here, apart from gate_up's (PDL starts down while gate_up runs).
 _DOWN_COUNTERS = MAX_SPLIT_TILES // 2
@@ -316,8 +305,8 @@ def one_token_gate_up(x_1D: Tensor, ids_1K: Tensor, w_gate_up: AwqWeights,
     assert w_gate_up.group % tiles.gate_up_d == 0 and tiles.gate_up_f % AWQ_PACK == 0
     act_KF = x_1D.new_empty(top_k, width)
     d_split, splits = _splits(hidden, tiles.gate_up_d, tiles.gate_up_splits)
-    grid = (triton.cdiv(width, tiles.gate_up_f), top_k, splits)
-    partials, counters = _split_buffers(x_1D.device, splits, top_k, 2 * width, grid[0] * top_k, 0)
+    grid = (triton.cdiv(width, tiles.gate_up_f), top_k, 2 * splits)
+    partials, counters = _split_buffers(x_1D.device, 2 * splits, top_k, width, grid[0] * top_k, 0)
     _one_token_gate_up_kernel[grid](
         x_1D, ids_1K, w_gate_up.qweight, w_gate_up.qzeros, w_gate_up.scales, act_KF, partials, counters,
         *w_gate_up.expert_strides(), d_split, HIDDEN=hidden, WIDTH=width, GROUP=w_gate_up.group,

@@ -285,7 +285,7 @@ def test_awq_grouped_moe(quant_awq_moe, moe_gemm, awq_experts):
 
 
 def test_awq_one_token_experts(quant_awq_moe, routing, awq_experts):
-    """Both kernels split along their reduction (3 and 2 splits here), the split counters left zero."""
+    """Both kernels split along their reduction (gate_up 3 a half, down 2 here), the split counters left zero."""
     w_gate_up, w_down, layer = awq_experts
     _one_token_check(quant_awq_moe, routing, layer, lambda x, ids, weights, tiles:
                      quant_awq_moe.one_token_experts(x, ids, weights, w_gate_up, w_down, tiles))
