@@ -1,6 +1,6 @@
 """AWQ 4-bit against bf16 at Qwen3-30B-A3B's shapes, with a small sweep of the AWQ tiles (issue 29).
 
-    python -m bench.kernels.awq_sweep                  # every case, ~2 minutes on an H200
+    python -m bench.kernels.awq_sweep                  # every case, about 2 minutes on an H200
     python -m bench.kernels.awq_sweep --cases moe1     # one of qkv, o, moe1, moe64
 
 Cases: the dense q|k|v and o linears at 1 and 64 rows (bf16: gemv.linear / F.linear), the
@@ -25,15 +25,14 @@ from services.model.kernels import quant_ref as ref
 from services.model.kernels.moe_gemm import GemmBlocks, MoEConfig
 
 # (block_n, block_k, split_k, warps) of the one-row GEMV; the GEMM rows: (block_m, block_n, block_k, split_k, warps).
-GEMV_TILES = [(64, 64, 1, 4), (32, 64, 1, 4), (64, 64, 3, 4), (64, 64, 8, 4), (64, 64, 12, 4), (64, 128, 6, 8),
-              (32, 64, 4, 4), (128, 64, 8, 8), (64, 64, 32, 4)]
-GEMM_TILES = [(64, 64, 64, 1, 4), (64, 128, 64, 1, 4), (64, 64, 128, 1, 4), (64, 128, 64, 2, 4)]
+GEMV_TILES = [(64, 64, 1, 4), (32, 64, 1, 4), (64, 64, 3, 4), (64, 64, 12, 4), (64, 128, 6, 8), (32, 64, 4, 4),
+              (64, 64, 32, 4)]
+GEMM_TILES = [(64, 64, 64, 1, 4), (64, 128, 64, 1, 4), (64, 64, 128, 1, 4)]
 # (gate_up_f, gate_up_d, gate_up_splits, gate_up_warps, down_o, down_f, down_splits, down_warps) of the
 # one-token kernels.
-ONE_TOKEN = [(64, 64, 1, 4, 64, 64, 1, 4), (64, 64, 8, 4, 64, 64, 4, 4), (32, 64, 2, 4, 64, 64, 2, 4),
-             (64, 128, 4, 8, 64, 128, 2, 8), (32, 64, 1, 4, 32, 64, 1, 4), (64, 64, 4, 4, 128, 64, 4, 8),
-             (128, 64, 8, 8, 64, 64, 3, 4)]
-GROUPED = [(128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 4)]
+ONE_TOKEN = [(64, 64, 1, 4, 64, 64, 1, 4), (64, 64, 6, 4, 64, 64, 4, 4), (32, 64, 2, 4, 32, 64, 2, 4),
+             (64, 128, 3, 8, 64, 128, 2, 8), (128, 64, 4, 8, 128, 64, 3, 8), (32, 64, 1, 4, 32, 64, 1, 4)]
+GROUPED = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 4), (128, 128, 4, 3)]
 
 
 def _errors(y, bf16, dequant) -> str:
