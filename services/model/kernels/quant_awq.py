@@ -5,13 +5,15 @@ int32 (eight 4-bit values an int32 in AWQ's interleaved order: column c of each 
 at bits 4 * [0, 4, 1, 5, 2, 6, 3, 7][c]), qzeros [K/G, N/8] packed the same way,
 scales [K/G, N] fp16, G = 128; y = x @ W with W[k, n] = (q - z[k // G, n]) * s[k // G, n].
 
-One row (decode) takes quant_awq_gemv's GEMV on the CUDA cores, split along K with
-the splits summed in the kernel. More rows take GEMM tiles: each step of BLOCK_K
-rows (BLOCK_K divides G: one group a step) unpacks its [BLOCK_K, BLOCK_N / 8] int32
-tile to [BLOCK_K, BLOCK_N] values, subtracts the group's zeros and leaves the scale
-out: q - z is a small integer, exact in bf16, so the step is tl.dot(x, q - z) on
-the tensor cores and its fp32 result times the group's scales (splits along K
-summed after); there is no 4-bit tensor-core product to do better.
+Each step of BLOCK_K rows (BLOCK_K divides G: one group a step) unpacks its
+[BLOCK_K, BLOCK_N / 8] int32 tile to [BLOCK_K, BLOCK_N] values, subtracts the
+group's zeros and leaves the scale out: q - z is a small integer, exact in
+bf16, so the step is tl.dot(x, q - z) on the tensor cores (or, for one row, FMAs
+on the CUDA cores) and its fp32 result times the group's scales; splits along K
+are summed after. The same kernels serve decode and prefill; there is no 4-bit
+tensor-core product to do better. (The one-token experts take quant_awq_gemv's
+GEMV, split and summed in the kernel; at the dense linears' shapes on an H200
+this kernel's one-row path was the faster: docs/performance.md.)
 
 Legend: M rows (tokens), N output features, K input features, N8 = ceil(N/8) packed columns.
 """
@@ -23,16 +25,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from services.model.kernels.quant_awq_gemv import (awq_gemv_cols, awq_last_split, awq_store_cols, awq_sum_splits,
-                                                   split_counters)
 from services.model.kernels.quant_fp8 import num_splits, split_output, sum_splits
 from services.model.kernels.quant_ref import AWQ_GROUP, AWQ_PACK
 
 # Steps of at most this many rows take skinny tiles (16 rows a program; see default_tiles).
 SKINNY_MAX_ROWS = 16
-# The one-row GEMV's programs: about four on each of an H200's 132 SMs; and its least steps a split.
-GEMV_PROGRAMS = 4 * 132
-GEMV_MIN_STEPS = 4
 
 
 @triton.jit
@@ -52,6 +49,20 @@ def awq_tile(q_ptr, z_ptr, s_ptr, k, k_mask, group, j, j_mask, n, n_mask, num_pa
     z = awq_unpack(z_ptr + group * num_packed + j[None, :], j_mask[None, :])
     s = tl.load(s_ptr + group * out_features + n, mask=n_mask, other=0.0).to(tl.float32)
     return q - z, s
+
+
+@triton.jit
+def awq_gemv_tile(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask, num_packed, out_features, k_start, k_end,
+                  GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """fp32 [BLOCK_N]: x[k_start:k_end] @ W[k_start:k_end, n] on the CUDA cores (k_start a multiple of BLOCK_K)."""
+    acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < k_end
+        x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        w, s = awq_tile(q_ptr, z_ptr, s_ptr, k, k_mask, k0 // GROUP, j, j_mask, n, n_mask, num_packed, out_features)
+        acc += (x[:, None] * s[None, :]) * w.to(tl.float32)
+    return tl.sum(acc, 0)
 
 
 @triton.jit
@@ -84,35 +95,15 @@ def _linear_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, num_rows, out_features, nu
     split = tl.program_id(2)
     k_start = split * k_split
     k_end = tl.minimum(k_start + k_split, in_features)
-    acc = awq_block_dot(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x_ptr + m.to(tl.int64) * x_stride, m_mask,
-                        q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask, num_packed, out_features, k_start, k_end,
-                        GROUP, BLOCK_K)
+    if BLOCK_M == 1:  # one row on the CUDA cores
+        acc = awq_gemv_tile(x_ptr + tl.program_id(0).to(tl.int64) * x_stride, q_ptr, z_ptr, s_ptr, j, j_mask, n,
+                            n_mask, num_packed, out_features, k_start, k_end, GROUP, BLOCK_K, BLOCK_N)[None, :]
+    else:
+        acc = awq_block_dot(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x_ptr + m.to(tl.int64) * x_stride, m_mask,
+                            q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask, num_packed, out_features, k_start, k_end,
+                            GROUP, BLOCK_K)
     y_rows = y_ptr + (split * num_rows + m).to(tl.int64) * out_features  # split > 0: fp32 partials
     tl.store(y_rows[:, None] + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, partials_ptr, counters_ptr, num_rows, out_features, num_packed,
-                 in_features, x_stride, k_split, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLITS: tl.constexpr):
-    """One row's y (program_id 0) on the CUDA cores (quant_awq_gemv.py), SPLITS programs along K."""
-    row, n_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    j = n_block * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
-    j_mask = j < num_packed
-    k_start = split * k_split
-    values = awq_gemv_cols(x_ptr + row.to(tl.int64) * x_stride, q_ptr, z_ptr, s_ptr, j, j_mask, num_packed,
-                           out_features, k_start, tl.minimum(k_start + k_split, in_features), GROUP, BLOCK_K,
-                           BLOCK_N // 8)
-    y_row = y_ptr + row.to(tl.int64) * out_features
-    if SPLITS == 1:
-        awq_store_cols(y_row, values, j, j_mask, out_features)
-    else:
-        split_stride = num_rows * out_features
-        partials = partials_ptr + row.to(tl.int64) * out_features
-        awq_store_cols(partials + split * split_stride, values, j, j_mask, out_features)
-        if awq_last_split(counters_ptr + row * tl.num_programs(1) + n_block, SPLITS):
-            awq_store_cols(y_row, awq_sum_splits(partials, split_stride, j, j_mask, out_features, SPLITS), j, j_mask,
-                           out_features)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -129,20 +120,12 @@ class AwqTiles:
 
 def default_tiles(num_rows: int, out_features: int, in_features: int) -> AwqTiles:
     """The tiles for a step: one row's GEMV, skinny tiles up to SKINNY_MAX_ROWS, square tiles above;
-    each split along K while its grid is small (quant_fp8.num_splits). The GEMV reads whole 32-byte
-    sectors of qweight's rows (64 columns) and splits along K towards GEMV_PROGRAMS, each split at
-    least GEMV_MIN_STEPS steps deep: what keeps enough bytes in flight is programs, since each
-    one's registers grow with its tile (one accumulator per value, quant_awq_gemv.py)."""
-    if num_rows == 1:
-        block_n, block_k = 64, 64
-        splits = max(1, min(GEMV_PROGRAMS // triton.cdiv(out_features, block_n),
-                            triton.cdiv(in_features, GEMV_MIN_STEPS * block_k)))
-        return AwqTiles(1, block_n, block_k, splits, 4, 1)
-    block_m = 16 if num_rows <= SKINNY_MAX_ROWS else 64 if num_rows <= 64 else 128
+    each split along K while its grid is small (quant_fp8.num_splits)."""
+    block_m = 1 if num_rows == 1 else 16 if num_rows <= SKINNY_MAX_ROWS else 64 if num_rows <= 64 else 128
     block_n = 64 if block_m <= 16 else 128
     programs = triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n)
-    return AwqTiles(block_m, block_n, 64, num_splits(programs, in_features, 2 * AWQ_GROUP), 4 if block_m < 128 else 8,
-                    3)
+    return AwqTiles(block_m, block_n, 128 if block_m == 1 else 64, num_splits(programs, in_features, 2 * AWQ_GROUP),
+                    4 if block_m < 128 else 8, 3)
 
 
 def check_layout(qweight: Tensor, qzeros: Tensor, scales: Tensor, group: int) -> tuple[int, int]:
@@ -164,8 +147,6 @@ def linear(x_MK: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group:
     assert x_MK.shape[1] == in_features and x_MK.stride(1) == 1
     tiles = tiles or default_tiles(num_rows, out_features, in_features)
     assert group % tiles.block_k == 0 and tiles.block_n % AWQ_PACK == 0, tiles
-    if tiles.block_m == 1:
-        return _gemv(x_MK, qweight, qzeros, scales, group, tiles)
     y, k_split = split_output(num_rows, out_features, in_features, tiles.block_k, tiles.split_k, x_MK.dtype,
                               x_MK.device)
     if num_rows:
@@ -174,20 +155,3 @@ def linear(x_MK: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group:
                              x_MK.stride(0), k_split, GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                              BLOCK_K=tiles.block_k, num_warps=tiles.warps, num_stages=tiles.stages)
     return sum_splits(y, x_MK.dtype)
-
-
-def _gemv(x_MK: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group: int, tiles: AwqTiles) -> Tensor:
-    """linear for tiles.block_m == 1: each row by _gemv_kernel, the splits summed in the kernel."""
-    (num_rows, in_features), out_features = x_MK.shape, scales.shape[-1]
-    k_split = triton.cdiv(triton.cdiv(in_features, tiles.block_k), tiles.split_k) * tiles.block_k
-    splits = triton.cdiv(in_features, k_split)
-    y = x_MK.new_empty(num_rows, out_features)
-    grid = (num_rows, triton.cdiv(out_features, tiles.block_n), splits)
-    partials = torch.empty(splits if splits > 1 else 0, num_rows, out_features, dtype=torch.float32,
-                           device=x_MK.device)
-    counters = split_counters(x_MK.device, grid[0] * grid[1]) if splits > 1 else partials
-    if num_rows:
-        _gemv_kernel[grid](x_MK, qweight, qzeros, scales, y, partials, counters, num_rows, out_features,
-                           qweight.shape[1], in_features, x_MK.stride(0), k_split, GROUP=group, BLOCK_N=tiles.block_n,
-                           BLOCK_K=tiles.block_k, SPLITS=splits, num_warps=tiles.warps, num_stages=tiles.stages)
-    return y

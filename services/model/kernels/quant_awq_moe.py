@@ -274,9 +274,10 @@ class OneTokenTiles:
     down_warps: int
 
 
-# Qwen3-30B-A3B's one token (D 2048, F 768, 8 experts): about 600 and 500 programs.
-ONE_TOKEN_TILES = OneTokenTiles(gate_up_f=64, gate_up_d=64, gate_up_splits=3, gate_up_warps=4, down_o=64, down_f=64,
-                                down_splits=2, down_warps=4)
+# The fastest one-token tiles of bench/kernels/awq_sweep.py at Qwen3-30B-A3B's shapes (D 2048, F 768, 8 experts) on an
+# H200 (docs/performance.md): 384 and 512 programs, unsplit.
+ONE_TOKEN_TILES = OneTokenTiles(gate_up_f=32, gate_up_d=64, gate_up_splits=1, gate_up_warps=4, down_o=32, down_f=64,
+                                down_splits=1, down_warps=4)
 # down's split counters start here, apart from gate_up's (PDL starts down while gate_up runs).
 _DOWN_COUNTERS = MAX_SPLIT_TILES // 2
 

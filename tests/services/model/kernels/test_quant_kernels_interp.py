@@ -137,17 +137,14 @@ def awq_weight():
 
 @pytest.mark.parametrize(("num_rows", "split_k"), [(1, None), (1, 1), (1, 3), (3, None), (16, 2), (100, None)])
 def test_awq_linear(quant_awq, awq_weight, num_rows, split_k):
-    """The default tiles and some split along K; one row's splits are summed in the GEMV kernel,
-    whose split counters are left zero for the next call."""
+    """The default tiles and some split along K (fp32 partials summed after)."""
     qweight, qzeros, scales, w_ref = awq_weight
     x = _randn(num_rows, K, seed=num_rows)
     tiles = quant_awq.default_tiles(num_rows, N, K)
     if split_k:
         tiles = quant_awq.AwqTiles(tiles.block_m, tiles.block_n, tiles.block_k, split_k, tiles.warps, tiles.stages)
-    for _ in range(2):
-        torch.testing.assert_close(quant_awq.linear(x, qweight, qzeros, scales, tiles=tiles), x @ w_ref, atol=1e-4,
-                                   rtol=1e-5)
-    assert not quant_awq.split_counters(x.device, 1).any()
+    torch.testing.assert_close(quant_awq.linear(x, qweight, qzeros, scales, tiles=tiles), x @ w_ref, atol=1e-4,
+                               rtol=1e-5)
 
 
 def test_awq_gemv_columns_past_the_last_multiple_of_8(quant_awq):
@@ -285,8 +282,10 @@ def test_awq_grouped_moe(quant_awq_moe, moe_gemm, awq_experts):
 
 
 def test_awq_one_token_experts(quant_awq_moe, routing, awq_experts):
-    """Both kernels split along their reduction (gate_up 3 a half, down 2 here), the split counters left zero."""
+    """Unsplit, and both kernels split along their reduction (gate_up 3 a half, down 2), the split counters left zero."""
     w_gate_up, w_down, layer = awq_experts
-    _one_token_check(quant_awq_moe, routing, layer, lambda x, ids, weights, tiles:
-                     quant_awq_moe.one_token_experts(x, ids, weights, w_gate_up, w_down, tiles))
+    for splits in ((1, 1), (3, 2)):
+        _one_token_check(quant_awq_moe, routing, layer, lambda x, ids, weights, tiles, splits=splits:
+                         quant_awq_moe.one_token_experts(x, ids, weights, w_gate_up, w_down, dataclasses.replace(
+                             tiles, gate_up_splits=splits[0], down_splits=splits[1])))
     assert not quant_awq_moe.split_counters(torch.device("cpu"), 1).any()
