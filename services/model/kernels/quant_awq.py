@@ -12,8 +12,9 @@ bf16, so the step is tl.dot(x, q - z) on the tensor cores (or, for one row, FMAs
 on the CUDA cores) and its fp32 result times the group's scales; splits along K
 are summed after. The same kernels serve decode and prefill; there is no 4-bit
 tensor-core product to do better. (The one-token experts take quant_awq_gemv's
-GEMV, split and summed in the kernel; at the dense linears' shapes on an H200
-this kernel's one-row path was the faster: docs/performance.md.)
+GEMV instead, split and summed in the kernel: faster for them on an H200; at the
+dense linears' shapes the two were within a few percent, either way by shape:
+docs/performance.md.)
 
 Legend: M rows (tokens), N output features, K input features, N8 = ceil(N/8) packed columns.
 """
