@@ -9,9 +9,12 @@ Each step of BLOCK_K rows (BLOCK_K divides G: one group a step) unpacks its
 [BLOCK_K, BLOCK_N / 8] int32 tile to [BLOCK_K, BLOCK_N] values, subtracts the
 group's zeros and leaves the scale out: q - z is a small integer, exact in
 bf16, so the step is tl.dot(x, q - z) on the tensor cores (or, for one row, FMAs
-on the CUDA cores) and its fp32 result times the group's scales. The same
-kernels serve decode (GEMV, split along K to fill the GPU) and prefill (GEMM
-tiles); there is no 4-bit tensor-core product to do better.
+on the CUDA cores) and its fp32 result times the group's scales; splits along K
+are summed after. The same kernels serve decode and prefill; there is no 4-bit
+tensor-core product to do better. (The one-token experts take quant_awq_gemv's
+GEMV instead, split and summed in the kernel: faster for them on an H200; at the
+dense linears' shapes the two were within a few percent, either way by shape:
+docs/performance.md.)
 
 Legend: M rows (tokens), N output features, K input features, N8 = ceil(N/8) packed columns.
 """
@@ -50,7 +53,7 @@ def awq_tile(q_ptr, z_ptr, s_ptr, k, k_mask, group, j, j_mask, n, n_mask, num_pa
 
 
 @triton.jit
-def awq_gemv_cols(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask, num_packed, out_features, k_start, k_end,
+def awq_gemv_tile(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask, num_packed, out_features, k_start, k_end,
                   GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """fp32 [BLOCK_N]: x[k_start:k_end] @ W[k_start:k_end, n] on the CUDA cores (k_start a multiple of BLOCK_K)."""
     acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
@@ -94,7 +97,7 @@ def _linear_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, num_rows, out_features, nu
     k_start = split * k_split
     k_end = tl.minimum(k_start + k_split, in_features)
     if BLOCK_M == 1:  # one row on the CUDA cores
-        acc = awq_gemv_cols(x_ptr + tl.program_id(0).to(tl.int64) * x_stride, q_ptr, z_ptr, s_ptr, j, j_mask, n,
+        acc = awq_gemv_tile(x_ptr + tl.program_id(0).to(tl.int64) * x_stride, q_ptr, z_ptr, s_ptr, j, j_mask, n,
                             n_mask, num_packed, out_features, k_start, k_end, GROUP, BLOCK_K, BLOCK_N)[None, :]
     else:
         acc = awq_block_dot(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x_ptr + m.to(tl.int64) * x_stride, m_mask,

@@ -10,8 +10,9 @@ expert's weights in AWQ's layout (quant_awq.py, K rows by N columns):
 - gate_up / down: moe_gemm's grouped GEMMs over moe_align's segments, weights
   dequantized in registers (tl.dot on q - z, times the group's scales).
 - one_token_gate_up / one_token_down: batch-1 decode's per-expert GEMVs on the CUDA
-  cores (PDL launches); down writes each expert's rounded output and
-  moe_grouped.combine sums them in expert order.
+  cores (quant_awq_gemv.py, each split along its reduction and summed in the kernel;
+  PDL launches); down writes each expert's rounded output and moe_grouped.combine
+  sums them in expert order.
 - grouped_moe: moe_grouped.grouped_moe on these; sorted_experts: moe_gemm.sorted_experts
   on these (the dispatch path's rows).
 
@@ -23,6 +24,7 @@ R = T * K routed rows, P padded positions.
 
 import dataclasses
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -30,11 +32,18 @@ from torch import Tensor
 from services.model.kernels import moe_align, moe_gemm, moe_grouped
 from services.model.kernels.launch import uses_pdl, wait_for_previous_kernel
 from services.model.kernels.moe_gemm import GemmBlocks, MoEConfig, _block_rows, _grid
-from services.model.kernels.moe_small import MoeTiles
-from services.model.kernels.quant_awq import awq_block_dot, awq_columns, awq_gemv_cols, awq_tile, check_layout
+from services.model.kernels.quant_awq import awq_block_dot, awq_columns, awq_tile, check_layout
+from services.model.kernels.quant_awq_gemv import (MAX_SPLIT_TILES, awq_gemv_cols, awq_last_split, awq_store_cols,
+                                                   awq_sum_splits, split_counters)
 from services.model.kernels.quant_fp8_moe import silu_mul
 from services.model.kernels.quant_ref import AWQ_GROUP, AWQ_PACK
 from services.model.layers import AddNorm
+
+
+# The grouped GEMMs' K step at most (one group of 128 in two steps), and both GEMMs' blocks up to
+# 128 tokens (moe_gemm.default_config's block_k 128 there unpacks twice the 4-bit tile a step).
+AWQ_MAX_STEP = 64
+AWQ_SMALL_BLOCKS = GemmBlocks(block_n=128, block_k=64, num_warps=4, num_stages=3)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -146,13 +155,31 @@ def down(act_PF: Tensor, a: moe_align.Alignment, w_down: AwqWeights, num_routed:
     return y_RD
 
 
+def fit_config(config: MoEConfig, group: int = AWQ_GROUP) -> MoEConfig:
+    """config with each GEMM's K step at most AWQ_MAX_STEP and one group (tiny test models have
+    groups below 128): each step unpacks a [block_k, block_n] tile of 4-bit values in registers,
+    which at block_k 128 costs more than the longer loop it saves."""
+    def fit(blocks: GemmBlocks) -> GemmBlocks:
+        return dataclasses.replace(blocks, block_k=min(blocks.block_k, AWQ_MAX_STEP, group))
+    return dataclasses.replace(config, gate_up=fit(config.gate_up), down=fit(config.down))
+
+
+def default_config(num_tokens: int, group: int = AWQ_GROUP) -> MoEConfig:
+    """moe_gemm.default_config's blocks for a step of num_tokens, fitted to AWQ (fit_config); up to
+    128 tokens both GEMMs take AWQ_SMALL_BLOCKS."""
+    config = moe_gemm.default_config(num_tokens)
+    if num_tokens <= 128:
+        config = dataclasses.replace(config, gate_up=AWQ_SMALL_BLOCKS, down=AWQ_SMALL_BLOCKS)
+    return fit_config(config, group)
+
+
 def grouped_moe(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up: AwqWeights, w_down: AwqWeights, top_k: int,
                 norm_topk_prob: bool, hit_counts_E: Tensor, config: MoEConfig | None = None,
                 add_norm: AddNorm | None = None) -> Tensor:
     """moe_grouped.grouped_moe with AWQ experts (the gate stays bf16): route, align, gate_up, down, combine."""
     num_experts, num_tokens = w_gate_ED.shape[0], x_TD.shape[0]
     assert w_gate_up.qweight.shape[0] == w_down.qweight.shape[0] == num_experts, "no spare slots here"
-    config = config or moe_gemm.default_config(num_tokens)
+    config = config or default_config(num_tokens, w_gate_up.group)
     ids_TK, weights_TK, counts_CE = moe_grouped.route(x_TD, w_gate_ED, top_k, norm_topk_prob, hit_counts_E)
     a = moe_align.align(ids_TK, num_experts, config.block_m, chunk_counts=counts_CE)
     act_PF = gate_up(x_TD, a, w_gate_up, top_k, config.gate_up, config.tiles_first)
@@ -167,84 +194,148 @@ def sorted_experts(x_PD: Tensor, offsets_L: Tensor, w_gate_up: AwqWeights, w_dow
     """moe_gemm.sorted_experts (the dispatch path's rows, already sorted by local expert; rows past
     offsets_L[-1] neither read nor written) on AWQ experts."""
     num_rows, num_local = x_PD.shape[0], offsets_L.shape[0]
-    config = config or moe_gemm.default_config(16 * num_rows // num_local)
+    config = config or default_config(16 * num_rows // num_local, w_gate_up.group)
     a = moe_align.segments(offsets_L, num_rows, config.block_m)
     act_PF = gate_up(x_PD, a, w_gate_up, 1, config.gate_up, config.tiles_first)
     return down(act_PF, a, w_down, num_rows, config.down, config.tiles_first)
 
 
 @triton.jit
-def _one_token_gate_up_kernel(x_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, act_ptr, q_stride, z_stride, s_stride,
-                              HIDDEN: tl.constexpr, WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_F: tl.constexpr,
-                              BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    """act[k, f] = SiLU(gate) * up of the token's k-th expert, on the CUDA cores. PDL: waits for
-    gate_route's ids, then lets the down kernel start."""
-    f_block, k = tl.program_id(0), tl.program_id(1)
+def _one_token_gate_up_kernel(x_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, act_ptr, partials_ptr, counters_ptr, q_stride,
+                              z_stride, s_stride, d_split, HIDDEN: tl.constexpr, WIDTH: tl.constexpr,
+                              GROUP: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
+                              SPLITS: tl.constexpr, PDL: tl.constexpr):
+    """act[k, f] = SiLU(gate) * up of the token's k-th expert, on the CUDA cores: 2 SPLITS programs
+    a tile, the gate's SPLITS along D then the up's (one GEMV's registers each), the last of them
+    summing the partials. PDL: waits for gate_route's ids, then lets the down kernel start."""
+    f_block, k, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if PDL:
         wait_for_previous_kernel()
     e = tl.load(ids_ptr + k).to(tl.int64)
-    f, f_mask, j, j_mask = awq_columns(f_block, WIDTH // 8, WIDTH, BLOCK_F)  # the gate's; the up's are WIDTH further
-    q_e, z_e, s_e = q_ptr + e * q_stride, z_ptr + e * z_stride, s_ptr + e * s_stride
-    gate = awq_gemv_cols(x_ptr, q_e, z_e, s_e, j, j_mask, f, f_mask, 2 * WIDTH // 8, 2 * WIDTH, 0, HIDDEN, GROUP,
-                         BLOCK_D, BLOCK_F)
-    up = awq_gemv_cols(x_ptr, q_e, z_e, s_e, j + WIDTH // 8, j_mask, f + WIDTH, f_mask, 2 * WIDTH // 8, 2 * WIDTH, 0,
-                       HIDDEN, GROUP, BLOCK_D, BLOCK_F)
-    act = silu_mul(gate, up, act_ptr.dtype.element_ty)
-    tl.store(act_ptr + k * WIDTH + f, act.to(act_ptr.dtype.element_ty), mask=f_mask)
+    j = f_block * (BLOCK_F // 8) + tl.arange(0, BLOCK_F // 8)  # the gate's packed columns; the up's WIDTH / 8 on
+    j_mask = j < WIDTH // 8
+    d_start = (part % SPLITS) * d_split
+    values = awq_gemv_cols(x_ptr, q_ptr + e * q_stride, z_ptr + e * z_stride, s_ptr + e * s_stride,
+                           j + (part // SPLITS) * (WIDTH // 8), j_mask, 2 * WIDTH // 8, 2 * WIDTH, d_start,
+                           tl.minimum(d_start + d_split, HIDDEN), GROUP, BLOCK_D, BLOCK_F // 8)
+    part_stride = tl.num_programs(1) * WIDTH  # partials [2 SPLITS, K, F]: the gate's splits, then the up's
+    partials = partials_ptr + k * WIDTH
+    awq_store_cols(partials + part * part_stride, values, j, j_mask, WIDTH)
+    if awq_last_split(counters_ptr + k * tl.num_programs(0) + f_block, 2 * SPLITS):
+        gate = awq_sum_splits(partials, part_stride, j, j_mask, WIDTH, SPLITS)
+        up = awq_sum_splits(partials + SPLITS * part_stride, part_stride, j, j_mask, WIDTH, SPLITS)
+        act = ()
+        for i in tl.static_range(8):
+            act = act + (silu_mul(gate[i], up[i], act_ptr.dtype.element_ty),)
+        awq_store_cols(act_ptr + k * WIDTH, act, j, j_mask, WIDTH)
 
 
 @triton.jit
-def _one_token_down_kernel(act_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, y_ptr, q_stride, z_stride, s_stride,
-                           HIDDEN: tl.constexpr, WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_O: tl.constexpr,
-                           BLOCK_F: tl.constexpr, PDL: tl.constexpr):
-    """y[k, o]: the k-th expert's down projection of act[k], rounded to the model dtype. PDL: waits
-    for gate_up's act (ids are final once gate_up runs)."""
-    o_block, k = tl.program_id(0), tl.program_id(1)
+def _one_token_down_kernel(act_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, y_ptr, partials_ptr, counters_ptr, q_stride,
+                           z_stride, s_stride, f_split, HIDDEN: tl.constexpr, WIDTH: tl.constexpr,
+                           GROUP: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_F: tl.constexpr, SPLITS: tl.constexpr,
+                           PDL: tl.constexpr):
+    """y[k, o]: the k-th expert's down projection of act[k], rounded to the model dtype, SPLITS
+    programs along F. PDL: its first weights are loaded before it waits for gate_up's act (ids
+    are final once gate_up runs)."""
+    o_block, k, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = tl.load(ids_ptr + k).to(tl.int64)
-    o, o_mask, j, j_mask = awq_columns(o_block, (HIDDEN + 7) // 8, HIDDEN, BLOCK_O)
-    if PDL:
-        wait_for_previous_kernel()
+    j = o_block * (BLOCK_O // 8) + tl.arange(0, BLOCK_O // 8)
+    j_mask = j < (HIDDEN + 7) // 8
+    f_start = split * f_split
     y = awq_gemv_cols(act_ptr + k * WIDTH, q_ptr + e * q_stride, z_ptr + e * z_stride, s_ptr + e * s_stride, j,
-                      j_mask, o, o_mask, (HIDDEN + 7) // 8, HIDDEN, 0, WIDTH, GROUP, BLOCK_F, BLOCK_O)
-    tl.store(y_ptr + k * HIDDEN + o, y.to(y_ptr.dtype.element_ty), mask=o_mask)
+                      j_mask, (HIDDEN + 7) // 8, HIDDEN, f_start, tl.minimum(f_start + f_split, WIDTH), GROUP, BLOCK_F,
+                      BLOCK_O // 8, PDL)
+    if SPLITS == 1:
+        awq_store_cols(y_ptr + k * HIDDEN, y, j, j_mask, HIDDEN)
+    else:
+        split_stride = tl.num_programs(1) * HIDDEN
+        partials = partials_ptr + k * HIDDEN
+        awq_store_cols(partials + split * split_stride, y, j, j_mask, HIDDEN)
+        if awq_last_split(counters_ptr + k * tl.num_programs(0) + o_block, SPLITS):
+            awq_store_cols(y_ptr + k * HIDDEN, awq_sum_splits(partials, split_stride, j, j_mask, HIDDEN, SPLITS), j,
+                           j_mask, HIDDEN)
 
 
-# One token's tiles (MoeTiles' one-token fields): gate_up_f and down_o multiples of 8, gate_up_d and
-# down_f dividing the group size.
-ONE_TOKEN_TILES = MoeTiles(gate_up_f=32, gate_up_d=128, gate_up_stages=3, gate_up_warps=4, down_o=64, down_f=128,
-                           down_warps=4, one_token=True, down_stages=3)
+@dataclasses.dataclass(frozen=True, slots=True)
+class OneTokenTiles:
+    """Launch shape of the one-token kernels: gate_up_f and down_o columns a program (multiples of
+    8; 64 reads whole 32-byte sectors of each qweight row), gate_up_d and down_f rows a step
+    (dividing the group size), *_splits programs along the reduction (towards, not past; gate_up
+    has as many again: the gate's and the up's run apart)."""
+
+    gate_up_f: int
+    gate_up_d: int
+    gate_up_splits: int
+    gate_up_warps: int
+    down_o: int
+    down_f: int
+    down_splits: int
+    down_warps: int
 
 
-def one_token_gate_up(x_1D: Tensor, ids_1K: Tensor, w_gate_up: AwqWeights, tiles: MoeTiles = ONE_TOKEN_TILES) -> Tensor:
+# The fastest one-token tiles of bench/kernels/awq_sweep.py at Qwen3-30B-A3B's shapes (D 2048, F 768, 8 experts) on an
+# H200 (docs/performance.md): 384 and 512 programs, unsplit.
+ONE_TOKEN_TILES = OneTokenTiles(gate_up_f=32, gate_up_d=64, gate_up_splits=1, gate_up_warps=4, down_o=32, down_f=64,
+                                down_splits=1, down_warps=4)
+# down's split counters start here, apart from gate_up's (PDL starts down while gate_up runs).
+_DOWN_COUNTERS = MAX_SPLIT_TILES // 2
+
+
+def _splits(depth: int, step: int, splits: int) -> tuple[int, int]:
+    """(rows a split, a multiple of step; the splits that gives) of depth rows in at most `splits`."""
+    rows = triton.cdiv(triton.cdiv(depth, step), splits) * step
+    return rows, triton.cdiv(depth, rows)
+
+
+def _split_buffers(device, splits: int, rows: int, cols: int, num_tiles: int, offset: int):
+    """(fp32 partials [splits, rows, cols], the kernel's split counters) of a launch (empty ones unsplit)."""
+    partials = torch.empty(splits if splits > 1 else 0, rows, cols, dtype=torch.float32, device=device)
+    if splits == 1:
+        return partials, partials
+    assert num_tiles <= _DOWN_COUNTERS, num_tiles
+    return partials, split_counters(device, MAX_SPLIT_TILES)[offset:]
+
+
+def one_token_gate_up(x_1D: Tensor, ids_1K: Tensor, w_gate_up: AwqWeights,
+                      tiles: OneTokenTiles = ONE_TOKEN_TILES) -> Tensor:
     """act_KF: SiLU(gate) * up of x_1D through each of its K experts (moe_small.one_token_gate_up)."""
     _, hidden, width = _gate_up_shape(w_gate_up)
     top_k = ids_1K.shape[1]
     assert x_1D.shape == (1, hidden) and x_1D.is_contiguous() and ids_1K.is_contiguous()
     assert w_gate_up.group % tiles.gate_up_d == 0 and tiles.gate_up_f % AWQ_PACK == 0
     act_KF = x_1D.new_empty(top_k, width)
-    _one_token_gate_up_kernel[(triton.cdiv(width, tiles.gate_up_f), top_k)](
-        x_1D, ids_1K, w_gate_up.qweight, w_gate_up.qzeros, w_gate_up.scales, act_KF, *w_gate_up.expert_strides(),
-        HIDDEN=hidden, WIDTH=width, GROUP=w_gate_up.group, BLOCK_F=tiles.gate_up_f, BLOCK_D=tiles.gate_up_d,
-        PDL=uses_pdl(x_1D), num_warps=tiles.gate_up_warps, num_stages=tiles.gate_up_stages, launch_pdl=uses_pdl(x_1D))
+    d_split, splits = _splits(hidden, tiles.gate_up_d, tiles.gate_up_splits)
+    grid = (triton.cdiv(width, tiles.gate_up_f), top_k, 2 * splits)
+    partials, counters = _split_buffers(x_1D.device, 2 * splits, top_k, width, grid[0] * top_k, 0)
+    _one_token_gate_up_kernel[grid](
+        x_1D, ids_1K, w_gate_up.qweight, w_gate_up.qzeros, w_gate_up.scales, act_KF, partials, counters,
+        *w_gate_up.expert_strides(), d_split, HIDDEN=hidden, WIDTH=width, GROUP=w_gate_up.group,
+        BLOCK_F=tiles.gate_up_f, BLOCK_D=tiles.gate_up_d, SPLITS=splits, PDL=uses_pdl(x_1D),
+        num_warps=tiles.gate_up_warps, num_stages=1, launch_pdl=uses_pdl(x_1D))
     return act_KF
 
 
 def one_token_down(act_KF: Tensor, ids_1K: Tensor, weights_1K: Tensor, w_down: AwqWeights,
-                   tiles: MoeTiles = ONE_TOKEN_TILES) -> Tensor:
+                   tiles: OneTokenTiles = ONE_TOKEN_TILES) -> Tensor:
     """out_1D: the K experts' down projections of act_KF, weighted and summed in expert order."""
     _, width, hidden = w_down.shape()
     top_k = act_KF.shape[0]
     assert act_KF.shape[1] == width and act_KF.is_contiguous()
     assert w_down.group % tiles.down_f == 0 and tiles.down_o % AWQ_PACK == 0
     y_KD = act_KF.new_empty(top_k, hidden)
-    _one_token_down_kernel[(triton.cdiv(hidden, tiles.down_o), top_k)](
-        act_KF, ids_1K, w_down.qweight, w_down.qzeros, w_down.scales, y_KD, *w_down.expert_strides(), HIDDEN=hidden,
-        WIDTH=width, GROUP=w_down.group, BLOCK_O=tiles.down_o, BLOCK_F=tiles.down_f, PDL=uses_pdl(ids_1K),
-        num_warps=tiles.down_warps, num_stages=tiles.down_stages, launch_pdl=uses_pdl(ids_1K))
+    f_split, splits = _splits(width, tiles.down_f, tiles.down_splits)
+    grid = (triton.cdiv(hidden, tiles.down_o), top_k, splits)
+    partials, counters = _split_buffers(act_KF.device, splits, top_k, hidden, grid[0] * top_k, _DOWN_COUNTERS)
+    _one_token_down_kernel[grid](
+        act_KF, ids_1K, w_down.qweight, w_down.qzeros, w_down.scales, y_KD, partials, counters,
+        *w_down.expert_strides(), f_split, HIDDEN=hidden, WIDTH=width, GROUP=w_down.group, BLOCK_O=tiles.down_o,
+        BLOCK_F=tiles.down_f, SPLITS=splits, PDL=uses_pdl(ids_1K), num_warps=tiles.down_warps, num_stages=1,
+        launch_pdl=uses_pdl(ids_1K))
     return moe_grouped.combine(y_KD, None, weights_1K)
 
 
 def one_token_experts(x_1D: Tensor, ids_1K: Tensor, weights_1K: Tensor, w_gate_up: AwqWeights, w_down: AwqWeights,
-                      tiles: MoeTiles = ONE_TOKEN_TILES) -> Tensor:
+                      tiles: OneTokenTiles = ONE_TOKEN_TILES) -> Tensor:
     """One token's MoE output from its routing (routing.gate_route's ids_1K, weights_1K)."""
     return one_token_down(one_token_gate_up(x_1D, ids_1K, w_gate_up, tiles), ids_1K, weights_1K, w_down, tiles)

@@ -42,13 +42,6 @@ from services.model.moe_dispatch import combine, dispatch, gate
 from services.model.quant.experts import QuantExperts
 
 
-def _awq_config(config: moe_gemm.MoEConfig, group: int) -> moe_gemm.MoEConfig:
-    """config with each GEMM's K step at most one AWQ group."""
-    def clamp(blocks: moe_gemm.GemmBlocks) -> moe_gemm.GemmBlocks:
-        return dataclasses.replace(blocks, block_k=min(blocks.block_k, group))
-    return dataclasses.replace(config, gate_up=clamp(config.gate_up), down=clamp(config.down))
-
-
 class ExpertGemms:
     """One layer's quantized expert kernels bound to its stored tensors (built per step: the
     tensors are the layer's own, so replicas copied into them are read)."""
@@ -70,12 +63,19 @@ class ExpertGemms:
         """The FP8 GEMMs' kernel for a step of num_rows tokens (rows)."""
         return "fp8" if self.path == "fp8" and num_rows > WEIGHT_ONLY_MAX_ROWS else "weight-only"
 
+    def default_config(self, num_tokens: int) -> moe_gemm.MoEConfig:
+        """The format's grouped GEMM tiles for a step of num_tokens."""
+        if self.method == "fp8":
+            return moe_gemm.default_config(num_tokens)
+        return quant_awq_moe.default_config(num_tokens, self.awq[0].group)
+
     def config(self, config: moe_gemm.MoEConfig) -> moe_gemm.MoEConfig:
-        return config if self.method == "fp8" else _awq_config(config, self.awq[0].group)
+        """A given config (moe_ep's) fitted to the format."""
+        return config if self.method == "fp8" else quant_awq_moe.fit_config(config, self.awq[0].group)
 
     def grouped(self, layer: MoELayerState, x_TD: Tensor, add_norm: AddNorm | None) -> Tensor:
         """The format's grouped_moe (one rank holding every expert in its slot)."""
-        config = self.config(moe_gemm.default_config(x_TD.shape[0]))
+        config = self.default_config(x_TD.shape[0])
         args = (layer.top_k, layer.norm_topk_prob, layer.hit_counts_E, config)
         if self.method == "fp8":
             return quant_fp8_moe.grouped_moe(x_TD, layer.w_gate_ED, *self.fp8, *args, kernel=self.kernel(x_TD.shape[0]),
@@ -89,7 +89,7 @@ class ExpertGemms:
 
     def sorted_rows(self, x_PD: Tensor, offsets_L: Tensor, num_tokens: int) -> Tensor:
         """The dispatch path's experts on its rows sorted by local slot (a step of num_tokens)."""
-        config = self.config(moe_gemm.default_config(16 * x_PD.shape[0] // offsets_L.shape[0]))
+        config = self.default_config(16 * x_PD.shape[0] // offsets_L.shape[0])
         if self.method == "fp8":
             return quant_fp8_moe.sorted_experts(x_PD, offsets_L, *self.fp8, config, kernel=self.kernel(num_tokens))
         return quant_awq_moe.sorted_experts(x_PD, offsets_L, *self.awq, config)

@@ -135,8 +135,9 @@ def awq_weight():
     return qweight, qzeros, scales, ref.dequant_awq(qweight, qzeros, scales)
 
 
-@pytest.mark.parametrize(("num_rows", "split_k"), [(1, None), (1, 3), (3, None), (16, 2), (100, None)])
+@pytest.mark.parametrize(("num_rows", "split_k"), [(1, None), (1, 1), (1, 3), (3, None), (16, 2), (100, None)])
 def test_awq_linear(quant_awq, awq_weight, num_rows, split_k):
+    """The default tiles and some split along K (fp32 partials summed after)."""
     qweight, qzeros, scales, w_ref = awq_weight
     x = _randn(num_rows, K, seed=num_rows)
     tiles = quant_awq.default_tiles(num_rows, N, K)
@@ -144,6 +145,16 @@ def test_awq_linear(quant_awq, awq_weight, num_rows, split_k):
         tiles = quant_awq.AwqTiles(tiles.block_m, tiles.block_n, tiles.block_k, split_k, tiles.warps, tiles.stages)
     torch.testing.assert_close(quant_awq.linear(x, qweight, qzeros, scales, tiles=tiles), x @ w_ref, atol=1e-4,
                                rtol=1e-5)
+
+
+def test_awq_gemv_columns_past_the_last_multiple_of_8(quant_awq):
+    """N = 203: qweight's last packed column holds 3 real columns (masked by column, not by packed
+    column), K = 200 ends in a partial group, split along K (two splits of 128, the second partial)."""
+    qweight, qzeros, scales = ref.quant_awq(_randn(200, 203, seed=21))
+    x = _randn(1, 200, seed=22)
+    tiles = quant_awq.AwqTiles(1, 16, 64, 3, 4, 1)
+    torch.testing.assert_close(quant_awq.linear(x, qweight, qzeros, scales, tiles=tiles),
+                               x @ ref.dequant_awq(qweight, qzeros, scales), atol=1e-4, rtol=1e-5)
 
 
 def _moe_weights(seed=9):
@@ -271,6 +282,10 @@ def test_awq_grouped_moe(quant_awq_moe, moe_gemm, awq_experts):
 
 
 def test_awq_one_token_experts(quant_awq_moe, routing, awq_experts):
+    """Unsplit, and both kernels split along their reduction (gate_up 3 a half, down 2), the split counters left zero."""
     w_gate_up, w_down, layer = awq_experts
-    _one_token_check(quant_awq_moe, routing, layer, lambda x, ids, weights, tiles:
-                     quant_awq_moe.one_token_experts(x, ids, weights, w_gate_up, w_down, tiles))
+    for splits in ((1, 1), (3, 2)):
+        _one_token_check(quant_awq_moe, routing, layer, lambda x, ids, weights, tiles, splits=splits:
+                         quant_awq_moe.one_token_experts(x, ids, weights, w_gate_up, w_down, dataclasses.replace(
+                             tiles, gate_up_splits=splits[0], down_splits=splits[1])))
+    assert not quant_awq_moe.split_counters(torch.device("cpu"), 1).any()

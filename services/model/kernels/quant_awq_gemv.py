@@ -1,0 +1,161 @@
+"""The AWQ 4-bit GEMV for one row on the CUDA cores (issue 29): decode's linears and its one-token experts.
+
+AWQ's stored layout (quant_awq.py): qweight [K, N/8] int32, nibble I of packed column j holding
+column awq_column(j, I) = 8 j + [0, 2, 4, 6, 1, 3, 5, 7][I]. A program takes packed columns j
+(BLOCK_C of them: 4 BLOCK_C bytes of each of its K rows) and keeps one [BLOCK_K, BLOCK_C]
+accumulator per nibble in the layout the int32 tile is loaded in, so no step unpacks [R, C, 8]
+to [R, 8C] (a layout conversion through shared memory). A value is made exact in fp32 by one
+AND|OR into a float's mantissa (awq_bits; no int-to-float conversions), the group's zero
+subtracted the same way, and the scale (pre-divided by awq_bits' power of two) applied per
+value. The next step's weights are loaded before this step's FMAs.
+
+Split along K (more programs in flight than the columns alone give), each split stores fp32
+partials and the last of a tile's splits to finish sums them in split order (the same bits
+every run) and writes the output: no second kernel (awq_last_split, split_counters).
+
+Legend: K input rows, N output columns, C packed columns of a program.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from services.model.kernels.launch import wait_for_previous_kernel
+
+# Tiles a split GEMV may have at once (split_counters' slots).
+MAX_SPLIT_TILES = 1 << 16
+_COUNTERS: dict[torch.device, Tensor] = {}
+
+
+@triton.jit
+def awq_column(j, I: tl.constexpr):
+    """The columns of nibble I of packed columns j: 8 j + [0, 2, 4, 6, 1, 3, 5, 7][I] (AWQ's order)."""
+    return 8 * j + ((I % 4) * 2 + I // 4)
+
+
+@triton.jit
+def awq_bits(lo, hi, I: tl.constexpr):
+    """fp32 2^23 + v 16^(I % 4), v nibble I of the int32s (lo, hi = lo >> 16): exact, by one AND|OR
+    into a float's mantissa instead of a shift and an int-to-float conversion per value."""
+    if I >= 4:
+        v = hi & (0xF << (4 * (I - 4)))
+    else:
+        v = lo & (0xF << (4 * I))
+    return (v | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gemv_step_weights(q_ptr, z_ptr, s_ptr, k0, k_end, j, j_mask, num_packed, out_features, GROUP: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """qweight [BLOCK_K, C], the group's packed zeros [C] and 8 scale vectors [C] of the step at k0,
+    each nibble's divided by awq_bits' 16^(I % 4) (exact: a power of two); nothing past k_end."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    group = k0 // GROUP
+    g_mask = j_mask & (k0 < k_end)
+    q = tl.load(q_ptr + k.to(tl.int64)[:, None] * num_packed + j[None, :], mask=(k < k_end)[:, None] & j_mask[None, :],
+                other=0)
+    z = tl.load(z_ptr + group * num_packed + j, mask=g_mask, other=0)
+    s = ()
+    for i in tl.static_range(8):
+        n = awq_column(j, i)
+        s_i = tl.load(s_ptr + group * out_features + n, mask=g_mask & (n < out_features), other=0.0)
+        s = s + (s_i.to(tl.float32) / (1 << (4 * (i % 4))),)
+    return q, z, s
+
+
+@triton.jit
+def _gemv_step_fmas(acc, x, q, z, s):
+    """acc (8 x [BLOCK_K, C]) + x[k] (q - z) s of each nibble: (q - z) 16^(I % 4) exact as the
+    difference of two awq_bits, times the step's pre-divided scales."""
+    q_hi, z_hi = q >> 16, z >> 16
+    out = ()
+    for i in tl.static_range(8):
+        w = awq_bits(q, q_hi, i) - awq_bits(z, z_hi, i)[None, :]
+        out = out + (acc[i] + x[:, None] * (w * s[i][None, :]),)
+    return out
+
+
+@triton.jit
+def awq_gemv_cols(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, num_packed, out_features, k_start, k_end,
+                  GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+    """8 fp32 [BLOCK_C]: x[k_start:k_end] @ W[k_start:k_end, awq_column(j, I)] for nibble I = 0..7, on
+    the CUDA cores (k_start a multiple of BLOCK_K). Each nibble sums in its own [BLOCK_K, BLOCK_C]
+    accumulator in the layout qweight is loaded in: no unpacking reshape, so no layout conversion
+    through shared memory per step. The next step's weights are loaded before this step's FMAs
+    (x is not: carried over the loop, it would be converted to qweight's layout every step). PDL: the
+    first step's weights are loaded before waiting for the previous kernel (which writes x)."""
+    acc = ()
+    for i in tl.static_range(8):
+        acc = acc + (tl.zeros([BLOCK_K, BLOCK_C], tl.float32),)
+    q, z, s = _gemv_step_weights(q_ptr, z_ptr, s_ptr, k_start, k_end, j, j_mask, num_packed, out_features, GROUP,
+                                 BLOCK_K)
+    if PDL:
+        wait_for_previous_kernel()
+    for k0 in range(k_start, k_end, BLOCK_K):
+        q_next, z_next, s_next = _gemv_step_weights(q_ptr, z_ptr, s_ptr, k0 + BLOCK_K, k_end, j, j_mask, num_packed,
+                                                    out_features, GROUP, BLOCK_K)
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)
+        acc = _gemv_step_fmas(acc, x, q, z, s)
+        q, z, s = q_next, z_next, s_next
+    out = ()
+    for i in tl.static_range(8):
+        out = out + (tl.sum(acc[i], 0),)
+    return out
+
+
+@triton.jit
+def awq_store_cols(y_ptr, values, j, j_mask, out_features):
+    """Stores awq_gemv_cols' 8 vectors at their columns of row y_ptr, in y's dtype."""
+    for i in tl.static_range(8):
+        n = awq_column(j, i)
+        tl.store(y_ptr + n, values[i].to(y_ptr.dtype.element_ty), mask=j_mask & (n < out_features))
+
+
+@triton.jit
+def awq_load_cols(row_ptr, j, j_mask, out_features):
+    """awq_store_cols' 8 fp32 vectors read back, past the L1 (other programs wrote them)."""
+    out = ()
+    for i in tl.static_range(8):
+        n = awq_column(j, i)
+        out = out + (tl.load(row_ptr + n, mask=j_mask & (n < out_features), other=0.0, cache_modifier=".cg"),)
+    return out
+
+
+@triton.jit
+def awq_sum_splits(partials_ptr, split_stride, j, j_mask, out_features, SPLITS: tl.constexpr):
+    """The SPLITS partial rows at partials_ptr + s * split_stride, summed in split order."""
+    total = awq_load_cols(partials_ptr, j, j_mask, out_features)
+    for split in tl.static_range(1, SPLITS):
+        part = awq_load_cols(partials_ptr + split * split_stride, j, j_mask, out_features)
+        out = ()
+        for i in tl.static_range(8):
+            out = out + (total[i] + part[i],)
+        total = out
+    return total
+
+
+@triton.jit
+def awq_last_split(counter_ptr, SPLITS: tl.constexpr):
+    """Whether this program is the last of its tile's SPLITS to get here, each having stored its
+    partials first (released by the barrier and the count, acquired by the last); the last sets
+    the counter back to zero for the next launch (and the next replay of a CUDA graph)."""
+    tl.debug_barrier()  # every thread's partials stored before the count
+    count = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    last = count == SPLITS - 1
+    if last:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+def split_counters(device: torch.device, num_tiles: int) -> Tensor:
+    """int32 counters of awq_last_split, zero between launches: one buffer per device, kept (CUDA
+    graphs bake its address in). Kernels on one device run one at a time here (one stream), so
+    they share it; the first call must come before any CUDA graph capture (it zeroes them)."""
+    if num_tiles > MAX_SPLIT_TILES:
+        raise ValueError(f"a split AWQ GEMV of {num_tiles} tiles exceeds MAX_SPLIT_TILES ({MAX_SPLIT_TILES})")
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        counters = _COUNTERS[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return counters
