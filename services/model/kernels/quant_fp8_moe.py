@@ -168,6 +168,20 @@ def down(act_PF: Tensor, a: moe_align.Alignment, w_down_EDF: Tensor, s_down: Ten
     return y_RD
 
 
+def default_config(num_tokens: int) -> MoEConfig:
+    """The FP8 GEMMs' tiles for a step of num_tokens: moe_gemm.default_config's (swept for bf16)
+    except where bench/kernels/fp8_moe_sweep.py found FP8's own faster on an H200 (Qwen3-30B-A3B's
+    shape): 64 columns, 4 warps and 4 stages a tile, 16 rows a block around 256 tokens and 64 for
+    prefill-sized steps, where bf16's 128-row blocks ran the FP8 GEMMs at half bf16's speed."""
+    config = moe_gemm.default_config(num_tokens)
+    narrow = GemmBlocks(64, FP8_BLOCK, 4, 4)
+    if 128 < num_tokens <= 256:
+        return MoEConfig(16, narrow, narrow, config.tiles_first)
+    if num_tokens > 512:
+        return MoEConfig(64, narrow, narrow, config.tiles_first)
+    return config
+
+
 def grouped_moe(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up_EGD: Tensor, s_gate_up: Tensor, w_down_EDF: Tensor,
                 s_down: Tensor, top_k: int, norm_topk_prob: bool, hit_counts_E: Tensor, config: MoEConfig | None = None,
                 kernel: str = "fp8", add_norm: AddNorm | None = None, native: bool | None = None) -> Tensor:
@@ -176,7 +190,7 @@ def grouped_moe(x_TD: Tensor, w_gate_ED: Tensor, w_gate_up_EGD: Tensor, s_gate_u
     num_experts, num_tokens = w_gate_ED.shape[0], x_TD.shape[0]
     assert w_gate_up_EGD.shape[0] == w_down_EDF.shape[0] == num_experts, "no spare slots here"
     kernel = "weight-only" if num_tokens <= WEIGHT_ONLY_MAX_ROWS else kernel
-    config = config or moe_gemm.default_config(num_tokens)
+    config = config or default_config(num_tokens)
     ids_TK, weights_TK, counts_CE = moe_grouped.route(x_TD, w_gate_ED, top_k, norm_topk_prob, hit_counts_E)
     a = moe_align.align(ids_TK, num_experts, config.block_m, chunk_counts=counts_CE)
     act_PF = gate_up(x_TD, a, w_gate_up_EGD, s_gate_up, top_k, config.gate_up, config.tiles_first, kernel, native)
@@ -192,7 +206,7 @@ def sorted_experts(x_PD: Tensor, offsets_L: Tensor, w_gate_up_LGD: Tensor, s_gat
     """moe_gemm.sorted_experts (the dispatch path's rows, already sorted by local expert; rows past
     offsets_L[-1] neither read nor written) on block-FP8 experts; `kernel` as the caller picks it."""
     num_rows, num_local = x_PD.shape[0], offsets_L.shape[0]
-    config = config or moe_gemm.default_config(16 * num_rows // num_local)
+    config = config or default_config(16 * num_rows // num_local)
     a = moe_align.segments(offsets_L, num_rows, config.block_m)
     act_PF = gate_up(x_PD, a, w_gate_up_LGD, s_gate_up, 1, config.gate_up, config.tiles_first, kernel, native)
     return down(act_PF, a, w_down_LDF, s_down, num_rows, config.down, config.tiles_first, kernel, native)

@@ -66,7 +66,7 @@ class ExpertGemms:
     def default_config(self, num_tokens: int) -> moe_gemm.MoEConfig:
         """The format's grouped GEMM tiles for a step of num_tokens."""
         if self.method == "fp8":
-            return moe_gemm.default_config(num_tokens)
+            return quant_fp8_moe.default_config(num_tokens)
         return quant_awq_moe.default_config(num_tokens, self.awq[0].group)
 
     def config(self, config: moe_gemm.MoEConfig) -> moe_gemm.MoEConfig:
