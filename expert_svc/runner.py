@@ -61,6 +61,10 @@ class LaunchedStep:
     # (row, seq_id, a copy of its matcher before the sampled token) of each masked constrained row:
     # finish advances the copies to report the tokens forced next (expert_svc/constrained.py).
     watched: tuple[tuple[int, int, Matcher], ...] = ()
+    # On CUDA: an event recorded before the step's first kernel (device time up to `ready`), and
+    # whether the step carried prompt tokens (the device-time histogram's kind).
+    device_start: "torch.cuda.Event | None" = None
+    has_prompt: bool = False
 
 
 class StalePlanError(ValueError):
@@ -147,6 +151,7 @@ class StepRunner:
         self._last_step_id = plan.step_id
         self._apply_diffs(plan, matchers)
         seqs, feed = self._inputs(plan.scheduled)
+        device_start = _timing_event(self.device)
         logits_SV, greedy_S = self._forward(seqs, feed, plan.max_tokens_per_rank)
         scores = None
         if self._num_scoring:  # scored before sampling, whose constraint masks write into logits_SV
@@ -161,7 +166,8 @@ class StepRunner:
         host_S = None if token_ids_S is None else host.pop(0)
         for row, seq in masked:  # their matchers read the tokens from the host copy next step
             seq.unaccepted = (host_S, row, ready)
-        return LaunchedStep(plan.step_id, start, sampled, host_S, ready, scores, tuple(host), watched)
+        return LaunchedStep(plan.step_id, start, sampled, host_S, ready, scores, tuple(host), watched, device_start,
+                            any(len(seq.token_ids) > 1 for seq in seqs))
 
     @staticmethod
     def finish(step: LaunchedStep) -> StepResult:
@@ -172,6 +178,9 @@ class StepRunner:
         """
         if step.ready is not None:
             step.ready.synchronize()
+            if step.device_start is not None:
+                metrics.expert_metrics().step_device.labels("prefill" if step.has_prompt else "decode").observe(
+                    step.device_start.elapsed_time(step.ready) / 1e3)
         token_ids = [] if step.token_ids_S is None else step.token_ids_S.tolist()
         tokens = tuple((seq_id, token_ids[row]) for row, seq_id in step.sampled)
         logprobs = () if step.scores is None else step.scores.results([t.tolist() for t in step.scores_host],
@@ -357,6 +366,15 @@ def _to_host(tensors: list[Tensor]) -> tuple[list[Tensor], "torch.cuda.Event | N
     for tensor in tensors:
         host.append(torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True))
         host[-1].copy_(tensor, non_blocking=True)
-    ready = torch.cuda.Event()
+    ready = torch.cuda.Event(enable_timing=True)  # also the end of the step's device time
     ready.record()
     return host, ready
+
+
+def _timing_event(device: torch.device) -> "torch.cuda.Event | None":
+    """On CUDA, a timing event recorded now on the current stream (a step's device start); else None."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event

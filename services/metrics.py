@@ -102,6 +102,11 @@ class ExpertMetrics:
         self.step_duration = Histogram(
             PREFIX + "expert_step_duration_seconds", "Time this rank took to execute one step "
             "(plan to sampled tokens), idle steps included.", buckets=_STEP_BUCKETS, registry=registry)
+        self.step_device = Histogram(
+            PREFIX + "expert_step_device_seconds", "Device time of one step on CUDA, from the start of its "
+            "first kernel to its tokens' copy to the host (CUDA events); kind prefill: some sequence "
+            "brought more than one new token. Against expert_step_duration_seconds: the host's share.", ["kind"],
+            buckets=_STEP_BUCKETS, registry=registry)
         self.all_to_all_bytes = Histogram(
             PREFIX + "expert_all_to_all_bytes", "Bytes this rank sent through the MoE all-to-alls "
             "(dispatch and combine, every layer) in one step, its own share included.",

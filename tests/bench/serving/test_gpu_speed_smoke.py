@@ -79,3 +79,12 @@ def test_step_attribution_is_the_difference_of_two_scrapes():
                    "gateway": {"steps": 100, "mean_step_ms": 25.0, "wall_ms_per_step": 40.0, "busy_share": 0.625,
                                "gc_ms": 200.0, "gc_full": 3, "gc_full_ms": 150.0,
                                "prefix_hit_tokens": 0, "prefix_query_tokens": 1024}}
+
+
+def test_step_attribution_reports_the_device_time_of_steps_with_and_without_prompt_tokens():
+    # ... then (device seconds, steps) of steps with prompt tokens, and of those without
+    before = {"expert0": (1.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 5.0, 0.1, 5.0)}
+    after = {"expert0": (3.0, 110.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.5, 25.0, 0.9, 85.0)}
+    got = step_attribution(before, after, wall_s=4.0)["expert0"]
+    assert (got["device_prefill_steps"], got["device_prefill_ms"]) == (20, 100.0)
+    assert (got["device_decode_steps"], got["device_decode_ms"]) == (80, 10.0)
