@@ -80,3 +80,24 @@ def test_steps_launched_ahead_give_the_one_by_one_tokens_and_reads_wait_for_thei
     assert got == expected
     assert num_fed > 20
     assert runner.graphs.num_captures == 1 and runner.graphs.num_replays > 5
+
+
+def test_each_read_step_adds_its_device_time_by_kind(model):
+    """moemesh_expert_step_device_seconds: one observation per step read, the prefill under
+    "prefill", the decodes under "decode", each a positive time no longer than the step's own."""
+    from services import metrics
+
+    histogram = metrics.expert_metrics().step_device
+
+    def totals(kind):
+        samples = {s.name.rsplit("_", 1)[-1]: s.value for s in histogram.labels(kind).collect()[0].samples
+                   if s.name.endswith(("_sum", "_count"))}
+        return samples["sum"], samples["count"]
+
+    before = {kind: totals(kind) for kind in ("prefill", "decode")}
+    results = [r for r in map(_runner(model).run_step, _plans())]
+    after = {kind: totals(kind) for kind in ("prefill", "decode")}
+    assert after["prefill"][1] - before["prefill"][1] == 1
+    assert after["decode"][1] - before["decode"][1] == len(results) - 1
+    device_s = sum(after[k][0] - before[k][0] for k in after)
+    assert 0 < device_s <= sum(r.execute_seconds for r in results)
