@@ -163,6 +163,12 @@ class Supervisor:
         self.killed += killed
         return killed
 
+    def has_heard(self, role) -> bool:
+        """Whether this process of `role` answered a GET yet: until it has, its silence is never
+        judged (a role starting may take long to answer its first)."""
+        with self._lock:
+            return self._judge.heard(f"{role.name}@{role.proc.pid}")
+
     def _probe_one(self, key: str, port: int) -> None:
         health = self._probe(port, self.config.deadline_s)
         with self._lock:

@@ -90,6 +90,10 @@ class SilenceJudge:
             self._last[key] = (now, health)
             self._refused.pop(key, None)
 
+    def heard(self, key: str) -> bool:
+        """Whether key ever answered (only such a member can be lost by silence)."""
+        return key in self._last
+
     def is_lost(self, key: str, now: float) -> bool:
         last = self._last.get(key)
         if last is None:

@@ -341,7 +341,12 @@ def test_sigstop_without_standby_the_supervisor_kills_and_restarts_it(chaos_mesh
         live = {r.name for r in chaos_mesh.roles if r.name.startswith("expert-")}
         assert {r.member_id for r in group.ranks} == live, "a standby is left"
         await eventually(lambda: min(len(s.token_ids) for s in streams) >= 3, timeout_s=60)
-        os.kill(role_of(chaos_mesh, group.ranks[1].member_id).proc.pid, signal.SIGSTOP)
+        victim = role_of(chaos_mesh, group.ranks[1].member_id)
+        # Only a process that answered the supervisor once can be judged silent: on a loaded host
+        # the first answer may come after the streams' third token.
+        await eventually(lambda: chaos_mesh.supervisor is not None and chaos_mesh.supervisor.has_heard(victim),
+                         timeout_s=60)
+        os.kill(victim.proc.pid, signal.SIGSTOP)
         return time.monotonic()
 
     try:

@@ -104,6 +104,7 @@ def test_silence_after_a_ready_answer_or_refusals_kill_and_late_answers_do_not(m
 
     try:
         assert judge_for(0.5) == {}  # all answered once (but never-answered and starting)
+        assert [supervisor.has_heard(role) for role in roles] == [True, False, True, False, True, True]
         answers.update({1: Health.NO_ANSWER, 3: Health.NO_ANSWER, 6: Health.REFUSED})
         kills = judge_for(2.0)
         assert set(kills) == {"frozen", "loading", "gone"}, kills

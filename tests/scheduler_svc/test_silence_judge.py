@@ -73,12 +73,13 @@ def test_a_member_never_seen_alive_is_never_lost_and_forget_drops_the_history():
     for t in range(5):
         judge.answered("never", Health.REFUSED, float(t))
         judge.answered("never", Health.NO_ANSWER, float(t))
-    assert not judge.is_lost("never", 10.0)
+    assert not judge.is_lost("never", 10.0) and not judge.heard("never")
     judge.answered("b", Health.SERVING, 0.0)
+    assert judge.heard("b")
     judge.answered("c", Health.SERVING, 0.95)
     assert judge.is_lost("b", 1.0)
     judge.forget("b")  # gone from the members, or given up on: its history goes
-    assert not judge.is_lost("b", 1.0)
+    assert not judge.is_lost("b", 1.0) and not judge.heard("b")
     judge.answered("b", Health.REFUSED, 1.1)
     assert not judge.is_lost("b", 1.1)
 

@@ -1,4 +1,4 @@
-"""The AWQ 4-bit GEMV for one row on the CUDA cores (issue 29): decode's linears and its one-token experts.
+"""The AWQ 4-bit GEMV for one row on the CUDA cores (issue 29): decode's one-token experts.
 
 AWQ's stored layout (quant_awq.py): qweight [K, N/8] int32, nibble I of packed column j holding
 column awq_column(j, I) = 8 j + [0, 2, 4, 6, 1, 3, 5, 7][I]. A program takes packed columns j
