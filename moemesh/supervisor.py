@@ -26,7 +26,8 @@ process that is not ready (a rank loading its weights or joining, a
 standby) holds no stream, and its loop may stall for a while on the way
 (the garbage collector freezing the loaded weights' objects): its silence
 counts only after `silent_not_ready_s`. A role that has not written its
-metrics port yet (starting) is not probed.
+metrics port yet (starting) is not probed; one that has, and never answers
+any GET, is killed `silent_unheard_s` (60 s) after its first.
 """
 
 import concurrent.futures
@@ -59,6 +60,10 @@ class SupervisorConfig:
     silent_s: float = 1.0
     # The same after a "not ready" answer (loading, joining: no stream waits on it).
     silent_not_ready_s: float = 7.5
+    # Seconds from the first GET of a process that never answered any (it serves /readyz from its
+    # event loop from the moment its metrics port is written, and loads its weights off the loop:
+    # so long a silence is a process hung before its first answer).
+    silent_unheard_s: float = 60.0
     # Deadline of one GET: long, so that a late answer still counts as one.
     deadline_s: float = 5.0
 
@@ -76,7 +81,7 @@ class SupervisorConfig:
     def judge(self) -> SilenceJudge:
         try:
             return SilenceJudge(self.refusals, self.silent_s, self.silent_not_ready_s,
-                                interval_s=self.interval_s)
+                                interval_s=self.interval_s, silent_unheard_s=self.silent_unheard_s)
         except ValueError as error:
             raise ValueError(f"the supervisor needs {error}") from None
 
@@ -139,8 +144,10 @@ class Supervisor:
                 del self._in_flight[key]
                 self._judge.forget(key)
             sends = [(key, port) for key, (_, port) in targets.items() if self._in_flight.get(key, 0) < MAX_IN_FLIGHT]
+            now = time.monotonic()
             for key, _ in sends:
                 self._in_flight[key] = self._in_flight.get(key, 0) + 1
+                self._judge.checked(key, now)
         for key, port in sends:
             self._pool.submit(self._probe_one, key, port)
         killed = []

@@ -65,21 +65,31 @@ class SilenceJudge:
       the leases decide.
 
     A member never seen answering (still starting, or registered where nothing ever
-    listened) is never lost. Times are the caller's clock (monotonic seconds)."""
+    listened) is lost only with `silent_unheard_s`: that long after its first check was sent
+    (`checked`) with no answer at all (a process hung before its first answer), under the same
+    rule of other members heard meanwhile; None: never. Times are the caller's clock
+    (monotonic seconds)."""
 
     refusals: int
     silent_s: float | None = None
     silent_not_serving_s: float | None = None
     # How often the prober judges (`tick`): a longer gap between rounds is the prober's own pause.
     interval_s: float | None = None
+    silent_unheard_s: float | None = None
     _last_tick: float | None = None
+    _first_checked: dict = dataclasses.field(default_factory=dict)  # key -> when its first check was sent
     _last: dict = dataclasses.field(default_factory=dict)  # key -> (time, SERVING or NOT_SERVING)
     _refused: dict = dataclasses.field(default_factory=dict)  # key -> refusals in a row
 
     def __post_init__(self) -> None:
-        if self.refusals < 1 or any(s is not None and s <= 0 for s in (self.silent_s, self.silent_not_serving_s)):
+        silences = (self.silent_s, self.silent_not_serving_s, self.silent_unheard_s)
+        if self.refusals < 1 or any(s is not None and s <= 0 for s in silences):
             raise ValueError(f"a silence judge needs refusals >= 1 and silences > 0, got {self.refusals}, "
-                             f"{self.silent_s}, {self.silent_not_serving_s}")
+                             f"{', '.join(map(str, silences))}")
+
+    def checked(self, key: str, now: float) -> None:
+        """A check of key was sent at `now` (only the first one's time is kept)."""
+        self._first_checked.setdefault(key, now)
 
     def answered(self, key: str, health: Health, now: float) -> None:
         """Records one check of key that ended at `now` (NO_ANSWER: its deadline passed)."""
@@ -97,11 +107,14 @@ class SilenceJudge:
     def is_lost(self, key: str, now: float) -> bool:
         last = self._last.get(key)
         if last is None:
-            return False
-        if self._refused.get(key, 0) >= self.refusals:
-            return True
-        since, health = last
-        allowed = self.silent_s if health is Health.SERVING else self.silent_not_serving_s
+            since, allowed = self._first_checked.get(key), self.silent_unheard_s
+            if since is None:
+                return False
+        else:
+            if self._refused.get(key, 0) >= self.refusals:
+                return True
+            since, health = last
+            allowed = self.silent_s if health is Health.SERVING else self.silent_not_serving_s
         if allowed is None or now - since < allowed:
             return False
         # Only a silence of its own: when no other member was heard meanwhile, the prober
@@ -113,6 +126,8 @@ class SilenceJudge:
         """Why is_lost said True, for the log."""
         if self._refused.get(key, 0) >= self.refusals:
             return f"refused {self._refused[key]} health checks in a row"
+        if key not in self._last:
+            return f"has not answered any health check in {now - self._first_checked[key]:.2f} s"
         since, health = self._last[key]
         return f"has not answered a health check for {now - since:.2f} s (last answer {health.value})"
 
@@ -130,8 +145,11 @@ class SilenceJudge:
         if excess > 0:
             for key, (since, health) in self._last.items():
                 self._last[key] = (min(since + excess, now), health)
+            for key, since in self._first_checked.items():
+                self._first_checked[key] = min(since + excess, now)
 
     def forget(self, key: str) -> None:
         """The member left (or was given up on): its history goes."""
         self._last.pop(key, None)
         self._refused.pop(key, None)
+        self._first_checked.pop(key, None)

@@ -116,8 +116,30 @@ def test_silence_after_a_ready_answer_or_refusals_kill_and_late_answers_do_not(m
         supervisor.stop()
 
 
+def test_a_role_that_never_answers_is_killed_after_its_allowance(monkeypatch):
+    killed = []
+    monkeypatch.setattr(os, "killpg", lambda pid, sig: killed.append((pid, sig)))
+
+    def probe(port: int, deadline_s: float) -> Health:
+        return Health.SERVING if port == 2 else Health.NO_ANSWER
+
+    roles = [_Role("hung-at-start", _Proc(10), 1), _Role("live", _Proc(20), 2)]
+    config = SupervisorConfig(interval_s=0.05, silent_s=0.4, silent_unheard_s=0.6)
+    supervisor = Supervisor(lambda: roles, config, probe=probe)
+    try:
+        start, kills = time.monotonic(), {}
+        while time.monotonic() - start < 1.5:
+            for name in supervisor.judge_once():
+                kills.setdefault(name, time.monotonic() - start)  # (a process that stays is killed again)
+            time.sleep(0.02)
+        assert set(kills) == {"hung-at-start"} and 0.5 <= kills["hung-at-start"] <= 1.2, kills
+        assert killed[0] == (10, signal.SIGKILL) and set(killed) == {(10, signal.SIGKILL)}
+    finally:
+        supervisor.stop()
+
+
 @pytest.mark.parametrize("kwargs", [dict(interval_s=0), dict(deadline_s=-1), dict(refusals=0),
-                                    dict(silent_s=0), dict(silent_not_ready_s=0)])
+                                    dict(silent_s=0), dict(silent_not_ready_s=0), dict(silent_unheard_s=0)])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError, match="supervisor needs"):
         SupervisorConfig(**kwargs)

@@ -137,3 +137,19 @@ def test_a_prober_that_is_always_late_still_judges():
             lost_at = now
             break
     assert lost_at is not None and 1.2 <= lost_at <= 1.8, lost_at
+
+
+def test_a_member_never_heard_is_lost_after_its_own_allowance_from_its_first_check():
+    judge = SilenceJudge(1, silent_s=0.1, silent_unheard_s=2.0)
+    judge.checked("hung", 1.0)
+    judge.checked("hung", 1.5)  # only the first check counts
+    judge.answered("hung", Health.NO_ANSWER, 1.5)
+    judge.answered("live", Health.SERVING, 2.9)
+    assert not judge.is_lost("hung", 2.9)
+    assert judge.is_lost("hung", 3.0) and "any health check in 2.00 s" in judge.why("hung", 3.0)
+    judge.forget("hung")
+    assert not judge.is_lost("hung", 10.0)
+    judge.checked("alone", 0.0)  # without others heard within the silence, the prober is suspect
+    judge.answered("other", Health.SERVING, 0.5)
+    assert not judge.is_lost("alone", 5.0)
+    assert not SilenceJudge(1, silent_s=0.1).is_lost("x", 100.0)  # None: never
