@@ -274,11 +274,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, co
 def _attend_whole_prompt(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, o_THK: Tensor, start: int, length: int,
                          scale: float) -> None:
     """o_THK's rows start..start+length: causal attention of one whole prompt (nothing cached)
-    over its own K/V, by torch's fused kernels; views in, no copies of q, K or V."""
+    over its own K/V, by torch's fused kernels (the caller picks them: _SDPA_BACKENDS); views in,
+    no copies of q, K or V."""
     rows = slice(start, start + length)
     q, k, v = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q_THK, k_TGK, v_TGK))  # [1, heads, L, D]
-    with sdpa_kernel(_SDPA_BACKENDS, set_priority=True):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     o_THK[rows] = out[0].transpose(0, 1)
 
 
@@ -360,8 +360,10 @@ class TritonPagedAttention(AttentionBackend):
             block_q = max(1, self.prefill_rows // group_pad)
             whole_ok = k_cache.element_size() > 1  # a float8 cache: attend to the K/V as stored
             tiles_2W, decode_seqs_D, whole = self._prefill_tiles(batch, block_q, q_THK.device, whole_ok)
-            for start, length in whole:
-                _attend_whole_prompt(q_THK, k_TGK, v_TGK, o_THK, start, length, scale)
+            if whole:
+                with sdpa_kernel(_SDPA_BACKENDS, set_priority=True):  # entered once for the step's prompts
+                    for start, length in whole:
+                        _attend_whole_prompt(q_THK, k_TGK, v_TGK, o_THK, start, length, scale)
             if tiles_2W.shape[1]:
                 _prefill_kernel[(tiles_2W.shape[1], num_kv_heads)](
                     cu_q_lens_ptr=batch.cu_q_lens_B1, tiles_ptr=tiles_2W, num_tiles=tiles_2W.shape[1],
