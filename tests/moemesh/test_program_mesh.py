@@ -185,12 +185,14 @@ def early_field(s):
 
 
 def test_a_tool_bound_to_a_json_field_starts_while_the_rest_of_the_object_is_generated(runtime):
+    early_field.run(runtime=runtime)  # warm: the schema's grammar is compiled once
     start = time.monotonic()
     state = early_field.run(runtime=runtime)
     fields, call = state.node("fields"), state["record_call"]
     assert call["order_id"] == state["fields"]["id"] and len(state["fields"]["story"]) >= 80
-    # The gen ended no earlier than start + its seconds; the tool ran well before, as soon as "id" was complete.
-    assert call["at"] < start + fields.seconds - 0.2, (call["at"] - start, fields.seconds)
+    # The gen ended no earlier than start + its seconds; the tool ran in its first half, as soon as "id" was
+    # complete (a few tokens of the object), not after the story. A ratio: the demo model's speed varies by machine.
+    assert call["at"] - start < 0.5 * fields.seconds, (call["at"] - start, fields.seconds)
 
 
 def slow_tool(delay):
