@@ -33,6 +33,7 @@ from torch import Tensor
 from expert_svc.constrained import ConstraintMasks, Unaccepted
 from expert_svc.graph_runner import DecodeGraphRunner, TokenFeed
 from expert_svc.logprobs import SeqScoring, StepScores, is_scored_chunk
+from services import metrics
 from services.constraints import Matcher
 from services.kv_pool import KVPool
 from services.model.batch import ForwardBatch, SeqInput, build_forward_batch, to_device
@@ -65,6 +66,8 @@ class LaunchedStep:
     # whether the step carried prompt tokens (the device-time histogram's kind).
     device_start: "torch.cuda.Event | None" = None
     has_prompt: bool = False
+    # On CUDA: the `ready` event of the step launched before this one (the device gap's start).
+    previous_ready: "torch.cuda.Event | None" = None
 
 
 class StalePlanError(ValueError):
@@ -115,6 +118,7 @@ class StepRunner:
         self.constraints = constraints or ConstraintMasks()
         # Installs a plan's expert placement epoch when it differs (expert_svc/placement.py).
         self.install_placement: Callable[[int], None] | None = None
+        self._last_ready: torch.cuda.Event | None = None  # the last launched step's, for the device gap
 
     @property
     def seq_ids(self) -> list[int]:
@@ -126,6 +130,7 @@ class StepRunner:
         self._seqs.clear()
         self._num_scoring = 0
         self._last_step_id = 0
+        self._last_ready = None
 
     def run_step(self, plan: StepPlan) -> StepResult:
         """launch, then finish: one whole step."""
@@ -166,8 +171,13 @@ class StepRunner:
         host_S = None if token_ids_S is None else host.pop(0)
         for row, seq in masked:  # their matchers read the tokens from the host copy next step
             seq.unaccepted = (host_S, row, ready)
+        has_prompt = any(len(seq.token_ids) > 1 for seq in seqs)
+        previous_ready = self._last_ready
+        self._last_ready = ready if ready is not None else self._last_ready
+        if seqs:
+            metrics.expert_metrics().step_launch.labels(_kind(has_prompt)).observe(time.perf_counter() - start)
         return LaunchedStep(plan.step_id, start, sampled, host_S, ready, scores, tuple(host), watched, device_start,
-                            any(len(seq.token_ids) > 1 for seq in seqs))
+                            has_prompt, previous_ready)
 
     @staticmethod
     def finish(step: LaunchedStep) -> StepResult:
@@ -179,8 +189,7 @@ class StepRunner:
         if step.ready is not None:
             step.ready.synchronize()
             if step.device_start is not None:
-                metrics.expert_metrics().step_device.labels("prefill" if step.has_prompt else "decode").observe(
-                    step.device_start.elapsed_time(step.ready) / 1e3)
+                _observe_device_time(step)
         token_ids = [] if step.token_ids_S is None else step.token_ids_S.tolist()
         tokens = tuple((seq_id, token_ids[row]) for row, seq_id in step.sampled)
         logprobs = () if step.scores is None else step.scores.results([t.tolist() for t in step.scores_host],
@@ -369,6 +378,22 @@ def _to_host(tensors: list[Tensor]) -> tuple[list[Tensor], "torch.cuda.Event | N
     ready = torch.cuda.Event(enable_timing=True)  # also the end of the step's device time
     ready.record()
     return host, ready
+
+
+def _kind(has_prompt: bool) -> str:
+    """The step histograms' kind label."""
+    return "prefill" if has_prompt else "decode"
+
+
+def _observe_device_time(step: LaunchedStep) -> None:
+    """A read CUDA step's device time and, unless the rank was idle, the device gap before it."""
+    expert = metrics.expert_metrics()
+    kind = _kind(step.has_prompt)
+    expert.step_device.labels(kind).observe(step.device_start.elapsed_time(step.ready) / 1e3)
+    if step.previous_ready is not None:  # complete: recorded before this step's events
+        gap_s = step.previous_ready.elapsed_time(step.device_start) / 1e3
+        if gap_s < 1.0:
+            expert.step_device_gap.labels(kind).observe(max(gap_s, 0.0))
 
 
 def _timing_event(device: torch.device) -> "torch.cuda.Event | None":

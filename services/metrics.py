@@ -107,6 +107,16 @@ class ExpertMetrics:
             "first kernel to its tokens' copy to the host (CUDA events); kind prefill: some sequence "
             "brought more than one new token. Against expert_step_duration_seconds: the host's share.", ["kind"],
             buckets=_STEP_BUCKETS, registry=registry)
+        self.step_launch = Histogram(
+            PREFIX + "expert_step_launch_seconds", "Host time of one step's launch: the plan applied, its "
+            "inputs built, its forward and sampling queued (on the CPU the forward itself runs in it); "
+            "kind as for expert_step_device_seconds. On CUDA, a launch as long as the step's device "
+            "time means the kernels waited for the host.", ["kind"], buckets=_STEP_BUCKETS, registry=registry)
+        self.step_device_gap = Histogram(
+            PREFIX + "expert_step_device_gap_seconds", "On CUDA, the device time between the end of the "
+            "step before (its tokens' copy to the host) and the start of this one: the device waiting for "
+            "the next plan or for the host to queue it. Gaps of a second or more (an idle rank) are not "
+            "counted. Kind: this step's.", ["kind"], buckets=_LAG_BUCKETS, registry=registry)
         self.all_to_all_bytes = Histogram(
             PREFIX + "expert_all_to_all_bytes", "Bytes this rank sent through the MoE all-to-alls "
             "(dispatch and combine, every layer) in one step, its own share included.",

@@ -261,7 +261,7 @@ def decode_speed(iters) -> tuple[list[dict], list[dict]]:
                 row["torch_ref_us"] = 1e3 * _time_ms(lambda: ref.forward(0, q, k, v, batch, pool, HEAD_DIM ** -0.5), 5)
             rows.append(row)
             print(f"decode b={batch_size} ctx={context}: {row}", flush=True)
-        del pool
+        pool = batch = None  # frees the pool before the next shape's
         torch.cuda.empty_cache()
     return rows, sweep
 

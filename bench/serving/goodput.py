@@ -180,9 +180,10 @@ async def _sweep(target: str, args, cases: list[str], max_context: int, metrics:
         print(f"rate {rate:g}: {json.dumps({k: v for k, v in row.items() if k not in ('steps', 'schedule')})}",
               flush=True)
         print(f"rate {rate:g} steps: {json.dumps(row.get('schedule'))}", flush=True)
-        # The ranks' device ms a step (CUDA events) beside the schedule's measured ms: the host's share.
-        device = {role: {k: v for k, v in values.items() if k.startswith("device_")} for role, values in steps.items()
-                  if any(k.startswith("device_") for k in values)}
+        # The ranks' device ms a step (CUDA events), the device's gap before it and the host's launch ms,
+        # beside the schedule's measured ms: the host's share.
+        device = {role: {k: v for k, v in values.items() if k.startswith(("device_", "gap_", "launch_"))}
+                  for role, values in steps.items() if any(k.startswith("device_") for k in values)}
         if device:
             print(f"rate {rate:g} device: {json.dumps(device)}", flush=True)
         below = below + 1 if row["slo_attainment"] < args.stop_below else 0

@@ -113,12 +113,19 @@ def _numel(shape) -> int:
     return n
 
 
+# An expert's step-time histograms, by the name step_attribution gives their means
+# (device_prefill_ms, launch_decode_ms, gap_prefill_ms, ...), each by kind.
+STEP_TIMES = {"moemesh_expert_step_device_seconds": "device", "moemesh_expert_step_launch_seconds": "launch",
+              "moemesh_expert_step_device_gap_seconds": "gap"}
+TIMINGS = tuple((name, kind) for name in STEP_TIMES.values() for kind in ("prefill", "decode"))
+
+
 def scrape_steps(metrics: dict[str, str]) -> dict[str, tuple[float, ...]]:
     """Per role, from its /metrics: (sum of seconds, count) of its step-duration histogram, then
     (sum of seconds, count) of its garbage-collector pauses, then the same of its full collections,
     then the prompt tokens served from the prefix cache and those looked up (a gateway's), then
-    (sum of seconds, count) of its steps' device time with prompt tokens and without (an expert's on
-    CUDA: moemesh_expert_step_device_seconds)."""
+    (sum of seconds, count) of an expert's STEP_TIMES histograms, each for steps with prompt tokens
+    and without (TIMINGS' order: device time and device gaps on CUDA, host launch time)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -129,7 +136,7 @@ def scrape_steps(metrics: dict[str, str]) -> dict[str, tuple[float, ...]]:
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
             text = response.read().decode()
         steps, gc_all, gc_full, prefix = (0.0, 0.0), [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
-        device = {"prefill": [0.0, 0.0], "decode": [0.0, 0.0]}
+        timings = {(name, kind): [0.0, 0.0] for name, kind in TIMINGS}
         for family in text_string_to_metric_families(text):
             if family.name in names:
                 values = {sample.name.rsplit("_", 1)[-1]: sample.value for sample in family.samples
@@ -142,20 +149,22 @@ def scrape_steps(metrics: dict[str, str]) -> dict[str, tuple[float, ...]]:
                         gc_all[i] += sample.value
                         if sample.labels.get("generation") == "2":
                             gc_full[i] += sample.value
-            elif family.name == "moemesh_expert_step_device_seconds":
+            elif family.name in STEP_TIMES:
                 for sample in family.samples:
-                    if sample.name.endswith(("_sum", "_count")) and sample.labels.get("kind") in device:
-                        device[sample.labels["kind"]][0 if sample.name.endswith("_sum") else 1] += sample.value
+                    key = (STEP_TIMES[family.name], sample.labels.get("kind"))
+                    if sample.name.endswith(("_sum", "_count")) and key in timings:
+                        timings[key][0 if sample.name.endswith("_sum") else 1] += sample.value
             elif family.name in ("moemesh_prefix_cache_hit_tokens", "moemesh_prefix_cache_query_tokens"):
                 prefix[0 if "hit" in family.name else 1] += sum(x.value for x in family.samples
                                                                if x.name.endswith("_total"))
-        out[role] = (*steps, *gc_all, *gc_full, *prefix, *device["prefill"], *device["decode"])
+        out[role] = (*steps, *gc_all, *gc_full, *prefix, *(v for key in TIMINGS for v in timings[key]))
     return out
 
 
 def step_attribution(before: dict, after: dict, wall_s: float) -> dict:
     """Per role: steps in the case, their mean ms, wall ms per step, and the share of wall time in them;
-    where the scrapes have them, an expert's mean device ms of steps with and without prompt tokens."""
+    where the scrapes have them, an expert's mean device, launch and device-gap ms of steps with and
+    without prompt tokens."""
     out = {}
     for role, values in after.items():
         total, count, gc_s, _, full_s, full_count, hit_tokens, query_tokens, *device = (
@@ -166,10 +175,11 @@ def step_attribution(before: dict, after: dict, wall_s: float) -> dict:
                      "gc_ms": round(1e3 * gc_s, 1), "gc_full": int(full_count), "gc_full_ms": round(1e3 * full_s, 1)}
         if query_tokens:
             out[role]["prefix_hit_tokens"], out[role]["prefix_query_tokens"] = int(hit_tokens), int(query_tokens)
-        for kind, (seconds, steps) in zip(("prefill", "decode"), zip(device[::2], device[1::2])):
+        for (name, kind), seconds, steps in zip(TIMINGS, device[::2], device[1::2]):
             if steps:
-                out[role][f"device_{kind}_steps"] = int(steps)
-                out[role][f"device_{kind}_ms"] = round(1e3 * seconds / steps, 2)
+                if name == "device":
+                    out[role][f"device_{kind}_steps"] = int(steps)
+                out[role][f"{name}_{kind}_ms"] = round(1e3 * seconds / steps, 2)
     return out
 
 

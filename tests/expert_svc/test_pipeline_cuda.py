@@ -84,20 +84,29 @@ def test_steps_launched_ahead_give_the_one_by_one_tokens_and_reads_wait_for_thei
 
 def test_each_read_step_adds_its_device_time_by_kind(model):
     """moemesh_expert_step_device_seconds: one observation per step read, the prefill under
-    "prefill", the decodes under "decode", each a positive time no longer than the step's own."""
+    "prefill", the decodes under "decode", each a positive time no longer than the step's own;
+    moemesh_expert_step_device_gap_seconds: one per step after the first."""
     from services import metrics
 
-    histogram = metrics.expert_metrics().step_device
+    expert = metrics.expert_metrics()
 
-    def totals(kind):
+    def totals(histogram, kind):
         samples = {s.name.rsplit("_", 1)[-1]: s.value for s in histogram.labels(kind).collect()[0].samples
                    if s.name.endswith(("_sum", "_count"))}
         return samples["sum"], samples["count"]
 
-    before = {kind: totals(kind) for kind in ("prefill", "decode")}
+    def all_totals():
+        return {(name, kind): totals(getattr(expert, name), kind) for name in ("step_device", "step_device_gap")
+                for kind in ("prefill", "decode")}
+
+    before = all_totals()
     results = [r for r in map(_runner(model).run_step, _plans())]
-    after = {kind: totals(kind) for kind in ("prefill", "decode")}
-    assert after["prefill"][1] - before["prefill"][1] == 1
-    assert after["decode"][1] - before["decode"][1] == len(results) - 1
-    device_s = sum(after[k][0] - before[k][0] for k in after)
+    after = {key: (s - s0, n - n0) for (key, (s, n)), (s0, n0) in zip(all_totals().items(), before.values())}
+    assert after["step_device", "prefill"][1] == 1
+    assert after["step_device", "decode"][1] == len(results) - 1
+    device_s = after["step_device", "prefill"][0] + after["step_device", "decode"][0]
     assert 0 < device_s <= sum(r.execute_seconds for r in results)
+    # A fresh runner's first step has no gap before it; each decode after it one, while the host read
+    # the step before and queued this one (run_step does not launch ahead).
+    assert after["step_device_gap", "prefill"][1] == 0
+    assert after["step_device_gap", "decode"][1] == len(results) - 1 and after["step_device_gap", "decode"][0] > 0

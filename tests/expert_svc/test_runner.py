@@ -154,6 +154,59 @@ def test_idle_step_runs_the_model_with_no_tokens(runner, model):
     assert torch.equal(model.hit_counts_LE, before)
 
 
+def _launch_counts() -> dict[str, tuple[float, float]]:
+    from services import metrics
+    return {kind: _histogram_totals(metrics.expert_metrics().step_launch, kind) for kind in ("prefill", "decode")}
+
+
+def test_each_step_with_sequences_adds_its_launch_time_by_kind(runner):
+    """moemesh_expert_step_launch_seconds: steps that bring prompt tokens count as prefill, one-token
+    steps as decode, idle steps not at all; each observation is part of the step's own time."""
+    before = _launch_counts()
+    runner.run_step(_plan(1))  # idle
+    results = [runner.run_step(_plan(2, new=[NewSequence(0, GREEDY, (0, 1))], scheduled=[ScheduledSequence(0, (5, 6, 7))]))]
+    results += [runner.run_step(_plan(step_id, scheduled=[ScheduledSequence(0)])) for step_id in (3, 4)]
+    after = _launch_counts()
+    assert after["prefill"][1] - before["prefill"][1] == 1
+    assert after["decode"][1] - before["decode"][1] == 2
+    launch_s = sum(after[k][0] - before[k][0] for k in after)
+    assert 0 < launch_s <= sum(r.execute_seconds for r in results)
+
+
+class _FakeEvent:
+    """A CUDA event's timing contract: elapsed_time(later) in milliseconds."""
+
+    def __init__(self, at_ms: float):
+        self.at_ms = at_ms
+
+    def elapsed_time(self, later: "_FakeEvent") -> float:
+        return later.at_ms - self.at_ms
+
+
+def _histogram_totals(histogram, kind: str) -> tuple[float, float]:
+    values = {s.name.rsplit("_", 1)[-1]: s.value for s in histogram.labels(kind).collect()[0].samples
+              if s.name.endswith(("_sum", "_count"))}
+    return values["sum"], values["count"]
+
+
+def test_a_read_step_adds_its_device_time_and_the_gap_before_it_unless_the_rank_was_idle():
+    from expert_svc.runner import LaunchedStep, _observe_device_time
+    from services import metrics
+    expert = metrics.expert_metrics()
+
+    def step(start_ms, end_ms, previous_end_ms, has_prompt):
+        return LaunchedStep(1, 0.0, (), None, _FakeEvent(end_ms), device_start=_FakeEvent(start_ms),
+                            has_prompt=has_prompt, previous_ready=_FakeEvent(previous_end_ms))
+
+    device, gap = _histogram_totals(expert.step_device, "prefill"), _histogram_totals(expert.step_device_gap, "prefill")
+    _observe_device_time(step(100.0, 130.0, 96.0, True))  # 30 ms on the device, 4 ms idle before
+    _observe_device_time(step(5000.0, 5010.0, 130.0, True))  # after an idle rank: no gap counted
+    device_after = _histogram_totals(expert.step_device, "prefill")
+    gap_after = _histogram_totals(expert.step_device_gap, "prefill")
+    assert device_after[1] - device[1] == 2 and device_after[0] - device[0] == pytest.approx(0.040)
+    assert gap_after[1] - gap[1] == 1 and gap_after[0] - gap[0] == pytest.approx(0.004)
+
+
 @pytest.mark.parametrize(("plan", "message"), [
     (_plan(1, scheduled=[ScheduledSequence(7, (1, 2))]), "scheduled sequence 7 is unknown"),
     (_plan(1, finished=[8]), "finished sequence 8 is unknown"),

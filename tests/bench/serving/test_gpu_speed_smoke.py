@@ -88,3 +88,15 @@ def test_step_attribution_reports_the_device_time_of_steps_with_and_without_prom
     got = step_attribution(before, after, wall_s=4.0)["expert0"]
     assert (got["device_prefill_steps"], got["device_prefill_ms"]) == (20, 100.0)
     assert (got["device_decode_steps"], got["device_decode_ms"]) == (80, 10.0)
+
+
+def test_step_attribution_reports_launch_and_device_gap_means_beside_the_device_time():
+    # ... then device, launch and gap (seconds, steps) pairs, each prefill then decode (TIMINGS)
+    zeros = (0.0,) * 6
+    before = {"expert0": (1.0, 10.0, *zeros, 0.5, 5.0, 0.1, 5.0, 0.2, 5.0, 0.0, 5.0, 0.0, 4.0, 0.05, 5.0)}
+    after = {"expert0": (3.0, 110.0, *zeros, 2.5, 25.0, 0.9, 85.0, 1.2, 25.0, 0.4, 85.0, 0.1, 24.0, 0.13, 85.0)}
+    got = step_attribution(before, after, wall_s=4.0)["expert0"]
+    assert (got["launch_prefill_ms"], got["launch_decode_ms"]) == (50.0, 5.0)
+    assert (got["gap_prefill_ms"], got["gap_decode_ms"]) == (5.0, 1.0)
+    assert got["device_prefill_steps"] == 20 and "launch_prefill_steps" not in got
+
