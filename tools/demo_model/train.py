@@ -14,7 +14,6 @@ Uses only torch APIs of 2.11 and older.
 
 import argparse
 import csv
-import dataclasses
 import json
 import math
 import pathlib
