@@ -1,4 +1,4 @@
-"""The `moemesh` command: up, etcd, generate, status, make-model."""
+"""The `moemesh` command: up, etcd, generate, status, make-model, measure-links."""
 
 import argparse
 import json
@@ -319,6 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     make_model.add_arguments(make)
     make.set_defaults(fn=cmd_make_model)
+
+    from moemesh import link_probe
+
+    link_probe.add_parser(sub)
     return parser
 
 

@@ -37,8 +37,11 @@ between ranks of one host; network: between hosts) + the busiest link's
 bytes over its bandwidth + the design's fixed per-layer overhead (the
 all-to-all's torch ops around the collectives, and with host splits a device
 sync). The smaller time wins; ties go to gather (the measured path). The
-constants (LinkCosts) are figures measured on H200 pairs where we have them
-and estimates elsewhere; `--ep-link-costs` overrides any of them.
+constants (LinkCosts) are figures measured on H200 pairs and on a CPU machine
+(loopback, and a bridge between network namespaces), estimates elsewhere (the
+CUDA network, the overheads); `--ep-link-costs` overrides any of them, and
+`moemesh measure-links` (moemesh/link_probe.py) measures a deployment's links
+and prints the string.
 
 plan.py turns this into a group's design per step size (--ep-dispatch).
 Pure Python, no torch: the expert's config checks --ep-link-costs with it.
@@ -86,8 +89,13 @@ class LinkCosts:
             # measured here. The overheads: estimates of fifty small kernels and a sync.
             costs = cls(Link(18e-6, 118e9), Link(25e-6, 45e9), alltoall_overhead_s=50e-6, host_sync_s=30e-6)
         elif device_type == "cpu":
-            # gloo between two processes of one machine: about 0.7 ms a call; a 10 Gb/s network.
-            costs = cls(Link(700e-6, 2e9), Link(1e-3, 1.1e9), alltoall_overhead_s=200e-6, host_sync_s=0.0)
+            # Measured with `moemesh measure-links` (`python -m bench.kernels.ep_links --rounds 7`,
+            # bench/results/ep_links_cpu.md: the medians of 7 rounds on a 2-core machine): gloo's
+            # all_to_all_single between two processes, local over loopback, network across a veth
+            # bridge between two network namespaces (how the many-hosts test and bench run hosts;
+            # the kernel copies the bytes, so a physical network is slower: measure yours). The
+            # small-message latency varies by about a third between rounds. The overhead: an estimate.
+            costs = cls(Link(292e-6, 1.01e9), Link(389e-6, 0.748e9), alltoall_overhead_s=200e-6, host_sync_s=0.0)
         else:
             raise ValueError(f"no link costs for device type {device_type!r}")
         return costs.with_overrides(overrides)
