@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 
-from bench.serving.gpu_speed import run_mesh, scrape_steps, step_attribution, warm_up
+from bench.serving.gpu_speed import ALLOCATOR, run_mesh, scrape_steps, step_attribution, warm_up
 from bench.serving.serve import RESULTS_DIR, RequestResult, run_load, write_result
 from bench.serving.workloads import make_workload
 from gateway.stats import percentile
@@ -180,9 +180,10 @@ async def _sweep(target: str, args, cases: list[str], max_context: int, metrics:
         print(f"rate {rate:g}: {json.dumps({k: v for k, v in row.items() if k not in ('steps', 'schedule')})}",
               flush=True)
         print(f"rate {rate:g} steps: {json.dumps(row.get('schedule'))}", flush=True)
-        # The ranks' device ms a step (CUDA events), the device's gap before it and the host's launch ms,
-        # beside the schedule's measured ms: the host's share.
-        device = {role: {k: v for k, v in values.items() if k.startswith(("device_", "gap_", "launch_"))}
+        # The ranks' device ms a step (CUDA events), the device's gap before it, the host's launch ms and
+        # the allocator's retries and cudaMallocs, beside the schedule's measured ms: the host's share.
+        device = {role: {k: v for k, v in values.items()
+                         if k.startswith(("device_", "gap_", "launch_")) or k in ALLOCATOR.values()}
                   for role, values in steps.items() if any(k.startswith("device_") for k in values)}
         if device:
             print(f"rate {rate:g} device: {json.dumps(device)}", flush=True)

@@ -118,6 +118,9 @@ def _numel(shape) -> int:
 STEP_TIMES = {"moemesh_expert_step_device_seconds": "device", "moemesh_expert_step_launch_seconds": "launch",
               "moemesh_expert_step_device_gap_seconds": "gap"}
 TIMINGS = tuple((name, kind) for name in STEP_TIMES.values() for kind in ("prefill", "decode"))
+# An expert's CUDA allocator counters (expert_svc/observability.py), by the name step_attribution gives their
+# differences: a retry synchronizes the device, a cudaMalloc takes host time inside a step.
+ALLOCATOR = {"moemesh_expert_cuda_alloc_retries": "alloc_retries", "moemesh_expert_cuda_mallocs": "cuda_mallocs"}
 
 
 def scrape_steps(metrics: dict[str, str]) -> dict[str, tuple[float, ...]]:
@@ -125,7 +128,8 @@ def scrape_steps(metrics: dict[str, str]) -> dict[str, tuple[float, ...]]:
     (sum of seconds, count) of its garbage-collector pauses, then the same of its full collections,
     then the prompt tokens served from the prefix cache and those looked up (a gateway's), then
     (sum of seconds, count) of an expert's STEP_TIMES histograms, each for steps with prompt tokens
-    and without (TIMINGS' order: device time and device gaps on CUDA, host launch time)."""
+    and without (TIMINGS' order: device time and device gaps on CUDA, host launch time), then its
+    ALLOCATOR counters (CUDA)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -137,6 +141,7 @@ def scrape_steps(metrics: dict[str, str]) -> dict[str, tuple[float, ...]]:
             text = response.read().decode()
         steps, gc_all, gc_full, prefix = (0.0, 0.0), [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
         timings = {(name, kind): [0.0, 0.0] for name, kind in TIMINGS}
+        allocator = dict.fromkeys(ALLOCATOR.values(), 0.0)
         for family in text_string_to_metric_families(text):
             if family.name in names:
                 values = {sample.name.rsplit("_", 1)[-1]: sample.value for sample in family.samples
@@ -154,17 +159,20 @@ def scrape_steps(metrics: dict[str, str]) -> dict[str, tuple[float, ...]]:
                     key = (STEP_TIMES[family.name], sample.labels.get("kind"))
                     if sample.name.endswith(("_sum", "_count")) and key in timings:
                         timings[key][0 if sample.name.endswith("_sum") else 1] += sample.value
+            elif family.name in ALLOCATOR:
+                allocator[ALLOCATOR[family.name]] += sum(x.value for x in family.samples if x.name.endswith("_total"))
             elif family.name in ("moemesh_prefix_cache_hit_tokens", "moemesh_prefix_cache_query_tokens"):
                 prefix[0 if "hit" in family.name else 1] += sum(x.value for x in family.samples
                                                                if x.name.endswith("_total"))
-        out[role] = (*steps, *gc_all, *gc_full, *prefix, *(v for key in TIMINGS for v in timings[key]))
+        out[role] = (*steps, *gc_all, *gc_full, *prefix, *(v for key in TIMINGS for v in timings[key]),
+                     *allocator.values())
     return out
 
 
 def step_attribution(before: dict, after: dict, wall_s: float) -> dict:
     """Per role: steps in the case, their mean ms, wall ms per step, and the share of wall time in them;
     where the scrapes have them, an expert's mean device, launch and device-gap ms of steps with and
-    without prompt tokens."""
+    without prompt tokens, and on CUDA its allocator's retries and cudaMallocs in the case."""
     out = {}
     for role, values in after.items():
         total, count, gc_s, _, full_s, full_count, hit_tokens, query_tokens, *device = (
@@ -175,11 +183,14 @@ def step_attribution(before: dict, after: dict, wall_s: float) -> dict:
                      "gc_ms": round(1e3 * gc_s, 1), "gc_full": int(full_count), "gc_full_ms": round(1e3 * full_s, 1)}
         if query_tokens:
             out[role]["prefix_hit_tokens"], out[role]["prefix_query_tokens"] = int(hit_tokens), int(query_tokens)
-        for (name, kind), seconds, steps in zip(TIMINGS, device[::2], device[1::2]):
+        timings, allocator = device[:2 * len(TIMINGS)], device[2 * len(TIMINGS):]
+        for (name, kind), seconds, steps in zip(TIMINGS, timings[::2], timings[1::2]):
             if steps:
                 if name == "device":
                     out[role][f"device_{kind}_steps"] = int(steps)
                 out[role][f"{name}_{kind}_ms"] = round(1e3 * seconds / steps, 2)
+        if any(k.startswith("device_") for k in out[role]):  # a CUDA rank: its allocator's counts, zeros too
+            out[role] |= {name: int(count) for name, count in zip(ALLOCATOR.values(), allocator)}
     return out
 
 

@@ -392,7 +392,8 @@ def test_expert_readiness_and_hit_counts():
     state.group_id, state.world_size, state.expert_ids = "g0", 2, (4, 5, 6, 7)
     state.rank = 1
     assert report()["experts_ready"] == "0/4"
-    state.executor = types.SimpleNamespace(failure=None, is_held=False, runner=types.SimpleNamespace(seq_ids=[1, 2]))
+    state.executor = types.SimpleNamespace(failure=None, is_held=False, runner=types.SimpleNamespace(
+        seq_ids=[1, 2], device=torch.device("cpu")))
     assert report()["ready"] and report()["experts_ready"] == "4/4"
     reporter = types.SimpleNamespace(moe_layers=[1, 3], counts_LE=torch.tensor([[5, 0], [1, 2]]))
     registry = CollectorRegistry()
@@ -402,6 +403,28 @@ def test_expert_readiness_and_hit_counts():
     state.executor.failure = "collective timed out"
     assert report()["ready"] is False and report()["step_failed"] is True
     assert registry.get_sample_value("moemesh_expert_ready") == 0
+
+
+def test_a_cuda_rank_exports_its_allocator_counters(monkeypatch):
+    """On CUDA the collector reads torch.cuda.memory_stats of the rank's own device; a CPU rank has none."""
+    asked = []
+
+    def memory_stats(device):
+        asked.append(device)
+        return {"num_alloc_retries": 3, "num_device_alloc": 41, "reserved_bytes.all.current": 2**30}
+
+    monkeypatch.setattr(torch.cuda, "memory_stats", memory_stats)
+    state = RankState(member_id="e0", model_name="m")
+    runner = types.SimpleNamespace(seq_ids=[], device=torch.device("cpu"))
+    state.executor = types.SimpleNamespace(failure=None, is_held=False, runner=runner)
+    registry = CollectorRegistry()
+    registry.register(expert_observability.ExpertStateCollector(state))
+    assert registry.get_sample_value("moemesh_expert_cuda_mallocs_total") is None and asked == []
+    runner.device = torch.device("cuda", 1)
+    assert registry.get_sample_value("moemesh_expert_cuda_alloc_retries_total") == 3
+    assert registry.get_sample_value("moemesh_expert_cuda_mallocs_total") == 41
+    assert registry.get_sample_value("moemesh_expert_cuda_reserved_bytes") == 2**30
+    assert set(asked) == {torch.device("cuda", 1)}
 
 
 def test_router_rank_loads_and_collector():

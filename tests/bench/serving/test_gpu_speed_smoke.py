@@ -100,3 +100,15 @@ def test_step_attribution_reports_launch_and_device_gap_means_beside_the_device_
     assert (got["gap_prefill_ms"], got["gap_decode_ms"]) == (5.0, 1.0)
     assert got["device_prefill_steps"] == 20 and "launch_prefill_steps" not in got
 
+
+def test_step_attribution_reports_a_cuda_ranks_allocator_counts():
+    # ... then the allocator's retries and cudaMallocs (counters), after the three timings' pairs
+    zeros = (0.0,) * 6
+    before = {"expert0": (1.0, 10.0, *zeros, 0.5, 5.0, 0.1, 5.0, *(0.0,) * 8, 1.0, 300.0),
+              "cpu": (1.0, 10.0, *zeros, *(0.0,) * 12, 0.0, 0.0)}
+    after = {"expert0": (3.0, 110.0, *zeros, 2.5, 25.0, 0.9, 85.0, *(0.0,) * 8, 1.0, 312.0),
+             "cpu": (3.0, 110.0, *zeros, *(0.0,) * 12, 0.0, 0.0)}
+    got = step_attribution(before, after, wall_s=4.0)
+    assert (got["expert0"]["alloc_retries"], got["expert0"]["cuda_mallocs"]) == (0, 12)
+    assert "cuda_mallocs" not in got["cpu"]  # no device time: not a CUDA rank
+
