@@ -216,22 +216,24 @@ class ExpertStateCollector:
                 for expert, count in enumerate(row):
                     routed.add_metric([str(layer), str(expert)], count)
         yield from (ready, kv_blocks, sequences, routed)
-        if state is not None and state.executor is not None and state.executor.runner.device.type == "cuda":
-            yield from _allocator_families(state.executor.runner.device)
+        device = None if state is None or state.executor is None else state.executor.runner.device
+        yield from _allocator_families(device if device is not None and device.type == "cuda" else None)
 
 
-def _allocator_families(device: torch.device):
-    """The CUDA caching allocator's counters on the rank's device (torch.cuda.memory_stats, no
-    sync): a retry frees the cached blocks and synchronizes the device, and every cudaMalloc
-    takes host time inside a step, so a serving step slower than the same step alone shows here."""
-    stats = torch.cuda.memory_stats(device)
+def _allocator_families(device: torch.device | None):
+    """The CUDA caching allocator's counters on the rank's CUDA device (torch.cuda.memory_stats, no
+    sync), without samples when there is none: a retry frees the cached blocks and synchronizes the
+    device, and every cudaMalloc takes host time inside a step, so a serving step slower than the
+    same step alone shows here."""
     retries = metrics.counter_family(
         "expert_cuda_alloc_retries", "Allocations the CUDA caching allocator could only serve after "
         "freeing its cached blocks (each synchronizes the device).")
     mallocs = metrics.counter_family(
         "expert_cuda_mallocs", "cudaMalloc calls of the CUDA caching allocator (new segments).")
     reserved = metrics.gauge_family("expert_cuda_reserved_bytes", "Device memory the caching allocator holds.")
-    retries.add_metric([], stats.get("num_alloc_retries", 0))
-    mallocs.add_metric([], stats.get("num_device_alloc", 0))
-    reserved.add_metric([], stats.get("reserved_bytes.all.current", 0))
+    if device is not None:
+        stats = torch.cuda.memory_stats(device)
+        retries.add_metric([], stats.get("num_alloc_retries", 0))
+        mallocs.add_metric([], stats.get("num_device_alloc", 0))
+        reserved.add_metric([], stats.get("reserved_bytes.all.current", 0))
     yield from (retries, mallocs, reserved)
