@@ -10,7 +10,7 @@ import threading
 
 import grpc
 
-from moemesh import launcher
+from moemesh import launcher, metrics_relay
 
 DEFAULT_GATEWAY_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
@@ -83,6 +83,23 @@ def cmd_up(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     print(f"starting moemesh ({','.join(spec.roles)}): model {model_dir}, {args.ranks} rank(s) on {args.device}; "
           f"logs in {mesh.work_dir}" + (" (mutual TLS)" if args.tls else ""), flush=True)
+    relay = None
+    if args.metrics_port is not None:  # before the roles: /healthz answers, /readyz says who is still starting
+        try:
+            relay, url = metrics_relay.start_for_mesh(mesh, args.metrics_port)
+        except ValueError as err:
+            print(f"moemesh up: --metrics-port: {err}", file=sys.stderr)
+            return 2
+        print(f"metrics of the roles started here: {url}/metrics (and /healthz, /readyz)", flush=True)
+    try:
+        return serve_mesh(mesh, stop)
+    finally:
+        if relay is not None:
+            relay.stop()
+
+
+def serve_mesh(mesh: launcher.Mesh, stop: threading.Event) -> int:
+    """Starts the mesh, restarts the roles that exit until stop is set, then stops it; the exit status."""
     mesh.start()
     if mesh.has_gateway:
         http = f", {mesh.http_url} (OpenAI-compatible HTTP)" if mesh.http_url else ""
@@ -279,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--num-spare-expert-slots", default="auto", metavar="auto|N",
                     help="spare expert slots per MoE layer for replicas of hot experts: auto sizes them from "
                          "memory (none with one rank), N reserves N, 0 turns replicas off (default: auto)")
+    up.add_argument("--metrics-port", type=int, metavar="PORT",
+                    help="serve every role's /metrics here as one, each sample labelled member=<member id>, and "
+                         "/healthz, /readyz (200 when every role is ready) on PORT, 0 = a free one, on --bind-host "
+                         "(moemesh/metrics_relay.py; default: off)")
     up.set_defaults(fn=cmd_up)
 
     from moemesh import etcd_cli

@@ -148,6 +148,11 @@ class Role:
     cmd: list[str] = dataclasses.field(default_factory=list)  # what started it (restart() reuses it)
 
     @property
+    def member_id(self) -> str:
+        """The member id it was started with (`--member-id` of its command), else its name."""
+        return self.cmd[self.cmd.index("--member-id") + 1] if "--member-id" in self.cmd else self.name
+
+    @property
     def metrics_port(self) -> int | None:
         """The port of its /metrics, /healthz and /readyz (None until written)."""
         return read_port_file(metrics_port_file(str(self.port_file)))

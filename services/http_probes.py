@@ -90,11 +90,15 @@ class ProbeServer:
             return {"ready": False, "reason": f"readiness check failed: {error!r}"}
         return dict(report)
 
+    async def metrics(self) -> bytes:
+        """The /metrics body: the registry's exposition (the relay of `moemesh up` overrides it)."""
+        return generate_latest(self._registry)
+
     async def _route(self, method: str, path: str) -> tuple[int, str, bytes]:
         if method not in ("GET", "HEAD"):
             return 405, "text/plain; charset=utf-8", b"only GET and HEAD\n"
         if path == "/metrics":
-            return 200, CONTENT_TYPE_LATEST, generate_latest(self._registry)
+            return 200, CONTENT_TYPE_LATEST, await self.metrics()
         if path == "/healthz":
             return 200, "text/plain; charset=utf-8", b"ok\n"
         if path == "/readyz":

@@ -33,6 +33,7 @@ from gateway.observability import GatewayReadiness, GatewayStateCollector, fragm
 from gateway.slow_readers import SlowReaderCollector
 from moe.expert.v1 import expert_pb2
 from moe.router.v1 import router_pb2, router_pb2_grpc
+from moemesh import metrics_relay
 from router_svc.load import ExpertLoad
 from router_svc.observability import RouterStatsCollector, imbalance, rank_loads
 from router_svc.servicer import RouterServicer
@@ -504,7 +505,8 @@ def all_metric_families() -> dict[str, str]:
     for cls in (metrics.CommonMetrics, metrics.GatewayMetrics, metrics.ExpertMetrics, metrics.SchedulerMetrics):
         cls(registry)
     for collector in (GatewayStateCollector(lambda: None, None), expert_observability.ExpertStateCollector(None),
-                      RouterStatsCollector(None), ApiKeyCollector(None), SlowReaderCollector(None)):
+                      RouterStatsCollector(None), ApiKeyCollector(None), SlowReaderCollector(None),
+                      metrics_relay.ScrapeStatus()):
         registry.register(collector)
     return {family.name: family.type for family in registry.collect()}
 
