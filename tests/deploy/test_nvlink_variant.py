@@ -11,7 +11,7 @@ import kubernetes_validate
 import pytest
 
 from expert_svc.config import ExpertConfig
-from moemesh import cli, launcher
+from moemesh import cli, launcher, metrics_relay
 from services import settings
 from services.model import random_weights
 from tests.deploy import kube
@@ -70,7 +70,20 @@ def test_one_pod_per_node_with_its_eight_gpus_and_one_group_of_sixteen(docs, exp
     assert workload["spec"]["replicas"] * spec.num_ranks == group_size == 16
     assert group_size * per_rank == int(workload["metadata"]["annotations"]["moemesh/model-num-experts"]) == 128
     assert "livenessProbe" not in container and "startupProbe" not in container   # the supervisor's job
-    assert "/readyz" in container["readinessProbe"]["exec"]["command"][-1]
+    # Ready when the relay of `moemesh up` says every process is (moemesh/metrics_relay.py).
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert container["readinessProbe"]["timeoutSeconds"] > metrics_relay.FETCH_TIMEOUT_S
+
+
+def test_prometheus_scrapes_the_relay_of_all_eight_on_the_pods_metrics_port(docs, expert):
+    workload, container, env, args = expert
+    annotations = workload["spec"]["template"]["metadata"]["annotations"]
+    assert (annotations["prometheus.io/scrape"], annotations["prometheus.io/path"]) == ("true", "/metrics")
+    assert int(annotations["prometheus.io/port"]) == args.metrics_port == kube.port_named(container, "metrics")
+    assert container["ports"] == [{"name": "metrics", "containerPort": args.metrics_port}]   # the only fixed one
+    (monitoring,) = find(docs, "NetworkPolicy", "moemesh-metrics")["spec"]["ingress"]
+    assert monitoring["ports"] == [{"port": "metrics"}]
+    assert monitoring["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
 
 
 def test_each_process_registers_its_own_id_and_ports_and_the_nodes_name(expert, tmp_path):
@@ -93,6 +106,7 @@ def test_each_process_registers_its_own_id_and_ports_and_the_nodes_name(expert, 
     assert sorted(c.member_id for c in configs) == [c.member_id for c in configs] < [
         f"expert-moemesh-expert-1-{r}" for r in range(8)]
     assert all(c.rendezvous_port == 0 and c.port == 0 for c in configs)   # free ports, no clash
+    assert all(c.metrics_port == 0 for c in configs) and env["MOEMESH_METRICS_PORT"] == str(args.metrics_port)
     assert all(c.ep_node == NODE_NAME and c.ep_dispatch == "auto" for c in configs)
     assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "eth0" and env["NCCL_P2P_LEVEL"] == "NVL"
 
