@@ -78,9 +78,6 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"moemesh up: {err}", file=sys.stderr)
         return 2
     mesh = launcher.Mesh(spec)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     print(f"starting moemesh ({','.join(spec.roles)}): model {model_dir}, {args.ranks} rank(s) on {args.device}; "
           f"logs in {mesh.work_dir}" + (" (mutual TLS)" if args.tls else ""), flush=True)
     relay = None
@@ -91,6 +88,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"moemesh up: --metrics-port: {err}", file=sys.stderr)
             return 2
         print(f"metrics of the roles started here: {url}/metrics (and /healthz, /readyz)", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     try:
         return serve_mesh(mesh, stop)
     finally:

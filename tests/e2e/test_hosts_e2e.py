@@ -20,6 +20,7 @@ import urllib.request
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from moemesh import launcher
@@ -102,18 +103,19 @@ def _health(endpoint: str) -> bytes:
 
 @pytest.fixture(scope="module")
 def hosts(etcd_cluster, tiny_model_dir, tmp_path_factory):
-    """The two `moemesh up --roles` launches; yields (gateway address, etcd endpoints)."""
+    """The two `moemesh up --roles` launches; yields (gateway address, etcd endpoints, the experts' output)."""
     root = tmp_path_factory.mktemp("hosts")
     endpoints = ",".join(endpoint for _, endpoint, _ in etcd_cluster)
     common = ["up", "--model", str(tiny_model_dir), "--ranks", "2", "--etcd", endpoints, "--data-plane-nice", "0"]
     control = spawn([*common, "--roles", "gateway,scheduler,router", "--bind-host", CONTROL_HOST, "--port", "0",
                      "--http-port", "-1", "--work-dir", str(root / "control")], root / "control.out")
-    experts = spawn([*common, "--roles", "expert", "--bind-host", EXPERT_HOST, "--work-dir", str(root / "experts")],
-                    root / "experts.out")
+    # As the one-pod-per-node Kubernetes variant runs it: with the metrics relay.
+    experts = spawn([*common, "--roles", "expert", "--bind-host", EXPERT_HOST, "--work-dir", str(root / "experts"),
+                     "--metrics-port", "0"], root / "experts.out")
     try:
         line = wait_line(control, root / "control.out", "moemesh is ready: gateway at ", READY_TIMEOUT_S)
         wait_line(experts, root / "experts.out", "moemesh is ready: ", READY_TIMEOUT_S)
-        yield line.split("gateway at ")[1].split()[0], endpoints
+        yield line.split("gateway at ")[1].split()[0], endpoints, root / "experts.out"
     finally:
         stop(experts)
         stop(control)
@@ -142,7 +144,7 @@ def prompt_ids(address: str, prompt: str) -> list[int]:
 
 
 def test_greedy_outputs_through_the_gateway_equal_transformers(hosts, hf_model):
-    address, _ = hosts
+    address, *_ = hosts
     assert address.startswith(f"{CONTROL_HOST}:")
     for prompt in PROMPTS:
         assert generate_when_ready(address, prompt) == hf_greedy(hf_model, prompt_ids(address, prompt), NUM_NEW_TOKENS)
@@ -151,7 +153,7 @@ def test_greedy_outputs_through_the_gateway_equal_transformers(hosts, hf_model):
 def test_every_role_registered_its_own_hosts_address(hosts):
     import asyncio
 
-    _, endpoints = hosts
+    _, endpoints, _ = hosts
 
     async def snapshot():
         async with ClusterClient(endpoints) as client:
@@ -169,8 +171,26 @@ def test_every_role_registered_its_own_hosts_address(hosts):
     assert json.dumps(sorted(r.address.split(":")[0] for r in group.ranks)) == json.dumps([EXPERT_HOST] * 2)
 
 
+def test_the_expert_hosts_relay_serves_both_experts_metrics_and_their_readiness(hosts):
+    """`moemesh up --roles expert --metrics-port`: one scrape target for the expert services of a host."""
+    address, _, experts_out = hosts
+    generate_when_ready(address, PROMPTS[0])  # the group has formed: both ranks are ready
+    (line,) = [line for line in experts_out.read_text().splitlines() if line.startswith("metrics of the roles")]
+    url = line.split(": ", 1)[1].split("/metrics")[0]
+    assert url.startswith(f"http://{EXPERT_HOST}:")
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    members = {"expert-127-0-0-3-0", "expert-127-0-0-3-1"}
+    assert {s.labels["member"]: s.value for s in families["moemesh_relay_scrape_up"].samples} == \
+        dict.fromkeys(members, 1.0)
+    assert {s.labels["member"]: s.labels["member_id"] for s in families["moemesh_build_info"].samples} == \
+        {member: member for member in members}
+    with urllib.request.urlopen(url + "/readyz", timeout=10) as response:
+        assert response.status == 200 and json.loads(response.read())["members"] == 2
+
+
 def test_the_mesh_serves_on_when_an_etcd_member_is_lost(hosts, etcd_cluster, hf_model):
-    address, _ = hosts
+    address, *_ = hosts
     first, _, _ = etcd_cluster[0]  # the endpoint every client picked first
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()

@@ -225,6 +225,18 @@ def test_a_bad_port_is_refused_naming_it(port):
         metrics_relay.start_for_mesh(None, port)
 
 
+def test_up_exits_with_status_2_on_a_port_it_cannot_have_before_starting_anything(tiny_model_dir, capsys):
+    assert cli.main(["up", "--model", str(tiny_model_dir), "--metrics-port", "-5"]) == 2
+    assert "moemesh up: --metrics-port: the relay's port must be in 0..65535 (0: a free one), got -5" in \
+        capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["up", "--model", str(tiny_model_dir), "--metrics-port", str(port)]) == 2
+    assert f"cannot bind the metrics server to 127.0.0.1:{port}" in capsys.readouterr().err
+
+
 def test_the_relay_of_the_shared_mesh_has_every_role_up_and_ready(mesh):
     relay, url = metrics_relay.start_for_mesh(mesh, 0)
     try:
