@@ -20,13 +20,13 @@ import urllib.request
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from moe.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from moemesh import launcher
 from services.cluster import ClusterClient
 from tests.conftest import hf_greedy
 from tests.e2e.test_mesh_e2e import generate, greedy
+from tests.moemesh.test_metrics_relay import readyz_until_200, scrape_until_all_up
 
 HOSTS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
 CONTROL_HOST, EXPERT_HOST = "127.0.0.2", "127.0.0.3"
@@ -178,15 +178,14 @@ def test_the_expert_hosts_relay_serves_both_experts_metrics_and_their_readiness(
     (line,) = [line for line in experts_out.read_text().splitlines() if line.startswith("metrics of the roles")]
     url = line.split(": ", 1)[1].split("/metrics")[0]
     assert url.startswith(f"http://{EXPERT_HOST}:")
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
-        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
     members = {"expert-127-0-0-3-0", "expert-127-0-0-3-1"}
-    assert {s.labels["member"]: s.value for s in families["moemesh_relay_scrape_up"].samples} == \
-        dict.fromkeys(members, 1.0)
-    assert {s.labels["member"]: s.labels["member_id"] for s in families["moemesh_build_info"].samples} == \
-        {member: member for member in members}
-    with urllib.request.urlopen(url + "/readyz", timeout=10) as response:
-        assert response.status == 200 and json.loads(response.read())["members"] == 2
+    got = scrape_until_all_up(url, members)
+    assert {dict(labels)["member"]: value for (name, labels), value in got.items()
+            if name == "moemesh_relay_scrape_up"} == dict.fromkeys(members, 1.0)
+    assert {dict(labels)["member"]: dict(labels)["member_id"] for name, labels in got
+            if name == "moemesh_build_info"} == {member: member for member in members}
+    status, body = readyz_until_200(url)
+    assert status == 200 and json.loads(body)["members"] == 2, body
 
 
 def test_the_mesh_serves_on_when_an_etcd_member_is_lost(hosts, etcd_cluster, hf_model):
