@@ -22,6 +22,7 @@ role uses (services/http_probes.ProbeServer):
 
 import asyncio
 import dataclasses
+import http.client
 import logging
 import threading
 import time
@@ -122,24 +123,23 @@ def exposition(families: list[Metric]) -> bytes:
     return generate_latest(registry)
 
 
-async def http_get(host: str, port: int, path: str, timeout_s: float) -> tuple[int, bytes]:
-    """(status, body) of one GET; OSError, TimeoutError or ValueError if none came.
+# What a GET of a child can fail with: nothing listens or it timed out (OSError, TimeoutError),
+# a malformed answer (http.client.HTTPException), a body that is not text (UnicodeDecodeError).
+FETCH_ERRORS = (OSError, TimeoutError, ValueError, http.client.HTTPException)
 
-    A minimal client of the roles' ProbeServer, which answers one request per connection and closes it.
-    """
-    async with asyncio.timeout(timeout_s):
-        reader, writer = await asyncio.open_connection(netaddr.strip_brackets(host), port)
+
+async def http_get(host: str, port: int, path: str, timeout_s: float) -> tuple[int, bytes]:
+    """(status, body) of one GET, by the standard library's client on a worker thread (each socket
+    operation within timeout_s, as the supervisor's probe); one of FETCH_ERRORS if none came."""
+    def get() -> tuple[int, bytes]:
+        connection = http.client.HTTPConnection(netaddr.strip_brackets(host), port, timeout=timeout_s)
         try:
-            writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode())
-            await writer.drain()
-            response = await reader.read()
+            connection.request("GET", path)
+            response = connection.getresponse()
+            return response.status, response.read()
         finally:
-            writer.close()
-    head, _, body = response.partition(b"\r\n\r\n")
-    status_line = head.split(b"\r\n", 1)[0].split()
-    if len(status_line) < 2 or not status_line[1].isdigit():
-        raise ValueError(f"not an HTTP response: {head[:80]!r}")
-    return int(status_line[1]), body
+            connection.close()
+    return await asyncio.to_thread(get)
 
 
 async def scrape_child(host: str, child: Child, timeout_s: float = FETCH_TIMEOUT_S) -> Scrape:
@@ -152,7 +152,7 @@ async def scrape_child(host: str, child: Child, timeout_s: float = FETCH_TIMEOUT
         if status != 200:
             raise ValueError(f"HTTP {status}")
         families = tuple(text_string_to_metric_families(body.decode()))
-    except (OSError, TimeoutError, ValueError) as error:  # UnicodeDecodeError is a ValueError
+    except FETCH_ERRORS as error:
         return Scrape(child.member, None, time.monotonic() - start, f"{type(error).__name__}: {error}")
     return Scrape(child.member, families, time.monotonic() - start)
 
@@ -163,7 +163,7 @@ async def child_readiness(host: str, child: Child, timeout_s: float = FETCH_TIME
         return "no metrics port yet"
     try:
         status, _ = await http_get(host, child.port, "/readyz", timeout_s)
-    except (OSError, TimeoutError, ValueError) as error:
+    except FETCH_ERRORS as error:
         return f"no answer: {type(error).__name__}: {error}".rstrip(": ")
     return "" if status == 200 else f"HTTP {status}"
 

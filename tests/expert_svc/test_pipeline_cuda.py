@@ -88,16 +88,13 @@ def test_each_read_step_adds_its_device_time_by_kind(model):
     moemesh_expert_step_device_gap_seconds: one per step after the first."""
     from services import metrics
 
+    from tests.expert_svc.test_runner import histogram_totals
+
     expert = metrics.expert_metrics()
 
-    def totals(histogram, kind):
-        samples = {s.name.rsplit("_", 1)[-1]: s.value for s in histogram.labels(kind).collect()[0].samples
-                   if s.name.endswith(("_sum", "_count"))}
-        return samples["sum"], samples["count"]
-
     def all_totals():
-        return {(name, kind): totals(getattr(expert, name), kind) for name in ("step_device", "step_device_gap")
-                for kind in ("prefill", "decode")}
+        return {(name, kind): histogram_totals(getattr(expert, name), kind)
+                for name in ("step_device", "step_device_gap") for kind in ("prefill", "decode")}
 
     before = all_totals()
     results = [r for r in map(_runner(model).run_step, _plans())]

@@ -156,7 +156,7 @@ def test_idle_step_runs_the_model_with_no_tokens(runner, model):
 
 def _launch_counts() -> dict[str, tuple[float, float]]:
     from services import metrics
-    return {kind: _histogram_totals(metrics.expert_metrics().step_launch, kind) for kind in ("prefill", "decode")}
+    return {kind: histogram_totals(metrics.expert_metrics().step_launch, kind) for kind in ("prefill", "decode")}
 
 
 def test_each_step_with_sequences_adds_its_launch_time_by_kind(runner):
@@ -183,7 +183,7 @@ class _FakeEvent:
         return later.at_ms - self.at_ms
 
 
-def _histogram_totals(histogram, kind: str) -> tuple[float, float]:
+def histogram_totals(histogram, kind: str) -> tuple[float, float]:
     values = {s.name.rsplit("_", 1)[-1]: s.value for s in histogram.labels(kind).collect()[0].samples
               if s.name.endswith(("_sum", "_count"))}
     return values["sum"], values["count"]
@@ -198,11 +198,11 @@ def test_a_read_step_adds_its_device_time_and_the_gap_before_it_unless_the_rank_
         return LaunchedStep(1, 0.0, (), None, _FakeEvent(end_ms), device_start=_FakeEvent(start_ms),
                             has_prompt=has_prompt, previous_ready=_FakeEvent(previous_end_ms))
 
-    device, gap = _histogram_totals(expert.step_device, "prefill"), _histogram_totals(expert.step_device_gap, "prefill")
+    device, gap = histogram_totals(expert.step_device, "prefill"), histogram_totals(expert.step_device_gap, "prefill")
     _observe_device_time(step(100.0, 130.0, 96.0, True))  # 30 ms on the device, 4 ms idle before
     _observe_device_time(step(5000.0, 5010.0, 130.0, True))  # after an idle rank: no gap counted
-    device_after = _histogram_totals(expert.step_device, "prefill")
-    gap_after = _histogram_totals(expert.step_device_gap, "prefill")
+    device_after = histogram_totals(expert.step_device, "prefill")
+    gap_after = histogram_totals(expert.step_device_gap, "prefill")
     assert device_after[1] - device[1] == 2 and device_after[0] - device[0] == pytest.approx(0.040)
     assert gap_after[1] - gap[1] == 1 and gap_after[0] - gap[0] == pytest.approx(0.004)
 

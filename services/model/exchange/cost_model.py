@@ -83,18 +83,15 @@ class LinkCosts:
         """The defaults of `device_type` ("cuda" or "cpu"), with `overrides` applied
         ("key=value,...", keys of KEYS; ValueError quoting a bad one)."""
         if device_type == "cuda":
-            # NVLink: NCCL all_to_all_single between two H200s, about 18 us in a CUDA graph and
-            # 118 GB/s per direction at 8 MB. Network: one 400 Gb/s NIC per GPU (InfiniBand or
-            # RoCE) at about 90% and NCCL's small-message latency across hosts: estimates, not
-            # measured here. The overheads: estimates of fifty small kernels and a sync.
+            # NVLink: NCCL between two H200s, measured. Network: one 400 Gb/s NIC per GPU
+            # (InfiniBand or RoCE) and NCCL's latency across hosts, estimates; the overheads too.
+            # Where each figure comes from: docs/performance.md, "The exchange's link costs".
             costs = cls(Link(18e-6, 118e9), Link(25e-6, 45e9), alltoall_overhead_s=50e-6, host_sync_s=30e-6)
         elif device_type == "cpu":
-            # Measured with `moemesh measure-links` (`python -m bench.kernels.ep_links --rounds 7`,
-            # bench/results/ep_links_cpu.md: the medians of 7 rounds on a 2-core machine): gloo's
-            # all_to_all_single between two processes, local over loopback, network across a veth
-            # bridge between two network namespaces (how the many-hosts test and bench run hosts;
-            # the kernel copies the bytes, so a physical network is slower: measure yours). The
-            # small-message latency varies by about a third between rounds. The overhead: an estimate.
+            # gloo measured by `moemesh measure-links`: local over loopback, network across a bridge
+            # between network namespaces (how the many-hosts tests run hosts; a physical network is
+            # slower, so deployments measure theirs). The overhead is an estimate. Figures and
+            # command: docs/performance.md, "The exchange's link costs".
             costs = cls(Link(292e-6, 1.01e9), Link(389e-6, 0.748e9), alltoall_overhead_s=200e-6, host_sync_s=0.0)
         else:
             raise ValueError(f"no link costs for device type {device_type!r}")

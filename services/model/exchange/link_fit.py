@@ -104,21 +104,12 @@ def fit_link(times: Mapping[int, float], num_large: int = NUM_LARGE) -> Link:
         raise ValueError(f"a fit needs more than {max(num_large, 2)} sizes (the largest {num_large} for the "
                          f"slope), got {len(sizes)}: {sizes}")
     large = sizes[-num_large:]
-    slope = _slope([(size, times[size]) for size in large])
+    slope = statistics.linear_regression(large, [times[size] for size in large]).slope  # least squares
     if slope <= 0:
         raise ValueError(f"the time does not grow with the size over {large} bytes "
                          f"({[times[s] for s in large]} s): measure larger sizes")
     small = sizes[:min(NUM_SMALL, len(sizes) - num_large)]
     return Link(latency_s=statistics.median(times[size] for size in small), bytes_per_s=1.0 / slope)
-
-
-def _slope(points: Sequence[tuple[float, float]]) -> float:
-    """The least-squares slope of y over x."""
-    mean_x = sum(x for x, _ in points) / len(points)
-    mean_y = sum(y for _, y in points) / len(points)
-    spread = sum((x - mean_x) ** 2 for x, _ in points)
-    assert spread > 0, "distinct sizes"
-    return sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
 
 
 def combined(links: Sequence[Link]) -> Link:
