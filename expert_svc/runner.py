@@ -157,6 +157,7 @@ class StepRunner:
         self._apply_diffs(plan, matchers)
         seqs, feed = self._inputs(plan.scheduled)
         device_start = _timing_event(self.device)
+        self.kv_pool.copy_blocks(plan.block_copies)
         logits_SV, greedy_S = self._forward(seqs, feed, plan.max_tokens_per_rank)
         scores = None
         if self._num_scoring:  # scored before sampling, whose constraint masks write into logits_SV
@@ -305,6 +306,8 @@ class StepRunner:
         scheduled_ids = set()
         for sched in plan.scheduled:
             self._check_scheduled(sched, live, scheduled_ids)
+        if plan.block_copies:
+            self._check_copies(plan)
         num_tokens = plan.num_tokens
         if plan.max_tokens_per_rank and num_tokens > plan.max_tokens_per_rank:
             raise ValueError(f"the plan has {num_tokens} tokens, more than its max_tokens_per_rank "
@@ -331,6 +334,19 @@ class StepRunner:
         if num_blocks * self.block_size < num_tokens:
             raise ValueError(f"sequence {seq_id} has {num_blocks} blocks of {self.block_size}, "
                              f"too few for {num_tokens} tokens")
+
+    def _check_copies(self, plan: StepPlan) -> None:
+        """A copy writes a block of a new sequence of this plan, once, and reads a block of the pool."""
+        new_blocks = {b for new in plan.new_sequences for b in new.block_ids}
+        destinations = set()
+        for source, destination in plan.block_copies:
+            if not 0 <= source < self.kv_pool.num_blocks:
+                raise ValueError(f"block copy source {source} is outside the pool's {self.kv_pool.num_blocks} blocks")
+            if destination not in new_blocks:
+                raise ValueError(f"block copy destination {destination} is no block of a new sequence in the plan")
+            if destination in destinations:
+                raise ValueError(f"block {destination} is the destination of two copies")
+            destinations.add(destination)
 
     def _check_block_ids(self, seq_id: int, block_ids) -> None:
         if bad := [b for b in block_ids if not 0 <= b < self.kv_pool.num_blocks]:

@@ -427,9 +427,12 @@ class Batcher:
         bisect.insort(self.running[plan.rank], seq, key=_arrival)
 
     def _release(self, plan: RankPlan, seq: Sequence) -> None:
-        """Caches the sequence's full blocks, frees the rest, tells the rank to forget it."""
+        """Caches the sequence's full blocks and its last partly filled one, frees the rest, tells
+        the rank to forget it."""
         kv = self.ranks[plan.rank]
-        kv.publish(seq.seq_id, seq.token_ids, seq.block_hashes, min(seq.num_computed, seq.num_tokens))
+        num_computed = min(seq.num_computed, seq.num_tokens)
+        kv.publish(seq.seq_id, seq.token_ids, seq.block_hashes, num_computed)
+        kv.keep_tail(seq.seq_id, seq.token_ids, num_computed)
         kv.release(seq.seq_id)
         plan.finished_seq_ids.append(seq.seq_id)
 

@@ -7,8 +7,12 @@ The rank owns the KV tensors; the gateway owns which block ids are in use.
 - `open` starts a sequence on the blocks of its longest cached prefix
   (referenced, not copied) and `grow` appends fresh blocks as it advances,
   evicting unreferenced cached blocks (LRU) when the free list runs dry;
+  where the cached prefix goes on inside a block (`PrefixMatch.tail`), the
+  sequence's first fresh block is a copy of that block (`pop_copy`: the
+  rank copies it before the step), so it computes only the tokens after it;
 - `publish` puts the sequence's full, computed blocks into the prefix cache,
-  so that later sequences with the same prefix reuse them;
+  so that later sequences with the same prefix reuse them, and `keep_tail`
+  its partly filled last block once it ends;
 - `release` drops the sequence: cached blocks lose a reference and stay
   cached, its other blocks go back to the free list.
 
@@ -72,9 +76,12 @@ class PrefixMatch:
     """The cached prefix a sequence would start from on one rank."""
 
     nodes: list[Node]
+    # The tokens of the full nodes and of the tail.
     num_cached_tokens: int
-    # Nodes of the match no sequence holds: they count as available until acquired.
+    # Nodes of the match no sequence holds (the tail's included): they count as available until acquired.
     num_unreferenced: int
+    # The block whose first num_cached_tokens % block_size tokens go on from the nodes' (copied, not shared).
+    tail: Node | None = None
 
 
 _NO_MATCH = PrefixMatch([], 0, 0)
@@ -88,6 +95,8 @@ class _Table:
     # cached: its own copy stays private and is freed on release.
     path: list[Node]
     is_publishing: bool = True
+    # The cached block the sequence's first fresh block copies (held until pop_copy).
+    copy_source: Node | None = None
 
 
 class RankKV:
@@ -122,26 +131,66 @@ class RankKV:
     # The prefix cache.
 
     def match(self, token_ids: list[int], hashes: list[int], *, is_estimate: bool = False) -> PrefixMatch:
-        """The longest cached prefix of token_ids, leaving at least one token to compute.
+        """The longest cached prefix of token_ids, leaving at least one token to compute: full
+        blocks, then the tokens a cached block after them begins with (the tail, copied).
 
         hashes is the sequence's list of block hashes, extended here as needed.
-        An estimate skips comparing the tokens (see PrefixCache.match): never open() one.
+        An estimate skips comparing the tokens (see PrefixCache.match) and the tail: never open() one.
         """
-        max_blocks = (len(token_ids) - 1) // self.block_size
-        if self.cache is None or max_blocks <= 0:
+        if self.cache is None or len(token_ids) <= 1:
             return _NO_MATCH
+        bs = self.block_size
+        max_blocks = (len(token_ids) - 1) // bs
         if len(hashes) < max_blocks:
-            extend_block_hashes(hashes, token_ids, self.block_size, max_blocks)
+            extend_block_hashes(hashes, token_ids, bs, max_blocks)
         nodes = self.cache.match(token_ids, hashes, max_blocks, is_verified=not is_estimate)
-        return PrefixMatch(nodes, len(nodes) * self.block_size, sum(n.ref_count == 0 for n in nodes))
+        num_cached = len(nodes) * bs
+        num_unreferenced = sum(n.ref_count == 0 for n in nodes)
+        if is_estimate:
+            return PrefixMatch(nodes, num_cached, num_unreferenced)
+        tail, num_tail = self.cache.match_tail(nodes[-1] if nodes else self.cache.root,
+                                               token_ids[num_cached:num_cached + bs], len(token_ids) - 1 - num_cached)
+        if tail is None:
+            return PrefixMatch(nodes, num_cached, num_unreferenced) if nodes else _NO_MATCH
+        return PrefixMatch(nodes, num_cached + num_tail, num_unreferenced + (tail.ref_count == 0), tail)
 
     def open(self, seq_id: int, match: PrefixMatch) -> list[int]:
-        """Starts the sequence's table on the matched cached blocks; returns their ids."""
+        """Starts the sequence's table on the matched cached blocks; returns their ids. With a
+        tail, the table's next block (the caller grows it) copies the tail's: see pop_copy."""
         assert seq_id not in self._tables, seq_id
         if match.nodes:
             self.cache.acquire(match.nodes)
-        self._tables[seq_id] = _Table([n.block_id for n in match.nodes], list(match.nodes))
-        return list(self._tables[seq_id].block_ids)
+        table = self._tables[seq_id] = _Table([n.block_id for n in match.nodes], list(match.nodes))
+        if match.tail is not None:
+            self.cache.acquire([match.tail])  # not evicted before its copy is planned
+            table.copy_source = match.tail
+        return list(table.block_ids)
+
+    def pop_copy(self, seq_id: int) -> tuple[int, int] | None:
+        """(source, destination) of the block copy the sequence starts with, once, after the
+        grow that gives it its first fresh block; None without a tail. The rank copies before
+        the step's work, so the source may be evicted from here on."""
+        table = self._tables[seq_id]
+        source, table.copy_source = table.copy_source, None
+        if source is None:
+            return None
+        assert len(table.block_ids) > len(table.path), "pop_copy before the sequence's block was grown"
+        self.cache.release([source])
+        return source.block_id, table.block_ids[len(table.path)]
+
+    def keep_tail(self, seq_id: int, token_ids: list[int], num_tokens: int) -> None:
+        """Caches the ending sequence's partly filled last block among its first num_tokens
+        (computed) tokens as a tail, after publish() has cached the full blocks before it."""
+        table = self._tables[seq_id]
+        bs = self.block_size
+        num_full, num_rest = divmod(min(num_tokens, len(token_ids)), bs)
+        if (self.cache is None or not num_rest or not table.is_publishing or len(table.path) != num_full
+                or len(table.block_ids) <= num_full or table.copy_source is not None):
+            return
+        parent = table.path[-1] if table.path else self.cache.root
+        block_id = table.block_ids[num_full]
+        if self.cache.insert_tail(parent, tuple(token_ids[num_full * bs:num_full * bs + num_rest]), block_id):
+            del table.block_ids[num_full]  # the cache's now, not freed by release()
 
     def publish(self, seq_id: int, token_ids: list[int], hashes: list[int], num_tokens: int) -> None:
         """Caches the sequence's full blocks among its first num_tokens tokens.
@@ -204,6 +253,8 @@ class RankKV:
     def release(self, seq_id: int) -> None:
         """Drops the sequence: its cached blocks lose a reference, the rest are freed."""
         table = self._tables.pop(seq_id)
+        if table.copy_source is not None:
+            self.cache.release([table.copy_source])
         self.allocator.free(table.block_ids[len(table.path):])
         self.allocator.free([b for n, b in zip(table.path, table.block_ids) if n.block_id != b])
         if table.path:

@@ -19,6 +19,8 @@ class RankPlan:
     new_sequences: list[NewSequence] = dataclasses.field(default_factory=list)
     scheduled: list[ScheduledSequence] = dataclasses.field(default_factory=list)
     finished_seq_ids: list[int] = dataclasses.field(default_factory=list)
+    # (source, destination) KV blocks the rank copies before the step (StepPlan.block_copies).
+    block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     # Input tokens of the step (a decode counts one), kept as sequences are scheduled.
     num_tokens: int = 0
 
@@ -30,7 +32,8 @@ class RankPlan:
                      max_tokens_per_rank: int = 0, expert_placement_epoch: int = 0) -> StepPlan:
         """The frozen StepPlan of this rank's step."""
         return StepPlan(step_id, group_id, placement_epoch, tuple(self.new_sequences), tuple(self.scheduled),
-                        tuple(self.finished_seq_ids), max_tokens_per_rank, expert_placement_epoch)
+                        tuple(self.finished_seq_ids), max_tokens_per_rank, expert_placement_epoch,
+                        tuple(self.block_copies))
 
 
 # What happened to one request: an output, or the error that failed it.

@@ -1,12 +1,16 @@
-"""The prefix cache of one rank: a radix tree over token ids whose nodes are full KV blocks.
+"""The prefix cache of one rank: a radix tree over token ids whose nodes are KV blocks.
 
 A path from the root spells a cached prefix, one node per full block: the
 node's edge label is the block's `block_size` token ids and its value is the
 id of the KV block holding their keys and values. A block's KV depends on
 every token before it, so a node is valid only under its own parent; that is
-why the tree is keyed by paths and not by single blocks. A partly filled block
-is never in the tree: blocks are shared only when full (the rank appends to a
-sequence's last block in place).
+why the tree is keyed by paths and not by single blocks. Full blocks are
+shared in place. A block is only ever shared whole: the rank appends to a
+sequence's last block in place, so a prefix that ends inside a block is
+reused by copying (kv_accounting.RankKV): `match_tail` finds the child whose
+tokens begin with the most of a sequence's next ones, full or a *tail*: the
+partly filled last block a finished sequence left (`insert_tail`), a leaf
+with fewer than block_size tokens that never gets children.
 
 Children are found by a chained hash of the block's tokens and its parent's
 hash (`extend_block_hashes`, computed once per sequence); a hit also compares
@@ -38,13 +42,15 @@ def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size:
 
 
 class Node:
-    """One full block of a cached prefix."""
+    """One block of a cached prefix: full, or a tail (fewer than block_size tokens, a leaf)."""
 
-    __slots__ = ("parent", "children", "key", "token_ids", "block_id", "ref_count", "last_used")
+    __slots__ = ("parent", "children", "by_first_token", "key", "token_ids", "block_id", "ref_count", "last_used")
 
     def __init__(self, parent: "Node | None", key: int, token_ids: tuple[int, ...], block_id: int) -> None:
         self.parent = parent
         self.children: dict[int, Node] = {}
+        # The children (full and tails) by their first token id, for match_tail.
+        self.by_first_token: dict[int, list[Node]] = {}
         self.key = key
         self.token_ids = token_ids
         self.block_id = block_id
@@ -122,11 +128,54 @@ class PrefixCache:
         if child is not None and child.token_ids != token_ids:
             return None
         if child is None:
-            child = Node(parent, key, token_ids, block_id)
-            parent.children[key] = child
-            self.num_blocks += 1
+            child = self._add_child(parent, key, token_ids, block_id)
             self.num_unreferenced += 1  # acquire() takes it back
         self.acquire([child])
+        return child
+
+    def match_tail(self, parent: Node, token_ids: Sequence[int], max_tokens: int,
+                   max_candidates: int = 16) -> tuple[Node | None, int]:
+        """(child, k): the child of parent whose tokens begin with the most of token_ids, k of
+        them (1 <= k <= max_tokens, below block_size), or (None, 0). Reading k tokens' KV from
+        the child's block needs a copy: the caller's sequence writes on after them. Looks at
+        max_candidates of the children that start with token_ids[0] at most."""
+        max_tokens = min(max_tokens, len(token_ids), self.block_size - 1)
+        if max_tokens <= 0:
+            return None, 0
+        best, best_len = None, 0
+        for child in parent.by_first_token.get(token_ids[0], ())[:max_candidates]:
+            n = 1
+            limit = min(max_tokens, len(child.token_ids))
+            while n < limit and child.token_ids[n] == token_ids[n]:
+                n += 1
+            if n > best_len:
+                best, best_len = child, n
+        return best, best_len
+
+    def insert_tail(self, parent: Node, token_ids: tuple[int, ...], block_id: int) -> Node | None:
+        """Caches block_id as a tail: a finished sequence's partly filled last block under its last
+        full one (parent, referenced by the caller), whose KV holds token_ids (fewer than
+        block_size). None if a child of parent already begins with those tokens: then the
+        block stays the caller's. The new tail is unreferenced (evictable at once)."""
+        assert 0 < len(token_ids) < self.block_size, len(token_ids)
+        assert parent is self.root or parent.ref_count > 0, "insert under an unreferenced node"
+        _, num_shared = self.match_tail(parent, token_ids, len(token_ids))
+        if num_shared == len(token_ids):
+            return None
+        key = hash((parent.key, "tail", token_ids))
+        if key in parent.children:
+            return None  # a hash collision with another child: not cached
+        node = self._add_child(parent, key, token_ids, block_id)
+        node.last_used = next(self._clock)
+        self.num_unreferenced += 1
+        self._push_lru(node)
+        return node
+
+    def _add_child(self, parent: Node, key: int, token_ids: tuple[int, ...], block_id: int) -> Node:
+        child = Node(parent, key, token_ids, block_id)
+        parent.children[key] = child
+        parent.by_first_token.setdefault(token_ids[0], []).append(child)
+        self.num_blocks += 1
         return child
 
     def evict(self, num_blocks: int) -> list[int]:
@@ -138,6 +187,10 @@ class PrefixCache:
                 continue  # stale: used, grown or evicted since it was pushed
             parent = node.parent
             del parent.children[node.key]
+            siblings = parent.by_first_token[node.token_ids[0]]
+            siblings.remove(node)
+            if not siblings:
+                del parent.by_first_token[node.token_ids[0]]
             node.parent = None
             self.num_blocks -= 1
             self.num_unreferenced -= 1

@@ -5,9 +5,12 @@ A token at position p of a sequence lives in slot
 which blocks belong to which sequence; the pool is only the storage.
 """
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
+from services.model.batch import to_device
 from services.model.config import ModelConfig
 
 
@@ -61,6 +64,17 @@ class KVPool:
     def layer(self, layer: int) -> tuple[Tensor, Tensor]:
         """The layer's K and V caches, each [num_blocks, block_size, num_kv_heads, head_dim]."""
         return self.k_cache[layer], self.v_cache[layer]
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copies each (source, destination) block's keys and values in every layer, every
+        source read before any destination is written; queued on the device, no host sync."""
+        if not copies:
+            return
+        index_2C = to_device(torch.tensor(copies, dtype=torch.long).T.contiguous(), self.k_cache.device)
+        for cache in (self.k_cache, self.v_cache):
+            # Byte views for float8 caches, which index_put does not take on every device.
+            raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
+            raw[:, index_2C[1]] = raw[:, index_2C[0]]
 
     @property
     def num_bytes(self) -> int:

@@ -214,6 +214,10 @@ class StepPlan:
     max_tokens_per_rank: int = 0
     # The expert placement (replicas in spare slots) to run the step with.
     expert_placement_epoch: int = 0
+    # (source, destination) KV blocks copied, every layer's keys and values, after the diffs
+    # and before the step's work (all sources read first): a new sequence whose cached prefix
+    # ends inside a block starts on its own copy of it.
+    block_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -45,6 +45,8 @@ def plan_to_request(plan: StepPlan) -> expert_pb2.ExecuteStepsRequest:
         if s.new_block_ids:
             scheduled.new_block_ids.extend(s.new_block_ids)
     pb.finished_seq_ids.extend(plan.finished_seq_ids)
+    for source, destination in plan.block_copies:
+        pb.block_copies.add(source=source, destination=destination)
     return request
 
 
@@ -69,6 +71,7 @@ def plan_from_pb(pb: expert_pb2.StepPlan) -> StepPlan:
         finished_seq_ids=tuple(pb.finished_seq_ids),
         max_tokens_per_rank=pb.max_tokens_per_rank,
         expert_placement_epoch=pb.expert_placement_epoch,
+        block_copies=tuple((c.source, c.destination) for c in pb.block_copies),
     )
 
 

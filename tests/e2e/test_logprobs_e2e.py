@@ -98,7 +98,8 @@ def test_a_drawn_token_reports_the_raw_logits_log_softmax(stub, hf_model):
 def test_prompt_logprobs_start_scores_its_positions_on_the_cached_prefix(stub, hf_model):
     """A long shared context, then a continuation scored from its first token: the positions and values
     are those a full prompt_logprobs request reports for them (and transformers'), and once the context
-    is cached the scoring request takes its full blocks before the start."""
+    is cached the scoring request takes all of it before the start (its full blocks in place, the
+    rest through a copy of the context's last, partly filled block)."""
     context = list(stub.Tokenize(gateway_pb2.TokenizeRequest(text=PROMPTS[2]), timeout=10).token_ids)
     tail = list(stub.Tokenize(gateway_pb2.TokenizeRequest(text=" Routing is cheap."), timeout=10).token_ids)
     ids, start = context + tail, len(context)
@@ -110,12 +111,12 @@ def test_prompt_logprobs_start_scores_its_positions_on_the_cached_prefix(stub, h
             sampling=greedy(n=2, top_logprobs=NUM_TOP, prompt_logprobs=True, **sampling)))
 
     full = scored("start-full")
-    # The context alone first: its blocks cached, the tail not.
+    # The context alone first: its blocks cached, its last partly filled one as a tail once it ends.
     _stream(stub, gateway_pb2.GenerateRequest(request_id="start-warm", input_ids=gateway_pb2.TokenIds(ids=context),
                                               sampling=greedy(n=1)))
     part = scored("start-part", prompt_logprobs_start=start)
     assert full[-1].usage.cached_tokens == 0
-    assert part[-1].usage.cached_tokens == (start - 1) // 16 * 16 > 0
+    assert part[-1].usage.cached_tokens == start - 1 and (start - 1) % 16
     same_positions = list(full[0].prompt_logprobs)[start - 1:]
     assert [lp.token_id for lp in part[0].prompt_logprobs] == [lp.token_id for lp in same_positions]
     assert [lp.logprob for lp in part[0].prompt_logprobs] == pytest.approx(

@@ -131,6 +131,24 @@ def test_greedy_tokens_equal_transformers(runner, hf_small):
     assert runner.seq_ids == []  # every finished sequence was forgotten
 
 
+def test_a_sequence_whose_cached_prefix_ends_inside_a_copied_block_gets_the_reference_tokens(runner, hf_small):
+    """Sequence 1 shares sequence 0's first 9 tokens: blocks 0 and 1 in place, and the first token
+    of block 2 through a copy into its own block 5, made before the step that fills the rest of it
+    (which also writes sequence 0's decode into block 2)."""
+    g = torch.Generator().manual_seed(11)
+    first = torch.randint(0, SMALL.vocab_size, (10,), generator=g).tolist()
+    second = first[:9] + torch.randint(0, SMALL.vocab_size, (4,), generator=g).tolist()
+    runner.run_step(_plan(1, new=[NewSequence(0, GREEDY, (0, 1, 2))], scheduled=[ScheduledSequence(0, tuple(first))]))
+    result = runner.run_step(_plan(2, new=[NewSequence(1, GREEDY, (0, 1, 5, 6), num_cached_tokens=9)],
+                                   scheduled=[ScheduledSequence(1, tuple(second[9:])), ScheduledSequence(0)],
+                                   copies=[(2, 5)]))
+    generated = [token for seq_id, token in result.tokens if seq_id == 1]
+    for step_id in range(3, 6):
+        result = runner.run_step(_plan(step_id, scheduled=[ScheduledSequence(1)]))
+        generated += [token for _, token in result.tokens]
+    assert generated == hf_greedy(hf_small, second, 4)
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(runner):
     spec = SamplingSpec(temperature=0.9, top_k=50, top_p=0.95, seed=1234)
     prompt = list(range(100, 110))
@@ -143,8 +161,8 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(runner):
     assert alone != other_seed
 
 
-def _plan(step_id, new=(), scheduled=(), finished=(), epoch=EPOCH):
-    return StepPlan(step_id, GROUP, epoch, tuple(new), tuple(scheduled), tuple(finished))
+def _plan(step_id, new=(), scheduled=(), finished=(), epoch=EPOCH, copies=()):
+    return StepPlan(step_id, GROUP, epoch, tuple(new), tuple(scheduled), tuple(finished), block_copies=tuple(copies))
 
 
 def test_idle_step_runs_the_model_with_no_tokens(runner, model):
@@ -218,6 +236,9 @@ def test_a_read_step_adds_its_device_time_and_the_gap_before_it_unless_the_rank_
     (_plan(1, new=[NewSequence(3, GREEDY, (0,))], scheduled=[ScheduledSequence(3, (512,))]),
      "token id 512 outside"),
     (_plan(2), "step_id 2 does not follow step 0"),
+    (_plan(1, new=[NewSequence(3, GREEDY, (0,))], copies=[(5, 1)]), "destination 1 is no block of a new sequence"),
+    (_plan(1, new=[NewSequence(3, GREEDY, (0,))], copies=[(NUM_BLOCKS, 0)]), f"source {NUM_BLOCKS} is outside"),
+    (_plan(1, new=[NewSequence(3, GREEDY, (0, 1))], copies=[(5, 1), (6, 1)]), "block 1 is the destination of two"),
 ])
 def test_bad_plan_raises_naming_the_sequence_and_changes_nothing(runner, plan, message):
     with pytest.raises(ValueError, match=message):

@@ -96,6 +96,7 @@ class SimRank:
         self.seqs: dict[int, SimSeq] = {}
         self.plans: list[expert_pb2.StepPlan] = []
         self.num_tokens_computed = 0
+        self.num_block_copies = 0
         self.fail_at_step = fail_at_step
         self.skew_step_ids = skew_step_ids
         self._results: asyncio.Queue | None = None
@@ -113,6 +114,13 @@ class SimRank:
             assert new.num_cached_tokens <= len(new.block_ids) * self.block_size
             self.seqs[new.seq_id] = SimSeq(list(new.block_ids), new.num_cached_tokens,
                                            logprobs=(new.logprobs, new.top_logprobs, new.prompt_logprobs))
+        bs = self.block_size
+        copied = [self.slots[c.source * bs:(c.source + 1) * bs] for c in plan.block_copies]  # all read first
+        for copy, values in zip(plan.block_copies, copied):
+            assert any(copy.destination in self.seqs[new.seq_id].block_ids for new in plan.new_sequences), \
+                f"block copy into {copy.destination}, no new sequence's block"
+            self.slots[copy.destination * bs:(copy.destination + 1) * bs] = values
+        self.num_block_copies += len(plan.block_copies)
         tokens, self.scored = {}, []
         for item in plan.scheduled:
             seq = self.seqs[item.seq_id]

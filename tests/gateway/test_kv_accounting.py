@@ -90,9 +90,11 @@ def test_a_later_sequence_reuses_the_cached_blocks_of_its_prefix():
     kv.publish(1, first, [], 13)
     second = list(range(10)) + [50, 51, 52]
     block_ids, num_cached = open_seq(kv, 2, second)
-    # Blocks 0 and 1 (tokens 0..7) are shared; block 2 differs at token 10.
-    assert num_cached == 8 and block_ids == table[:2]
+    # Blocks 0 and 1 (tokens 0..7) are shared; block 2 differs at token 10, so its first two
+    # tokens are copied into the second sequence's own block 2.
+    assert num_cached == 10 and block_ids == table[:2]
     assert kv.grow(2, 13) and kv.block_table(2)[:2] == table[:2]
+    assert kv.pop_copy(2) == (table[2], kv.block_table(2)[2]) and kv.pop_copy(2) is None
     assert kv.cache.root.children and kv.num_available == 8 - 4 - 2
     kv.release(1)
     kv.release(2)
@@ -100,7 +102,7 @@ def test_a_later_sequence_reuses_the_cached_blocks_of_its_prefix():
     kv.check_invariants()
 
 
-def test_only_full_blocks_are_shared_and_a_whole_prompt_match_leaves_a_token_to_compute():
+def test_full_blocks_are_shared_and_a_whole_prompt_match_leaves_a_token_to_compute():
     kv = RankKV(num_blocks=8, block_size=4)
     tokens = list(range(8))
     open_seq(kv, 1, tokens)
@@ -109,7 +111,8 @@ def test_only_full_blocks_are_shared_and_a_whole_prompt_match_leaves_a_token_to_
     assert kv.cache.num_blocks == 1
     kv.publish(1, tokens, [], 8)
     assert kv.cache.num_blocks == 2
-    assert open_seq(kv, 2, tokens)[1] == 4      # 8 cached, but one token must be computed
+    # 8 cached, but one token must be computed: block 0 shared, 3 tokens of block 1 copied.
+    assert open_seq(kv, 2, tokens)[1] == 7 and kv.match(tokens, []).tail.block_id == kv.block_table(1)[1]
     assert open_seq(kv, 3, tokens + [8])[1] == 8
 
 
@@ -161,3 +164,67 @@ def test_growing_evicts_unreferenced_cached_blocks_least_recently_used_first():
 def test_bad_sizes_are_rejected(num_blocks, block_size):
     with pytest.raises(ValueError, match=str(min(num_blocks, block_size))):
         BlockAllocator(num_blocks, block_size)
+
+
+def test_an_ended_sequences_last_partly_filled_block_is_copied_by_the_next_with_that_prefix():
+    kv = RankKV(num_blocks=8, block_size=4)
+    tokens = list(range(10))                # blocks [0..3], [4..7], and [8, 9] partly filled
+    open_seq(kv, 1, tokens)
+    kv.grow(1, 10)
+    table = kv.block_table(1)
+    kv.publish(1, tokens, [], 10)
+    kv.keep_tail(1, tokens, 10)
+    kv.release(1)
+    assert kv.cache.num_blocks == 3 and kv.num_free == 5
+    kv.check_invariants()
+    # Two later sequences: each shares the full blocks and copies the tail into a block of its own.
+    for seq_id, prompt, num_shared in ((2, tokens + [50, 51], 10), (3, tokens[:9] + [60, 61], 9)):
+        block_ids, num_cached = open_seq(kv, seq_id, prompt)
+        assert num_cached == num_shared and block_ids == table[:2]
+        kv.grow(seq_id, len(prompt))
+        assert kv.pop_copy(seq_id) == (table[2], kv.block_table(seq_id)[2])
+    assert kv.num_free == 3 and kv.num_available == 3 + 1   # the tail is unreferenced again: evictable
+    kv.check_invariants()
+    for seq_id in (2, 3):
+        kv.release(seq_id)
+    kv.check_invariants()
+    assert kv.num_available == 8
+
+
+def test_a_matched_tail_is_held_until_its_copy_is_planned():
+    kv = RankKV(num_blocks=3, block_size=2)
+    open_seq(kv, 1, [1, 2, 3])
+    kv.grow(1, 3)
+    kv.publish(1, [1, 2, 3], [], 3)
+    kv.keep_tail(1, [1, 2, 3], 3)
+    kv.release(1)                           # cached: [1, 2] and the tail [3]; one block free
+    match = kv.match([1, 2, 3, 4, 5, 6], [])
+    assert match.num_cached_tokens == 3 and match.num_unreferenced == 2
+    kv.open(2, match)
+    assert kv.num_available == 1            # both nodes held: only the free block
+    kv.grow(2, 4)
+    assert kv.pop_copy(2)[0] == match.tail.block_id and kv.num_available == 1   # now the tail may go
+    kv.check_invariants()
+    kv.release(2)
+    open_seq(kv, 3, [1, 2, 3, 9])           # a sequence released before its copy was planned
+    kv.release(3)
+    kv.check_invariants()
+    assert kv.num_available == 3
+
+
+def test_no_tail_is_kept_without_computed_tokens_past_the_full_blocks():
+    kv = RankKV(num_blocks=8, block_size=4)
+    tokens = list(range(8))
+    open_seq(kv, 1, tokens)
+    kv.grow(1, 8)
+    kv.publish(1, tokens, [], 8)
+    kv.keep_tail(1, tokens, 8)              # two full blocks, nothing partly filled
+    kv.release(1)
+    assert kv.cache.num_blocks == 2 and kv.num_free == 6
+    open_seq(kv, 2, tokens + [8, 9])
+    kv.grow(2, 10)
+    kv.publish(2, tokens + [8, 9], [], 9)   # the 10th token not computed: the tail holds [8]
+    kv.keep_tail(2, tokens + [8, 9], 9)
+    kv.release(2)
+    assert kv.match(tokens + [8, 7], []).num_cached_tokens == 9
+    kv.check_invariants()

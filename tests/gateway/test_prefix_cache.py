@@ -87,3 +87,34 @@ def test_an_existing_block_is_returned_and_a_hash_collision_is_not_cached():
 def test_bad_block_size_is_rejected():
     with pytest.raises(ValueError, match="0"):
         PrefixCache(0)
+
+
+def test_match_tail_finds_the_child_that_begins_with_the_most_of_the_next_tokens():
+    cache = PrefixCache(4)
+    (first,) = insert_path(cache, [1, 2, 3, 4], [10])
+    insert_path(cache, [1, 2, 7, 8], [11])
+    assert cache.match_tail(cache.root, [1, 2, 3, 9], 9) == (first, 3)
+    assert cache.match_tail(cache.root, [1, 2, 3, 4, 5], 9) == (first, 3)   # never a whole block
+    assert cache.match_tail(cache.root, [1, 2, 3, 9], 2)[1] == 2            # at most max_tokens
+    assert cache.match_tail(cache.root, [2, 2], 9) == (None, 0)
+    assert cache.match_tail(first, [5], 9) == (None, 0)
+    assert cache.match_tail(cache.root, [1, 2], 0) == (None, 0)
+
+
+def test_a_tail_is_an_evictable_leaf_and_not_cached_twice():
+    cache = PrefixCache(4)
+    (parent,) = insert_path(cache, [1, 2, 3, 4], [10])
+    tail = cache.insert_tail(parent, (5, 6), 11)
+    assert tail is not None and not tail.ref_count and (cache.num_blocks, cache.num_unreferenced) == (2, 1)
+    assert cache.match_tail(parent, [5, 6, 7], 9) == (tail, 2)
+    assert cache.match_tail(parent, [5, 9], 9) == (tail, 1)
+    assert cache.insert_tail(parent, (5,), 12) is None                     # a child begins with it already
+    assert cache.insert_tail(parent, (5, 6), 12) is None
+    longer = cache.insert_tail(parent, (5, 6, 7), 12)
+    assert cache.match_tail(parent, [5, 6, 7, 8], 9) == (longer, 3)
+    assert cache.match([1, 2, 3, 4, 5, 6, 7, 8], hashes_of([1, 2, 3, 4, 5, 6, 7, 8], 4), 9) == [parent]
+    assert cache.evict(1) == [11]                                          # the older tail first
+    assert cache.match_tail(parent, [5, 6], 9) == (longer, 2)
+    cache.release([parent])
+    assert cache.evict(5) == [12, 10] and cache.num_blocks == 0
+    assert cache.match_tail(cache.root, [1], 9) == (None, 0) and not cache.root.by_first_token

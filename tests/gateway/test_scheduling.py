@@ -115,16 +115,18 @@ def test_a_shared_prefix_is_reused_and_only_the_rest_is_prefilled():
     new = [n for b in sim.batches for p in b.plans for n in p.new_sequences if n.seq_id == second.seq_id]
     first_blocks = [n for b in sim.batches for p in b.plans for n in p.new_sequences
                     if n.seq_id == first.seq_id][0].block_ids
-    # Only full blocks are shared: 8 of the 10 system tokens.
-    assert new[0].num_cached_tokens == 8 and new[0].block_ids[:2] == first_blocks[:2]
-    assert sim.ranks[0].num_tokens_computed - computed == 13 - 8 + 2
+    # Full blocks are shared: 8 of the 10 system tokens; the other 2 are copied from the first's block 2.
+    assert new[0].num_cached_tokens == 10 and new[0].block_ids[:2] == first_blocks[:2]
+    (copy,) = [c for b in sim.batches for p in b.plans for c in p.block_copies]
+    assert copy == (first_blocks[2], new[0].block_ids[2])
+    assert sim.ranks[0].num_tokens_computed - computed == 13 - 10 + 2
     sim.assert_reference(first, 3)
     sim.assert_reference(second, 3)
     stats = sim.batcher.stats
-    assert (stats.num_prompt_tokens, stats.num_cached_prompt_tokens) == (12 + 13, 8)
-    assert stats.prefix_hit_rate == pytest.approx(8 / 25)
+    assert (stats.num_prompt_tokens, stats.num_cached_prompt_tokens) == (12 + 13, 10)
+    assert stats.prefix_hit_rate == pytest.approx(10 / 25)
     # Each request's usage reports its own share: every output, the final one included.
-    assert sim.final[first.seq_id].cached_tokens == 0 and sim.final[second.seq_id].cached_tokens == 8
+    assert sim.final[first.seq_id].cached_tokens == 0 and sim.final[second.seq_id].cached_tokens == 10
     assert_all_blocks_back(sim.batcher)
 
 
@@ -143,14 +145,40 @@ def test_cached_tokens_are_those_of_the_first_start_even_after_a_preemption():
     assert_all_blocks_back(sim.batcher)
 
 
+def test_requests_that_go_on_from_an_ended_ones_prompt_copy_its_last_block_and_compute_only_their_own_tokens():
+    """A program's fork: one request prefills the shared prompt (10 tokens, blocks of 4) and ends;
+    then four requests continue it at once, each sharing its two full blocks and copying its
+    partly filled third, so each computes only its own 2 tokens, whatever the pool reuses."""
+    sim = Sim(block_size=4, num_blocks=12)
+    shared = prompt(10)
+    fork = sim.add(shared, 1)
+    sim.run()
+    computed = sim.ranks[0].num_tokens_computed
+    forks = [sim.add(shared + [40 + i, 45], 3) for i in range(4)]
+    sim.run()
+    assert sim.ranks[0].num_tokens_computed - computed == 4 * (2 + 2)   # own tokens and 2 decodes each
+    new = {n.seq_id: n for b in sim.batches for p in b.plans for n in p.new_sequences}
+    copies = [c for b in sim.batches for p in b.plans for c in p.block_copies]
+    assert [new[f.seq_id].num_cached_tokens for f in forks] == [10] * 4
+    assert len({source for source, _ in copies}) == 1 and len(copies) == 4
+    assert sorted(d for _, d in copies) == sorted(new[f.seq_id].block_ids[2] for f in forks)
+    assert sim.ranks[0].num_block_copies == 4
+    sim.assert_reference(fork, 1)
+    for f in forks:
+        sim.assert_reference(f, 3)
+        assert sim.final[f.seq_id].cached_tokens == 10
+    assert_all_blocks_back(sim.batcher)
+
+
 def test_an_identical_prompt_recomputes_at_least_its_last_token():
     sim = Sim(block_size=4)
     a = sim.add(prompt(8), 2)
     sim.run()
     b = sim.add(prompt(8), 2)
     sim.run()
-    assert sim.scheduled(b)[0] == (4, True)  # blocks 0 cached, block 1 recomputed for its logits
-    assert sim.final[b.seq_id].cached_tokens == 4
+    # Block 0 shared, 3 tokens of block 1 copied, the last one recomputed for its logits.
+    assert sim.scheduled(b)[0] == (1, True)
+    assert sim.final[b.seq_id].cached_tokens == 7
     sim.assert_reference(a, 2)
     sim.assert_reference(b, 2)
 

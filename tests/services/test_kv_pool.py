@@ -82,3 +82,18 @@ def test_reference_attention_with_an_fp8_cache():
     torch.testing.assert_close(out_fp8, out_rounded, rtol=0, atol=0)
     assert torch.equal(fp8.k_cache.float(), rounded.k_cache) and torch.equal(fp8.v_cache.float(), rounded.v_cache)
     assert 0 < (out_fp8 - out_exact).abs().max() < 0.25  # e4m3 keeps 3 mantissa bits: ~6% per value
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_copied_blocks_take_every_layers_keys_and_values_and_sources_are_read_first(dtype):
+    pool = KVPool.for_model(CONFIG, num_blocks=4, block_size=2, dtype=dtype, device="cpu")
+    values = torch.arange(pool.k_cache.numel(), dtype=torch.float32).reshape(pool.k_cache.shape) % 200
+    pool.k_cache.copy_(values.to(dtype))
+    pool.v_cache.copy_((-values).to(dtype))
+    k_before, v_before = pool.k_cache.float().clone(), pool.v_cache.float().clone()
+    pool.copy_blocks([(0, 1), (1, 0), (2, 3)])  # 0 and 1 swap: each reads the other's old contents
+    for block, source in ((0, 1), (1, 0), (2, 2), (3, 2)):
+        assert torch.equal(pool.k_cache[:, block].float(), k_before[:, source])
+        assert torch.equal(pool.v_cache[:, block].float(), v_before[:, source])
+    pool.copy_blocks([])  # nothing to do
+    assert torch.equal(pool.k_cache[:, 3].float(), k_before[:, 2])

@@ -14,7 +14,7 @@ PLAN = StepPlan(
                                num_cached_tokens=16, traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01"),),
     scheduled=(ScheduledSequence(7, (30, 31), (3, 4), True), ScheduledSequence(8),
                ScheduledSequence(9, (5,), (), False), ScheduledSequence(10, (40, 41, 42), (5,), True, num_forced=2)),
-    finished_seq_ids=(2, 6), max_tokens_per_rank=4, expert_placement_epoch=3)
+    finished_seq_ids=(2, 6), max_tokens_per_rank=4, expert_placement_epoch=3, block_copies=((11, 3), (12, 4)))
 
 
 def test_a_plan_is_written_field_by_field():
@@ -27,7 +27,8 @@ def test_a_plan_is_written_field_by_field():
         scheduled=[S(seq_id=7, token_ids=[30, 31], new_block_ids=[3, 4], is_sampled=True),
                    S(seq_id=8, is_sampled=True), S(seq_id=9, token_ids=[5], is_sampled=False),
                    S(seq_id=10, token_ids=[40, 41, 42], new_block_ids=[5], is_sampled=True, num_forced=2)],
-        finished_seq_ids=[2, 6]))
+        finished_seq_ids=[2, 6],
+        block_copies=[expert_pb2.BlockCopy(source=11, destination=3), expert_pb2.BlockCopy(source=12, destination=4)]))
 
 
 def test_a_plan_reads_back_equal():
@@ -43,7 +44,8 @@ def test_a_result_reads_back_equal():
 
 
 def test_the_gateway_plan_freezes_into_the_contract():
-    plan = RankPlan(0, list(PLAN.new_sequences), list(PLAN.scheduled), list(PLAN.finished_seq_ids))
+    plan = RankPlan(0, list(PLAN.new_sequences), list(PLAN.scheduled), list(PLAN.finished_seq_ids),
+                    list(PLAN.block_copies))
     assert plan.to_step_plan(5, "g", 2, max_tokens_per_rank=4, expert_placement_epoch=3) == PLAN
     assert PLAN.num_tokens == 2 + 1 + 1 + 3
 

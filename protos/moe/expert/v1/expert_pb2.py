@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amoe/expert/v1/expert.proto\x12\rmoe.expert.v1\"S\n\x10SequenceSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"`\n\x12SequenceConstraint\x12+\n\x04kind\x18\x01 \x01(\x0e\x32\x1d.moe.expert.v1.ConstraintKind\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07options\x18\x03 \x03(\t\"\xc0\x02\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x31\n\x08sampling\x18\x02 \x01(\x0b\x32\x1f.moe.expert.v1.SequenceSampling\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\x12\x35\n\nconstraint\x18\x06 \x01(\x0b\x32!.moe.expert.v1.SequenceConstraint\x12\x1d\n\x15\x63onstraint_output_ids\x18\x07 \x03(\x05\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\n \x01(\x08\x12\x14\n\x0cjump_forward\x18\x0b \x01(\x08\"u\n\x11ScheduledSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rnew_block_ids\x18\x03 \x03(\r\x12\x12\n\nis_sampled\x18\x04 \x01(\x08\x12\x12\n\nnum_forced\x18\x05 \x01(\r\"\x85\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x17\n\x0fplacement_epoch\x18\x03 \x01(\x04\x12\x31\n\rnew_sequences\x18\x04 \x03(\x0b\x32\x1a.moe.expert.v1.NewSequence\x12\x33\n\tscheduled\x18\x05 \x03(\x0b\x32 .moe.expert.v1.ScheduledSequence\x12\x18\n\x10\x66inished_seq_ids\x18\x06 \x03(\x04\x12\x1b\n\x13max_tokens_per_rank\x18\x07 \x01(\r\x12\x1e\n\x16\x65xpert_placement_epoch\x18\x08 \x01(\x04\"0\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\x05\"\xc2\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x06tokens\x18\x02 \x03(\x0b\x32\x1b.moe.expert.v1.SampledToken\x12\x17\n\x0f\x65xecute_seconds\x18\x03 \x01(\x01\x12\x30\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1e.moe.expert.v1.PositionLogprob\x12+\n\x06\x66orced\x18\x05 \x03(\x0b\x32\x1b.moe.expert.v1.ForcedTokens\"\x83\x01\n\x0fPositionLogprob\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08position\x18\x02 \x01(\r\x12\x10\n\x08token_id\x18\x03 \x01(\x05\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x05 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x02\"1\n\x0c\x46orcedTokens\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"<\n\x13\x45xecuteStepsRequest\x12%\n\x04plan\x18\x01 \x01(\x0b\x32\x17.moe.expert.v1.StepPlan\"A\n\x14\x45xecuteStepsResponse\x12)\n\x06result\x18\x01 \x01(\x0b\x32\x19.moe.expert.v1.StepResult\"\x14\n\x12GetRankInfoRequest\"\xdd\x01\n\x13GetRankInfoResponse\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x17\n\x0fplacement_epoch\x18\x05 \x01(\x04\x12\x12\n\nexpert_ids\x18\x06 \x03(\r\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x15\n\rkv_block_size\x18\x08 \x01(\r\x12\x10\n\x08is_ready\x18\t \x01(\x08\x12\x12\n\nmodel_name\x18\n \x01(\t*\xc7\x01\n\x0e\x43onstraintKind\x12\x1f\n\x1b\x43ONSTRAINT_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x43ONSTRAINT_KIND_JSON_SCHEMA\x10\x01\x12\x1f\n\x1b\x43ONSTRAINT_KIND_JSON_OBJECT\x10\x02\x12\x19\n\x15\x43ONSTRAINT_KIND_REGEX\x10\x03\x12\x1b\n\x17\x43ONSTRAINT_KIND_GRAMMAR\x10\x04\x12\x1a\n\x16\x43ONSTRAINT_KIND_CHOICE\x10\x05\x32\xc2\x01\n\rExpertService\x12[\n\x0c\x45xecuteSteps\x12\".moe.expert.v1.ExecuteStepsRequest\x1a#.moe.expert.v1.ExecuteStepsResponse(\x01\x30\x01\x12T\n\x0bGetRankInfo\x12!.moe.expert.v1.GetRankInfoRequest\x1a\".moe.expert.v1.GetRankInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amoe/expert/v1/expert.proto\x12\rmoe.expert.v1\"S\n\x10SequenceSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"`\n\x12SequenceConstraint\x12+\n\x04kind\x18\x01 \x01(\x0e\x32\x1d.moe.expert.v1.ConstraintKind\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07options\x18\x03 \x03(\t\"\xc0\x02\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x31\n\x08sampling\x18\x02 \x01(\x0b\x32\x1f.moe.expert.v1.SequenceSampling\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\x12\x35\n\nconstraint\x18\x06 \x01(\x0b\x32!.moe.expert.v1.SequenceConstraint\x12\x1d\n\x15\x63onstraint_output_ids\x18\x07 \x03(\x05\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\n \x01(\x08\x12\x14\n\x0cjump_forward\x18\x0b \x01(\x08\"u\n\x11ScheduledSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rnew_block_ids\x18\x03 \x03(\r\x12\x12\n\nis_sampled\x18\x04 \x01(\x08\x12\x12\n\nnum_forced\x18\x05 \x01(\r\"\xb5\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x17\n\x0fplacement_epoch\x18\x03 \x01(\x04\x12\x31\n\rnew_sequences\x18\x04 \x03(\x0b\x32\x1a.moe.expert.v1.NewSequence\x12\x33\n\tscheduled\x18\x05 \x03(\x0b\x32 .moe.expert.v1.ScheduledSequence\x12\x18\n\x10\x66inished_seq_ids\x18\x06 \x03(\x04\x12\x1b\n\x13max_tokens_per_rank\x18\x07 \x01(\r\x12\x1e\n\x16\x65xpert_placement_epoch\x18\x08 \x01(\x04\x12.\n\x0c\x62lock_copies\x18\t \x03(\x0b\x32\x18.moe.expert.v1.BlockCopy\"0\n\tBlockCopy\x12\x0e\n\x06source\x18\x01 \x01(\r\x12\x13\n\x0b\x64\x65stination\x18\x02 \x01(\r\"0\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\x05\"\xc2\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x06tokens\x18\x02 \x03(\x0b\x32\x1b.moe.expert.v1.SampledToken\x12\x17\n\x0f\x65xecute_seconds\x18\x03 \x01(\x01\x12\x30\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1e.moe.expert.v1.PositionLogprob\x12+\n\x06\x66orced\x18\x05 \x03(\x0b\x32\x1b.moe.expert.v1.ForcedTokens\"\x83\x01\n\x0fPositionLogprob\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08position\x18\x02 \x01(\r\x12\x10\n\x08token_id\x18\x03 \x01(\x05\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x05 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x02\"1\n\x0c\x46orcedTokens\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"<\n\x13\x45xecuteStepsRequest\x12%\n\x04plan\x18\x01 \x01(\x0b\x32\x17.moe.expert.v1.StepPlan\"A\n\x14\x45xecuteStepsResponse\x12)\n\x06result\x18\x01 \x01(\x0b\x32\x19.moe.expert.v1.StepResult\"\x14\n\x12GetRankInfoRequest\"\xdd\x01\n\x13GetRankInfoResponse\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x17\n\x0fplacement_epoch\x18\x05 \x01(\x04\x12\x12\n\nexpert_ids\x18\x06 \x03(\r\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x15\n\rkv_block_size\x18\x08 \x01(\r\x12\x10\n\x08is_ready\x18\t \x01(\x08\x12\x12\n\nmodel_name\x18\n \x01(\t*\xc7\x01\n\x0e\x43onstraintKind\x12\x1f\n\x1b\x43ONSTRAINT_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x43ONSTRAINT_KIND_JSON_SCHEMA\x10\x01\x12\x1f\n\x1b\x43ONSTRAINT_KIND_JSON_OBJECT\x10\x02\x12\x19\n\x15\x43ONSTRAINT_KIND_REGEX\x10\x03\x12\x1b\n\x17\x43ONSTRAINT_KIND_GRAMMAR\x10\x04\x12\x1a\n\x16\x43ONSTRAINT_KIND_CHOICE\x10\x05\x32\xc2\x01\n\rExpertService\x12[\n\x0c\x45xecuteSteps\x12\".moe.expert.v1.ExecuteStepsRequest\x1a#.moe.expert.v1.ExecuteStepsResponse(\x01\x30\x01\x12T\n\x0bGetRankInfo\x12!.moe.expert.v1.GetRankInfoRequest\x1a\".moe.expert.v1.GetRankInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'moe.expert.v1.expert_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CONSTRAINTKIND']._serialized_start=1742
-  _globals['_CONSTRAINTKIND']._serialized_end=1941
+  _globals['_CONSTRAINTKIND']._serialized_start=1840
+  _globals['_CONSTRAINTKIND']._serialized_end=2039
   _globals['_SEQUENCESAMPLING']._serialized_start=45
   _globals['_SEQUENCESAMPLING']._serialized_end=128
   _globals['_SEQUENCECONSTRAINT']._serialized_start=130
@@ -42,23 +42,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCHEDULEDSEQUENCE']._serialized_start=551
   _globals['_SCHEDULEDSEQUENCE']._serialized_end=668
   _globals['_STEPPLAN']._serialized_start=671
-  _globals['_STEPPLAN']._serialized_end=932
-  _globals['_SAMPLEDTOKEN']._serialized_start=934
-  _globals['_SAMPLEDTOKEN']._serialized_end=982
-  _globals['_STEPRESULT']._serialized_start=985
-  _globals['_STEPRESULT']._serialized_end=1179
-  _globals['_POSITIONLOGPROB']._serialized_start=1182
-  _globals['_POSITIONLOGPROB']._serialized_end=1313
-  _globals['_FORCEDTOKENS']._serialized_start=1315
-  _globals['_FORCEDTOKENS']._serialized_end=1364
-  _globals['_EXECUTESTEPSREQUEST']._serialized_start=1366
-  _globals['_EXECUTESTEPSREQUEST']._serialized_end=1426
-  _globals['_EXECUTESTEPSRESPONSE']._serialized_start=1428
-  _globals['_EXECUTESTEPSRESPONSE']._serialized_end=1493
-  _globals['_GETRANKINFOREQUEST']._serialized_start=1495
-  _globals['_GETRANKINFOREQUEST']._serialized_end=1515
-  _globals['_GETRANKINFORESPONSE']._serialized_start=1518
-  _globals['_GETRANKINFORESPONSE']._serialized_end=1739
-  _globals['_EXPERTSERVICE']._serialized_start=1944
-  _globals['_EXPERTSERVICE']._serialized_end=2138
+  _globals['_STEPPLAN']._serialized_end=980
+  _globals['_BLOCKCOPY']._serialized_start=982
+  _globals['_BLOCKCOPY']._serialized_end=1030
+  _globals['_SAMPLEDTOKEN']._serialized_start=1032
+  _globals['_SAMPLEDTOKEN']._serialized_end=1080
+  _globals['_STEPRESULT']._serialized_start=1083
+  _globals['_STEPRESULT']._serialized_end=1277
+  _globals['_POSITIONLOGPROB']._serialized_start=1280
+  _globals['_POSITIONLOGPROB']._serialized_end=1411
+  _globals['_FORCEDTOKENS']._serialized_start=1413
+  _globals['_FORCEDTOKENS']._serialized_end=1462
+  _globals['_EXECUTESTEPSREQUEST']._serialized_start=1464
+  _globals['_EXECUTESTEPSREQUEST']._serialized_end=1524
+  _globals['_EXECUTESTEPSRESPONSE']._serialized_start=1526
+  _globals['_EXECUTESTEPSRESPONSE']._serialized_end=1591
+  _globals['_GETRANKINFOREQUEST']._serialized_start=1593
+  _globals['_GETRANKINFOREQUEST']._serialized_end=1613
+  _globals['_GETRANKINFORESPONSE']._serialized_start=1616
+  _globals['_GETRANKINFORESPONSE']._serialized_end=1837
+  _globals['_EXPERTSERVICE']._serialized_start=2042
+  _globals['_EXPERTSERVICE']._serialized_end=2236
 # @@protoc_insertion_point(module_scope)

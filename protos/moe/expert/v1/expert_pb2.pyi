@@ -85,7 +85,7 @@ class ScheduledSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., is_sampled: _Optional[bool] = ..., num_forced: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "group_id", "placement_epoch", "new_sequences", "scheduled", "finished_seq_ids", "max_tokens_per_rank", "expert_placement_epoch")
+    __slots__ = ("step_id", "group_id", "placement_epoch", "new_sequences", "scheduled", "finished_seq_ids", "max_tokens_per_rank", "expert_placement_epoch", "block_copies")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class StepPlan(_message.Message):
     FINISHED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_PER_RANK_FIELD_NUMBER: _ClassVar[int]
     EXPERT_PLACEMENT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     group_id: str
     placement_epoch: int
@@ -102,7 +103,16 @@ class StepPlan(_message.Message):
     finished_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens_per_rank: int
     expert_placement_epoch: int
-    def __init__(self, step_id: _Optional[int] = ..., group_id: _Optional[str] = ..., placement_epoch: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., max_tokens_per_rank: _Optional[int] = ..., expert_placement_epoch: _Optional[int] = ...) -> None: ...
+    block_copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, step_id: _Optional[int] = ..., group_id: _Optional[str] = ..., placement_epoch: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., max_tokens_per_rank: _Optional[int] = ..., expert_placement_epoch: _Optional[int] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+
+class BlockCopy(_message.Message):
+    __slots__ = ("source", "destination")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    source: int
+    destination: int
+    def __init__(self, source: _Optional[int] = ..., destination: _Optional[int] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("seq_id", "token_id")
