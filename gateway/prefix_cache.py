@@ -25,6 +25,7 @@ No gRPC and no block allocation here: kv_accounting.RankKV owns the free
 list and the per-sequence block tables, and drives this tree.
 """
 
+import bisect
 import heapq
 import itertools
 from collections.abc import Sequence
@@ -44,13 +45,14 @@ def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size:
 class Node:
     """One block of a cached prefix: full, or a tail (fewer than block_size tokens, a leaf)."""
 
-    __slots__ = ("parent", "children", "by_first_token", "key", "token_ids", "block_id", "ref_count", "last_used")
+    __slots__ = ("parent", "children", "by_tokens", "key", "token_ids", "block_id", "ref_count", "last_used")
 
     def __init__(self, parent: "Node | None", key: int, token_ids: tuple[int, ...], block_id: int) -> None:
         self.parent = parent
         self.children: dict[int, Node] = {}
-        # The children (full and tails) by their first token id, for match_tail.
-        self.by_first_token: dict[int, list[Node]] = {}
+        # The children (full and tails) sorted by their token ids, for match_tail: the child that
+        # begins with the most of some tokens is next to them in this order.
+        self.by_tokens: list[Node] = []
         self.key = key
         self.token_ids = token_ids
         self.block_id = block_id
@@ -133,20 +135,24 @@ class PrefixCache:
         self.acquire([child])
         return child
 
-    def match_tail(self, parent: Node, token_ids: Sequence[int], max_tokens: int,
-                   max_candidates: int = 16) -> tuple[Node | None, int]:
+    def match_tail(self, parent: Node, token_ids: Sequence[int], max_tokens: int) -> tuple[Node | None, int]:
         """(child, k): the child of parent whose tokens begin with the most of token_ids, k of
         them (1 <= k <= max_tokens, below block_size), or (None, 0). Reading k tokens' KV from
-        the child's block needs a copy: the caller's sequence writes on after them. Looks at
-        max_candidates of the children that start with token_ids[0] at most."""
+        the child's block needs a copy: the caller's sequence writes on after them. In the
+        children's sorted order the longest common prefix is with a neighbour of token_ids,
+        so two comparisons find it, however many children there are."""
         max_tokens = min(max_tokens, len(token_ids), self.block_size - 1)
         if max_tokens <= 0:
             return None, 0
+        query = tuple(token_ids[:max_tokens])
+        children = parent.by_tokens
+        i = bisect.bisect_left(children, query, key=_tokens)
         best, best_len = None, 0
-        for child in parent.by_first_token.get(token_ids[0], ())[:max_candidates]:
-            n = 1
-            limit = min(max_tokens, len(child.token_ids))
-            while n < limit and child.token_ids[n] == token_ids[n]:
+        for child in children[max(0, i - 1):i + 1]:
+            n = 0
+            for a, b in zip(child.token_ids, query):
+                if a != b:
+                    break
                 n += 1
             if n > best_len:
                 best, best_len = child, n
@@ -174,7 +180,7 @@ class PrefixCache:
     def _add_child(self, parent: Node, key: int, token_ids: tuple[int, ...], block_id: int) -> Node:
         child = Node(parent, key, token_ids, block_id)
         parent.children[key] = child
-        parent.by_first_token.setdefault(token_ids[0], []).append(child)
+        bisect.insort(parent.by_tokens, child, key=_tokens)
         self.num_blocks += 1
         return child
 
@@ -187,10 +193,8 @@ class PrefixCache:
                 continue  # stale: used, grown or evicted since it was pushed
             parent = node.parent
             del parent.children[node.key]
-            siblings = parent.by_first_token[node.token_ids[0]]
-            siblings.remove(node)
-            if not siblings:
-                del parent.by_first_token[node.token_ids[0]]
+            siblings = parent.by_tokens
+            del siblings[bisect.bisect_left(siblings, node.token_ids, key=_tokens)]
             node.parent = None
             self.num_blocks -= 1
             self.num_unreferenced -= 1
@@ -202,3 +206,6 @@ class PrefixCache:
     def _push_lru(self, node: Node) -> None:
         heapq.heappush(self._lru, (node.last_used, next(self._tie), node))
 
+
+def _tokens(node: Node) -> tuple[int, ...]:
+    return node.token_ids

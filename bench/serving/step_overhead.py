@@ -130,7 +130,8 @@ def make_fake_runner(device: FakeDevice, num_blocks: int, max_context: int, buck
             return dataclasses.replace(step, ready=device.enqueue(num_prefill))
 
     model = FakeModel(max_context)
-    kv_pool = types.SimpleNamespace(block_size=BLOCK_SIZE, num_blocks=num_blocks)
+    # No KV is stored (the fake logits depend on the position only): a block copy has nothing to move.
+    kv_pool = types.SimpleNamespace(block_size=BLOCK_SIZE, num_blocks=num_blocks, copy_blocks=lambda copies: None)
     graphs = DecodeGraphRunner(model, kv_pool, BLOCK_SIZE, buckets=buckets,
                                max_blocks=-(-max_context // BLOCK_SIZE), capture=lambda fn: fn)
     return FakeDeviceRunner(model, kv_pool, BLOCK_SIZE, vocab_size=151_936, group_id="g", placement_epoch=1,

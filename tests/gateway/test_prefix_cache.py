@@ -117,4 +117,16 @@ def test_a_tail_is_an_evictable_leaf_and_not_cached_twice():
     assert cache.match_tail(parent, [5, 6], 9) == (longer, 2)
     cache.release([parent])
     assert cache.evict(5) == [12, 10] and cache.num_blocks == 0
-    assert cache.match_tail(cache.root, [1], 9) == (None, 0) and not cache.root.by_first_token
+    assert cache.match_tail(cache.root, [1], 9) == (None, 0) and not cache.root.by_tokens
+
+
+def test_match_tail_finds_the_best_child_among_many_that_share_a_first_token():
+    cache = PrefixCache(8)
+    for i in range(200):                   # e.g. short chat prompts: every one starts with the same token
+        cache.insert_tail(cache.root, (1, 2 + i % 7, 3 + i, 4), 1000 + i)
+    assert cache.num_blocks == 200
+    node, k = cache.match_tail(cache.root, [1, 2 + 150 % 7, 3 + 150, 9], 9)
+    assert (node.block_id, k) == (1150, 3)
+    node, k = cache.match_tail(cache.root, [1, 2 + 3 % 7, 0], 9)
+    assert k == 2 and node.token_ids[:2] == (1, 2 + 3 % 7)
+    assert cache.evict(200) and not cache.root.by_tokens
