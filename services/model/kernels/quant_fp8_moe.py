@@ -31,7 +31,7 @@ from services.model.kernels.launch import uses_pdl, wait_for_previous_kernel
 from services.model.kernels.moe_gemm import GemmBlocks, MoEConfig, _block_rows, _grid
 from services.model.kernels.moe_small import MoeTiles
 from services.model.kernels.quant_fp8 import (BLOCK, FP8_BLOCK, WEIGHT_ONLY_MAX_ROWS, fp8_block_dot, fp8_gemv_rows,
-                                              load_fp8, native_fp8, quantize_act, weight_arg)
+                                              gemv_stages, load_fp8, native_fp8, quantize_act, weight_arg)
 from services.model.layers import AddNorm
 
 
@@ -214,9 +214,10 @@ def sorted_experts(x_PD: Tensor, offsets_L: Tensor, w_gate_up_LGD: Tensor, s_gat
 
 @triton.jit
 def _one_token_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, HIDDEN: tl.constexpr, WIDTH: tl.constexpr,
-                              BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+                              BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr,
+                              STAGES: tl.constexpr):
     """act[k, f] = SiLU(gate) * up of the token's k-th expert, gate and up rows f on the CUDA cores.
-    PDL: waits for gate_route's ids, then lets the down kernel start."""
+    PDL: waits for gate_route's ids, then lets the down kernel start. STAGES: fp8_gemv_rows'."""
     f_block, k = tl.program_id(0), tl.program_id(1)
     if PDL:
         wait_for_previous_kernel()
@@ -227,9 +228,9 @@ def _one_token_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, HIDDEN: tl.
     up_scale_row: tl.constexpr = (WIDTH + BLOCK - 1) // BLOCK
     w_gate = w_ptr + expert * 2 * WIDTH * HIDDEN + f.to(tl.int64) * HIDDEN
     s_gate = s_ptr + expert * 2 * up_scale_row * d_blocks + (f_block * BLOCK_F // BLOCK) * d_blocks
-    gate = fp8_gemv_rows(x_ptr, w_gate, f_mask, s_gate, 0, HIDDEN, BLOCK_F, BLOCK_D, NATIVE)
+    gate = fp8_gemv_rows(x_ptr, w_gate, f_mask, s_gate, 0, HIDDEN, BLOCK_F, BLOCK_D, NATIVE, STAGES)
     up = fp8_gemv_rows(x_ptr, w_gate + WIDTH * HIDDEN, f_mask, s_gate + up_scale_row * d_blocks, 0, HIDDEN, BLOCK_F,
-                       BLOCK_D, NATIVE)
+                       BLOCK_D, NATIVE, STAGES)
     act = silu_mul(gate, up, act_ptr.dtype.element_ty)
     tl.store(act_ptr + k * WIDTH + f, act.to(act_ptr.dtype.element_ty), mask=f_mask)
 
@@ -294,7 +295,7 @@ def one_token_gate_up(x_1D: Tensor, ids_1K: Tensor, w_gate_up_EGD: Tensor, s_gat
     _one_token_gate_up_kernel[(triton.cdiv(width, tiles.gate_up_f), top_k)](
         x_1D, ids_1K, weight_arg(w_gate_up_EGD, native), s_gate_up, act_KF, HIDDEN=hidden, WIDTH=width,
         BLOCK_F=tiles.gate_up_f, BLOCK_D=tiles.gate_up_d, NATIVE=native_fp8(x_1D.device) if native is None else native,
-        PDL=uses_pdl(x_1D),
+        PDL=uses_pdl(x_1D), STAGES=gemv_stages(tiles.gate_up_stages),
         num_warps=tiles.gate_up_warps, num_stages=tiles.gate_up_stages, launch_pdl=uses_pdl(x_1D))
     return act_KF
 
