@@ -101,13 +101,17 @@ def _fp8_moe() -> dict[str, Case]:
         return Case(f"FP8 one-token gate|up (two GEMV loops, gate's then up's){', pipelined' if pipelined else ''}",
                     _fp8_gemv(lambda: quant_fp8_moe.one_token_gate_up(_meta(1, D), _ids(), w_gate_up, s_gate_up),
                               pipelined), TOP_K * 2 * F * D, lambda c: c["BLOCK_F"] * c["BLOCK_D"])
+
+    def down(pipelined: bool) -> Case:
+        return Case(f"FP8 one-token down (every expert's rows a step){', pipelined' if pipelined else ''}",
+                    _fp8_gemv(lambda: quant_fp8_moe.one_token_down(_meta(TOP_K, F), _ids(), _meta(1, TOP_K), w_down,
+                                                                   s_down), pipelined), TOP_K * D * F,
+                    lambda c: c["BLOCK_K"] * c["BLOCK_O"] * c["BLOCK_F"])
     return {
         "fp8_moe_gate_up": gate_up(False),
         "fp8_moe_gate_up_pipelined": gate_up(True),
-        "fp8_moe_down": Case("FP8 one-token down (every expert's rows a step)",
-                             lambda: quant_fp8_moe.one_token_down(_meta(TOP_K, F), _ids(), _meta(1, TOP_K), w_down,
-                                                                  s_down), TOP_K * D * F,
-                             lambda c: c["BLOCK_K"] * c["BLOCK_O"] * c["BLOCK_F"])}
+        "fp8_moe_down": down(False),
+        "fp8_moe_down_pipelined": down(True)}
 
 
 CASES: dict[str, Case] = {

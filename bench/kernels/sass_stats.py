@@ -9,9 +9,11 @@ Each case calls the production wrapper (quant_awq_moe.one_token_gate_up, quant_a
 launch is caught instead of run (JITFunction.run), and the kernel is compiled for sm_90 with the
 arguments' specialisations as Triton's launcher makes them (16-divisible ints and aligned pointers,
 ints equal to 1 as constants). Of the cubin, `cuobjdump -res-usage` gives registers, local memory
-(spills) and shared memory; `nvdisasm -c` the SASS, whose hot loop sass_parse.find_hot_loop finds (the
-backward-branch loop with the most global loads). The instruction counts, global loads by width and
-bytes per thread are that loop's, per iteration; sass_bounds gives the issue and memory-parallelism
+(spills) and static shared memory (Triton's dynamic shared memory, from its metadata, added);
+`nvdisasm -c` the SASS, whose hot loop sass_parse.find_hot_loop finds (the innermost backward-branch
+loop with the most global loads). The instruction counts, global loads by width and bytes per thread
+are that loop's, per iteration (a kernel whose loop was unrolled away: the whole listing, one pass
+over a program's share of the weights); sass_bounds gives the issue, memory-parallelism and latency
 bounds from them. Weight bytes: the streamed tensor (bf16 / float8 weight, AWQ qweight; AWQ's zeros
 and scales, 4% more, left out). Static estimates, not measurements.
 
@@ -112,19 +114,24 @@ def analyse(name: str, case) -> dict:
     kernel = compile_launch(launch)
     sass, usage = cubin_texts(kernel.asm["cubin"])
     res = resources(usage)
+    # Triton's shared memory is dynamic (its metadata, set at launch); the cubin's static SHARED is reserved space.
+    shared = res.get("SHARED", 0) + kernel.metadata.shared
     stats = sass_parse.loop_stats(sass)
     warps, stages = launch.kwargs.get("num_warps", 4), launch.kwargs.get("num_stages", 3)
     programs = int(torch.tensor(launch.grid).prod())
-    step_bytes = case.step_bytes(launch.kwargs)
+    if stats.found:
+        step_bytes, depth = case.step_bytes(launch.kwargs), max(1, stages - 1) if stats.async_copies else 1
+    else:  # no loop left (unrolled): the listing is one pass over a program's share of the weights
+        step_bytes, depth = -(-case.weight_bytes // programs), 1
     figures = sass_bounds.KernelFigures(
-        case.weight_bytes, step_bytes, warps, programs, res["REG"], res.get("SHARED", 0), stats.instructions,
-        stats.outside, max(1, stages - 1) if stats.async_copies else 1, stats.async_copies or stats.prefetched)
+        case.weight_bytes, step_bytes, warps, programs, res["REG"], shared, stats.instructions,
+        stats.outside, depth, stats.async_copies or stats.prefetched)
     b = sass_bounds.bounds(figures)
     spills = sum(1 for line in sass.splitlines() if re.search(r"\b(STL|LDL)\b", line))
     return {"kernel": name, "function": launch.fn.__name__, "about": case.about, "grid": list(launch.grid),
             "constexprs": {k: v for k, v in launch.kwargs.items() if isinstance(v, (int, bool, str))},
             "registers": res["REG"], "local_bytes": res.get("LOCAL", 0), "spill_instructions": spills,
-            "shared": res.get("SHARED", 0), "loop": dataclasses.asdict(stats), "figures": dataclasses.asdict(figures),
+            "shared": shared, "loop": dataclasses.asdict(stats), "figures": dataclasses.asdict(figures),
             "bounds": dataclasses.asdict(b)}
 
 
