@@ -293,7 +293,7 @@ def test_sorted_experts(fp8_experts, awq_experts, kind):
 # (quant_awq_gemv.awq_gemv_groups, whose 4-bit values are subnormal floats: this checks the GPU keeps
 # subnormals, no flush to zero) and the pipelined FP8 GEMV, at the default's tolerances.
 @pytest.mark.parametrize("shape", LINEAR_SHAPES + [(2048, 4096)])
-def test_awq_grouped_gemv_linear(shape, monkeypatch):
+def test_variant_awq_groups_linear(shape, monkeypatch):
     from services.model.kernels import quant_awq
 
     monkeypatch.setattr(quant_awq, "ONE_ROW_GEMV", "groups")
@@ -304,7 +304,7 @@ def test_awq_grouped_gemv_linear(shape, monkeypatch):
     assert torch.equal(y, quant_awq.linear(x, qweight, qzeros, scales))
 
 
-def test_awq_grouped_one_token_experts(awq_experts):
+def test_variant_awq_groups_one_token_experts(awq_experts):
     from services.model.kernels import quant_awq_moe
 
     (w_gate_up, w_down), dequant, w_gate = awq_experts
@@ -316,7 +316,7 @@ def test_awq_grouped_one_token_experts(awq_experts):
 
 
 @pytest.mark.parametrize("shape", LINEAR_SHAPES)
-def test_fp8_pipelined_gemv(shape, fp8_experts, monkeypatch):
+def test_variant_fp8_pipelined_gemv(shape, fp8_experts, monkeypatch):
     from services.model.kernels import quant_fp8, quant_fp8_moe
 
     monkeypatch.setattr(quant_fp8, "GEMV_PIPELINED", True)
