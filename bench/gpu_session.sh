@@ -47,6 +47,11 @@
 #     quantkern tests/services/model/kernels/test_quant_kernels_cuda.py (the FP8 and AWQ kernels against their
 #            torch references in bf16; limit 270 s), then bench/kernels/quant_kernels.py (each kernel's time, GB/s
 #            and TFLOP/s at Qwen3-30B-A3B's shapes, M = ${QUANT_TOKENS:-1,8,64,256,4096}; limit 300 s): one GPU
+#     gemvvar the batch-1 GEMV variants behind knobs (issue 29; static figures: bench/results/sass_stats_sm90.md):
+#            test_quant_kernels_cuda.py -k variant (grouped AWQ, pipelined FP8; limit 150 s), then
+#            bench/kernels/awq_sweep.py --cases qkv,o,moe1 (lines ending "groups": quant_awq_gemv.awq_gemv_groups)
+#            (limit 240 s) and bench/kernels/fp8_moe_sweep.py --tokens 1 (plain against pipelined loops; 150 s);
+#            one GPU (kind nvidia-h200, KIND=nvidia-h200)
 #     quant  bench/serving/quant_speed.py (issue 29): Qwen3-30B-A3B random weights in bf16, FP8 and AWQ
 #            (${QUANT_PRESETS}), one mesh each after the other: b1, c256, mix (${QUANT_CASES}), each against its
 #            bandwidth bound and against bf16; ${QUANT_ARGS:-"--output-scale 0.25 --mix-requests 32"} (1K-in/256-out
@@ -148,6 +153,10 @@ for step in $STEPS; do
                 tests/services/model/kernels/test_quant_kernels_cuda.py
                 part quantkern_bench 300 python3 -m bench.kernels.quant_kernels --tokens "${QUANT_TOKENS:-1,8,64,256,4096}" \
                 --out "$RESULTS/quantkern" ;;
+        gemvvar) part gemvvar_test 150 python3 -m pytest -q -p no:cacheprovider \
+                tests/services/model/kernels/test_quant_kernels_cuda.py -k variant
+                part gemvvar_awq 240 python3 -m bench.kernels.awq_sweep --cases qkv,o,moe1
+                part gemvvar_fp8 150 python3 -m bench.kernels.fp8_moe_sweep --tokens 1 ;;
         quant) part quant 330 python3 -m bench.serving.quant_speed --kind "$KIND" \
                 --presets "${QUANT_PRESETS:-qwen3-30b-a3b,qwen3-30b-a3b-fp8,qwen3-30b-a3b-awq}" \
                 --cases "${QUANT_CASES:-b1,c256,mix}" ${QUANT_ARGS:---output-scale 0.25 --mix-requests 32} \

@@ -10,11 +10,14 @@ quant_awq_moe.grouped_moe). Each line: the variant, its time per call (one CUDA 
 --copies weight copies, quant_kernels.time_us), its time over bf16's, and its largest error
 relative to the largest output, against bf16 (the quantization's error included) and against
 fp32 on the dequantized weights (the kernel's own error: ~1e-2 of bf16 rounding at most).
-The first AWQ line of each case is the default; the fastest is marked.
+The first AWQ line of each case is the default; the fastest is marked. Lines ending "groups" run
+quant_awq_gemv.awq_gemv_groups (the one-row and one-token GEMV with the zeros and scales out of the
+inner product; not the default until measured).
 """
 
 import argparse
 import sys
+from unittest import mock
 
 import torch
 
@@ -33,6 +36,10 @@ GEMM_TILES = [(64, 64, 64, 1, 4), (64, 128, 64, 1, 4), (64, 64, 128, 1, 4)]
 ONE_TOKEN = [(64, 64, 1, 4, 64, 64, 1, 4), (64, 64, 6, 4, 64, 64, 4, 4), (32, 64, 2, 4, 32, 64, 2, 4),
              (64, 128, 3, 8, 64, 128, 2, 8), (128, 64, 4, 8, 128, 64, 3, 8), (32, 64, 1, 4, 32, 64, 1, 4)]
 GROUPED = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 4), (128, 128, 4, 3)]
+# The grouped GEMV (quant_awq_gemv.awq_gemv_groups; "groups" in the label): (block_n, rows a slice, split_k, warps)
+# at one row besides its default tiles, and the one-token tiles besides quant_awq_moe.GROUPED_TILES.
+GROUPS_GEMV_TILES = [(256, 16, 16, 4), (512, 8, 8, 8), (256, 16, 8, 4)]
+GROUPS_ONE_TOKEN = [(256, 16, 8, 2, 512, 8, 6, 4), (256, 16, 4, 4, 512, 8, 3, 8), (128, 32, 8, 4, 128, 32, 6, 4)]
 
 
 def _errors(y, bf16, dequant) -> str:
@@ -59,12 +66,17 @@ def dense(name: str, num_rows: int, copies: list[dict], reps: int) -> None:
     default = quant_awq.default_tiles(num_rows, n, k)
     if num_rows == 1:
         tiles = [quant_awq.AwqTiles(1, bn, bk, split, warps, 1) for bn, bk, split, warps in GEMV_TILES]
+        with mock.patch.object(quant_awq, "ONE_ROW_GEMV", "groups"):
+            tiles.append(quant_awq.default_tiles(num_rows, n, k))
+        tiles += [quant_awq.AwqTiles(1, bn, rows, split, warps, 1, "groups")
+                  for bn, rows, split, warps in GROUPS_GEMV_TILES]
     else:
         tiles = [quant_awq.AwqTiles(bm, bn, bk, split, warps, 3) for bm, bn, bk, split, warps in GEMM_TILES]
     rows = []
     for t in [default] + [t for t in tiles if t != default]:
         us = time_us(lambda x, c: quant_awq.linear(x, *c["awq"], tiles=t), x, copies, reps)
-        label = ("default " if t == default else "") + f"m{t.block_m} n{t.block_n} k{t.block_k} s{t.split_k} w{t.warps}"
+        label = (("default " if t == default else "") + f"m{t.block_m} n{t.block_n} k{t.block_k} s{t.split_k} "
+                 f"w{t.warps}" + (" groups" if t.gemv == "groups" else ""))
         rows.append((label, us, _errors(quant_awq.linear(x, *c0["awq"], tiles=t), y_bf16, dequant)))
     _report(f"{name} M={num_rows}", rows, bf16_us)
 
@@ -81,7 +93,8 @@ def moe_one_token(copies: list[dict], reps: int) -> None:
     y_bf16 = moe_bf16(x, copies[0])
     dequant = moe_reference(x, _dequantized(copies[0]))
     base = quant_awq_moe.ONE_TOKEN_TILES
-    variants = [base] + [quant_awq_moe.OneTokenTiles(*t) for t in ONE_TOKEN]
+    variants = [base] + [quant_awq_moe.OneTokenTiles(*t) for t in ONE_TOKEN] + [quant_awq_moe.GROUPED_TILES] + [
+        quant_awq_moe.OneTokenTiles(*t, gemv="groups") for t in GROUPS_ONE_TOKEN]
     rows = []
     for i, tiles in enumerate(variants):
         def run(x, c, tiles=tiles):
@@ -91,7 +104,7 @@ def moe_one_token(copies: list[dict], reps: int) -> None:
             continue
         label = (("default " if i == 0 else "") + f"gu f{tiles.gate_up_f} d{tiles.gate_up_d} s{tiles.gate_up_splits} "
                  f"w{tiles.gate_up_warps} | down o{tiles.down_o} f{tiles.down_f} s{tiles.down_splits} "
-                 f"w{tiles.down_warps}")
+                 f"w{tiles.down_warps}" + (" groups" if tiles.gemv == "groups" else ""))
         rows.append((label, time_us(run, x, copies, reps), _errors(run(x, copies[0]), y_bf16, dequant)))
     _report("moe M=1", rows, bf16_us)
 

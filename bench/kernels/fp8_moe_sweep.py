@@ -2,6 +2,7 @@
 
     python -m bench.kernels.fp8_moe_sweep                 # 64, 256 and 4,096 tokens, about a minute on an H200
     python -m bench.kernels.fp8_moe_sweep --tokens 256
+    python -m bench.kernels.fp8_moe_sweep --tokens 1      # batch 1: the one-row GEMVs, plain and pipelined
 
 quant_fp8_moe.grouped_moe (FP8 tensor cores: activations quantized per token and 128-channel
 group) takes moe_gemm.default_config's tiles, which were swept for bf16; each line here is one
@@ -10,15 +11,23 @@ steps one 128 block: the FP8 scales' block), its time per call (one CUDA graph o
 weight copies, quant_kernels.time_us), its time over bf16's, and its largest error relative to
 the largest output against bf16 (the quantization's error included). The first line of each
 size is the default; the fastest is marked; a tile that does not fit says so.
+
+--tokens 1 instead times batch 1's weight-only GEMVs (quant_fp8.fp8_gemv_rows): q|k|v and o at one
+row and the one-token MoE (gate_route, then quant_fp8_moe.one_token_experts), each with today's
+plain loop (the default) and pipelined (quant_fp8.GEMV_PIPELINED: cp.async as deep as the tiles'
+stages), and the MoE with twice the rows a gate_up program; bf16 (gemv.linear, moe_small) beside.
 """
 
 import argparse
+import dataclasses
 import sys
+from unittest import mock
 
 import torch
 
-from bench.kernels.quant_kernels import HIDDEN, TOP_K, _hits, _randn, moe_copies, time_us
-from services.model.kernels import moe_gemm, moe_grouped, quant_fp8_moe
+from bench.kernels.quant_kernels import (DENSE, HIDDEN, TOP_K, _hits, _randn, dense_copies, moe_bf16, moe_copies,
+                                         time_us)
+from services.model.kernels import gemv, moe_gemm, moe_grouped, quant_fp8, quant_fp8_moe, routing
 from services.model.kernels.moe_gemm import GemmBlocks, MoEConfig
 
 # (block_m, gate_up (block_n, warps, stages), down (block_n, warps, stages))
@@ -69,6 +78,42 @@ def sweep(num_tokens: int, copies: list[dict], reps: int) -> None:
               flush=True)
 
 
+def _one_row_lines(case: str, bf16, variants: dict, x, copies: list, reps: int) -> None:
+    """Times bf16 and each (label: (pipelined, fn(x, copy))) of variants; prints each against bf16 with its error."""
+    bf16_us, y_bf16 = time_us(bf16, x, copies, reps), bf16(x, copies[0])
+    print(f"{case:<8} {'bf16':<44} {bf16_us:8.1f} us", flush=True)
+    for label, (pipelined, fn) in variants.items():
+        with mock.patch.object(quant_fp8, "GEMV_PIPELINED", pipelined):
+            us, y = time_us(fn, x, copies, reps), fn(x, copies[0])
+        err = ((y.float() - y_bf16.float()).abs().max() / y_bf16.float().abs().max()).item()
+        print(f"{case:<8} {label:<44} {us:8.1f} us  x{us / bf16_us:4.2f} of bf16  err vs bf16 {err:.2e}", flush=True)
+
+
+def one_row(copies: int, reps: int) -> None:
+    """Batch 1's FP8 GEMVs, plain (default) and pipelined (quant_fp8.GEMV_PIPELINED)."""
+    for name, (n, k) in DENSE.items():
+        dense = dense_copies(n, k, 12)
+        x = _randn(1, k, scale=1.0, seed=101).bfloat16()
+
+        def fp8(x, c):
+            return quant_fp8.linear(x, *c["fp8"], kernel="weight-only")
+        _one_row_lines(f"{name} M=1", lambda x, c: gemv.linear(x, c["bf16"]),
+                       {"default (plain loop)": (False, fp8), "pipelined": (True, fp8)}, x, dense, reps)
+        del dense
+    moe = moe_copies(copies)
+    wide = dataclasses.replace(quant_fp8_moe.ONE_TOKEN_TILES, gate_up_f=8)
+
+    def experts(tiles):
+        def run(x, c):
+            ids, weights = routing.gate_route(x, c["gate"], TOP_K, True, _hits())[:2]
+            return quant_fp8_moe.one_token_experts(x, ids, weights, *c["fp8"], tiles)
+        return run
+    _one_row_lines("moe M=1", moe_bf16, {"default (plain loop)": (False, experts(quant_fp8_moe.ONE_TOKEN_TILES)),
+                                         "pipelined": (True, experts(quant_fp8_moe.ONE_TOKEN_TILES)),
+                                         "pipelined, gate_up_f 8": (True, experts(wide))},
+                   _randn(1, HIDDEN, scale=1.0, seed=201).bfloat16(), moe, reps)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="64,256,4096")
@@ -76,9 +121,13 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=10)
     args = p.parse_args(argv)
     print(torch.cuda.get_device_name(), flush=True)
-    copies = moe_copies(args.copies)
-    for num_tokens in (int(t) for t in args.tokens.split(",")):
-        sweep(num_tokens, copies, args.reps)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    if 1 in tokens:
+        one_row(args.copies, args.reps)
+    if any(t > 1 for t in tokens):
+        copies = moe_copies(args.copies)
+        for num_tokens in (t for t in tokens if t > 1):
+            sweep(num_tokens, copies, args.reps)
     return 0
 
 

@@ -26,11 +26,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from services.model.kernels.quant_awq_gemv import one_row_linear
 from services.model.kernels.quant_fp8 import num_splits, split_output, sum_splits
 from services.model.kernels.quant_ref import AWQ_GROUP, AWQ_PACK
 
 # Steps of at most this many rows take skinny tiles (16 rows a program; see default_tiles).
 SKINNY_MAX_ROWS = 16
+# One row's GEMV by default: "nibbles" (awq_gemv_tile in _linear_kernel) or "groups" (quant_awq_gemv's
+# awq_gemv_groups, one_row_linear; static estimates only, bench/kernels/sass_stats.py, not yet measured).
+ONE_ROW_GEMV = "nibbles"
 
 
 @triton.jit
@@ -117,11 +121,20 @@ class AwqTiles:
     split_k: int  # programs along K (fp32 partials summed after)
     warps: int
     stages: int
+    gemv: str = "nibbles"  # block_m 1: "groups" takes one_row_linear (block_k its rows a slice, split_k at most)
+
+    def __post_init__(self):
+        if self.gemv not in ("nibbles", "groups") or (self.gemv == "groups" and self.block_m != 1):
+            raise ValueError(f"AwqTiles.gemv {self.gemv!r} must be 'nibbles', or 'groups' with block_m 1 "
+                             f"(not {self.block_m})")
 
 
 def default_tiles(num_rows: int, out_features: int, in_features: int) -> AwqTiles:
-    """The tiles for a step: one row's GEMV, skinny tiles up to SKINNY_MAX_ROWS, square tiles above;
-    each split along K while its grid is small (quant_fp8.num_splits)."""
+    """The tiles for a step: one row's GEMV (ONE_ROW_GEMV's), skinny tiles up to SKINNY_MAX_ROWS, square
+    tiles above; each split along K while its grid is small (quant_fp8.num_splits)."""
+    if num_rows == 1 and ONE_ROW_GEMV == "groups":
+        # 512 columns in slices of 8 rows and 8 warps: the least static bounds at q|k|v's and o's shapes (sass_stats)
+        return AwqTiles(1, 512, 8, num_splits(triton.cdiv(out_features, 512), in_features, AWQ_GROUP), 8, 1, "groups")
     block_m = 1 if num_rows == 1 else 16 if num_rows <= SKINNY_MAX_ROWS else 64 if num_rows <= 64 else 128
     block_n = 64 if block_m <= 16 else 128
     programs = triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n)
@@ -148,6 +161,10 @@ def linear(x_MK: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group:
     assert x_MK.shape[1] == in_features and x_MK.stride(1) == 1
     tiles = tiles or default_tiles(num_rows, out_features, in_features)
     assert group % tiles.block_k == 0 and tiles.block_n % AWQ_PACK == 0, tiles
+    if tiles.gemv == "groups":
+        assert num_rows == 1, f"the grouped GEMV takes one row, not {num_rows}"
+        return one_row_linear(x_MK, qweight, qzeros, scales, group, tiles.block_n, tiles.block_k, tiles.split_k,
+                              tiles.warps)
     y, k_split = split_output(num_rows, out_features, in_features, tiles.block_k, tiles.split_k, x_MK.dtype,
                               x_MK.device)
     if num_rows:

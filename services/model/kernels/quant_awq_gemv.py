@@ -1,4 +1,4 @@
-"""The AWQ 4-bit GEMV for one row on the CUDA cores (issue 29): decode's one-token experts.
+"""The AWQ 4-bit GEMVs for one row on the CUDA cores (issue 29): decode's one-token experts.
 
 AWQ's stored layout (quant_awq.py): qweight [K, N/8] int32, nibble I of packed column j holding
 column awq_column(j, I) = 8 j + [0, 2, 4, 6, 1, 3, 5, 7][I]. A program takes packed columns j
@@ -7,7 +7,13 @@ accumulator per nibble in the layout the int32 tile is loaded in, so no step unp
 to [R, 8C] (a layout conversion through shared memory). A value is made exact in fp32 by one
 AND|OR into a float's mantissa (awq_bits; no int-to-float conversions), the group's zero
 subtracted the same way, and the scale (pre-divided by awq_bits' power of two) applied per
-value. The next step's weights are loaded before this step's FMAs.
+value. The next step's weights are loaded before this step's FMAs (awq_gemv_cols, the default).
+
+awq_gemv_groups (behind knobs until measured on a GPU: quant_awq_moe.GROUPED_TILES, quant_awq.ONE_ROW_GEMV)
+steps a whole group at a time and keeps the zeros and scales out of the inner product: one AND
+(the nibble read as a subnormal float) and one FFMA per value, a quarter of awq_gemv_cols'
+instructions per weight byte, and 16-byte loads of a whole group in flight per thread
+(bench/kernels/sass_stats.py: static figures). one_row_linear is the dense linear's one-row GEMV on it.
 
 Split along K (more programs in flight than the columns alone give), each split stores fp32
 partials and the last of a tile's splits to finish sums them in split order (the same bits
@@ -23,9 +29,12 @@ from torch import Tensor
 
 from services.model.kernels.launch import wait_for_previous_kernel
 
+# awq_gemv_groups' x scale (2^100) and the scales' (2^149 / 2^100): products of x and a subnormal nibble stay normal.
+X_SCALE = tl.constexpr(2.0**100)
+S_SCALE = tl.constexpr(2.0**49)
 # Tiles a split GEMV may have at once (split_counters' slots).
 MAX_SPLIT_TILES = 1 << 16
-_COUNTERS: dict[torch.device, Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, str], Tensor] = {}
 
 
 @triton.jit
@@ -106,6 +115,75 @@ def awq_gemv_cols(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, num_packed, out_feature
 
 
 @triton.jit
+def awq_subnormal(lo, hi, I: tl.constexpr):
+    """fp32 v 16^(I % 4) 2^-149, v nibble I of the int32s (lo, hi = lo >> 16), exact: the masked bits
+    read as a subnormal float (exponent field 0, no implicit one), so one AND makes the value."""
+    if I >= 4:
+        v = hi & (0xF << (4 * (I - 4)))
+    else:
+        v = lo & (0xF << (4 * I))
+    return v.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _group_slices(acc, xsum, x_ptr, q_ptr, k0, k_end, j, j_mask, num_packed, GROUP: tl.constexpr,
+                  ROWS: tl.constexpr):
+    """acc (8 x [ROWS, C]) + x[k] X_SCALE q 16^(I % 4) 2^-149 over the group at k0, in GROUP / ROWS
+    slices of rows (each thread's rows summed in registers), and xsum [ROWS] + those x X_SCALE;
+    nothing past k_end."""
+    for r in tl.static_range(GROUP // ROWS):
+        k = k0 + r * ROWS + tl.arange(0, ROWS)
+        q = tl.load(q_ptr + k.to(tl.int64)[:, None] * num_packed + j[None, :],
+                    mask=(k < k_end)[:, None] & j_mask[None, :], other=0)
+        x = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32) * X_SCALE
+        q_hi = q >> 16
+        xsum += x
+        out = ()
+        for i in tl.static_range(8):
+            out = out + (acc[i] + x[:, None] * awq_subnormal(q, q_hi, i),)
+        acc = out
+    return acc, xsum
+
+
+@triton.jit
+def awq_gemv_groups(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, num_packed, out_features, k_start, k_end,
+                    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+    """awq_gemv_cols' 8 fp32 [BLOCK_C] (k_start a multiple of GROUP), the zeros and scales kept out of
+    the inner product: per group, s (sum_k x q - z sum_k x). Each 4-bit value is made by one AND as
+    a subnormal float (awq_subnormal) and taken by one FFMA against x X_SCALE (2^100: the products
+    stay normal floats, exact, for |x| from 2^-77 to 2^28); per group, one zeros load, 8 scale
+    loads (times 2^149 / X_SCALE / 16^(I % 4), exact) and two FFMAs per accumulator. A group's
+    qweight is loaded as GROUP / ROWS slices of [ROWS, BLOCK_C] whose rows each thread sums in
+    registers (no shuffles or shared memory until the end), every slice's loads issued before
+    the FMAs use them. PDL: waits for the previous kernel first."""
+    total = ()
+    for i in tl.static_range(8):
+        total = total + (tl.zeros([ROWS, BLOCK_C], tl.float32),)
+    if PDL:
+        wait_for_previous_kernel()
+    for k0 in range(k_start, k_end, GROUP):
+        acc = ()
+        for i in tl.static_range(8):
+            acc = acc + (tl.zeros([ROWS, BLOCK_C], tl.float32),)
+        acc, xsum = _group_slices(acc, tl.zeros([ROWS], tl.float32), x_ptr, q_ptr, k0, k_end, j, j_mask,
+                                  num_packed, GROUP, ROWS)
+        z = tl.load(z_ptr + (k0 // GROUP) * num_packed + j, mask=j_mask, other=0)
+        z_hi = z >> 16
+        out = ()
+        for i in tl.static_range(8):
+            n = awq_column(j, i)
+            s = tl.load(s_ptr + (k0 // GROUP) * out_features + n, mask=j_mask & (n < out_features), other=0.0)
+            s = s.to(tl.float32) * (S_SCALE / (1 << (4 * (i % 4))))
+            group_sum = acc[i] - awq_subnormal(z, z_hi, i)[None, :] * xsum[:, None]
+            out = out + (total[i] + group_sum * s[None, :],)
+        total = out
+    out = ()
+    for i in tl.static_range(8):
+        out = out + (tl.sum(total[i], 0),)
+    return out
+
+
+@triton.jit
 def awq_store_cols(y_ptr, values, j, j_mask, out_features):
     """Stores awq_gemv_cols' 8 vectors at their columns of row y_ptr, in y's dtype."""
     for i in tl.static_range(8):
@@ -149,13 +227,61 @@ def awq_last_split(counter_ptr, SPLITS: tl.constexpr):
     return last
 
 
-def split_counters(device: torch.device, num_tiles: int) -> Tensor:
-    """int32 counters of awq_last_split, zero between launches: one buffer per device, kept (CUDA
-    graphs bake its address in). Kernels on one device run one at a time here (one stream), so
-    they share it; the first call must come before any CUDA graph capture (it zeroes them)."""
+@triton.jit
+def awq_finish_splits(y_ptr, partials_ptr, split_stride, values, split, counter_ptr, j, j_mask, out_features,
+                      SPLITS: tl.constexpr):
+    """Stores a split's values: at y_ptr unsplit; else as partials (split s at partials_ptr + s *
+    split_stride), and the last of the tile's splits to get here stores their sum at y_ptr."""
+    if SPLITS == 1:
+        awq_store_cols(y_ptr, values, j, j_mask, out_features)
+    else:
+        awq_store_cols(partials_ptr + split * split_stride, values, j, j_mask, out_features)
+        if awq_last_split(counter_ptr, SPLITS):
+            awq_store_cols(y_ptr, awq_sum_splits(partials_ptr, split_stride, j, j_mask, out_features, SPLITS), j,
+                           j_mask, out_features)
+
+
+@triton.jit
+def _one_row_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, partials_ptr, counters_ptr, out_features, num_packed,
+                    in_features, k_split, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
+                    SPLITS: tl.constexpr):
+    c_block, split = tl.program_id(0), tl.program_id(1)
+    j = c_block * BLOCK_C + tl.arange(0, BLOCK_C)
+    j_mask = j < num_packed
+    k_start = split * k_split
+    y = awq_gemv_groups(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, num_packed, out_features, k_start,
+                        tl.minimum(k_start + k_split, in_features), GROUP, ROWS, BLOCK_C)
+    awq_finish_splits(y_ptr, partials_ptr, out_features, y, split, counters_ptr + c_block, j, j_mask, out_features,
+                      SPLITS)
+
+
+def one_row_linear(x_1K: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group: int, block_n: int, rows: int,
+                   splits: int, warps: int) -> Tensor:
+    """y_1N = x @ W for one row by awq_gemv_groups (quant_awq.linear's "groups" one-row GEMV): block_n
+    columns a program (a multiple of 8), slices of `rows` rows, up to `splits` programs along K
+    (a whole number of groups each), the last of a tile's summing their fp32 partials in order."""
+    in_features, num_packed, out_features = qweight.shape[0], qweight.shape[1], scales.shape[1]
+    if block_n % 8 or group % rows:
+        raise ValueError(f"block_n ({block_n}) must be a multiple of 8 and rows ({rows}) divide the group ({group})")
+    k_split = triton.cdiv(triton.cdiv(in_features, group), splits) * group
+    num_splits, tiles = triton.cdiv(in_features, k_split), triton.cdiv(num_packed, block_n // 8)
+    y = x_1K.new_empty(1, out_features)
+    partials = torch.empty(num_splits if num_splits > 1 else 0, out_features, dtype=torch.float32, device=y.device)
+    counters = split_counters(y.device, tiles, "one_row") if num_splits > 1 else partials
+    _one_row_kernel[(tiles, num_splits)](x_1K, qweight, qzeros, scales, y, partials, counters, out_features,
+                                         num_packed, in_features, k_split, GROUP=group, ROWS=rows,
+                                         BLOCK_C=block_n // 8, SPLITS=num_splits, num_warps=warps, num_stages=1)
+    return y
+
+
+def split_counters(device: torch.device, num_tiles: int, user: str = "moe") -> Tensor:
+    """int32 counters of awq_last_split, zero between launches: one buffer per device and user, kept
+    (CUDA graphs bake its address in). Kernels on one device run one at a time here (one stream),
+    so the MoE's share one (the dense one-row GEMV has its own: a PDL launch of the MoE may start
+    while it runs); the first call must come before any CUDA graph capture (it zeroes them)."""
     if num_tiles > MAX_SPLIT_TILES:
         raise ValueError(f"a split AWQ GEMV of {num_tiles} tiles exceeds MAX_SPLIT_TILES ({MAX_SPLIT_TILES})")
-    counters = _COUNTERS.get(device)
+    counters = _COUNTERS.get((device, user))
     if counters is None:
-        counters = _COUNTERS[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+        counters = _COUNTERS[(device, user)] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
     return counters

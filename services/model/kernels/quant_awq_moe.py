@@ -12,7 +12,8 @@ expert's weights in AWQ's layout (quant_awq.py, K rows by N columns):
 - one_token_gate_up / one_token_down: batch-1 decode's per-expert GEMVs on the CUDA
   cores (quant_awq_gemv.py, each split along its reduction and summed in the kernel;
   PDL launches); down writes each expert's rounded output and moe_grouped.combine
-  sums them in expert order.
+  sums them in expert order. OneTokenTiles.gemv picks quant_awq_gemv's GEMV (GROUPED_TILES:
+  awq_gemv_groups, not the default until measured).
 - grouped_moe: moe_grouped.grouped_moe on these; sorted_experts: moe_gemm.sorted_experts
   on these (the dispatch path's rows).
 
@@ -33,8 +34,8 @@ from services.model.kernels import moe_align, moe_gemm, moe_grouped
 from services.model.kernels.launch import uses_pdl, wait_for_previous_kernel
 from services.model.kernels.moe_gemm import GemmBlocks, MoEConfig, _block_rows, _grid
 from services.model.kernels.quant_awq import awq_block_dot, awq_columns, awq_tile, check_layout
-from services.model.kernels.quant_awq_gemv import (MAX_SPLIT_TILES, awq_gemv_cols, awq_last_split, awq_store_cols,
-                                                   awq_sum_splits, split_counters)
+from services.model.kernels.quant_awq_gemv import (MAX_SPLIT_TILES, awq_finish_splits, awq_gemv_cols, awq_gemv_groups,
+                                                   awq_last_split, awq_store_cols, awq_sum_splits, split_counters)
 from services.model.kernels.quant_fp8_moe import silu_mul
 from services.model.kernels.quant_ref import AWQ_GROUP, AWQ_PACK
 from services.model.layers import AddNorm
@@ -204,10 +205,11 @@ def sorted_experts(x_PD: Tensor, offsets_L: Tensor, w_gate_up: AwqWeights, w_dow
 def _one_token_gate_up_kernel(x_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, act_ptr, partials_ptr, counters_ptr, q_stride,
                               z_stride, s_stride, d_split, HIDDEN: tl.constexpr, WIDTH: tl.constexpr,
                               GROUP: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
-                              SPLITS: tl.constexpr, PDL: tl.constexpr):
+                              SPLITS: tl.constexpr, PDL: tl.constexpr, GROUPS: tl.constexpr):
     """act[k, f] = SiLU(gate) * up of the token's k-th expert, on the CUDA cores: 2 SPLITS programs
     a tile, the gate's SPLITS along D then the up's (one GEMV's registers each), the last of them
-    summing the partials. PDL: waits for gate_route's ids, then lets the down kernel start."""
+    summing the partials. PDL: waits for gate_route's ids, then lets the down kernel start.
+    GROUPS: awq_gemv_groups (BLOCK_D its rows a slice), else awq_gemv_cols."""
     f_block, k, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if PDL:
         wait_for_previous_kernel()
@@ -215,9 +217,15 @@ def _one_token_gate_up_kernel(x_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, act_ptr, part
     j = f_block * (BLOCK_F // 8) + tl.arange(0, BLOCK_F // 8)  # the gate's packed columns; the up's WIDTH / 8 on
     j_mask = j < WIDTH // 8
     d_start = (part % SPLITS) * d_split
-    values = awq_gemv_cols(x_ptr, q_ptr + e * q_stride, z_ptr + e * z_stride, s_ptr + e * s_stride,
-                           j + (part // SPLITS) * (WIDTH // 8), j_mask, 2 * WIDTH // 8, 2 * WIDTH, d_start,
-                           tl.minimum(d_start + d_split, HIDDEN), GROUP, BLOCK_D, BLOCK_F // 8)
+    q_e, z_e, s_e, j_part = q_ptr + e * q_stride, z_ptr + e * z_stride, s_ptr + e * s_stride, j + (part // SPLITS) * (
+        WIDTH // 8)
+    d_end = tl.minimum(d_start + d_split, HIDDEN)
+    if GROUPS:
+        values = awq_gemv_groups(x_ptr, q_e, z_e, s_e, j_part, j_mask, 2 * WIDTH // 8, 2 * WIDTH, d_start, d_end,
+                                 GROUP, BLOCK_D, BLOCK_F // 8)
+    else:
+        values = awq_gemv_cols(x_ptr, q_e, z_e, s_e, j_part, j_mask, 2 * WIDTH // 8, 2 * WIDTH, d_start, d_end,
+                               GROUP, BLOCK_D, BLOCK_F // 8)
     part_stride = tl.num_programs(1) * WIDTH  # partials [2 SPLITS, K, F]: the gate's splits, then the up's
     partials = partials_ptr + k * WIDTH
     awq_store_cols(partials + part * part_stride, values, j, j_mask, WIDTH)
@@ -234,27 +242,25 @@ def _one_token_gate_up_kernel(x_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, act_ptr, part
 def _one_token_down_kernel(act_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, y_ptr, partials_ptr, counters_ptr, q_stride,
                            z_stride, s_stride, f_split, HIDDEN: tl.constexpr, WIDTH: tl.constexpr,
                            GROUP: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_F: tl.constexpr, SPLITS: tl.constexpr,
-                           PDL: tl.constexpr):
+                           PDL: tl.constexpr, GROUPS: tl.constexpr):
     """y[k, o]: the k-th expert's down projection of act[k], rounded to the model dtype, SPLITS
     programs along F. PDL: its first weights are loaded before it waits for gate_up's act (ids
-    are final once gate_up runs)."""
+    are final once gate_up runs; awq_gemv_groups waits first). GROUPS: as the gate_up kernel's."""
     o_block, k, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = tl.load(ids_ptr + k).to(tl.int64)
     j = o_block * (BLOCK_O // 8) + tl.arange(0, BLOCK_O // 8)
     j_mask = j < (HIDDEN + 7) // 8
     f_start = split * f_split
-    y = awq_gemv_cols(act_ptr + k * WIDTH, q_ptr + e * q_stride, z_ptr + e * z_stride, s_ptr + e * s_stride, j,
-                      j_mask, (HIDDEN + 7) // 8, HIDDEN, f_start, tl.minimum(f_start + f_split, WIDTH), GROUP, BLOCK_F,
-                      BLOCK_O // 8, PDL)
-    if SPLITS == 1:
-        awq_store_cols(y_ptr + k * HIDDEN, y, j, j_mask, HIDDEN)
+    a_k, q_e, z_e, s_e = act_ptr + k * WIDTH, q_ptr + e * q_stride, z_ptr + e * z_stride, s_ptr + e * s_stride
+    f_end = tl.minimum(f_start + f_split, WIDTH)
+    if GROUPS:
+        y = awq_gemv_groups(a_k, q_e, z_e, s_e, j, j_mask, (HIDDEN + 7) // 8, HIDDEN, f_start, f_end, GROUP, BLOCK_F,
+                            BLOCK_O // 8, PDL)
     else:
-        split_stride = tl.num_programs(1) * HIDDEN
-        partials = partials_ptr + k * HIDDEN
-        awq_store_cols(partials + split * split_stride, y, j, j_mask, HIDDEN)
-        if awq_last_split(counters_ptr + k * tl.num_programs(0) + o_block, SPLITS):
-            awq_store_cols(y_ptr + k * HIDDEN, awq_sum_splits(partials, split_stride, j, j_mask, HIDDEN, SPLITS), j,
-                           j_mask, HIDDEN)
+        y = awq_gemv_cols(a_k, q_e, z_e, s_e, j, j_mask, (HIDDEN + 7) // 8, HIDDEN, f_start, f_end, GROUP, BLOCK_F,
+                          BLOCK_O // 8, PDL)
+    awq_finish_splits(y_ptr + k * HIDDEN, partials_ptr + k * HIDDEN, tl.num_programs(1) * HIDDEN, y, split,
+                      counters_ptr + k * tl.num_programs(0) + o_block, j, j_mask, HIDDEN, SPLITS)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -262,7 +268,8 @@ class OneTokenTiles:
     """Launch shape of the one-token kernels: gate_up_f and down_o columns a program (multiples of
     8; 64 reads whole 32-byte sectors of each qweight row), gate_up_d and down_f rows a step
     (dividing the group size), *_splits programs along the reduction (towards, not past; gate_up
-    has as many again: the gate's and the up's run apart)."""
+    has as many again: the gate's and the up's run apart). gemv: "nibbles" (awq_gemv_cols) or
+    "groups" (awq_gemv_groups: a step is a whole group, gate_up_d and down_f its rows a slice)."""
 
     gate_up_f: int
     gate_up_d: int
@@ -272,12 +279,27 @@ class OneTokenTiles:
     down_f: int
     down_splits: int
     down_warps: int
+    gemv: str = "nibbles"
+
+    def __post_init__(self):
+        if self.gemv not in ("nibbles", "groups"):
+            raise ValueError(f"OneTokenTiles.gemv must be 'nibbles' or 'groups', not {self.gemv!r}")
+
+    def step(self, rows_a_step: int, group: int) -> int:
+        """The reduction's rows a loop step: a group for the grouped GEMV, else rows_a_step."""
+        return group if self.gemv == "groups" else rows_a_step
 
 
 # The fastest one-token tiles of bench/kernels/awq_sweep.py at Qwen3-30B-A3B's shapes (D 2048, F 768, 8 experts) on an
 # H200 (docs/performance.md): 384 and 512 programs, unsplit.
 ONE_TOKEN_TILES = OneTokenTiles(gate_up_f=32, gate_up_d=64, gate_up_splits=1, gate_up_warps=4, down_o=32, down_f=64,
                                 down_splits=1, down_warps=4)
+# awq_gemv_groups' tiles, picked by static estimates (bench/kernels/sass_stats.py), not yet measured: gate_up 256
+# columns a program in slices of 16 rows (a 16-byte load a thread each) and 4 warps, down 512 in slices of 8 and 8
+# warps; 8 splits of gate_up's 2,048 rows and 6 of down's 768 (one group each). ONE_TOKEN_TILES = GROUPED_TILES
+# serves with it.
+GROUPED_TILES = OneTokenTiles(gate_up_f=256, gate_up_d=16, gate_up_splits=8, gate_up_warps=4, down_o=512, down_f=8,
+                              down_splits=6, down_warps=8, gemv="groups")
 # down's split counters start here, apart from gate_up's (PDL starts down while gate_up runs).
 _DOWN_COUNTERS = MAX_SPLIT_TILES // 2
 
@@ -305,13 +327,14 @@ def one_token_gate_up(x_1D: Tensor, ids_1K: Tensor, w_gate_up: AwqWeights,
     assert x_1D.shape == (1, hidden) and x_1D.is_contiguous() and ids_1K.is_contiguous()
     assert w_gate_up.group % tiles.gate_up_d == 0 and tiles.gate_up_f % AWQ_PACK == 0
     act_KF = x_1D.new_empty(top_k, width)
-    d_split, splits = _splits(hidden, tiles.gate_up_d, tiles.gate_up_splits)
+    d_split, splits = _splits(hidden, tiles.step(tiles.gate_up_d, w_gate_up.group), tiles.gate_up_splits)
     grid = (triton.cdiv(width, tiles.gate_up_f), top_k, 2 * splits)
     partials, counters = _split_buffers(x_1D.device, 2 * splits, top_k, width, grid[0] * top_k, 0)
     _one_token_gate_up_kernel[grid](
         x_1D, ids_1K, w_gate_up.qweight, w_gate_up.qzeros, w_gate_up.scales, act_KF, partials, counters,
         *w_gate_up.expert_strides(), d_split, HIDDEN=hidden, WIDTH=width, GROUP=w_gate_up.group,
         BLOCK_F=tiles.gate_up_f, BLOCK_D=tiles.gate_up_d, SPLITS=splits, PDL=uses_pdl(x_1D),
+        GROUPS=tiles.gemv == "groups",
         num_warps=tiles.gate_up_warps, num_stages=1, launch_pdl=uses_pdl(x_1D))
     return act_KF
 
@@ -324,13 +347,14 @@ def one_token_down(act_KF: Tensor, ids_1K: Tensor, weights_1K: Tensor, w_down: A
     assert act_KF.shape[1] == width and act_KF.is_contiguous()
     assert w_down.group % tiles.down_f == 0 and tiles.down_o % AWQ_PACK == 0
     y_KD = act_KF.new_empty(top_k, hidden)
-    f_split, splits = _splits(width, tiles.down_f, tiles.down_splits)
+    f_split, splits = _splits(width, tiles.step(tiles.down_f, w_down.group), tiles.down_splits)
     grid = (triton.cdiv(hidden, tiles.down_o), top_k, splits)
     partials, counters = _split_buffers(act_KF.device, splits, top_k, hidden, grid[0] * top_k, _DOWN_COUNTERS)
     _one_token_down_kernel[grid](
         act_KF, ids_1K, w_down.qweight, w_down.qzeros, w_down.scales, y_KD, partials, counters,
         *w_down.expert_strides(), f_split, HIDDEN=hidden, WIDTH=width, GROUP=w_down.group, BLOCK_O=tiles.down_o,
-        BLOCK_F=tiles.down_f, SPLITS=splits, PDL=uses_pdl(ids_1K), num_warps=tiles.down_warps, num_stages=1,
+        BLOCK_F=tiles.down_f, SPLITS=splits, PDL=uses_pdl(ids_1K), GROUPS=tiles.gemv == "groups",
+        num_warps=tiles.down_warps, num_stages=1,
         launch_pdl=uses_pdl(ids_1K))
     return moe_grouped.combine(y_KD, None, weights_1K)
 

@@ -41,6 +41,15 @@ _E4M3_MAX = tl.constexpr(E4M3_MAX)
 WEIGHT_ONLY_MAX_ROWS = 16
 # Rows per program of quantize_act.
 QUANT_ROWS = 16
+# The one-row GEMVs' loops (fp8_gemv_rows, here and in quant_fp8_moe's one-token gate_up): False, a plain loop
+# whose steps each wait for their loads; True, pipelined as deep as the launch's stages (static estimates only,
+# bench/kernels/sass_stats.py; not yet measured).
+GEMV_PIPELINED = False
+
+
+def gemv_stages(stages: int) -> int:
+    """fp8_gemv_rows' STAGES for a launch of `stages` (GEMV_PIPELINED's choice)."""
+    return stages if GEMV_PIPELINED else 0
 
 
 @functools.cache
@@ -78,17 +87,29 @@ def load_fp8(ptrs, mask, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def _fp8_gemv_step(acc, x_ptr, w_rows, n_mask, w_scale_row, k0, k_end, BLOCK_K: tl.constexpr, NATIVE: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_K] + the weights of columns k0 + [0, BLOCK_K) times x scaled by their blocks."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = k < k_end
+    x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+    x *= tl.load(w_scale_row + k // BLOCK, mask=k_mask, other=0.0)
+    return acc + load_fp8(w_rows[:, None] + k[None, :], n_mask[:, None] & k_mask[None, :], NATIVE) * x[None, :]
+
+
+@triton.jit
 def fp8_gemv_rows(x_ptr, w_rows, n_mask, w_scale_row, k_start, k_end, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, NATIVE: tl.constexpr):
+                  BLOCK_K: tl.constexpr, NATIVE: tl.constexpr, STAGES: tl.constexpr = 0):
     """fp32 [BLOCK_N]: weight rows (w_rows: each row's start; all rows in the 128-row block whose
-    scales start at w_scale_row) dotted with x[k_start:k_end], on the CUDA cores."""
+    scales start at w_scale_row) dotted with x[k_start:k_end], on the CUDA cores. STAGES > 0: the
+    loop pipelined that deep (cp.async into shared memory, as gemv.gemv_rows), so a step's loads
+    do not wait out the memory latency; 0: a plain loop (GEMV_STAGES)."""
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < k_end
-        x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-        x *= tl.load(w_scale_row + k // BLOCK, mask=k_mask, other=0.0)
-        acc += load_fp8(w_rows[:, None] + k[None, :], n_mask[:, None] & k_mask[None, :], NATIVE) * x[None, :]
+    if STAGES > 0:
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+            acc = _fp8_gemv_step(acc, x_ptr, w_rows, n_mask, w_scale_row, k0, k_end, BLOCK_K, NATIVE)
+    else:
+        for k0 in range(k_start, k_end, BLOCK_K):
+            acc = _fp8_gemv_step(acc, x_ptr, w_rows, n_mask, w_scale_row, k0, k_end, BLOCK_K, NATIVE)
     return tl.sum(acc, 1)
 
 
@@ -119,7 +140,7 @@ def fp8_block_dot(acc, a_rows, a_mask, a_scale_rows, w_rows, w_mask, w_scale_row
 @triton.jit
 def _linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, num_rows, out_features, in_features, x_stride, k_split,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_FP8: tl.constexpr,
-                   NATIVE: tl.constexpr):
+                   NATIVE: tl.constexpr, STAGES: tl.constexpr):
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -131,7 +152,7 @@ def _linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, num_rows, out_features, i
     if BLOCK_M == 1:  # one row on the CUDA cores
         w_scale_row = s_ptr + (tl.program_id(1) * BLOCK_N // BLOCK) * num_k_blocks
         acc = fp8_gemv_rows(x_ptr + tl.program_id(0).to(tl.int64) * x_stride, w_rows, n_mask, w_scale_row, k_start,
-                            k_end, BLOCK_N, BLOCK_K, NATIVE)[None, :]
+                            k_end, BLOCK_N, BLOCK_K, NATIVE, STAGES)[None, :]
     else:
         acc = fp8_block_dot(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x_ptr + m.to(tl.int64) * x_stride, m_mask,
                             xs_ptr + m * num_k_blocks, w_rows, n_mask, s_ptr + (n // BLOCK) * num_k_blocks,
@@ -245,6 +266,6 @@ def linear_tiled(x_MK: Tensor, xs_MKb: Tensor | None, w_NK: Tensor, s_NbKb: Tens
         _linear_kernel[grid](x_MK, x_MK if xs_MKb is None else xs_MKb, w_NK if a_fp8 else weight_arg(w_NK, native),
                              s_NbKb, y, num_rows, out_features, in_features, x_MK.stride(0), k_split,
                              BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, A_FP8=a_fp8,
-                             NATIVE=native_fp8(x_MK.device) if native is None else native, num_warps=tiles.warps,
-                             num_stages=tiles.stages)
+                             NATIVE=native_fp8(x_MK.device) if native is None else native,
+                             STAGES=gemv_stages(tiles.stages), num_warps=tiles.warps, num_stages=tiles.stages)
     return sum_splits(y, out_dtype)

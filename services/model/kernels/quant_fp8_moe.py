@@ -31,7 +31,7 @@ from services.model.kernels.launch import uses_pdl, wait_for_previous_kernel
 from services.model.kernels.moe_gemm import GemmBlocks, MoEConfig, _block_rows, _grid
 from services.model.kernels.moe_small import MoeTiles
 from services.model.kernels.quant_fp8 import (BLOCK, FP8_BLOCK, WEIGHT_ONLY_MAX_ROWS, fp8_block_dot, fp8_gemv_rows,
-                                              load_fp8, native_fp8, quantize_act, weight_arg)
+                                              gemv_stages, load_fp8, native_fp8, quantize_act, weight_arg)
 from services.model.layers import AddNorm
 
 
@@ -214,9 +214,10 @@ def sorted_experts(x_PD: Tensor, offsets_L: Tensor, w_gate_up_LGD: Tensor, s_gat
 
 @triton.jit
 def _one_token_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, HIDDEN: tl.constexpr, WIDTH: tl.constexpr,
-                              BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+                              BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr,
+                              STAGES: tl.constexpr):
     """act[k, f] = SiLU(gate) * up of the token's k-th expert, gate and up rows f on the CUDA cores.
-    PDL: waits for gate_route's ids, then lets the down kernel start."""
+    PDL: waits for gate_route's ids, then lets the down kernel start. STAGES: fp8_gemv_rows'."""
     f_block, k = tl.program_id(0), tl.program_id(1)
     if PDL:
         wait_for_previous_kernel()
@@ -227,9 +228,9 @@ def _one_token_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, HIDDEN: tl.
     up_scale_row: tl.constexpr = (WIDTH + BLOCK - 1) // BLOCK
     w_gate = w_ptr + expert * 2 * WIDTH * HIDDEN + f.to(tl.int64) * HIDDEN
     s_gate = s_ptr + expert * 2 * up_scale_row * d_blocks + (f_block * BLOCK_F // BLOCK) * d_blocks
-    gate = fp8_gemv_rows(x_ptr, w_gate, f_mask, s_gate, 0, HIDDEN, BLOCK_F, BLOCK_D, NATIVE)
+    gate = fp8_gemv_rows(x_ptr, w_gate, f_mask, s_gate, 0, HIDDEN, BLOCK_F, BLOCK_D, NATIVE, STAGES)
     up = fp8_gemv_rows(x_ptr, w_gate + WIDTH * HIDDEN, f_mask, s_gate + up_scale_row * d_blocks, 0, HIDDEN, BLOCK_F,
-                       BLOCK_D, NATIVE)
+                       BLOCK_D, NATIVE, STAGES)
     act = silu_mul(gate, up, act_ptr.dtype.element_ty)
     tl.store(act_ptr + k * WIDTH + f, act.to(act_ptr.dtype.element_ty), mask=f_mask)
 
@@ -243,14 +244,24 @@ def _scaled_act(act_ptr, s_rows, k, k_mask, f, WIDTH: tl.constexpr):
 
 
 @triton.jit
+def _down_step(acc, act_ptr, w_rows, ko_mask, s_rows, k, k_mask, f0, WIDTH: tl.constexpr, BLOCK_F: tl.constexpr,
+               NATIVE: tl.constexpr):
+    """acc [BLOCK_K, BLOCK_O, BLOCK_F] + every expert's weights of columns f0 + [0, BLOCK_F) times its scaled act."""
+    f = f0 + tl.arange(0, BLOCK_F)
+    w = load_fp8(w_rows[:, :, None] + f[None, None, :], ko_mask & (f < WIDTH)[None, None, :], NATIVE)
+    return acc + w * _scaled_act(act_ptr, s_rows, k, k_mask, f, WIDTH)[:, None, :]
+
+
+@triton.jit
 def _one_token_down_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, out_ptr, HIDDEN: tl.constexpr,
                            WIDTH: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_O: tl.constexpr,
-                           BLOCK_F: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_F: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr):
     """out[o] = sum over k of weight_k * (act[k] @ w_down[ids[k], o]) for a block of output columns,
     as moe_small's one-token down: every expert's rows in one [BLOCK_K, BLOCK_O, BLOCK_F] tile a
     step (each expert's block scale folded into its act), then the K outputs rounded, weighted,
     rounded and summed in order k. PDL: the first step's weights load during gate_up, then it
-    waits for gate_up's act (ids are final once gate_up runs)."""
+    waits for gate_up's act (ids are final once gate_up runs). STAGES > 0: the loop after the first
+    step pipelined that deep (quant_fp8.GEMV_PIPELINED), else a plain loop."""
     o_block = tl.program_id(0)
     o = o_block * BLOCK_O + tl.arange(0, BLOCK_O)
     k = tl.arange(0, BLOCK_K)
@@ -265,10 +276,12 @@ def _one_token_down_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, out_ptr,
     if PDL:  # the first step's weights are on their way: now wait for gate_up's act
         wait_for_previous_kernel()
     acc = w * _scaled_act(act_ptr, s_rows, k, k_mask, f, WIDTH)[:, None, :]
-    for f0 in range(BLOCK_F, WIDTH, BLOCK_F):
-        f = f0 + tl.arange(0, BLOCK_F)
-        w = load_fp8(w_rows[:, :, None] + f[None, None, :], ko_mask & (f < WIDTH)[None, None, :], NATIVE)
-        acc += w * _scaled_act(act_ptr, s_rows, k, k_mask, f, WIDTH)[:, None, :]
+    if STAGES > 0:
+        for f0 in tl.range(BLOCK_F, WIDTH, BLOCK_F, num_stages=STAGES):
+            acc = _down_step(acc, act_ptr, w_rows, ko_mask, s_rows, k, k_mask, f0, WIDTH, BLOCK_F, NATIVE)
+    else:
+        for f0 in range(BLOCK_F, WIDTH, BLOCK_F):
+            acc = _down_step(acc, act_ptr, w_rows, ko_mask, s_rows, k, k_mask, f0, WIDTH, BLOCK_F, NATIVE)
     dtype = out_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
     y = (tl.sum(acc, 2).to(dtype).to(tl.float32) * weight[:, None]).to(dtype).to(tl.float32)  # [BLOCK_K, BLOCK_O]
@@ -294,7 +307,7 @@ def one_token_gate_up(x_1D: Tensor, ids_1K: Tensor, w_gate_up_EGD: Tensor, s_gat
     _one_token_gate_up_kernel[(triton.cdiv(width, tiles.gate_up_f), top_k)](
         x_1D, ids_1K, weight_arg(w_gate_up_EGD, native), s_gate_up, act_KF, HIDDEN=hidden, WIDTH=width,
         BLOCK_F=tiles.gate_up_f, BLOCK_D=tiles.gate_up_d, NATIVE=native_fp8(x_1D.device) if native is None else native,
-        PDL=uses_pdl(x_1D),
+        PDL=uses_pdl(x_1D), STAGES=gemv_stages(tiles.gate_up_stages),
         num_warps=tiles.gate_up_warps, num_stages=tiles.gate_up_stages, launch_pdl=uses_pdl(x_1D))
     return act_KF
 
@@ -310,7 +323,8 @@ def one_token_down(act_KF: Tensor, ids_1K: Tensor, weights_1K: Tensor, w_down_ED
         act_KF, ids_1K, weights_1K, weight_arg(w_down_EDF, native), s_down, out_1D, HIDDEN=hidden, WIDTH=width,
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_O=tiles.down_o, BLOCK_F=tiles.down_f,
         NATIVE=native_fp8(act_KF.device) if native is None else native, PDL=uses_pdl(ids_1K),
-        num_warps=tiles.down_warps, num_stages=tiles.down_stages, launch_pdl=uses_pdl(ids_1K))
+        STAGES=gemv_stages(tiles.down_stages), num_warps=tiles.down_warps, num_stages=tiles.down_stages,
+        launch_pdl=uses_pdl(ids_1K))
     return out_1D
 
 

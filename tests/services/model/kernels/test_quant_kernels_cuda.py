@@ -287,3 +287,44 @@ def test_sorted_experts(fp8_experts, awq_experts, kind):
         return
     bf16 = moe_gemm.sorted_experts(x, offsets, dequant[0].bfloat16(), dequant[1].bfloat16())
     _check_moe(out[:num_rows], expected, bf16[:num_rows])
+
+
+# The batch-1 GEMV variants behind knobs (not the defaults until measured): the grouped AWQ GEMV
+# (quant_awq_gemv.awq_gemv_groups, whose 4-bit values are subnormal floats: this checks the GPU keeps
+# subnormals, no flush to zero) and the pipelined FP8 GEMV, at the default's tolerances.
+@pytest.mark.parametrize("shape", LINEAR_SHAPES + [(2048, 4096)])
+def test_variant_awq_groups_linear(shape, monkeypatch):
+    from services.model.kernels import quant_awq
+
+    monkeypatch.setattr(quant_awq, "ONE_ROW_GEMV", "groups")
+    (n, k), x = shape, _randn(1, shape[1], seed=1, dtype=torch.bfloat16)
+    qweight, qzeros, scales = ref.quant_awq(_randn(k, n, seed=5, scale=0.02))
+    y = quant_awq.linear(x, qweight, qzeros, scales)
+    _assert_linear_close(y, x.float() @ ref.dequant_awq(qweight, qzeros, scales))
+    assert torch.equal(y, quant_awq.linear(x, qweight, qzeros, scales))
+
+
+def test_variant_awq_groups_one_token_experts(awq_experts):
+    from services.model.kernels import quant_awq_moe
+
+    (w_gate_up, w_down), dequant, w_gate = awq_experts
+    for seed in range(3):
+        x = _randn(1, D, seed=40 + seed, dtype=torch.bfloat16)
+        ids, weights = _route_one(x, w_gate)
+        out = quant_awq_moe.one_token_experts(x, ids, weights, w_gate_up, w_down, quant_awq_moe.GROUPED_TILES)
+        _check_moe(out, _reference(x, ids, weights, *dequant), _bf16_one_token(x, ids, weights, *dequant))
+
+
+@pytest.mark.parametrize("shape", LINEAR_SHAPES)
+def test_variant_fp8_pipelined_gemv(shape, fp8_experts, monkeypatch):
+    from services.model.kernels import quant_fp8, quant_fp8_moe
+
+    monkeypatch.setattr(quant_fp8, "GEMV_PIPELINED", True)
+    (n, k), x = shape, _randn(1, shape[1], seed=1, dtype=torch.bfloat16)
+    w8, s = ref.quant_fp8(_randn(n, k, seed=1, scale=0.02))
+    _assert_linear_close(quant_fp8.linear(x, w8, s, kernel="weight-only"), x.float() @ ref.dequant_fp8(w8, s).T)
+    (w_gate_up, s_gate_up, w_down, s_down), dequant, w_gate = fp8_experts
+    x = _randn(1, D, seed=20, dtype=torch.bfloat16)
+    ids, weights = _route_one(x, w_gate)
+    out = quant_fp8_moe.one_token_experts(x, ids, weights, w_gate_up, s_gate_up, w_down, s_down)
+    _check_moe(out, _reference(x, ids, weights, *dequant), _bf16_one_token(x, ids, weights, *dequant))
