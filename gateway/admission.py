@@ -37,6 +37,7 @@ from collections.abc import Sequence as Seq
 from typing import Protocol
 
 from gateway.kv_accounting import PrefixMatch, RankKV
+from gateway.prefix_cache import ROOT_HASH
 from gateway.plan import RankPlan, StepBatch
 from gateway.policy import SchedulePolicy
 from gateway.requests import Sequence
@@ -44,6 +45,9 @@ from gateway.stats import GatewayStats
 from services.step import NewSequence
 
 AFFINITY_SLACK = 0.125
+# The fewest tokens of a partly filled block another request prefills in the step that make a
+# request wait a step to copy them (the full-block deferral's counterpart; a step of TTFT for them).
+MIN_TAIL_GAIN = 4
 # Requests skipped for a block being prefilled, per step, before admission stops looking.
 MAX_DEFERRED = 64
 
@@ -61,11 +65,17 @@ class StepState:
     jumps: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
     # Per rank: hashes of the full blocks prefilled in this step.
     computing: list[set[int]] = dataclasses.field(default_factory=list)
+    # Per rank: the tokens of the block each prompt chunk of this step ends in (full or not), by
+    # the hash of the block before it.
+    chunk_ends: list[dict[int, list[tuple[int, ...]]]] = dataclasses.field(default_factory=list)
+    # The sequences that prefilled prompt tokens in this step (their partly filled block is shared once sent).
+    prefilled: list[Sequence] = dataclasses.field(default_factory=list)
     # Per rank: True once it preempted a sequence in this step (then it admits none).
     is_preempting: list[bool] = dataclasses.field(default_factory=list)
 
     def __post_init__(self, num_ranks: int) -> None:
         self.computing = [set() for _ in range(num_ranks)]
+        self.chunk_ends = [{} for _ in range(num_ranks)]
         self.is_preempting = [False] * num_ranks
 
 
@@ -180,7 +190,8 @@ def _place(batcher: AdmissionHost, batch: StepBatch, step: StepState, seq: Seque
         first_uncached = match.num_cached_tokens // kv.block_size
         # Waits only for a block it may take from the cache (max_cached_tokens).
         if ((first_uncached + 1) * kv.block_size <= seq.max_cached_tokens and first_uncached < len(seq.block_hashes)
-                and seq.block_hashes[first_uncached] in step.computing[rank]):
+                and seq.block_hashes[first_uncached] in step.computing[rank]) or _tail_is_computed(kv, step, seq, match,
+                                                                                                 rank):
             is_deferred = True
             continue
         num_tokens = batcher.prefill_chunk(rank, match.num_cached_tokens, seq.num_tokens - match.num_cached_tokens)
@@ -200,6 +211,29 @@ def _place(batcher: AdmissionHost, batch: StepBatch, step: StepState, seq: Seque
                   and len(batcher.running[p.rank]) <= least + slack]
         fitting = affine or fitting
     return min(fitting, key=lambda p: (running_tokens[p.rank], -batcher.ranks[p.rank].num_available, p.rank))
+
+
+def _tail_is_computed(kv: RankKV, step: StepState, seq: Sequence, match: PrefixMatch, rank: int) -> bool:
+    """True if a prompt chunk of this step ends, under seq's last cached full block, in a block that
+    begins with at least MIN_TAIL_GAIN more of seq's next tokens than seq's match has: seq waits a
+    step and then copies those tokens (from the block, cached if full, live if not) instead of
+    computing them."""
+    computing = step.chunk_ends[rank]
+    if not computing:
+        return False
+    bs = kv.block_size
+    num_full = len(match.nodes)
+    parent = seq.block_hashes[num_full - 1] if num_full else ROOT_HASH
+    start = num_full * bs
+    limit = min(seq.max_cached_tokens, len(seq.token_ids) - 1, start + bs - 1)
+    wanted = seq.token_ids[start:limit]
+    need = match.num_cached_tokens - start + MIN_TAIL_GAIN
+    if len(wanted) < need:
+        return False
+    for tokens in computing.get(parent, ()):
+        if len(tokens) >= need and tuple(wanted[:need]) == tokens[:need]:
+            return True
+    return False
 
 
 def _match(kv: RankKV, seq: Sequence, *, is_estimate: bool = False) -> PrefixMatch:

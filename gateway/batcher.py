@@ -59,7 +59,7 @@ from gateway import admission, jump_forward
 from gateway.kv_accounting import RankKV
 from gateway.plan import RankPlan, SeqEvent, StepBatch
 from gateway.policy import SchedulePolicy, make_policy
-from gateway.prefix_cache import extend_block_hashes
+from gateway.prefix_cache import ROOT_HASH, extend_block_hashes
 from gateway.requests import ErrorCode, GenerationError, Sequence, SeqStatus
 from gateway.stats import GatewayStats
 from gateway.step_budget import BudgetRule, DecodeProgress, Overloaded, StepBudget
@@ -409,11 +409,16 @@ class Batcher:
         step.scheduled.append(seq)
         step.scheduled_ids.add(seq.seq_id)
         if num_tokens and kv.cache is not None:
-            # Full blocks this chunk writes: admission defers requests waiting for them.
+            # Full blocks this chunk writes, and the tokens of the block it ends in: admission defers
+            # requests waiting for them.
             bs = kv.block_size
             last = min(-(-num_after // bs), seq.num_tokens // bs)
             extend_block_hashes(seq.block_hashes, seq.token_ids, bs, last)
             step.computing[plan.rank].update(seq.block_hashes[start // bs:last])
+            end = (num_after - 1) // bs
+            parent = seq.block_hashes[end - 1] if end else ROOT_HASH
+            step.chunk_ends[plan.rank].setdefault(parent, []).append(tuple(seq.token_ids[end * bs:num_after]))
+            step.prefilled.append(seq)
         if is_sampled:
             seq.is_prefilled = True
             seq.num_in_flight += 1
@@ -600,8 +605,12 @@ class Batcher:
         return True
 
     def _publish(self, step: "admission.StepState") -> None:
-        """Caches the full blocks the step's sequences have computed (once the step is sent)."""
+        """Caches the full blocks the step's sequences have computed and shares the partly filled
+        block of those that prefilled (once the step is sent)."""
         for seq in step.scheduled:
             kv = self.ranks[seq.rank]
             if kv.cache is not None:
                 kv.publish(seq.seq_id, seq.token_ids, seq.block_hashes, min(seq.num_computed, seq.num_tokens))
+        for seq in step.prefilled:
+            if seq.status is SeqStatus.RUNNING and (kv := self.ranks[seq.rank]).cache is not None:
+                kv.share_tail(seq.seq_id, seq.token_ids, min(seq.num_computed, seq.num_tokens))

@@ -11,8 +11,9 @@ The rank owns the KV tensors; the gateway owns which block ids are in use.
   sequence's first fresh block is a copy of that block (`pop_copy`: the
   rank copies it before the step), so it computes only the tokens after it;
 - `publish` puts the sequence's full, computed blocks into the prefix cache,
-  so that later sequences with the same prefix reuse them, and `keep_tail`
-  its partly filled last block once it ends;
+  so that later sequences with the same prefix reuse them, `share_tail` its
+  partly filled prompt block while it runs (a live node: copied from, never
+  evicted) and `keep_tail` its partly filled last block once it ends;
 - `release` drops the sequence: cached blocks lose a reference and stay
   cached, its other blocks go back to the free list.
 
@@ -97,6 +98,8 @@ class _Table:
     is_publishing: bool = True
     # The cached block the sequence's first fresh block copies (held until pop_copy).
     copy_source: Node | None = None
+    # Its own partly filled block as a live node of the cache (share_tail), while it is one.
+    live_tail: Node | None = None
 
 
 class RankKV:
@@ -178,19 +181,42 @@ class RankKV:
         self.cache.release([source])
         return source.block_id, table.block_ids[len(table.path)]
 
+    def share_tail(self, seq_id: int, token_ids: list[int], num_tokens: int) -> None:
+        """Lets later sequences copy the running sequence's partly filled block among its first
+        num_tokens tokens (computed, or in a step already sent), after publish(): a live node
+        under its last full block, replacing the one of an earlier chunk."""
+        table = self._tables[seq_id]
+        tail = self._tail_of(table, token_ids, num_tokens)
+        live = table.live_tail
+        if tail is None or (live is not None and live.token_ids == tail[1] and live.block_id == tail[2]):
+            return
+        self._drop_live(table)
+        table.live_tail = self.cache.insert_live(*tail)
+
     def keep_tail(self, seq_id: int, token_ids: list[int], num_tokens: int) -> None:
         """Caches the ending sequence's partly filled last block among its first num_tokens
         (computed) tokens as a tail, after publish() has cached the full blocks before it."""
         table = self._tables[seq_id]
+        self._drop_live(table)
+        tail = self._tail_of(table, token_ids, num_tokens)
+        if tail is not None and self.cache.insert_tail(*tail):
+            table.block_ids.remove(tail[2])  # the cache's now, not freed by release()
+
+    def _tail_of(self, table: _Table, token_ids: list[int], num_tokens: int) -> tuple[Node, tuple, int] | None:
+        """(parent, tokens, block id) of the table's partly filled block after its published full
+        ones, among the first num_tokens; None if there is none to share."""
         bs = self.block_size
         num_full, num_rest = divmod(min(num_tokens, len(token_ids)), bs)
         if (self.cache is None or not num_rest or not table.is_publishing or len(table.path) != num_full
                 or len(table.block_ids) <= num_full or table.copy_source is not None):
-            return
+            return None
         parent = table.path[-1] if table.path else self.cache.root
-        block_id = table.block_ids[num_full]
-        if self.cache.insert_tail(parent, tuple(token_ids[num_full * bs:num_full * bs + num_rest]), block_id):
-            del table.block_ids[num_full]  # the cache's now, not freed by release()
+        return parent, tuple(token_ids[num_full * bs:num_full * bs + num_rest]), table.block_ids[num_full]
+
+    def _drop_live(self, table: _Table) -> None:
+        if table.live_tail is not None:
+            self.cache.remove_live(table.live_tail)
+            table.live_tail = None
 
     def publish(self, seq_id: int, token_ids: list[int], hashes: list[int], num_tokens: int) -> None:
         """Caches the sequence's full blocks among its first num_tokens tokens.
@@ -205,6 +231,7 @@ class RankKV:
         if len(hashes) < num_full:
             extend_block_hashes(hashes, token_ids, self.block_size, num_full)
         bs = self.block_size
+        self._drop_live(table)  # its block is full now (cached, or a private copy of a cached one)
         parent = table.path[-1] if table.path else self.cache.root
         for i in range(len(table.path), num_full):
             node = self.cache.insert(parent, hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]),
@@ -253,6 +280,7 @@ class RankKV:
     def release(self, seq_id: int) -> None:
         """Drops the sequence: its cached blocks lose a reference, the rest are freed."""
         table = self._tables.pop(seq_id)
+        self._drop_live(table)
         if table.copy_source is not None:
             self.cache.release([table.copy_source])
         self.allocator.free(table.block_ids[len(table.path):])

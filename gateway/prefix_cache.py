@@ -10,7 +10,10 @@ sequence's last block in place, so a prefix that ends inside a block is
 reused by copying (kv_accounting.RankKV): `match_tail` finds the child whose
 tokens begin with the most of a sequence's next ones, full or a *tail*: the
 partly filled last block a finished sequence left (`insert_tail`), a leaf
-with fewer than block_size tokens that never gets children.
+with fewer than block_size tokens that never gets children. A running
+sequence's partly filled block may be a child too, a *live* one
+(`insert_live`): found like a tail, but its block stays the sequence's (not
+counted in num_blocks, never evicted) until `remove_live` takes it out.
 
 Children are found by a chained hash of the block's tokens and its parent's
 hash (`extend_block_hashes`, computed once per sequence); a hit also compares
@@ -30,13 +33,13 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
-_ROOT_HASH = 0x6D6F656D657368  # any constant: the chain's starting value
+ROOT_HASH = 0x6D6F656D657368  # any constant: the chain's starting value (the root's key)
 
 
 def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int, num_blocks: int) -> None:
     """Appends the chained hashes of blocks len(hashes)..num_blocks-1 of token_ids (in place)."""
     assert num_blocks * block_size <= len(token_ids), (num_blocks, block_size, len(token_ids))
-    parent = hashes[-1] if hashes else _ROOT_HASH
+    parent = hashes[-1] if hashes else ROOT_HASH
     for i in range(len(hashes), num_blocks):
         parent = hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size])))
         hashes.append(parent)
@@ -45,7 +48,8 @@ def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size:
 class Node:
     """One block of a cached prefix: full, or a tail (fewer than block_size tokens, a leaf)."""
 
-    __slots__ = ("parent", "children", "by_tokens", "key", "token_ids", "block_id", "ref_count", "last_used")
+    __slots__ = ("parent", "children", "by_tokens", "key", "token_ids", "block_id", "ref_count", "last_used",
+                 "is_live")
 
     def __init__(self, parent: "Node | None", key: int, token_ids: tuple[int, ...], block_id: int) -> None:
         self.parent = parent
@@ -58,6 +62,8 @@ class Node:
         self.block_id = block_id
         self.ref_count = 0
         self.last_used = 0
+        # A running sequence's block, not the cache's (insert_live).
+        self.is_live = False
 
 
 class PrefixCache:
@@ -67,7 +73,7 @@ class PrefixCache:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
-        self.root = Node(None, _ROOT_HASH, (), -1)
+        self.root = Node(None, ROOT_HASH, (), -1)
         self.root.ref_count = 1  # never evicted
         self.num_blocks = 0  # nodes in the tree, the root excluded
         self.num_unreferenced = 0  # of those, the ones no sequence uses: evictable
@@ -165,8 +171,8 @@ class PrefixCache:
         block stays the caller's. The new tail is unreferenced (evictable at once)."""
         assert 0 < len(token_ids) < self.block_size, len(token_ids)
         assert parent is self.root or parent.ref_count > 0, "insert under an unreferenced node"
-        _, num_shared = self.match_tail(parent, token_ids, len(token_ids))
-        if num_shared == len(token_ids):
+        covering, num_shared = self.match_tail(parent, token_ids, len(token_ids))
+        if num_shared == len(token_ids) and not covering.is_live:
             return None
         key = hash((parent.key, "tail", token_ids))
         if key in parent.children:
@@ -176,6 +182,42 @@ class PrefixCache:
         self.num_unreferenced += 1
         self._push_lru(node)
         return node
+
+    def insert_live(self, parent: Node, token_ids: tuple[int, ...], block_id: int) -> Node | None:
+        """A running sequence's partly filled block (KV of token_ids, fewer than block_size) as a
+        child of its last full one (parent), for later sequences to copy from: match_tail finds
+        it like a tail, but the block stays the sequence's: not counted in num_blocks, and held
+        by the one reference it starts with, so never evicted. The sequence takes it out with
+        remove_live before its block goes anywhere. None on a key collision (not shared)."""
+        assert 0 < len(token_ids) < self.block_size, len(token_ids)
+        assert parent is self.root or parent.ref_count > 0, "insert under an unreferenced node"
+        key = hash((parent.key, "live", block_id))
+        if key in parent.children:
+            return None
+        node = Node(parent, key, token_ids, block_id)
+        node.is_live, node.ref_count = True, 1
+        parent.children[key] = node
+        bisect.insort(parent.by_tokens, node, key=_tokens)
+        return node
+
+    def remove_live(self, node: Node) -> None:
+        """Takes a live node out of the tree (its sequence's block moves on or goes)."""
+        assert node.is_live and node.ref_count == 1, (node.is_live, node.ref_count)
+        parent = self._detach(node)
+        if parent is not self.root and parent.ref_count == 0 and not parent.children:
+            self._push_lru(parent)
+
+    def _detach(self, node: Node) -> Node:
+        """Takes node out of its parent's children; returns the parent."""
+        parent = node.parent
+        del parent.children[node.key]
+        siblings = parent.by_tokens
+        i = bisect.bisect_left(siblings, node.token_ids, key=_tokens)
+        while siblings[i] is not node:  # equal tokens (a live node beside a tail) sit side by side
+            i += 1
+        del siblings[i]
+        node.parent = None
+        return parent
 
     def _add_child(self, parent: Node, key: int, token_ids: tuple[int, ...], block_id: int) -> Node:
         child = Node(parent, key, token_ids, block_id)
@@ -191,11 +233,7 @@ class PrefixCache:
             last_used, _, node = heapq.heappop(self._lru)
             if node.ref_count or node.children or node.last_used != last_used or node.parent is None:
                 continue  # stale: used, grown or evicted since it was pushed
-            parent = node.parent
-            del parent.children[node.key]
-            siblings = parent.by_tokens
-            del siblings[bisect.bisect_left(siblings, node.token_ids, key=_tokens)]
-            node.parent = None
+            parent = self._detach(node)
             self.num_blocks -= 1
             self.num_unreferenced -= 1
             freed.append(node.block_id)

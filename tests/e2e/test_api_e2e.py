@@ -154,9 +154,10 @@ def test_seeded_samples_are_reproducible_differ_and_prefill_their_prompt_once(me
         assert messages[-1].usage.completion_tokens == num_new
     usages = [first[i][-1].usage for i in range(n)]
     num_prompt = usages[0].prompt_tokens
-    # The first sample computed the prompt; every other one found all its full blocks cached.
-    num_cached = (num_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE
-    assert num_cached > 0
+    # The first sample computed the prompt; every other one found all of it but its last token
+    # cached: the full blocks in place, the rest copied from the first's partly filled block.
+    num_cached = num_prompt - 1
+    assert num_cached % BLOCK_SIZE and num_cached > BLOCK_SIZE
     assert [u.prompt_tokens for u in usages] == [num_prompt] * n
     assert [u.cached_tokens for u in usages] == [0] + [num_cached] * (n - 1)
     assert hits == (n - 1) * num_cached
@@ -176,8 +177,9 @@ def test_samples_with_prompt_logprobs_score_the_prompt_once_and_share_it(stub):
     for messages in by_index.values():
         assert all(len(m.logprobs) == len(m.token_ids) for m in messages)
         assert [lp.token_id for m in messages for lp in m.logprobs] == [t for m in messages for t in m.token_ids]
-    # The first sample computed every prompt position to score it; the others took its full blocks.
-    num_cached = (num_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE
+    # The first sample computed every prompt position to score it; the others took all of it but
+    # its last token (its full blocks, and a copy of its partly filled one).
+    num_cached = num_prompt - 1
     assert [by_index[i][-1].usage.cached_tokens for i in range(3)] == [0, num_cached, num_cached]
 
 

@@ -228,3 +228,30 @@ def test_no_tail_is_kept_without_computed_tokens_past_the_full_blocks():
     kv.release(2)
     assert kv.match(tokens + [8, 7], []).num_cached_tokens == 9
     kv.check_invariants()
+
+
+def test_a_running_sequences_partly_filled_block_is_copied_until_it_fills_or_ends():
+    kv = RankKV(num_blocks=12, block_size=4)
+    prompt = list(range(10))
+    open_seq(kv, 1, prompt)
+    kv.grow(1, 10)
+    kv.publish(1, prompt, [], 10)
+    kv.share_tail(1, prompt, 10)              # blocks [0..3], [4..7] cached; [8, 9] live
+    kv.check_invariants()
+    assert kv.cache.num_blocks == 2 and kv.num_free == 12 - 3
+    block_ids, num_cached = open_seq(kv, 2, prompt + [70])
+    kv.grow(2, 11)
+    assert num_cached == 10 and kv.pop_copy(2) == (kv.block_table(1)[2], kv.block_table(2)[2])
+    kv.check_invariants()
+    # Sequence 1 decodes: its third block fills, is cached, and stops being live.
+    tokens = prompt + [20, 21]
+    kv.publish(1, tokens, [], 12)
+    assert kv.cache.num_blocks == 3 and kv.match(prompt + [20, 30], []).tail.block_id == kv.block_table(1)[2]
+    kv.grow(1, 13)
+    kv.share_tail(1, tokens + [22], 13)
+    assert kv.match(tokens + [22, 5], []).num_cached_tokens == 13
+    kv.release(1)                              # the live node goes with it: nothing to copy from
+    assert kv.match(tokens + [22, 5], []).num_cached_tokens == 12
+    kv.release(2)
+    kv.check_invariants()
+    assert kv.num_available == 12

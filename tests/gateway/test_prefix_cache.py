@@ -130,3 +130,18 @@ def test_match_tail_finds_the_best_child_among_many_that_share_a_first_token():
     node, k = cache.match_tail(cache.root, [1, 2 + 3 % 7, 0], 9)
     assert k == 2 and node.token_ids[:2] == (1, 2 + 3 % 7)
     assert cache.evict(200) and not cache.root.by_tokens
+
+
+def test_a_live_node_is_found_like_a_tail_but_stays_its_sequences():
+    cache = PrefixCache(4)
+    (parent,) = insert_path(cache, [1, 2, 3, 4], [10])
+    live = cache.insert_live(parent, (5, 6), 11)
+    assert live.is_live and live.ref_count == 1 and (cache.num_blocks, cache.num_unreferenced) == (1, 0)
+    assert cache.match_tail(parent, [5, 6, 7], 9) == (live, 2)
+    tail = cache.insert_tail(parent, (5, 6), 12)      # a live node does not stand in for a cached tail
+    assert tail is not None and cache.num_blocks == 2
+    cache.release([parent])
+    assert cache.evict(9) == [12]                      # the tail only: the live node holds its parent
+    cache.remove_live(live)
+    assert cache.match_tail(parent, [5, 6], 9) == (None, 0) and cache.evict(9) == [10]
+    assert cache.num_blocks == 0

@@ -143,11 +143,13 @@ def test_a_request_for_n_samples_streams_each_with_its_index_seed_usage_and_fini
         assert [m.finish_reason for m in messages] == [gateway_pb2.FINISH_REASON_UNSPECIFIED] * 3 + [
             gateway_pb2.FINISH_REASON_LENGTH]
         usage = messages[-1].usage
-        assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == (10, 4, 8 if index else 0)
+        # A later sample: two full blocks of the first's prompt shared, its third block's first token copied.
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == (10, 4, 9 if index else 0)
         assert all(m.request_id == "n" for m in messages)
     assert sorted(new.sampling.seed for plan in ranks[0].plans for new in plan.new_sequences) == [7, 8, 9]
-    # The prompt once, then the last two prompt tokens of each later sample; 3 decodes each.
-    assert ranks[0].num_tokens_computed == 10 + 2 * 2 + 3 * 3
+    # The prompt once, then the last prompt token of each later sample; 3 decodes each.
+    assert ranks[0].num_tokens_computed == 10 + 2 * 1 + 3 * 3
+    assert ranks[0].num_block_copies == 2
     assert_pool_clean(engine, ranks)
 
 

@@ -170,6 +170,37 @@ def test_requests_that_go_on_from_an_ended_ones_prompt_copy_its_last_block_and_c
     assert_all_blocks_back(sim.batcher)
 
 
+def test_a_burst_that_shares_a_partly_filled_block_computes_it_once():
+    """A select's choices: one prompt (a fork's cached 10 tokens, then 5 more, blocks of 8), a
+    different last token each, sent at once. The first computes the 5 tokens; the others wait a
+    step for its partly filled block and copy them, computing only their own token."""
+    sim = Sim(block_size=8, num_blocks=16)
+    shared = prompt(10)
+    sim.add(shared, 1)
+    sim.run()
+    header = prompt(5, start=40)
+    computed = sim.ranks[0].num_tokens_computed
+    choices = [sim.add(shared + header + [60 + i], 2) for i in range(4)]
+    sim.run()
+    assert sim.ranks[0].num_tokens_computed - computed == (5 + 1) + 3 * 1 + 4 * 1   # and a decode each
+    assert [sim.final[c.seq_id].cached_tokens for c in choices] == [10, 15, 15, 15]
+    assert sim.scheduled(choices[0])[0] == (6, True) and sim.scheduled(choices[1])[0] == (1, True)
+    for c in choices:
+        sim.assert_reference(c, 2)
+    assert_all_blocks_back(sim.batcher)
+
+
+def test_a_request_does_not_wait_for_fewer_shared_tokens_than_min_tail_gain():
+    sim = Sim(block_size=8, num_blocks=16)
+    first = sim.add(prompt(3) + [60], 2)
+    second = sim.add(prompt(3) + [61], 2)            # 3 tokens in common: not worth a step
+    sim.step()
+    assert sim.scheduled(first) == [(4, True)] and sim.scheduled(second) == [(4, True)]
+    sim.run()
+    sim.assert_reference(first, 2)
+    sim.assert_reference(second, 2)
+
+
 def test_an_identical_prompt_recomputes_at_least_its_last_token():
     sim = Sim(block_size=4)
     a = sim.add(prompt(8), 2)
