@@ -166,15 +166,27 @@ def test_bad_sizes_are_rejected(num_blocks, block_size):
         BlockAllocator(num_blocks, block_size)
 
 
+def computed(kv: RankKV, seq_id: int, token_ids: list[int], num_computed: int | None = None) -> list[int]:
+    """Starts a sequence on its cached prefix, grows it to its tokens and publishes the first num_computed
+    (all by default) as computed; returns its block table."""
+    open_seq(kv, seq_id, token_ids)
+    kv.grow(seq_id, len(token_ids))
+    kv.publish(seq_id, token_ids, [], len(token_ids) if num_computed is None else num_computed)
+    return kv.block_table(seq_id)
+
+
+def ended(kv: RankKV, seq_id: int, token_ids: list[int], num_computed: int | None = None) -> list[int]:
+    """computed(), then ends the sequence as the batcher does (its partly filled block kept as a tail)."""
+    table = computed(kv, seq_id, token_ids, num_computed)
+    kv.keep_tail(seq_id, token_ids, len(token_ids) if num_computed is None else num_computed)
+    kv.release(seq_id)
+    return table
+
+
 def test_an_ended_sequences_last_partly_filled_block_is_copied_by_the_next_with_that_prefix():
     kv = RankKV(num_blocks=8, block_size=4)
     tokens = list(range(10))                # blocks [0..3], [4..7], and [8, 9] partly filled
-    open_seq(kv, 1, tokens)
-    kv.grow(1, 10)
-    table = kv.block_table(1)
-    kv.publish(1, tokens, [], 10)
-    kv.keep_tail(1, tokens, 10)
-    kv.release(1)
+    table = ended(kv, 1, tokens)
     assert kv.cache.num_blocks == 3 and kv.num_free == 5
     kv.check_invariants()
     # Two later sequences: each shares the full blocks and copies the tail into a block of its own.
@@ -193,11 +205,7 @@ def test_an_ended_sequences_last_partly_filled_block_is_copied_by_the_next_with_
 
 def test_a_matched_tail_is_held_until_its_copy_is_planned():
     kv = RankKV(num_blocks=3, block_size=2)
-    open_seq(kv, 1, [1, 2, 3])
-    kv.grow(1, 3)
-    kv.publish(1, [1, 2, 3], [], 3)
-    kv.keep_tail(1, [1, 2, 3], 3)
-    kv.release(1)                           # cached: [1, 2] and the tail [3]; one block free
+    ended(kv, 1, [1, 2, 3])                 # cached: [1, 2] and the tail [3]; one block free
     match = kv.match([1, 2, 3, 4, 5, 6], [])
     assert match.num_cached_tokens == 3 and match.num_unreferenced == 2
     kv.open(2, match)
@@ -215,17 +223,9 @@ def test_a_matched_tail_is_held_until_its_copy_is_planned():
 def test_no_tail_is_kept_without_computed_tokens_past_the_full_blocks():
     kv = RankKV(num_blocks=8, block_size=4)
     tokens = list(range(8))
-    open_seq(kv, 1, tokens)
-    kv.grow(1, 8)
-    kv.publish(1, tokens, [], 8)
-    kv.keep_tail(1, tokens, 8)              # two full blocks, nothing partly filled
-    kv.release(1)
+    ended(kv, 1, tokens)                    # two full blocks, nothing partly filled
     assert kv.cache.num_blocks == 2 and kv.num_free == 6
-    open_seq(kv, 2, tokens + [8, 9])
-    kv.grow(2, 10)
-    kv.publish(2, tokens + [8, 9], [], 9)   # the 10th token not computed: the tail holds [8]
-    kv.keep_tail(2, tokens + [8, 9], 9)
-    kv.release(2)
+    ended(kv, 2, tokens + [8, 9], 9)        # the 10th token not computed: the tail holds [8]
     assert kv.match(tokens + [8, 7], []).num_cached_tokens == 9
     kv.check_invariants()
 
@@ -233,9 +233,7 @@ def test_no_tail_is_kept_without_computed_tokens_past_the_full_blocks():
 def test_a_running_sequences_partly_filled_block_is_copied_until_it_fills_or_ends():
     kv = RankKV(num_blocks=12, block_size=4)
     prompt = list(range(10))
-    open_seq(kv, 1, prompt)
-    kv.grow(1, 10)
-    kv.publish(1, prompt, [], 10)
+    computed(kv, 1, prompt)
     kv.share_tail(1, prompt, 10)              # blocks [0..3], [4..7] cached; [8, 9] live
     kv.check_invariants()
     assert kv.cache.num_blocks == 2 and kv.num_free == 12 - 3
