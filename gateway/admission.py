@@ -253,6 +253,7 @@ def _start(batcher: AdmissionHost, batch: StepBatch, step: StepState, seq: Seque
     block_ids += kv.grow(seq.seq_id, match.num_cached_tokens + placement.num_tokens)
     if (copy := kv.pop_copy(seq.seq_id)) is not None:  # the prefix goes on inside the copied block
         plan.block_copies.append(copy)
+        batcher.stats.num_block_copies += 1
     seq.num_computed = match.num_cached_tokens
     if seq.num_cached_tokens is None:
         seq.num_cached_tokens = min(match.num_cached_tokens, len(seq.prompt_ids))

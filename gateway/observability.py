@@ -348,6 +348,8 @@ class GatewayStateCollector:
         hits = metrics.counter_family("prefix_cache_hit_tokens", "Of those, tokens served from the prefix cache.")
         ratio = metrics.gauge_family("prefix_cache_hit_ratio", "prefix_cache_hit_tokens over "
                                      "prefix_cache_query_tokens since the gateway started.")
+        copied = metrics.counter_family("prefix_cache_copied_blocks", "KV blocks copied for cached prefixes that "
+                                        "end inside a block (their tokens are counted as hits).")
         preemptions = metrics.counter_family("preemptions", "Sequences preempted for KV blocks (re-prefilled later).")
         jumped = metrics.counter_family("jump_forward_tokens", "Output tokens a constraint forced, appended by "
                                         "jump-forward without a model step each.")
@@ -356,11 +358,12 @@ class GatewayStateCollector:
             queried.add_metric([], stats.num_prompt_tokens)
             hits.add_metric([], stats.num_cached_prompt_tokens)
             ratio.add_metric([], stats.prefix_hit_rate)
+            copied.add_metric([], stats.num_block_copies)
             preemptions.add_metric([], stats.num_preemptions)
             jumped.add_metric([], stats.num_jump_forward_tokens)
             rejected.add_metric(["queue_full"], stats.num_rejected_queue_full)
             rejected.add_metric(["overload"], stats.num_rejected_overload)
-        yield from (queried, hits, ratio, preemptions, jumped, rejected)
+        yield from (queried, hits, ratio, copied, preemptions, jumped, rejected)
 
 
 class GatewayReadiness:

@@ -40,6 +40,8 @@ class GatewayStats:
     # them came from the prefix cache (the hit rate is the ratio).
     num_prompt_tokens: int = 0
     num_cached_prompt_tokens: int = 0
+    # KV blocks copied for cached prefixes that end inside a block.
+    num_block_copies: int = 0
     num_preemptions: int = 0
     # Tokens prefilled again after a preemption (cache hits excluded).
     num_recomputed_tokens: int = 0

@@ -133,12 +133,15 @@ def test_seeded_samples_are_reproducible_differ_and_prefill_their_prompt_once(me
             request_id=request_id, prompt=prompt, sampling=gateway_pb2.SamplingParams(
                 n=n, seed=seed, temperature=1.0, max_new_tokens=num_new, ignore_eos=True)), timeout=120))
 
-    def hit_tokens() -> float:
-        return gateway_gauges(mesh)[("moemesh_prefix_cache_hit_tokens_total", ())]
+    def counters() -> tuple[float, float]:
+        """The gateway's prefix-cache hit tokens and copied blocks so far."""
+        gauges = gateway_gauges(mesh)
+        return (gauges[("moemesh_prefix_cache_hit_tokens_total", ())],
+                gauges[("moemesh_prefix_cache_copied_blocks_total", ())])
 
-    hits_before = hit_tokens()
+    before = counters()
     first = call("samples-1", n, 1234)
-    hits = hit_tokens() - hits_before
+    hits, copies = (after - b for after, b in zip(counters(), before))
     again = call("samples-2", n, 1234)
     third = call("samples-3", 1, 1236)
     assert sorted(first) == sorted(again) == list(range(n))
@@ -160,7 +163,7 @@ def test_seeded_samples_are_reproducible_differ_and_prefill_their_prompt_once(me
     assert num_cached % BLOCK_SIZE and num_cached > BLOCK_SIZE
     assert [u.prompt_tokens for u in usages] == [num_prompt] * n
     assert [u.cached_tokens for u in usages] == [0] + [num_cached] * (n - 1)
-    assert hits == (n - 1) * num_cached
+    assert hits == (n - 1) * num_cached and copies == n - 1
 
 
 def test_samples_with_prompt_logprobs_score_the_prompt_once_and_share_it(stub):

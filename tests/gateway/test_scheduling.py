@@ -162,7 +162,7 @@ def test_requests_that_go_on_from_an_ended_ones_prompt_copy_its_last_block_and_c
     assert [new[f.seq_id].num_cached_tokens for f in forks] == [10] * 4
     assert len({source for source, _ in copies}) == 1 and len(copies) == 4
     assert sorted(d for _, d in copies) == sorted(new[f.seq_id].block_ids[2] for f in forks)
-    assert sim.ranks[0].num_block_copies == 4
+    assert sim.ranks[0].num_block_copies == sim.batcher.stats.num_block_copies == 4
     sim.assert_reference(fork, 1)
     for f in forks:
         sim.assert_reference(f, 3)
