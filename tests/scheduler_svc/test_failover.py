@@ -143,7 +143,8 @@ def test_a_leader_cut_off_from_etcd_steps_down_before_its_lease_can_expire(etcd,
         assert not old.election.is_leader
         stepped_down_at = old.stepped_down[0][1]
         assert stepped_down_at - cut_at < 0.95  # keepalive every ttl/3 = 0.33 s, each with a 0.33 s deadline
-        assert await eventually(lambda: len(leaders(others)) == 1, timeout_s=5.0)
+        # Leading, and its term's work begun (is_leader is set a moment before the work task runs).
+        assert await eventually(lambda: len(leaders(others)) == 1 and leaders(others)[0].elected, timeout_s=5.0)
         [new] = leaders(others)
         assert new.terms[0] > old_term and new.elected[0][1] > stepped_down_at
         proxy.heal()
