@@ -47,7 +47,8 @@ def test_freeze_skips_the_survivors_and_a_later_freeze_collects_their_cycles(unf
     assert gc_pauses.freeze("the test's set-up", enabled=False) == 0
     assert gc.get_freeze_count() == 0
     frozen = gc_pauses.freeze("the test's set-up")
-    assert frozen == gc.get_freeze_count() > 0
+    # Other threads of the test process (earlier tests' servers) may free frozen objects between the reads.
+    assert frozen > 0 and frozen * 0.99 <= gc.get_freeze_count() <= frozen
     del a, b
     gc.collect()
     assert alive() is not None  # frozen: collections skip it
