@@ -88,10 +88,6 @@ class Run:
         return (self._submit(role, "message", lambda: marker(0), observed=False),
                 self._submit(role, "message", lambda: marker(1), observed=False))
 
-    def commit(self, pieces: list[cf.Future]) -> cf.Future:
-        request_id = self._request_id("fork")
-        return self._submit("fork", "fork", lambda: self._commit(pieces, request_id))
-
     def gen(self, step: Gen, pieces: list[cf.Future]) -> cf.Future:
         request_id = self._request_id(step.name)
         partial = PartialFields() if step.json_schema is not None else None
@@ -209,11 +205,6 @@ class Run:
             return builder.result()
         finally:
             self._live.pop(request_id, None)
-
-    async def _commit(self, pieces: list[cf.Future], request_id: str) -> NodeOutput:
-        # One token: the point is the prefill, which leaves the prefix's blocks in the cache.
-        result = await self._generate(request_id, "fork", await self._prompt(pieces), max_new_tokens=1)
-        return NodeOutput("fork", "fork", None, "", (), result.usage, request_ids=(request_id,))
 
     async def _gen(self, step: Gen, pieces: list[cf.Future], request_id: str,
                    partial: PartialFields | None) -> NodeOutput:

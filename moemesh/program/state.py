@@ -111,15 +111,13 @@ class State:
     def fork(self, n: int) -> list[State]:
         """n states that continue this one independently; their requests share its prefix in the cache.
 
-        With n >= 2 the prefix is prefilled once first, so the forks' requests
-        find it cached rather than each computing it.
+        The forks' requests go out as soon as their own inputs are ready: the
+        gateway computes a prefix they share once (the first request to reach
+        it prefills it; the others wait a step for its blocks and reuse them).
         """
         if n < 1:
             raise ValueError(f"fork needs n >= 1, got {n}")
-        pieces = list(self._pieces)
-        if n >= 2 and pieces:
-            pieces = [*pieces, self._run.commit(list(pieces))]
-        return [State(self._run, list(pieces), dict(self._variables)) for _ in range(n)]
+        return [State(self._run, list(self._pieces), dict(self._variables)) for _ in range(n)]
 
     def text(self) -> str:
         """The state's text so far (a chat message counts as its content), waiting for every piece."""

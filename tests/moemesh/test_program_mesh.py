@@ -256,11 +256,14 @@ def test_forks_share_their_prefix_in_the_cache(runtime, client):
     state = forked.run(context, forks, runtime=runtime)
     num_prefix = len(client.tokenize(context))
     assert num_prefix > 32
-    for i, fork in enumerate(forks):
-        usage = fork.node("answer").usage
+    usages = [fork.node("answer").usage for fork in forks]
+    for i, usage in enumerate(usages):
         assert usage.prompt_tokens == num_prefix + len(client.tokenize(f" Question {i}:"))
-        # Every full block of the shared prefix came from the cache (the fork prefilled it once).
-        assert usage.cached_tokens >= num_prefix - 16, (usage, num_prefix)
+    # The shared prefix was computed once: by one fork's request, the others found it cached.
+    usages.sort(key=lambda u: u.cached_tokens)
+    assert usages[0].cached_tokens < num_prefix - 16, (usages, num_prefix)
+    for usage in usages[1:]:
+        assert usage.cached_tokens >= num_prefix, (usages, num_prefix)
     answers = "".join(fork["answer"] for fork in forks)
     assert state.text() == context + " Summary:" + answers
 
