@@ -12,6 +12,7 @@ from expert_svc.spare_slots import parse_setting
 from services import model_identity, netaddr
 from services.model.exchange.cost_model import SETTINGS as _EP_DISPATCHES
 from services.model.exchange.cost_model import parse_overrides
+from services.model.kernels.quant_select import check_gemv_variants
 from services.settings import MemberConfig
 
 _DTYPES = ("float32", "bfloat16")
@@ -63,6 +64,11 @@ class ExpertConfig(MemberConfig):
     # GPUs) or "auto" (by format and compute capability; the log says which
     # path and why). The CPU always runs the dequantizing reference path.
     quantized_kernel: str = "auto"
+    # Batch-1 GEMVs of a quantized checkpoint to run instead of the defaults, on CUDA (the CPU's
+    # reference path has none): "awq-groups" (AWQ's grouped GEMV for the one-token experts and
+    # the one-row linears), "fp8-pipelined" (FP8's one-row GEMVs as cp.async pipelines). Empty
+    # (the default): the measured kernels. For A/B measurements (docs/performance.md).
+    quant_gemv_variants: tuple[str, ...] = ()
     # Element type of the KV cache: "auto" (the compute dtype) or "fp8_e4m3"
     # (float8 e4m3, no scaling: half the bytes of bf16, so twice the blocks and
     # half the bytes a decode step reads; values past +-448 saturate).
@@ -190,6 +196,7 @@ class ExpertConfig(MemberConfig):
             raise ValueError(f"attention_backend 'triton' needs a CUDA device, got device {self.device!r}")
         if self.quantized_kernel not in _QUANTIZED_KERNELS:
             raise ValueError(f"quantized_kernel must be one of {_QUANTIZED_KERNELS}, got {self.quantized_kernel!r}")
+        check_gemv_variants(self.quant_gemv_variants)
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.ep_exchange not in _EP_EXCHANGES:

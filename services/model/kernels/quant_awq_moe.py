@@ -292,12 +292,13 @@ class OneTokenTiles:
 
 # The fastest one-token tiles of bench/kernels/awq_sweep.py at Qwen3-30B-A3B's shapes (D 2048, F 768, 8 experts) on an
 # H200 (docs/performance.md): 384 and 512 programs, unsplit.
-ONE_TOKEN_TILES = OneTokenTiles(gate_up_f=32, gate_up_d=64, gate_up_splits=1, gate_up_warps=4, down_o=32, down_f=64,
-                                down_splits=1, down_warps=4)
+NIBBLE_TILES = OneTokenTiles(gate_up_f=32, gate_up_d=64, gate_up_splits=1, gate_up_warps=4, down_o=32, down_f=64,
+                             down_splits=1, down_warps=4)
+ONE_TOKEN_TILES = NIBBLE_TILES
 # awq_gemv_groups' tiles, picked by static estimates (bench/kernels/sass_stats.py), not yet measured: gate_up 256
 # columns a program in slices of 16 rows (a 16-byte load a thread each) and 4 warps, down 512 in slices of 8 and 8
 # warps; 8 splits of gate_up's 2,048 rows and 6 of down's 768 (one group each). ONE_TOKEN_TILES = GROUPED_TILES
-# serves with it.
+# serves with it (quant_variants.use_gemv_variants).
 GROUPED_TILES = OneTokenTiles(gate_up_f=256, gate_up_d=16, gate_up_splits=8, gate_up_warps=4, down_o=512, down_f=8,
                               down_splits=6, down_warps=8, gemv="groups")
 # down's split counters start here, apart from gate_up's (PDL starts down while gate_up runs).

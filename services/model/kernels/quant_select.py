@@ -12,6 +12,10 @@ Free of triton and torch, so the configuration and its log can use it anywhere.
 """
 
 QUANTIZED_KERNELS = ("auto", "fp8", "weight-only")
+# Batch-1 GEMV variants an expert service may run instead of the default kernels (--quant-gemv-variants;
+# quant_variants.use_gemv_variants): "awq-groups", AWQ's grouped GEMV (quant_awq_gemv.awq_gemv_groups) for the
+# one-token experts and the one-row linears; "fp8-pipelined", FP8's one-row GEMVs as cp.async pipelines.
+GEMV_VARIANTS = ("awq-groups", "fp8-pipelined")
 FP8_TENSOR_CORES = (8, 9)  # the first compute capability with float8 tensor-core products
 
 
@@ -38,3 +42,12 @@ def select_quant_kernel(capability: tuple[int, int] | None, requested: str) -> t
                        "weight-only GEMVs for small ones)")
     return "weight-only", (f"auto: compute capability {name} has no FP8 tensor cores (8.9 or higher): "
                            "FP8 weights are widened in registers")
+
+
+def check_gemv_variants(names) -> tuple[str, ...]:
+    """names as a tuple, if each is one of GEMV_VARIANTS (ValueError naming the others if not)."""
+    names = tuple(names)
+    unknown = [n for n in names if n not in GEMV_VARIANTS]
+    if unknown:
+        raise ValueError(f"--quant-gemv-variants takes {', '.join(GEMV_VARIANTS)}; not {', '.join(unknown)}")
+    return names
