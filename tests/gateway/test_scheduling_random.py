@@ -44,7 +44,7 @@ def test_random_shared_prefixes_give_the_reference_tokens_and_every_block_back(c
     num_ranks, depth, num_blocks, block_size, max_batch_tokens, chunk = config
     rng = random.Random(seed * 1000 + hash(config) % 1000)
     sim = SampleSim(num_ranks, depth=depth, num_blocks=num_blocks, block_size=block_size,
-              max_batch_tokens=max_batch_tokens, prefill_chunk_size=chunk, max_running_requests=6)
+                    max_batch_tokens=max_batch_tokens, prefill_chunk_size=chunk, max_running_requests=6)
     workload = _workload(rng, block_size)
     seqs = {}   # request index -> its samples' sequences
     for step in range(3000):
