@@ -1,29 +1,53 @@
 """Random workloads through the batcher on simulated ranks: prompts that share prefixes (whole
 blocks and parts of blocks), requests of several samples (the later ones led by the first),
 arrivals spread over the steps, a pool small enough to evict and preempt, aborts (of a first
-sample too), one and two ranks, one and two steps in flight.
+sample too), batch-priority requests, one and two ranks, one and two steps in flight, and the
+SLO step budget with shedding (its decisions on a clock that moves 3 ms a step).
 
 SimRank computes each token from the KV slots a sequence reads (copied blocks included) and
 refuses a write into a block another sequence holds, so every request that was not aborted must
 end with reference_tokens; afterwards every block is back (free or cached, unreferenced) and the
 pools' invariants hold after every step."""
 
+import dataclasses
 import random
 
 import pytest
 
-from gateway.requests import FinishReason, GenerationError
-from tests.gateway.fakes import reference_tokens
+from gateway.requests import ErrorCode, FinishReason, GenerationError, Sequence
+from services.text import IncrementalDetokenizer
+from tests.gateway.fakes import FakeTokenizer, make_request, reference_tokens
 from tests.gateway.test_batcher import assert_all_blocks_back
-from tests.gateway.test_samples import SampleSim
+from tests.gateway.test_samples import SampleSim as _SampleSim
 
-# (ranks, steps in flight, KV blocks a rank, block size, max_batch_tokens, prefill_chunk_size)
-CONFIGS = [(1, 1, 14, 4, 24, 8), (1, 2, 12, 4, 32, 0), (2, 2, 12, 4, 16, 5), (1, 2, 10, 16, 64, 512),
-           (1, 2, 40, 4, 32, 0)]
+
+class SampleSim(_SampleSim):
+    """Samples of one request led by the first (test_samples.SampleSim's), of either priority."""
+
+    def add_samples(self, prompt_ids, max_new_tokens, n, *, is_batch=False):
+        request = dataclasses.replace(make_request(prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
+                                                   ignore_eos=True), is_batch=is_batch)
+        seqs = []
+        for _ in range(n):
+            seq = Sequence(self.batcher.new_seq_id(), request, IncrementalDetokenizer(FakeTokenizer()),
+                           leader=seqs[0] if seqs else None)
+            self.batcher.add(seq)
+            seqs.append(seq)
+        return seqs
+
+
+# (ranks, steps in flight, KV blocks a rank, block size, max_batch_tokens, prefill_chunk_size, the step budget's
+# (TPOT target, TTFT target) in ms or None). The targets are tight for the cost model's priors (a step at least
+# 2.5 ms), so that the budget holds prompts back, alternates decode-only steps and sheds.
+CONFIGS = [(1, 1, 14, 4, 24, 8, None), (1, 2, 12, 4, 32, 0, None), (2, 2, 12, 4, 16, 5, None),
+           (1, 2, 10, 16, 64, 512, None), (1, 2, 40, 4, 32, 0, None), (1, 2, 14, 4, 32, 0, (3.0, 3.0)),
+           (2, 1, 12, 4, 24, 0, (3.0, 20.0))]
+# The simulated clock's step.
+STEP_S = 0.003
 
 
 def _workload(rng: random.Random, block_size: int):
-    """(arrival step, prompt, max_new_tokens, abort step or None, samples) of each request."""
+    """(arrival step, prompt, max_new_tokens, abort step or None, samples, is_batch) of each request."""
     prefixes = [[26 + rng.randrange(26) for _ in range(rng.randrange(1, 3 * block_size))] for _ in range(3)]
     requests, step = [], 0
     for _ in range(rng.randrange(8, 20)):
@@ -34,25 +58,34 @@ def _workload(rng: random.Random, block_size: int):
         if not prompt:
             prompt = [26 + rng.randrange(26)]
         abort = step + rng.randrange(1, 8) if rng.random() < 0.15 else None
-        requests.append((step, prompt, rng.randrange(1, 17), abort, rng.choice((1, 1, 1, 2, 3))))
+        requests.append((step, prompt, rng.randrange(1, 17), abort, rng.choice((1, 1, 1, 2, 3)), rng.random() < 0.3))
     return requests
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=[f"r{c[0]}-d{c[1]}-b{c[2]}x{c[3]}" for c in CONFIGS])
+@pytest.mark.parametrize("config", CONFIGS,
+                         ids=[f"r{c[0]}-d{c[1]}-b{c[2]}x{c[3]}{'-slo' if c[6] else ''}" for c in CONFIGS])
 @pytest.mark.parametrize("seed", range(12))
 def test_random_shared_prefixes_give_the_reference_tokens_and_every_block_back(config, seed):
-    num_ranks, depth, num_blocks, block_size, max_batch_tokens, chunk = config
+    num_ranks, depth, num_blocks, block_size, max_batch_tokens, chunk, budget = config
     rng = random.Random(seed * 1000 + hash(config) % 1000)
+    now = [0.0]
     sim = SampleSim(num_ranks, depth=depth, num_blocks=num_blocks, block_size=block_size,
-                    max_batch_tokens=max_batch_tokens, prefill_chunk_size=chunk, max_running_requests=6)
+                    max_batch_tokens=max_batch_tokens, prefill_chunk_size=chunk, max_running_requests=6,
+                    clock=lambda: now[0], min_prefill_tokens=4,
+                    **({"tpot_target_ms": budget[0], "ttft_target_ms": budget[1]} if budget else {}))
     workload = _workload(rng, block_size)
-    seqs = {}   # request index -> its samples' sequences
+    seqs = {}   # request index -> its samples' sequences (none if it was refused)
     for step in range(3000):
-        for i, (arrival, prompt, num_new, _, n) in enumerate(workload):
+        now[0] = step * STEP_S
+        for i, (arrival, prompt, num_new, _, n, is_batch) in enumerate(workload):
             if arrival == step:
-                seqs[i] = sim.add_samples(prompt, num_new, n)
-        for i, (*_, abort, _) in enumerate(workload):
-            if abort == step and i in seqs and seqs[i][0].seq_id not in sim.final:
+                try:
+                    seqs[i] = sim.add_samples(prompt, num_new, n, is_batch=is_batch)
+                except GenerationError as refused:   # shed by the budget's admission
+                    assert budget and refused.code is ErrorCode.RESOURCE_EXHAUSTED, refused
+                    seqs[i] = []
+        for i, (*_, abort, _, _) in enumerate(workload):
+            if abort == step and seqs.get(i) and seqs[i][0].seq_id not in sim.final:
                 sim.batcher.abort(seqs[i][0])
         if len(seqs) == len(workload) and not sim.batcher.has_work and not sim._pending:
             break
@@ -61,7 +94,7 @@ def test_random_shared_prefixes_give_the_reference_tokens_and_every_block_back(c
             kv.check_invariants()
     else:
         raise AssertionError("did not finish")
-    for i, (_, prompt, num_new, abort, _) in enumerate(workload):
+    for i, (_, prompt, num_new, abort, *_) in enumerate(workload):
         for k, seq in enumerate(seqs[i]):
             final = sim.final.get(seq.seq_id)
             tokens = sim.tokens[seq.seq_id]
