@@ -1,7 +1,8 @@
 """Random workloads through the batcher on simulated ranks: prompts that share prefixes (whole
 blocks and parts of blocks), requests of several samples (the later ones led by the first),
 arrivals spread over the steps, a pool small enough to evict and preempt, aborts (of a first
-sample too), batch-priority requests, one and two ranks, one and two steps in flight, and the
+sample too), batch-priority requests, requests scoring their prompt from a position (each
+position reported once, whatever was cached or re-prefilled), one and two ranks, one and two steps in flight, and the
 SLO step budget with shedding (its decisions on a clock that moves 3 ms a step).
 
 SimRank computes each token from the KV slots a sequence reads (copied blocks included) and
@@ -9,31 +10,69 @@ refuses a write into a block another sequence holds, so every request that was n
 end with reference_tokens; afterwards every block is back (free or cached, unreferenced) and the
 pools' invariants hold after every step."""
 
+import collections
 import dataclasses
 import random
 
 import pytest
 
 from gateway.requests import ErrorCode, FinishReason, GenerationError, Sequence
+from services import step_codec
+from services.step import LogprobSpec, TokenLogprob
 from services.text import IncrementalDetokenizer
-from tests.gateway.fakes import FakeTokenizer, make_request, reference_tokens
+from tests.gateway.fakes import FakeTokenizer, fake_logprob, make_request, reference_tokens
 from tests.gateway.test_batcher import assert_all_blocks_back
 from tests.gateway.test_samples import SampleSim as _SampleSim
 
 
 class SampleSim(_SampleSim):
-    """Samples of one request led by the first (test_samples.SampleSim's), of either priority."""
+    """Samples of one request led by the first (test_samples.SampleSim's), of either priority, and
+    prompt log-probabilities routed to their sequences as the engine routes them."""
 
-    def add_samples(self, prompt_ids, max_new_tokens, n, *, is_batch=False):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seqs: dict[int, Sequence] = {}
+        self.prompt_logprobs: dict[int, list] = collections.defaultdict(list)
+
+    def add_samples(self, prompt_ids, max_new_tokens, n, *, is_batch=False, prompt_logprobs_start=None):
         request = dataclasses.replace(make_request(prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
                                                    ignore_eos=True), is_batch=is_batch)
+        if prompt_logprobs_start is not None:
+            request = dataclasses.replace(request, logprobs=LogprobSpec(prompt_logprobs=True),
+                                          prompt_logprobs_start=prompt_logprobs_start)
         seqs = []
         for _ in range(n):
             seq = Sequence(self.batcher.new_seq_id(), request, IncrementalDetokenizer(FakeTokenizer()),
                            leader=seqs[0] if seqs else None)
             self.batcher.add(seq)
+            self.seqs[seq.seq_id] = seq
             seqs.append(seq)
         return seqs
+
+    def step(self):
+        batch = self.batcher.schedule()
+        self.batches.append(batch)
+        self._record(batch.events)
+        if not batch.is_empty:
+            tokens, scored = {}, []
+            for rank, plan in zip(self.ranks, batch.plans):
+                tokens.update(rank.run(step_codec.plan_to_request(plan.to_step_plan(batch.step_id, "g", 1)).plan))
+                scored += rank.scored
+            self._pending.append((batch.step_id, tokens, scored))
+        while len(self._pending) >= self.depth or (self._pending and batch.is_empty):
+            step_id, tokens, scored = self._pending.popleft()
+            for seq_id, position, token_id in scored:  # as Engine._route_logprobs
+                seq = self.seqs[seq_id]
+                if not seq.is_finished and not (seq_id in tokens and position >= seq.num_tokens):
+                    seq.add_prompt_logprob(position, TokenLogprob(token_id, fake_logprob(position, token_id)))
+            self._record(self.batcher.apply_results(step_id, tokens))
+        return batch
+
+    def _record(self, events):
+        super()._record(events)
+        for seq, item in events:
+            if not isinstance(item, GenerationError) and item.prompt_logprobs:
+                self.prompt_logprobs[seq.seq_id] += item.prompt_logprobs
 
 
 # (ranks, steps in flight, KV blocks a rank, block size, max_batch_tokens, prefill_chunk_size, the step budget's
@@ -47,7 +86,8 @@ STEP_S = 0.003
 
 
 def _workload(rng: random.Random, block_size: int):
-    """(arrival step, prompt, max_new_tokens, abort step or None, samples, is_batch) of each request."""
+    """(arrival step, prompt, max_new_tokens, abort step or None, samples, is_batch, prompt_logprobs_start
+    or None) of each request."""
     prefixes = [[26 + rng.randrange(26) for _ in range(rng.randrange(1, 3 * block_size))] for _ in range(3)]
     requests, step = [], 0
     for _ in range(rng.randrange(8, 20)):
@@ -58,7 +98,9 @@ def _workload(rng: random.Random, block_size: int):
         if not prompt:
             prompt = [26 + rng.randrange(26)]
         abort = step + rng.randrange(1, 8) if rng.random() < 0.15 else None
-        requests.append((step, prompt, rng.randrange(1, 17), abort, rng.choice((1, 1, 1, 2, 3)), rng.random() < 0.3))
+        scored = rng.randrange(len(prompt)) if len(prompt) > 1 and rng.random() < 0.2 else None
+        samples = 1 if scored is not None else rng.choice((1, 1, 1, 2, 3))
+        requests.append((step, prompt, rng.randrange(1, 17), abort, samples, rng.random() < 0.3, scored))
     return requests
 
 
@@ -77,14 +119,14 @@ def test_random_shared_prefixes_give_the_reference_tokens_and_every_block_back(c
     seqs = {}   # request index -> its samples' sequences (none if it was refused)
     for step in range(3000):
         now[0] = step * STEP_S
-        for i, (arrival, prompt, num_new, _, n, is_batch) in enumerate(workload):
+        for i, (arrival, prompt, num_new, _, n, is_batch, scored) in enumerate(workload):
             if arrival == step:
                 try:
-                    seqs[i] = sim.add_samples(prompt, num_new, n, is_batch=is_batch)
+                    seqs[i] = sim.add_samples(prompt, num_new, n, is_batch=is_batch, prompt_logprobs_start=scored)
                 except GenerationError as refused:   # shed by the budget's admission
                     assert budget and refused.code is ErrorCode.RESOURCE_EXHAUSTED, refused
                     seqs[i] = []
-        for i, (*_, abort, _, _) in enumerate(workload):
+        for i, (*_, abort, _, _, _) in enumerate(workload):
             if abort == step and seqs.get(i) and seqs[i][0].seq_id not in sim.final:
                 sim.batcher.abort(seqs[i][0])
         if len(seqs) == len(workload) and not sim.batcher.has_work and not sim._pending:
@@ -94,7 +136,7 @@ def test_random_shared_prefixes_give_the_reference_tokens_and_every_block_back(c
             kv.check_invariants()
     else:
         raise AssertionError("did not finish")
-    for i, (_, prompt, num_new, abort, *_) in enumerate(workload):
+    for i, (_, prompt, num_new, abort, _, _, scored) in enumerate(workload):
         for k, seq in enumerate(seqs[i]):
             final = sim.final.get(seq.seq_id)
             tokens = sim.tokens[seq.seq_id]
@@ -102,4 +144,8 @@ def test_random_shared_prefixes_give_the_reference_tokens_and_every_block_back(c
             if abort is None or k > 0:
                 assert not isinstance(final, GenerationError), (i, k, final)
                 assert len(tokens) == num_new and final.finish_reason is FinishReason.LENGTH, (i, k, final)
+                if scored is not None:  # each prompt position from the start on, once, as the rank scored it
+                    first = max(1, scored)
+                    assert [(lp.token_id, lp.logprob) for lp in sim.prompt_logprobs[seq.seq_id]] == [
+                        (prompt[p], fake_logprob(p, prompt[p])) for p in range(first, len(prompt))], (i, prompt)
     assert_all_blocks_back(sim.batcher)
