@@ -1,14 +1,15 @@
 """Random workloads through the batcher on simulated ranks: prompts that share prefixes (whole
 blocks and parts of blocks), requests of several samples (the later ones led by the first),
 arrivals spread over the steps, a pool small enough to evict and preempt, aborts (of a first
-sample too), batch-priority requests, requests scoring their prompt from a position (each
-position reported once, whatever was cached or re-prefilled), one and two ranks, one and two steps in flight, and the
-SLO step budget with shedding (its decisions on a clock that moves 3 ms a step).
+sample too), batch-priority requests, requests scoring their prompt from a position, one and two
+ranks, one and two steps in flight, and the SLO step budget with shedding (its decisions on a
+clock that moves 3 ms a step).
 
 SimRank computes each token from the KV slots a sequence reads (copied blocks included) and
-refuses a write into a block another sequence holds, so every request that was not aborted must
-end with reference_tokens; afterwards every block is back (free or cached, unreferenced) and the
-pools' invariants hold after every step."""
+refuses a write into a block another sequence holds, so every request that was neither aborted
+nor refused must end with reference_tokens, and a scoring one must report each prompt position
+from its start once, whatever was cached or prefilled again; afterwards every block is back (free
+or cached, unreferenced) and the pools' invariants hold after every step."""
 
 import collections
 import dataclasses
