@@ -1,4 +1,6 @@
-"""The radix tree of full KV blocks: lookup, references, LRU eviction, hash collisions."""
+"""The radix tree of KV blocks: lookup, references, LRU eviction, hash collisions, tails and live nodes."""
+
+import random
 
 import pytest
 
@@ -145,3 +147,52 @@ def test_a_live_node_is_found_like_a_tail_but_stays_its_sequences():
     cache.remove_live(live)
     assert cache.match_tail(parent, [5, 6], 9) == (None, 0) and cache.evict(9) == [10]
     assert cache.num_blocks == 0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_match_tail_agrees_with_a_search_of_every_child_as_children_come_and_go(seed):
+    """Random full blocks, tails and live nodes under one parent over 3 token values (so that many
+    share prefixes), some removed or evicted between lookups: the sorted children stay those of
+    the tree, and match_tail's answer has the longest common prefix of any child."""
+    rng = random.Random(seed)
+    cache = PrefixCache(6)
+    (parent,) = insert_path(cache, [9] * 6, [0])
+    lives, next_block = [], 1
+
+    def tokens(n):
+        return tuple(rng.randrange(3) for _ in range(n))
+
+    for _ in range(60):
+        kind = rng.random()
+        if kind < 0.3:
+            full = tokens(6)
+            node = cache.insert(parent, hash(full), full, next_block)
+            if node is not None:
+                cache.release([node])
+        elif kind < 0.6:
+            cache.insert_tail(parent, tokens(rng.randrange(1, 6)), next_block)
+        elif kind < 0.75:
+            node = cache.insert_live(parent, tokens(rng.randrange(1, 6)), next_block)
+            lives += [node] if node is not None else []
+        elif kind < 0.85 and lives:
+            cache.remove_live(lives.pop(rng.randrange(len(lives))))
+        else:
+            cache.evict(rng.randrange(1, 4))
+        next_block += 1
+        children = list(parent.children.values())
+        assert sorted(id(c) for c in parent.by_tokens) == sorted(id(c) for c in children)
+        assert [c.token_ids for c in parent.by_tokens] == sorted(c.token_ids for c in children)
+        for _ in range(5):
+            query, cap = list(tokens(rng.randrange(1, 8))), rng.randrange(1, 9)
+            node, k = cache.match_tail(parent, query, cap)
+            limit = min(cap, len(query), 5)
+
+            def common(child):
+                n = 0
+                while n < min(limit, len(child.token_ids)) and child.token_ids[n] == query[n]:
+                    n += 1
+                return n
+
+            best = max((common(c) for c in children), default=0)
+            assert k == best, (query, cap, k, best)
+            assert (node is None) == (best == 0) and (node is None or common(node) == k)
