@@ -35,7 +35,6 @@ from services.model.checkpoint import load_weights
 from services.model.config import DTYPES
 from services.model.exchange.cost_model import LinkCosts, RowShape, Topology
 from services.model.exchange.plan import DispatchPlan
-from services.model.kernels.quant_variants import use_gemv_variants
 from services.model.qwen3_moe import Qwen3MoeModel
 from services.model.random_weights import RandomWeights, serving_model_config
 from services.tokenizer import Tokenizer
@@ -57,6 +56,7 @@ class ModelBuilder:
         the group's process group), then the model and the KV pool."""
         cfg, mc = self.config, self.model_config
         if cfg.quant_gemv_variants:  # process-wide knobs, before any kernel launches or graph capture
+            from services.model.kernels.quant_variants import use_gemv_variants  # triton: only with the flag
             log.info("quantized GEMV variants on: %s", ", ".join(use_gemv_variants(cfg.quant_gemv_variants)))
         if cfg.random_weights:  # benchmarks: drawn on the device as the model reads them
             weights = RandomWeights.for_preset(cfg.random_weights, mc, expert_ids, cfg.random_weights_seed,

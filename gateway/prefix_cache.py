@@ -194,10 +194,8 @@ class PrefixCache:
         key = hash((parent.key, "live", block_id))
         if key in parent.children:
             return None
-        node = Node(parent, key, token_ids, block_id)
+        node = self._attach(parent, key, token_ids, block_id)
         node.is_live, node.ref_count = True, 1
-        parent.children[key] = node
-        bisect.insort(parent.by_tokens, node, key=_tokens)
         return node
 
     def remove_live(self, node: Node) -> None:
@@ -220,10 +218,16 @@ class PrefixCache:
         return parent
 
     def _add_child(self, parent: Node, key: int, token_ids: tuple[int, ...], block_id: int) -> Node:
+        """A new cached block under parent (counted in num_blocks)."""
+        self.num_blocks += 1
+        return self._attach(parent, key, token_ids, block_id)
+
+    @staticmethod
+    def _attach(parent: Node, key: int, token_ids: tuple[int, ...], block_id: int) -> Node:
+        """A new node under parent, in its children and their sorted order (_detach's reverse)."""
         child = Node(parent, key, token_ids, block_id)
         parent.children[key] = child
         bisect.insort(parent.by_tokens, child, key=_tokens)
-        self.num_blocks += 1
         return child
 
     def evict(self, num_blocks: int) -> list[int]:

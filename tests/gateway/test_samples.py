@@ -55,10 +55,12 @@ def test_coalescing_merges_each_sample_on_its_own_and_never_two_samples():
 class SampleSim(Sim):
     """Sim with requests of n samples: the later ones led by the first (as the Frontend submits them)."""
 
-    def add_samples(self, prompt_ids, max_new_tokens, n):
+    def add_samples(self, prompt_ids, max_new_tokens, n, **request_fields):
+        """n samples of one request (request_fields: ValidatedRequest's, beside the defaults)."""
+        request = dataclasses.replace(make_request(prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
+                                                   ignore_eos=True), **request_fields)
         seqs = []
         for i in range(n):
-            request = make_request(prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, ignore_eos=True)
             seq = Sequence(self.batcher.new_seq_id(), request, IncrementalDetokenizer(FakeTokenizer()),
                            leader=seqs[0] if seqs else None)
             self.batcher.add(seq)

@@ -36,10 +36,17 @@ class Sim:
         self.batches.append(batch)
         self._record(batch.events)
         if not batch.is_empty:
-            self._pending.append((batch.step_id, run_batch(self.ranks, batch)))
+            self._pending.append(self._run(batch))
         while len(self._pending) >= self.depth or (self._pending and batch.is_empty):
-            self._record(self.batcher.apply_results(*self._pending.popleft()))
+            self._record(self._apply(*self._pending.popleft()))
         return batch
+
+    def _run(self, batch):
+        """Runs the step on the ranks: what _apply takes once its results are due."""
+        return batch.step_id, run_batch(self.ranks, batch)
+
+    def _apply(self, step_id, tokens):
+        return self.batcher.apply_results(step_id, tokens)
 
     def run(self, max_steps=2000):
         for _ in range(max_steps):

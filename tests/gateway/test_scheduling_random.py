@@ -12,62 +12,41 @@ from its start once, whatever was cached or prefilled again; afterwards every bl
 or cached, unreferenced) and the pools' invariants hold after every step."""
 
 import collections
-import dataclasses
 import random
 
 import pytest
 
 from gateway.requests import ErrorCode, FinishReason, GenerationError, Sequence
-from services import step_codec
 from services.step import LogprobSpec, TokenLogprob
-from services.text import IncrementalDetokenizer
-from tests.gateway.fakes import FakeTokenizer, fake_logprob, make_request, reference_tokens
+from tests.gateway.fakes import fake_logprob, reference_tokens
 from tests.gateway.test_batcher import assert_all_blocks_back
 from tests.gateway.test_samples import SampleSim as _SampleSim
 
 
 class SampleSim(_SampleSim):
-    """Samples of one request led by the first (test_samples.SampleSim's), of either priority, and
-    prompt log-probabilities routed to their sequences as the engine routes them."""
+    """Samples of one request led by the first (test_samples.SampleSim's), with prompt
+    log-probabilities routed to their sequences as Engine._route_logprobs routes them."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.seqs: dict[int, Sequence] = {}
         self.prompt_logprobs: dict[int, list] = collections.defaultdict(list)
 
-    def add_samples(self, prompt_ids, max_new_tokens, n, *, is_batch=False, prompt_logprobs_start=None):
-        request = dataclasses.replace(make_request(prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
-                                                   ignore_eos=True), is_batch=is_batch)
-        if prompt_logprobs_start is not None:
-            request = dataclasses.replace(request, logprobs=LogprobSpec(prompt_logprobs=True),
-                                          prompt_logprobs_start=prompt_logprobs_start)
-        seqs = []
-        for _ in range(n):
-            seq = Sequence(self.batcher.new_seq_id(), request, IncrementalDetokenizer(FakeTokenizer()),
-                           leader=seqs[0] if seqs else None)
-            self.batcher.add(seq)
-            self.seqs[seq.seq_id] = seq
-            seqs.append(seq)
+    def add_samples(self, prompt_ids, max_new_tokens, n, **request_fields):
+        seqs = super().add_samples(prompt_ids, max_new_tokens, n, **request_fields)
+        self.seqs.update((seq.seq_id, seq) for seq in seqs)
         return seqs
 
-    def step(self):
-        batch = self.batcher.schedule()
-        self.batches.append(batch)
-        self._record(batch.events)
-        if not batch.is_empty:
-            tokens, scored = {}, []
-            for rank, plan in zip(self.ranks, batch.plans):
-                tokens.update(rank.run(step_codec.plan_to_request(plan.to_step_plan(batch.step_id, "g", 1)).plan))
-                scored += rank.scored
-            self._pending.append((batch.step_id, tokens, scored))
-        while len(self._pending) >= self.depth or (self._pending and batch.is_empty):
-            step_id, tokens, scored = self._pending.popleft()
-            for seq_id, position, token_id in scored:  # as Engine._route_logprobs
-                seq = self.seqs[seq_id]
-                if not seq.is_finished and not (seq_id in tokens and position >= seq.num_tokens):
-                    seq.add_prompt_logprob(position, TokenLogprob(token_id, fake_logprob(position, token_id)))
-            self._record(self.batcher.apply_results(step_id, tokens))
-        return batch
+    def _run(self, batch):
+        step_id, tokens = super()._run(batch)
+        return step_id, tokens, [scored for rank in self.ranks for scored in rank.scored]
+
+    def _apply(self, step_id, tokens, scored):
+        for seq_id, position, token_id in scored:
+            seq = self.seqs[seq_id]
+            if not seq.is_finished and not (seq_id in tokens and position >= seq.num_tokens):
+                seq.add_prompt_logprob(position, TokenLogprob(token_id, fake_logprob(position, token_id)))
+        return super()._apply(step_id, tokens)
 
     def _record(self, events):
         super()._record(events)
@@ -123,7 +102,9 @@ def test_random_shared_prefixes_give_the_reference_tokens_and_every_block_back(c
         for i, (arrival, prompt, num_new, _, n, is_batch, scored) in enumerate(workload):
             if arrival == step:
                 try:
-                    seqs[i] = sim.add_samples(prompt, num_new, n, is_batch=is_batch, prompt_logprobs_start=scored)
+                    scoring = {} if scored is None else {"logprobs": LogprobSpec(prompt_logprobs=True),
+                                                         "prompt_logprobs_start": scored}
+                    seqs[i] = sim.add_samples(prompt, num_new, n, is_batch=is_batch, **scoring)
                 except GenerationError as refused:   # shed by the budget's admission
                     assert budget and refused.code is ErrorCode.RESOURCE_EXHAUSTED, refused
                     seqs[i] = []
