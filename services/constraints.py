@@ -132,7 +132,15 @@ class Compiler:
         return matcher
 
     def _build(self, constraint: Constraint) -> CompiledConstraint:
-        template = llguidance.LLMatcher(self._tokenizer, _grammar(constraint), log_level=0)
+        try:
+            grammar = _grammar(constraint)
+        except ConstraintError:
+            raise
+        except ValueError as error:
+            # llguidance's own refusals of what it cannot read: a JSON Schema value past its
+            # JSON (an integer over 64 bits, an escaped lone surrogate), text UTF-8 cannot encode.
+            raise ConstraintError(constraint.field, f"does not compile: {error}") from None
+        template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if not template.is_error():
             # The first mask builds the lexer's initial states; every copy starts from them.
             template.compute_bitmask()

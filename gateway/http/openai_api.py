@@ -3,9 +3,11 @@
 `parse_completion` and `parse_chat` turn the body of POST /v1/completions and
 /v1/chat/completions into an `ApiRequest` holding a GenerateRequest, which the
 gateway's Frontend validates like any gRPC request: only JSON types are
-checked here (a string where a number belongs cannot become a proto field);
-ranges and limits are the Frontend's, and `param_of` maps the field its
-RequestError names (sampling.temperature) back to the OpenAI parameter
+checked here (a string where a number belongs cannot become a proto field),
+and what no proto field can hold: an integer past its field's width, a string
+with a lone UTF-16 surrogate (JSON's "\\ud800" escape, which Python decodes but
+UTF-8 cannot encode). Ranges and limits are the Frontend's, and `param_of`
+maps the field its RequestError names (sampling.temperature) back to the OpenAI parameter
 (temperature). A parameter this server cannot honour (echo, logit_bias,
 penalties, tools) is refused, not ignored.
 
@@ -22,7 +24,9 @@ from moe.gateway.v1 import gateway_pb2
 # Parameters of OpenAI's API this server does not implement, with the value that means "not used".
 _UNSUPPORTED = {"echo": (False, None), "suffix": (None, ""), "logit_bias": (None, {}),
                 "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-                "tools": (None, []), "functions": (None, []), "best_of": (None, 1)}
+                "tools": (None, []), "functions": (None, []), "best_of": (None, 1),
+                # Without tools a call cannot be forced; "none" and "auto" ask for none.
+                "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto")}
 _CHAT_ROLES = {"developer": "system"}  # OpenAI's newer name for the system turn
 
 
@@ -60,7 +64,8 @@ class ApiRequest:
 
 
 def _bad(param: str, detail: str) -> ApiError:
-    return ApiError(400, f"{param} {detail}", param=param)
+    """A 400 naming `param`; a detail starting with an index ("[2] must ...") continues its path."""
+    return ApiError(400, f"{param}{'' if detail.startswith('[') else ' '}{detail}", param=param)
 
 
 def _get(body: dict, name: str, kinds: tuple[type, ...], what: str, default=None):
@@ -74,17 +79,44 @@ def _get(body: dict, name: str, kinds: tuple[type, ...], what: str, default=None
     return value
 
 
-def _non_negative(body: dict, name: str) -> int | None:
+def _non_negative(body: dict, name: str, bits: int = 32) -> int | None:
+    """An unsigned integer parameter whose proto field has `bits` bits."""
     value = _get(body, name, (int,), "a non-negative integer")
     if value is not None and value < 0:
         raise _bad(name, f"must be a non-negative integer, got {value}")
+    if value is not None and value >= 2 ** bits:
+        raise _bad(name, f"must be below 2**{bits}, got {value}")
     return value
+
+
+def _lone_surrogate(value, path: str) -> str | None:
+    """The JSON path ("" for the body) of the first string in `value` that UTF-8 cannot encode;
+    a key that cannot be encoded names the object holding it."""
+    children = ()
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+    elif isinstance(value, dict):
+        if _lone_surrogate("".join(value), path) is not None:
+            return path
+        children = ((item, f"{path}.{key}" if path else key) for key, item in value.items())
+    elif isinstance(value, list):
+        children = ((item, f"{path}[{i}]") for i, item in enumerate(value))
+    return next((found for item, where in children if (found := _lone_surrogate(item, where)) is not None),
+                None)
 
 
 def _common(body: dict, sampling: gateway_pb2.SamplingParams) -> dict:
     """The sampling parameters both endpoints share; returns the request's framing flags."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    where = _lone_surrogate(body, "")
+    if where is not None:
+        param = re.split(r"[.\[]", where, maxsplit=1)[0] or None
+        raise ApiError(400, f"{where or 'the body'} holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape "
+                            "without its pair), which is not text", param=param)
     for name, unused in _UNSUPPORTED.items():
         if name in body and body[name] not in unused:
             raise _bad(name, "is not supported by this server")
@@ -92,19 +124,21 @@ def _common(body: dict, sampling: gateway_pb2.SamplingParams) -> dict:
         value = _get(body, name, (int, float), "a number")
         if value is not None:
             setattr(sampling, name, value)
-    sampling.top_k = _get(body, "top_k", (int,), "an integer", 0)  # vLLM's extension
+    top_k = _get(body, "top_k", (int,), "an integer", 0)  # vLLM's extension
+    if not -2 ** 31 <= top_k < 2 ** 31:
+        raise _bad("top_k", f"must be a 32-bit integer, got {top_k}")
+    sampling.top_k = top_k
     sampling.ignore_eos = _get(body, "ignore_eos", (bool,), "a boolean", False)
-    seed = _non_negative(body, "seed")
+    seed = _non_negative(body, "seed", bits=64)
     if seed is not None:
-        if seed >= 2 ** 64:
-            raise _bad("seed", f"must be below 2**64, got {seed}")
         sampling.seed = seed
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop
     if stops is not None and not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
         raise _bad("stop", "must be a string or a list of strings")
     sampling.stop.extend(stops or ())
-    n = _get(body, "n", (int,), "a positive integer", 1)
+    n = _non_negative(body, "n")
+    n = 1 if n is None else n
     if n < 1:
         raise _bad("n", f"must be a positive integer, got {n}")
     sampling.n = n
@@ -153,10 +187,8 @@ def parse_completion(body: dict, request_id: str) -> ApiRequest:
     flags = _common(body, sampling)
     max_tokens = _non_negative(body, "max_tokens")
     sampling.max_new_tokens = 16 if max_tokens is None else max_tokens  # OpenAI's default for completions
-    num_top = _get(body, "logprobs", (int,), "an integer in [0, 20]")
+    num_top = _non_negative(body, "logprobs")
     if num_top is not None:
-        if num_top < 0:
-            raise _bad("logprobs", f"must be an integer in [0, 20], got {num_top}")
         sampling.logprobs, sampling.top_logprobs = True, num_top
     request = gateway_pb2.GenerateRequest(request_id=request_id, sampling=sampling, priority=_priority(body))
     prompt = body.get("prompt")
@@ -165,6 +197,10 @@ def parse_completion(body: dict, request_id: str) -> ApiRequest:
     if isinstance(prompt, str):
         request.prompt = prompt
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        # Ids past int32 cannot reach the Frontend's check against the vocabulary.
+        wide = next((i for i, t in enumerate(prompt) if not -2 ** 31 <= t < 2 ** 31), None)
+        if wide is not None:
+            raise _bad("prompt", f"[{wide}] must be a token id, got {prompt[wide]}")
         request.input_ids.ids.extend(prompt)
     else:
         raise _bad("prompt", "must be a string or a list of token ids (one prompt per request)")
@@ -178,11 +214,9 @@ def parse_chat(body: dict, request_id: str) -> ApiRequest:
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     sampling.max_new_tokens = _non_negative(body, param) or 0
     is_logprobs = _get(body, "logprobs", (bool,), "a boolean", False)
-    num_top = _get(body, "top_logprobs", (int,), "an integer in [0, 20]")
+    num_top = _non_negative(body, "top_logprobs")
     if num_top is not None and not is_logprobs:
         raise _bad("top_logprobs", "requires logprobs: true")
-    if num_top is not None and num_top < 0:
-        raise _bad("top_logprobs", f"must be an integer in [0, 20], got {num_top}")
     if is_logprobs:
         sampling.logprobs, sampling.top_logprobs = True, num_top or 0
     request = gateway_pb2.GenerateRequest(request_id=request_id, sampling=sampling, priority=_priority(body))

@@ -35,6 +35,10 @@ BAD = [
     ("grammar", "start: /a(/"),
     ("choice", ()),
     ("choice", ("yes", "")),
+    # What llguidance refuses with a ValueError of its own rather than a compile error.
+    ("json_schema", '{"type": "array", "minItems": 100000000000000000000}'),
+    ("json_schema", '{"type": "string", "pattern": "\\ud800"}'),
+    ("regex", "\ud800"),
 ]
 
 
@@ -50,6 +54,14 @@ def test_a_bad_constraint_names_its_field(compiler, kind, text):
     assert caught.value.field == f"sampling.{kind}"
     assert isinstance(caught.value, SpecError) and str(caught.value).startswith(f"sampling.{kind} ")
     assert caught.value.reason
+
+
+def test_a_refusal_of_a_lone_surrogate_is_itself_text(compiler):
+    # The message goes back as a gRPC status's details and in an HTTP error's JSON: UTF-8.
+    with pytest.raises(ConstraintError) as caught:
+        compiler.compile(Constraint("json_schema", '{"enum": ["\\udc00"]}'))
+    assert "does not compile" in str(caught.value)
+    str(caught.value).encode("utf-8")
 
 
 def test_unsupported_keyword_and_bad_regex_say_why(compiler):

@@ -69,6 +69,26 @@ def test_a_chat_request_with_response_formats_and_max_completion_tokens():
     (parse_chat, {"messages": [{"role": "user", "content": "a"}],
                   "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     (parse_chat, {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, "tools"),
+    (parse_chat, {"messages": [], "tool_choice": "required"}, "tool_choice"),
+    # Integers past their proto field's width.
+    (parse_chat, {"messages": [], "max_tokens": 2 ** 32}, "max_tokens"),
+    (parse_chat, {"messages": [], "max_completion_tokens": 10 ** 12}, "max_completion_tokens"),
+    (parse_chat, {"messages": [], "top_k": 2 ** 31}, "top_k"),
+    (parse_chat, {"messages": [], "top_k": -2 ** 31 - 1}, "top_k"),
+    (parse_chat, {"messages": [], "n": 2 ** 40}, "n"),
+    (parse_chat, {"messages": [], "logprobs": True, "top_logprobs": 2 ** 32}, "top_logprobs"),
+    (parse_completion, {"prompt": "a", "logprobs": 2 ** 32}, "logprobs"),
+    (parse_completion, {"prompt": "a", "seed": 2 ** 64}, "seed"),
+    (parse_completion, {"prompt": [1, 2 ** 31]}, "prompt"),
+    # Lone UTF-16 surrogates (JSON's "\udc80" escape, decoded by Python, not encodable as UTF-8).
+    (parse_chat, {"messages": [{"role": "user", "content": "\udc80"}]}, "messages"),
+    (parse_chat, {"messages": [{"role": "\ud800", "content": "a"}]}, "messages"),
+    (parse_chat, {"messages": [], "stop": ["ok", "\ud800"]}, "stop"),
+    (parse_chat, {"messages": [], "model": "\ud800"}, "model"),
+    (parse_chat, {"messages": [], "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "string", "pattern": "\ud800"}}}}, "response_format"),
+    (parse_completion, {"prompt": "a\ud800b"}, "prompt"),
+    (parse_completion, {"prompt": "a", "\ud800": 1}, None),
 ])
 def test_json_that_cannot_be_a_request_is_a_400_naming_the_parameter(parse, body, param):
     with pytest.raises(ApiError) as error:
@@ -78,9 +98,21 @@ def test_json_that_cannot_be_a_request_is_a_400_naming_the_parameter(parse, body
                                             "param": param, "code": None}}
 
 
+def test_errors_name_the_place_of_what_they_refuse():
+    with pytest.raises(ApiError, match=r"^prompt\[1\] must be a token id, got 2147483648$"):
+        parse_completion({"prompt": [1, 2 ** 31]}, "r")
+    with pytest.raises(ApiError, match=r"^messages\[1\]\.content holds a lone UTF-16 surrogate"):
+        parse_chat({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "\udc80"}]}, "r")
+    with pytest.raises(ApiError, match=r"^max_tokens must be below 2\*\*32, got 4294967296$"):
+        parse_chat({"messages": [], "max_tokens": 2 ** 32}, "r")
+    # The largest values the fields hold pass on to the Frontend, which checks the limits.
+    api = parse_chat({"messages": [], "max_tokens": 2 ** 32 - 1, "top_k": 2 ** 31 - 1, "n": 2 ** 32 - 1}, "r")
+    assert (api.request.sampling.max_new_tokens, api.request.sampling.top_k) == (2 ** 32 - 1, 2 ** 31 - 1)
+
+
 def test_unsupported_parameters_at_their_unused_values_are_accepted():
     api = parse_completion({"prompt": "a", "echo": False, "logit_bias": {}, "presence_penalty": 0,
-                            "best_of": 1, "suffix": None}, "r")
+                            "best_of": 1, "suffix": None, "tool_choice": "none"}, "r")
     assert api.request.prompt == "a"
 
 
