@@ -89,6 +89,14 @@ def _non_negative(body: dict, name: str, bits: int = 32) -> int | None:
     return value
 
 
+def _max_tokens(body: dict, name: str) -> int | None:
+    """The length limit; an explicit 0 is refused (the proto's 0 would mean the server's default)."""
+    value = _non_negative(body, name)
+    if value == 0:
+        raise _bad(name, "must be at least 1, got 0")
+    return value
+
+
 def _lone_surrogate(value, path: str) -> str | None:
     """The JSON path ("" for the body) of the first string in `value` that UTF-8 cannot encode;
     a key that cannot be encoded names the object holding it."""
@@ -185,7 +193,7 @@ def parse_completion(body: dict, request_id: str) -> ApiRequest:
     """The body of POST /v1/completions; raises ApiError."""
     sampling = gateway_pb2.SamplingParams()
     flags = _common(body, sampling)
-    max_tokens = _non_negative(body, "max_tokens")
+    max_tokens = _max_tokens(body, "max_tokens")
     sampling.max_new_tokens = 16 if max_tokens is None else max_tokens  # OpenAI's default for completions
     num_top = _non_negative(body, "logprobs")
     if num_top is not None:
@@ -212,7 +220,7 @@ def parse_chat(body: dict, request_id: str) -> ApiRequest:
     sampling = gateway_pb2.SamplingParams()
     flags = _common(body, sampling)
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    sampling.max_new_tokens = _non_negative(body, param) or 0
+    sampling.max_new_tokens = _max_tokens(body, param) or 0  # 0: the server's default
     is_logprobs = _get(body, "logprobs", (bool,), "a boolean", False)
     num_top = _non_negative(body, "top_logprobs")
     if num_top is not None and not is_logprobs:

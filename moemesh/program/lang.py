@@ -101,6 +101,8 @@ def gen(name: str, max_tokens: int = 128, *, stop: str | Sequence[str] = (), tem
                    if value is not None]
     if len(constraints) > 1:
         raise ValueError(f"gen {name!r}: at most one of regex, json_schema, choices, got {constraints}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"gen {name!r}: max_tokens must be a positive integer, got {max_tokens!r}")
     return Gen(name, max_tokens, stop, temperature, regex, json_schema, choices, options)
 
 

@@ -23,6 +23,7 @@ import inspect
 import itertools
 import json
 import time
+from typing import Any
 
 from opentelemetry import trace
 from prometheus_client import Histogram
@@ -166,7 +167,7 @@ class Run:
     async def finish(self) -> None:
         """Waits for every node (the body has returned); raises the run's failure if it has one."""
         while pending := [f for f in self._futures if not f.done()]:
-            await asyncio.wait([asyncio.wrap_future(f) for f in pending])
+            await asyncio.wait([_wrap(f) for f in pending])
         self.is_closed = True
         if self.failure is not None:
             raise self.failure
@@ -174,7 +175,7 @@ class Run:
             future.result()
 
     async def _prompt(self, pieces: list[cf.Future]) -> list[int]:
-        outputs = await asyncio.gather(*(asyncio.wrap_future(p) for p in pieces))
+        outputs = await asyncio.gather(*(_wrap(p) for p in pieces))
         return [token for output in outputs for token in output.token_ids]
 
     async def _text(self, text: str) -> Piece:
@@ -182,7 +183,7 @@ class Run:
 
     async def _resolve(self, ref: Ref):
         """A Ref's value: a json_schema gen's field as soon as it is complete, else once its node is done."""
-        node = asyncio.wrap_future(ref.future)
+        node = _wrap(ref.future)
         partial = self._partials.get(ref.future)
         if partial is not None and ref.keys and isinstance(ref.keys[0], str):
             value = await partial.wait(ref.keys[0], node)
@@ -211,7 +212,7 @@ class Run:
         result = await self._generate(request_id, step.name, await self._prompt(pieces), partial, **step.sampling())
         if result.finish_reason == "abort":
             raise GenerationAborted(f"request {request_id} was aborted after {len(result.token_ids)} tokens")
-        value = json.loads(result.text) if step.json_schema is not None else result.text
+        value = _parse_json(step, result) if step.json_schema is not None else result.text
         return NodeOutput(step.name, "gen", value, result.text, result.token_ids, result.usage,
                           request_ids=(request_id,))
 
@@ -251,3 +252,23 @@ class Run:
             value = await self.loop.run_in_executor(self.session.tool_pool, call)
         piece = await self._text(as_text(value))
         return NodeOutput(step.name, "tool", value, piece.text, piece.token_ids)
+
+
+def _wrap(future: cf.Future) -> asyncio.Future:
+    """The node's future on the loop. Its failure is the run's (ProgramError, raised once by
+    `finish`), so an await that ends first (a partial field, another input's failure) leaves
+    nothing for asyncio to report as "never retrieved"."""
+    wrapped = asyncio.wrap_future(future)
+    wrapped.add_done_callback(lambda done: done.cancelled() or done.exception())
+    return wrapped
+
+
+def _parse_json(step: Gen, result) -> Any:
+    """A json_schema gen's value; an output cut short says so rather than showing a parser's error."""
+    try:
+        return json.loads(result.text)
+    except ValueError:
+        if result.finish_reason == "length":
+            raise ValueError(f"the output reached max_tokens={step.max_tokens} before its JSON was complete: "
+                             f"{result.text[:200]!r}") from None
+        raise

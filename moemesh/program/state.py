@@ -65,7 +65,11 @@ class Ref:
     def index(self, value: Any, start: int = 0) -> Any:
         """value indexed by the keys from keys[start] on."""
         for key in self.keys[start:]:
-            value = value[key]
+            try:
+                value = value[key]
+            except (KeyError, IndexError, TypeError) as error:
+                raise LookupError(f"a reference's [{key!r}]: the value has no such key, it is the "
+                                  f"{type(value).__name__} {as_text(value)[:80]!r}") from error
         return value
 
 

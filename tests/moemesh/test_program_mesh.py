@@ -6,7 +6,9 @@ branches', forks' cached prefix, and a failing tool aborting the rest.
 """
 
 import asyncio
+import gc
 import importlib.util
+import logging
 import pathlib
 import time
 import urllib.request
@@ -297,6 +299,37 @@ def test_a_failing_tool_fails_the_program_and_aborts_the_other_requests(runtime,
         assert time.monotonic() < deadline, (num_aborted(mesh) - aborted_before, num_running(mesh))
         time.sleep(0.05)
     assert num_aborted(mesh) == aborted_before + 1
+
+
+@moemesh.function
+def cut_short(s):
+    s += "Reply with a JSON object:"
+    s += moemesh.gen("fields", max_tokens=3, json_schema={
+        "type": "object", "properties": {"note": {"type": "string", "minLength": 20}}, "required": ["note"]})
+    s += moemesh.bind(record_call, order_id=s.ref("fields")["note"])
+
+
+@moemesh.function
+def wrong_key(s):
+    s += "Say something:"
+    s += moemesh.gen("said", max_tokens=2)
+    s += moemesh.bind(record_call, order_id=s.ref("said")["id"])
+
+
+def test_failures_say_what_went_wrong_and_asyncio_reports_nothing(runtime, caplog):
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    with pytest.raises(moemesh.ProgramError, match=r"reached max_tokens=3 before its JSON was complete") as err:
+        cut_short.run(runtime=runtime)
+    assert (err.value.node, err.value.kind) == ("fields", "gen")
+    with pytest.raises(moemesh.ProgramError, match=r"a reference's \['id'\]: the value has no such key, "
+                                                   r"it is the str") as err:
+        wrong_key.run(runtime=runtime)
+    assert (err.value.node, err.value.kind) == ("record_call", "tool")
+    with pytest.raises(ValueError, match="max_tokens must be a positive integer, got 0"):
+        moemesh.gen("x", max_tokens=0)
+    # A failed node's future is the run's failure, raised once: none is left "never retrieved".
+    gc.collect()
+    assert "never retrieved" not in caplog.text
 
 
 def test_run_batch_keeps_the_order_and_reports_failures(runtime):

@@ -70,6 +70,9 @@ def test_a_chat_request_with_response_formats_and_max_completion_tokens():
                   "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     (parse_chat, {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, "tools"),
     (parse_chat, {"messages": [], "tool_choice": "required"}, "tool_choice"),
+    # An explicit 0 (the proto's 0 would mean the server's default length).
+    (parse_chat, {"messages": [], "max_tokens": 0}, "max_tokens"),
+    (parse_completion, {"prompt": "a", "max_tokens": 0}, "max_tokens"),
     # Integers past their proto field's width.
     (parse_chat, {"messages": [], "max_tokens": 2 ** 32}, "max_tokens"),
     (parse_chat, {"messages": [], "max_completion_tokens": 10 ** 12}, "max_completion_tokens"),
