@@ -2,8 +2,9 @@
 
 The keyword arguments of `Client.generate`/`stream` mirror SamplingParams'
 fields (`SamplingOptions`); a json_schema may be a dict (sent as JSON). Misuse
-that the proto could not even express (two inputs, two constraints) raises
-ValueError here; everything else is the gateway's to check, so that the rules
+that the proto could not even express (two inputs, two constraints, a value no
+field can hold) raises ValueError or TypeError here, naming the argument;
+everything else is the gateway's to check, so that the rules
 live in one place and its INVALID_ARGUMENT names the field.
 """
 
@@ -58,36 +59,54 @@ def sampling_params(*, max_new_tokens: int = 0, temperature: float = 0.0, top_p:
     constraints = [name for name in CONSTRAINTS if given[name]]
     if len(constraints) > 1:
         raise ValueError(f"at most one constraint may be given, got {', '.join(constraints)}")
-    sampling = gateway_pb2.SamplingParams(
-        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        stop=[stop] if isinstance(stop, str) else list(stop), ignore_eos=ignore_eos, logprobs=logprobs,
-        top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs, prompt_logprobs_start=prompt_logprobs_start,
-        n=n)
-    if seed is not None:
-        sampling.seed = seed
+    sampling = gateway_pb2.SamplingParams()
+    fields = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                  ignore_eos=ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs,
+                  prompt_logprobs=prompt_logprobs, prompt_logprobs_start=prompt_logprobs_start, n=n, seed=seed)
     if json_schema is not None:
-        sampling.json_schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+        fields["json_schema"] = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
     elif json_object:
-        sampling.json_object = True
+        fields["json_object"] = True
     elif regex is not None:
-        sampling.regex = regex
+        fields["regex"] = regex
     elif grammar is not None:
-        sampling.grammar = grammar
-    elif choice is not None:
+        fields["grammar"] = grammar
+    for name, value in fields.items():
+        if value is not None:
+            _fill(name, setattr, sampling, name, value)
+    _fill("stop", sampling.stop.extend, [stop] if isinstance(stop, str) else stop)
+    if choice is not None:
         if isinstance(choice, str):
             raise ValueError(f"choice must be a sequence of texts, not the string {choice!r}")
         # An empty list still sets the constraint, so the gateway refuses it by name.
         sampling.choice.SetInParent()
-        sampling.choice.options.extend(choice)
+        _fill("choice", sampling.choice.options.extend, choice)
     return sampling
+
+
+def _fill(name: str, setter, *args, **kwargs) -> None:
+    """setter(*args, **kwargs), with what the proto refuses (a negative or too wide integer, a string UTF-8
+    cannot encode, a wrong type) raised naming the keyword argument."""
+    try:
+        setter(*args, **kwargs)
+    except TypeError as error:
+        raise TypeError(f"{name}: {error}") from error
+    except ValueError as error:
+        raise ValueError(f"{name}: {error}") from error
 
 
 def chat_messages(messages: Iterable[Message]) -> gateway_pb2.ChatMessages:
     """ChatMessages of dicts with "role" and "content", or of (role, content) pairs."""
     result = gateway_pb2.ChatMessages()
-    for message in messages:
-        role, content = (message["role"], message["content"]) if isinstance(message, Mapping) else message
-        result.messages.add(role=role, content=content)
+    for i, message in enumerate(messages):
+        if isinstance(message, Mapping):
+            role, content = message["role"], message["content"]
+        elif isinstance(message, Sequence) and not isinstance(message, str) and len(message) == 2:
+            role, content = message
+        else:
+            raise ValueError(f"messages[{i}] must be a dict with role and content or a (role, content) pair, "
+                             f"got {message!r}")
+        _fill(f"messages[{i}]", result.messages.add, role=role, content=content)
     return result
 
 
@@ -108,11 +127,11 @@ def generate_request(prompt: str | None = None, *, messages: Iterable[Message] |
     request = gateway_pb2.GenerateRequest(request_id=request_id, sampling=sampling_params(**options),
                                           priority=_PRIORITIES[priority])
     if prompt is not None:
-        request.prompt = prompt
+        _fill("prompt", setattr, request, "prompt", prompt)
     elif messages is not None:
         request.messages.CopyFrom(chat_messages(messages))
     else:
-        request.input_ids.ids.extend(input_ids)
+        _fill("input_ids", request.input_ids.ids.extend, input_ids)
     return request
 
 
@@ -122,5 +141,7 @@ def tokenize_request(text: str | None = None, *,
     if (text is None) == (messages is None):
         raise ValueError("exactly one of text, messages must be given")
     if text is not None:
-        return gateway_pb2.TokenizeRequest(text=text)
+        request = gateway_pb2.TokenizeRequest()
+        _fill("text", setattr, request, "text", text)
+        return request
     return gateway_pb2.TokenizeRequest(messages=chat_messages(messages))

@@ -96,3 +96,22 @@ def test_requests_mirror_sampling_params():
         client_request.generate_request("hi", choice="yes")
     with pytest.raises(TypeError, match="max_tokens"):
         client_request.generate_request("hi", max_tokens=3)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"max_new_tokens": -1}, ValueError, "^max_new_tokens: "),
+    ({"top_k": 2 ** 40}, ValueError, "^top_k: "),
+    ({"seed": -1}, ValueError, "^seed: "),
+    ({"n": 2 ** 32}, ValueError, "^n: "),
+    ({"temperature": "hot"}, TypeError, "^temperature: "),
+    ({"stop": 5}, TypeError, "^stop: "),
+    ({"choice": ["a", 5]}, TypeError, "^choice: "),
+    ({"prompt": None, "input_ids": [1, 2 ** 40]}, ValueError, "^input_ids: "),
+    ({"prompt": "\ud800"}, ValueError, "^prompt: .*surrogates not allowed"),
+    ({"prompt": None, "messages": [("user", "hi"), ("user", "\udc80")]}, ValueError, r"^messages\[1\]: "),
+    ({"prompt": None, "messages": [("user",)]}, ValueError, r"^messages\[0\] must be a dict"),
+])
+def test_what_the_proto_cannot_hold_is_refused_naming_the_argument(kwargs, error, match):
+    # Protobuf's own messages ("Value out of range: -1") do not say which argument.
+    with pytest.raises(error, match=match):
+        client_request.generate_request(**{"prompt": "hi", **kwargs})
