@@ -77,21 +77,34 @@
 # limit so one hang loses one part. The default parts took about 5 of a call's 10 minutes
 # in session 7 (test 16 s, acc 13 s, n1 80 s, n2 90 s, samp 54 s; draws not yet run); run
 # the optional ones in a second call.
+#
+# GPU_SESSION_DRY=1 prints each part's command (one line, shell-quoted) instead of running it,
+# with no set-up: tests/bench/test_gpu_session_paths.py parses every step's arguments on the CPU.
 set -u
 STEPS=${STEPS:-"test acc n1 n2 draws samp"}
 OUT=${OUT:-/tmp/gpu_session_out}
 RESULTS=/tmp/gpu_session
-rm -rf "$RESULTS"  # a warm machine keeps /tmp: only this call's results go back
-mkdir -p "$OUT" "$RESULTS"
+DRY=${GPU_SESSION_DRY:-0}
+if [ "$DRY" != 1 ]; then
+    rm -rf "$RESULTS"  # a warm machine keeps /tmp: only this call's results go back
+    mkdir -p "$OUT" "$RESULTS"
+fi
 LOG="$OUT/session.log"
-source "${GPU_ENV:-bench/gpu_env.sh}" || exit 1
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >"$LOG" 2>&1
+if [ "$DRY" != 1 ]; then
+    source "${GPU_ENV:-bench/gpu_env.sh}" || exit 1
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >"$LOG" 2>&1
+fi
 # The file name gpu_speed writes for a --kind.
 KIND=${KIND:-nvidia-h200-x2}  # nvidia-h200: a one-GPU call (n1 and the single-GPU parts only)
 
 part() {  # part NAME LIMIT_S COMMAND...: runs one part, logging its time and exit status
     local name=$1 limit=$2 start rc
     shift 2
+    if [ "$DRY" = 1 ]; then
+        printf '%q ' "$@"
+        echo
+        return 0
+    fi
     start=$(date +%s)
     echo "=== $name: $*" >>"$LOG"
     timeout --signal=INT --kill-after=15 "$limit" "$@" >>"$LOG" 2>&1
@@ -188,4 +201,4 @@ for step in $STEPS; do
         *) echo "unknown step $step" >>"$LOG" ;;
     esac
 done
-tail -n 60 "$LOG"
+[ "$DRY" = 1 ] || tail -n 60 "$LOG"
