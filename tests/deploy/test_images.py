@@ -121,13 +121,13 @@ def test_every_pip_install_is_pinned(all_stages):
 
 def test_both_torch_builds_are_pyproject_pin(all_stages):
     torch_pin = project_pin("torch")
-    torch_specs = {}
+    torch_specs = {}  # every torch install of each target, not only its last
     for target in ("cpu", "expert-cuda"):
         for run in all_stages[target].values("RUN"):
             for args in pip_installs(run):
                 _flags, _files, specs = split_pip_args(args)
-                torch_specs.update({target: s for s in specs if s.startswith("torch==")})
-    assert torch_specs == {"cpu": f"torch=={torch_pin}+cpu", "expert-cuda": f"torch=={torch_pin}"}
+                torch_specs.setdefault(target, set()).update(s for s in specs if s.startswith("torch=="))
+    assert torch_specs == {"cpu": {f"torch=={torch_pin}+cpu"}, "expert-cuda": {f"torch=={torch_pin}"}}
 
 
 def test_the_lock_covers_every_dependency_of_pyproject():
