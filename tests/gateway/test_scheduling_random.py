@@ -2,8 +2,10 @@
 blocks and parts of blocks), requests of several samples (the later ones led by the first),
 arrivals spread over the steps, a pool small enough to evict and preempt, aborts (of a first
 sample too), batch-priority requests, requests scoring their prompt from a position, one and two
-ranks, one and two steps in flight, and the SLO step budget with shedding (its decisions on a
-clock that moves 3 ms a step).
+ranks, one and two steps in flight, the SLO step budget with shedding (its decisions on a
+clock that moves 3 ms a step), and jump-forward: the ranks report, after some sequences' sampled
+tokens, the next 1-5 tokens as forced, as a constraint would (they are the tokens decoding gives,
+so jump-forward changes how many steps a request takes, never its tokens).
 
 SimRank computes each token from the KV slots a sequence reads (copied blocks included) and
 refuses a write into a block another sequence holds, so every request that was neither aborted
@@ -18,7 +20,7 @@ import pytest
 
 from gateway.requests import ErrorCode, FinishReason, GenerationError, Sequence
 from services.step import LogprobSpec, TokenLogprob
-from tests.gateway.fakes import fake_logprob, reference_tokens
+from tests.gateway.fakes import fake_logprob, next_token, reference_tokens
 from tests.gateway.test_batcher import assert_all_blocks_back
 from tests.gateway.test_samples import SampleSim as _SampleSim
 
@@ -27,10 +29,13 @@ class SampleSim(_SampleSim):
     """Samples of one request led by the first (test_samples.SampleSim's), with prompt
     log-probabilities routed to their sequences as Engine._route_logprobs routes them."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, jump_rng: random.Random | None = None, **kwargs):
+        super().__init__(*args, jump_forward=jump_rng is not None, **kwargs)
         self.seqs: dict[int, Sequence] = {}
         self.prompt_logprobs: dict[int, list] = collections.defaultdict(list)
+        # The sequences whose "constraint" forces tokens now and then, and the draws of how many.
+        self.jump_rng = jump_rng
+        self.constrained: set[int] = set()
 
     def add_samples(self, prompt_ids, max_new_tokens, n, **request_fields):
         seqs = super().add_samples(prompt_ids, max_new_tokens, n, **request_fields)
@@ -39,14 +44,28 @@ class SampleSim(_SampleSim):
 
     def _run(self, batch):
         step_id, tokens = super()._run(batch)
-        return step_id, tokens, [scored for rank in self.ranks for scored in rank.scored]
+        forced = {}
+        for seq_id, token_id in tokens.items():
+            num_forced = self.jump_rng.choice((0, 0, 1, 2, 3, 5)) if seq_id in self.constrained else 0
+            if num_forced:
+                forced[seq_id] = self._continuation(seq_id, token_id, num_forced)
+        return step_id, tokens, [scored for rank in self.ranks for scored in rank.scored], forced
 
-    def _apply(self, step_id, tokens, scored):
+    def _continuation(self, seq_id: int, token_id: int, num_tokens: int) -> tuple[int, ...]:
+        """The tokens decoding gives after token_id, from the KV of the rank holding seq_id."""
+        (rank,) = [rank for rank in self.ranks if seq_id in rank.seqs]
+        sim_seq = rank.seqs[seq_id]
+        context = [rank.slots[rank._slot(sim_seq, p)] for p in range(sim_seq.num_computed)] + [token_id]
+        for _ in range(num_tokens):
+            context.append(next_token(context))
+        return tuple(context[-num_tokens:])
+
+    def _apply(self, step_id, tokens, scored, forced):
         for seq_id, position, token_id in scored:
             seq = self.seqs[seq_id]
             if not seq.is_finished and not (seq_id in tokens and position >= seq.num_tokens):
                 seq.add_prompt_logprob(position, TokenLogprob(token_id, fake_logprob(position, token_id)))
-        return super()._apply(step_id, tokens)
+        return self.batcher.apply_results(step_id, tokens, forced=forced)
 
     def _record(self, events):
         super()._record(events)
@@ -87,11 +106,14 @@ def _workload(rng: random.Random, block_size: int):
 @pytest.mark.parametrize("config", CONFIGS,
                          ids=[f"r{c[0]}-d{c[1]}-b{c[2]}x{c[3]}{'-slo' if c[6] else ''}" for c in CONFIGS])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_shared_prefixes_give_the_reference_tokens_and_every_block_back(config, seed):
+@pytest.mark.parametrize("jump", [False, True], ids=["", "jump"])
+def test_random_shared_prefixes_give_the_reference_tokens_and_every_block_back(config, seed, jump):
     num_ranks, depth, num_blocks, block_size, max_batch_tokens, chunk, budget = config
     rng = random.Random(f"{seed} {config}")  # str seeds are hashed by sha512: the same workload every run
+    # Its own draws, so that the workloads stay those of the runs without jump-forward.
+    jump_rng = random.Random(f"jump {seed} {config}") if jump else None
     now = [0.0]
-    sim = SampleSim(num_ranks, depth=depth, num_blocks=num_blocks, block_size=block_size,
+    sim = SampleSim(num_ranks, depth=depth, jump_rng=jump_rng, num_blocks=num_blocks, block_size=block_size,
                     max_batch_tokens=max_batch_tokens, prefill_chunk_size=chunk, max_running_requests=6,
                     clock=lambda: now[0], min_prefill_tokens=4,
                     **({"tpot_target_ms": budget[0], "ttft_target_ms": budget[1]} if budget else {}))
@@ -105,6 +127,8 @@ def test_random_shared_prefixes_give_the_reference_tokens_and_every_block_back(c
                     scoring = {} if scored is None else {"logprobs": LogprobSpec(prompt_logprobs=True),
                                                          "prompt_logprobs_start": scored}
                     seqs[i] = sim.add_samples(prompt, num_new, n, is_batch=is_batch, **scoring)
+                    if jump_rng is not None and jump_rng.random() < 0.6:
+                        sim.constrained.update(seq.seq_id for seq in seqs[i])
                 except GenerationError as refused:   # shed by the budget's admission
                     assert budget and refused.code is ErrorCode.RESOURCE_EXHAUSTED, refused
                     seqs[i] = []
