@@ -69,7 +69,7 @@ class Ref:
                 value = value[key]
             except (KeyError, IndexError, TypeError) as error:
                 raise LookupError(f"a reference's [{key!r}]: the value has no such key, it is the "
-                                  f"{type(value).__name__} {as_text(value)[:80]!r}") from error
+                                  f"{type(value).__name__} {repr(value)[:80]}") from error
         return value
 
 
