@@ -3,7 +3,8 @@
 ExpertComm wraps the few torch.distributed collectives the dispatch path
 (moe_dispatch.py) and the gathered expert-parallel layer (kernels/moe_ep.py)
 use; with no group (one rank holding every expert) each is a copy, so the same
-code runs. Its `exchange`, when the expert service sets one up, is the
+code runs; so is a group of one rank (an expert service alone in its group: no gloo call a
+layer). Its `exchange`, when the expert service sets one up, is the
 symmetric-memory exchange (exchange/symmetric.py) for decode-sized steps; its
 `plan`, when the expert service sets one, picks each step's design (gather or
 all-to-all: exchange/cost_model.py).
@@ -41,7 +42,7 @@ class ExpertComm:
                    in_splits: Sequence[int] | None = None) -> None:
         """all_to_all_single along dim 0: in_splits[r] rows go to rank r, out_splits[r]
         come from it; None splits dim 0 into equal parts."""
-        if self.group is None:
+        if self.world_size == 1:
             out.copy_(inp)
         else:
             dist.all_to_all_single(out, inp, None if out_splits is None else list(out_splits),
@@ -49,21 +50,21 @@ class ExpertComm:
 
     def all_gather(self, out: Tensor, inp: Tensor) -> None:
         """Every rank's inp, stacked along dim 0 in rank order, into out."""
-        if self.group is None:
+        if self.world_size == 1:
             out.copy_(inp)
         else:
             dist.all_gather_into_tensor(out, inp, group=self.group)
 
     def reduce_scatter(self, out: Tensor, inp: Tensor) -> None:
         """out = the sum over the ranks of their inp's rank-th block of rows (dim 0)."""
-        if self.group is None:
+        if self.world_size == 1:
             out.copy_(inp)
         else:
             dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=self.group)
 
     def max_over_ranks(self, value: int, device) -> int:
         """The largest `value` any rank passes (one small all_reduce and a host sync)."""
-        if self.group is None:
+        if self.world_size == 1:
             return value
         value_1 = torch.tensor([value], dtype=torch.int64, device=device)
         dist.all_reduce(value_1, op=dist.ReduceOp.MAX, group=self.group)
