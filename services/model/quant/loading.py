@@ -59,6 +59,13 @@ def check_stored(name: str, tensor: torch.Tensor) -> None:
                              f"or Inf (first {value}); a scale must be finite and positive")
     elif name.endswith((".qweight", ".weight")) and not tensor.view(torch.uint8).any():
         raise ValueError(f"tensor {name!r} is all zeros (a broken quantization or conversion)")
+    elif tensor.dtype == torch.float8_e4m3fn and (tensor.view(torch.int8).max() == 0x7F
+                                                  or tensor.view(torch.uint8).max() == 0xFF):
+        # e4m3fn has no Inf; its NaNs are the bytes 0x7F and 0xFF, the largest as int8 and as
+        # uint8 (two max passes: a byte mask would be some 40 times slower on a CPU).
+        nan = (tensor.view(torch.uint8) & 0x7F) == 0x7F
+        raise ValueError(f"tensor {name!r} has {int(nan.sum())} NaN value(s) (first at flat index "
+                         f"{int(nan.flatten().nonzero()[0, 0])}; a broken quantization or conversion)")
 
 
 def quant_weight(name: str, layout: Layout, tensors: dict[str, torch.Tensor], quant: QuantConfig,

@@ -128,6 +128,18 @@ def test_all_zero_norm_is_refused(single_dir):
         load_weights(single_dir, SMALL, [0])
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_nan_or_inf_value_is_refused(single_dir, value):
+    name = "model.layers.2.mlp.experts.3.down_proj.weight"
+
+    def edit(tensors):
+        tensors[name].view(-1)[5] = value
+    _rewrite(single_dir / "model.safetensors", edit)
+    with pytest.raises(CheckpointError, match=rf"{name}.*model.safetensors.*has 1 NaN or Inf value\(s\) "
+                                              rf"\(first {value} at flat index 5"):
+        load_weights(single_dir, SMALL, [3])
+
+
 def test_quantised_dtype_is_refused(single_dir):
     name = "model.layers.0.self_attn.q_proj.weight"
     _rewrite(single_dir / "model.safetensors", lambda t: t.update({name: t[name].to(torch.int8) + 1}))

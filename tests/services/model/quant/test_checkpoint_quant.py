@@ -87,6 +87,9 @@ FP8_CASES = {
     "scale-nan": ("model.layers.1.mlp.down_proj.weight_scale_inv", _set, float("nan"), BAD_SCALE),
     "scale-inf": ("model.layers.3.self_attn.o_proj.weight_scale_inv", _set, float("inf"), BAD_SCALE),
     "weight-all-zero": ("model.layers.0.mlp.experts.4.gate_proj.weight", _zero, None, "all zeros"),
+    "weight-nan": ("model.layers.0.mlp.experts.2.up_proj.weight", _set, float("nan"), r"has 1 NaN value\(s\)"),
+    # A tensor the checkpoint keeps unquantized (a norm), checked as in bf16 checkpoints.
+    "norm-inf": ("model.layers.2.self_attn.q_norm.weight", _set, float("inf"), "NaN or Inf"),
     "missing-scale": ("model.layers.0.mlp.experts.4.down_proj.weight_scale_inv", _drop, None,
                       "model.layers.0.mlp.experts.4.down_proj.weight.*no weight_scale_inv beside it"),
     # hidden 160 needs 2 blocks across: one scale is too few
