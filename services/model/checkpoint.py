@@ -16,7 +16,8 @@ import json
 import logging
 import math
 import pathlib
-from collections.abc import Sequence
+import re
+from collections.abc import Iterable, Sequence
 
 import safetensors
 import torch
@@ -127,8 +128,9 @@ def load_weights(
         quant = read_quant_config(root)
     except ValueError as exc:
         raise CheckpointError(f"checkpoint {str(root)!r}: {exc}") from exc
-    shapes = expected_tensors(config, expert_ids)
     names_to_files = weight_map(root)
+    _check_counts(root, config, names_to_files)
+    shapes = expected_tensors(config, expert_ids)
     layouts = _layouts(shapes, names_to_files, quant)
     missing = [name for name in shapes if name not in names_to_files and name not in layouts]
     if missing:
@@ -157,6 +159,27 @@ def load_weights(
     logger.info("loaded %d tensors from %s (experts %s%s)", len(raw), root, list(expert_ids),
                 "" if quant is None else f", {quant.method} quantized")
     return weights
+
+
+_LAYER_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp\.experts\.(\d+)\.)?")
+
+
+def _check_counts(root: pathlib.Path, config: ModelConfig, names: Iterable[str]) -> None:
+    """CheckpointError if config.json claims more layers or experts than the checkpoint holds,
+    before anything is sized by them (a config saying 10**9 layers would otherwise fill the
+    memory with the names of the tensors it expects)."""
+    num_layers = num_experts = 0
+    for name in names:
+        if match := _LAYER_EXPERT.match(name):
+            num_layers = max(num_layers, int(match[1]) + 1)
+            if match[2] is not None:
+                num_experts = max(num_experts, int(match[2]) + 1)
+    if num_layers < config.num_hidden_layers:
+        raise CheckpointError(f"config.json of {str(root)!r} says {config.num_hidden_layers} layers, "
+                              f"the checkpoint holds {num_layers}")
+    if config.moe_layers and num_experts < config.num_experts:
+        raise CheckpointError(f"config.json of {str(root)!r} says {config.num_experts} experts, "
+                              f"the checkpoint holds {num_experts}")
 
 
 def _layouts(shapes: dict[str, tuple[int, ...]], names_to_files: dict[str, str],

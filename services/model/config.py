@@ -7,6 +7,7 @@ Accepts both spellings found in the field: the hub's (`num_experts`,
 
 import dataclasses
 import json
+import math
 import pathlib
 
 import torch
@@ -26,7 +27,27 @@ def _rope_theta(raw: dict) -> float:
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type != "default":
             raise ValueError(f"config rope type {rope_type!r} is not supported (only 'default')")
-    return float(raw.get("rope_theta", rope.get("rope_theta", 1_000_000.0)))
+    theta = raw.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ValueError(f"config rope_theta must be a number, got {theta!r}")
+    return float(theta)
+
+
+# The JSON type each field must have, checked on construction (ModelConfig._check_types).
+_FIELD_KINDS = {
+    **dict.fromkeys(("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
+                     "decoder_sparse_step", "max_position_embeddings"), "int"),
+    "rms_norm_eps": "number", "rope_theta": "number",
+    "norm_topk_prob": "bool", "tie_word_embeddings": "bool",
+    "mlp_only_layers": "ints", "eos_token_ids": "ints", "bos_token_id": "int or None",
+}
+_KIND_NAMES = {"int": "an integer", "number": "a finite number", "bool": "true or false",
+               "ints": "a list of integers", "int or None": "an integer or null"}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,6 +81,7 @@ class ModelConfig:
     bos_token_id: int | None = None
 
     def __post_init__(self) -> None:
+        self._check_types()
         positive = (
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
@@ -81,6 +103,25 @@ class ModelConfig:
             )
         if any(not 0 <= i < self.num_hidden_layers for i in self.mlp_only_layers):
             raise ValueError(f"config mlp_only_layers {self.mlp_only_layers} outside the layers")
+
+    def _check_types(self) -> None:
+        """ValueError naming the field whose value config.json gave the wrong JSON type."""
+        for field in dataclasses.fields(self):
+            value, kind = getattr(self, field.name), _FIELD_KINDS.get(field.name)
+            if kind is None:
+                continue
+            if kind == "int":
+                ok = _is_int(value)
+            elif kind == "number":
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            elif kind == "bool":
+                ok = isinstance(value, bool)
+            elif kind == "ints":
+                ok = isinstance(value, tuple) and all(map(_is_int, value))
+            else:  # "int or None"
+                ok = value is None or _is_int(value)
+            if not ok:
+                raise ValueError(f"config {field.name} must be {_KIND_NAMES[kind]}, got {value!r}")
 
     def is_moe_layer(self, layer: int) -> bool:
         """True if the layer's feed-forward is a mixture of experts."""
@@ -108,6 +149,9 @@ class ModelConfig:
             raise ValueError(f"config dtype {dtype_name!r} is not one of {sorted(DTYPES)}")
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        mlp_only = raw.get("mlp_only_layers") or ()
+        if not isinstance(mlp_only, (list, tuple)):
+            raise ValueError(f"config mlp_only_layers must be a list of layer indices, got {mlp_only!r}")
         heads = raw["num_attention_heads"]
         return cls(
             vocab_size=raw["vocab_size"],
@@ -115,14 +159,16 @@ class ModelConfig:
             num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=raw.get("num_key_value_heads", heads),
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            # (0 when hidden_size or the heads are not integers: their own checks name them.)
+            head_dim=raw.get("head_dim") or (raw["hidden_size"] // heads
+                                             if _is_int(raw["hidden_size"]) and _is_int(heads) and heads > 0 else 0),
             intermediate_size=raw["intermediate_size"],
             moe_intermediate_size=raw["moe_intermediate_size"],
             num_experts=num_experts,
             num_experts_per_tok=raw["num_experts_per_tok"],
             norm_topk_prob=raw.get("norm_topk_prob", False),
             decoder_sparse_step=raw.get("decoder_sparse_step", 1),
-            mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
+            mlp_only_layers=tuple(mlp_only),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(raw),
             max_position_embeddings=raw.get("max_position_embeddings", 40960),

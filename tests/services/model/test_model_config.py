@@ -63,6 +63,18 @@ def test_transformers5_spellings_parse_to_the_same_config(tmp_path):
         ({"model_type": "llama"}, "'llama'"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
         ({"rms_norm_eps": 0.0}, "0.0"),
+        # The wrong JSON type: refused naming the key, not a TypeError from inside the checks.
+        ({"hidden_size": "2048"}, "hidden_size must be an integer, got '2048'"),
+        ({"hidden_size": None, "head_dim": None}, "hidden_size must be an integer, got None"),
+        ({"num_experts": 128.0}, "num_experts must be an integer, got 128.0"),
+        ({"decoder_sparse_step": True}, "decoder_sparse_step must be an integer, got True"),
+        ({"mlp_only_layers": 3}, "mlp_only_layers must be a list of layer indices, got 3"),
+        ({"mlp_only_layers": ["0"]}, "mlp_only_layers must be a list of integers, got ('0',)"),
+        ({"rope_theta": None}, "rope_theta must be a number, got None"),
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a finite number, got nan"),
+        ({"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false, got 'yes'"),
+        ({"eos_token_id": "2"}, "eos_token_ids must be a list of integers, got ('2',)"),
+        ({"bos_token_id": 1.5}, "bos_token_id must be an integer or null, got 1.5"),
     ],
 )
 def test_bad_values_are_quoted(change, quoted):
