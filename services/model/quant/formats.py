@@ -46,8 +46,14 @@ class QuantConfig:
     @classmethod
     def from_dict(cls, raw: dict) -> "QuantConfig":
         """From config.json's quantization_config; ValueError quoting what is unsupported."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"quantization_config must be a JSON object, got {raw!r}")
         method = raw.get("quant_method")
-        skip = tuple(raw.get("modules_to_not_convert") or ())
+        skip = raw.get("modules_to_not_convert") or ()
+        if not isinstance(skip, (list, tuple)) or not all(isinstance(entry, str) for entry in skip):
+            raise ValueError(f"quantization_config modules_to_not_convert must be a list of module names, "
+                             f"got {skip!r}")
+        skip = tuple(skip)
         if method == "fp8":
             expected = {"fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
             for key, value in expected.items():
@@ -61,7 +67,8 @@ class QuantConfig:
                 if (found.lower() if isinstance(found, str) else found) != value:
                     raise ValueError(f"quantization_config {key} {found!r} is not supported (only {value!r})")
             group_size = raw.get("group_size", 128)
-            if not isinstance(group_size, int) or group_size <= 0 or group_size % AWQ_PACK:
+            if (not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0
+                    or group_size % AWQ_PACK):
                 raise ValueError(f"quantization_config group_size {group_size!r} must be a positive multiple of 8")
             return cls("awq", group_size=group_size, modules_to_not_convert=skip)
         raise ValueError(f"quantization_config quant_method {method!r} is not one of {list(FORMATS)}")

@@ -140,8 +140,10 @@ def test_a_nan_or_inf_value_is_refused(single_dir, value):
         load_weights(single_dir, SMALL, [3])
 
 
-@pytest.mark.parametrize("field, value, says", [("num_hidden_layers", 10 ** 9, "1000000000 layers, the checkpoint holds 4"),
-                                                ("num_experts", 10 ** 9, "1000000000 experts, the checkpoint holds 8")])
+@pytest.mark.parametrize("field, value, says", [
+    ("num_hidden_layers", 10 ** 9, "1000000000 layers, the checkpoint holds 4"),
+    ("num_experts", 10 ** 9, "1000000000 experts, the checkpoint holds 8"),
+])
 def test_a_config_claiming_more_than_the_checkpoint_holds_is_refused_before_sizing_anything(single_dir, field,
                                                                                           value, says):
     # Sized by the config, the expected tensors' names alone would fill the memory.

@@ -86,6 +86,13 @@ def test_quant_config_reads_the_published_configs_and_refuses_others():
                          ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme"),
                          ({"quant_method": "awq", "bits": 8}, "bits 8"),
                          ({"quant_method": "awq", "version": "gemv"}, "version 'gemv'"),
-                         ({"quant_method": "awq", "zero_point": False}, "zero_point False")]:
+                         ({"quant_method": "awq", "zero_point": False}, "zero_point False"),
+                         # The wrong JSON types: refused by name, not an AttributeError or TypeError.
+                         ("fp8", "must be a JSON object, got 'fp8'"),
+                         ({"quant_method": "awq", "modules_to_not_convert": 3},
+                          "modules_to_not_convert must be a list"),
+                         ({"quant_method": "fp8", "modules_to_not_convert": ["lm_head", 128]},
+                          "modules_to_not_convert must be a list of module names"),
+                         ({"quant_method": "awq", "group_size": True}, "group_size True")]:
         with pytest.raises(ValueError, match=message):
             QuantConfig.from_dict(raw)
