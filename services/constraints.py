@@ -140,6 +140,10 @@ class Compiler:
             # llguidance's own refusals of what it cannot read: a JSON Schema value past its
             # JSON (an integer over 64 bits, an escaped lone surrogate), text UTF-8 cannot encode.
             raise ConstraintError(constraint.field, f"does not compile: {error}") from None
+        except RecursionError:
+            # A JSON Schema nested deeper than Python's parser and walkers go (llguidance refuses
+            # shallower ones itself, at about 200 levels).
+            raise ConstraintError(constraint.field, "is nested too deeply") from None
         template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if not template.is_error():
             # The first mask builds the lexer's initial states; every copy starts from them.

@@ -168,13 +168,17 @@ class OpenAIEndpoint:
 
     async def generate(self, request: Request, route: str, key: ApiKey | None = None) -> Response:
         """One generation; holds one of the key's streams until its response ends."""
-        try:
-            body = await request.json()
-        except ValueError:
-            raise ApiError(400, "the request body is not valid JSON") from None
         is_chat = route.endswith("chat/completions")
         response_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
-        api = (openai_api.parse_chat if is_chat else openai_api.parse_completion)(body, response_id)
+        try:
+            body = await request.json()
+            api = (openai_api.parse_chat if is_chat else openai_api.parse_completion)(body, response_id)
+        except RecursionError:  # from the JSON parser, or from walking or re-encoding what it read
+            raise ApiError(400, "the request body is nested too deeply") from None
+        except ApiError:
+            raise
+        except ValueError:
+            raise ApiError(400, "the request body is not valid JSON") from None
         if api.model and api.model != self.model_name:
             raise ApiError(404, f"The model `{api.model}` does not exist", param="model", code="model_not_found")
         deadline = _deadline(request)

@@ -97,30 +97,32 @@ def _max_tokens(body: dict, name: str) -> int | None:
     return value
 
 
-def _lone_surrogate(value, path: str) -> str | None:
-    """The JSON path ("" for the body) of the first string in `value` that UTF-8 cannot encode;
-    a key that cannot be encoded names the object holding it."""
-    children = ()
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-    elif isinstance(value, dict):
-        if _lone_surrogate("".join(value), path) is not None:
-            return path
-        children = ((item, f"{path}.{key}" if path else key) for key, item in value.items())
-    elif isinstance(value, list):
-        children = ((item, f"{path}[{i}]") for i, item in enumerate(value))
-    return next((found for item, where in children if (found := _lone_surrogate(item, where)) is not None),
-                None)
+def _lone_surrogate(body) -> str | None:
+    """The JSON path ("" for the body) of the first string in `body` that UTF-8 cannot encode; a
+    key that cannot be encoded names the object holding it. Iterative: any depth json.loads reads."""
+    stack = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path
+        elif isinstance(value, dict):
+            if _lone_surrogate("".join(value)) is not None:
+                return path
+            stack.extend(reversed([(item, f"{path}.{key}" if path else key) for key, item in value.items()]))
+        elif isinstance(value, list):
+            stack.extend(reversed([(item, f"{path}[{i}]") for i, item in enumerate(value)]))
+    return None
 
 
 def _common(body: dict, sampling: gateway_pb2.SamplingParams) -> dict:
     """The sampling parameters both endpoints share; returns the request's framing flags."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    where = _lone_surrogate(body, "")
+    where = _lone_surrogate(body)
     if where is not None:
         param = re.split(r"[.\[]", where, maxsplit=1)[0] or None
         raise ApiError(400, f"{where or 'the body'} holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape "

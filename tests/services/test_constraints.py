@@ -39,6 +39,12 @@ BAD = [
     ("json_schema", '{"type": "array", "minItems": 100000000000000000000}'),
     ("json_schema", '{"type": "string", "pattern": "\\ud800"}'),
     ("regex", "\ud800"),
+    # Nested past Python's recursion limit (the parser's or a walker's), past llguidance's, or past both.
+    ("json_schema", "[" * 5000 + "]" * 5000),
+    ("json_schema", '{"items": ' * 900 + "{}" + "}" * 900),
+    ("json_schema", '{"type": "object", "properties": {"a": ' * 200 + "{}" + "}}" * 200),
+    ("regex", "(" * 5000 + "a" + ")" * 5000),
+    ("grammar", "start: " + "(" * 5000 + '"a"' + ")" * 5000),
 ]
 
 

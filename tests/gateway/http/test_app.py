@@ -131,6 +131,21 @@ def test_bad_input_gets_its_status_and_openai_error_naming_the_parameter(body, s
     assert error["message"].startswith(param) or status == 404
 
 
+@pytest.mark.parametrize("body", [
+    b"[" * 50_000 + b"]" * 50_000,   # past the JSON parser's recursion limit
+    # Read, but deeper than the schema's re-encoding goes.
+    b'{"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema", '
+    b'"json_schema": {"schema": ' + b'{"items": ' * 990 + b"{}" + b"}" * 990 + b"}}}",
+])
+def test_a_body_nested_too_deeply_is_a_400_not_a_500(body):
+    async def scenario():
+        async with serving() as (_, _, _, url):
+            return await raw_request(url, "/v1/chat/completions", body)
+
+    got, _, raw = run(scenario())
+    assert got == 400 and json.loads(raw)["error"]["message"] == "the request body is nested too deeply"
+
+
 def test_the_sdk_raises_bad_request_for_a_chat_error():
     async def scenario():
         async with serving() as (_, _, client, _):
@@ -246,7 +261,7 @@ def test_a_traceparent_header_continues_the_callers_trace(tracing):  # noqa: F81
 async def open_request(url: str, path: str, body, *, headers=None):
     host, port = url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
-    data = b"" if body is None else json.dumps(body).encode()
+    data = b"" if body is None else body if isinstance(body, bytes) else json.dumps(body).encode()
     method = "GET" if body is None else "POST"
     lines = [f"{method} {path} HTTP/1.1", f"Host: {host}", "Connection: close", f"Content-Length: {len(data)}",
              "Content-Type: application/json", *(f"{k}: {v}" for k, v in (headers or {}).items())]
