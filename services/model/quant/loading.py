@@ -57,15 +57,16 @@ def check_stored(name: str, tensor: torch.Tensor) -> None:
             value = tensor.flatten()[bad.flatten().nonzero()[0, 0]].item()
             raise ValueError(f"tensor {name!r} has {int(bad.sum())} scale(s) that are zero, negative, NaN "
                              f"or Inf (first {value}); a scale must be finite and positive")
-    elif name.endswith((".qweight", ".weight")) and not tensor.view(torch.uint8).any():
-        raise ValueError(f"tensor {name!r} is all zeros (a broken quantization or conversion)")
-    elif tensor.dtype == torch.float8_e4m3fn and (tensor.view(torch.int8).max() == 0x7F
-                                                  or tensor.view(torch.uint8).max() == 0xFF):
-        # e4m3fn has no Inf; its NaNs are the bytes 0x7F and 0xFF, the largest as int8 and as
-        # uint8 (two max passes: a byte mask would be some 40 times slower on a CPU).
-        nan = (tensor.view(torch.uint8) & 0x7F) == 0x7F
-        raise ValueError(f"tensor {name!r} has {int(nan.sum())} NaN value(s) (first at flat index "
-                         f"{int(nan.flatten().nonzero()[0, 0])}; a broken quantization or conversion)")
+    elif name.endswith((".qweight", ".weight")):
+        # One byte max pass for both checks: all zeros, and (e4m3fn, which has no Inf) a NaN, whose
+        # bytes 0x7F and 0xFF are the largest as int8 and as uint8 (a byte mask is some 40 times slower).
+        largest = tensor.view(torch.uint8).max()
+        if largest == 0:
+            raise ValueError(f"tensor {name!r} is all zeros (a broken quantization or conversion)")
+        if tensor.dtype == torch.float8_e4m3fn and (largest == 0xFF or tensor.view(torch.int8).max() == 0x7F):
+            nan = (tensor.view(torch.uint8) & 0x7F) == 0x7F
+            raise ValueError(f"tensor {name!r} has {int(nan.sum())} NaN value(s) (first at flat index "
+                             f"{int(nan.flatten().nonzero()[0, 0])}; a broken quantization or conversion)")
 
 
 def quant_weight(name: str, layout: Layout, tensors: dict[str, torch.Tensor], quant: QuantConfig,
