@@ -28,9 +28,8 @@ def _rope_theta(raw: dict) -> float:
         if rope_type != "default":
             raise ValueError(f"config rope type {rope_type!r} is not supported (only 'default')")
     theta = raw.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
-        raise ValueError(f"config rope_theta must be a number, got {theta!r}")
-    return float(theta)
+    # A value of the wrong JSON type is passed through for ModelConfig._check_types to refuse.
+    return float(theta) if isinstance(theta, int | float) and not isinstance(theta, bool) else theta
 
 
 # The JSON type each field must have, checked on construction (ModelConfig._check_types).

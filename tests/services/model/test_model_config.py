@@ -70,7 +70,7 @@ def test_transformers5_spellings_parse_to_the_same_config(tmp_path):
         ({"decoder_sparse_step": True}, "decoder_sparse_step must be an integer, got True"),
         ({"mlp_only_layers": 3}, "mlp_only_layers must be a list of layer indices, got 3"),
         ({"mlp_only_layers": ["0"]}, "mlp_only_layers must be a list of integers, got ('0',)"),
-        ({"rope_theta": None}, "rope_theta must be a number, got None"),
+        ({"rope_theta": None}, "rope_theta must be a finite number, got None"),
         ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a finite number, got nan"),
         ({"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false, got 'yes'"),
         ({"eos_token_id": "2"}, "eos_token_ids must be a list of integers, got ('2',)"),
