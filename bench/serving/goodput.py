@@ -22,8 +22,8 @@ figures describe the steady state rather than the empty start. The sweep stops a
 in a row whose attainment is below --stop-below (past the knee, the queue only grows).
 
 **Goodput** is the highest rate whose attainment is at least --slo-attainment (99%). Results:
-bench/results/goodput_<kind>.md and .json; --plot draws goodput_<kind>.png (TTFT p99 and TPOT
-p99 against the offered rate) from the JSON, on any machine with matplotlib.
+bench/results/<name>_<kind>.md and .json (--name, goodput by default); --plot draws <name>_<kind>.png
+(TTFT p99 and TPOT p99 against the offered rate) from the JSON, on any machine with matplotlib.
 """
 
 import argparse
@@ -252,6 +252,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.serving.goodput", description=__doc__.split("\n\n")[0])
     parser.add_argument("--plot", type=pathlib.Path, help="only draw the PNG of this result JSON")
     parser.add_argument("--kind", default="nvidia-h200", help="machine name, for the result files")
+    parser.add_argument("--name", default="goodput", help="result files' stem (NAME_KIND.md); e.g. goodput_fp8 "
+                        "for another --preset, so that the bf16 result stays")
     parser.add_argument("--preset", default="qwen3-30b-a3b", help="random-weights shape")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--ranks", type=int, default=1)
@@ -316,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = report["mesh"].get("cases", {}).get("rates", [])
     report["goodput"] = goodput(rows, args.slo_attainment)
     text = markdown(report)
-    write_result(args.out, f"goodput_{args.kind}", report, text)
+    write_result(args.out, f"{args.name}_{args.kind}", report, text)
     print(text)
     for role, lines in report["mesh"].get("log_tails", {}).items():
         print(f"--- {role} log tail\n{lines}")
