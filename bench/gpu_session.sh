@@ -58,7 +58,7 @@
 #            and 32 mix requests, to fit about 5 minutes; QUANT_ARGS=" " for 1K/1K); limit 330 s (one GPU: kind
 #            nvidia-h200, KIND=nvidia-h200; results are written after each preset, so a cut run keeps the first)
 #     quantvar bench/serving/quant_speed.py --name quant_variants_speed with the expert services'
-#            --quant-gemv-variants awq-groups,fp8-pipelined (--expert-arg): the FP8 and AWQ presets
+#            --quant-gemv-variants awq-nibbles,fp8-pipelined (--expert-arg): the FP8 and AWQ presets
 #            (${QUANTVAR_PRESETS}) serving b1 (${QUANTVAR_CASES:-b1}) through the batch-1 GEMV variants, to set
 #            beside the quant step's rows of the same call; limit 300 s (one GPU, kind nvidia-h200)
 #     quant235 bench/serving/quant_speed.py on qwen3-235b-a22b-awq (124 GB of weights on one H200): b1, c16, c64,
@@ -179,7 +179,7 @@ for step in $STEPS; do
                 --cases "${QUANT_CASES:-b1,c256,mix}" ${QUANT_ARGS:---output-scale 0.25 --mix-requests 32} \
                 --out "$RESULTS/quant" ;;
         quantvar) part quantvar 300 python3 -m bench.serving.quant_speed --kind "$KIND" --name quant_variants_speed \
-                --expert-arg=--quant-gemv-variants --expert-arg=awq-groups,fp8-pipelined \
+                --expert-arg=--quant-gemv-variants --expert-arg=awq-nibbles,fp8-pipelined \
                 --presets "${QUANTVAR_PRESETS:-qwen3-30b-a3b-fp8,qwen3-30b-a3b-awq}" --cases "${QUANTVAR_CASES:-b1}" \
                 --output-scale 0.25 --out "$RESULTS/quantvar" ;;
         quant235) part quant235 330 python3 -m bench.serving.quant_speed --kind "$KIND" --name quant235_speed \

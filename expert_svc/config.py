@@ -65,8 +65,8 @@ class ExpertConfig(MemberConfig):
     # path and why). The CPU always runs the dequantizing reference path.
     quantized_kernel: str = "auto"
     # Batch-1 GEMVs of a quantized checkpoint to run instead of the defaults, on CUDA (the CPU's
-    # reference path has none): "awq-groups" (AWQ's grouped GEMV for the one-token experts and
-    # the one-row linears), "fp8-pipelined" (FP8's one-row GEMVs as cp.async pipelines). Empty
+    # reference path has none): "awq-nibbles" (AWQ's nibble GEMV for the one-token experts and
+    # the one-row linears, not the grouped one), "fp8-pipelined" (FP8's one-row GEMVs as cp.async pipelines). Empty
     # (the default): the measured kernels. For A/B measurements (docs/performance.md).
     quant_gemv_variants: tuple[str, ...] = ()
     # Element type of the KV cache: "auto" (the compute dtype) or "fp8_e4m3"

@@ -115,7 +115,7 @@ def _fp8_moe() -> dict[str, Case]:
 
 
 CASES: dict[str, Case] = {
-    **_awq_moe(quant_awq_moe.ONE_TOKEN_TILES, ""),
+    **_awq_moe(quant_awq_moe.NIBBLE_TILES, ""),
     **_awq_moe(quant_awq_moe.GROUPED_TILES, "_groups"),
     "awq_linear1_qkv": _awq_dense("qkv", "nibbles"),
     "awq_linear1_o": _awq_dense("o", "nibbles"),

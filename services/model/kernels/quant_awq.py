@@ -32,9 +32,10 @@ from services.model.kernels.quant_ref import AWQ_GROUP, AWQ_PACK
 
 # Steps of at most this many rows take skinny tiles (16 rows a program; see default_tiles).
 SKINNY_MAX_ROWS = 16
-# One row's GEMV by default: "nibbles" (awq_gemv_tile in _linear_kernel) or "groups" (quant_awq_gemv's
-# awq_gemv_groups, one_row_linear; static estimates only, bench/kernels/sass_stats.py, not yet measured).
-ONE_ROW_GEMV = "nibbles"
+# One row's GEMV: "groups" (quant_awq_gemv's awq_gemv_groups, one_row_linear; the default, faster on an H200:
+# bench/kernels/awq_sweep.py, docs/performance.md) or "nibbles" (awq_gemv_tile in _linear_kernel;
+# --quant-gemv-variants awq-nibbles).
+ONE_ROW_GEMV = "groups"
 
 
 @triton.jit
@@ -133,8 +134,10 @@ def default_tiles(num_rows: int, out_features: int, in_features: int) -> AwqTile
     """The tiles for a step: one row's GEMV (ONE_ROW_GEMV's), skinny tiles up to SKINNY_MAX_ROWS, square
     tiles above; each split along K while its grid is small (quant_fp8.num_splits)."""
     if num_rows == 1 and ONE_ROW_GEMV == "groups":
-        # 512 columns in slices of 8 rows and 8 warps: the least static bounds at q|k|v's and o's shapes (sass_stats)
-        return AwqTiles(1, 512, 8, num_splits(triton.cdiv(out_features, 512), in_features, AWQ_GROUP), 8, 1, "groups")
+        # 256 columns in slices of 16 rows, 4 warps, splits at least two groups deep: awq_sweep's fastest at q|k|v's
+        # and o's shapes (8 and 16 splits there)
+        return AwqTiles(1, 256, 16, num_splits(triton.cdiv(out_features, 256), in_features, 2 * AWQ_GROUP), 4, 1,
+                        "groups")
     block_m = 1 if num_rows == 1 else 16 if num_rows <= SKINNY_MAX_ROWS else 64 if num_rows <= 64 else 128
     block_n = 64 if block_m <= 16 else 128
     programs = triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n)

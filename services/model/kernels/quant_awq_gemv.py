@@ -7,10 +7,11 @@ accumulator per nibble in the layout the int32 tile is loaded in, so no step unp
 to [R, 8C] (a layout conversion through shared memory). A value is made exact in fp32 by one
 AND|OR into a float's mantissa (awq_bits; no int-to-float conversions), the group's zero
 subtracted the same way, and the scale (pre-divided by awq_bits' power of two) applied per
-value. The next step's weights are loaded before this step's FMAs (awq_gemv_cols, the default).
+value. The next step's weights are loaded before this step's FMAs (awq_gemv_cols; served with
+--quant-gemv-variants awq-nibbles).
 
-awq_gemv_groups (behind knobs until measured on a GPU: quant_awq_moe.GROUPED_TILES, quant_awq.ONE_ROW_GEMV)
-steps a whole group at a time and keeps the zeros and scales out of the inner product: one AND
+awq_gemv_groups (the default: quant_awq_moe.GROUPED_TILES, quant_awq.ONE_ROW_GEMV; faster on an H200,
+docs/performance.md) steps a whole group at a time and keeps the zeros and scales out of the inner product: one AND
 (the nibble read as a subnormal float) and one FFMA per value, a quarter of awq_gemv_cols'
 instructions per weight byte, and 16-byte loads of a whole group in flight per thread
 (bench/kernels/sass_stats.py: static figures). one_row_linear is the dense linear's one-row GEMV on it.

@@ -12,8 +12,8 @@ expert's weights in AWQ's layout (quant_awq.py, K rows by N columns):
 - one_token_gate_up / one_token_down: batch-1 decode's per-expert GEMVs on the CUDA
   cores (quant_awq_gemv.py, each split along its reduction and summed in the kernel;
   PDL launches); down writes each expert's rounded output and moe_grouped.combine
-  sums them in expert order. OneTokenTiles.gemv picks quant_awq_gemv's GEMV (GROUPED_TILES:
-  awq_gemv_groups, not the default until measured).
+  sums them in expert order. OneTokenTiles.gemv picks quant_awq_gemv's GEMV (GROUPED_TILES,
+  the default: awq_gemv_groups; NIBBLE_TILES: awq_gemv_cols).
 - grouped_moe: moe_grouped.grouped_moe on these; sorted_experts: moe_gemm.sorted_experts
   on these (the dispatch path's rows).
 
@@ -290,17 +290,18 @@ class OneTokenTiles:
         return group if self.gemv == "groups" else rows_a_step
 
 
-# The fastest one-token tiles of bench/kernels/awq_sweep.py at Qwen3-30B-A3B's shapes (D 2048, F 768, 8 experts) on an
-# H200 (docs/performance.md): 384 and 512 programs, unsplit.
+# The fastest one-token tiles of awq_gemv_cols in bench/kernels/awq_sweep.py at Qwen3-30B-A3B's shapes (D 2048,
+# F 768, 8 experts) on an H200 (docs/performance.md): 384 and 512 programs, unsplit.
 NIBBLE_TILES = OneTokenTiles(gate_up_f=32, gate_up_d=64, gate_up_splits=1, gate_up_warps=4, down_o=32, down_f=64,
                              down_splits=1, down_warps=4)
-ONE_TOKEN_TILES = NIBBLE_TILES
-# awq_gemv_groups' tiles, picked by static estimates (bench/kernels/sass_stats.py), not yet measured: gate_up 256
-# columns a program in slices of 16 rows (a 16-byte load a thread each) and 4 warps, down 512 in slices of 8 and 8
-# warps; 8 splits of gate_up's 2,048 rows and 6 of down's 768 (one group each). ONE_TOKEN_TILES = GROUPED_TILES
-# serves with it (quant_variants.use_gemv_variants).
-GROUPED_TILES = OneTokenTiles(gate_up_f=256, gate_up_d=16, gate_up_splits=8, gate_up_warps=4, down_o=512, down_f=8,
-                              down_splits=6, down_warps=8, gemv="groups")
+# awq_gemv_groups' tiles, the default: gate_up 256 columns a program in slices of 16 rows (a 16-byte load a thread
+# each) and 2 warps, down 512 in slices of 8 and 4 warps; 8 splits of gate_up's 2,048 rows and 6 of down's 768 (one
+# group each). The fastest of bench/kernels/awq_sweep.py's one-token tiles on an H200 (docs/performance.md; the
+# shapes from the static estimates of bench/kernels/sass_stats.py, the warps from the sweep). NIBBLE_TILES serve
+# with --quant-gemv-variants awq-nibbles (quant_variants.use_gemv_variants).
+GROUPED_TILES = OneTokenTiles(gate_up_f=256, gate_up_d=16, gate_up_splits=8, gate_up_warps=2, down_o=512, down_f=8,
+                              down_splits=6, down_warps=4, gemv="groups")
+ONE_TOKEN_TILES = GROUPED_TILES
 # down's split counters start here, apart from gate_up's (PDL starts down while gate_up runs).
 _DOWN_COUNTERS = MAX_SPLIT_TILES // 2
 

@@ -13,9 +13,10 @@ Free of triton and torch, so the configuration and its log can use it anywhere.
 
 QUANTIZED_KERNELS = ("auto", "fp8", "weight-only")
 # Batch-1 GEMV variants an expert service may run instead of the default kernels (--quant-gemv-variants;
-# quant_variants.use_gemv_variants): "awq-groups", AWQ's grouped GEMV (quant_awq_gemv.awq_gemv_groups) for the
-# one-token experts and the one-row linears; "fp8-pipelined", FP8's one-row GEMVs as cp.async pipelines.
-GEMV_VARIANTS = ("awq-groups", "fp8-pipelined")
+# quant_variants.use_gemv_variants): "awq-nibbles", AWQ's nibble GEMV (quant_awq_gemv.awq_gemv_cols, the
+# default before the grouped one) for the one-token experts and the one-row linears; "fp8-pipelined", FP8's
+# one-row GEMVs as cp.async pipelines.
+GEMV_VARIANTS = ("awq-nibbles", "fp8-pipelined")
 FP8_TENSOR_CORES = (8, 9)  # the first compute capability with float8 tensor-core products
 
 

@@ -64,11 +64,14 @@ def test_grouped_one_row_is_the_same_bits_every_run(quant_awq, awq_weight):
 
 
 def test_default_one_row_tiles_follow_the_knob(quant_awq, monkeypatch):
-    assert quant_awq.default_tiles(1, 5120, 2048).gemv == "nibbles"
-    monkeypatch.setattr(quant_awq, "ONE_ROW_GEMV", "groups")
     tiles = quant_awq.default_tiles(1, 5120, 2048)
     assert tiles.gemv == "groups" and tiles.block_m == 1 and 128 % tiles.block_k == 0
+    # The H200 sweep's fastest splits at q|k|v's and o's shapes: each split two groups deep.
+    assert (tiles.block_n, tiles.block_k, tiles.split_k, tiles.warps) == (256, 16, 8, 4)
+    assert quant_awq.default_tiles(1, 2048, 4096).split_k == 16
     assert quant_awq.default_tiles(16, 5120, 2048).gemv == "nibbles"
+    monkeypatch.setattr(quant_awq, "ONE_ROW_GEMV", "nibbles")
+    assert quant_awq.default_tiles(1, 5120, 2048).gemv == "nibbles"
 
 
 def test_grouped_tiles_refuse_bad_values(quant_awq, quant_awq_moe):
