@@ -168,6 +168,13 @@ class ExpertConfig(MemberConfig):
     # the GPU runs step k+1 while the host answers step k. Off: each step
     # is launched, read and answered before the next one starts.
     pipeline_steps: bool = True
+    # Diagnostics (expert_svc/step_profile.py): profile this many steps that carry
+    # prompt tokens with torch.profiler, after the first profile_skip_steps steps,
+    # one JSON line each appended to profile_file (where a step's host and device
+    # time go). 0, the default, profiles nothing; profiled steps run unpipelined.
+    profile_prefill_steps: int = 0
+    profile_skip_steps: int = 100
+    profile_file: str = ""
     # Report expert hit counts to the router every this many steps; 0 disables.
     stats_every_steps: int = 16
     # Deadline of one hit-count report to the router.
@@ -197,6 +204,11 @@ class ExpertConfig(MemberConfig):
         if self.quantized_kernel not in _QUANTIZED_KERNELS:
             raise ValueError(f"quantized_kernel must be one of {_QUANTIZED_KERNELS}, got {self.quantized_kernel!r}")
         check_gemv_variants(self.quant_gemv_variants)
+        if self.profile_prefill_steps < 0 or self.profile_skip_steps < 0:
+            raise ValueError(f"profile_prefill_steps and profile_skip_steps must be >= 0, got "
+                             f"{self.profile_prefill_steps} and {self.profile_skip_steps}")
+        if self.profile_prefill_steps and not self.profile_file:
+            raise ValueError("profile_prefill_steps needs profile_file (the JSON lines' path)")
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.ep_exchange not in _EP_EXCHANGES:

@@ -27,6 +27,7 @@ from expert_svc.observability import MeteredExpertComm
 from expert_svc.rendezvous import RendezvousError
 from expert_svc.runner import StepRunner
 from expert_svc.spare_slots import auto_spare_slots
+from expert_svc.step_profile import StepProfiler
 from services import metrics
 from services.cluster import GroupAssignment
 from services.constraints import Compiler
@@ -204,9 +205,15 @@ class ModelBuilder:
         graphs = make_graph_runner(model, kv_pool, cfg.kv_block_size, () if cfg.debug_collective_timing
                                    else cfg.cuda_graph_bucket_sizes, cfg.cuda_graph_max_context,
                                    cfg.cuda_graph_max_seq_tokens)
-        return StepRunner(model, kv_pool, cfg.kv_block_size, vocab_size=self.model_config.vocab_size,
-                          group_id=group.group_id, placement_epoch=group.epoch, device=cfg.device, graphs=graphs,
-                          constraints=ConstraintMasks(self.constraint_compiler))
+        runner = StepRunner(model, kv_pool, cfg.kv_block_size, vocab_size=self.model_config.vocab_size,
+                            group_id=group.group_id, placement_epoch=group.epoch, device=cfg.device, graphs=graphs,
+                            constraints=ConstraintMasks(self.constraint_compiler))
+        if cfg.profile_prefill_steps:
+            runner.profiler = StepProfiler(cfg.profile_file, cfg.profile_prefill_steps, cfg.profile_skip_steps,
+                                           torch.device(cfg.device))
+            log.info("profiling %d steps with prompt tokens after %d steps into %s", cfg.profile_prefill_steps,
+                     cfg.profile_skip_steps, cfg.profile_file)
+        return runner
 
     def constraint_compiler(self) -> Compiler:
         """The compiler of constraints for the served tokenizer and logits width (built on

@@ -33,6 +33,7 @@ from torch import Tensor
 from expert_svc.constrained import ConstraintMasks, Unaccepted
 from expert_svc.graph_runner import DecodeGraphRunner, TokenFeed
 from expert_svc.logprobs import SeqScoring, StepScores, is_scored_chunk
+from expert_svc.step_profile import StepProfiler
 from services import metrics
 from services.constraints import Matcher
 from services.kv_pool import KVPool
@@ -119,6 +120,7 @@ class StepRunner:
         # Installs a plan's expert placement epoch when it differs (expert_svc/placement.py).
         self.install_placement: Callable[[int], None] | None = None
         self._last_ready: torch.cuda.Event | None = None  # the last launched step's, for the device gap
+        self.profiler: StepProfiler | None = None  # --profile-prefill-steps (expert_svc/step_profile.py)
 
     @property
     def seq_ids(self) -> list[int]:
@@ -154,6 +156,7 @@ class StepRunner:
             self._forward([], None, plan.max_tokens_per_rank)
             raise
         self._last_step_id = plan.step_id
+        prof = None if self.profiler is None else self.profiler.begin()
         self._apply_diffs(plan, matchers)
         seqs, feed = self._inputs(plan.scheduled)
         device_start = _timing_event(self.device)
@@ -175,8 +178,12 @@ class StepRunner:
         has_prompt = any(len(seq.token_ids) > 1 for seq in seqs)
         previous_ready = self._last_ready
         self._last_ready = ready if ready is not None else self._last_ready
+        launched = time.perf_counter()
         if seqs:
-            metrics.expert_metrics().step_launch.labels(_kind(has_prompt)).observe(time.perf_counter() - start)
+            metrics.expert_metrics().step_launch.labels(_kind(has_prompt)).observe(launched - start)
+        if prof is not None:
+            self.profiler.end(prof, start, launched, ready, step_id=plan.step_id, has_prompt=has_prompt,
+                              num_tokens=sum(len(seq.token_ids) for seq in seqs), num_seqs=len(seqs))
         return LaunchedStep(plan.step_id, start, sampled, host_S, ready, scores, tuple(host), watched, device_start,
                             has_prompt, previous_ready)
 

@@ -323,3 +323,38 @@ def test_an_fp8_kv_cache_serves_the_same_protocol_and_nearly_the_same_tokens(mod
     assert [o[0] for o in outputs] == [e[0] for e in expected]
     assert runner.seq_ids == [] and kv.k_cache.dtype == torch.float8_e4m3fn
     assert kv.k_cache.view(torch.uint8).any()  # the pool was written
+
+
+def test_the_step_profiler_writes_a_line_per_step_with_prompt_tokens(runner, tmp_path):
+    """--profile-prefill-steps: after the skipped steps, each profiled step with prompt tokens is one
+    JSON line (host launch and wall time, the host's own ops); decode steps are profiled but not
+    counted, and once the count is reached nothing more is profiled."""
+    import json
+
+    from expert_svc.step_profile import StepProfiler
+
+    path = tmp_path / "steps.jsonl"
+    runner.profiler = StepProfiler(path, count=2, skip_steps=1, device=torch.device("cpu"))
+    prompts = {0: (5, 6, 7, 8, 9), 1: (3, 4), 2: (11, 12, 13)}
+    runner.run_step(_plan(1, new=[NewSequence(0, GREEDY, (0, 1))], scheduled=[ScheduledSequence(0, prompts[0])]))
+    runner.run_step(_plan(2, scheduled=[ScheduledSequence(0)]))  # decode: profiled, not written
+    runner.run_step(_plan(3, new=[NewSequence(1, GREEDY, (2,))], scheduled=[ScheduledSequence(1, prompts[1]),
+                                                                              ScheduledSequence(0)]))
+    runner.run_step(_plan(4, new=[NewSequence(2, GREEDY, (3,))], scheduled=[ScheduledSequence(2, prompts[2])]))
+    runner.run_step(_plan(5, new=[NewSequence(3, GREEDY, (4,))], scheduled=[ScheduledSequence(3, (1, 2))]))
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(x["step_id"], x["num_tokens"], x["num_seqs"]) for x in lines] == [(3, 3, 2), (4, 3, 1)]
+    assert runner.profiler.done
+    for line in lines:
+        assert 0 < line["launch_ms"] <= line["wall_ms"]
+        assert line["host_ops"] and all(us >= 0 for _, _, us in line["host_ops"])
+        assert line["kernels"] == [] and line["kernel_ms"] == 0  # no device here
+
+
+def test_profiling_needs_a_file():
+    from expert_svc.config import ExpertConfig
+
+    with pytest.raises(ValueError, match="needs profile_file"):
+        ExpertConfig(member_id="e0", model="m", profile_prefill_steps=3)
+    with pytest.raises(ValueError, match=">= 0"):
+        ExpertConfig(member_id="e0", model="m", profile_skip_steps=-1)
