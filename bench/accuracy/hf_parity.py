@@ -41,6 +41,7 @@ if a run fails. Writes hf_parity.md and .json to --out.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import pathlib
@@ -134,12 +135,13 @@ def make_tokens(config, num_seqs: int, length: int, seed: int) -> torch.Tensor:
     return torch.randint(0, config.vocab_size, (num_seqs, length), generator=g)
 
 
-def hf_logits(config, args, tokens_BL, dtype, **implementations):
-    """Yields (first sequence, logits [n, L, V] on the device) per chunk of transformers' forwards."""
+def hf_logits(config, args, tokens_BL, dtype, within=contextlib.nullcontext, **implementations):
+    """Yields (first sequence, logits [n, L, V] on the device) per chunk of transformers' forwards, run
+    inside within(model)."""
     weights = quant_parity.reference_weights(config, args, args.device)
     model = hf_model(config, weights, dtype, args.device, **implementations)
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), within(model):
             chunk = max(1, HF_CHUNK_TOKENS // tokens_BL.shape[1])
             for start in range(0, tokens_BL.shape[0], chunk):
                 ids = tokens_BL[start:start + chunk].to(args.device)
@@ -160,9 +162,20 @@ def oracle(config, args, tokens_BL) -> torch.Tensor:
 
 
 def score_hf_bf16(config, args, tokens_BL, ref_BLV) -> RowErrors:
+    return _score_hf(hf_logits(config, args, tokens_BL, torch.bfloat16), tokens_BL, ref_BLV)
+
+
+def score_fp8_rounding(config, args, tokens_BL, ref_BLV) -> RowErrors:
+    """transformers fp32 (eager) with every quantized projection's input rounded as the FP8 tensor-core
+    path rounds it (quant_parity.fp8_inputs): what the rounding alone costs, the FP8 verdict's baseline."""
+    return _score_hf(hf_logits(config, args, tokens_BL, torch.float32, quant_parity.fp8_inputs,
+                               attn_implementation="eager", experts_implementation="eager"), tokens_BL, ref_BLV)
+
+
+def _score_hf(chunks, tokens_BL, ref_BLV) -> RowErrors:
     errors = RowErrors.empty(tokens_BL.shape)
     length = tokens_BL.shape[1]
-    for start, logits in hf_logits(config, args, tokens_BL, torch.bfloat16):
+    for start, logits in chunks:
         n = logits.shape[0]
         seq = torch.arange(start, start + n).repeat_interleave(length)
         errors.add(seq, torch.arange(length).repeat(n), logits.reshape(n * length, -1), ref_BLV)
@@ -275,7 +288,9 @@ def run(args, corrupt=None) -> dict:
     graphs = make_graph_runner(model, kv, BLOCK_SIZE, GRAPH_BUCKETS, max_context=per_seq * BLOCK_SIZE)
     phases = {"prefill": slice(0, args.prompt_tokens), "decode": slice(args.prompt_tokens, length)}
     path, path_reason = quant_parity.compute_path(model)
-    judge = quant_parity.fp8_verdict if path == "fp8" else verdict
+    rounding_start = time.perf_counter()
+    rounding_errors = score_fp8_rounding(config, args, tokens_BL, ref_BLV) if path == "fp8" else None
+    rounding_s = time.perf_counter() - rounding_start
     rows = []
     scorer = MoemeshScorer(model, kv, graphs, ref_BLV, args.device)
     runs = [(str(b), max(b, MIN_SEQS)) for b in batches] + ([(f"{args.mixed} mixed", args.mixed)] * bool(args.mixed))
@@ -290,10 +305,17 @@ def run(args, corrupt=None) -> dict:
         for phase, positions in phases.items():
             baseline = hf_errors.summary(num_seqs, positions)
             candidate = errors.summary(num_seqs, positions)
-            rows.append({"batch": name, "phase": phase, "hf_bf16": baseline, "moemesh": candidate,
-                         **judge(candidate, baseline)})
+            row = {"batch": name, "phase": phase, "hf_bf16": baseline, "moemesh": candidate}
+            if rounding_errors is None:
+                rows.append({**row, **verdict(candidate, baseline)})
+            else:
+                rounding = rounding_errors.summary(num_seqs, positions)
+                rows.append({**row, "hf_fp8_inputs": rounding,
+                             **quant_parity.fp8_verdict(candidate, baseline, rounding)})
     marks.append(time.perf_counter())
     timings = dict(zip(("oracle_s", "hf_bf16_s", "moemesh_s"), (b - a for a, b in zip(marks, marks[1:]))))
+    timings["moemesh_s"] -= rounding_s
+    timings["fp8_rounding_s"] = rounding_s
     return {"config": {"preset": args.preset, "layers": config.num_hidden_layers, "seed": args.seed,
                        "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
                        "attention": type(model.attention).__name__, "device": args.device,
@@ -311,8 +333,10 @@ def render(result: dict, command: str) -> str:
              f"runs on the dequantized weights." if c.get("quant") else "")
     bounds = (f"the FP8 tensor-core path's bounds: <= {quant_parity.FP8_MAX_ERROR_RATIO}x, worst position <= "
               f"{quant_parity.FP8_MAX_WORST_ROW_RATIO}x, argmax agreement at most "
-              f"{100 * quant_parity.FP8_MAX_AGREE_DROP:.0f} points below transformers bf16's"
+              f"{100 * quant_parity.FP8_MAX_AGREE_DROP:.0f} points below transformers fp32's with the same FP8 "
+              f"rounding of the projections' inputs (the `fp32, FP8 inputs` column: what the rounding alone costs)"
               if c.get("path") == "fp8" else "")
+    rounding = any("hf_fp8_inputs" in r for r in result["rows"])
     lines = ["# moemesh against transformers on the same weights", "", f"Command: `{command}`", "",
              f"Model: {c['preset']} shape, {c['layers']} layers, random weights (seed {c['seed']}), bf16; "
              f"moemesh attention `{c['attention']}` on {c['device']}, KV cache {c['kv_cache_dtype']}; "
@@ -325,11 +349,13 @@ def render(result: dict, command: str) -> str:
              f"<= {MAX_ERROR_RATIO}x transformers bf16's on the same positions and a worst position <= "
              f"{MAX_WORST_ROW_RATIO}x transformers bf16's{'; here ' + bounds if bounds else ''}.", "",
              "| batch | phase | positions | transformers bf16: mean / worst / max err, agree | "
-             "moemesh: mean / worst / max err, agree | error ratio | worst ratio | ok |",
-             "|---:|---|---:|---|---|---:|---:|---|"]
+             + ("transformers fp32, FP8 inputs: mean / worst / max err, agree | " if rounding else "")
+             + "moemesh: mean / worst / max err, agree | error ratio | worst ratio | ok |",
+             "|---:|---|---:|---|" + ("---|" if rounding else "") + "---|---:|---:|---|"]
     for r in result["rows"]:
         h, m = r["hf_bf16"], r["moemesh"]
-        lines.append(f"| {r['batch']} | {r['phase']} | {m['positions']} | {_errors(h)} | {_errors(m)} | "
+        rounded = f"{_errors(r['hf_fp8_inputs'])} | " if rounding else ""
+        lines.append(f"| {r['batch']} | {r['phase']} | {m['positions']} | {_errors(h)} | {rounded}{_errors(m)} | "
                      f"{r['error_ratio']:.3f} | {r['worst_row_ratio']:.3f} | {'yes' if r['ok'] else 'NO'} |")
     t = result["timings_s"]
     lines += ["", f"Verdict: {'every row passes' if result['ok'] else 'FAILED'}. Wall time: oracle "

@@ -40,3 +40,64 @@ def test_the_fp8_verdict_allows_the_activation_rounding_and_no_more():
                 {"mean_abs_err": 0.05, "worst_row_err": 1.0, "argmax_agree": 0.99},   # worst position
                 {"mean_abs_err": 0.05, "worst_row_err": 0.2, "argmax_agree": 0.93}):  # argmax agreement
         assert not quant_parity.fp8_verdict(bad, base)["ok"], bad
+
+
+def test_the_fp8_verdict_takes_its_argmax_bound_from_the_rounding_alone():
+    base = {"mean_abs_err": 0.01, "worst_row_err": 0.02, "argmax_agree": 0.98}
+    rounding = {"mean_abs_err": 0.03, "worst_row_err": 0.05, "argmax_agree": 0.90}
+    near = {"mean_abs_err": 0.04, "worst_row_err": 0.06, "argmax_agree": 0.88}  # 10 points below bf16
+    assert not quant_parity.fp8_verdict(near, base)["ok"]
+    verdict = quant_parity.fp8_verdict(near, base, rounding)
+    assert verdict["ok"] and verdict["argmax_drop"] == pytest.approx(0.02)
+    assert not quant_parity.fp8_verdict({**near, "argmax_agree": 0.84}, base, rounding)["ok"]
+
+
+def test_fp8_inputs_round_the_quantized_projections_inputs_only():
+    """Inside fp8_inputs a projection (its name has "_proj", an expert's slice of a stacked weight
+    included) sees its input rounded per row and 128-channel group; the gate does not."""
+    import torch
+    from torch.nn import functional
+
+    from services.model.kernels.quant_ref import quant_act_fp8
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj = torch.nn.Linear(200, 8, bias=False)
+            self.gate = torch.nn.Linear(200, 4, bias=False)
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(3, 6, 200))
+
+    torch.manual_seed(0)
+    block, x = Block(), torch.randn(5, 200) * torch.linspace(0.01, 30, 200)
+    xq, xs = quant_act_fp8(x)
+    rounded = xq.float() * xs.repeat_interleave(128, 1)[:, :200]
+    assert not torch.equal(rounded, x)
+    assert torch.equal(quant_parity.round_fp8_input(x.reshape(1, 5, 200)), rounded.reshape(1, 5, 200))
+    with quant_parity.fp8_inputs(block):
+        assert torch.equal(block.q_proj(x), functional.linear(rounded, block.q_proj.weight))
+        assert torch.equal(functional.linear(x, block.gate_up_proj[1]), rounded @ block.gate_up_proj[1].T)
+        assert torch.equal(block.gate(x), x @ block.gate.weight.T)
+    assert torch.equal(block.q_proj(x), x @ block.q_proj.weight.T)  # restored on leaving
+
+
+def test_the_rounding_baseline_runs_transformers_with_rounded_inputs(tmp_path):
+    """score_fp8_rounding on the tiny model: every position scored, off the oracle, close to it."""
+    args = _args(tmp_path, "fp8")
+    config = hf_parity.preset(args.preset)
+    tokens_BL = hf_parity.make_tokens(config, 3, 12, args.seed)
+    ref_BLV = hf_parity.oracle(config, args, tokens_BL)
+    summary = hf_parity.score_fp8_rounding(config, args, tokens_BL, ref_BLV).summary(3, slice(0, 12))
+    assert summary["positions"] == 36
+    assert 0 < summary["mean_abs_err"] < 0.1 * ref_BLV.abs().mean().item()
+
+
+def test_an_fp8_report_shows_the_rounding_column(tmp_path):
+    result = hf_parity.run(_args(tmp_path, "fp8"))
+    result["config"]["path"] = "fp8"  # as on a GPU with FP8 tensor cores (the CPU runs the reference path)
+    for row in result["rows"]:
+        row["hf_fp8_inputs"] = row["hf_bf16"]
+    text = hf_parity.render(result, "cmd")
+    header = next(line for line in text.splitlines() if line.startswith("| batch"))
+    assert "transformers fp32, FP8 inputs" in header and "same FP8 rounding" in text
+    widths = {line.count("|") for line in text.splitlines() if line.startswith("|")}
+    assert len(widths) == 1  # every row has the header's columns
