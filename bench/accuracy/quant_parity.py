@@ -25,7 +25,6 @@ import torch
 from torch.nn import functional
 
 from services.model.kernels.quant_ref import FP8_BLOCK, quant_act_fp8
-
 from services.model.make_model import awq_group_size
 from services.model.quant.formats import QuantConfig
 from services.model.quant.linear import Dequantized

@@ -20,7 +20,7 @@ import torch
 from bench.kernels.kernel_profile import top_kernels
 from expert_svc.graph_runner import DecodeGraphRunner
 from services.kv_pool import KVPool
-from services.model.batch import SeqInput
+from services.model.batch import SeqInput, build_forward_batch
 from services.model.qwen3_moe import Qwen3MoeModel
 from services.model.random_weights import RandomWeights, preset
 
@@ -46,9 +46,8 @@ def step_ms(model, config, rows: int, replays: int = 50, profile: int = 0) -> fl
     out.greedy_S.tolist()  # waits for the last replay
     elapsed_ms = (time.perf_counter() - start) / replays * 1e3
     if profile:
-        batch = graphs._static_batch(rows, False)
-        kernels = top_kernels(lambda: graphs._step(batch, capacity, graphs._logits_RV[:rows], graphs._greedy_R[:rows]),
-                              torch.device("cuda"), limit=1000)
+        batch = build_forward_batch(seqs, BLOCK, "cuda")
+        kernels = top_kernels(lambda: model.forward_at_capacity(batch, kv, capacity), torch.device("cuda"), limit=1000)
         total = sum(k["total_us"] for k in kernels)
         launches = sum(k["calls"] for k in kernels)
         print(f"  one eager step of {rows} rows: {launches} kernels, {total:.1f} us of device time")

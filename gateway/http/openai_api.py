@@ -97,6 +97,17 @@ def _max_tokens(body: dict, name: str) -> int | None:
     return value
 
 
+def _encodes(text: str) -> bool:
+    """Whether UTF-8 can encode text (not if it holds a lone UTF-16 surrogate)."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _lone_surrogate(body) -> str | None:
     """The JSON path ("" for the body) of the first string in `body` that UTF-8 cannot encode; a
     key that cannot be encoded names the object holding it. Iterative: any depth json.loads reads."""
@@ -104,13 +115,10 @@ def _lone_surrogate(body) -> str | None:
     while stack:
         value, path = stack.pop()
         if isinstance(value, str):
-            if not value.isascii():
-                try:
-                    value.encode("utf-8")
-                except UnicodeEncodeError:
-                    return path
+            if not _encodes(value):
+                return path
         elif isinstance(value, dict):
-            if _lone_surrogate("".join(value)) is not None:
+            if not _encodes("".join(value)):
                 return path
             stack.extend(reversed([(item, f"{path}.{key}" if path else key) for key, item in value.items()]))
         elif isinstance(value, list):

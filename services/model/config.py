@@ -29,7 +29,7 @@ def _rope_theta(raw: dict) -> float:
             raise ValueError(f"config rope type {rope_type!r} is not supported (only 'default')")
     theta = raw.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
     # A value of the wrong JSON type is passed through for ModelConfig._check_types to refuse.
-    return float(theta) if isinstance(theta, int | float) and not isinstance(theta, bool) else theta
+    return float(theta) if _is_number(theta) else theta
 
 
 # The JSON type each field must have, checked on construction (ModelConfig._check_types).
@@ -47,6 +47,10 @@ _KIND_NAMES = {"int": "an integer", "number": "a finite number", "bool": "true o
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -112,7 +116,7 @@ class ModelConfig:
             if kind == "int":
                 ok = _is_int(value)
             elif kind == "number":
-                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                ok = _is_number(value) and math.isfinite(value)
             elif kind == "bool":
                 ok = isinstance(value, bool)
             elif kind == "ints":

@@ -6,8 +6,8 @@ Each variant replaces a default kernel of one format at one row (quant_select.GE
   (quant_awq.ONE_ROW_GEMV = "nibbles"), instead of the grouped GEMV;
 - "fp8-pipelined": FP8's one-row GEMVs and one-token experts as cp.async pipelines
   (quant_fp8.GEMV_PIPELINED).
-Both lost to the defaults on an H200 (docs/performance.md); they stay for A/B measurements on
-other GPUs. The knobs are module globals read when a step's kernels launch, so the expert
+Both were slower than the defaults on an H200 (FP8 pipelined in serving, the nibble GEMV kernel by
+kernel; docs/performance.md); they stay for A/B measurements on other GPUs. The knobs are module globals read when a step's kernels launch, so the expert
 service sets them once, before the model is built and any CUDA graph is captured.
 """
 
