@@ -58,6 +58,12 @@ class ExpertConfig(MemberConfig):
     # Paged attention kernels: "triton" (GPU only), "torch" (the reference,
     # host loops) or "auto" (triton on CUDA, torch on the CPU).
     attention_backend: str = "auto"
+    # On CUDA, when the model loads: torch's fused attention is run once at each
+    # length a whole prompt of up to this many tokens attends at (cuDNN builds a
+    # graph per length: services/model/kernels/attention.py), so that no prompt
+    # waits for one while serving. The gateway's max_batch_tokens is the longest
+    # prompt chunk of a step. 0: prepared on first use.
+    warm_prompt_tokens: int = 8192
     # The kernels of a quantized checkpoint (FP8 or AWQ) on CUDA: "fp8" (FP8
     # tensor cores, FP8 checkpoints on compute capability >= 8.9),
     # "weight-only" (weights dequantized in the kernel: AWQ, or FP8 on older
@@ -204,6 +210,8 @@ class ExpertConfig(MemberConfig):
         if self.quantized_kernel not in _QUANTIZED_KERNELS:
             raise ValueError(f"quantized_kernel must be one of {_QUANTIZED_KERNELS}, got {self.quantized_kernel!r}")
         check_gemv_variants(self.quant_gemv_variants)
+        if self.warm_prompt_tokens < 0:
+            raise ValueError(f"warm_prompt_tokens must be >= 0, got {self.warm_prompt_tokens}")
         if self.profile_prefill_steps < 0 or self.profile_skip_steps < 0:
             raise ValueError(f"profile_prefill_steps and profile_skip_steps must be >= 0, got "
                              f"{self.profile_prefill_steps} and {self.profile_skip_steps}")

@@ -13,6 +13,7 @@ decides when; this module decides what.
 """
 
 import logging
+import time
 import zlib
 from collections.abc import Callable
 
@@ -79,7 +80,22 @@ class ModelBuilder:
             exchange = "symmetric_memory" if comm.exchange is not None else "collectives"
             for name in ("collectives", "symmetric_memory"):
                 metrics.expert_metrics().exchange.labels(name).set(int(name == exchange))
-        return model, self.kv_pool()
+        kv_pool = self.kv_pool()
+        self.warm_prompt_attention(model)
+        return model, kv_pool
+
+    def warm_prompt_attention(self, model: Qwen3MoeModel) -> None:
+        """Model thread, on CUDA: the attention of whole prompts of up to warm_prompt_tokens
+        prepared at every length it runs at (after the KV pool took its share of the memory)."""
+        cfg, mc = self.config, self.model_config
+        if not cfg.is_cuda or not cfg.warm_prompt_tokens:
+            return
+        start = time.perf_counter()
+        lengths = model.attention.warm_whole_prompts(cfg.warm_prompt_tokens, mc.num_attention_heads,
+                                                     mc.num_key_value_heads, mc.head_dim, self.dtype, cfg.device)
+        if lengths:
+            log.info("prompt attention prepared at %d lengths (%d..%d tokens) in %.1f s", len(lengths), lengths[0],
+                     lengths[-1], time.perf_counter() - start)
 
     def plan_dispatch(self, comm) -> None:
         """Sets comm.plan, the group's exchange design per step size, and logs it: a collective

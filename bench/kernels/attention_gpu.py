@@ -26,6 +26,12 @@
    512 after 3,584 cached and 4,096 after 4,096: the backend (whole prompts
    through torch's fused attention), its prefill kernel alone (kernel_only),
    other kernel tiles, and the torch reference (up to 4,096 tokens).
+4. Prompt lengths (--sections lengths): the host time (synchronized) of torch's
+   fused attention at a length it has not run before, against a second call,
+   for whole prompts of lengths no earlier call had: exactly at the length
+   (cuDNN first, as before the buckets; and flash alone), and at the length's
+   bucket (sdpa_length, what the backend runs); then how long warming every
+   bucket up to 8,192 tokens takes (the expert's --warm-prompt-tokens).
 
 Writes attention_gpu.md and attention_gpu.json under --out. Exit status 1 if
 an accuracy check fails. Needs CUDA, torch and triton only.
@@ -37,9 +43,11 @@ import pathlib
 import random
 import statistics
 import sys
+import time
 import traceback
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -47,6 +55,7 @@ sys.path.insert(0, str(ROOT))
 from services.kv_pool import KVPool  # noqa: E402
 from services.model.attention import TorchReferenceAttention  # noqa: E402
 from services.model.batch import SeqInput, build_decode_batch, build_forward_batch, copy_batch_  # noqa: E402
+from services.model.kernels import attention as triton_attention  # noqa: E402
 from services.model.kernels.attention import TritonPagedAttention, decode_num_splits  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -298,6 +307,59 @@ def prefill_speed(iters) -> list[dict]:
     return rows
 
 
+def _host_ms(fn) -> float:
+    """Wall ms of one call, the device drained before and after."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - start)
+
+
+def prompt_lengths() -> list[dict]:
+    num_heads, num_kv_heads = SHAPES["30B-A3B"]
+    q, k, v = _inputs(8192 + 1024, num_heads, num_kv_heads, torch.bfloat16)
+    o = torch.empty_like(q)
+    scale = HEAD_DIM ** -0.5
+    ordered = triton_attention._SDPA_BACKENDS
+
+    def exact(length, backends):
+        def run():
+            with sdpa_kernel(backends, set_priority=True):
+                torch.nn.functional.scaled_dot_product_attention(
+                    *(x[:length].transpose(0, 1).unsqueeze(0) for x in (q, k, v)), is_causal=True, scale=scale,
+                    enable_gqa=True)
+        return run
+
+    def bucketed(length):
+        def run():
+            with sdpa_kernel(ordered, set_priority=True):
+                triton_attention._attend_whole_prompt(q, k, v, o, 0, length, scale)
+        return run
+
+    rows = []
+    for base in (1500, 3000, 4500, 6000, 7500):
+        for length in (base + 7, base + 23, base + 41):  # never a multiple of 64: no bucket
+            row = {"length": length, "bucket": triton_attention.sdpa_length(length)}
+            flash = [SDPBackend.FLASH_ATTENTION]
+            for name, run in (("exact", exact(length, ordered)), ("flash", exact(length, flash))):
+                row[f"{name}_first_ms"] = _host_ms(run)
+                row[f"{name}_again_ms"] = _host_ms(run)
+            rows.append(row)
+    for row in rows:  # after every exact call: the buckets' first calls are their own
+        run = bucketed(row["length"])
+        row["bucketed_first_ms"] = _host_ms(run)
+        row["bucketed_again_ms"] = _host_ms(run)
+        print(f"lengths {row}", flush=True)
+    warmed = TritonPagedAttention()
+    warm_ms = _host_ms(lambda: warmed.warm_whole_prompts(8192, num_heads, num_kv_heads, HEAD_DIM, torch.bfloat16,
+                                                         DEVICE))
+    rows.append({"length": "warm 1024..8192", "bucket": len(triton_attention.sdpa_lengths(1024, 8192)),
+                 "bucketed_first_ms": warm_ms})
+    print(f"lengths {rows[-1]}", flush=True)
+    return rows
+
+
 def _table(rows: list[dict], columns: list[str]) -> str:
     def fmt(value):
         return f"{value:.3g}" if isinstance(value, float) else str(value)
@@ -312,7 +374,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"), help="directory of the result files")
     parser.add_argument("--iters", type=int, default=50, help="timed iterations per measurement")
     parser.add_argument("--sections", default="checks,decode,prefill",
-                        help="which of checks (accuracy), decode, prefill to run")
+                        help="which of checks (accuracy), decode, prefill, lengths to run")
     args = parser.parse_args()
     wanted = set(args.sections.split(","))
     if not torch.cuda.is_available():
@@ -322,7 +384,7 @@ def main() -> int:
     result = {"device": props.name, "num_sms": props.multi_processor_count, "torch": torch.__version__,
               "triton": __import__("triton").__version__, "errors": []}
     sections = (("checks", accuracy), ("decode", lambda: decode_speed(args.iters)),
-                ("prefill", lambda: prefill_speed(args.iters)))
+                ("prefill", lambda: prefill_speed(args.iters)), ("lengths", prompt_lengths))
     for name, run in sections:
         if name not in wanted:
             result[name] = []
@@ -335,6 +397,7 @@ def main() -> int:
             result[name] = []
     result["decode"], result["split_sweep"] = result["decode"] or ([], [])
     checks, decode, sweep, prefill = result["checks"], result["decode"], result["split_sweep"], result["prefill"]
+    lengths = result["lengths"]
     md = "\n\n".join([
         f"# Triton paged attention on {props.name} ({props.multi_processor_count} SMs), "
         f"torch {result['torch']}, triton {result['triton']}",
@@ -352,6 +415,10 @@ def main() -> int:
         _table(prefill, ["new_tokens", "cached_tokens", "triton_us", "triton_tflops", "kernel_only_us",
                          "kernel_only_tflops", "triton_256x8_us", "triton_128x4_us", "triton_128x8_us", "torch_ref_us",
                          "torch_ref_tflops"]),
+        "## Whole prompts at new lengths: host ms of the first and a second call (the last row: warming "
+        "every bucket up to 8,192 tokens, the bucket column the number of buckets)",
+        _table(lengths, ["length", "bucket", "exact_first_ms", "exact_again_ms", "flash_first_ms", "flash_again_ms",
+                         "bucketed_first_ms", "bucketed_again_ms"]),
         "Errors: " + ("; ".join(result["errors"]) or "none"),
     ]) + "\n"
     print(md, flush=True)

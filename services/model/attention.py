@@ -36,6 +36,12 @@ class AttentionBackend(abc.ABC):
                 batch: ForwardBatch, kv: KVPool, scale: float) -> Tensor:
         """Stores k/v at batch.slot_mapping_T in layer `layer` of kv, returns o_THK."""
 
+    def warm_whole_prompts(self, max_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                           dtype: torch.dtype, device) -> list[int]:
+        """Prepares what the backend would otherwise prepare on the first prompts of up to
+        max_tokens tokens (on the thread that runs the steps); the prompt lengths it ran. None here."""
+        return []
+
 
 class TorchReferenceAttention(AttentionBackend):
     """Per-sequence gather of the context from the pool, then masked softmax attention.
@@ -110,10 +116,17 @@ class AutoAttention(AttentionBackend):
         self._backends: dict[str, AttentionBackend] = {}
 
     def forward(self, layer, q_THK, k_TGK, v_TGK, batch, kv, scale):
-        name = "triton" if q_THK.is_cuda else "torch"
+        return self._backend(q_THK.device).forward(layer, q_THK, k_TGK, v_TGK, batch, kv, scale)
+
+    def warm_whole_prompts(self, max_tokens, num_heads, num_kv_heads, head_dim, dtype, device):
+        return self._backend(torch.device(device)).warm_whole_prompts(max_tokens, num_heads, num_kv_heads,
+                                                                      head_dim, dtype, device)
+
+    def _backend(self, device: torch.device) -> AttentionBackend:
+        name = "triton" if device.type == "cuda" else "torch"
         if name not in self._backends:
             self._backends[name] = make_attention_backend(name)
-        return self._backends[name].forward(layer, q_THK, k_TGK, v_TGK, batch, kv, scale)
+        return self._backends[name]
 
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {

@@ -1,5 +1,6 @@
 """ModelBuilder.prepare_kv_pool: a standby allocates its KV pool before any assignment, and
-the join's build takes that pool (once) instead of allocating one on the recovery path."""
+the join's build takes that pool (once) instead of allocating one on the recovery path; on CUDA
+the build also warms the prompt attention (warm_prompt_attention)."""
 
 from expert_svc.config import ExpertConfig
 from expert_svc.model_builder import ModelBuilder
@@ -21,3 +22,33 @@ def test_a_pool_sized_by_free_cuda_memory_is_not_prepared_ahead(monkeypatch):
     monkeypatch.setattr(type(builder.config), "is_cuda", property(lambda self: True))
     builder.prepare_kv_pool()  # kv_memory_fraction of what the weights leave free: only at the build
     assert builder._ready_kv_pool is None
+
+
+class _Attention:
+    def __init__(self):
+        self.calls = []
+
+    def warm_whole_prompts(self, *args):
+        self.calls.append(args)
+        return [1024, 2048]
+
+
+class _Model:
+    def __init__(self):
+        self.attention = _Attention()
+
+
+def test_prompt_attention_is_warmed_on_cuda_up_to_the_configured_tokens(monkeypatch):
+    """On CUDA the build warms the prompt attention with the model's heads, dtype and device up to
+    --warm-prompt-tokens; not on the CPU, nor with 0."""
+    builder = ModelBuilder(ExpertConfig(member_id="e", random_weights="tiny", warm_prompt_tokens=2048))
+    model, mc = _Model(), builder.model_config
+    builder.warm_prompt_attention(model)
+    assert model.attention.calls == []  # the CPU: nothing to prepare
+    monkeypatch.setattr(type(builder.config), "is_cuda", property(lambda self: True))
+    builder.warm_prompt_attention(model)
+    assert model.attention.calls == [(2048, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
+                                      builder.dtype, "cpu")]
+    builder = ModelBuilder(ExpertConfig(member_id="e", random_weights="tiny", warm_prompt_tokens=0))
+    builder.warm_prompt_attention(model)
+    assert len(model.attention.calls) == 1

@@ -34,6 +34,13 @@ the launch grid and the split count depend on tensor shapes alone.
   prefix-cache hits) the causal mask is aligned to the bottom right, which
   cuDNN ran no faster than this kernel, so those stay here. A float8 cache
   keeps every prompt here: this kernel attends to the K/V as stored, rounded.
+  cuDNN builds a graph for each new sequence length (tens to hundreds of ms
+  of host time, the device idle behind it), and in serving a prompt's first
+  chunk can have any length the step budget leaves: so a prompt runs at the
+  length of its bucket (sdpa_length: 16 lengths a power of two, at most 1/8
+  more rows, about 3% on average), the rows past it being later tokens that no row of the prompt sees
+  under the causal mask (the step's next rows, or zeros where the step ends),
+  and `warm_whole_prompts` builds every bucket's graph when the model loads.
 - Expanded decode (ForwardBatch.is_expanded: a sequence's few new tokens as
   consecutive decode rows): row j + 1 reads row j's K/V, which another
   program of the same launch would write, so the KV-write kernel stores every
@@ -83,6 +90,9 @@ DECODE_LAUNCH: dict[str, int] = {}
 FP8_DOTS_IN_FP16 = True
 # Whole prompts of at least this many tokens go to torch's fused attention (module doc); 0: none.
 SDPA_PREFILL_MIN_TOKENS = 1024
+# Their lengths are rounded up to a bucket: this many a power of two, and at least this step.
+SDPA_LENGTHS_PER_OCTAVE = 16
+SDPA_MIN_LENGTH_STEP = 64
 # Its kernels in the order tried: cuDNN's was the fastest causal prefill on an H200; off CUDA
 # only the math one runs.
 _SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
@@ -271,15 +281,45 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, co
              out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
+def sdpa_length(length: int) -> int:
+    """The length a whole prompt of `length` tokens attends at: rounded up to a multiple of
+    1/SDPA_LENGTHS_PER_OCTAVE of the power of two at or above it (at least SDPA_MIN_LENGTH_STEP),
+    so that a few lengths (and cuDNN graphs) serve every prompt."""
+    step = max(SDPA_MIN_LENGTH_STEP, triton.next_power_of_2(length) // SDPA_LENGTHS_PER_OCTAVE)
+    return -(-length // step) * step
+
+
+def sdpa_lengths(first: int, last: int) -> list[int]:
+    """Every length sdpa_length gives to the prompts of first..last tokens, in order."""
+    lengths, length = [], max(1, first)
+    while length <= last:
+        lengths.append(sdpa_length(length))
+        length = lengths[-1] + 1
+    return lengths
+
+
 def _attend_whole_prompt(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, o_THK: Tensor, start: int, length: int,
                          scale: float) -> None:
     """o_THK's rows start..start+length: causal attention of one whole prompt (nothing cached)
-    over its own K/V, by torch's fused kernels (the caller picks them: _SDPA_BACKENDS); views in,
-    no copies of q, K or V."""
-    rows = slice(start, start + length)
-    q, k, v = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q_THK, k_TGK, v_TGK))  # [1, heads, L, D]
+    over its own K/V, by torch's fused kernels (the caller picks them: _SDPA_BACKENDS), run at
+    sdpa_length(length) rows: the step's rows after the prompt (views, no copies) or, where
+    the step ends first, a copy padded with zeros. Causal: no row of the prompt sees them."""
+    run = sdpa_length(length)
+    if start + run <= q_THK.shape[0]:
+        q, k, v = (x[start:start + run] for x in (q_THK, k_TGK, v_TGK))
+    else:
+        q, k, v = (_padded(x[start:start + length], run) for x in (q_THK, k_TGK, v_TGK))
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, run, D]
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    o_THK[rows] = out[0].transpose(0, 1)
+    o_THK[start:start + length] = out[0, :, :length].transpose(0, 1)
+
+
+def _padded(rows: Tensor, length: int) -> Tensor:
+    """rows followed by zero rows, `length` in all."""
+    out = rows.new_empty((length, *rows.shape[1:]))
+    out[:rows.shape[0]] = rows
+    out[rows.shape[0]:] = 0
+    return out
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
@@ -324,6 +364,22 @@ class TritonPagedAttention(AttentionBackend):
         # (batch, block_q, whole, tiles, decode sequences, whole prompts): the last prefill batch's
         # work lists (_prefill_tiles).
         self._tiles: tuple | None = None
+
+    def warm_whole_prompts(self, max_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                           dtype: torch.dtype, device) -> list[int]:
+        """Runs torch's fused attention once at every length a whole prompt of up to max_tokens
+        tokens attends at (sdpa_length), so that none is prepared while serving (cuDNN builds a
+        graph per length, kept per thread: call it on the thread that runs the steps). The lengths."""
+        if not self.sdpa_min_tokens or max_tokens < self.sdpa_min_tokens:
+            return []
+        lengths = sdpa_lengths(self.sdpa_min_tokens, max_tokens)
+        q_THK = torch.zeros((lengths[-1], num_heads, head_dim), dtype=dtype, device=device)
+        k_TGK = torch.zeros((lengths[-1], num_kv_heads, head_dim), dtype=dtype, device=device)
+        v_TGK, o_THK = torch.zeros_like(k_TGK), torch.empty_like(q_THK)
+        with torch.inference_mode(), sdpa_kernel(_SDPA_BACKENDS, set_priority=True):
+            for length in lengths:
+                _attend_whole_prompt(q_THK, k_TGK, v_TGK, o_THK, 0, length, head_dim ** -0.5)
+        return lengths
 
     def forward(self, layer, q_THK, k_TGK, v_TGK, batch, kv, scale):
         k_cache, v_cache = kv.layer(layer)

@@ -228,6 +228,61 @@ def test_whole_prompts_go_to_fused_attention(triton_attention, shape):
     assert whole == [(start, 13)] and 3 not in tiles[0].tolist() and 6 in tiles[0].tolist()
 
 
+def test_sdpa_lengths_are_few_and_cover_every_prompt(triton_attention):
+    """A prompt attends at a bucket at least its length and at most 1/8 longer; the buckets are
+    their own lengths, and 25 serve every prompt of 1,024-8,192 tokens (cuDNN: a graph each)."""
+    length_of, lengths = triton_attention.sdpa_length, triton_attention.sdpa_lengths(1024, 8192)
+    for n in range(1024, 8193):
+        assert n <= length_of(n) <= n * 9 / 8 and length_of(n) in lengths
+    assert all(length_of(b) == b for b in lengths) and lengths == sorted(set(lengths))
+    assert len(lengths) == 25 and lengths[:3] == [1024, 1152, 1280] and lengths[-1] == 8192
+    assert length_of(4097) == 4608 and length_of(4096) == 4096 and length_of(1) == 64
+
+
+def _recorded_sdpa(module, monkeypatch) -> list[int]:
+    """The query lengths torch's fused attention is called with, from now on."""
+    lengths, sdpa = [], module.F.scaled_dot_product_attention
+
+    def recorded(q, k, v, **kwargs):
+        lengths.append(q.shape[2])
+        assert k.shape[2] == v.shape[2] == q.shape[2]
+        return sdpa(q, k, v, **kwargs)
+    monkeypatch.setattr(module.F, "scaled_dot_product_attention", recorded)
+    return lengths
+
+
+@pytest.mark.parametrize("start,after", [(3, 40), (5, 2)])
+def test_whole_prompt_attends_at_its_bucket_with_the_same_rows(triton_attention, monkeypatch, start, after):
+    """A prompt of 37 tokens runs at 48 rows (the step's next rows where they are, else zero
+    rows); its own rows are causal attention over its tokens alone, and no other row is written."""
+    monkeypatch.setattr(triton_attention, "SDPA_MIN_LENGTH_STEP", 4)  # 37 -> 48 (64 / 16 = 4 a step: 40)
+    monkeypatch.setattr(triton_attention, "SDPA_LENGTHS_PER_OCTAVE", 4)  # 64 / 4 = 16 a step: 48
+    generator = torch.Generator().manual_seed(1)
+    length, num_tokens = 37, start + 37 + after
+    q, k, v = (torch.randn(num_tokens, h, 16, generator=generator) * 10 for h in (8, 2, 2))
+    out = torch.full_like(q, 7.0)
+    calls = _recorded_sdpa(triton_attention, monkeypatch)
+    triton_attention._attend_whole_prompt(q, k, v, out, start, length, 0.25)
+    assert calls == [48]
+    rows = slice(start, start + length)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *(x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v)), is_causal=True, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(out[rows], expected[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    assert (out[:start] == 7.0).all() and (out[start + length:] == 7.0).all()
+
+
+def test_warm_whole_prompts_runs_each_length_once(triton_attention, monkeypatch):
+    """Warming runs the fused attention once at every bucket from sdpa_min_tokens up to the one
+    of max_tokens, each at its own length, in the model's dtype; nothing without prompts for it."""
+    calls = _recorded_sdpa(triton_attention, monkeypatch)
+    backend = triton_attention.TritonPagedAttention(4, sdpa_min_tokens=8)
+    lengths = backend.warm_whole_prompts(200, 8, 2, 16, torch.float32, "cpu")
+    assert lengths == [64, 128, 192, 256] and calls == lengths
+    assert triton_attention.TritonPagedAttention(4, sdpa_min_tokens=0).warm_whole_prompts(
+        200, 8, 2, 16, torch.float32, "cpu") == []
+    assert backend.warm_whole_prompts(7, 8, 2, 16, torch.float32, "cpu") == [] and len(calls) == 4
+
+
 def test_whole_prompts_stay_in_the_kernel_over_a_float8_cache(triton_attention):
     """A float8 cache: the prefill kernel reads back the rounded K/V it stored, so no prompt goes
     to the fused attention (which would attend to the unrounded K/V in hand)."""
@@ -396,6 +451,8 @@ def test_backend_registry():
     expected = TorchReferenceAttention().forward(0, q, k, v, batch, ref_pool, 0.25)
     assert torch.equal(make_attention_backend("auto").forward(0, q, k, v, batch, pool, 0.25), expected)
     assert torch.equal(expected[1], torch.zeros_like(expected[1]))
+    # Warming: the reference has nothing to prepare, and auto warms the backend of the device.
+    assert make_attention_backend("auto").warm_whole_prompts(4096, 4, 2, 16, torch.float32, "cpu") == []
 
 
 def test_expert_config_attention_backend():
@@ -408,3 +465,6 @@ def test_expert_config_attention_backend():
         ExpertConfig(member_id="e", model="m", attention_backend="flash")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         ExpertConfig(member_id="e", model="m", attention_backend="triton")
+    assert ExpertConfig(member_id="e", model="m").warm_prompt_tokens == 8192
+    with pytest.raises(ValueError, match="warm_prompt_tokens must be >= 0"):
+        ExpertConfig(member_id="e", model="m", warm_prompt_tokens=-1)
