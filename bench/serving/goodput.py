@@ -11,7 +11,9 @@ for every answer. Per rate: completed requests/s, TTFT p50/p99, time per output 
 a request's (end - first token) / (output tokens - 1)) p50/p99, E2E p99, the share of requests
 that met the SLO (TTFT <= --slo-ttft-ms and TPOT <= --slo-tpot-ms; a failed request misses it),
 the GPU's busy share (the rank's step time over the wall time, from its /metrics), the prompt
-tokens/s achieved and that rate's FLOPs against the bf16 peak. The gateway sheds requests it
+tokens/s achieved and that rate's FLOPs against the bf16 peak; where the time goes at the knee: the
+mean queueing (the gateway's time from queued to first scheduled) and the mean ms of the steps with
+prefill against those without (how much the prefill chunks slow the decodes riding with them). The gateway sheds requests it
 predicts past the TTFT SLO (`--ttft-target-ms`, docs/configuration.md; off with --no-shed):
 a refused request counts as a miss, as any failed one; and its steps follow the SLO step budget
 (`--tpot-target-ms` at the TPOT SLO, no per-sequence chunk cap; --no-step-budget: the gateway's
@@ -172,6 +174,8 @@ async def _sweep(target: str, args, cases: list[str], max_context: int, metrics:
                        [flops_per_prompt(config, n) for n in lens])
         experts = [v for role, v in steps.items() if role.startswith("expert")]
         row["busy_share"] = min((v["busy_share"] for v in experts if v["busy_share"] is not None), default=None)
+        # Queueing: the gateway's mean time from queued to first scheduled, of the requests scheduled in the rate.
+        row["queue_ms"] = next((v["queue_ms"] for v in steps.values() if "queue_ms" in v), None)
         row["steps"] = steps
         if stats_after:
             row["schedule"] = schedule_row(stats_before, stats_after)
@@ -207,13 +211,16 @@ def markdown(report: dict) -> str:
     rows = mesh.get("cases", {}).get("rates", [])
     if rows:
         lines += ["| offered req/s | counted (ok) | completed req/s | SLO met | TTFT p50/p99 ms | TPOT p50/p99 ms | "
-                  "E2E p99 ms | GPU busy | prompt tok/s | prefill FLOPs / peak | errors |", "|" + "---|" * 11]
+                  "E2E p99 ms | GPU busy | prompt tok/s | prefill FLOPs / peak | queue ms (mean) | "
+                  "step ms with / without prefill | errors |", "|" + "---|" * 13]
         for r in rows:
             lines.append(
                 f"| {r['rate']:g} | {r['counted']} ({r['ok']}) | {r['completed_per_s']} | {r['slo_attainment']:.1%} | "
                 f"{r['ttft_ms_p50']} / {r['ttft_ms_p99']} | {r['tpot_ms_p50']} / {r['tpot_ms_p99']} | "
                 f"{r['e2e_ms_p99']} | {r.get('busy_share')} | {r['prompt_tokens_per_s']} | "
-                f"{r['prefill_share_of_peak']:.1%} | {', '.join(f'{k} {v}' for k, v in r['errors'].items()) or 'none'} |")
+                f"{r['prefill_share_of_peak']:.1%} | {r.get('queue_ms')} | "
+                f"{r.get('schedule', {}).get('prefill_step_ms')} / {r.get('schedule', {}).get('decode_step_ms')} | "
+                f"{', '.join(f'{k} {v}' for k, v in r['errors'].items()) or 'none'} |")
         lines += ["", f"**Goodput: {report['goodput']:g} req/s** (target >= 12 req/s on one H200)", ""]
     return "\n".join(lines) + "\n"
 

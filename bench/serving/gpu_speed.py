@@ -129,7 +129,7 @@ def scrape_steps(metrics: dict[str, str]) -> dict[str, tuple[float, ...]]:
     then the prompt tokens served from the prefix cache and those looked up (a gateway's), then
     (sum of seconds, count) of an expert's STEP_TIMES histograms, each for steps with prompt tokens
     and without (TIMINGS' order: device time and device gaps on CUDA, host launch time), then its
-    ALLOCATOR counters (CUDA)."""
+    ALLOCATOR counters (CUDA), then (sum of seconds, count) of a gateway's request queue times."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -142,6 +142,7 @@ def scrape_steps(metrics: dict[str, str]) -> dict[str, tuple[float, ...]]:
         steps, gc_all, gc_full, prefix = (0.0, 0.0), [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
         timings = {(name, kind): [0.0, 0.0] for name, kind in TIMINGS}
         allocator = dict.fromkeys(ALLOCATOR.values(), 0.0)
+        queue = [0.0, 0.0]
         for family in text_string_to_metric_families(text):
             if family.name in names:
                 values = {sample.name.rsplit("_", 1)[-1]: sample.value for sample in family.samples
@@ -159,20 +160,25 @@ def scrape_steps(metrics: dict[str, str]) -> dict[str, tuple[float, ...]]:
                     key = (STEP_TIMES[family.name], sample.labels.get("kind"))
                     if sample.name.endswith(("_sum", "_count")) and key in timings:
                         timings[key][0 if sample.name.endswith("_sum") else 1] += sample.value
+            elif family.name == "moemesh_request_queue_time_seconds":
+                for sample in family.samples:
+                    if sample.name.endswith(("_sum", "_count")):
+                        queue[0 if sample.name.endswith("_sum") else 1] += sample.value
             elif family.name in ALLOCATOR:
                 allocator[ALLOCATOR[family.name]] += sum(x.value for x in family.samples if x.name.endswith("_total"))
             elif family.name in ("moemesh_prefix_cache_hit_tokens", "moemesh_prefix_cache_query_tokens"):
                 prefix[0 if "hit" in family.name else 1] += sum(x.value for x in family.samples
                                                                if x.name.endswith("_total"))
         out[role] = (*steps, *gc_all, *gc_full, *prefix, *(v for key in TIMINGS for v in timings[key]),
-                     *allocator.values())
+                     *allocator.values(), *queue)
     return out
 
 
 def step_attribution(before: dict, after: dict, wall_s: float) -> dict:
     """Per role: steps in the case, their mean ms, wall ms per step, and the share of wall time in them;
     where the scrapes have them, an expert's mean device, launch and device-gap ms of steps with and
-    without prompt tokens, and on CUDA its allocator's retries and cudaMallocs in the case."""
+    without prompt tokens, on CUDA its allocator's retries and cudaMallocs in the case, and a gateway's
+    requests first scheduled in the case with their mean ms from queued to first scheduled."""
     out = {}
     for role, values in after.items():
         total, count, gc_s, _, full_s, full_count, hit_tokens, query_tokens, *device = (
@@ -183,7 +189,11 @@ def step_attribution(before: dict, after: dict, wall_s: float) -> dict:
                      "gc_ms": round(1e3 * gc_s, 1), "gc_full": int(full_count), "gc_full_ms": round(1e3 * full_s, 1)}
         if query_tokens:
             out[role]["prefix_hit_tokens"], out[role]["prefix_query_tokens"] = int(hit_tokens), int(query_tokens)
-        timings, allocator = device[:2 * len(TIMINGS)], device[2 * len(TIMINGS):]
+        num_timings = 2 * len(TIMINGS)
+        timings, allocator = device[:num_timings], device[num_timings:num_timings + len(ALLOCATOR)]
+        queue_s, queued = (device[num_timings + len(ALLOCATOR):] or [0.0, 0.0])[:2]
+        if queued:
+            out[role]["queued"], out[role]["queue_ms"] = int(queued), round(1e3 * queue_s / queued, 1)
         for (name, kind), seconds, steps in zip(TIMINGS, timings[::2], timings[1::2]):
             if steps:
                 if name == "device":

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from bench.serving.goodput import flops_per_prompt, goodput, meets_slo, parse_args, rate_row, tpot_s
+from bench.serving.goodput import flops_per_prompt, goodput, markdown, meets_slo, parse_args, rate_row, tpot_s
 from bench.serving.serve import RequestResult
 from services.model.random_weights import preset
 
@@ -82,3 +82,14 @@ def test_schedule_row_says_where_the_steps_of_a_rate_went():
     assert (row["prefill_tokens_p50"], row["prefill_tokens_p99"]) == (4000, 6000)
     assert row["prefill_step_ms"] == 65.0 and row["decode_step_ms"] == 8.0 and row["shed"] == 2
     assert row["fit"] == {"scale": 1.1, "floor_ms": 48.0, "decode_scale": 1.5}
+
+
+def test_the_table_shows_queueing_and_the_steps_with_and_without_prefill():
+    results = [_result(2.0, 2.1, 2.13, 2), _result(3.0, 3.1, 3.13, 2)]
+    row = rate_row(4.0, results, [10, 20], 6.0, 0.0, SLO, [1.0, 2.0])
+    row |= {"busy_share": 0.9, "queue_ms": 212.5, "schedule": {"prefill_step_ms": 96.1, "decode_step_ms": 12.4}}
+    report = {"config": {"preset": "tiny", "kind": "cpu", "slo_ttft_ms": 500.0, "slo_tpot_ms": 40.0,
+                         "slo_attainment": 0.99, "duration_s": 6.0, "settle_s": 0.0},
+              "command": "c", "date": "d", "goodput": 4.0, "mesh": {"cases": {"rates": [row]}}}
+    table = [line for line in markdown(report).splitlines() if line.startswith("| 4 |")]
+    assert len(table) == 1 and "| 212.5 | 96.1 / 12.4 |" in table[0]

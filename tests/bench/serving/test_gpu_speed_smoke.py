@@ -112,3 +112,13 @@ def test_step_attribution_reports_a_cuda_ranks_allocator_counts():
     assert (got["expert0"]["alloc_retries"], got["expert0"]["cuda_mallocs"]) == (0, 12)
     assert "cuda_mallocs" not in got["cpu"]  # no device time: not a CUDA rank
 
+
+
+def test_step_attribution_reports_a_gateways_mean_queue_time():
+    # ... then (queue seconds, requests first scheduled) after the allocator's counters: a gateway's
+    tail = (*(0.0,) * 12, 0.0, 0.0)
+    before = {"gateway": (2.0, 10.0, *(0.0,) * 6, *tail, 1.0, 10.0), "expert0": (1.0, 10.0, *(0.0,) * 6, *tail, 0.0, 0.0)}
+    after = {"gateway": (4.0, 110.0, *(0.0,) * 6, *tail, 4.0, 40.0), "expert0": (3.0, 110.0, *(0.0,) * 6, *tail, 0.0, 0.0)}
+    got = step_attribution(before, after, wall_s=4.0)
+    assert (got["gateway"]["queued"], got["gateway"]["queue_ms"]) == (30, 100.0)
+    assert "queue_ms" not in got["expert0"]
