@@ -16,7 +16,9 @@ FP8_MAX_AGREE_DROP are its bounds (docs/configuration.md, "Quantized
 checkpoints", says why these values). The argmax bound is taken against
 transformers fp32 with the same input rounding (`fp8_inputs`): what the
 rounding alone costs the argmax, on these weights, is the baseline, so the
-path may lose at most FP8_MAX_AGREE_DROP more than that.
+path may lose at most FP8_MAX_AGREE_DROP more than that. The weight-only
+paths of an FP8 checkpoint (the CPU's included) report that reference beside
+their own rows, unjudged: what the tensor-core path would lose to the rounding.
 """
 
 import contextlib

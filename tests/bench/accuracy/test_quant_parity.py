@@ -19,6 +19,9 @@ def test_the_weight_only_path_passes_against_the_dequantized_weights(tmp_path, m
     assert all(row["error_ratio"] < hf_parity.MAX_ERROR_RATIO for row in result["rows"])
     text = hf_parity.render(result, "cmd")
     assert f"Quantized: {method}, served on the `reference` path" in text and "every row passes" in text
+    # FP8 on the weight-only path: the rounding the tensor-core path would add is reported beside it, not judged.
+    assert all(("hf_fp8_inputs" in row) == (method == "fp8") for row in result["rows"])
+    assert ("transformers fp32, FP8 inputs" in text) == (method == "fp8") and "same FP8 rounding" not in text
 
 
 def test_a_broken_scale_fails(tmp_path):
