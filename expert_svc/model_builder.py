@@ -81,18 +81,18 @@ class ModelBuilder:
             for name in ("collectives", "symmetric_memory"):
                 metrics.expert_metrics().exchange.labels(name).set(int(name == exchange))
         kv_pool = self.kv_pool()
-        self.warm_prompt_attention(model)
+        self.warm_prompt_attention(model, kv_pool)
         return model, kv_pool
 
-    def warm_prompt_attention(self, model: Qwen3MoeModel) -> None:
+    def warm_prompt_attention(self, model: Qwen3MoeModel, kv_pool: KVPool) -> None:
         """Model thread, on CUDA: the attention of whole prompts of up to warm_prompt_tokens
         prepared at every length it runs at (after the KV pool took its share of the memory)."""
-        cfg, mc = self.config, self.model_config
+        cfg = self.config
         if not cfg.is_cuda or not cfg.warm_prompt_tokens:
             return
         start = time.perf_counter()
-        lengths = model.attention.warm_whole_prompts(cfg.warm_prompt_tokens, mc.num_attention_heads,
-                                                     mc.num_key_value_heads, mc.head_dim, self.dtype, cfg.device)
+        lengths = model.attention.warm_whole_prompts(kv_pool, self.model_config.num_attention_heads, self.dtype,
+                                                     cfg.warm_prompt_tokens)
         if lengths:
             log.info("prompt attention prepared at %d lengths (%d..%d tokens) in %.1f s", len(lengths), lengths[0],
                      lengths[-1], time.perf_counter() - start)

@@ -352,8 +352,8 @@ def prompt_lengths() -> list[dict]:
         row["bucketed_again_ms"] = _host_ms(run)
         print(f"lengths {row}", flush=True)
     warmed = TritonPagedAttention()
-    warm_ms = _host_ms(lambda: warmed.warm_whole_prompts(8192, num_heads, num_kv_heads, HEAD_DIM, torch.bfloat16,
-                                                         DEVICE))
+    pool = _pool(1, 1, num_kv_heads, torch.bfloat16)
+    warm_ms = _host_ms(lambda: warmed.warm_whole_prompts(pool, num_heads, torch.bfloat16, 8192))
     rows.append({"length": "warm 1024..8192", "bucket": len(triton_attention.sdpa_lengths(1024, 8192)),
                  "bucketed_first_ms": warm_ms})
     print(f"lengths {rows[-1]}", flush=True)

@@ -36,10 +36,10 @@ class AttentionBackend(abc.ABC):
                 batch: ForwardBatch, kv: KVPool, scale: float) -> Tensor:
         """Stores k/v at batch.slot_mapping_T in layer `layer` of kv, returns o_THK."""
 
-    def warm_whole_prompts(self, max_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                           dtype: torch.dtype, device) -> list[int]:
-        """Prepares what the backend would otherwise prepare on the first prompts of up to
-        max_tokens tokens (on the thread that runs the steps); the prompt lengths it ran. None here."""
+    def warm_whole_prompts(self, kv: KVPool, num_heads: int, dtype: torch.dtype, max_tokens: int) -> list[int]:
+        """Prepares what the backend would otherwise prepare on the first prompts of up to max_tokens
+        tokens (queries of num_heads heads in dtype over kv, on the thread that runs the steps); the
+        prompt lengths it ran. None here."""
         return []
 
 
@@ -118,9 +118,8 @@ class AutoAttention(AttentionBackend):
     def forward(self, layer, q_THK, k_TGK, v_TGK, batch, kv, scale):
         return self._backend(q_THK.device).forward(layer, q_THK, k_TGK, v_TGK, batch, kv, scale)
 
-    def warm_whole_prompts(self, max_tokens, num_heads, num_kv_heads, head_dim, dtype, device):
-        return self._backend(torch.device(device)).warm_whole_prompts(max_tokens, num_heads, num_kv_heads,
-                                                                      head_dim, dtype, device)
+    def warm_whole_prompts(self, kv, num_heads, dtype, max_tokens):
+        return self._backend(kv.layer(0)[0].device).warm_whole_prompts(kv, num_heads, dtype, max_tokens)
 
     def _backend(self, device: torch.device) -> AttentionBackend:
         name = "triton" if device.type == "cuda" else "torch"

@@ -39,16 +39,15 @@ class _Model:
 
 
 def test_prompt_attention_is_warmed_on_cuda_up_to_the_configured_tokens(monkeypatch):
-    """On CUDA the build warms the prompt attention with the model's heads, dtype and device up to
-    --warm-prompt-tokens; not on the CPU, nor with 0."""
-    builder = ModelBuilder(ExpertConfig(member_id="e", random_weights="tiny", warm_prompt_tokens=2048))
-    model, mc = _Model(), builder.model_config
-    builder.warm_prompt_attention(model)
+    """On CUDA the build warms the prompt attention over its KV pool with the model's query heads and
+    dtype up to --warm-prompt-tokens; not on the CPU, nor with 0."""
+    builder = ModelBuilder(ExpertConfig(member_id="e", random_weights="tiny", kv_blocks=8, warm_prompt_tokens=2048))
+    model, pool = _Model(), builder.kv_pool()
+    builder.warm_prompt_attention(model, pool)
     assert model.attention.calls == []  # the CPU: nothing to prepare
     monkeypatch.setattr(type(builder.config), "is_cuda", property(lambda self: True))
-    builder.warm_prompt_attention(model)
-    assert model.attention.calls == [(2048, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
-                                      builder.dtype, "cpu")]
+    builder.warm_prompt_attention(model, pool)
+    assert model.attention.calls == [(pool, builder.model_config.num_attention_heads, builder.dtype, 2048)]
     builder = ModelBuilder(ExpertConfig(member_id="e", random_weights="tiny", warm_prompt_tokens=0))
-    builder.warm_prompt_attention(model)
+    builder.warm_prompt_attention(model, pool)
     assert len(model.attention.calls) == 1

@@ -38,9 +38,10 @@ the launch grid and the split count depend on tensor shapes alone.
   of host time, the device idle behind it), and in serving a prompt's first
   chunk can have any length the step budget leaves: so a prompt runs at the
   length of its bucket (sdpa_length: 16 lengths a power of two, at most 1/8
-  more rows, about 3% on average), the rows past it being later tokens that no row of the prompt sees
-  under the causal mask (the step's next rows, or zeros where the step ends),
-  and `warm_whole_prompts` builds every bucket's graph when the model loads.
+  more rows, about 3% on average), the rows past it being later tokens that
+  no row of the prompt sees under the causal mask (the step's next rows, or
+  zeros where the step ends), and `warm_whole_prompts` builds every bucket's
+  graph when the model loads.
 - Expanded decode (ForwardBatch.is_expanded: a sequence's few new tokens as
   consecutive decode rows): row j + 1 reads row j's K/V, which another
   program of the same launch would write, so the KV-write kernel stores every
@@ -58,6 +59,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from services.kv_pool import KVPool
 from services.model.attention import ATTENTION_BACKENDS, AttentionBackend
 from services.model.batch import to_device
 from services.model.kernels import launch
@@ -365,16 +367,18 @@ class TritonPagedAttention(AttentionBackend):
         # work lists (_prefill_tiles).
         self._tiles: tuple | None = None
 
-    def warm_whole_prompts(self, max_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                           dtype: torch.dtype, device) -> list[int]:
+    def warm_whole_prompts(self, kv: KVPool, num_heads: int, dtype: torch.dtype, max_tokens: int) -> list[int]:
         """Runs torch's fused attention once at every length a whole prompt of up to max_tokens
-        tokens attends at (sdpa_length), so that none is prepared while serving (cuDNN builds a
-        graph per length, kept per thread: call it on the thread that runs the steps). The lengths."""
-        if not self.sdpa_min_tokens or max_tokens < self.sdpa_min_tokens:
+        tokens attends at (sdpa_length) with kv's heads on its device, so that none is prepared
+        while serving (cuDNN builds a graph per length, kept per thread: call it on the thread
+        that runs the steps). The lengths; none over a float8 cache (its prompts stay here)."""
+        k_cache, _ = kv.layer(0)
+        if not self.sdpa_min_tokens or max_tokens < self.sdpa_min_tokens or k_cache.element_size() == 1:
             return []
         lengths = sdpa_lengths(self.sdpa_min_tokens, max_tokens)
-        q_THK = torch.zeros((lengths[-1], num_heads, head_dim), dtype=dtype, device=device)
-        k_TGK = torch.zeros((lengths[-1], num_kv_heads, head_dim), dtype=dtype, device=device)
+        num_kv_heads, head_dim = k_cache.shape[2:]
+        q_THK = torch.zeros((lengths[-1], num_heads, head_dim), dtype=dtype, device=k_cache.device)
+        k_TGK = torch.zeros((lengths[-1], num_kv_heads, head_dim), dtype=dtype, device=k_cache.device)
         v_TGK, o_THK = torch.zeros_like(k_TGK), torch.empty_like(q_THK)
         with torch.inference_mode(), sdpa_kernel(_SDPA_BACKENDS, set_priority=True):
             for length in lengths:

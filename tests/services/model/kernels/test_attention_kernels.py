@@ -273,14 +273,18 @@ def test_whole_prompt_attends_at_its_bucket_with_the_same_rows(triton_attention,
 
 def test_warm_whole_prompts_runs_each_length_once(triton_attention, monkeypatch):
     """Warming runs the fused attention once at every bucket from sdpa_min_tokens up to the one
-    of max_tokens, each at its own length, in the model's dtype; nothing without prompts for it."""
+    of max_tokens, each at its own length, with the pool's heads; nothing without prompts for it,
+    nor over a float8 cache (whose prompts stay in the kernel)."""
     calls = _recorded_sdpa(triton_attention, monkeypatch)
     backend = triton_attention.TritonPagedAttention(4, sdpa_min_tokens=8)
-    lengths = backend.warm_whole_prompts(200, 8, 2, 16, torch.float32, "cpu")
-    assert lengths == [64, 128, 192, 256] and calls == lengths
+    pool = KVPool(1, 4, BLOCK_SIZE, 2, 16, torch.float32, "cpu")
+    assert backend.warm_whole_prompts(pool, 8, torch.float32, 200) == [64, 128, 192, 256]
+    assert calls == [64, 128, 192, 256]
     assert triton_attention.TritonPagedAttention(4, sdpa_min_tokens=0).warm_whole_prompts(
-        200, 8, 2, 16, torch.float32, "cpu") == []
-    assert backend.warm_whole_prompts(7, 8, 2, 16, torch.float32, "cpu") == [] and len(calls) == 4
+        pool, 8, torch.float32, 200) == []
+    assert backend.warm_whole_prompts(pool, 8, torch.float32, 7) == []
+    float8 = KVPool(1, 4, BLOCK_SIZE, 2, 16, torch.float8_e4m3fn, "cpu")
+    assert backend.warm_whole_prompts(float8, 8, torch.float32, 200) == [] and len(calls) == 4
 
 
 def test_whole_prompts_stay_in_the_kernel_over_a_float8_cache(triton_attention):
@@ -452,7 +456,7 @@ def test_backend_registry():
     assert torch.equal(make_attention_backend("auto").forward(0, q, k, v, batch, pool, 0.25), expected)
     assert torch.equal(expected[1], torch.zeros_like(expected[1]))
     # Warming: the reference has nothing to prepare, and auto warms the backend of the device.
-    assert make_attention_backend("auto").warm_whole_prompts(4096, 4, 2, 16, torch.float32, "cpu") == []
+    assert make_attention_backend("auto").warm_whole_prompts(ref_pool, 4, torch.float32, 4096) == []
 
 
 def test_expert_config_attention_backend():
