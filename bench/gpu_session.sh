@@ -9,8 +9,9 @@
 #            limit 240 s (the second compiles the Triton kernels again in fp32)
 #     acc    bench/kernels/attention_gpu.py --sections checks (the triton attention's bf16 accuracy)
 #     attn   bench/kernels/attention_gpu.py (accuracy and speed)
-#     lengths bench/kernels/attention_gpu.py --sections checks,lengths: whole prompts at new lengths, the first
-#            call's host ms exact (cuDNN builds a graph per length) against the length buckets, and the warm-up
+#     lengths bench/kernels/attention_gpu.py --sections checks,lengths,sdpa: whole prompts at new lengths, the
+#            first call's host ms exact (cuDNN builds a graph per length) against the length buckets, the warm-up;
+#            then one prompt of 2-8K tokens through each of torch's fused kernels, grouped and expanded K/V
 #     mixed  bench/serving/mixed_step.py (eager prefill / mixed / decode steps, attention settings)
 #     parity bench/accuracy/hf_parity.py twice (40- and 1,500-token prompts): the serving model's logits against
 #            transformers fp32 and bf16 on the same weights, at batches 1, 8, 50, 256 and in mixed steps
@@ -140,7 +141,7 @@ for step in $STEPS; do
                 --out "$RESULTS/parity_long" ;;
         acc) part acc 120 python3 -m bench.kernels.attention_gpu --sections checks --out "$RESULTS/acc" ;;
         attn) part attn 240 python3 -m bench.kernels.attention_gpu --out "$RESULTS/attn" ;;
-        lengths) part lengths 180 python3 -m bench.kernels.attention_gpu --sections checks,lengths --out "$RESULTS/lengths" ;;
+        lengths) part lengths 180 python3 -m bench.kernels.attention_gpu --sections checks,lengths,sdpa --out "$RESULTS/lengths" ;;
         mixed) part mixed 240 python3 -m bench.serving.mixed_step --out "$RESULTS/mixed" ;;
         n1) part n1 200 python3 -m bench.serving.gpu_speed --kind "$KIND" --ranks 1 --cases b1,c256 \
                 ${N1_ARGS:-} --out "$RESULTS/n1" ;;

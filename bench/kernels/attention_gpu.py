@@ -32,6 +32,12 @@
    (cuDNN first, as before the buckets; and flash alone), and at the length's
    bucket (sdpa_length, what the backend runs); then how long warming every
    bucket up to 8,192 tokens takes (the expert's --warm-prompt-tokens).
+5. Whole-prompt backends (--sections sdpa): one causal prompt of 2,048, 4,096
+   and 8,192 tokens through each of torch's fused kernels alone (cuDNN, flash,
+   memory-efficient), with the query heads grouped over the KV heads
+   (enable_gqa, as served) and with K/V expanded to every query head, against
+   the prefill kernel: us and TFLOP/s, or the error of a kernel that refuses
+   the call. (A 4K prompt's attention is about 40% of its eager step.)
 
 Writes attention_gpu.md and attention_gpu.json under --out. Exit status 1 if
 an accuracy check fails. Needs CUDA, torch and triton only.
@@ -360,6 +366,34 @@ def prompt_lengths() -> list[dict]:
     return rows
 
 
+def prompt_backends(iters) -> list[dict]:
+    num_heads, num_kv_heads = SHAPES["30B-A3B"]
+    group, scale = num_heads // num_kv_heads, HEAD_DIM ** -0.5
+    rows = []
+    for length in (2048, 4096, 8192):
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in _inputs(length, num_heads, num_kv_heads, torch.bfloat16))
+        k_all, v_all = (x.repeat_interleave(group, dim=1) for x in (k, v))
+        flops = 4 * num_heads * HEAD_DIM * length * (length + 1) / 2
+        row = {"tokens": length}
+        for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+            for layout, kv, gqa in (("gqa", (k, v), True), ("expanded", (k_all, v_all), False)):
+                name = f"{backend.name.lower().removesuffix('_attention')}_{layout}"
+
+                def run(kv=kv, gqa=gqa, backend=backend):
+                    with sdpa_kernel([backend]):
+                        torch.nn.functional.scaled_dot_product_attention(q, *kv, is_causal=True, scale=scale,
+                                                                         enable_gqa=gqa)
+                try:
+                    ms = _time_ms(run, iters)
+                except Exception as error:  # noqa: BLE001 (a kernel that refuses the call is a result)
+                    row[f"{name}_us"] = repr(error)[:80]
+                    continue
+                row[f"{name}_us"], row[f"{name}_tflops"] = 1e3 * ms, flops / ms / 1e9
+        rows.append(row)
+        print(f"sdpa {row}", flush=True)
+    return rows
+
+
 def _table(rows: list[dict], columns: list[str]) -> str:
     def fmt(value):
         return f"{value:.3g}" if isinstance(value, float) else str(value)
@@ -374,7 +408,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"), help="directory of the result files")
     parser.add_argument("--iters", type=int, default=50, help="timed iterations per measurement")
     parser.add_argument("--sections", default="checks,decode,prefill",
-                        help="which of checks (accuracy), decode, prefill, lengths to run")
+                        help="which of checks (accuracy), decode, prefill, lengths, sdpa to run")
     args = parser.parse_args()
     wanted = set(args.sections.split(","))
     if not torch.cuda.is_available():
@@ -384,7 +418,8 @@ def main() -> int:
     result = {"device": props.name, "num_sms": props.multi_processor_count, "torch": torch.__version__,
               "triton": __import__("triton").__version__, "errors": []}
     sections = (("checks", accuracy), ("decode", lambda: decode_speed(args.iters)),
-                ("prefill", lambda: prefill_speed(args.iters)), ("lengths", prompt_lengths))
+                ("prefill", lambda: prefill_speed(args.iters)), ("lengths", prompt_lengths),
+                ("sdpa", lambda: prompt_backends(args.iters)))
     for name, run in sections:
         if name not in wanted:
             result[name] = []
@@ -397,7 +432,7 @@ def main() -> int:
             result[name] = []
     result["decode"], result["split_sweep"] = result["decode"] or ([], [])
     checks, decode, sweep, prefill = result["checks"], result["decode"], result["split_sweep"], result["prefill"]
-    lengths = result["lengths"]
+    lengths, backends = result["lengths"], result["sdpa"]
     md = "\n\n".join([
         f"# Triton paged attention on {props.name} ({props.multi_processor_count} SMs), "
         f"torch {result['torch']}, triton {result['triton']}",
@@ -419,6 +454,9 @@ def main() -> int:
         "every bucket up to 8,192 tokens, the bucket column the number of buckets)",
         _table(lengths, ["length", "bucket", "exact_first_ms", "exact_again_ms", "flash_first_ms", "flash_again_ms",
                          "bucketed_first_ms", "bucketed_again_ms"]),
+        "## One whole causal prompt through each of torch's fused kernels (32 q / 4 KV heads): us, TFLOP/s",
+        _table(backends, ["tokens", *(f"{b}_{layout}_{unit}" for b in ("cudnn", "flash", "efficient")
+                                      for layout in ("gqa", "expanded") for unit in ("us", "tflops"))]),
         "Errors: " + ("; ".join(result["errors"]) or "none"),
     ]) + "\n"
     print(md, flush=True)
