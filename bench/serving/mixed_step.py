@@ -19,7 +19,9 @@ device's end, over 5 steps after 3 warm-ups; the host syncs of one step
 and the top kernels of one step (torch.profiler). Then the mixed step again with
 each --variants setting of the triton attention (TritonPagedAttention's knobs:
 mixed_decode sends the decodes through the decode kernel, prefill_rows, block_n,
-num_warps, prefill_stages, sdpa_min_tokens: 0 keeps whole prompts in the prefill kernel): its wall time and its logits' largest difference from the default's.
+num_warps, prefill_stages, sdpa_min_tokens: 0 keeps whole prompts in the prefill kernel,
+sdpa_flash_first: torch's flash kernel before cuDNN's, sdpa_expand_kv: K/V copied out to every query head for
+the whole prompts): its wall time and its logits' largest difference from the default's.
 Writes mixed_step.json and .md.
 """
 

@@ -99,6 +99,9 @@ SDPA_MIN_LENGTH_STEP = 64
 # only the math one runs.
 _SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                   SDPBackend.MATH]
+# The same with flash first (TritonPagedAttention's sdpa_flash_first knob, to compare).
+_SDPA_FLASH_FIRST = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                     SDPBackend.MATH]
 # The number of SMs assumed off CUDA (the interpreter), for the split count.
 _CPU_NUM_SMS = 4
 
@@ -301,18 +304,23 @@ def sdpa_lengths(first: int, last: int) -> list[int]:
 
 
 def _attend_whole_prompt(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, o_THK: Tensor, start: int, length: int,
-                         scale: float) -> None:
+                         scale: float, expand_kv: bool = False) -> None:
     """o_THK's rows start..start+length: causal attention of one whole prompt (nothing cached)
     over its own K/V, by torch's fused kernels (the caller picks them: _SDPA_BACKENDS), run at
     sdpa_length(length) rows: the step's rows after the prompt (views, no copies) or, where
-    the step ends first, a copy padded with zeros. Causal: no row of the prompt sees them."""
+    the step ends first, a copy padded with zeros. Causal: no row of the prompt sees them.
+    The query heads are grouped over the KV heads, or with `expand_kv` K/V are copied out to
+    every query head (for a kernel that runs grouped heads slower, or not at all)."""
     run = sdpa_length(length)
     if start + run <= q_THK.shape[0]:
         q, k, v = (x[start:start + run] for x in (q_THK, k_TGK, v_TGK))
     else:
         q, k, v = (_padded(x[start:start + length], run) for x in (q_THK, k_TGK, v_TGK))
+    if expand_kv:
+        group = q.shape[1] // k.shape[1]
+        k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, run, D]
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=not expand_kv)
     o_THK[start:start + length] = out[0, :, :length].transpose(0, 1)
 
 
@@ -350,18 +358,22 @@ class TritonPagedAttention(AttentionBackend):
     through the decode kernel (its split-K over the context, GROUP_PAD rows a
     program) instead of a prefill tile each (prefill_rows rows, one token's
     group heads valid). `sdpa_min_tokens`: whole prompts this long or longer go to torch's
-    fused attention (None: SDPA_PREFILL_MIN_TOKENS; 0: none).
+    fused attention (None: SDPA_PREFILL_MIN_TOKENS; 0: none); `sdpa_flash_first` tries its
+    flash kernel before cuDNN's, `sdpa_expand_kv` gives it K/V copied out to every query head
+    (knobs to compare on a GPU: bench/kernels/attention_gpu.py's sdpa section).
     """
 
     def __init__(self, decode_splits: int | None = None, *, block_n: int = 64, prefill_rows: int = 64,
                  num_warps: int = 4, prefill_stages: int | None = None, mixed_decode: bool = False,
-                 sdpa_min_tokens: int | None = None):
+                 sdpa_min_tokens: int | None = None, sdpa_flash_first: bool = False, sdpa_expand_kv: bool = False):
         if decode_splits is not None and (decode_splits <= 0 or decode_splits & (decode_splits - 1)):
             raise ValueError(f"decode_splits must be a power of two, got {decode_splits}")
         self.decode_splits, self.block_n, self.prefill_rows = decode_splits, block_n, prefill_rows
         self.num_warps, self.mixed_decode = num_warps, mixed_decode
         self.prefill_launch = {} if prefill_stages is None else {"num_stages": prefill_stages}
         self.sdpa_min_tokens = SDPA_PREFILL_MIN_TOKENS if sdpa_min_tokens is None else sdpa_min_tokens
+        self.sdpa_backends = _SDPA_FLASH_FIRST if sdpa_flash_first else _SDPA_BACKENDS
+        self.sdpa_expand_kv = bool(sdpa_expand_kv)
         self._num_sms: dict[torch.device, int] = {}
         # (batch, block_q, whole, tiles, decode sequences, whole prompts): the last prefill batch's
         # work lists (_prefill_tiles).
@@ -380,9 +392,9 @@ class TritonPagedAttention(AttentionBackend):
         q_THK = torch.zeros((lengths[-1], num_heads, head_dim), dtype=dtype, device=k_cache.device)
         k_TGK = torch.zeros((lengths[-1], num_kv_heads, head_dim), dtype=dtype, device=k_cache.device)
         v_TGK, o_THK = torch.zeros_like(k_TGK), torch.empty_like(q_THK)
-        with torch.inference_mode(), sdpa_kernel(_SDPA_BACKENDS, set_priority=True):
+        with torch.inference_mode(), sdpa_kernel(self.sdpa_backends, set_priority=True):
             for length in lengths:
-                _attend_whole_prompt(q_THK, k_TGK, v_TGK, o_THK, 0, length, head_dim ** -0.5)
+                _attend_whole_prompt(q_THK, k_TGK, v_TGK, o_THK, 0, length, head_dim ** -0.5, self.sdpa_expand_kv)
         return lengths
 
     def forward(self, layer, q_THK, k_TGK, v_TGK, batch, kv, scale):
@@ -421,9 +433,9 @@ class TritonPagedAttention(AttentionBackend):
             whole_ok = k_cache.element_size() > 1  # a float8 cache: attend to the K/V as stored
             tiles_2W, decode_seqs_D, whole = self._prefill_tiles(batch, block_q, q_THK.device, whole_ok)
             if whole:
-                with sdpa_kernel(_SDPA_BACKENDS, set_priority=True):  # entered once for the step's prompts
+                with sdpa_kernel(self.sdpa_backends, set_priority=True):  # entered once for the step's prompts
                     for start, length in whole:
-                        _attend_whole_prompt(q_THK, k_TGK, v_TGK, o_THK, start, length, scale)
+                        _attend_whole_prompt(q_THK, k_TGK, v_TGK, o_THK, start, length, scale, self.sdpa_expand_kv)
             if tiles_2W.shape[1]:
                 _prefill_kernel[(tiles_2W.shape[1], num_kv_heads)](
                     cu_q_lens_ptr=batch.cu_q_lens_B1, tiles_ptr=tiles_2W, num_tiles=tiles_2W.shape[1],

@@ -215,12 +215,13 @@ def test_mixed_decode_launches(triton_attention):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_whole_prompts_go_to_fused_attention(triton_attention, shape):
+@pytest.mark.parametrize("knobs", [{}, {"sdpa_flash_first": True, "sdpa_expand_kv": True}])
+def test_whole_prompts_go_to_fused_attention(triton_attention, shape, knobs):
     """Prompts with nothing cached, at least sdpa_min_tokens long, attend through torch's fused
-    attention (grouped query heads); the chunks after a cached prefix, the decodes and the shorter
-    prompts stay in the kernels, and the batch matches the reference."""
+    attention (grouped query heads, or K/V copied out to every head); the chunks after a cached
+    prefix, the decodes and the shorter prompts stay in the kernels, and the batch matches the reference."""
     batch = _mixed_batch()  # whole prompts of 13 and 1 tokens (sequences 3 and 5), chunks of 7 and 20 after a prefix
-    backend = triton_attention.TritonPagedAttention(4, block_n=16, prefill_rows=16, sdpa_min_tokens=8)
+    backend = triton_attention.TritonPagedAttention(4, block_n=16, prefill_rows=16, sdpa_min_tokens=8, **knobs)
     _compare(backend, batch, *shape)
     group_pad = triton_attention.triton.next_power_of_2(shape[0] // shape[1])
     tiles, _, whole = backend._prefill_tiles(batch, max(1, 16 // group_pad), torch.device("cpu"), True)
@@ -239,13 +240,16 @@ def test_sdpa_lengths_are_few_and_cover_every_prompt(triton_attention):
     assert length_of(4097) == 4608 and length_of(4096) == 4096 and length_of(1) == 64
 
 
-def _recorded_sdpa(module, monkeypatch) -> list[int]:
-    """The query lengths torch's fused attention is called with, from now on."""
+def _recorded_sdpa(module, monkeypatch, heads: list | None = None) -> list[int]:
+    """The query lengths torch's fused attention is called with, from now on (and into `heads`,
+    the query and KV heads of each call, with enable_gqa)."""
     lengths, sdpa = [], module.F.scaled_dot_product_attention
 
     def recorded(q, k, v, **kwargs):
         lengths.append(q.shape[2])
         assert k.shape[2] == v.shape[2] == q.shape[2]
+        if heads is not None:
+            heads.append((q.shape[1], k.shape[1], kwargs["enable_gqa"]))
         return sdpa(q, k, v, **kwargs)
     monkeypatch.setattr(module.F, "scaled_dot_product_attention", recorded)
     return lengths
@@ -269,6 +273,20 @@ def test_whole_prompt_attends_at_its_bucket_with_the_same_rows(triton_attention,
         *(x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v)), is_causal=True, scale=0.25, enable_gqa=True)
     torch.testing.assert_close(out[rows], expected[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
     assert (out[:start] == 7.0).all() and (out[start + length:] == 7.0).all()
+
+
+def test_expanded_kv_gives_the_grouped_heads_attention(triton_attention, monkeypatch):
+    """sdpa_expand_kv: K/V copied out to every query head, without grouping; the same output rows."""
+    generator = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(40, h, 16, generator=generator) for h in (8, 2, 2))
+    grouped, expanded = torch.zeros_like(q), torch.zeros_like(q)
+    heads = []
+    _recorded_sdpa(triton_attention, monkeypatch, heads)
+    triton_attention._attend_whole_prompt(q, k, v, grouped, 2, 30, 0.25)
+    triton_attention._attend_whole_prompt(q, k, v, expanded, 2, 30, 0.25, expand_kv=True)
+    assert heads == [(8, 2, True), (8, 8, False)]
+    torch.testing.assert_close(expanded, grouped, atol=1e-5, rtol=1e-5)
+    assert expanded[2:32].abs().sum() > 0
 
 
 def test_warm_whole_prompts_runs_each_length_once(triton_attention, monkeypatch):
