@@ -306,7 +306,7 @@ def sdpa_lengths(first: int, last: int) -> list[int]:
 def _attend_whole_prompt(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, o_THK: Tensor, start: int, length: int,
                          scale: float, expand_kv: bool = False) -> None:
     """o_THK's rows start..start+length: causal attention of one whole prompt (nothing cached)
-    over its own K/V, by torch's fused kernels (the caller picks them: _SDPA_BACKENDS), run at
+    over its own K/V, by torch's fused kernels (the caller's sdpa_kernel picks them), run at
     sdpa_length(length) rows: the step's rows after the prompt (views, no copies) or, where
     the step ends first, a copy padded with zeros. Causal: no row of the prompt sees them.
     The query heads are grouped over the KV heads, or with `expand_kv` K/V are copied out to
