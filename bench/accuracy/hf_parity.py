@@ -278,6 +278,11 @@ def run(args, corrupt=None) -> dict:
     marks.append(time.perf_counter())
     hf_errors = score_hf_bf16(config, args, tokens_BL, ref_BLV)
     marks.append(time.perf_counter())
+    # What the FP8 tensor-core path's input rounding alone costs: that path's verdict's baseline, and
+    # beside an FP8 checkpoint's weight-only run (the CPU's too) what the tensor-core path would lose.
+    is_fp8 = getattr(args, "quant", None) == "fp8"
+    rounding_errors = score_fp8_rounding(config, args, tokens_BL, ref_BLV) if is_fp8 else None
+    marks.append(time.perf_counter())
     model = corrupt(build_moemesh(config, args)) if corrupt else build_moemesh(config, args)
     per_seq = -(-length // BLOCK_SIZE)
     kv = KVPool.for_model(config, per_seq * tokens_BL.shape[0], BLOCK_SIZE,
@@ -288,12 +293,6 @@ def run(args, corrupt=None) -> dict:
     graphs = make_graph_runner(model, kv, BLOCK_SIZE, GRAPH_BUCKETS, max_context=per_seq * BLOCK_SIZE)
     phases = {"prefill": slice(0, args.prompt_tokens), "decode": slice(args.prompt_tokens, length)}
     path, path_reason = quant_parity.compute_path(model)
-    rounding_start = time.perf_counter()
-    # What the FP8 tensor-core path's input rounding alone costs: its verdict's baseline, and beside a
-    # weight-only FP8 run (the CPU's too) what that path would lose.
-    is_fp8 = path == "fp8" or getattr(args, "quant", None) == "fp8"
-    rounding_errors = score_fp8_rounding(config, args, tokens_BL, ref_BLV) if is_fp8 else None
-    rounding_s = time.perf_counter() - rounding_start
     rows = []
     scorer = MoemeshScorer(model, kv, graphs, ref_BLV, args.device)
     runs = [(str(b), max(b, MIN_SEQS)) for b in batches] + ([(f"{args.mixed} mixed", args.mixed)] * bool(args.mixed))
@@ -316,9 +315,8 @@ def run(args, corrupt=None) -> dict:
             else:
                 rows.append({**row, **verdict(candidate, baseline)})
     marks.append(time.perf_counter())
-    timings = dict(zip(("oracle_s", "hf_bf16_s", "moemesh_s"), (b - a for a, b in zip(marks, marks[1:]))))
-    timings["moemesh_s"] -= rounding_s
-    timings["fp8_rounding_s"] = rounding_s
+    timings = dict(zip(("oracle_s", "hf_bf16_s", "fp8_rounding_s", "moemesh_s"),
+                       (b - a for a, b in zip(marks, marks[1:]))))
     return {"config": {"preset": args.preset, "layers": config.num_hidden_layers, "seed": args.seed,
                        "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
                        "attention": type(model.attention).__name__, "device": args.device,

@@ -315,21 +315,13 @@ def _attend_whole_prompt(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, o_THK: Ten
     if start + run <= q_THK.shape[0]:
         q, k, v = (x[start:start + run] for x in (q_THK, k_TGK, v_TGK))
     else:
-        q, k, v = (_padded(x[start:start + length], run) for x in (q_THK, k_TGK, v_TGK))
+        q, k, v = (F.pad(x[start:start + length], (0, 0, 0, 0, 0, run - length)) for x in (q_THK, k_TGK, v_TGK))
     if expand_kv:
         group = q.shape[1] // k.shape[1]
         k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, run, D]
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=not expand_kv)
     o_THK[start:start + length] = out[0, :, :length].transpose(0, 1)
-
-
-def _padded(rows: Tensor, length: int) -> Tensor:
-    """rows followed by zero rows, `length` in all."""
-    out = rows.new_empty((length, *rows.shape[1:]))
-    out[:rows.shape[0]] = rows
-    out[rows.shape[0]:] = 0
-    return out
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
