@@ -23,9 +23,11 @@
    fits short contexts. Sweeps of the split count and tile shape show how
    good the defaults are.
 3. Prefill speed: whole prompts of 2,048, 4,096 and 8,192 tokens and chunks of
-   512 after 3,584 cached and 4,096 after 4,096: the backend (whole prompts
+   512 after 3,584 cached, 4,096 after 4,096 and 2,048 after 2,048 and 6,144
+   (a 4-8K prompt's later chunks in serving): the backend (whole prompts
    through torch's fused attention), its prefill kernel alone (kernel_only),
-   other kernel tiles, and the torch reference (up to 4,096 tokens).
+   the kernel with prefill_split_loop (triton_split: unmasked blocks in a loop
+   of their own), other kernel tiles, and the torch reference (up to 4,096 tokens).
 4. Prompt lengths (--sections lengths): the host time (synchronized) of torch's
    fused attention at a length it has not run before, against a second call,
    for whole prompts of lengths no earlier call had: exactly at the length
@@ -144,6 +146,8 @@ def accuracy() -> list[dict]:
         batch = build_forward_batch(_seqs(mixed_specs, 512, rng), BLOCK_SIZE, DEVICE)
         rows.append(_check(f"{shape_name} mixed prefill (chunks mid-sequence + decode)", TritonPagedAttention(),
                            batch, num_heads, num_kv_heads))
+        rows.append(_check(f"{shape_name} mixed prefill, prefill_split_loop", TritonPagedAttention(
+            prefill_split_loop=True), batch, num_heads, num_kv_heads))
         # Decodes first, between chunks and last, and a one-token prompt, through the decode kernel.
         batch = build_forward_batch(_seqs(mixed_decode_specs, 512, rng), BLOCK_SIZE, DEVICE)
         rows.append(_check(f"{shape_name} mixed prefill, mixed_decode (5 decodes via the decode kernel)",
@@ -284,7 +288,7 @@ def decode_speed(iters) -> tuple[list[dict], list[dict]]:
 def prefill_speed(iters) -> list[dict]:
     num_heads, num_kv_heads = SHAPES["30B-A3B"]
     rows = []
-    for q_len, cached in ((2048, 0), (512, 3584), (4096, 0), (8192, 0), (4096, 4096)):
+    for q_len, cached in ((2048, 0), (512, 3584), (4096, 0), (8192, 0), (4096, 4096), (2048, 2048), (2048, 6144)):
         seqs = _seqs([(q_len, cached)], (q_len + cached) // BLOCK_SIZE, random.Random(3))
         batch = build_forward_batch(seqs, BLOCK_SIZE, DEVICE)
         pool = _pool(1, (q_len + cached) // BLOCK_SIZE, num_kv_heads, torch.bfloat16)
@@ -294,7 +298,10 @@ def prefill_speed(iters) -> list[dict]:
                     "torch_ref": TorchReferenceAttention(),
                     "triton_256x8": TritonPagedAttention(prefill_rows=256, num_warps=8, sdpa_min_tokens=0),
                     "triton_128x4": TritonPagedAttention(prefill_rows=128),
-                    "triton_128x8": TritonPagedAttention(prefill_rows=128, num_warps=8)}
+                    "triton_128x8": TritonPagedAttention(prefill_rows=128, num_warps=8),
+                    "triton_split": TritonPagedAttention(sdpa_min_tokens=0, prefill_split_loop=True),
+                    "triton_split_128x8": TritonPagedAttention(prefill_rows=128, num_warps=8, sdpa_min_tokens=0,
+                                                               prefill_split_loop=True)}
         for name, backend in backends.items():
             if name == "torch_ref" and q_len + cached > 4096:  # its score matrix alone would take seconds
                 continue
@@ -448,7 +455,8 @@ def main() -> int:
         _table(sweep, ["batch", "context", "splits", "block_n", "num_warps", "graph_us", "graph_tbps", "error"]),
         "## Prefill, one sequence (32 q / 4 KV heads; triton_RxW: R rows per program, W warps)",
         _table(prefill, ["new_tokens", "cached_tokens", "triton_us", "triton_tflops", "kernel_only_us",
-                         "kernel_only_tflops", "triton_256x8_us", "triton_128x4_us", "triton_128x8_us", "torch_ref_us",
+                         "kernel_only_tflops", "triton_split_us", "triton_split_tflops", "triton_split_128x8_us",
+                         "triton_256x8_us", "triton_128x4_us", "triton_128x8_us", "torch_ref_us",
                          "torch_ref_tflops"]),
         "## Whole prompts at new lengths: host ms of the first and a second call (the last row: warming "
         "every bucket up to 8,192 tokens, the bucket column the number of buckets)",
