@@ -40,6 +40,12 @@
    (enable_gqa, as served) and with K/V expanded to every query head, against
    the prefill kernel: us and TFLOP/s, or the error of a kernel that refuses
    the call. (A 4K prompt's attention is about 40% of its eager step.)
+6. Chunks after a cached prefix (--sections chunks): 2,048 new tokens after
+   2,048 and 6,144 cached, 4,096 after 4,096, 512 after 3,584: the prefill
+   kernel against torch's fused kernels on the same K/V made contiguous,
+   bottom-right causal (flash) or as two calls merged by their log-sum-exps
+   (the chunk over itself causal, over the prefix unmasked; cuDNN and flash),
+   grouped or expanded K/V, and the gather of the K/V out of the pool.
 
 Writes attention_gpu.md and attention_gpu.json under --out. Exit status 1 if
 an accuracy check fails. Needs CUDA, torch and triton only.
@@ -401,6 +407,86 @@ def prompt_backends(iters) -> list[dict]:
     return rows
 
 
+def _merged(out_a, lse_a, out_b, lse_b):
+    """Two attentions of the same queries over disjoint keys, as one: each output weighted by
+    its share of the softmax sum (the log-sum-exps, natural log, per query head and row)."""
+    lse_a, lse_b = (x.reshape(*out_a.shape[:3], 1).float() for x in (lse_a, lse_b))
+    top = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
+    return ((out_a.float() * w_a + out_b.float() * w_b) / (w_a + w_b)).to(out_a.dtype)
+
+
+def chunk_backends(iters) -> list[dict]:
+    """A chunk of new tokens after a cached prefix (K/V contiguous, 32 q / 4 KV heads): the
+    prefill kernel (from the paged pool) against torch's fused kernels with the causal mask at
+    the bottom right (CausalBias: flash) and as two calls whose outputs are merged by their
+    log-sum-exps (the chunk over itself, causal from the top left, and over the prefix, no
+    mask) through cuDNN and flash; the gather of the prefix's K/V from the pool apart.
+    Each against the bottom-right flash call: max abs difference."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    num_heads, num_kv_heads = SHAPES["30B-A3B"]
+    group, scale = num_heads // num_kv_heads, HEAD_DIM ** -0.5
+    aten = torch.ops.aten
+    rows = []
+    for q_len, cached in ((2048, 2048), (2048, 6144), (4096, 4096), (512, 3584)):
+        context = q_len + cached
+        seqs = _seqs([(q_len, cached)], context // BLOCK_SIZE, random.Random(3))
+        batch = build_forward_batch(seqs, BLOCK_SIZE, DEVICE)
+        pool = _pool(1, context // BLOCK_SIZE, num_kv_heads, torch.bfloat16)
+        q_new, k_new, v_new = _inputs(q_len, num_heads, num_kv_heads, torch.bfloat16)
+        kernel = TritonPagedAttention(sdpa_min_tokens=0)
+        kernel.forward(0, q_new, k_new, v_new, batch, pool, scale)  # stores the chunk's K/V
+        blocks = batch.block_tables_BM[0, :context // BLOCK_SIZE].long()
+        k_cache, v_cache = pool.layer(0)
+
+        def gather():
+            return [c[blocks].flatten(0, 1)[:context] for c in (k_cache, v_cache)]
+        k_all, v_all = gather()
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q_new, k_all, v_all))  # [1, heads, tokens, D]
+        k_x, v_x = (x.repeat_interleave(group, dim=1) for x in (k, v))
+        flops = 4 * num_heads * HEAD_DIM * sum(cached + i + 1 for i in range(q_len))
+        row = {"new_tokens": q_len, "cached_tokens": cached}
+
+        def kernel_run():
+            return kernel.forward(0, q_new, k_new, v_new, batch, pool, scale).transpose(0, 1).unsqueeze(0)
+
+        def flash_right(k=k, v=v, gqa=True):
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=causal_lower_right(q_len, context), scale=scale, enable_gqa=gqa)
+
+        def two_part(op, k=k, v=v):
+            def call(keys, values, causal):
+                if op == "cudnn":
+                    out = aten._scaled_dot_product_cudnn_attention(q, keys, values, None, True, 0.0, causal, False,
+                                                                   scale=scale)
+                else:
+                    out = aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, causal, False, scale=scale)
+                return out[0], out[1]
+            own = call(k[:, :, cached:], v[:, :, cached:], True)
+            prefix = call(k[:, :, :cached], v[:, :, :cached], False)
+            return _merged(*own, *prefix)
+
+        reference = flash_right()
+        candidates = {"kernel": kernel_run, "flash_right_gqa": flash_right,
+                      "flash_right_expanded": lambda: flash_right(k_x, v_x, False),
+                      "cudnn_two_gqa": lambda: two_part("cudnn"), "cudnn_two_expanded": lambda: two_part("cudnn", k_x, v_x),
+                      "flash_two_gqa": lambda: two_part("flash"), "flash_two_expanded": lambda: two_part("flash", k_x, v_x)}
+        for name, run in candidates.items():
+            try:
+                diff = (run().float() - reference.float()).abs().max().item()
+                ms = _time_ms(run, iters)
+            except Exception as error:  # noqa: BLE001 (a kernel that refuses the call is a result)
+                row[f"{name}_us"] = repr(error)[:80]
+                continue
+            row |= {f"{name}_us": 1e3 * ms, f"{name}_tflops": flops / ms / 1e9, f"{name}_diff": diff}
+        row["gather_us"] = 1e3 * _time_ms(gather, iters)
+        rows.append(row)
+        print(f"chunks {row}", flush=True)
+    return rows
+
+
 def _table(rows: list[dict], columns: list[str]) -> str:
     def fmt(value):
         return f"{value:.3g}" if isinstance(value, float) else str(value)
@@ -415,7 +501,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"), help="directory of the result files")
     parser.add_argument("--iters", type=int, default=50, help="timed iterations per measurement")
     parser.add_argument("--sections", default="checks,decode,prefill",
-                        help="which of checks (accuracy), decode, prefill, lengths, sdpa to run")
+                        help="which of checks (accuracy), decode, prefill, lengths, sdpa, chunks to run")
     args = parser.parse_args()
     wanted = set(args.sections.split(","))
     if not torch.cuda.is_available():
@@ -426,7 +512,7 @@ def main() -> int:
               "triton": __import__("triton").__version__, "errors": []}
     sections = (("checks", accuracy), ("decode", lambda: decode_speed(args.iters)),
                 ("prefill", lambda: prefill_speed(args.iters)), ("lengths", prompt_lengths),
-                ("sdpa", lambda: prompt_backends(args.iters)))
+                ("sdpa", lambda: prompt_backends(args.iters)), ("chunks", lambda: chunk_backends(args.iters)))
     for name, run in sections:
         if name not in wanted:
             result[name] = []
@@ -439,7 +525,7 @@ def main() -> int:
             result[name] = []
     result["decode"], result["split_sweep"] = result["decode"] or ([], [])
     checks, decode, sweep, prefill = result["checks"], result["decode"], result["split_sweep"], result["prefill"]
-    lengths, backends = result["lengths"], result["sdpa"]
+    lengths, backends, chunks = result["lengths"], result["sdpa"], result["chunks"]
     md = "\n\n".join([
         f"# Triton paged attention on {props.name} ({props.multi_processor_count} SMs), "
         f"torch {result['torch']}, triton {result['triton']}",
@@ -465,6 +551,13 @@ def main() -> int:
         "## One whole causal prompt through each of torch's fused kernels (32 q / 4 KV heads): us, TFLOP/s",
         _table(backends, ["tokens", *(f"{b}_{layout}_{unit}" for b in ("cudnn", "flash", "efficient")
                                       for layout in ("gqa", "expanded") for unit in ("us", "tflops"))]),
+        "## A chunk after a cached prefix: the prefill kernel against torch's fused kernels, bottom-right "
+        "causal (flash_right) or two calls merged by their log-sum-exps (two): us, TFLOP/s, max abs diff "
+        "from flash_right_gqa; gather_us: the prefix's K/V out of the pool",
+        _table(chunks, ["new_tokens", "cached_tokens", "gather_us",
+                        *(f"{c}_{unit}" for c in ("kernel", "flash_right_gqa", "flash_right_expanded", "cudnn_two_gqa",
+                                                  "cudnn_two_expanded", "flash_two_gqa", "flash_two_expanded")
+                          for unit in ("us", "tflops", "diff"))]),
         "Errors: " + ("; ".join(result["errors"]) or "none"),
     ]) + "\n"
     print(md, flush=True)
