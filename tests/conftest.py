@@ -74,7 +74,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         for _ in range(max_new_tokens):
             token = int(out.logits[0, -1].argmax())
             new_ids.append(token)
-            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+            out = model(torch.tensor([[token]]), cache=out.cache, use_cache=True)
     return new_ids
 
 
