@@ -26,8 +26,7 @@
    512 after 3,584 cached, 4,096 after 4,096 and 2,048 after 2,048 and 6,144
    (a 4-8K prompt's later chunks in serving): the backend (whole prompts
    through torch's fused attention), its prefill kernel alone (kernel_only),
-   the kernel with prefill_split_loop (triton_split: unmasked blocks in a loop
-   of their own), other kernel tiles, and the torch reference (up to 4,096 tokens).
+   other kernel tiles, and the torch reference (up to 4,096 tokens).
 4. Prompt lengths (--sections lengths): the host time (synchronized) of torch's
    fused attention at a length it has not run before, against a second call,
    for whole prompts of lengths no earlier call had: exactly at the length
@@ -152,8 +151,6 @@ def accuracy() -> list[dict]:
         batch = build_forward_batch(_seqs(mixed_specs, 512, rng), BLOCK_SIZE, DEVICE)
         rows.append(_check(f"{shape_name} mixed prefill (chunks mid-sequence + decode)", TritonPagedAttention(),
                            batch, num_heads, num_kv_heads))
-        rows.append(_check(f"{shape_name} mixed prefill, prefill_split_loop", TritonPagedAttention(
-            prefill_split_loop=True), batch, num_heads, num_kv_heads))
         # Decodes first, between chunks and last, and a one-token prompt, through the decode kernel.
         batch = build_forward_batch(_seqs(mixed_decode_specs, 512, rng), BLOCK_SIZE, DEVICE)
         rows.append(_check(f"{shape_name} mixed prefill, mixed_decode (5 decodes via the decode kernel)",
@@ -304,10 +301,7 @@ def prefill_speed(iters) -> list[dict]:
                     "torch_ref": TorchReferenceAttention(),
                     "triton_256x8": TritonPagedAttention(prefill_rows=256, num_warps=8, sdpa_min_tokens=0),
                     "triton_128x4": TritonPagedAttention(prefill_rows=128),
-                    "triton_128x8": TritonPagedAttention(prefill_rows=128, num_warps=8),
-                    "triton_split": TritonPagedAttention(sdpa_min_tokens=0, prefill_split_loop=True),
-                    "triton_split_128x8": TritonPagedAttention(prefill_rows=128, num_warps=8, sdpa_min_tokens=0,
-                                                               prefill_split_loop=True)}
+                    "triton_128x8": TritonPagedAttention(prefill_rows=128, num_warps=8)}
         for name, backend in backends.items():
             if name == "torch_ref" and q_len + cached > 4096:  # its score matrix alone would take seconds
                 continue
@@ -541,8 +535,7 @@ def main() -> int:
         _table(sweep, ["batch", "context", "splits", "block_n", "num_warps", "graph_us", "graph_tbps", "error"]),
         "## Prefill, one sequence (32 q / 4 KV heads; triton_RxW: R rows per program, W warps)",
         _table(prefill, ["new_tokens", "cached_tokens", "triton_us", "triton_tflops", "kernel_only_us",
-                         "kernel_only_tflops", "triton_split_us", "triton_split_tflops", "triton_split_128x8_us",
-                         "triton_256x8_us", "triton_128x4_us", "triton_128x8_us", "torch_ref_us",
+                         "kernel_only_tflops", "triton_256x8_us", "triton_128x4_us", "triton_128x8_us", "torch_ref_us",
                          "torch_ref_tflops"]),
         "## Whole prompts at new lengths: host ms of the first and a second call (the last row: warming "
         "every bucket up to 8,192 tokens, the bucket column the number of buckets)",

@@ -122,32 +122,18 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_t,
 
 @triton.jit
 def _attend_block(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_ptr, n, n_mask, is_key, g, d, d_mask,
-                  scale_log2, stride_slot, head_dim, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  MASKED: tl.constexpr):
-    """One online-softmax step of q's rows over context tokens n (those of n_mask, each row is_key);
-    MASKED off: every token of n is in the context and every row sees it (n_mask, is_key unread)."""
-    if MASKED:
-        block = tl.load(table_ptr + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-    else:
-        block = tl.load(table_ptr + n // BLOCK_SIZE).to(tl.int64)
+                  scale_log2, stride_slot, head_dim, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step of q's rows over context tokens n (those of n_mask, each row is_key)."""
+    block = tl.load(table_ptr + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     slot = block * BLOCK_SIZE + n % BLOCK_SIZE
     kv_offs = slot * stride_slot + g * head_dim
-    if MASKED:
-        k_KN = tl.load(k_cache_ptr + kv_offs[None, :] + d[:, None], mask=n_mask[None, :] & d_mask[:, None],
-                       other=0.0)
-    else:
-        k_KN = tl.load(k_cache_ptr + kv_offs[None, :] + d[:, None], mask=d_mask[:, None], other=0.0)
+    k_KN = tl.load(k_cache_ptr + kv_offs[None, :] + d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
     scores = tl.dot(q, k_KN.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
-    if MASKED:
-        scores = tl.where(is_key, scores, float("-inf"))
+    scores = tl.where(is_key, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
-    if MASKED:
-        v_NK = tl.load(v_cache_ptr + kv_offs[:, None] + d[None, :], mask=n_mask[:, None] & d_mask[None, :],
-                       other=0.0)
-    else:
-        v_NK = tl.load(v_cache_ptr + kv_offs[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
+    v_NK = tl.load(v_cache_ptr + kv_offs[:, None] + d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v_NK.to(q.dtype), input_precision=DOT_PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
@@ -220,7 +206,7 @@ def _decode_kernel(q_ptr, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_p
         n_mask = n < end
         m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_ptr, n, n_mask,
                                       n_mask[None, :], g, d, d_mask, scale_log2, stride_slot, head_dim,
-                                      BLOCK_SIZE, DOT_PRECISION, True)
+                                      BLOCK_SIZE, DOT_PRECISION)
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(o_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -263,8 +249,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, co
                     tiles_ptr, num_tiles, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     stride_slot, group, head_dim,
                     BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-                    K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, F16_DOTS: tl.constexpr,
-                    SPLIT_LOOP: tl.constexpr):
+                    K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, F16_DOTS: tl.constexpr):
     # tiles_ptr: [2, num_tiles] int32, each program's sequence and its tile within the sequence.
     w, g = tl.program_id(0), tl.program_id(1)
     b, tile = tl.load(tiles_ptr + w), tl.load(tiles_ptr + num_tiles + w)
@@ -290,21 +275,12 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, co
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, K_PAD], tl.float32)
     table_ptr = block_tables_ptr + b * stride_bt
-    # With SPLIT_LOOP the context tokens that every row of the tile sees (those up to the tile's
-    # first token, in whole BLOCK_N steps) are read without masks, the rest with them.
-    unmasked_end = 0
-    if SPLIT_LOOP:
-        unmasked_end = tl.minimum(context_len - q_len + tile * BLOCK_Q + 1, end) // BLOCK_N * BLOCK_N
-    for n0 in range(0, unmasked_end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_ptr, n, n, n, g, d,
-                                      d_mask, scale_log2, stride_slot, head_dim, BLOCK_SIZE, DOT_PRECISION, False)
-    for n0 in range(unmasked_end, end, BLOCK_N):
+    for n0 in range(0, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
         m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_ptr, n, n_mask,
                                       n_mask[None, :] & (n[None, :] <= q_pos[:, None]), g, d, d_mask,
-                                      scale_log2, stride_slot, head_dim, BLOCK_SIZE, DOT_PRECISION, True)
+                                      scale_log2, stride_slot, head_dim, BLOCK_SIZE, DOT_PRECISION)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(o_ptr + (q_start + qi)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
@@ -377,14 +353,11 @@ class TritonPagedAttention(AttentionBackend):
     fused attention (None: SDPA_PREFILL_MIN_TOKENS; 0: none); `sdpa_flash_first` tries its
     flash kernel before cuDNN's, `sdpa_expand_kv` gives it K/V copied out to every query head
     (knobs to compare on a GPU: bench/kernels/attention_gpu.py's sdpa section).
-    `prefill_split_loop`: the prefill kernel reads the context tokens that every row of a tile
-    sees without masks, in a loop of their own, and masks only the rest (the same bits).
     """
 
     def __init__(self, decode_splits: int | None = None, *, block_n: int = 64, prefill_rows: int = 64,
                  num_warps: int = 4, prefill_stages: int | None = None, mixed_decode: bool = False,
-                 sdpa_min_tokens: int | None = None, sdpa_flash_first: bool = False, sdpa_expand_kv: bool = False,
-                 prefill_split_loop: bool = False):
+                 sdpa_min_tokens: int | None = None, sdpa_flash_first: bool = False, sdpa_expand_kv: bool = False):
         if decode_splits is not None and (decode_splits <= 0 or decode_splits & (decode_splits - 1)):
             raise ValueError(f"decode_splits must be a power of two, got {decode_splits}")
         self.decode_splits, self.block_n, self.prefill_rows = decode_splits, block_n, prefill_rows
@@ -393,7 +366,6 @@ class TritonPagedAttention(AttentionBackend):
         self.sdpa_min_tokens = SDPA_PREFILL_MIN_TOKENS if sdpa_min_tokens is None else sdpa_min_tokens
         self.sdpa_backends = _SDPA_FLASH_FIRST if sdpa_flash_first else _SDPA_BACKENDS
         self.sdpa_expand_kv = bool(sdpa_expand_kv)
-        self.prefill_split_loop = bool(prefill_split_loop)
         self._num_sms: dict[torch.device, int] = {}
         # (batch, block_q, whole, tiles, decode sequences, whole prompts): the last prefill batch's
         # work lists (_prefill_tiles).
@@ -459,8 +431,7 @@ class TritonPagedAttention(AttentionBackend):
             if tiles_2W.shape[1]:
                 _prefill_kernel[(tiles_2W.shape[1], num_kv_heads)](
                     cu_q_lens_ptr=batch.cu_q_lens_B1, tiles_ptr=tiles_2W, num_tiles=tiles_2W.shape[1],
-                    GROUP_PAD=group_pad, BLOCK_Q=block_q, SPLIT_LOOP=self.prefill_split_loop, **common,
-                    **self.prefill_launch)
+                    GROUP_PAD=group_pad, BLOCK_Q=block_q, **common, **self.prefill_launch)
             if decode_seqs_D is not None:
                 self._decode(common, k_TGK, v_TGK, batch.slot_mapping_T, decode_seqs_D.shape[0], num_heads,
                              num_kv_heads, max_context, q_THK.device, (decode_seqs_D, batch.cu_q_lens_B1))

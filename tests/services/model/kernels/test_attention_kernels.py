@@ -144,24 +144,6 @@ def test_prefill_chunks_mid_sequence_and_mixed_batch(triton_attention, shape):
     _compare(triton_attention.TritonPagedAttention(block_n=16, prefill_rows=16), batch, *shape)
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-def test_prefill_split_loop_gives_the_same_bits(triton_attention, shape):
-    """prefill_split_loop: the context every row of a tile sees read without masks (several
-    blocks of it after long cached prefixes, none for a short one), the rest masked: the
-    reference's output, bit for bit the single masked loop's."""
-    tables = _tables([15, 3, 9, 4, 7])
-    seqs = [SeqInput(0, list(range(20)), 40, tables[0], True),  # 40 cached: unmasked blocks in every tile
-            SeqInput(1, list(range(7)), 5, tables[1], True),    # a short prefix: masked blocks only
-            SeqInput(2, [2], 33, tables[2], True),
-            SeqInput(3, list(range(13)), 0, tables[3], True),
-            SeqInput(4, list(range(9)), 17, tables[4], True)]
-    batch = build_forward_batch(seqs, BLOCK_SIZE, "cpu")
-    split = _compare(triton_attention.TritonPagedAttention(block_n=8, prefill_rows=16, prefill_split_loop=True),
-                     batch, *shape)
-    single = _compare(triton_attention.TritonPagedAttention(block_n=8, prefill_rows=16), batch, *shape)
-    assert torch.equal(split, single)
-
-
 def test_prefill_launches_one_program_per_query_tile_and_head(triton_attention):
     """A mixed batch's grid lists its tiles (a decode row is one), not sequences x the longest chunk's tiles."""
     tables = _tables([3, 9, 4, 6])
