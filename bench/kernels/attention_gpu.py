@@ -159,6 +159,10 @@ def accuracy() -> list[dict]:
         batch = build_forward_batch(_seqs([(1536, 0), (300, 500), (1, 900), (1200, 0)], 512, rng), BLOCK_SIZE, DEVICE)
         rows.append(_check(f"{shape_name} whole prompts via the fused attention (+ chunk, decode)",
                            TritonPagedAttention(), batch, num_heads, num_kv_heads))
+        batch = build_forward_batch(_seqs([(1200, 1000), (300, 500), (1, 900), (512, 3000)], 512, rng), BLOCK_SIZE,
+                                    DEVICE)
+        rows.append(_check(f"{shape_name} chunk after a prefix as its context's prompt (+ chunks, decode)",
+                           TritonPagedAttention(), batch, num_heads, num_kv_heads))
         # --kv-cache-dtype fp8_e4m3: the same kernels over a float8 cache.
         batch = build_decode_batch(_seqs(decode_specs, 512, rng), BLOCK_SIZE, DEVICE, num_rows=11, max_blocks=200)
         rows.append(_check(f"{shape_name} decode, fp8 KV cache", TritonPagedAttention(), batch, num_heads,
@@ -415,7 +419,9 @@ def chunk_backends(iters) -> list[dict]:
     prefill kernel (from the paged pool) against torch's fused kernels with the causal mask at
     the bottom right (CausalBias: flash) and as two calls whose outputs are merged by their
     log-sum-exps (the chunk over itself, causal from the top left, and over the prefix, no
-    mask) through cuDNN and flash; the gather of the prefix's K/V from the pool apart.
+    mask) through cuDNN and flash; the gather of the prefix's K/V from the pool apart; and the
+    backend's default, which runs a chunk that is enough of its context's work as the whole
+    prompt of that context (services/model/kernels/attention.py), the gather included.
     Each against the bottom-right flash call: max abs difference."""
     from torch.nn.attention.bias import causal_lower_right
 
@@ -423,13 +429,14 @@ def chunk_backends(iters) -> list[dict]:
     group, scale = num_heads // num_kv_heads, HEAD_DIM ** -0.5
     aten = torch.ops.aten
     rows = []
-    for q_len, cached in ((2048, 2048), (2048, 6144), (4096, 4096), (512, 3584)):
+    for q_len, cached in ((2048, 2048), (2048, 6144), (4096, 4096), (512, 3584), (2112, 2000), (1504, 1392)):
         context = q_len + cached
         seqs = _seqs([(q_len, cached)], context // BLOCK_SIZE, random.Random(3))
         batch = build_forward_batch(seqs, BLOCK_SIZE, DEVICE)
         pool = _pool(1, context // BLOCK_SIZE, num_kv_heads, torch.bfloat16)
         q_new, k_new, v_new = _inputs(q_len, num_heads, num_kv_heads, torch.bfloat16)
         kernel = TritonPagedAttention(sdpa_min_tokens=0)
+        backend = TritonPagedAttention()  # the default: a chunk SDPA_PREFIX_MIN_SHARE of its context's work as that prompt
         kernel.forward(0, q_new, k_new, v_new, batch, pool, scale)  # stores the chunk's K/V
         blocks = batch.block_tables_BM[0, :context // BLOCK_SIZE].long()
         k_cache, v_cache = pool.layer(0)
@@ -463,7 +470,9 @@ def chunk_backends(iters) -> list[dict]:
             return _merged(*own, *prefix)
 
         reference = flash_right()
-        candidates = {"kernel": kernel_run, "flash_right_gqa": flash_right,
+        candidates = {"kernel": kernel_run, "backend": lambda: backend.forward(
+                          0, q_new, k_new, v_new, batch, pool, scale).transpose(0, 1).unsqueeze(0),
+                      "flash_right_gqa": flash_right,
                       "flash_right_expanded": lambda: flash_right(k_x, v_x, False),
                       "cudnn_two_gqa": lambda: two_part("cudnn"), "cudnn_two_expanded": lambda: two_part("cudnn", k_x, v_x),
                       "flash_two_gqa": lambda: two_part("flash"), "flash_two_expanded": lambda: two_part("flash", k_x, v_x)}
@@ -544,11 +553,12 @@ def main() -> int:
         "## One whole causal prompt through each of torch's fused kernels (32 q / 4 KV heads): us, TFLOP/s",
         _table(backends, ["tokens", *(f"{b}_{layout}_{unit}" for b in ("cudnn", "flash", "efficient")
                                       for layout in ("gqa", "expanded") for unit in ("us", "tflops"))]),
-        "## A chunk after a cached prefix: the prefill kernel against torch's fused kernels, bottom-right "
-        "causal (flash_right) or two calls merged by their log-sum-exps (two): us, TFLOP/s, max abs diff "
-        "from flash_right_gqa; gather_us: the prefix's K/V out of the pool",
+        "## A chunk after a cached prefix: the prefill kernel, the backend's default (backend: the chunk as "
+        "the whole prompt of its context where SDPA_PREFIX_MIN_SHARE says, the gather included), torch's "
+        "fused kernels bottom-right causal (flash_right) or two calls merged by their log-sum-exps (two): "
+        "us, TFLOP/s, max abs diff from flash_right_gqa; gather_us: the prefix's K/V out of the pool",
         _table(chunks, ["new_tokens", "cached_tokens", "gather_us",
-                        *(f"{c}_{unit}" for c in ("kernel", "flash_right_gqa", "flash_right_expanded", "cudnn_two_gqa",
+                        *(f"{c}_{unit}" for c in ("kernel", "backend", "flash_right_gqa", "flash_right_expanded", "cudnn_two_gqa",
                                                   "cudnn_two_expanded", "flash_two_gqa", "flash_two_expanded")
                           for unit in ("us", "tflops", "diff"))]),
         "Errors: " + ("; ".join(result["errors"]) or "none"),
