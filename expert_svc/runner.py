@@ -145,7 +145,7 @@ class StepRunner:
         A rejected plan still runs an idle step, so the other ranks of the
         group do not hang in the step's collectives; the state is unchanged.
         """
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         try:
             self._check_plan(plan)
             matchers = {new.seq_id: self.constraints.matcher(new) for new in plan.new_sequences
@@ -180,7 +180,9 @@ class StepRunner:
         self._last_ready = ready if ready is not None else self._last_ready
         launched = time.perf_counter()
         if seqs:
-            metrics.expert_metrics().step_launch.labels(_kind(has_prompt)).observe(launched - start)
+            expert = metrics.expert_metrics()
+            expert.step_launch.labels(_kind(has_prompt)).observe(launched - start)
+            expert.step_launch_cpu.labels(_kind(has_prompt)).observe(time.thread_time() - start_cpu)
         if prof is not None:
             self.profiler.end(prof, start, launched, ready, step_id=plan.step_id, has_prompt=has_prompt,
                               num_tokens=sum(len(seq.token_ids) for seq in seqs), num_seqs=len(seqs))

@@ -112,6 +112,12 @@ class ExpertMetrics:
             "inputs built, its forward and sampling queued (on the CPU the forward itself runs in it); "
             "kind as for expert_step_device_seconds. On CUDA, a launch as long as the step's device "
             "time means the kernels waited for the host.", ["kind"], buckets=_STEP_BUCKETS, registry=registry)
+        self.step_launch_cpu = Histogram(
+            PREFIX + "expert_step_launch_cpu_seconds", "CPU time the launching thread itself spent in one "
+            "step's launch (time.thread_time); kind as for expert_step_device_seconds. Well below "
+            "expert_step_launch_seconds: the thread waited during the launch (for the GIL, which the "
+            "process's other threads hold, or for a core), rather than working.", ["kind"],
+            buckets=_STEP_BUCKETS, registry=registry)
         self.step_device_gap = Histogram(
             PREFIX + "expert_step_device_gap_seconds", "On CUDA, the device time between the end of the "
             "step before (its tokens' copy to the host) and the start of this one: the device waiting for "

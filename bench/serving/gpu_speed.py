@@ -114,9 +114,9 @@ def _numel(shape) -> int:
 
 
 # An expert's step-time histograms, by the name step_attribution gives their means
-# (device_prefill_ms, launch_decode_ms, gap_prefill_ms, ...), each by kind.
+# (device_prefill_ms, launch_decode_ms, launch_cpu_prefill_ms, gap_prefill_ms, ...), each by kind.
 STEP_TIMES = {"moemesh_expert_step_device_seconds": "device", "moemesh_expert_step_launch_seconds": "launch",
-              "moemesh_expert_step_device_gap_seconds": "gap"}
+              "moemesh_expert_step_device_gap_seconds": "gap", "moemesh_expert_step_launch_cpu_seconds": "launch_cpu"}
 TIMINGS = tuple((name, kind) for name in STEP_TIMES.values() for kind in ("prefill", "decode"))
 # An expert's CUDA allocator counters (expert_svc/observability.py), by the name step_attribution gives their
 # differences: a retry synchronizes the device, a cudaMalloc takes host time inside a step.

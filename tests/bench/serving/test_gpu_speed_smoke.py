@@ -91,23 +91,26 @@ def test_step_attribution_reports_the_device_time_of_steps_with_and_without_prom
 
 
 def test_step_attribution_reports_launch_and_device_gap_means_beside_the_device_time():
-    # ... then device, launch and gap (seconds, steps) pairs, each prefill then decode (TIMINGS)
+    # ... then device, launch, gap and launch CPU (seconds, steps) pairs, each prefill then decode (TIMINGS)
     zeros = (0.0,) * 6
-    before = {"expert0": (1.0, 10.0, *zeros, 0.5, 5.0, 0.1, 5.0, 0.2, 5.0, 0.0, 5.0, 0.0, 4.0, 0.05, 5.0)}
-    after = {"expert0": (3.0, 110.0, *zeros, 2.5, 25.0, 0.9, 85.0, 1.2, 25.0, 0.4, 85.0, 0.1, 24.0, 0.13, 85.0)}
+    before = {"expert0": (1.0, 10.0, *zeros, 0.5, 5.0, 0.1, 5.0, 0.2, 5.0, 0.0, 5.0, 0.0, 4.0, 0.05, 5.0,
+                          0.1, 5.0, 0.0, 5.0)}
+    after = {"expert0": (3.0, 110.0, *zeros, 2.5, 25.0, 0.9, 85.0, 1.2, 25.0, 0.4, 85.0, 0.1, 24.0, 0.13, 85.0,
+                         0.5, 25.0, 0.32, 85.0)}
     got = step_attribution(before, after, wall_s=4.0)["expert0"]
     assert (got["launch_prefill_ms"], got["launch_decode_ms"]) == (50.0, 5.0)
     assert (got["gap_prefill_ms"], got["gap_decode_ms"]) == (5.0, 1.0)
+    assert (got["launch_cpu_prefill_ms"], got["launch_cpu_decode_ms"]) == (20.0, 4.0)
     assert got["device_prefill_steps"] == 20 and "launch_prefill_steps" not in got
 
 
 def test_step_attribution_reports_a_cuda_ranks_allocator_counts():
-    # ... then the allocator's retries and cudaMallocs (counters), after the three timings' pairs
+    # ... then the allocator's retries and cudaMallocs (counters), after the four timings' pairs
     zeros = (0.0,) * 6
-    before = {"expert0": (1.0, 10.0, *zeros, 0.5, 5.0, 0.1, 5.0, *(0.0,) * 8, 1.0, 300.0),
-              "cpu": (1.0, 10.0, *zeros, *(0.0,) * 12, 0.0, 0.0)}
-    after = {"expert0": (3.0, 110.0, *zeros, 2.5, 25.0, 0.9, 85.0, *(0.0,) * 8, 1.0, 312.0),
-             "cpu": (3.0, 110.0, *zeros, *(0.0,) * 12, 0.0, 0.0)}
+    before = {"expert0": (1.0, 10.0, *zeros, 0.5, 5.0, 0.1, 5.0, *(0.0,) * 12, 1.0, 300.0),
+              "cpu": (1.0, 10.0, *zeros, *(0.0,) * 16, 0.0, 0.0)}
+    after = {"expert0": (3.0, 110.0, *zeros, 2.5, 25.0, 0.9, 85.0, *(0.0,) * 12, 1.0, 312.0),
+             "cpu": (3.0, 110.0, *zeros, *(0.0,) * 16, 0.0, 0.0)}
     got = step_attribution(before, after, wall_s=4.0)
     assert (got["expert0"]["alloc_retries"], got["expert0"]["cuda_mallocs"]) == (0, 12)
     assert "cuda_mallocs" not in got["cpu"]  # no device time: not a CUDA rank
@@ -116,7 +119,7 @@ def test_step_attribution_reports_a_cuda_ranks_allocator_counts():
 
 def test_step_attribution_reports_a_gateways_mean_queue_time():
     # ... then (queue seconds, requests first scheduled) after the allocator's counters: a gateway's
-    tail = (*(0.0,) * 12, 0.0, 0.0)
+    tail = (*(0.0,) * 16, 0.0, 0.0)
     before = {"gateway": (2.0, 10.0, *(0.0,) * 6, *tail, 1.0, 10.0), "expert0": (1.0, 10.0, *(0.0,) * 6, *tail, 0.0, 0.0)}
     after = {"gateway": (4.0, 110.0, *(0.0,) * 6, *tail, 4.0, 40.0), "expert0": (3.0, 110.0, *(0.0,) * 6, *tail, 0.0, 0.0)}
     got = step_attribution(before, after, wall_s=4.0)
