@@ -409,8 +409,8 @@ class TritonPagedAttention(AttentionBackend):
         self.sdpa_backends = _SDPA_FLASH_FIRST if sdpa_flash_first else _SDPA_BACKENDS
         self.sdpa_expand_kv = bool(sdpa_expand_kv)
         self._num_sms: dict[torch.device, int] = {}
-        # (batch, block_q, whole, tiles, decode sequences, whole prompts): the last prefill batch's
-        # work lists (_prefill_tiles).
+        # (batch, block_q, whole_ok, block_size, tiles, decode sequences, fused prompts): the last
+        # prefill batch's work lists (_prefill_tiles).
         self._tiles: tuple | None = None
         # The longest length warm_whole_prompts prepared (None: not called).
         self._warmed_tokens: int | None = None
