@@ -45,8 +45,8 @@ the launch grid and the split count depend on tensor shapes alone.
 - A chunk after a cached prefix whose tokens are a large enough share of the
   work a whole prompt of its context would be (SDPA_PREFIX_MIN_SHARE; a
   prompt's later chunks under the step budget) runs as that whole prompt: the
-  context's K/V gathered out of the pool, the prefix's query rows zeros, and
-  only the chunk's rows kept. It computes the prefix's causal triangle for
+  context's K/V gathered out of the pool, the chunk's queries in their rows,
+  and only those rows' outputs kept. It computes the prefix's causal triangle for
   nothing, but at cuDNN's speed on whole prompts (about twice the kernel's on
   an H200) and on the graphs warmed for whole prompts (no new shape), it
   still finishes first; a short chunk after a long prefix, where the waste
@@ -352,16 +352,20 @@ def _attend_prefixed_chunk(q_THK: Tensor, k_cache: Tensor, v_cache: Tensor, o_TH
                            expand_kv: bool = False) -> None:
     """o_THK's rows start..start+q_len: a chunk of q_len new tokens (their K/V already in the
     pool) after context_len - q_len cached ones, as the whole prompt of its context: the
-    context's K/V gathered from the pool's slots_C, query rows of zeros for the prefix (whose
-    outputs are dropped), the chunk's queries after them, causal at sdpa_length(context_len)
-    rows like any whole prompt (zero rows past the context, which no row of it sees)."""
+    context's K/V gathered from the pool's slots_C, the chunk's queries after prefix rows whose
+    outputs are dropped, causal at sdpa_length(context_len) rows like any whole prompt (K/V rows of
+    zeros past the context, which no row of it sees). The query rows other than the chunk's are
+    left as the allocator gives them: each query row's attention is its own, so whatever they
+    hold reaches only their own dropped outputs; K/V rows must be finite (a masked key's value
+    still meets a zero weight)."""
     run, prefix = sdpa_length(context_len), context_len - q_len
     num_kv_heads, head_dim = k_cache.shape[2:]
-    q = q_THK.new_zeros((run, q_THK.shape[1], head_dim))
+    q = q_THK.new_empty((run, q_THK.shape[1], head_dim))
     q[prefix:context_len] = q_THK[start:start + q_len]
-    k, v = (c.new_zeros((run, num_kv_heads, head_dim)) for c in (k_cache, v_cache))
+    k, v = (c.new_empty((run, num_kv_heads, head_dim)) for c in (k_cache, v_cache))
     for cache, into in ((k_cache, k), (v_cache, v)):
         torch.index_select(cache.view(-1, num_kv_heads, head_dim), 0, slots_C, out=into[:context_len])
+        into[context_len:].zero_()
     k, v = k.to(q.dtype), v.to(q.dtype)
     o_THK[start:start + q_len] = _causal_sdpa(q, k, v, scale, expand_kv)[prefix:context_len]
 

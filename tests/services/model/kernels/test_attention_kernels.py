@@ -241,8 +241,8 @@ def test_whole_prompts_go_to_fused_attention(triton_attention, monkeypatch, shap
 def test_chunk_after_a_prefix_attends_as_its_context_prompt(triton_attention, monkeypatch):
     """A chunk after a prefix: one fused call at its context's bucket (a length warmed for whole
     prompts), over the context's K/V gathered from the pool (scattered blocks, stale noise
-    around them), the prefix's query rows zeros; the chunk's rows match the reference and no
-    other output row is written."""
+    around them), zero K/V past the context; the chunk's rows match the reference even with NaN
+    in every other query row (each row's attention is its own), and no other output row is written."""
     monkeypatch.setattr(triton_attention, "SDPA_MIN_LENGTH_STEP", 4)
     monkeypatch.setattr(triton_attention, "SDPA_LENGTHS_PER_OCTAVE", 4)
     table = _tables([10])[0]  # 40 slots
@@ -250,6 +250,14 @@ def test_chunk_after_a_prefix_attends_as_its_context_prompt(triton_attention, mo
     batch = build_forward_batch(seqs, BLOCK_SIZE, "cpu")  # a decode, then 21 new tokens after 16 cached: 37
     backend = triton_attention.TritonPagedAttention(4, block_n=16, prefill_rows=16, sdpa_min_tokens=8)
     calls = _recorded_sdpa(triton_attention, monkeypatch)
+    causal_sdpa = triton_attention._causal_sdpa
+
+    def poisoned(q, k, v, scale, expand_kv):
+        assert (k[37:] == 0).all() and (v[37:] == 0).all()
+        q = q.clone()
+        q[:16], q[37:] = float("nan"), float("nan")  # the prefix's rows and those past the context
+        return causal_sdpa(q, k, v, scale, expand_kv)
+    monkeypatch.setattr(triton_attention, "_causal_sdpa", poisoned)
     out = _compare(backend, batch, 8, 2, 16)
     assert calls == [48] and out[1:].abs().sum() > 0  # 37 -> 48
     assert [entry[:3] for entry in backend._tiles[-1]] == [(1, 21, 37)]
