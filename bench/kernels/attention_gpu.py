@@ -470,8 +470,24 @@ def chunk_backends(iters) -> list[dict]:
             return _merged(*own, *prefix)
 
         reference = flash_right()
+        # The backend's one call alone, on inputs built beforehand: the context's K/V (zero rows to its
+        # bucket) and the chunk's queries after prefix rows of zeros, or of NaN (the backend leaves
+        # them as allocated): does the call itself, or what the rows hold, cost the time?
+        run_len = triton_attention.sdpa_length(context)
+        k_run, v_run = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, run_len - context)) for x in (k_all, v_all))
+        q_zero = torch.zeros((run_len, num_heads, HEAD_DIM), dtype=torch.bfloat16, device=DEVICE)
+        q_zero[cached:context] = q_new
+        q_nan = q_zero.clone()
+        q_nan[:cached] = float("nan")
+
+        def whole_context(q_run):
+            with sdpa_kernel(triton_attention._SDPA_BACKENDS, set_priority=True):
+                out = triton_attention._causal_sdpa(q_run, k_run, v_run, scale, False)[cached:context]
+            return out.transpose(0, 1).unsqueeze(0)
+
         candidates = {"kernel": kernel_run, "backend": lambda: backend.forward(
                           0, q_new, k_new, v_new, batch, pool, scale).transpose(0, 1).unsqueeze(0),
+                      "whole_ctx_zeros": lambda: whole_context(q_zero), "whole_ctx_nan": lambda: whole_context(q_nan),
                       "flash_right_gqa": flash_right,
                       "flash_right_expanded": lambda: flash_right(k_x, v_x, False),
                       "cudnn_two_gqa": lambda: two_part("cudnn"), "cudnn_two_expanded": lambda: two_part("cudnn", k_x, v_x),
@@ -558,7 +574,8 @@ def main() -> int:
         "fused kernels bottom-right causal (flash_right) or two calls merged by their log-sum-exps (two): "
         "us, TFLOP/s, max abs diff from flash_right_gqa; gather_us: the prefix's K/V out of the pool",
         _table(chunks, ["new_tokens", "cached_tokens", "gather_us",
-                        *(f"{c}_{unit}" for c in ("kernel", "backend", "flash_right_gqa", "flash_right_expanded", "cudnn_two_gqa",
+                        *(f"{c}_{unit}" for c in ("kernel", "backend", "whole_ctx_zeros", "whole_ctx_nan",
+                                                  "flash_right_gqa", "flash_right_expanded", "cudnn_two_gqa",
                                                   "cudnn_two_expanded", "flash_two_gqa", "flash_two_expanded")
                           for unit in ("us", "tflops", "diff"))]),
         "Errors: " + ("; ".join(result["errors"]) or "none"),
