@@ -400,10 +400,7 @@ def _to_host(tensors: list[Tensor]) -> tuple[list[Tensor], "torch.cuda.Event | N
     for tensor in tensors:
         host.append(torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True))
         host[-1].copy_(tensor, non_blocking=True)
-    # Also the end of the step's device time. Blocking: the thread that waits for it sleeps
-    # instead of spinning on a core (CUDA's default), a core the model thread, launching the
-    # next step meanwhile, may share.
-    ready = torch.cuda.Event(enable_timing=True, blocking=True)
+    ready = torch.cuda.Event(enable_timing=True)  # also the end of the step's device time
     ready.record()
     return host, ready
 

@@ -159,10 +159,6 @@ def accuracy() -> list[dict]:
         batch = build_forward_batch(_seqs([(1536, 0), (300, 500), (1, 900), (1200, 0)], 512, rng), BLOCK_SIZE, DEVICE)
         rows.append(_check(f"{shape_name} whole prompts via the fused attention (+ chunk, decode)",
                            TritonPagedAttention(), batch, num_heads, num_kv_heads))
-        batch = build_forward_batch(_seqs([(1200, 1000), (300, 500), (1, 900), (512, 3000)], 512, rng), BLOCK_SIZE,
-                                    DEVICE)
-        rows.append(_check(f"{shape_name} chunk after a prefix as its context's prompt (+ chunks, decode)",
-                           TritonPagedAttention(), batch, num_heads, num_kv_heads))
         # --kv-cache-dtype fp8_e4m3: the same kernels over a float8 cache.
         batch = build_decode_batch(_seqs(decode_specs, 512, rng), BLOCK_SIZE, DEVICE, num_rows=11, max_blocks=200)
         rows.append(_check(f"{shape_name} decode, fp8 KV cache", TritonPagedAttention(), batch, num_heads,
@@ -419,9 +415,7 @@ def chunk_backends(iters) -> list[dict]:
     prefill kernel (from the paged pool) against torch's fused kernels with the causal mask at
     the bottom right (CausalBias: flash) and as two calls whose outputs are merged by their
     log-sum-exps (the chunk over itself, causal from the top left, and over the prefix, no
-    mask) through cuDNN and flash; the gather of the prefix's K/V from the pool apart; and the
-    backend's default, which runs a chunk that is enough of its context's work as the whole
-    prompt of that context (services/model/kernels/attention.py), the gather included.
+    mask) through cuDNN and flash; the gather of the prefix's K/V from the pool apart.
     Each against the bottom-right flash call: max abs difference."""
     from torch.nn.attention.bias import causal_lower_right
 
@@ -436,7 +430,6 @@ def chunk_backends(iters) -> list[dict]:
         pool = _pool(1, context // BLOCK_SIZE, num_kv_heads, torch.bfloat16)
         q_new, k_new, v_new = _inputs(q_len, num_heads, num_kv_heads, torch.bfloat16)
         kernel = TritonPagedAttention(sdpa_min_tokens=0)
-        backend = TritonPagedAttention()  # the default: a chunk SDPA_PREFIX_MIN_SHARE of its context's work as that prompt
         kernel.forward(0, q_new, k_new, v_new, batch, pool, scale)  # stores the chunk's K/V
         blocks = batch.block_tables_BM[0, :context // BLOCK_SIZE].long()
         k_cache, v_cache = pool.layer(0)
@@ -470,25 +463,7 @@ def chunk_backends(iters) -> list[dict]:
             return _merged(*own, *prefix)
 
         reference = flash_right()
-        # The backend's one call alone, on inputs built beforehand: the context's K/V (zero rows to its
-        # bucket) and the chunk's queries after prefix rows of zeros, or of NaN (the backend leaves
-        # them as allocated): does the call itself, or what the rows hold, cost the time?
-        run_len = triton_attention.sdpa_length(context)
-        k_run, v_run = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, run_len - context)) for x in (k_all, v_all))
-        q_zero = torch.zeros((run_len, num_heads, HEAD_DIM), dtype=torch.bfloat16, device=DEVICE)
-        q_zero[cached:context] = q_new
-        q_nan = q_zero.clone()
-        q_nan[:cached] = float("nan")
-
-        def whole_context(q_run):
-            with sdpa_kernel(triton_attention._SDPA_BACKENDS, set_priority=True):
-                out = triton_attention._causal_sdpa(q_run, k_run, v_run, scale, False)[cached:context]
-            return out.transpose(0, 1).unsqueeze(0)
-
-        candidates = {"kernel": kernel_run, "backend": lambda: backend.forward(
-                          0, q_new, k_new, v_new, batch, pool, scale).transpose(0, 1).unsqueeze(0),
-                      "whole_ctx_zeros": lambda: whole_context(q_zero), "whole_ctx_nan": lambda: whole_context(q_nan),
-                      "flash_right_gqa": flash_right,
+        candidates = {"kernel": kernel_run, "flash_right_gqa": flash_right,
                       "flash_right_expanded": lambda: flash_right(k_x, v_x, False),
                       "cudnn_two_gqa": lambda: two_part("cudnn"), "cudnn_two_expanded": lambda: two_part("cudnn", k_x, v_x),
                       "flash_two_gqa": lambda: two_part("flash"), "flash_two_expanded": lambda: two_part("flash", k_x, v_x)}
@@ -569,13 +544,11 @@ def main() -> int:
         "## One whole causal prompt through each of torch's fused kernels (32 q / 4 KV heads): us, TFLOP/s",
         _table(backends, ["tokens", *(f"{b}_{layout}_{unit}" for b in ("cudnn", "flash", "efficient")
                                       for layout in ("gqa", "expanded") for unit in ("us", "tflops"))]),
-        "## A chunk after a cached prefix: the prefill kernel, the backend's default (backend: the chunk as "
-        "the whole prompt of its context where SDPA_PREFIX_MIN_SHARE says, the gather included), torch's "
-        "fused kernels bottom-right causal (flash_right) or two calls merged by their log-sum-exps (two): "
-        "us, TFLOP/s, max abs diff from flash_right_gqa; gather_us: the prefix's K/V out of the pool",
+        "## A chunk after a cached prefix: the prefill kernel against torch's fused kernels, bottom-right "
+        "causal (flash_right) or two calls merged by their log-sum-exps (two): us, TFLOP/s, max abs diff "
+        "from flash_right_gqa; gather_us: the prefix's K/V out of the pool",
         _table(chunks, ["new_tokens", "cached_tokens", "gather_us",
-                        *(f"{c}_{unit}" for c in ("kernel", "backend", "whole_ctx_zeros", "whole_ctx_nan",
-                                                  "flash_right_gqa", "flash_right_expanded", "cudnn_two_gqa",
+                        *(f"{c}_{unit}" for c in ("kernel", "flash_right_gqa", "flash_right_expanded", "cudnn_two_gqa",
                                                   "cudnn_two_expanded", "flash_two_gqa", "flash_two_expanded")
                           for unit in ("us", "tflops", "diff"))]),
         "Errors: " + ("; ".join(result["errors"]) or "none"),

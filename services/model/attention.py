@@ -65,7 +65,7 @@ class TorchReferenceAttention(AttentionBackend):
         o_THK = torch.empty_like(q_THK)
         starts = batch.cu_q_lens
         for i, (q_len, context_len) in enumerate(zip(batch.q_lens, batch.context_lens)):
-            slots_C = context_slots(batch.block_tables_BM[i], context_len, kv.block_size)
+            slots_C = _context_slots(batch.block_tables_BM[i], context_len, kv.block_size)
             rows = slice(starts[i], starts[i] + q_len)
             o_THK[rows] = _attend(q_THK[rows], _load(k_slots, slots_C, q_THK.dtype),
                                   _load(v_slots, slots_C, q_THK.dtype), scale)
@@ -87,8 +87,7 @@ def _load(cache_NGK: Tensor, slots_C: Tensor, dtype: torch.dtype) -> Tensor:
     return cache_NGK[slots_C].to(dtype)
 
 
-def context_slots(block_table_M: Tensor, context_len: int, block_size: int) -> Tensor:
-    """The pool slots of a sequence's first context_len tokens, in order (a long tensor on the table's device)."""
+def _context_slots(block_table_M: Tensor, context_len: int, block_size: int) -> Tensor:
     positions_C = torch.arange(context_len, device=block_table_M.device)
     return block_table_M.long()[positions_C // block_size] * block_size + positions_C % block_size
 

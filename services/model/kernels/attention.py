@@ -42,17 +42,6 @@ the launch grid and the split count depend on tensor shapes alone.
   no row of the prompt sees under the causal mask (the step's next rows, or
   zeros where the step ends), and `warm_whole_prompts` builds every bucket's
   graph when the model loads.
-- A chunk after a cached prefix whose tokens are a large enough share of the
-  work a whole prompt of its context would be (SDPA_PREFIX_MIN_SHARE; a
-  prompt's later chunks under the step budget) runs as that whole prompt: the
-  context's K/V gathered out of the pool, the chunk's queries in their rows,
-  and only those rows' outputs kept. It computes the prefix's causal triangle for
-  nothing, but at cuDNN's speed on whole prompts (about twice the kernel's on
-  an H200) and on the graphs warmed for whole prompts (no new shape), it
-  still finishes first; a short chunk after a long prefix, where the waste
-  would dominate, stays in the kernel. (Two calls, the chunk over itself and
-  over the prefix merged by their log-sum-exps, waste nothing, but cuDNN
-  builds a graph per (chunk, prefix) length pair: docs/performance.md.)
 - Expanded decode (ForwardBatch.is_expanded: a sequence's few new tokens as
   consecutive decode rows): row j + 1 reads row j's K/V, which another
   program of the same launch would write, so the KV-write kernel stores every
@@ -71,7 +60,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.kv_pool import KVPool
-from services.model.attention import ATTENTION_BACKENDS, AttentionBackend, context_slots
+from services.model.attention import ATTENTION_BACKENDS, AttentionBackend
 from services.model.batch import to_device
 from services.model.kernels import launch
 
@@ -106,12 +95,6 @@ SDPA_PREFILL_MIN_TOKENS = 1024
 # Their lengths are rounded up to a bucket: this many a power of two, and at least this step.
 SDPA_LENGTHS_PER_OCTAVE = 16
 SDPA_MIN_LENGTH_STEP = 64
-# A chunk after a prefix goes there too, as the whole prompt of its context, when its own
-# attention is at least this share of that prompt's: 1 - (prefix / context)^2 (a 2,048-token
-# chunk after 2,048 cached: 0.75; after 6,144: 0.44; 512 after 3,584: 0.23, which stays in the
-# kernel). On an H200 cuDNN ran whole prompts about 2.3x as fast as the kernel ran chunks
-# (docs/performance.md). Above 1: none.
-SDPA_PREFIX_MIN_SHARE = 0.4
 # Its kernels in the order tried: cuDNN's was the fastest causal prefill on an H200; off CUDA
 # only the math one runs.
 _SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
@@ -333,41 +316,12 @@ def _attend_whole_prompt(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, o_THK: Ten
         q, k, v = (x[start:start + run] for x in (q_THK, k_TGK, v_TGK))
     else:
         q, k, v = (F.pad(x[start:start + length], (0, 0, 0, 0, 0, run - length)) for x in (q_THK, k_TGK, v_TGK))
-    o_THK[start:start + length] = _causal_sdpa(q, k, v, scale, expand_kv)[:length]
-
-
-def _causal_sdpa(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, scale: float, expand_kv: bool) -> Tensor:
-    """Causal attention of T rows over themselves through torch's fused kernels: [T, heads, D]
-    (a view), the query heads grouped over the KV heads or K/V first copied out to every head."""
     if expand_kv:
-        group = q_THK.shape[1] // k_TGK.shape[1]
-        k_TGK, v_TGK = (x.repeat_interleave(group, dim=1) for x in (k_TGK, v_TGK))
-    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q_THK, k_TGK, v_TGK))  # [1, heads, T, D]
+        group = q.shape[1] // k.shape[1]
+        k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, run, D]
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=not expand_kv)
-    return out[0].transpose(0, 1)
-
-
-def _attend_prefixed_chunk(q_THK: Tensor, k_cache: Tensor, v_cache: Tensor, o_THK: Tensor, start: int,
-                           q_len: int, context_len: int, slots_C: Tensor, scale: float,
-                           expand_kv: bool = False) -> None:
-    """o_THK's rows start..start+q_len: a chunk of q_len new tokens (their K/V already in the
-    pool) after context_len - q_len cached ones, as the whole prompt of its context: the
-    context's K/V gathered from the pool's slots_C, the chunk's queries after prefix rows whose
-    outputs are dropped, causal at sdpa_length(context_len) rows like any whole prompt (K/V rows of
-    zeros past the context, which no row of it sees). The query rows other than the chunk's are
-    left as the allocator gives them: each query row's attention is its own, so whatever they
-    hold reaches only their own dropped outputs; K/V rows must be finite (a masked key's value
-    still meets a zero weight)."""
-    run, prefix = sdpa_length(context_len), context_len - q_len
-    num_kv_heads, head_dim = k_cache.shape[2:]
-    q = q_THK.new_empty((run, q_THK.shape[1], head_dim))
-    q[prefix:context_len] = q_THK[start:start + q_len]
-    k, v = (c.new_empty((run, num_kv_heads, head_dim)) for c in (k_cache, v_cache))
-    for cache, into in ((k_cache, k), (v_cache, v)):
-        torch.index_select(cache.view(-1, num_kv_heads, head_dim), 0, slots_C, out=into[:context_len])
-        into[context_len:].zero_()
-    k, v = k.to(q.dtype), v.to(q.dtype)
-    o_THK[start:start + q_len] = _causal_sdpa(q, k, v, scale, expand_kv)[prefix:context_len]
+    o_THK[start:start + length] = out[0, :, :length].transpose(0, 1)
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
@@ -413,11 +367,9 @@ class TritonPagedAttention(AttentionBackend):
         self.sdpa_backends = _SDPA_FLASH_FIRST if sdpa_flash_first else _SDPA_BACKENDS
         self.sdpa_expand_kv = bool(sdpa_expand_kv)
         self._num_sms: dict[torch.device, int] = {}
-        # (batch, block_q, whole_ok, block_size, tiles, decode sequences, fused prompts): the last
-        # prefill batch's work lists (_prefill_tiles).
+        # (batch, block_q, whole, tiles, decode sequences, whole prompts): the last prefill batch's
+        # work lists (_prefill_tiles).
         self._tiles: tuple | None = None
-        # The longest length warm_whole_prompts prepared (None: not called).
-        self._warmed_tokens: int | None = None
 
     def warm_whole_prompts(self, kv: KVPool, num_heads: int, dtype: torch.dtype, max_tokens: int) -> list[int]:
         """Runs torch's fused attention once at every length a whole prompt of up to max_tokens
@@ -428,7 +380,6 @@ class TritonPagedAttention(AttentionBackend):
         if not self.sdpa_min_tokens or max_tokens < self.sdpa_min_tokens or k_cache.element_size() == 1:
             return []
         lengths = sdpa_lengths(self.sdpa_min_tokens, max_tokens)
-        self._warmed_tokens = lengths[-1]
         num_kv_heads, head_dim = k_cache.shape[2:]
         q_THK = torch.zeros((lengths[-1], num_heads, head_dim), dtype=dtype, device=k_cache.device)
         k_TGK = torch.zeros((lengths[-1], num_kv_heads, head_dim), dtype=dtype, device=k_cache.device)
@@ -472,17 +423,11 @@ class TritonPagedAttention(AttentionBackend):
             group_pad = triton.next_power_of_2(group)
             block_q = max(1, self.prefill_rows // group_pad)
             whole_ok = k_cache.element_size() > 1  # a float8 cache: attend to the K/V as stored
-            tiles_2W, decode_seqs_D, whole = self._prefill_tiles(batch, block_q, q_THK.device, whole_ok,
-                                                                 kv.block_size)
+            tiles_2W, decode_seqs_D, whole = self._prefill_tiles(batch, block_q, q_THK.device, whole_ok)
             if whole:
                 with sdpa_kernel(self.sdpa_backends, set_priority=True):  # entered once for the step's prompts
-                    for start, length, context_len, slots_C in whole:
-                        if slots_C is None:
-                            _attend_whole_prompt(q_THK, k_TGK, v_TGK, o_THK, start, length, scale,
-                                                 self.sdpa_expand_kv)
-                        else:
-                            _attend_prefixed_chunk(q_THK, k_cache, v_cache, o_THK, start, length, context_len,
-                                                   slots_C, scale, self.sdpa_expand_kv)
+                    for start, length in whole:
+                        _attend_whole_prompt(q_THK, k_TGK, v_TGK, o_THK, start, length, scale, self.sdpa_expand_kv)
             if tiles_2W.shape[1]:
                 _prefill_kernel[(tiles_2W.shape[1], num_kv_heads)](
                     cu_q_lens_ptr=batch.cu_q_lens_B1, tiles_ptr=tiles_2W, num_tiles=tiles_2W.shape[1],
@@ -492,27 +437,21 @@ class TritonPagedAttention(AttentionBackend):
                              num_kv_heads, max_context, q_THK.device, (decode_seqs_D, batch.cu_q_lens_B1))
         return o_THK
 
-    def _prefill_tiles(self, batch, block_q: int, device: torch.device, whole_ok: bool = False,
-                       block_size: int = 0) -> tuple[Tensor, Tensor | None, list[tuple]]:
+    def _prefill_tiles(self, batch, block_q: int, device: torch.device,
+                       whole_ok: bool = False) -> tuple[Tensor, Tensor | None, list[tuple[int, int]]]:
         """The work lists of a batch with prefill chunks, on the device; built once per batch
         (every layer of a step reuses them), without a sync: [2, W] int32, the sequence and
         tile of each of the W query tiles the prefill kernel runs; with mixed_decode the
         int32 ids of the single-token sequences the decode kernel runs instead (None if none);
-        and (if whole_ok) the (first row, new tokens, context length, context slots) of each
-        prompt torch's fused attention takes: whole prompts of at least sdpa_min_tokens tokens
-        (slots None), and chunks after a prefix that _takes_prefixed (their context's pool
-        slots, a long tensor on the device; block_size: the pool's)."""
-        key = (batch, block_q, whole_ok, block_size)
-        if self._tiles is not None and self._tiles[0] is batch and self._tiles[1:4] == key[1:]:
-            return self._tiles[4:]
+        and (if whole_ok) the (first row, length) of each whole prompt torch's fused attention
+        takes (at least sdpa_min_tokens new tokens, nothing cached)."""
+        key = (batch, block_q, whole_ok)
+        if self._tiles is not None and self._tiles[0] is batch and self._tiles[1:3] == key[1:]:
+            return self._tiles[3:]
         seqs, tiles, decodes, whole = [], [], [], []
         for b, (start, q_len, context_len) in enumerate(zip(batch.cu_q_lens, batch.q_lens, batch.context_lens)):
             if whole_ok and self.sdpa_min_tokens and q_len >= self.sdpa_min_tokens and context_len == q_len:
-                whole.append((start, q_len, context_len, None))
-                continue
-            if whole_ok and block_size and self._takes_prefixed(q_len, context_len):
-                slots_C = context_slots(batch.block_tables_BM[b], context_len, block_size)
-                whole.append((start, q_len, context_len, slots_C))
+                whole.append((start, q_len))
                 continue
             if self.mixed_decode and q_len == 1:
                 decodes.append(b)
@@ -525,16 +464,6 @@ class TritonPagedAttention(AttentionBackend):
         decode_seqs_D = on_device[2 * len(tiles):] if decodes else None
         self._tiles = (*key, tiles_2W, decode_seqs_D, whole)
         return tiles_2W, decode_seqs_D, whole
-
-    def _takes_prefixed(self, q_len: int, context_len: int) -> bool:
-        """Whether a chunk of q_len new tokens after context_len - q_len cached ones attends as the
-        whole prompt of its context (module doc): a context of at least sdpa_min_tokens, at most
-        the longest length warmed (if any was: no graph is built while serving), and a chunk
-        of at least SDPA_PREFIX_MIN_SHARE of that prompt's work."""
-        prefix = context_len - q_len
-        return (prefix > 0 and bool(self.sdpa_min_tokens) and context_len >= self.sdpa_min_tokens
-                and (self._warmed_tokens is None or sdpa_length(context_len) <= self._warmed_tokens)
-                and 1 - (prefix / context_len) ** 2 >= SDPA_PREFIX_MIN_SHARE)
 
     def _decode(self, common: dict, k_TGK: Tensor, v_TGK: Tensor, slot_mapping_T: Tensor, num_seqs: int,
                 num_heads: int, num_kv_heads: int, max_context: int, device: torch.device,

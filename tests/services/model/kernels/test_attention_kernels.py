@@ -216,67 +216,17 @@ def test_mixed_decode_launches(triton_attention):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("knobs", [{}, {"sdpa_flash_first": True, "sdpa_expand_kv": True}])
-@pytest.mark.parametrize("prefixed", [False, True])
-def test_whole_prompts_go_to_fused_attention(triton_attention, monkeypatch, shape, knobs, prefixed):
+def test_whole_prompts_go_to_fused_attention(triton_attention, shape, knobs):
     """Prompts with nothing cached, at least sdpa_min_tokens long, attend through torch's fused
-    attention (grouped query heads, or K/V copied out to every head), and so do the chunks after
-    a cached prefix that are a large enough share of their context's work (prefixed; else they
-    stay in the kernel); the decodes and the shorter prompts stay in the kernels, and the batch
-    matches the reference."""
-    if not prefixed:
-        monkeypatch.setattr(triton_attention, "SDPA_PREFIX_MIN_SHARE", 1.1)
+    attention (grouped query heads, or K/V copied out to every head); the chunks after a cached
+    prefix, the decodes and the shorter prompts stay in the kernels, and the batch matches the reference."""
     batch = _mixed_batch()  # whole prompts of 13 and 1 tokens (sequences 3 and 5), chunks of 7 and 20 after a prefix
     backend = triton_attention.TritonPagedAttention(4, block_n=16, prefill_rows=16, sdpa_min_tokens=8, **knobs)
     _compare(backend, batch, *shape)
-    whole = backend._tiles[-1]
-    tiles = backend._tiles[-3]
-    starts = batch.cu_q_lens
-    assert [entry[:3] for entry in whole] == ([(starts[1], 7, 12)] if prefixed else []) + [(starts[3], 13, 13)] + (
-        [(starts[6], 20, 23)] if prefixed else [])
-    assert 3 not in tiles[0].tolist() and (6 in tiles[0].tolist()) != prefixed and (1 in tiles[0].tolist()) != prefixed
-    for _, _, context_len, slots_C in whole:  # whole prompts attend to their own K/V, chunks gather theirs
-        assert (slots_C is None) == (context_len == 13)
-
-
-def test_chunk_after_a_prefix_attends_as_its_context_prompt(triton_attention, monkeypatch):
-    """A chunk after a prefix: one fused call at its context's bucket (a length warmed for whole
-    prompts), over the context's K/V gathered from the pool (scattered blocks, stale noise
-    around them), zero K/V past the context; the chunk's rows match the reference even with NaN
-    in every other query row (each row's attention is its own), and no other output row is written."""
-    monkeypatch.setattr(triton_attention, "SDPA_MIN_LENGTH_STEP", 4)
-    monkeypatch.setattr(triton_attention, "SDPA_LENGTHS_PER_OCTAVE", 4)
-    table = _tables([10])[0]  # 40 slots
-    seqs = [SeqInput(0, [1], 9, _tables([3], 5)[0], True), SeqInput(1, list(range(21)), 16, table, True)]
-    batch = build_forward_batch(seqs, BLOCK_SIZE, "cpu")  # a decode, then 21 new tokens after 16 cached: 37
-    backend = triton_attention.TritonPagedAttention(4, block_n=16, prefill_rows=16, sdpa_min_tokens=8)
-    calls = _recorded_sdpa(triton_attention, monkeypatch)
-    causal_sdpa = triton_attention._causal_sdpa
-
-    def poisoned(q, k, v, scale, expand_kv):
-        assert (k[37:] == 0).all() and (v[37:] == 0).all()
-        q = q.clone()
-        q[:16], q[37:] = float("nan"), float("nan")  # the prefix's rows and those past the context
-        return causal_sdpa(q, k, v, scale, expand_kv)
-    monkeypatch.setattr(triton_attention, "_causal_sdpa", poisoned)
-    out = _compare(backend, batch, 8, 2, 16)
-    assert calls == [48] and out[1:].abs().sum() > 0  # 37 -> 48
-    assert [entry[:3] for entry in backend._tiles[-1]] == [(1, 21, 37)]
-    assert backend._tiles[-1][0][3].tolist() == [b * BLOCK_SIZE + i for b in table for i in range(BLOCK_SIZE)][:37]
-
-
-def test_which_chunks_after_a_prefix_attend_as_whole_prompts(triton_attention):
-    """The share rule (a 2,048-token chunk after 2,048 or 6,144 cached, not 512 after 3,584),
-    contexts of at least sdpa_min_tokens, and none past the longest warmed length."""
-    backend = triton_attention.TritonPagedAttention(4)
-    takes = backend._takes_prefixed
-    assert takes(2048, 4096) and takes(2048, 8192) and takes(4096, 8192) and not takes(512, 4096)
-    assert not takes(4096, 4096) and not takes(600, 1000) and takes(1024, 1024 + 64)
-    pool = KVPool(1, 4, BLOCK_SIZE, 2, 16, torch.float32, "cpu")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(triton_attention.F, "scaled_dot_product_attention", lambda q, *a, **k: torch.empty_like(q))
-        backend.warm_whole_prompts(pool, 8, torch.float32, 4000)  # buckets up to 4,096
-    assert takes(2048, 4096) and not takes(2048, 4097) and not takes(4096, 8192)
-    assert not triton_attention.TritonPagedAttention(4, sdpa_min_tokens=0)._takes_prefixed(2048, 4096)
+    group_pad = triton_attention.triton.next_power_of_2(shape[0] // shape[1])
+    tiles, _, whole = backend._prefill_tiles(batch, max(1, 16 // group_pad), torch.device("cpu"), True)
+    start = batch.cu_q_lens[3]
+    assert whole == [(start, 13)] and 3 not in tiles[0].tolist() and 6 in tiles[0].tolist()
 
 
 def test_sdpa_lengths_are_few_and_cover_every_prompt(triton_attention):
