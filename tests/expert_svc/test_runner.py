@@ -178,8 +178,9 @@ def _launch_counts() -> dict[str, tuple[float, float]]:
 
 
 def test_each_step_with_sequences_adds_its_launch_time_by_kind(runner):
-    """moemesh_expert_step_launch_seconds and _launch_cpu_seconds (the launching thread's CPU time): steps that bring prompt tokens count as prefill, one-token
-    steps as decode, idle steps not at all; each observation is part of the step's own time."""
+    """moemesh_expert_step_launch_seconds and _launch_cpu_seconds (the launching thread's CPU time):
+    steps that bring prompt tokens count as prefill, one-token steps as decode, idle steps not at all;
+    each observation is part of the step's own time."""
     from services import metrics
     before = _launch_counts()
     cpu_before = {kind: histogram_totals(metrics.expert_metrics().step_launch_cpu, kind) for kind in before}
