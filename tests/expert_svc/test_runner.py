@@ -172,18 +172,18 @@ def test_idle_step_runs_the_model_with_no_tokens(runner, model):
     assert torch.equal(model.hit_counts_LE, before)
 
 
-def _launch_counts() -> dict[str, tuple[float, float]]:
+def _launch_counts(histogram: str = "step_launch") -> dict[str, tuple[float, float]]:
+    """(seconds, observations) by kind of one of the expert's launch histograms."""
     from services import metrics
-    return {kind: histogram_totals(metrics.expert_metrics().step_launch, kind) for kind in ("prefill", "decode")}
+    expert = metrics.expert_metrics()
+    return {kind: histogram_totals(getattr(expert, histogram), kind) for kind in ("prefill", "decode")}
 
 
 def test_each_step_with_sequences_adds_its_launch_time_by_kind(runner):
     """moemesh_expert_step_launch_seconds and _launch_cpu_seconds (the launching thread's CPU time):
     steps that bring prompt tokens count as prefill, one-token steps as decode, idle steps not at all;
     each observation is part of the step's own time."""
-    from services import metrics
-    before = _launch_counts()
-    cpu_before = {kind: histogram_totals(metrics.expert_metrics().step_launch_cpu, kind) for kind in before}
+    before, cpu_before = _launch_counts(), _launch_counts("step_launch_cpu")
     runner.run_step(_plan(1))  # idle
     results = [runner.run_step(_plan(2, new=[NewSequence(0, GREEDY, (0, 1))], scheduled=[ScheduledSequence(0, (5, 6, 7))]))]
     results += [runner.run_step(_plan(step_id, scheduled=[ScheduledSequence(0)])) for step_id in (3, 4)]
@@ -192,7 +192,7 @@ def test_each_step_with_sequences_adds_its_launch_time_by_kind(runner):
     assert after["decode"][1] - before["decode"][1] == 2
     launch_s = sum(after[k][0] - before[k][0] for k in after)
     assert 0 < launch_s <= sum(r.execute_seconds for r in results)
-    cpu_after = {kind: histogram_totals(metrics.expert_metrics().step_launch_cpu, kind) for kind in after}
+    cpu_after = _launch_counts("step_launch_cpu")
     assert cpu_after["prefill"][1] - cpu_before["prefill"][1] == 1
     assert cpu_after["decode"][1] - cpu_before["decode"][1] == 2
     assert 0 < sum(cpu_after[k][0] - cpu_before[k][0] for k in after)  # the CPU's forward runs in the launch
