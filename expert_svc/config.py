@@ -117,6 +117,15 @@ class ExpertConfig(MemberConfig):
     # when its rows fit the largest bucket; 1 = graphs for decode steps only.
     # Each row's attention reads its sequence's context: long chunks run eagerly.
     cuda_graph_max_seq_tokens: int = 16
+    # Steps with prompt tokens of up to this many tokens run as piecewise CUDA
+    # graphs (expert_svc/prefill_graphs.py): everything but the attention
+    # captured per token bucket when the model loads, the attention eager
+    # between the pieces. One rank on CUDA only. 0 = eager (the default until
+    # measured in serving: docs/performance.md, goodput).
+    prefill_graph_tokens: int = 0
+    # The prefill graphs' token buckets per power of two (at least 64 tokens
+    # apart): more buckets pad less and take longer to capture.
+    prefill_graph_lengths_per_octave: int = 16
     # Time the MoE all-to-alls on CUDA too (a synchronize around each call:
     # slower; for debugging). On the CPU they are always timed.
     debug_collective_timing: bool = False
@@ -226,11 +235,12 @@ class ExpertConfig(MemberConfig):
         if self.ep_dispatch not in _EP_DISPATCHES:
             raise ValueError(f"ep_dispatch must be one of {_EP_DISPATCHES}, got {self.ep_dispatch!r}")
         parse_overrides(self.ep_link_costs)
-        for name in ("kv_block_size", "kv_memory_bytes", "cuda_graph_max_seq_tokens"):
+        for name in ("kv_block_size", "kv_memory_bytes", "cuda_graph_max_seq_tokens",
+                     "prefill_graph_lengths_per_octave"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("kv_blocks", "num_threads", "stats_every_steps", "max_fixed_capacity_tokens",
-                     "cuda_graph_max_batch", "cuda_graph_max_context",
+                     "cuda_graph_max_batch", "cuda_graph_max_context", "prefill_graph_tokens",
                      "random_weights_seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -24,6 +24,7 @@ from expert_svc import placement
 from expert_svc.config import ExpertConfig
 from expert_svc.constrained import ConstraintMasks
 from expert_svc.graph_runner import make_graph_runner
+from expert_svc.prefill_graphs import PrefillGraphRunner, make_prefill_graph_runner
 from expert_svc.observability import MeteredExpertComm
 from expert_svc.rendezvous import RendezvousError
 from expert_svc.runner import StepRunner
@@ -52,6 +53,7 @@ class ModelBuilder:
         self.model_config = serving_model_config(config.model, config.random_weights)
         self.dtype = DTYPES[config.dtype_name]
         self._ready_kv_pool: KVPool | None = None  # allocated ahead by prepare_kv_pool
+        self._prefill_graphs: PrefillGraphRunner | None = None  # the last built model's (prefill_graphs)
 
     def build(self, expert_ids: range, connect: Callable[[], object]) -> tuple[Qwen3MoeModel, KVPool]:
         """Model thread: the weights of expert_ids, then the rendezvous (`connect()` returns
@@ -82,6 +84,7 @@ class ModelBuilder:
                 metrics.expert_metrics().exchange.labels(name).set(int(name == exchange))
         kv_pool = self.kv_pool()
         self.warm_prompt_attention(model, kv_pool)
+        self.capture_prefill_graphs(model)
         return model, kv_pool
 
     def warm_prompt_attention(self, model: Qwen3MoeModel, kv_pool: KVPool) -> None:
@@ -223,13 +226,29 @@ class ModelBuilder:
                                    cfg.cuda_graph_max_seq_tokens)
         runner = StepRunner(model, kv_pool, cfg.kv_block_size, vocab_size=self.model_config.vocab_size,
                             group_id=group.group_id, placement_epoch=group.epoch, device=cfg.device, graphs=graphs,
-                            constraints=ConstraintMasks(self.constraint_compiler))
+                            constraints=ConstraintMasks(self.constraint_compiler),
+                            prefill_graphs=self.prefill_graphs(model))
         if cfg.profile_prefill_steps:
             runner.profiler = StepProfiler(cfg.profile_file, cfg.profile_prefill_steps, cfg.profile_skip_steps,
                                            torch.device(cfg.device))
             log.info("profiling %d steps with prompt tokens after %d steps into %s", cfg.profile_prefill_steps,
                      cfg.profile_skip_steps, cfg.profile_file)
         return runner
+
+    def capture_prefill_graphs(self, model: Qwen3MoeModel) -> None:
+        """Model thread, after the KV pool took its share of the memory: the piecewise graphs of
+        steps with prompt tokens (prefill_graph_tokens; none while timing collectives), for
+        this model's runners."""
+        cfg = self.config
+        self._prefill_graphs = None
+        if cfg.prefill_graph_tokens and not cfg.debug_collective_timing:
+            self._prefill_graphs = make_prefill_graph_runner(model, cfg.prefill_graph_tokens,
+                                                             cfg.prefill_graph_lengths_per_octave)
+
+    def prefill_graphs(self, model: Qwen3MoeModel) -> PrefillGraphRunner | None:
+        """The prefill graphs captured for `model` by its build, None if none were."""
+        graphs = self._prefill_graphs
+        return graphs if graphs is not None and graphs.model is model else None
 
     def constraint_compiler(self) -> Compiler:
         """The compiler of constraints for the served tokenizer and logits width (built on

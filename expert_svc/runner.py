@@ -18,7 +18,8 @@ through CUDA graphs when a `DecodeGraphRunner` is given (graph_runner.py), and
 so do steps whose sequences bring a few tokens each (jump-forward chunks,
 short prompt chunks: expanded, a decode row per token); other steps run
 eagerly (the plan's max_tokens_per_rank spares the all_reduce that would
-otherwise pick the dispatch mode). Constrained
+otherwise pick the dispatch mode), or, given a `PrefillGraphRunner`
+(prefill_graphs.py), as captured pieces with the attention eager between them. Constrained
 sequences' logits are masked before sampling (expert_svc/constrained.py).
 """
 
@@ -33,6 +34,7 @@ from torch import Tensor
 from expert_svc.constrained import ConstraintMasks, Unaccepted
 from expert_svc.graph_runner import DecodeGraphRunner, TokenFeed
 from expert_svc.logprobs import SeqScoring, StepScores, is_scored_chunk
+from expert_svc.prefill_graphs import PrefillGraphRunner
 from expert_svc.step_profile import StepProfiler
 from services import metrics
 from services.constraints import Matcher
@@ -100,7 +102,8 @@ class StepRunner:
 
     def __init__(self, model, kv_pool: KVPool, block_size: int, *, vocab_size: int,
                  group_id: str = "", placement_epoch: int = 0, device="cpu",
-                 graphs: DecodeGraphRunner | None = None, constraints: ConstraintMasks | None = None):
+                 graphs: DecodeGraphRunner | None = None, constraints: ConstraintMasks | None = None,
+                 prefill_graphs: PrefillGraphRunner | None = None):
         if block_size != kv_pool.block_size:
             raise ValueError(f"block_size {block_size} differs from the KV pool's {kv_pool.block_size}")
         self.model = model
@@ -115,6 +118,7 @@ class StepRunner:
         self._seqs: dict[int, _Sequence] = {}
         self._num_scoring = 0  # sequences with a `scoring`: no step is scored while there is none
         self.graphs = graphs  # None: every step runs eagerly
+        self.prefill_graphs = prefill_graphs  # None: steps with prompt tokens run eagerly
         # Constrained sequences' matchers and masks; without a compiler they are refused.
         self.constraints = constraints or ConstraintMasks()
         # Installs a plan's expert placement epoch when it differs (expert_svc/placement.py).
@@ -225,6 +229,8 @@ class StepRunner:
         batch = _upload(build_forward_batch(seqs, self.block_size, "cpu"), self.device)
         if feed is not None:
             feed.apply(batch.input_ids_T)
+        if seqs and self.prefill_graphs is not None and self.prefill_graphs.fits(num_tokens):
+            return self.prefill_graphs.run(batch, self.kv_pool), None
         return self.model.forward_at_capacity(batch, self.kv_pool, capacity), None
 
     def _sample(self, scheduled, logits_SV: Tensor, greedy_S: Tensor | None) -> tuple[Tensor | None, tuple, tuple,

@@ -22,6 +22,9 @@ mixed_decode sends the decodes through the decode kernel, prefill_rows, block_n,
 num_warps, prefill_stages, sdpa_min_tokens: 0 keeps whole prompts in the prefill kernel,
 sdpa_flash_first: torch's flash kernel before cuDNN's, sdpa_expand_kv: K/V copied out to every query head for
 the whole prompts): its wall time and its logits' largest difference from the default's.
+With --prefill-graphs TOKENS, the steps of up to TOKENS tokens again through piecewise CUDA
+graphs (expert_svc/prefill_graphs.py): the capture's time and memory, each step's host launch
+and wall time, its logits against the eager step's.
 Writes mixed_step.json and .md.
 """
 
@@ -80,17 +83,51 @@ def step_batches(per_seq: int, num_decodes: int, num_chunks: int, long_prompt: i
 
 
 def time_step(model, batch, kv, device: str, num_tokens: int) -> dict:
+    return time_calls(lambda: model.forward(batch, kv, max_tokens_per_rank=num_tokens), device, num_tokens)
+
+
+def time_calls(step, device: str, num_tokens: int) -> dict:
+    """step() 3 times to warm up, then 5 timed: the fastest host time until it returns and to the device's end."""
     for _ in range(3):
-        model.forward(batch, kv, max_tokens_per_rank=num_tokens)
+        step()
     _sync(device)
     launch, wall = [], []
     for _ in range(5):
         start = time.perf_counter()
-        model.forward(batch, kv, max_tokens_per_rank=num_tokens)
+        step()
         launch.append(time.perf_counter() - start)
         _sync(device)
         wall.append(time.perf_counter() - start)
     return {"tokens": num_tokens, "launch_ms": round(1e3 * min(launch), 2), "wall_ms": round(1e3 * min(wall), 2)}
+
+
+def time_graph_steps(model, kv, steps: dict[str, list[SeqInput]], max_tokens: int, device: str) -> dict:
+    """Each step of up to max_tokens tokens through piecewise CUDA graphs (expert_svc/prefill_graphs.py,
+    every bucket captured first: its time and memory), timed as the eager steps, with its logits
+    against the eager forward's on the same inputs."""
+    from expert_svc.prefill_graphs import make_prefill_graph_runner  # CUDA only
+
+    reserved = torch.cuda.memory_reserved()
+    start = time.perf_counter()
+    runner = make_prefill_graph_runner(model, max_tokens)
+    report = {"max_tokens": max_tokens, "capture_s": round(time.perf_counter() - start, 1),
+              "pool_gib": round((torch.cuda.memory_reserved() - reserved) / 2**30, 2), "steps": {}}
+    if runner is None:
+        return report | {"error": "no runner (the log says why)"}
+    report |= {"buckets": len(runner.buckets), "graphs": runner.num_captures}
+    for name, seqs in steps.items():
+        batch = build_forward_batch(seqs, BLOCK, device)
+        if not runner.fits(batch.num_tokens):
+            continue
+        reference = model.forward(batch, kv, max_tokens_per_rank=batch.num_tokens).clone()
+        row = time_calls(lambda: runner.run(batch, kv), device, batch.num_tokens)
+        logits = runner.run(batch, kv)
+        row |= {"bucket": runner.bucket(batch.num_tokens),
+                "max_logit_diff": round(float((logits - reference).abs().max()), 4),
+                "argmax_agree": round(float((logits.argmax(-1) == reference.argmax(-1)).float().mean()), 4)}
+        report["steps"][name] = row
+        print(f"graphs {name}: {row}", flush=True)
+    return report
 
 
 def host_syncs(model, batch, kv, device: str, num_tokens: int) -> list[str]:
@@ -159,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants-step", default="mixed", help="the step the variants are timed on")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS, help="triton attention settings to time the mixed "
                         "step with: name=knob:value,...;... ('' for none; CUDA only)")
+    parser.add_argument("--prefill-graphs", type=int, default=0, metavar="TOKENS",
+                        help="also run the steps of up to TOKENS tokens through piecewise CUDA graphs (CUDA only)")
     parser.add_argument("--out", type=pathlib.Path, required=True)
     args = parser.parse_args(argv)
     config = preset(args.preset)
@@ -193,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         report["variants_step"] = args.variants_step
         report["variants"] = time_variants(model, kv, steps[args.variants_step], parse_variants(args.variants),
                                            args.device)
+    if args.device == "cuda" and args.prefill_graphs:
+        report["prefill_graphs"] = time_graph_steps(model, kv, steps, args.prefill_graphs, args.device)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "mixed_step.json").write_text(json.dumps(report, indent=1) + "\n")
     lines = ["# Eager prefill, mixed and decode steps of the serving model", "",
@@ -205,6 +246,15 @@ def main(argv: list[str] | None = None) -> int:
                   "| variant | settings | wall ms | largest logit difference from the default |", "|---|---|---:|---:|"]
         lines += [f"| {name} | {v['knobs']} | {v['wall_ms']} | {v['max_logit_diff']} |"
                   for name, v in report["variants"].items()]
+    if graphs := report.get("prefill_graphs"):
+        lines += ["", f"## The steps through piecewise CUDA graphs (up to {graphs['max_tokens']} tokens)", "",
+                  f"Captured in {graphs['capture_s']} s: {graphs.get('buckets')} buckets, {graphs.get('graphs')} "
+                  f"graphs, {graphs['pool_gib']} GiB more reserved. {graphs.get('error', '')}", "",
+                  "| step | tokens | bucket | host launch ms | wall ms | eager wall ms | largest logit difference "
+                  "from eager | argmax agreement |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {name} | {r['tokens']} | {r['bucket']} | {r['launch_ms']} | {r['wall_ms']} | "
+                  f"{report['steps'][name]['wall_ms']} | {r['max_logit_diff']} | {r['argmax_agree']} |"
+                  for name, r in graphs["steps"].items()]
     for name, r in report["steps"].items():
         lines += ["", f"## {name}", ""] + [f"- sync: {s}" for s in r["host_syncs"]] + ["", "```", r["profile"], "```"]
     (args.out / "mixed_step.md").write_text("\n".join(lines) + "\n")

@@ -33,8 +33,9 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, layer: int, q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor,
-                batch: ForwardBatch, kv: KVPool, scale: float) -> Tensor:
-        """Stores k/v at batch.slot_mapping_T in layer `layer` of kv, returns o_THK."""
+                batch: ForwardBatch, kv: KVPool, scale: float, out: Tensor | None = None) -> Tensor:
+        """Stores k/v at batch.slot_mapping_T in layer `layer` of kv, returns o_THK (`out`, a
+        contiguous tensor of q_THK's shape and dtype, if given)."""
 
     def warm_whole_prompts(self, kv: KVPool, num_heads: int, dtype: torch.dtype, max_tokens: int) -> list[int]:
         """Prepares what the backend would otherwise prepare on the first prompts of up to max_tokens
@@ -49,7 +50,7 @@ class TorchReferenceAttention(AttentionBackend):
     Simple and exact, not fast: it loops over sequences on the host.
     """
 
-    def forward(self, layer, q_THK, k_TGK, v_TGK, batch, kv, scale):
+    def forward(self, layer, q_THK, k_TGK, v_TGK, batch, kv, scale, out=None):
         k_cache, v_cache = kv.layer(layer)
         num_heads, head_dim = q_THK.shape[1:]
         num_kv_heads = k_cache.shape[2]
@@ -62,7 +63,7 @@ class TorchReferenceAttention(AttentionBackend):
         _store(k_slots, slots_T, k_TGK[is_written_T])
         _store(v_slots, slots_T, v_TGK[is_written_T])
 
-        o_THK = torch.empty_like(q_THK)
+        o_THK = output_like(q_THK, out)
         starts = batch.cu_q_lens
         for i, (q_len, context_len) in enumerate(zip(batch.q_lens, batch.context_lens)):
             slots_C = _context_slots(batch.block_tables_BM[i], context_len, kv.block_size)
@@ -70,6 +71,16 @@ class TorchReferenceAttention(AttentionBackend):
             o_THK[rows] = _attend(q_THK[rows], _load(k_slots, slots_C, q_THK.dtype),
                                   _load(v_slots, slots_C, q_THK.dtype), scale)
         return o_THK
+
+
+def output_like(q_THK: Tensor, out: Tensor | None) -> Tensor:
+    """A backend's output tensor: `out` (checked), or a new one like q_THK."""
+    if out is None:
+        return torch.empty_like(q_THK)
+    if out.shape != q_THK.shape or out.dtype != q_THK.dtype or not out.is_contiguous():
+        raise ValueError(f"attention out must be contiguous {tuple(q_THK.shape)} {q_THK.dtype}, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    return out
 
 
 # A one-byte cache (float8) is copied and gathered through a uint8 view: the CPU has no
@@ -115,8 +126,8 @@ class AutoAttention(AttentionBackend):
     def __init__(self):
         self._backends: dict[str, AttentionBackend] = {}
 
-    def forward(self, layer, q_THK, k_TGK, v_TGK, batch, kv, scale):
-        return self._backend(q_THK.device).forward(layer, q_THK, k_TGK, v_TGK, batch, kv, scale)
+    def forward(self, layer, q_THK, k_TGK, v_TGK, batch, kv, scale, out=None):
+        return self._backend(q_THK.device).forward(layer, q_THK, k_TGK, v_TGK, batch, kv, scale, out)
 
     def warm_whole_prompts(self, kv, num_heads, dtype, max_tokens):
         return self._backend(kv.layer(0)[0].device).warm_whole_prompts(kv, num_heads, dtype, max_tokens)

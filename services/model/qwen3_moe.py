@@ -213,10 +213,10 @@ class Qwen3MoeModel:
         """
         x_TD = self.embed_VD[batch.input_ids_T]
         cos_TK, sin_TK = self.rotary.cos_sin(batch.positions_T, self.dtype)
-        fused = _fused_kernels(self.device)
+        fused = fused_kernels(self.device)
         if fused is not None:
             x_SD = self._layers_fused(fused, x_TD, cos_TK, sin_TK, batch, kv, capacity, last_row_hits_LE)
-            return _logits(x_SD, self.lm_head_VD, logits_SV)
+            return self.logits(x_SD, logits_SV)
         for i, layer in enumerate(self.layers):
             h_TD = rms_norm(x_TD, layer.input_norm_D, self.config.rms_norm_eps)
             x_TD = x_TD + self._attention(i, layer, h_TD, cos_TK, sin_TK, batch, kv)
@@ -224,35 +224,62 @@ class Qwen3MoeModel:
             if last_row_hits_LE is not None and self.config.is_moe_layer(i) and h_TD.shape[0]:
                 _add_last_row_hits(layer.feed_forward, h_TD, last_row_hits_LE[self.config.moe_layers.index(i)])
             x_TD = x_TD + layer.feed_forward(h_TD, capacity)
-        x_SD = rms_norm(x_TD[batch.sample_indices_S], self.norm_D, self.config.rms_norm_eps)
-        return _logits(x_SD, self.lm_head_VD, logits_SV)
+        return self.logits(self.final_norm(x_TD, batch.sample_indices_S), logits_SV)
 
     def _layers_fused(self, fused, x_TD: Tensor, cos_TK: Tensor, sin_TK: Tensor, batch: ForwardBatch,
                       kv: KVPool, capacity: int | None, last_row_hits_LE: Tensor | None) -> Tensor:
         """The layer loop with kernels/fused_layer.py's kernels (CUDA): each residual add fused with
         the next RMSNorm, one q|k|v matmul, the projections through fused.linear (a GEMV
         kernel for one token; quantized ones their registered kernels); returns the sampled
-        rows, final-normed."""
-        c, eps, pending_TD, h_TD = self.config, self.config.rms_norm_eps, None, None
+        rows, final-normed. The work between two attentions is one piece (begin_layers,
+        end_layer), what expert_svc/prefill_graphs.py captures per token bucket."""
         x_TD = x_TD.contiguous()
-        for i, layer in enumerate(self.layers):
-            if h_TD is None:  # the first layer, or the last feed-forward's output is pending
-                h_TD = fused.add_rms_norm_(x_TD, pending_TD, layer.input_norm_D, eps)
-            q_THK, k_TGK, v_TGK = fused.qkv_norm_rotary(
-                _qkv(fused.linear, h_TD, layer), layer.q_norm_K, layer.k_norm_K, cos_TK, sin_TK,
-                c.num_attention_heads, c.num_key_value_heads, eps)
-            o_THK = self.attention.forward(i, q_THK, k_TGK, v_TGK, batch, kv, c.head_dim ** -0.5)
-            attn_TD = fused.linear(o_THK.reshape(h_TD.shape[0], c.num_attention_heads * c.head_dim), layer.w_o_DHK)
-            h_TD = fused.add_rms_norm_(x_TD, attn_TD, layer.post_attention_norm_D, eps)
-            if last_row_hits_LE is not None and c.is_moe_layer(i) and h_TD.shape[0]:
-                _add_last_row_hits(layer.feed_forward, h_TD, last_row_hits_LE[c.moe_layers.index(i)])
-            if i + 1 < len(self.layers):  # the feed-forward adds its output and takes the next norm
-                add_norm = AddNorm(x_TD, self.layers[i + 1].input_norm_D, eps, fused.add_rms_norm_)
-                h_TD = layer.feed_forward(h_TD, capacity, add_norm)
-            else:
-                h_TD, pending_TD = None, layer.feed_forward(h_TD, capacity)
-        x_TD = x_TD if pending_TD is None else x_TD + pending_TD
-        return rms_norm(x_TD[batch.sample_indices_S], self.norm_D, eps)
+        q_k_v = self.begin_layers(fused, x_TD, cos_TK, sin_TK)
+        for i in range(len(self.layers)):
+            o_THK = self.attention.forward(i, *q_k_v, batch, kv, self.config.head_dim ** -0.5)
+            q_k_v = self.end_layer(fused, i, o_THK, x_TD, cos_TK, sin_TK, capacity, last_row_hits_LE)
+        return self.final_norm(x_TD, batch.sample_indices_S)
+
+    def begin_layers(self, fused, x_TD: Tensor, cos_TK: Tensor, sin_TK: Tensor,
+                     out: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """The fused loop's first piece: layer 0's input norm of x_TD (contiguous, the embedded
+        tokens) and its q_THK, k_TGK, v_TGK (into `out` if given)."""
+        h_TD = fused.add_rms_norm_(x_TD, None, self.layers[0].input_norm_D, self.config.rms_norm_eps)
+        return self._qkv_fused(fused, self.layers[0], h_TD, cos_TK, sin_TK, out)
+
+    def end_layer(self, fused, i: int, o_THK: Tensor, x_TD: Tensor, cos_TK: Tensor, sin_TK: Tensor,
+                  capacity: int | None, last_row_hits_LE: Tensor | None = None,
+                  out: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The fused loop's piece after layer i's attention (o_THK): its output projection and
+        feed-forward, each added into the residual stream x_TD in place, then layer i + 1's input
+        norm and q, k, v (into `out` if given); after the last layer None, x_TD holding the
+        final residual stream. last_row_hits_LE: see forward_at_capacity."""
+        c, eps, layer = self.config, self.config.rms_norm_eps, self.layers[i]
+        attn_TD = fused.linear(o_THK.reshape(x_TD.shape[0], c.num_attention_heads * c.head_dim), layer.w_o_DHK)
+        h_TD = fused.add_rms_norm_(x_TD, attn_TD, layer.post_attention_norm_D, eps)
+        if last_row_hits_LE is not None and c.is_moe_layer(i) and h_TD.shape[0]:
+            _add_last_row_hits(layer.feed_forward, h_TD, last_row_hits_LE[c.moe_layers.index(i)])
+        if i + 1 == len(self.layers):
+            x_TD.add_(layer.feed_forward(h_TD, capacity))
+            return None
+        # The feed-forward adds its output and takes the next norm (fused into its last kernel).
+        following = self.layers[i + 1]
+        h_TD = layer.feed_forward(h_TD, capacity, AddNorm(x_TD, following.input_norm_D, eps, fused.add_rms_norm_))
+        return self._qkv_fused(fused, following, h_TD, cos_TK, sin_TK, out)
+
+    def logits(self, x_SD: Tensor, logits_SV: Tensor | None = None) -> Tensor:
+        """fp32 logits of final-normed rows (final_norm's), into logits_SV if given."""
+        return _logits(x_SD, self.lm_head_VD, logits_SV)
+
+    def final_norm(self, x_TD: Tensor, sample_indices_S: Tensor) -> Tensor:
+        """The sampled rows of the final residual stream, final-normed: the LM head's input."""
+        return rms_norm(x_TD[sample_indices_S], self.norm_D, self.config.rms_norm_eps)
+
+    def _qkv_fused(self, fused, layer: _DecoderLayer, h_TD: Tensor, cos_TK: Tensor, sin_TK: Tensor,
+                   out: tuple[Tensor, Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:
+        c = self.config
+        return fused.qkv_norm_rotary(_qkv(fused.linear, h_TD, layer), layer.q_norm_K, layer.k_norm_K, cos_TK, sin_TK,
+                                     c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps, out=out)
 
     def _attention(self, i: int, layer: _DecoderLayer, h_TD: Tensor, cos_TK: Tensor,
                    sin_TK: Tensor, batch: ForwardBatch, kv: KVPool) -> Tensor:
@@ -279,7 +306,7 @@ class Qwen3MoeModel:
 _FUSED_LAYER_MODULE = "services.model.kernels.fused_layer"
 
 
-def _fused_kernels(device: torch.device):
+def fused_kernels(device: torch.device):
     """kernels/fused_layer.py's FusedLayerKernels on CUDA while they are enabled, else None
     (the torch code)."""
     if device.type != "cuda":

@@ -37,9 +37,9 @@ class DeviceLensAttention(TorchReferenceAttention):
     """The reference reading context lengths from the device tensor, as a kernel would:
     a graph's static batch has no meaningful host lengths (test only: it reads back)."""
 
-    def forward(self, layer, q_THK, k_TGK, v_TGK, batch, kv, scale):
+    def forward(self, layer, q_THK, k_TGK, v_TGK, batch, kv, scale, out=None):
         batch = dataclasses.replace(batch, context_lens=tuple(batch.context_lens_B.tolist()))
-        return super().forward(layer, q_THK, k_TGK, v_TGK, batch, kv, scale)
+        return super().forward(layer, q_THK, k_TGK, v_TGK, batch, kv, scale, out)
 
 
 class StandInCapture:

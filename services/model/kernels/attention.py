@@ -60,7 +60,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.kv_pool import KVPool
-from services.model.attention import ATTENTION_BACKENDS, AttentionBackend
+from services.model.attention import ATTENTION_BACKENDS, AttentionBackend, output_like
 from services.model.batch import to_device
 from services.model.kernels import launch
 
@@ -389,7 +389,7 @@ class TritonPagedAttention(AttentionBackend):
                 _attend_whole_prompt(q_THK, k_TGK, v_TGK, o_THK, 0, length, head_dim ** -0.5, self.sdpa_expand_kv)
         return lengths
 
-    def forward(self, layer, q_THK, k_TGK, v_TGK, batch, kv, scale):
+    def forward(self, layer, q_THK, k_TGK, v_TGK, batch, kv, scale, out=None):
         k_cache, v_cache = kv.layer(layer)
         num_tokens, num_heads, head_dim = q_THK.shape
         num_kv_heads = k_cache.shape[2]
@@ -397,7 +397,7 @@ class TritonPagedAttention(AttentionBackend):
         k_TGK, v_TGK, q_THK = k_TGK.contiguous(), v_TGK.contiguous(), q_THK.contiguous()
         stride_slot = num_kv_heads * head_dim
         k_pad = max(16, triton.next_power_of_2(head_dim))
-        o_THK = torch.empty_like(q_THK)
+        o_THK = output_like(q_THK, out)
         if num_tokens == 0:
             return o_THK
         # A decode kernel writes its tokens' K/V itself, unless rows of one sequence read each other's.

@@ -24,7 +24,7 @@ from services.model.quant.linear import QuantWeight
 @dataclasses.dataclass(frozen=True, slots=True)
 class FusedLayerKernels:
     """add_rms_norm_(x_TD, h_TD, weight_D, eps), qkv_norm_rotary(qkv_TX, q_norm_K, k_norm_K, cos_TK,
-    sin_TK, num_heads, num_kv_heads, eps) and linear(x_TD, w_ND), as the kernel modules define them
+    sin_TK, num_heads, num_kv_heads, eps, out=None) and linear(x_TD, w_ND), as the kernel modules define them
     (linear's w_ND dense or a QuantWeight)."""
 
     add_rms_norm_: Callable[[Tensor, Tensor | None, Tensor, float], Tensor]

@@ -70,13 +70,21 @@ def qkv_tokens_per_program(num_tokens: int) -> int:
 
 
 def qkv_norm_rotary(qkv_TX: Tensor, q_norm_K: Tensor, k_norm_K: Tensor, cos_TK: Tensor, sin_TK: Tensor,
-                    num_heads: int, num_kv_heads: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """From the fused projection [T, (H + 2G) * K]: q_THK, k_TGK normed per head and rotated, v_TGK."""
+                    num_heads: int, num_kv_heads: int, eps: float,
+                    out: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """From the fused projection [T, (H + 2G) * K]: q_THK, k_TGK normed per head and rotated, v_TGK
+    (into `out`'s contiguous tensors of those shapes if given)."""
     num_tokens, head_dim = qkv_TX.shape[0], q_norm_K.shape[0]
     assert qkv_TX.is_contiguous() and qkv_TX.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
     assert cos_TK.is_contiguous() and sin_TK.is_contiguous()
-    q_THK = qkv_TX.new_empty(num_tokens, num_heads, head_dim)
-    k_TGK, v_TGK = (qkv_TX.new_empty(num_tokens, num_kv_heads, head_dim) for _ in range(2))
+    if out is None:
+        q_THK = qkv_TX.new_empty(num_tokens, num_heads, head_dim)
+        k_TGK, v_TGK = (qkv_TX.new_empty(num_tokens, num_kv_heads, head_dim) for _ in range(2))
+    else:
+        q_THK, k_TGK, v_TGK = out
+        assert q_THK.shape == (num_tokens, num_heads, head_dim) and all(
+            x.shape == (num_tokens, num_kv_heads, head_dim) for x in (k_TGK, v_TGK))
+        assert all(x.is_contiguous() and x.dtype == qkv_TX.dtype for x in out)
     if num_tokens:
         block_t = qkv_tokens_per_program(num_tokens)
         _qkv_norm_rotary_kernel[(triton.cdiv(num_tokens, block_t), num_heads + 2 * num_kv_heads)](

@@ -158,7 +158,7 @@ def test_model_fused_layers_match_torch(fused_layer, monkeypatch, num_rows):
     for batch, capacity in zip(batches, (None, 4, 4)):
         expected = models[0].forward_at_capacity(batch, pools[0], capacity)
         with monkeypatch.context() as patch:
-            patch.setattr(qwen3_moe, "_fused_kernels", lambda device: fused_layer.fused_layer_kernels())
+            patch.setattr(qwen3_moe, "fused_kernels", lambda device: fused_layer.fused_layer_kernels())
             logits = models[1].forward_at_capacity(batch, pools[1], capacity)
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
     torch.testing.assert_close(pools[1].k_cache, pools[0].k_cache, atol=1e-5, rtol=0)
@@ -172,7 +172,7 @@ def test_model_fused_layers_run_an_empty_step(fused_layer, monkeypatch):
     model = qwen3_moe.Qwen3MoeModel(config, random_weights(config, seed=5), expert_ids=range(4))
     pool = KVPool.for_model(config, 8, 4, torch.float32, "cpu")
     with monkeypatch.context() as patch:
-        patch.setattr(qwen3_moe, "_fused_kernels", lambda device: fused_layer.fused_layer_kernels())
+        patch.setattr(qwen3_moe, "fused_kernels", lambda device: fused_layer.fused_layer_kernels())
         logits = model.forward_at_capacity(build_forward_batch([], 4, "cpu"), pool, None)
     assert logits.shape == (0, config.vocab_size)
     assert int(model.hit_counts_LE.sum()) == 0
@@ -214,4 +214,4 @@ def test_fused_layer_kernels_follow_the_switch(fused_layer, gemv, launch, monkey
                        torch.full((2, 5), 3.0))
     monkeypatch.setattr(launch, "ENABLED", False)
     assert fused_layer.fused_layer_kernels() is None
-    assert qwen3_moe._fused_kernels(torch.device("cpu")) is None
+    assert qwen3_moe.fused_kernels(torch.device("cpu")) is None

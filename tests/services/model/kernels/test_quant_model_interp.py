@@ -111,7 +111,7 @@ def _steps(model, pool, fused, monkeypatch, prefill: int, decode_rows=(1, 2)):
     for batch, capacity in zip(batches, (None, 2, 4)):
         with monkeypatch.context() as patch:
             if fused is not None:
-                patch.setattr(qwen3_moe, "_fused_kernels", lambda device: fused.fused_layer_kernels())
+                patch.setattr(qwen3_moe, "fused_kernels", lambda device: fused.fused_layer_kernels())
             out.append(model.forward_at_capacity(batch, pool, capacity))
     return out
 
