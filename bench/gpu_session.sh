@@ -38,6 +38,11 @@
 #            (a second mesh); limit 300 s
 #     goodput bench/serving/goodput.py on one rank (issue 30): the production mix as Poisson arrivals at
 #            ${GOODPUT_RATES:-2,4,6,8,10,12,16} req/s, 30 s each, stopping past the knee; limit 540 s
+#     pgraphs bench/serving/mixed_step.py --long-prompt 4096 --prefill-graphs 8192 (issue 30): the eager steps, then
+#            each through piecewise CUDA graphs (their capture's time and memory, launch and wall ms, logits against
+#            eager); tests/expert_svc/test_prefill_graphs_cuda.py first; limit 300 s (one GPU)
+#     pgoodput the goodput step with the experts' --prefill-graph-tokens 8192 (--name goodput_pgraphs), to set
+#            beside a goodput step's rates: run the two in separate calls (each up to 540 s)
 #     programs bench/programs/ticket.py --device cuda on one rank (issue 28): the ticket pipeline as an LLM
 #            program against the same work as sequential Generate calls, on the demo model (the one `moemesh up`
 #            serves), ${PROGRAMS_TICKETS:-100} tickets at concurrency 1 and 16; limit 420 s (one GPU is enough:
@@ -200,6 +205,12 @@ for step in $STEPS; do
                 ${CONSTRAINTS_ARGS:-} --out "$RESULTS/constraints" ;;
         goodput) part goodput 540 python3 -m bench.serving.goodput --kind "$KIND" --rates "${GOODPUT_RATES:-2,4,6,8,10,12,16}" \
                 ${GOODPUT_ARGS:-} --out "$RESULTS/goodput" ;;
+        pgraphs) part pgraphs_test 150 python3 -m pytest -q -p no:cacheprovider tests/expert_svc/test_prefill_graphs_cuda.py
+                part pgraphs 300 python3 -m bench.serving.mixed_step --long-prompt 4096 --variants "" \
+                --prefill-graphs 8192 --out "$RESULTS/pgraphs" ;;
+        pgoodput) part pgoodput 540 python3 -m bench.serving.goodput --kind "$KIND" --name goodput_pgraphs \
+                --rates "${GOODPUT_RATES:-2,4,6,8,10,12,16}" --expert-arg=--prefill-graph-tokens=8192 \
+                ${GOODPUT_ARGS:-} --out "$RESULTS/pgoodput" ;;
         programs) part programs 420 python3 -m bench.programs.ticket --device cuda \
                 --num-tickets "${PROGRAMS_TICKETS:-100}" --concurrency 1,16 ${PROGRAMS_ARGS:-} --out "$RESULTS/programs" ;;
         *) echo "unknown step $step" >>"$LOG" ;;
