@@ -120,9 +120,9 @@ class ExpertConfig(MemberConfig):
     # Steps with prompt tokens of up to this many tokens run as piecewise CUDA
     # graphs (expert_svc/prefill_graphs.py): everything but the attention
     # captured per token bucket when the model loads, the attention eager
-    # between the pieces. One rank on CUDA only. 0 = eager (the default until
-    # measured in serving: docs/performance.md, goodput).
-    prefill_graph_tokens: int = 0
+    # between the pieces. One rank on CUDA only (elsewhere: eager); the
+    # gateway's max_batch_tokens is the most tokens of a step. 0 = eager.
+    prefill_graph_tokens: int = 8192
     # The prefill graphs' token buckets per power of two (at least 64 tokens
     # apart): more buckets pad less and take longer to capture.
     prefill_graph_lengths_per_octave: int = 16

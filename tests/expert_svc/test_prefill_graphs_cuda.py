@@ -1,6 +1,6 @@
 """Piecewise prefill graphs (expert_svc/prefill_graphs.py) on a GPU, real captures (skipped without
 one): steps with prompt tokens, padded to their buckets, give the eager forward's logits and
-argmax, write the same KV, and count the same expert hits; a whole prompt of 1,024+ tokens
+argmax, write the same KV, and count the same expert hits (bf16, FP8 and AWQ weights); a whole prompt of 1,024+ tokens
 (torch's fused attention between the pieces), a chunk after a cached prefix and decodes beside it.
 
     python -m pytest -q tests/expert_svc/test_prefill_graphs_cuda.py
@@ -22,9 +22,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 BLOCK_SIZE = 16
 
 
-def _model() -> Qwen3MoeModel:
-    config = dataclasses.replace(preset("qwen3-30b-a3b"), num_hidden_layers=2)
-    weights = RandomWeights(config, range(config.num_experts), 0, dtype=torch.bfloat16, device="cuda")
+def _model(name: str) -> Qwen3MoeModel:
+    config = dataclasses.replace(preset(name), num_hidden_layers=2)
+    weights = RandomWeights.for_preset(name, config, range(config.num_experts), 0, dtype=torch.bfloat16, device="cuda")
     return Qwen3MoeModel(config, weights, expert_ids=range(config.num_experts), dtype=torch.bfloat16,
                          device="cuda", attention="triton")
 
@@ -41,8 +41,9 @@ def _steps() -> list[list[SeqInput]]:
             [SeqInput(0, [5], 1400, table(0), True), SeqInput(1, [9], 41, table(1), True)]]
 
 
-def test_captured_pieces_give_the_eager_steps():
-    graphed, eager = _model(), _model()
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3-30b-a3b-fp8", "qwen3-30b-a3b-awq"])
+def test_captured_pieces_give_the_eager_steps(name):
+    graphed, eager = _model(name), _model(name)
     runner = make_prefill_graph_runner(graphed, 2048)
     assert runner is not None and runner.num_captures == len(runner.buckets) * (graphed.config.num_hidden_layers + 1)
     assert int(graphed.hit_counts_LE.abs().sum()) == 0
