@@ -15,7 +15,7 @@ bucket, T real rows, R rows of the largest bucket, L layers.
   attention runs eagerly on the step's real rows and its own batch (lengths, block
   tables, whole prompts), reading q, k, v from and writing o into static buffers. The
   final norm and the LM head of the sampled rows run eagerly after the last piece.
-- Buckets: a step of T tokens runs the pieces of the smallest bucket B >= T
+- Buckets: a step of T tokens (more than EAGER_MAX_TOKENS) runs the pieces of the smallest bucket B >= T
   (`prefill_buckets`: `per_octave` lengths to a power of two, at least `min_step`
   apart, so at most 2/per_octave more rows), padded with rows of token 0 at position 0
   whose attention output is zero. Rows never mix in the pieces, so the padding changes
@@ -48,6 +48,12 @@ from services.model.batch import ForwardBatch
 from services.model.qwen3_moe import fused_kernels
 
 log = logging.getLogger("expert_svc")
+
+# Steps of up to this many tokens run eagerly: small steps take other kernels than a bucket's rows
+# would (one-token GEMVs, the fused small-batch MoE, the quantized weight-only paths of up to 16
+# rows, where FP8 weights otherwise go through FP8 tensor cores with quantized activations), and
+# their launches are few; most of them replay the decode graphs anyway.
+EAGER_MAX_TOKENS = 16
 
 
 def prefill_buckets(max_tokens: int, per_octave: int = 16, min_step: int = 64) -> tuple[int, ...]:
@@ -120,9 +126,9 @@ class PrefillGraphRunner:
         return next((b for b in self.buckets if b >= max(num_tokens, 1)), None)
 
     def fits(self, num_tokens: int) -> bool:
-        """Whether a step of num_tokens tokens runs here (its bucket is captured)."""
+        """Whether a step of num_tokens tokens runs here: more than EAGER_MAX_TOKENS, its bucket captured."""
         bucket = self.bucket(num_tokens)
-        return bucket is not None and bucket in self._replays
+        return num_tokens > EAGER_MAX_TOKENS and bucket is not None and bucket in self._replays
 
     @torch.inference_mode()
     def capture_all(self) -> None:

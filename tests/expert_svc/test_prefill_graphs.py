@@ -15,7 +15,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from expert_svc.prefill_graphs import PrefillGraphRunner, make_prefill_graph_runner, prefill_buckets  # noqa: E402
+from expert_svc.prefill_graphs import (EAGER_MAX_TOKENS, PrefillGraphRunner, make_prefill_graph_runner,  # noqa: E402
+                                      prefill_buckets)
 from expert_svc.runner import StepRunner  # noqa: E402
 from services.kv_pool import KVPool  # noqa: E402
 from services.model import qwen3_moe  # noqa: E402
@@ -28,7 +29,7 @@ from tests.triton_interpreter import interpreted_fixture  # noqa: E402
 fused_layer = interpreted_fixture("kernels.fused_layer")
 
 BLOCK_SIZE = 4
-BUCKETS = (4, 8, 16)
+BUCKETS = (24, 32, 48)
 CONFIG = ModelConfig(vocab_size=96, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16, intermediate_size=64, moe_intermediate_size=24,
                      num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=64,
@@ -56,7 +57,7 @@ def _model(weights) -> qwen3_moe.Qwen3MoeModel:
 
 
 def _pool() -> KVPool:
-    return KVPool.for_model(CONFIG, 32, BLOCK_SIZE, torch.float32, "cpu")
+    return KVPool.for_model(CONFIG, 40, BLOCK_SIZE, torch.float32, "cpu")
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -81,9 +82,10 @@ def test_no_runner_off_cuda_or_when_off(weights):
 
 
 def test_pieces_give_the_eager_forward(fused_layer, weights, monkeypatch):
-    """Steps of 10, 6 and 2 tokens (buckets 16, 8 and 4: padded), a prompt, its next chunk
-    beside a decode, then two decodes: the logits, KV cache and expert hits of the eager fused
-    loop, every bucket captured once before the first step."""
+    """Steps of 30, 21 and 41 tokens (buckets 32, 24 and 48: padded, the second over rows the first
+    wrote), a prompt beside another, its next chunk beside a decode, then a decode beside a chunk:
+    the logits, KV cache and expert hits of the eager fused loop, every bucket captured once
+    before the first step; steps of up to EAGER_MAX_TOKENS tokens stay eager."""
     monkeypatch.setattr(qwen3_moe, "fused_kernels", lambda device: fused_layer.fused_layer_kernels())
     graphed, eager = _model(weights), _model(weights)
     pools = _pool(), _pool()
@@ -92,10 +94,11 @@ def test_pieces_give_the_eager_forward(fused_layer, weights, monkeypatch):
     runner.capture_all()
     assert capture.num_captured == len(BUCKETS) * (CONFIG.num_hidden_layers + 1)
     assert int(graphed.hit_counts_LE.abs().sum()) == 0  # the capture's own runs are not counted
-    a, b = _tokens(12, 1), _tokens(4, 2)
-    steps = [[SeqInput(0, a[:7], 0, [3, 1], True), SeqInput(1, b[:3], 0, [5], True)],
-             [SeqInput(0, a[7:12], 7, [3, 1, 6], True), SeqInput(1, b[3:4], 3, [5], True)],
-             [SeqInput(0, [a[0]], 12, [3, 1, 6, 7], True), SeqInput(1, [b[0]], 4, [5, 2], True)]]
+    a, b = _tokens(46, 1), _tokens(46, 2)
+    tables = list(range(0, 12)), list(range(12, 24))
+    steps = [[SeqInput(0, a[:25], 0, tables[0], True), SeqInput(1, b[:5], 0, tables[1], True)],
+             [SeqInput(0, a[25:45], 25, tables[0], True), SeqInput(1, b[5:6], 5, tables[1], True)],
+             [SeqInput(0, a[45:46], 45, tables[0], True), SeqInput(1, b[6:46], 6, tables[1], True)]]
     for seqs in steps:
         batch = build_forward_batch(seqs, BLOCK_SIZE, "cpu")
         assert runner.fits(batch.num_tokens)
@@ -106,20 +109,20 @@ def test_pieces_give_the_eager_forward(fused_layer, weights, monkeypatch):
     torch.testing.assert_close(pools[0].k_cache, pools[1].k_cache, atol=1e-5, rtol=0)
     torch.testing.assert_close(pools[0].v_cache, pools[1].v_cache, atol=1e-5, rtol=0)
     assert torch.equal(graphed.hit_counts_LE, eager.hit_counts_LE)
-    assert not runner.fits(17)
+    assert runner.fits(EAGER_MAX_TOKENS + 1) and not runner.fits(EAGER_MAX_TOKENS) and not runner.fits(49)
 
 
 def test_step_runner_takes_the_pieces_for_prompt_steps(fused_layer, weights, monkeypatch):
-    """A StepRunner with prefill graphs samples the tokens of one without, its steps up to the
-    largest bucket replayed (decodes included: this runner has no decode graphs), a longer one eager."""
+    """A StepRunner with prefill graphs samples the tokens of one without: a 60-token prompt (over
+    the largest bucket: eager), a 20-token prompt beside a decode (replayed), two decodes (eager)."""
     monkeypatch.setattr(qwen3_moe, "fused_kernels", lambda device: fused_layer.fused_layer_kernels())
     greedy = SamplingSpec(temperature=0.0)
-    prompts = _tokens(20, 3), _tokens(9, 4)
-    steps = [dict(new_sequences=(NewSequence(0, greedy, tuple(range(0, 8))),),
-                  scheduled=(ScheduledSequence(0, tuple(prompts[0])),)),  # 20 tokens: eager
-             dict(new_sequences=(NewSequence(1, greedy, tuple(range(8, 16))),),
-                  scheduled=(ScheduledSequence(0), ScheduledSequence(1, tuple(prompts[1])))),  # 10: bucket 16
-             dict(scheduled=(ScheduledSequence(0), ScheduledSequence(1)))]  # 2: bucket 4
+    prompts = _tokens(60, 3), _tokens(20, 4)
+    steps = [dict(new_sequences=(NewSequence(0, greedy, tuple(range(0, 16))),),
+                  scheduled=(ScheduledSequence(0, tuple(prompts[0])),)),
+             dict(new_sequences=(NewSequence(1, greedy, tuple(range(16, 24))),),
+                  scheduled=(ScheduledSequence(0), ScheduledSequence(1, tuple(prompts[1])))),
+             dict(scheduled=(ScheduledSequence(0), ScheduledSequence(1)))]
     results = []
     for with_graphs in (False, True):
         model = _model(weights)
@@ -131,6 +134,6 @@ def test_step_runner_takes_the_pieces_for_prompt_steps(fused_layer, weights, mon
         results.append([runner.run_step(StepPlan(step_id=i + 1, group_id="", placement_epoch=0, **step)).tokens
                         for i, step in enumerate(steps)])
         if graphs is not None:
-            assert graphs.num_replays == 2
+            assert graphs.num_replays == 1
     assert results[0] == results[1]
     assert all(tokens for tokens in results[1])
