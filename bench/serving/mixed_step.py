@@ -31,6 +31,7 @@ Writes mixed_step.json and .md.
 import argparse
 import json
 import pathlib
+import sys
 import time
 import warnings
 
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                           expert_ids=range(config.num_experts), dtype=dtype, device=args.device,
                           attention="auto")
     _sync(args.device)
-    report = {"command": "python -m bench.serving.mixed_step " + " ".join(argv or []), "preset": args.preset,
+    report = {"command": "python -m bench.serving.mixed_step " + " ".join(sys.argv[1:] if argv is None else argv), "preset": args.preset,
               "layers": config.num_hidden_layers, "device": args.device,
               "model_build_s": round(time.perf_counter() - start, 1), "steps": {}}
     per_seq = -(-(CONTEXT + 1) // BLOCK)
