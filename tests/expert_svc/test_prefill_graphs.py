@@ -24,6 +24,7 @@ from services.model.batch import SeqInput, build_forward_batch  # noqa: E402
 from services.model.config import ModelConfig  # noqa: E402
 from services.model.make_model import random_weights  # noqa: E402
 from services.step import NewSequence, SamplingSpec, ScheduledSequence, StepPlan  # noqa: E402
+from tests.expert_svc.test_graph_runner import StandInCapture  # noqa: E402
 from tests.triton_interpreter import interpreted_fixture  # noqa: E402
 
 fused_layer = interpreted_fixture("kernels.fused_layer")
@@ -34,17 +35,6 @@ CONFIG = ModelConfig(vocab_size=96, hidden_size=48, num_hidden_layers=3, num_att
                      num_key_value_heads=2, head_dim=16, intermediate_size=64, moe_intermediate_size=24,
                      num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=64,
                      dtype=torch.float32)
-
-
-class StandInCapture:
-    """Counts the captures; the "replay" runs the function again."""
-
-    def __init__(self):
-        self.num_captured = 0
-
-    def __call__(self, fn):
-        self.num_captured += 1
-        return fn
 
 
 @pytest.fixture(scope="module")
