@@ -15,10 +15,10 @@ bucket, T real rows, R rows of the largest bucket, L layers.
   attention runs eagerly on the step's real rows and its own batch (lengths, block
   tables, whole prompts), reading q, k, v from and writing o into static buffers. The
   final norm and the LM head of the sampled rows run eagerly after the last piece.
-- Buckets: a step of T tokens (more than EAGER_MAX_TOKENS) runs the pieces of the smallest bucket B >= T
-  (`prefill_buckets`: `per_octave` lengths to a power of two, at least `min_step`
-  apart, so at most 2/per_octave more rows), padded with rows of token 0 at position 0
-  whose attention output is zero. Rows never mix in the pieces, so the padding changes
+- Buckets: a step of T tokens (more than EAGER_MAX_TOKENS) runs the pieces of the
+  smallest bucket B >= T (`prefill_buckets`: `per_octave` lengths to a power of two, at
+  least `min_step` apart, so at most 2/per_octave more rows), padded with rows of token
+  0 at position 0 whose attention output is zero. Rows never mix in the pieces, so the padding changes
   no real row.
 - Static buffers: one set for the largest bucket (token ids, positions, residual stream,
   rotary angles, q, k, v, o); bucket B uses their first B rows, so memory does not grow

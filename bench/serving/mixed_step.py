@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                           expert_ids=range(config.num_experts), dtype=dtype, device=args.device,
                           attention="auto")
     _sync(args.device)
-    report = {"command": "python -m bench.serving.mixed_step " + " ".join(sys.argv[1:] if argv is None else argv), "preset": args.preset,
+    command = " ".join(sys.argv[1:] if argv is None else argv)
+    report = {"command": f"python -m bench.serving.mixed_step {command}".rstrip(), "preset": args.preset,
               "layers": config.num_hidden_layers, "device": args.device,
               "model_build_s": round(time.perf_counter() - start, 1), "steps": {}}
     per_seq = -(-(CONTEXT + 1) // BLOCK)
