@@ -70,23 +70,17 @@ def prefill_buckets(max_tokens: int, per_octave: int = 16, min_step: int = 64) -
     return tuple(buckets)
 
 
-def make_prefill_graph_runner(model, max_tokens: int, per_octave: int = 16, *,
-                              allow_fp8: bool = False) -> "PrefillGraphRunner | None":
+def make_prefill_graph_runner(model, max_tokens: int, per_octave: int = 16) -> "PrefillGraphRunner | None":
     """The rank's prefill graph runner with every bucket captured, or None: max_tokens 0, not
     CUDA, the fused layer loop off, more than one rank, spare expert slots (their MoE path
-    splits on the host), FP8 weights on tensor cores unless allow_fp8 (a GPU test of them is
-    pending: tests/expert_svc/test_prefill_graphs_cuda.py), or a capture that failed (logged;
-    those steps then run eagerly)."""
+    splits on the host), or a capture that failed (logged; those steps then run eagerly)."""
     if not max_tokens:
         return None
     device = torch.device(model.device)
     fused = fused_kernels(device)
-    fp8_cores = any(path.path == "fp8" for path in model.quant_paths.values())
     why = ("not on CUDA" if device.type != "cuda" else "the fused layer loop is off" if fused is None
            else "more than one rank" if model.comm.world_size > 1
-           else "spare expert slots" if model.num_spare_expert_slots
-           else "FP8 tensor-core weights (their pieces are not yet checked against eager steps on a GPU)"
-           if fp8_cores and not allow_fp8 else None)
+           else "spare expert slots" if model.num_spare_expert_slots else None)
     if why:
         log.info("steps with prompt tokens run eagerly (no prefill graphs): %s", why)
         return None

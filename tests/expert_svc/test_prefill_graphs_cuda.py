@@ -45,7 +45,7 @@ def _steps() -> list[list[SeqInput]]:
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3-30b-a3b-fp8", "qwen3-30b-a3b-awq"])
 def test_captured_pieces_give_the_eager_steps(name):
     graphed, eager = _model(name), _model(name)
-    runner = make_prefill_graph_runner(graphed, 2048, allow_fp8=True)
+    runner = make_prefill_graph_runner(graphed, 2048)
     assert runner is not None and runner.num_captures == len(runner.buckets) * (graphed.config.num_hidden_layers + 1)
     assert int(graphed.hit_counts_LE.abs().sum()) == 0
     pools = [KVPool.for_model(graphed.config, 200, BLOCK_SIZE, torch.bfloat16, "cuda") for _ in range(2)]
