@@ -41,8 +41,9 @@
 #     pgraphs bench/serving/mixed_step.py --long-prompt 4096 --prefill-graphs 8192 (issue 30): the eager steps, then
 #            each through piecewise CUDA graphs (their capture's time and memory, launch and wall ms, logits against
 #            eager); tests/expert_svc/test_prefill_graphs_cuda.py first; limit 300 s (one GPU)
-#     pgoodput the goodput step with the experts' --prefill-graph-tokens 8192 (--name goodput_pgraphs), to set
-#            beside a goodput step's rates: run the two in separate calls (each up to 540 s)
+#     egoodput the goodput step with the experts' prefill graphs off (--prefill-graph-tokens 0, --name
+#            goodput_eager), to set beside a goodput step's rates (the defaults: graphs on): run the two in
+#            separate calls (each up to 540 s)
 #     programs bench/programs/ticket.py --device cuda on one rank (issue 28): the ticket pipeline as an LLM
 #            program against the same work as sequential Generate calls, on the demo model (the one `moemesh up`
 #            serves), ${PROGRAMS_TICKETS:-100} tickets at concurrency 1 and 16; limit 420 s (one GPU is enough:
@@ -208,9 +209,9 @@ for step in $STEPS; do
         pgraphs) part pgraphs_test 150 python3 -m pytest -q -p no:cacheprovider tests/expert_svc/test_prefill_graphs_cuda.py
                 part pgraphs 300 python3 -m bench.serving.mixed_step --long-prompt 4096 --variants "" \
                 --prefill-graphs 8192 --out "$RESULTS/pgraphs" ;;
-        pgoodput) part pgoodput 540 python3 -m bench.serving.goodput --kind "$KIND" --name goodput_pgraphs \
-                --rates "${GOODPUT_RATES:-2,4,6,8,10,12,16}" --expert-arg=--prefill-graph-tokens=8192 \
-                ${GOODPUT_ARGS:-} --out "$RESULTS/pgoodput" ;;
+        egoodput) part egoodput 540 python3 -m bench.serving.goodput --kind "$KIND" --name goodput_eager \
+                --rates "${GOODPUT_RATES:-2,4,6,8,10,12,16}" --expert-arg=--prefill-graph-tokens=0 \
+                ${GOODPUT_ARGS:-} --out "$RESULTS/egoodput" ;;
         programs) part programs 420 python3 -m bench.programs.ticket --device cuda \
                 --num-tickets "${PROGRAMS_TICKETS:-100}" --concurrency 1,16 ${PROGRAMS_ARGS:-} --out "$RESULTS/programs" ;;
         *) echo "unknown step $step" >>"$LOG" ;;
