@@ -15,6 +15,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from expert_svc.config import ExpertConfig  # noqa: E402
 from expert_svc.prefill_graphs import (EAGER_MAX_TOKENS, PrefillGraphRunner, make_prefill_graph_runner,  # noqa: E402
                                       prefill_buckets)
 from expert_svc.runner import StepRunner  # noqa: E402
@@ -63,6 +64,16 @@ def test_prefill_buckets():
     assert all(b - a <= max(64, (1 << (a - 1).bit_length()) // 16 * 2) for a, b in zip(default, default[1:]))
     with pytest.raises(ValueError, match="positive"):
         prefill_buckets(0)
+
+
+def test_config_flags():
+    config = ExpertConfig(member_id="e", model="m")
+    assert config.prefill_graph_tokens == 8192 and config.prefill_graph_lengths_per_octave == 16
+    assert ExpertConfig(member_id="e", model="m", prefill_graph_tokens=0).prefill_graph_tokens == 0
+    with pytest.raises(ValueError, match="prefill_graph_tokens must be >= 0"):
+        ExpertConfig(member_id="e", model="m", prefill_graph_tokens=-1)
+    with pytest.raises(ValueError, match="prefill_graph_lengths_per_octave must be positive"):
+        ExpertConfig(member_id="e", model="m", prefill_graph_lengths_per_octave=0)
 
 
 def test_no_runner_off_cuda_or_when_off(weights):
