@@ -44,7 +44,7 @@ from torch import Tensor
 
 from expert_svc.graph_runner import Capture, cuda_capture
 from services.kv_pool import KVPool
-from services.model.batch import ForwardBatch
+from services.model.batch import ForwardBatch, length_buckets
 from services.model.qwen3_moe import fused_kernels
 
 log = logging.getLogger("expert_svc")
@@ -57,17 +57,12 @@ EAGER_MAX_TOKENS = 16
 
 
 def prefill_buckets(max_tokens: int, per_octave: int = 16, min_step: int = 64) -> tuple[int, ...]:
-    """The token buckets up to max_tokens (the last at least max_tokens): multiples of
-    max(min_step, the power of two at or above the length / per_octave), ascending."""
+    """The token buckets up to max_tokens (the last at least max_tokens), ascending: batch.length_bucket's,
+    as whole prompts' attention lengths are bucketed."""
     if max_tokens <= 0 or per_octave <= 0 or min_step <= 0:
         raise ValueError(f"max_tokens, per_octave and min_step must be positive, got {max_tokens}, "
                          f"{per_octave}, {min_step}")
-    buckets, length = [], 1
-    while not buckets or buckets[-1] < max_tokens:
-        step = max(min_step, (1 << (length - 1).bit_length()) // per_octave)
-        buckets.append(-(-length // step) * step)
-        length = buckets[-1] + 1
-    return tuple(buckets)
+    return tuple(length_buckets(1, max_tokens, per_octave, min_step))
 
 
 def make_prefill_graph_runner(model, max_tokens: int, per_octave: int = 16) -> "PrefillGraphRunner | None":
@@ -138,7 +133,8 @@ class PrefillGraphRunner:
             self._set_padding(0, bucket)
             hits_LE = self.model.hit_counts_LE.clone()
             probe_LE = torch.zeros_like(hits_LE)
-            self._run_eagerly(bucket, probe_LE)
+            for piece in self._pieces(bucket, probe_LE):  # no attention: o as _set_padding left it
+                piece()
             self.model.hit_counts_LE.copy_(hits_LE)
             self._pad_hits[bucket] = probe_LE
             self._replays[bucket] = [self._capture(piece) for piece in self._pieces(bucket)]
@@ -188,8 +184,3 @@ class PrefillGraphRunner:
                                            out=q_k_v)
 
         return [begin] + [end(i) for i in range(len(model.layers))]
-
-    def _run_eagerly(self, bucket: int, last_row_hits_LE: Tensor) -> None:
-        """The bucket's pieces once, without attention (o as it stands), probing the last row's hits."""
-        for piece in self._pieces(bucket, last_row_hits_LE):
-            piece()

@@ -151,6 +151,23 @@ def check_decode_seqs(seqs: list[SeqInput], block_size: int, *, num_rows: int, m
         _check_seq(seq, block_size)
 
 
+def length_bucket(length: int, per_octave: int, min_step: int) -> int:
+    """`length` rounded up to a multiple of 1/per_octave of the power of two at or above it (at
+    least min_step): a few shapes (graphs, compiled kernels) serve every length, a length padded
+    by at most 2/per_octave."""
+    step = max(min_step, (1 << (length - 1).bit_length()) // per_octave)
+    return -(-length // step) * step
+
+
+def length_buckets(first: int, last: int, per_octave: int, min_step: int) -> list[int]:
+    """Every bucket length_bucket gives to the lengths first..last, in order (the last at least `last`)."""
+    buckets, length = [], max(1, first)
+    while length <= last:
+        buckets.append(length_bucket(length, per_octave, min_step))
+        length = buckets[-1] + 1
+    return buckets
+
+
 def to_device(host: Tensor, device) -> Tensor:
     """A host tensor on `device` without a sync: pinned and non-blocking on CUDA (a plain
     copy from pageable memory would wait for the device); the tensor itself on the CPU."""

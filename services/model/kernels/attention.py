@@ -61,7 +61,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.kv_pool import KVPool
 from services.model.attention import ATTENTION_BACKENDS, AttentionBackend, output_like
-from services.model.batch import to_device
+from services.model.batch import length_bucket, length_buckets, to_device
 from services.model.kernels import launch
 
 _LOG2E = 1.4426950408889634
@@ -290,17 +290,12 @@ def sdpa_length(length: int) -> int:
     """The length a whole prompt of `length` tokens attends at: rounded up to a multiple of
     1/SDPA_LENGTHS_PER_OCTAVE of the power of two at or above it (at least SDPA_MIN_LENGTH_STEP),
     so that a few lengths (and cuDNN graphs) serve every prompt."""
-    step = max(SDPA_MIN_LENGTH_STEP, triton.next_power_of_2(length) // SDPA_LENGTHS_PER_OCTAVE)
-    return -(-length // step) * step
+    return length_bucket(length, SDPA_LENGTHS_PER_OCTAVE, SDPA_MIN_LENGTH_STEP)
 
 
 def sdpa_lengths(first: int, last: int) -> list[int]:
     """Every length sdpa_length gives to the prompts of first..last tokens, in order."""
-    lengths, length = [], max(1, first)
-    while length <= last:
-        lengths.append(sdpa_length(length))
-        length = lengths[-1] + 1
-    return lengths
+    return length_buckets(first, last, SDPA_LENGTHS_PER_OCTAVE, SDPA_MIN_LENGTH_STEP)
 
 
 def _attend_whole_prompt(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, o_THK: Tensor, start: int, length: int,
