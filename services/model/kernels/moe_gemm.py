@@ -207,7 +207,7 @@ def _stages(tile: GemmBlocks, block_m: int, element_size: int, num_weights: int)
 
 def _descriptor(t: Tensor, rows: int, block_rows: int, block_cols: int) -> TensorDescriptor:
     """A tensor descriptor over t viewed as [rows, its last dimension] (t contiguous in its rows)."""
-    return TensorDescriptor(t, [rows, t.shape[-1]], [t.shape[-1], 1], [block_rows, block_cols])
+    return TensorDescriptor.from_tensor(t.view(rows, t.shape[-1]), [block_rows, block_cols])
 
 
 def gate_up(x_TD: Tensor, a: Alignment, w_gate_up_EGD: Tensor, top_k: int, tile: GemmBlocks,
