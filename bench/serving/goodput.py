@@ -13,7 +13,9 @@ that met the SLO (TTFT <= --slo-ttft-ms and TPOT <= --slo-tpot-ms; a failed requ
 the GPU's busy share (the rank's step time over the wall time, from its /metrics), the prompt
 tokens/s achieved and that rate's FLOPs against the bf16 peak; where the time goes at the knee: the
 mean queueing (the gateway's time from queued to first scheduled) and the mean ms of the steps with
-prefill against those without (how much the prefill chunks slow the decodes riding with them). The gateway sheds requests it
+prefill against those without (how much the prefill chunks slow the decodes riding with them), and
+a least-squares fit of the logged prefill steps' times: a fixed part a step, a prompt token's part and a
+token-context pair's (fit_prefill_steps). The gateway sheds requests it
 predicts past the TTFT SLO (`--ttft-target-ms`, docs/configuration.md; off with --no-shed):
 a refused request counts as a miss, as any failed one; and its steps follow the SLO step budget
 (`--tpot-target-ms` at the TPOT SLO, no per-sequence chunk cap; --no-step-budget: the gateway's
@@ -198,6 +200,26 @@ async def _sweep(target: str, args, cases: list[str], max_context: int, metrics:
     return {"rates": rows}
 
 
+def fit_prefill_steps(steps: list[list[float]]) -> dict | None:
+    """Least squares of the logged prefill steps' measured ms (schedule_row's last_steps, every
+    rate's pooled) against a fixed part, their prompt tokens and their token-context pairs (tokens
+    times mean context: attention's quadratic part): what a step costs whatever it carries
+    (weights read, decodes, launch) against what each token adds. None under 4 steps or where the
+    steps do not tell the three apart."""
+    import numpy as np
+
+    if len(steps) < 4:
+        return None
+    a = np.array([[1.0, s[0], s[0] * s[2]] for s in steps])
+    measured = np.array([s[4] for s in steps], dtype=float)
+    coef, _, rank, _ = np.linalg.lstsq(a, measured, rcond=None)
+    if rank < 3:
+        return None
+    rms = float(np.sqrt(np.mean((a @ coef - measured) ** 2)))
+    return {"steps": len(steps), "fixed_ms": round(float(coef[0]), 2), "us_per_token": round(float(coef[1]) * 1e3, 3),
+            "ns_per_pair": round(float(coef[2]) * 1e6, 3), "rms_ms": round(rms, 2)}
+
+
 def markdown(report: dict) -> str:
     cfg = report["config"]
     lines = [f"# Goodput on the production mix: {cfg['preset']} random weights, {cfg['kind']}", "",
@@ -222,6 +244,11 @@ def markdown(report: dict) -> str:
                 f"{r.get('schedule', {}).get('prefill_step_ms')} / {r.get('schedule', {}).get('decode_step_ms')} | "
                 f"{', '.join(f'{k} {v}' for k, v in r['errors'].items()) or 'none'} |")
         lines += ["", f"**Goodput: {report['goodput']:g} req/s** (target >= 12 req/s on one H200)", ""]
+        fit = fit_prefill_steps([s for r in rows for s in r.get("schedule", {}).get("last_steps", [])])
+        if fit:
+            lines += [f"Prefill steps' measured time, fitted over the last {fit['steps']} logged at each rate: "
+                      f"{fit['fixed_ms']} ms a step + {fit['us_per_token']} us a prompt token + {fit['ns_per_pair']} "
+                      f"ns a token-context pair (prompt tokens x their mean context), rms error {fit['rms_ms']} ms.", ""]
     return "\n".join(lines) + "\n"
 
 

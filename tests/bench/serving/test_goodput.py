@@ -93,3 +93,25 @@ def test_the_table_shows_queueing_and_the_steps_with_and_without_prefill():
               "command": "c", "date": "d", "goodput": 4.0, "mesh": {"cases": {"rates": [row]}}}
     table = [line for line in markdown(report).splitlines() if line.startswith("| 4 |")]
     assert len(table) == 1 and "| 212.5 | 96.1 / 12.4 |" in table[0]
+
+
+def test_the_prefill_steps_fit_recovers_a_linear_cost_and_is_printed():
+    from bench.serving.goodput import fit_prefill_steps
+
+    def measured(tokens, context):
+        return 20.0 + 0.01 * tokens + 3e-6 * tokens * context
+
+    shapes = [(670, 1713), (2162, 2759), (4501, 2250), (1436, 7259), (2041, 5518), (2612, 1209)]
+    steps = [[t, 20, c, 0.0, measured(t, c)] for t, c in shapes]
+    fit = fit_prefill_steps(steps)
+    assert fit["steps"] == 6 and fit["fixed_ms"] == pytest.approx(20.0, abs=0.01)
+    assert fit["us_per_token"] == pytest.approx(10.0, abs=0.01) and fit["ns_per_pair"] == pytest.approx(3.0, abs=0.01)
+    assert fit["rms_ms"] < 0.01
+    assert fit_prefill_steps(steps[:3]) is None                        # too few steps
+    assert fit_prefill_steps([[1000, 20, 500, 0.0, 40.0]] * 5) is None   # one shape: nothing to tell apart
+    row = rate_row(4.0, [_result(2.0, 2.1, 2.13, 2)], [10], 6.0, 0.0, SLO, [1.0])
+    row["schedule"] = {"last_steps": steps}
+    report = {"config": {"preset": "tiny", "kind": "cpu", "slo_ttft_ms": 500.0, "slo_tpot_ms": 40.0,
+                         "slo_attainment": 0.99, "duration_s": 6.0, "settle_s": 0.0},
+              "command": "c", "date": "d", "goodput": 4.0, "mesh": {"cases": {"rates": [row]}}}
+    assert "20.0 ms a step + 10.0 us a prompt token + 3.0 ns a token-context pair" in markdown(report)
