@@ -1,12 +1,16 @@
 """The production mix through the gateway's own scheduler against a modelled device, on the CPU.
 
     python -m bench.serving.sim_goodput --rates 10,12,14 --floor-ms 50 --decode-scale 2
+    python -m bench.serving.sim_goodput --rates 8,11 --device-fit bench/results/goodput_nvidia-h100.json
 
 Drives the pure batcher (gateway/batcher.py, the step budget and shedding included) with the
 goodput bench's arrivals (the mix of bench/serving/workloads.py as a Poisson process, one rank)
 and a simulated device: a step takes what the batcher's step-cost model's priors price it at
 (gateway/step_cost.py), times --truth, with --noise relative jitter; a step with prefill at
 least --floor-ms (an eager step's own cost), a decode-only step --decode-scale times the priors.
+With --device-fit, the device is instead a measured one: a goodput result's logged prefill
+steps fitted as the report fits them (fixed ms + us a prompt token + ns a token-context pair;
+bench/serving/goodput.py fit_prefill_steps), its decode-only steps at their measured mean.
 Two steps are in flight as with the engine's overlap: step k+1 is planned before step k's
 results are applied. Per rate it prints the SLO attainment, TTFT and TPOT p50/p99 (as
 bench/serving/goodput.py counts them: requests arriving in the first --settle-s are left out, a
@@ -16,6 +20,9 @@ for a given device shape in seconds, not what a device does: that is bench/servi
 
 import argparse
 import collections
+import dataclasses
+import json
+import pathlib
 import random
 import sys
 
@@ -31,6 +38,37 @@ from services.step import GREEDY
 _EOS = 0
 # The host's share of a step between a result and the next plan, in seconds.
 _HOST_S = 0.0003
+
+
+@dataclasses.dataclass(frozen=True)
+class FittedDevice:
+    """A device measured by the goodput bench: a step with prefill costs fixed_ms + us_per_token a
+    prompt token + ns_per_pair a token-context pair; a decode-only step decode_ms."""
+
+    fixed_ms: float
+    us_per_token: float
+    ns_per_pair: float
+    decode_ms: float
+
+    @classmethod
+    def from_result(cls, path: pathlib.Path) -> "FittedDevice":
+        """The fit of a goodput result JSON's logged prefill steps, every rate's pooled, and the
+        mean of its decode-only steps (each rate's mean weighted by its decode-only steps)."""
+        from bench.serving.goodput import fit_prefill_steps
+
+        rates = json.loads(path.read_text())["mesh"]["cases"]["rates"]
+        fit = fit_prefill_steps([s for r in rates for s in r["schedule"]["last_steps"]])
+        if fit is None:
+            raise ValueError(f"{path}: too few logged prefill steps to fit a device to")
+        weights = [(r["schedule"]["steps"] * (1 - r["schedule"]["prefill_step_share"]), r["schedule"]["decode_step_ms"])
+                   for r in rates if r["schedule"].get("decode_step_ms")]
+        decode_ms = sum(w * ms for w, ms in weights) / sum(w for w, _ in weights)
+        return cls(fit["fixed_ms"], fit["us_per_token"], fit["ns_per_pair"], round(decode_ms, 2))
+
+    def step_ms(self, shape) -> float:
+        if not shape.num_prefill_tokens:
+            return self.decode_ms
+        return self.fixed_ms + self.us_per_token * 1e-3 * shape.num_prefill_tokens + self.ns_per_pair * 1e-6 * shape.pairs
 
 
 class _Detokenizer:
@@ -78,11 +116,14 @@ def simulate(rate: float, args, seed: int = 0) -> dict:
             batch = batcher.schedule()
             if not batch.is_empty:
                 shape = max(batcher.step_shapes(batch.step_id), key=device.predict_ms)
-                ms = args.truth * device.predict_ms(shape) * (1 + args.noise * rng.gauss(0, 1))
-                if shape.num_prefill_tokens:
-                    ms = max(ms, args.floor_ms * (1 + args.noise * rng.gauss(0, 1)))
+                if args.fitted:
+                    ms = args.fitted.step_ms(shape) * (1 + args.noise * rng.gauss(0, 1))
                 else:
-                    ms = args.decode_scale * device.predict_ms(shape)
+                    ms = args.truth * device.predict_ms(shape) * (1 + args.noise * rng.gauss(0, 1))
+                    if shape.num_prefill_tokens:
+                        ms = max(ms, args.floor_ms * (1 + args.noise * rng.gauss(0, 1)))
+                    else:
+                        ms = args.decode_scale * device.predict_ms(shape)
                 device_free = max(now[0], device_free) + ms / 1e3
                 in_flight.append((batch, ms, device_free))
                 continue
@@ -122,6 +163,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--floor-ms", type=float, default=0.0, help="the least a step with prefill takes")
     parser.add_argument("--decode-scale", type=float, default=1.0, help="decode-only steps against the priors")
     parser.add_argument("--noise", type=float, default=0.05, help="relative jitter of a step's time")
+    parser.add_argument("--device-fit", type=pathlib.Path, metavar="GOODPUT_JSON",
+                        help="a measured device instead: a goodput result's steps fitted (--truth, --floor-ms and "
+                             "--decode-scale then unused)")
     parser.add_argument("--slo-ttft-ms", type=float, default=500.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=40.0)
     parser.add_argument("--tpot-target-ms", type=float, default=40.0,
@@ -138,11 +182,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--rates must be numbers, got {args.rates!r}")
     if not args.rate_list or min(args.rate_list) <= 0 or args.settle_s >= args.duration_s:
         parser.error("--rates must be positive and --duration-s above --settle-s")
+    args.fitted = None
+    if args.device_fit:
+        try:
+            args.fitted = FittedDevice.from_result(args.device_fit)
+        except (OSError, KeyError, ValueError) as error:
+            parser.error(f"--device-fit: {error}")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.fitted:
+        print(f"device: {args.fitted}", flush=True)
     for rate in args.rate_list:
         for seed in range(args.seeds):
             print(simulate(rate, args, seed), flush=True)

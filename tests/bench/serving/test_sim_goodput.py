@@ -2,6 +2,8 @@
 meets the SLO at a moderate rate, and the cost model learns the device's floor without taking
 it for slow work."""
 
+import json
+
 import pytest
 
 from bench.serving.sim_goodput import parse_args, simulate
@@ -25,3 +27,38 @@ def test_rates_are_parsed_and_checked():
     assert parse_args(["--rates", "2,4.5"]).rate_list == [2.0, 4.5]
     with pytest.raises(SystemExit):
         parse_args(["--rates", "0"])
+
+
+def _goodput_result(tmp_path, steps, decode_rates):
+    """A goodput result JSON with the logged steps and (steps, decode-only share, decode ms) a rate."""
+    rates = [{"schedule": {"last_steps": steps if i == 0 else [], "steps": n, "prefill_step_share": share,
+                           "decode_step_ms": ms}} for i, (n, share, ms) in enumerate(decode_rates)]
+    path = tmp_path / "goodput.json"
+    path.write_text(json.dumps({"mesh": {"cases": {"rates": rates}}}))
+    return path
+
+
+def test_a_measured_device_is_the_goodput_results_fit(tmp_path):
+    from gateway.step_cost import StepShape
+
+    shapes = [(670, 1713), (2162, 2759), (4501, 2250), (1436, 7259), (2041, 5518), (2612, 1209)]
+    steps = [[t, 20, c, 0.0, 20.0 + 0.01 * t + 3e-6 * t * c] for t, c in shapes]
+    path = _goodput_result(tmp_path, steps, [(100, 0.25, 10.0), (300, 0.5, 14.0)])
+    args = parse_args(["--device-fit", str(path), "--rates", "4", "--duration-s", "10"])
+    device = args.fitted
+    assert (device.fixed_ms, device.us_per_token, device.ns_per_pair) == (20.0, 10.0, 3.0)
+    assert device.decode_ms == pytest.approx((75 * 10.0 + 150 * 14.0) / 225, abs=0.01)   # by decode-only steps
+    shape = StepShape(num_decodes=8)
+    assert device.step_ms(shape) == device.decode_ms
+    shape.add_chunk(1000, 2000)
+    assert device.step_ms(shape) == pytest.approx(20.0 + 20.0 + 3e-6 * 2000 * 2000)
+    row = simulate(4.0, args, seed=0)
+    assert row["counted"] > 0 and row["slo_attainment"] > 0.5
+
+
+def test_a_result_without_enough_steps_is_refused(tmp_path):
+    path = _goodput_result(tmp_path, [[1000, 20, 500, 0.0, 40.0]] * 3, [(10, 0.5, 9.0)])
+    with pytest.raises(SystemExit):
+        parse_args(["--device-fit", str(path)])
+    with pytest.raises(SystemExit):
+        parse_args(["--device-fit", str(tmp_path / "missing.json")])
