@@ -205,9 +205,11 @@ def fit_prefill_steps(steps: list[list[float]]) -> dict | None:
     rate's pooled) against a fixed part, their prompt tokens and their token-context pairs (tokens
     times mean context: attention's quadratic part): what a step costs whatever it carries
     (weights read, decodes, launch) against what each token adds. None under 4 steps or where the
-    steps do not tell the three apart."""
-    import numpy as np
-
+    steps do not tell the three apart, or without numpy."""
+    try:
+        import numpy as np
+    except ImportError:
+        return None
     if len(steps) < 4:
         return None
     a = np.array([[1.0, s[0], s[0] * s[2]] for s in steps])
@@ -246,7 +248,7 @@ def markdown(report: dict) -> str:
         lines += ["", f"**Goodput: {report['goodput']:g} req/s** (target >= 12 req/s on one H200)", ""]
         fit = fit_prefill_steps([s for r in rows for s in r.get("schedule", {}).get("last_steps", [])])
         if fit:
-            lines += [f"Prefill steps' measured time, fitted over the last {fit['steps']} logged at each rate: "
+            lines += [f"Prefill steps' measured time, fitted over {fit['steps']} logged steps (each rate's last): "
                       f"{fit['fixed_ms']} ms a step + {fit['us_per_token']} us a prompt token + {fit['ns_per_pair']} "
                       f"ns a token-context pair (prompt tokens x their mean context), rms error {fit['rms_ms']} ms.", ""]
     return "\n".join(lines) + "\n"
