@@ -79,7 +79,7 @@
 #     routing bench/accuracy/routing_agreement.py on the 30B shape (fp8 and awq against their dequantized
 #            twins and the unquantized draw); limit 240 s
 #   N1_ARGS / N2_ARGS / CONSTRAINTS_ARGS / PROGRAMS_ARGS add arguments to those runs (e.g. N1_ARGS="--max-batch-tokens 8192");
-#   MOE_TOKENS picks the moe sweep's step sizes (default 128,256,4096).
+#   MOE_TOKENS picks the moe sweep's step sizes (default 128,256,2048,4096,8192: decode sizes and serving's prefill steps).
 #
 # Everything lands in $OUT/session.tgz (the device tool returns at most 8 files) plus
 # $OUT/session.log, both rewritten after each part; each part runs under its own time
@@ -164,7 +164,7 @@ for step in $STEPS; do
         ep) part ep 180 python3 bench/kernels/ep_gpu.py --batch-sizes 1,32,128,256 --profile-batch 128 --out "$RESULTS/ep" ;;
         local) part local 300 python3 -m bench.kernels.ep_local --rows-per-rank "${LOCAL_ROWS:-64,128,256}" --sweep \
                 --out "$RESULTS/local" ;;
-        moe) part moe 300 python3 bench/kernels/moe_large_batch.py --tokens "${MOE_TOKENS:-128,256,4096}" --sweep --out "$RESULTS/moe" ;;
+        moe) part moe 300 python3 bench/kernels/moe_large_batch.py --tokens "${MOE_TOKENS:-128,256,2048,4096,8192}" --sweep --out "$RESULTS/moe" ;;
         samp) part samp 200 python3 -m bench.serving.gpu_speed --kind "$KIND" --ranks 1 --cases c256 --sampling 0.8,0.95 \
                 ${N1_ARGS:-} --out "$RESULTS/samp" ;;
         draws) part draws 60 python3 -m bench.serving.sampling_cost --device cuda ;;
