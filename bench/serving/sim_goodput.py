@@ -62,6 +62,8 @@ class FittedDevice:
             raise ValueError(f"{path}: too few logged prefill steps to fit a device to")
         weights = [(r["schedule"]["steps"] * (1 - r["schedule"]["prefill_step_share"]), r["schedule"]["decode_step_ms"])
                    for r in rates if r["schedule"].get("decode_step_ms")]
+        if not sum(w for w, _ in weights):
+            raise ValueError(f"{path}: no decode-only steps measured to price them by")
         decode_ms = sum(w * ms for w, ms in weights) / sum(w for w, _ in weights)
         return cls(fit["fixed_ms"], fit["us_per_token"], fit["ns_per_pair"], round(decode_ms, 2))
 
@@ -115,7 +117,8 @@ def simulate(rate: float, args, seed: int = 0) -> dict:
         if len(in_flight) < 2 and batcher.has_work:
             batch = batcher.schedule()
             if not batch.is_empty:
-                shape = max(batcher.step_shapes(batch.step_id), key=device.predict_ms)
+                shape = max(batcher.step_shapes(batch.step_id),
+                            key=args.fitted.step_ms if args.fitted else device.predict_ms)
                 if args.fitted:
                     ms = args.fitted.step_ms(shape) * (1 + args.noise * rng.gauss(0, 1))
                 else:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.serving.sim_goodput import parse_args, simulate
+from bench.serving.sim_goodput import FittedDevice, parse_args, simulate
 
 
 def test_a_device_like_the_priors_serves_a_moderate_rate_within_the_slo():
@@ -62,3 +62,10 @@ def test_a_result_without_enough_steps_is_refused(tmp_path):
         parse_args(["--device-fit", str(path)])
     with pytest.raises(SystemExit):
         parse_args(["--device-fit", str(tmp_path / "missing.json")])
+    shapes = [(670, 1713), (2162, 2759), (4501, 2250), (1436, 7259), (2041, 5518)]
+    steps = [[t, 20, c, 0.0, 20.0 + 0.01 * t + 3e-6 * t * c] for t, c in shapes]
+    path = _goodput_result(tmp_path, steps, [(10, 1.0, None)])   # every step carried prefill
+    with pytest.raises(ValueError, match="no decode-only steps"):
+        FittedDevice.from_result(path)
+    with pytest.raises(SystemExit):
+        parse_args(["--device-fit", str(path)])
