@@ -2,6 +2,7 @@
 
     python -m bench.serving.sim_goodput --rates 10,12,14 --floor-ms 50 --decode-scale 2
     python -m bench.serving.sim_goodput --rates 8,11 --device-fit bench/results/goodput_nvidia-h100.json
+    python -m bench.serving.sim_goodput --rates 12 --seeds 4 --device 15,5.0,1.2,9.4
 
 Drives the pure batcher (gateway/batcher.py, the step budget and shedding included) with the
 goodput bench's arrivals (the mix of bench/serving/workloads.py as a Poisson process, one rank)
@@ -10,7 +11,8 @@ and a simulated device: a step takes what the batcher's step-cost model's priors
 least --floor-ms (an eager step's own cost), a decode-only step --decode-scale times the priors.
 With --device-fit, the device is instead a measured one: a goodput result's logged prefill
 steps fitted as the report fits them (fixed ms + us a prompt token + ns a token-context pair;
-bench/serving/goodput.py fit_prefill_steps), its decode-only steps at their measured mean.
+bench/serving/goodput.py fit_prefill_steps), its decode-only steps at their measured mean; with
+--device, such a device given by hand (what a device that does not exist yet would have to be).
 Two steps are in flight as with the engine's overlap: step k+1 is planned before step k's
 results are applied. Per rate it prints the SLO attainment, TTFT and TPOT p50/p99 (as
 bench/serving/goodput.py counts them: requests arriving in the first --settle-s are left out, a
@@ -49,6 +51,19 @@ class FittedDevice:
     us_per_token: float
     ns_per_pair: float
     decode_ms: float
+
+    @classmethod
+    def from_spec(cls, spec: str) -> "FittedDevice":
+        """FIXED_MS,US_PER_TOKEN,NS_PER_PAIR,DECODE_MS, each a non-negative number (the fixed and
+        decode-only parts positive)."""
+        try:
+            values = [float(v) for v in spec.split(",")]
+        except ValueError:
+            values = []
+        if len(values) != 4 or min(values) < 0 or not (values[0] > 0 and values[3] > 0):
+            raise ValueError(f"expected FIXED_MS,US_PER_TOKEN,NS_PER_PAIR,DECODE_MS (numbers, the first and last "
+                             f"positive), got {spec!r}")
+        return cls(*values)
 
     @classmethod
     def from_result(cls, path: pathlib.Path) -> "FittedDevice":
@@ -169,6 +184,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device-fit", type=pathlib.Path, metavar="GOODPUT_JSON",
                         help="a measured device instead: a goodput result's steps fitted (--truth, --floor-ms and "
                              "--decode-scale then unused)")
+    parser.add_argument("--device", metavar="FIXED_MS,US,NS,DECODE_MS",
+                        help="a device given by hand, as --device-fit prices one: a step with prefill FIXED_MS + US a "
+                             "prompt token + NS a token-context pair, a decode-only step DECODE_MS")
     parser.add_argument("--slo-ttft-ms", type=float, default=500.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=40.0)
     parser.add_argument("--tpot-target-ms", type=float, default=40.0,
@@ -186,11 +204,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.rate_list or min(args.rate_list) <= 0 or args.settle_s >= args.duration_s:
         parser.error("--rates must be positive and --duration-s above --settle-s")
     args.fitted = None
+    if args.device_fit and args.device:
+        parser.error("--device-fit and --device are two ways to give the device: pass one")
     if args.device_fit:
         try:
             args.fitted = FittedDevice.from_result(args.device_fit)
         except (OSError, KeyError, ValueError) as error:
             parser.error(f"--device-fit: {error}")
+    if args.device:
+        try:
+            args.fitted = FittedDevice.from_spec(args.device)
+        except ValueError as error:
+            parser.error(f"--device: {error}")
     return args
 
 

@@ -69,3 +69,29 @@ def test_a_result_without_enough_steps_is_refused(tmp_path):
         FittedDevice.from_result(path)
     with pytest.raises(SystemExit):
         parse_args(["--device-fit", str(path)])
+
+
+def test_a_device_given_by_hand_prices_steps_as_a_fitted_one():
+    from gateway.step_cost import StepShape
+
+    args = parse_args(["--device", "15,5.0,1.2,9.4", "--rates", "4", "--duration-s", "10"])
+    assert args.fitted == FittedDevice(15.0, 5.0, 1.2, 9.4)
+    shape = StepShape(num_decodes=4)
+    assert args.fitted.step_ms(shape) == 9.4
+    shape.add_chunk(0, 1000)
+    assert args.fitted.step_ms(shape) == pytest.approx(15.0 + 5.0 + 1.2e-6 * shape.pairs)
+    # A slower device of the same shape meets the SLO for fewer of the same requests.
+    fast = simulate(10.0, parse_args(["--device", "15,5.0,1.2,9.4", "--duration-s", "20"]), seed=1)
+    slow = simulate(10.0, parse_args(["--device", "30,10.0,2.6,12.6", "--duration-s", "20"]), seed=1)
+    assert fast["slo_attainment"] > slow["slo_attainment"]
+
+
+@pytest.mark.parametrize("spec", ["15,5,1.2", "0,5,1.2,9.4", "15,-1,1.2,9.4", "15,5,1.2,0", "a,b,c,d"])
+def test_a_malformed_device_is_refused(spec):
+    with pytest.raises(SystemExit):
+        parse_args(["--device", spec])
+
+
+def test_a_device_is_given_one_way(tmp_path):
+    with pytest.raises(SystemExit):
+        parse_args(["--device", "15,5,1.2,9.4", "--device-fit", str(tmp_path / "goodput.json")])
