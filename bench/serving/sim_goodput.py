@@ -24,6 +24,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import math
 import pathlib
 import random
 import sys
@@ -54,13 +55,13 @@ class FittedDevice:
 
     @classmethod
     def from_spec(cls, spec: str) -> "FittedDevice":
-        """FIXED_MS,US_PER_TOKEN,NS_PER_PAIR,DECODE_MS, each a non-negative number (the fixed and
-        decode-only parts positive)."""
+        """FIXED_MS,US_PER_TOKEN,NS_PER_PAIR,DECODE_MS, each a finite non-negative number (the fixed
+        and decode-only parts positive)."""
         try:
             values = [float(v) for v in spec.split(",")]
         except ValueError:
             values = []
-        if len(values) != 4 or min(values) < 0 or not (values[0] > 0 and values[3] > 0):
+        if len(values) != 4 or not all(0 <= v < math.inf for v in values) or not (values[0] > 0 and values[3] > 0):
             raise ValueError(f"expected FIXED_MS,US_PER_TOKEN,NS_PER_PAIR,DECODE_MS (numbers, the first and last "
                              f"positive), got {spec!r}")
         return cls(*values)
@@ -186,7 +187,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "--decode-scale then unused)")
     parser.add_argument("--device", metavar="FIXED_MS,US,NS,DECODE_MS",
                         help="a device given by hand, as --device-fit prices one: a step with prefill FIXED_MS + US a "
-                             "prompt token + NS a token-context pair, a decode-only step DECODE_MS")
+                             "prompt token + NS a token-context pair, a decode-only step DECODE_MS (--truth, --floor-ms and "
+                             "--decode-scale then unused)")
     parser.add_argument("--slo-ttft-ms", type=float, default=500.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=40.0)
     parser.add_argument("--tpot-target-ms", type=float, default=40.0,

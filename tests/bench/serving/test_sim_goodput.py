@@ -86,7 +86,7 @@ def test_a_device_given_by_hand_prices_steps_as_a_fitted_one():
     assert fast["slo_attainment"] > slow["slo_attainment"]
 
 
-@pytest.mark.parametrize("spec", ["15,5,1.2", "0,5,1.2,9.4", "15,-1,1.2,9.4", "15,5,1.2,0", "a,b,c,d"])
+@pytest.mark.parametrize("spec", ["15,5,1.2", "0,5,1.2,9.4", "15,-1,1.2,9.4", "15,5,1.2,0", "a,b,c,d", "15,nan,1.2,9.4", "15,5,inf,9.4"])
 def test_a_malformed_device_is_refused(spec):
     with pytest.raises(SystemExit):
         parse_args(["--device", spec])
