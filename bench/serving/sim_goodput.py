@@ -45,7 +45,8 @@ _HOST_S = 0.0003
 
 @dataclasses.dataclass(frozen=True)
 class FittedDevice:
-    """A device measured by the goodput bench: a step with prefill costs fixed_ms + us_per_token a
+    """A device priced as the goodput bench's fit prices its steps (from_result: fitted to a
+    measured run; from_spec: given by hand): a step with prefill costs fixed_ms + us_per_token a
     prompt token + ns_per_pair a token-context pair; a decode-only step decode_ms."""
 
     fixed_ms: float
@@ -133,16 +134,16 @@ def simulate(rate: float, args, seed: int = 0) -> dict:
         if len(in_flight) < 2 and batcher.has_work:
             batch = batcher.schedule()
             if not batch.is_empty:
-                shape = max(batcher.step_shapes(batch.step_id),
-                            key=args.fitted.step_ms if args.fitted else device.predict_ms)
+                price = args.fitted.step_ms if args.fitted else device.predict_ms
+                shape = max(batcher.step_shapes(batch.step_id), key=price)
                 if args.fitted:
-                    ms = args.fitted.step_ms(shape) * (1 + args.noise * rng.gauss(0, 1))
+                    ms = price(shape) * (1 + args.noise * rng.gauss(0, 1))
                 else:
-                    ms = args.truth * device.predict_ms(shape) * (1 + args.noise * rng.gauss(0, 1))
+                    ms = args.truth * price(shape) * (1 + args.noise * rng.gauss(0, 1))
                     if shape.num_prefill_tokens:
                         ms = max(ms, args.floor_ms * (1 + args.noise * rng.gauss(0, 1)))
                     else:
-                        ms = args.decode_scale * device.predict_ms(shape)
+                        ms = args.decode_scale * price(shape)
                 device_free = max(now[0], device_free) + ms / 1e3
                 in_flight.append((batch, ms, device_free))
                 continue
@@ -182,13 +183,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--floor-ms", type=float, default=0.0, help="the least a step with prefill takes")
     parser.add_argument("--decode-scale", type=float, default=1.0, help="decode-only steps against the priors")
     parser.add_argument("--noise", type=float, default=0.05, help="relative jitter of a step's time")
-    parser.add_argument("--device-fit", type=pathlib.Path, metavar="GOODPUT_JSON",
-                        help="a measured device instead: a goodput result's steps fitted (--truth, --floor-ms and "
-                             "--decode-scale then unused)")
-    parser.add_argument("--device", metavar="FIXED_MS,US,NS,DECODE_MS",
-                        help="a device given by hand, as --device-fit prices one: a step with prefill FIXED_MS + US a "
-                             "prompt token + NS a token-context pair, a decode-only step DECODE_MS (--truth, --floor-ms and "
-                             "--decode-scale then unused)")
+    given = parser.add_mutually_exclusive_group()
+    given.add_argument("--device-fit", type=pathlib.Path, metavar="GOODPUT_JSON",
+                       help="a measured device instead: a goodput result's steps fitted (--truth, --floor-ms and "
+                            "--decode-scale then unused)")
+    given.add_argument("--device", metavar="FIXED_MS,US,NS,DECODE_MS",
+                       help="a device given by hand, as --device-fit prices one: a step with prefill FIXED_MS + US a "
+                            "prompt token + NS a token-context pair, a decode-only step DECODE_MS (--truth, --floor-ms and "
+                            "--decode-scale then unused)")
     parser.add_argument("--slo-ttft-ms", type=float, default=500.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=40.0)
     parser.add_argument("--tpot-target-ms", type=float, default=40.0,
@@ -206,8 +208,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.rate_list or min(args.rate_list) <= 0 or args.settle_s >= args.duration_s:
         parser.error("--rates must be positive and --duration-s above --settle-s")
     args.fitted = None
-    if args.device_fit and args.device:
-        parser.error("--device-fit and --device are two ways to give the device: pass one")
     if args.device_fit:
         try:
             args.fitted = FittedDevice.from_result(args.device_fit)
