@@ -46,7 +46,7 @@ from services.model.moe_experts import experts  # noqa: E402
 NUM_EXPERTS, TOP_K, HIDDEN, WIDTH = 128, 8, 2048, 768
 DEVICE, DTYPE = "cuda", torch.bfloat16
 MAX_GRAPH_TOKENS = 256  # the decode buckets a CUDA graph is captured for
-# Candidate tiles per rows-per-block (block_m): (block_n, block_k, warps, stages[, one_dot[, tma]]).
+# Candidate tiles per rows-per-block (block_m): (block_n, block_k, warps, stages).
 # The first of each list is the one the sweep's gate_up output for down comes from. Decode
 # sizes (block_m 16 and 32) also try deeper pipelines and wider K steps: at 256 tokens the
 # GEMMs read the weights at 3.75 TB/s against the 4.25 of a copy.
@@ -55,17 +55,13 @@ GATE_UP_TILES = {16: [(128, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 5), (128, 
                  32: [(128, 128, 4, 3), (64, 256, 4, 2), (64, 128, 4, 4), (64, 128, 4, 5), (128, 64, 4, 5),
                       (32, 256, 4, 3), (128, 128, 8, 3)],
                  64: [(128, 64, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4)],
-                 128: [(128, 64, 8, 4), (128, 128, 8, 2), (128, 64, 8, 3), (256, 64, 8, 3),
-                       (128, 64, 8, 3, True), (128, 64, 8, 4, True), (64, 64, 4, 4, True), (64, 128, 4, 3, True),
-                       (128, 64, 8, 4, False, True), (128, 64, 8, 3, False, True), (128, 128, 8, 2, False, True)]}
+                 128: [(128, 64, 8, 4), (128, 128, 8, 2), (128, 64, 8, 3), (256, 64, 8, 3)]}
 DOWN_TILES = {16: [(128, 128, 4, 4), (64, 256, 4, 3), (128, 256, 8, 3), (64, 128, 4, 5), (32, 256, 4, 3),
                    (128, 64, 4, 5), (256, 128, 8, 3)],
               32: [(64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 8, 4), (64, 128, 4, 5), (32, 256, 4, 3),
                    (128, 64, 4, 5), (256, 128, 8, 3)],
               64: [(128, 64, 4, 4), (128, 128, 4, 3), (64, 128, 4, 4)],
-              128: [(256, 64, 8, 4), (256, 128, 8, 2), (128, 128, 8, 3), (256, 64, 8, 3),
-                    (256, 64, 8, 4, False, True), (256, 64, 8, 3, False, True), (128, 128, 8, 3, False, True),
-                    (128, 64, 8, 4, False, True)]}
+              128: [(256, 64, 8, 4), (256, 128, 8, 2), (128, 128, 8, 3), (256, 64, 8, 3)]}
 
 
 def parse_args(argv=None):
@@ -286,7 +282,7 @@ def markdown(result: dict) -> str:
             for block_m, s in row.get("sweep", {}).items():
                 lines.append(f"| {row['tokens']} | {block_m} | {s['best_gate_up']} | {s['best_down']} | "
                              f"{s['gemms_ms']:.3f} |")
-        lines += ["", "### Every tile (n, k, warps, stages[, one_dot[, tma]]), eager ms", "",
+        lines += ["", "### Every tile (n, k, warps, stages), eager ms", "",
                   "| T | block_m | GEMM | tile | ms |", "|---:|---:|---|---|---:|"]
         for row in result["rows"]:
             for block_m, s in row.get("sweep", {}).items():

@@ -20,7 +20,6 @@ import dataclasses
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from services.model.kernels.moe_align import Alignment, segments
 
@@ -38,18 +37,12 @@ SHARED_MEMORY_BYTES = 232448
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GemmBlocks:
-    """Tile of one grouped GEMM: output columns, reduction step, warps, pipeline stages.
-    one_dot (gate_up only): gate's and up's columns interleaved in one [block_k, 2 block_n] weight
-    tile, one dot a step (the activation tile read once by the tensor cores) instead of two.
-    tma: the weights (and down's contiguous activations) loaded through tensor descriptors
-    instead of pointer loads (gate_up's gathered x rows stay pointer loads)."""
+    """Tile of one grouped GEMM: output columns, reduction step, warps, pipeline stages."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
-    one_dot: bool = False
-    tma: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -95,62 +88,34 @@ def _block_rows(sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, num_experts, B
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, w_ptr, w_desc, act_ptr, num_experts,
+def _gate_up_kernel(x_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, w_ptr, act_ptr, num_experts,
                     hidden, width, x_stride, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, TILES_FIRST: tl.constexpr,
-                    ONE_DOT: tl.constexpr, TMA: tl.constexpr):
+                    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, TILES_FIRST: tl.constexpr):
     expert, p, row_mask, r = _block_rows(sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, num_experts,
                                          BLOCK_M, BLOCK_E, TILES_FIRST)
     if expert >= num_experts:
         return
-    f0 = (tl.program_id(0) if TILES_FIRST else tl.program_id(1)) * BLOCK_N
-    f = f0 + tl.arange(0, BLOCK_N)
+    f = (tl.program_id(0) if TILES_FIRST else tl.program_id(1)) * BLOCK_N + tl.arange(0, BLOCK_N)
     f_mask = f < width
     d = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + (r // TOP_K).to(tl.int64)[:, None] * x_stride
-    w_expert = w_ptr + expert.to(tl.int64) * 2 * width * hidden
-    if ONE_DOT:
-        # Column 2j of the tile is gate's row f0 + j, column 2j + 1 up's.
-        j = tl.arange(0, 2 * BLOCK_N)
-        fj = f0 + j // 2
-        w_cols = w_expert + (fj + (j % 2) * width)[None, :] * hidden
-        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], tl.float32)
-        for d0 in range(0, hidden, BLOCK_K):
-            dd = d0 + d
-            if EVEN_K:
-                x = tl.load(x_rows + dd[None, :], mask=row_mask[:, None], other=0.0)
-                w = tl.load(w_cols + dd[:, None], mask=(fj < width)[None, :], other=0.0)
-            else:
-                d_mask = dd < hidden
-                x = tl.load(x_rows + dd[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-                w = tl.load(w_cols + dd[:, None], mask=d_mask[:, None] & (fj < width)[None, :], other=0.0)
-            acc = tl.dot(x, w, acc, input_precision="ieee")
-        acc_gate, acc_up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
-    else:
-        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        w_gate = w_expert + f[None, :] * hidden  # [K, N] tiles
-        w_up = w_gate + width * hidden
-        w_row = expert * 2 * width + f0  # the descriptor's row of gate's tile (up's: width further)
-        for d0 in range(0, hidden, BLOCK_K):
-            dd = d0 + d
-            if EVEN_K:
-                x = tl.load(x_rows + dd[None, :], mask=row_mask[:, None], other=0.0)
-            else:
-                x = tl.load(x_rows + dd[None, :], mask=row_mask[:, None] & (dd < hidden)[None, :], other=0.0)
-            if TMA:
-                # A tile past the expert's width reads the next rows: their columns are not stored.
-                wg = tl.trans(w_desc.load([w_row, d0]))
-                wu = tl.trans(w_desc.load([w_row + width, d0]))
-            elif EVEN_K:
-                wg = tl.load(w_gate + dd[:, None], mask=f_mask[None, :], other=0.0)
-                wu = tl.load(w_up + dd[:, None], mask=f_mask[None, :], other=0.0)
-            else:
-                d_mask = dd < hidden
-                wg = tl.load(w_gate + dd[:, None], mask=d_mask[:, None] & f_mask[None, :], other=0.0)
-                wu = tl.load(w_up + dd[:, None], mask=d_mask[:, None] & f_mask[None, :], other=0.0)
-            acc_gate = tl.dot(x, wg, acc_gate, input_precision="ieee")
-            acc_up = tl.dot(x, wu, acc_up, input_precision="ieee")
+    w_gate = w_ptr + expert.to(tl.int64) * 2 * width * hidden + f[None, :] * hidden  # [K, N] tiles
+    w_up = w_gate + width * hidden
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for d0 in range(0, hidden, BLOCK_K):
+        dd = d0 + d
+        if EVEN_K:
+            x = tl.load(x_rows + dd[None, :], mask=row_mask[:, None], other=0.0)
+            wg = tl.load(w_gate + dd[:, None], mask=f_mask[None, :], other=0.0)
+            wu = tl.load(w_up + dd[:, None], mask=f_mask[None, :], other=0.0)
+        else:
+            d_mask = dd < hidden
+            x = tl.load(x_rows + dd[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+            wg = tl.load(w_gate + dd[:, None], mask=d_mask[:, None] & f_mask[None, :], other=0.0)
+            wu = tl.load(w_up + dd[:, None], mask=d_mask[:, None] & f_mask[None, :], other=0.0)
+        acc_gate = tl.dot(x, wg, acc_gate, input_precision="ieee")
+        acc_up = tl.dot(x, wu, acc_up, input_precision="ieee")
     dtype = act_ptr.dtype.element_ty
     gate = acc_gate.to(dtype).to(tl.float32)
     up = acc_up.to(dtype).to(tl.float32)
@@ -159,27 +124,22 @@ def _gate_up_kernel(x_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, w_p
 
 
 @triton.jit
-def _down_kernel(act_ptr, act_desc, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, w_ptr, w_desc, y_ptr,
-                 num_experts, hidden, width, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, TILES_FIRST: tl.constexpr, TMA: tl.constexpr):
+def _down_kernel(act_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, w_ptr, y_ptr, num_experts, hidden,
+                 width, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, TILES_FIRST: tl.constexpr):
     expert, p, row_mask, r = _block_rows(sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, num_experts,
                                          BLOCK_M, BLOCK_E, TILES_FIRST)
     if expert >= num_experts:
         return
-    o0 = (tl.program_id(0) if TILES_FIRST else tl.program_id(1)) * BLOCK_N
-    o = o0 + tl.arange(0, BLOCK_N)
+    o = (tl.program_id(0) if TILES_FIRST else tl.program_id(1)) * BLOCK_N + tl.arange(0, BLOCK_N)
     o_mask = o < hidden
     f = tl.arange(0, BLOCK_K)
     act_rows = act_ptr + p.to(tl.int64)[:, None] * width
     w_down = w_ptr + expert.to(tl.int64) * hidden * width + o[None, :] * width  # [K, N] tiles
-    p0 = (tl.program_id(1) if TILES_FIRST else tl.program_id(0)) * BLOCK_M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for f0 in range(0, width, BLOCK_K):
         ff = f0 + f
-        if TMA:  # columns past width read as zeros; rows past the expert's hidden are not stored
-            act = act_desc.load([p0, f0])
-            w = tl.trans(w_desc.load([expert * hidden + o0, f0]))
-        elif EVEN_K:
+        if EVEN_K:
             act = tl.load(act_rows + ff[None, :])
             w = tl.load(w_down + ff[:, None], mask=o_mask[None, :], other=0.0)
         else:
@@ -205,29 +165,21 @@ def _stages(tile: GemmBlocks, block_m: int, element_size: int, num_weights: int)
     return max(1, min(tile.num_stages, SHARED_MEMORY_BYTES // stage_bytes + 1))
 
 
-def _descriptor(t: Tensor, rows: int, block_rows: int, block_cols: int) -> TensorDescriptor:
-    """A tensor descriptor over t viewed as [rows, its last dimension] (t contiguous in its rows)."""
-    return TensorDescriptor.from_tensor(t.view(rows, t.shape[-1]), [block_rows, block_cols])
-
-
 def gate_up(x_TD: Tensor, a: Alignment, w_gate_up_EGD: Tensor, top_k: int, tile: GemmBlocks,
             tiles_first: bool = False) -> Tensor:
     """act_PF = SiLU(x W_gate^T) * (x W_up^T) for each position's routed row, by expert
     (x_TD's rows may have any stride; its columns are contiguous)."""
     num_experts, double_width, hidden = w_gate_up_EGD.shape
     assert x_TD.stride(1) == 1
-    assert not (tile.one_dot and tile.tma), "one_dot takes its weights by pointer loads"
     width = double_width // 2
     act_PF = x_TD.new_empty(a.sorted_ids_P.shape[0], width)
     num_blocks = a.sorted_ids_P.shape[0] // a.block_m
     if num_blocks:
-        w_desc = (_descriptor(w_gate_up_EGD, num_experts * double_width, tile.block_n, tile.block_k)
-                  if tile.tma else None)
         _gate_up_kernel[_grid(num_blocks, triton.cdiv(width, tile.block_n), tiles_first)](
-            x_TD, a.sorted_ids_P, a.starts_E, a.counts_E, a.ends_E, w_gate_up_EGD, w_desc, act_PF, num_experts,
-            hidden, width, x_TD.stride(0), TOP_K=top_k, BLOCK_M=a.block_m, BLOCK_N=tile.block_n,
-            BLOCK_K=tile.block_k, BLOCK_E=triton.next_power_of_2(num_experts), EVEN_K=hidden % tile.block_k == 0,
-            TILES_FIRST=tiles_first, ONE_DOT=tile.one_dot, TMA=tile.tma, num_warps=tile.num_warps,
+            x_TD, a.sorted_ids_P, a.starts_E, a.counts_E, a.ends_E, w_gate_up_EGD, act_PF, num_experts, hidden,
+            width, x_TD.stride(0), TOP_K=top_k, BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            BLOCK_E=triton.next_power_of_2(num_experts), EVEN_K=hidden % tile.block_k == 0,
+            TILES_FIRST=tiles_first, num_warps=tile.num_warps,
             num_stages=_stages(tile, a.block_m, x_TD.element_size(), 2))
     return act_PF
 
@@ -239,15 +191,11 @@ def down(act_PF: Tensor, a: Alignment, w_down_EDF: Tensor, num_routed: int, tile
     y_RD = act_PF.new_empty(num_routed, hidden)
     num_blocks = a.sorted_ids_P.shape[0] // a.block_m
     if num_blocks:
-        act_desc = w_desc = None
-        if tile.tma:
-            act_desc = _descriptor(act_PF, act_PF.shape[0], a.block_m, tile.block_k)
-            w_desc = _descriptor(w_down_EDF, num_experts * hidden, tile.block_n, tile.block_k)
         _down_kernel[_grid(num_blocks, triton.cdiv(hidden, tile.block_n), tiles_first)](
-            act_PF, act_desc, a.sorted_ids_P, a.starts_E, a.counts_E, a.ends_E, w_down_EDF, w_desc, y_RD,
-            num_experts, hidden, width, BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            act_PF, a.sorted_ids_P, a.starts_E, a.counts_E, a.ends_E, w_down_EDF, y_RD, num_experts, hidden,
+            width, BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             BLOCK_E=triton.next_power_of_2(num_experts), EVEN_K=width % tile.block_k == 0,
-            TILES_FIRST=tiles_first, TMA=tile.tma, num_warps=tile.num_warps,
+            TILES_FIRST=tiles_first, num_warps=tile.num_warps,
             num_stages=_stages(tile, a.block_m, act_PF.element_size(), 1))
     return y_RD
 

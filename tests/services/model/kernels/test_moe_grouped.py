@@ -99,52 +99,6 @@ def test_grouped_moe_matches_moe_layer(moe_gemm, moe_grouped, num_tokens, shape,
     assert torch.equal(hits_E - 3, expected_hits_E) and int(expected_hits_E.sum()) == num_tokens * 3
 
 
-# The GEMMs' variants: gate and up in one dot; the weights (and down's activations) by tensor descriptors.
-VARIANTS = {"one_dot": ({"one_dot": True}, {}), "tma": ({"tma": True}, {"tma": True})}
-
-
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("num_tokens", [1, 33, 70])
-@pytest.mark.parametrize("shape", [(48, 40), (64, 32)])
-@pytest.mark.parametrize("tiles_first", [False, True])
-def test_gemm_variants_match_moe_layer(moe_gemm, moe_grouped, variant, num_tokens, shape, tiles_first):
-    """Each variant of the two GEMMs on uneven (48, 40: partial tiles of D and F, a descriptor's box
-    past an expert's rows) and even shapes, both launch orders, against the torch layer."""
-    hidden, width = shape
-    layer = _moe_layer(hidden, width)
-    x_TD = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(num_tokens))
-    expected_TD, _ = _reference(layer, x_TD)
-    gate_up, down = VARIANTS[variant]
-    config = moe_gemm.MoEConfig(16, moe_gemm.GemmBlocks(16, 16, 4, 2, **gate_up),
-                                moe_gemm.GemmBlocks(32, 16, 4, 2, **down), tiles_first)
-    out_TD = moe_grouped.grouped_moe(x_TD, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True,
-                                     torch.zeros(8, dtype=torch.int64), config=config)
-    torch.testing.assert_close(out_TD, expected_TD, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_gemm_variants_round_like_torch(moe_gemm, variant):
-    """fp16 with every sum exact: each variant gives the torch experts' output bit for bit."""
-    counts_L, num_padding = [5, 0, 9, 1, 0, 22, 2, 0], 6
-    layer = _coarse_layer(64, 32, torch.float16, len(counts_L), exact_down=True)
-    x_PD, offsets_L = _sorted_rows(counts_L, num_padding, 64, torch.float16, seed=7)
-    num_valid = sum(counts_L)
-    gate_up, down = VARIANTS[variant]
-    config = moe_gemm.MoEConfig(16, moe_gemm.GemmBlocks(16, 16, 4, 2, **gate_up),
-                                moe_gemm.GemmBlocks(32, 16, 4, 2, **down))
-    expected_PD = experts(x_PD, offsets_L, layer.w_gate_up_LGD, layer.w_down_LDF)
-    y_PD = moe_gemm.sorted_experts(x_PD, offsets_L, layer.w_gate_up_LGD, layer.w_down_LDF, config=config)
-    assert torch.equal(y_PD[:num_valid], expected_PD[:num_valid])
-
-
-def test_one_dot_refuses_tma(moe_gemm):
-    layer = _moe_layer(64, 32)
-    a = moe_gemm.segments(torch.tensor([4], dtype=torch.int32), 4, 16)
-    with pytest.raises(AssertionError, match="one_dot"):
-        moe_gemm.gate_up(torch.zeros(4, 64), a, layer.w_gate_up_LGD[:1].contiguous(), 1,
-                         moe_gemm.GemmBlocks(16, 16, 4, 2, one_dot=True, tma=True))
-
-
 def test_tiles_first_grid(moe_gemm, moe_grouped, monkeypatch):
     """The GEMMs' grid with the column tiles as its first axis (tiles_first): the same bits;
     default_config launches so up to TILES_FIRST_MAX_TOKENS tokens."""
