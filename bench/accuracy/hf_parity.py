@@ -120,6 +120,10 @@ class RowErrors:
         self.max_abs_BL[seq_N, pos_N] = diff_NV.amax(-1).cpu()
         self.agree_BL[seq_N, pos_N] = (logits_NV.argmax(-1) == ref_NV.argmax(-1)).cpu()
 
+    def discordant(self, other: "RowErrors", num_seqs: int, positions: slice) -> int:
+        """Over the same positions as summary: how many have exactly one of the two agreeing with the oracle."""
+        return int((self.agree_BL[:num_seqs, positions] != other.agree_BL[:num_seqs, positions]).sum())
+
     def summary(self, num_seqs: int, positions: slice) -> dict:
         """Over the first num_seqs sequences' positions: the mean of the rows' mean |error|, the
         worst row's mean |error|, the largest |error| and the share of argmaxes agreeing."""
@@ -311,7 +315,8 @@ def run(args, corrupt=None) -> dict:
             if rounding_errors is not None:
                 row["hf_fp8_inputs"] = rounding_errors.summary(num_seqs, positions)
             if path == "fp8":
-                rows.append({**row, **quant_parity.fp8_verdict(candidate, baseline, row["hf_fp8_inputs"])})
+                rows.append({**row, **quant_parity.fp8_verdict(
+                    candidate, baseline, row["hf_fp8_inputs"], errors.discordant(rounding_errors, num_seqs, positions))})
             else:
                 rows.append({**row, **verdict(candidate, baseline)})
     marks.append(time.perf_counter())
@@ -335,7 +340,9 @@ def render(result: dict, command: str) -> str:
     bounds = (f"the FP8 tensor-core path's bounds: <= {quant_parity.FP8_MAX_ERROR_RATIO}x, worst position <= "
               f"{quant_parity.FP8_MAX_WORST_ROW_RATIO}x, argmax agreement at most "
               f"{100 * quant_parity.FP8_MAX_AGREE_DROP:.0f} points below transformers fp32's with the same FP8 "
-              f"rounding of the projections' inputs (the `fp32, FP8 inputs` column: what the rounding alone costs)"
+              f"rounding of the projections' inputs (the `fp32, FP8 inputs` column: what the rounding alone costs), "
+              f"plus {quant_parity.FP8_AGREE_NOISE_Z:g} standard errors of the measured drop (sqrt(positions where "
+              f"exactly one of the two agrees with the oracle) / positions; the `agree drop / bound` column, points)"
               if c.get("path") == "fp8" else "")
     rounding = any("hf_fp8_inputs" in r for r in result["rows"])
     lines = ["# moemesh against transformers on the same weights", "", f"Command: `{command}`", "",
@@ -351,13 +358,17 @@ def render(result: dict, command: str) -> str:
              f"{MAX_WORST_ROW_RATIO}x transformers bf16's{'; here ' + bounds if bounds else ''}.", "",
              "| batch | phase | positions | transformers bf16: mean / worst / max err, agree | "
              + ("transformers fp32, FP8 inputs: mean / worst / max err, agree | " if rounding else "")
-             + "moemesh: mean / worst / max err, agree | error ratio | worst ratio | ok |",
-             "|---:|---|---:|---|" + ("---|" if rounding else "") + "---|---:|---:|---|"]
+             + "moemesh: mean / worst / max err, agree | error ratio | worst ratio | "
+             + ("agree drop / bound | " if bounds else "") + "ok |",
+             "|---:|---|---:|---|" + ("---|" if rounding else "") + "---|---:|---:|" + ("---:|" if bounds else "")
+             + "---|"]
     for r in result["rows"]:
         h, m = r["hf_bf16"], r["moemesh"]
         rounded = f"{_errors(r['hf_fp8_inputs'])} | " if rounding else ""
         lines.append(f"| {r['batch']} | {r['phase']} | {m['positions']} | {_errors(h)} | {rounded}{_errors(m)} | "
-                     f"{r['error_ratio']:.3f} | {r['worst_row_ratio']:.3f} | {'yes' if r['ok'] else 'NO'} |")
+                     f"{r['error_ratio']:.3f} | {r['worst_row_ratio']:.3f} | "
+                     + (f"{100 * r['argmax_drop']:.1f} / {100 * r['argmax_drop_bound']:.1f} | " if bounds else "")
+                     + f"{'yes' if r['ok'] else 'NO'} |")
     t = result["timings_s"]
     lines += ["", f"Verdict: {'every row passes' if result['ok'] else 'FAILED'}. Wall time: oracle "
               f"{t['oracle_s']:.0f} s, transformers bf16 {t['hf_bf16_s']:.0f} s, moemesh {t['moemesh_s']:.0f} s."]

@@ -16,7 +16,9 @@ FP8_MAX_AGREE_DROP are its bounds (docs/configuration.md, "Quantized
 checkpoints", says why these values). The argmax bound is taken against
 transformers fp32 with the same input rounding (`fp8_inputs`): what the
 rounding alone costs the argmax, on these weights, is the baseline, so the
-path may lose at most FP8_MAX_AGREE_DROP more than that. The weight-only
+path may lose at most FP8_MAX_AGREE_DROP more than that, give or take
+FP8_AGREE_NOISE_Z standard errors of the measured drop (few positions measure
+it coarsely). The weight-only
 paths of an FP8 checkpoint (the CPU's included) report that reference beside
 their own rows, unjudged: what the tensor-core path would lose to the rounding.
 """
@@ -37,8 +39,13 @@ from services.model.random_weights import RandomWeights
 FP8_MAX_ERROR_RATIO = 16.0
 # Its worst position, as the bf16 bound's 3x over the mean ratio.
 FP8_MAX_WORST_ROW_RATIO = 3 * FP8_MAX_ERROR_RATIO
-# The most argmax agreement (share of positions, 0..1) the FP8 path may lose against transformers bf16's.
+# The most argmax agreement (share of positions, 0..1) the FP8 path may lose against the rounding's.
 FP8_MAX_AGREE_DROP = 0.05
+# How many standard errors of the measured drop are allowed past FP8_MAX_AGREE_DROP: the drop is
+# (positions only the reference gets right - positions only the path gets right) / n, whose standard
+# error with d such discordant positions is sqrt(d) / n (McNemar's); a row of 128 positions
+# measures it to about 3 points.
+FP8_AGREE_NOISE_Z = 2.0
 
 
 def quant_config(method: str | None, config) -> QuantConfig | None:
@@ -102,14 +109,19 @@ def compute_path(model) -> tuple[str, str]:
     return path.path, f"{method}: {path.reason}"
 
 
-def fp8_verdict(candidate: dict, baseline: dict, rounding: dict | None = None) -> dict:
+def fp8_verdict(candidate: dict, baseline: dict, rounding: dict | None = None,
+                discordant: int | None = None) -> dict:
     """The FP8 tensor-core path's verdict: its error within FP8_MAX_ERROR_RATIO (worst row
     FP8_MAX_WORST_ROW_RATIO) of transformers bf16's, its argmax agreement at most
     FP8_MAX_AGREE_DROP below `rounding`'s (transformers fp32 with the FP8 input rounding), or
-    below bf16's when that was not run."""
+    below bf16's when that was not run. With `discordant` (the positions where exactly one of the
+    two agrees with the oracle) the drop may also exceed the bound by FP8_AGREE_NOISE_Z standard
+    errors: a failure then says the path loses more than the bound, not that a few positions flipped."""
     ratio = candidate["mean_abs_err"] / baseline["mean_abs_err"]
     worst_ratio = candidate["worst_row_err"] / baseline["worst_row_err"]
     drop = (rounding or baseline)["argmax_agree"] - candidate["argmax_agree"]
+    noise = 0.0 if discordant is None else FP8_AGREE_NOISE_Z * discordant ** 0.5 / candidate["positions"]
+    drop_bound = FP8_MAX_AGREE_DROP + noise
     return {"error_ratio": ratio, "worst_row_ratio": worst_ratio, "argmax_drop": drop,
-            "ok": ratio <= FP8_MAX_ERROR_RATIO and worst_ratio <= FP8_MAX_WORST_ROW_RATIO
-            and drop <= FP8_MAX_AGREE_DROP}
+            "argmax_drop_bound": drop_bound,
+            "ok": ratio <= FP8_MAX_ERROR_RATIO and worst_ratio <= FP8_MAX_WORST_ROW_RATIO and drop <= drop_bound}

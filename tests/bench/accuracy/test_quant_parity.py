@@ -2,6 +2,7 @@
 dequantized weights passes the bf16 bounds, a broken scale fails them; the FP8 tensor-core path's verdict."""
 
 import pytest
+import torch
 
 from bench.accuracy import hf_parity, quant_parity
 
@@ -55,6 +56,28 @@ def test_the_fp8_verdict_takes_its_argmax_bound_from_the_rounding_alone():
     assert not quant_parity.fp8_verdict({**near, "argmax_agree": 0.84}, base, rounding)["ok"]
 
 
+def test_the_fp8_argmax_bound_allows_what_few_positions_cannot_measure():
+    """A 7-point drop: within the bound on 128 positions of which 15 disagree between the two (its
+    standard error about 3 points), beyond it on 4,096 positions of which 400 do (0.5 points)."""
+    base = {"mean_abs_err": 0.01, "worst_row_err": 0.02, "argmax_agree": 0.96}
+    rounding = {"mean_abs_err": 0.04, "worst_row_err": 0.05, "argmax_agree": 0.94}
+    few = {"mean_abs_err": 0.04, "worst_row_err": 0.05, "argmax_agree": 0.87, "positions": 128}
+    verdict = quant_parity.fp8_verdict(few, base, rounding, discordant=15)
+    assert verdict["ok"] and verdict["argmax_drop_bound"] == pytest.approx(0.05 + 2 * 15 ** 0.5 / 128)
+    assert not quant_parity.fp8_verdict(few, base, rounding)["ok"]  # no paired count: the bare bound
+    many = {**few, "positions": 4096}
+    verdict = quant_parity.fp8_verdict(many, base, rounding, discordant=400)
+    assert not verdict["ok"] and verdict["argmax_drop_bound"] == pytest.approx(0.05 + 2 * 20 / 4096)
+
+
+def test_discordant_counts_the_positions_where_one_of_two_agrees():
+    a, b = hf_parity.RowErrors.empty((2, 4)), hf_parity.RowErrors.empty((2, 4))
+    a.agree_BL[:] = torch.tensor([[True, True, False, False], [True, False, True, True]])
+    b.agree_BL[:] = torch.tensor([[True, False, True, False], [False, False, True, True]])
+    assert a.discordant(b, 2, slice(0, 4)) == 3
+    assert a.discordant(b, 1, slice(0, 2)) == 1 and a.discordant(b, 2, slice(2, 4)) == 1
+
+
 def test_fp8_inputs_round_the_quantized_projections_inputs_only():
     """Inside fp8_inputs a projection (its name has "_proj", an expert's slice of a stacked weight
     included) sees its input rounded per row and 128-channel group; the gate does not."""
@@ -99,8 +122,10 @@ def test_an_fp8_report_shows_the_rounding_column(tmp_path):
     result["config"]["path"] = "fp8"  # as on a GPU with FP8 tensor cores (the CPU runs the reference path)
     for row in result["rows"]:
         row["hf_fp8_inputs"] = row["hf_bf16"]
+        row.update(quant_parity.fp8_verdict(row["moemesh"], row["hf_bf16"], row["hf_fp8_inputs"], 0))
     text = hf_parity.render(result, "cmd")
     header = next(line for line in text.splitlines() if line.startswith("| batch"))
     assert "transformers fp32, FP8 inputs" in header and "same FP8 rounding" in text
+    assert "agree drop / bound" in header
     widths = {line.count("|") for line in text.splitlines() if line.startswith("|")}
     assert len(widths) == 1  # every row has the header's columns
