@@ -10,7 +10,10 @@ ones (and the process group's name is reset before each attempt, see
 `connect`). Rank 0 hosts the store and keeps it for as long as its rendezvous
 address stays the same: a surviving rank 0 serves the next epoch's
 rendezvous from the store it already holds, so its port is never bound
-twice; the other ranks open a fresh client each epoch.
+twice; the other ranks open a fresh client each epoch. If rank 0 cannot
+host the store (another process took the port since it was registered),
+`connect` raises `StorePortError`, so that the rank can register another
+port for the next epoch (expert_svc/server.py).
 
 `use_interface` points gloo and NCCL at one network interface (their
 GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME): without it gloo takes the address
@@ -66,6 +69,10 @@ class RendezvousError(RuntimeError):
     """The ranks of an epoch did not all meet within the timeout (or the store failed)."""
 
 
+class StorePortError(RendezvousError):
+    """Rank 0 could not host the rendezvous store at its address (the port is taken)."""
+
+
 class ProcessGroupLink:
     """This process's membership in its group's process group (gloo or NCCL)."""
 
@@ -102,8 +109,9 @@ class ProcessGroupLink:
                 world_size=group.world_size, rank=rank, timeout=self.timeout)
             pairs = _connections_since(before, store_port=int(group.rendezvous_address.rsplit(":", 1)[1]))
         except (RuntimeError, OSError, TimeoutError) as error:  # DistStoreError, gloo connect errors
-            raise RendezvousError(f"rendezvous of group {group.group_id!r} epoch {group.epoch} at "
-                                  f"{group.rendezvous_address} failed: {error}") from error
+            kind = StorePortError if isinstance(error, StorePortError) else RendezvousError
+            raise kind(f"rendezvous of group {group.group_id!r} epoch {group.epoch} at "
+                       f"{group.rendezvous_address} failed: {error}") from error
         with self._lock:
             self._pair_sockets = pairs
             self.epoch = group.epoch
@@ -146,8 +154,11 @@ class ProcessGroupLink:
             return dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout)
         if self._store is None or self._store_address != address:
             self._store = None
-            self._store = dist.TCPStore(host, int(port), is_master=True, timeout=self.timeout,
-                                        wait_for_workers=False)
+            try:
+                self._store = dist.TCPStore(host, int(port), is_master=True, timeout=self.timeout,
+                                            wait_for_workers=False)
+            except (RuntimeError, OSError) as error:  # DistNetworkError: EADDRINUSE
+                raise StorePortError(str(error)) from error
             self._store_address = address
             log.info("hosting the rendezvous store at %s", address)
         return self._store

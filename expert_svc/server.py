@@ -64,7 +64,7 @@ from expert_svc.config import ExpertConfig
 from expert_svc.executor import StepExecutor
 from expert_svc.model_builder import ModelBuilder
 from expert_svc.observability import step_hook
-from expert_svc.rendezvous import ProcessGroupLink, RendezvousError, use_interface
+from expert_svc.rendezvous import ProcessGroupLink, RendezvousError, StorePortError, use_interface
 from expert_svc.router_client import RouterClient
 from expert_svc.runner import StepRunner
 from expert_svc.state import RankState
@@ -228,6 +228,7 @@ class ExpertRank:
             model, kv_pool = await self._on_model_thread(
                 self._builder.build, expert_ids, lambda: self._link.connect(group, rank))
         except RendezvousError as error:  # the weights go; the next epoch loads them again
+            await self._move_rendezvous_port(error)
             self._report_failure(group.epoch, str(error))
             return
         self._model, self._loaded = model, (group.group_id, rank, group.world_size)
@@ -286,6 +287,7 @@ class ExpertRank:
         try:
             waited_s, connect_s = await self._on_model_thread(self._reconnect, group, rank, self._runner, started)
         except RendezvousError as error:
+            await self._move_rendezvous_port(error)
             self._report_failure(group.epoch, str(error))
             return
         self._new_executor(self._runner)
@@ -304,6 +306,17 @@ class ExpertRank:
         self._model.comm.group = self._link.connect(group, rank)
         self._builder.plan_dispatch(self._model.comm)  # the new epoch's hosts
         return started - queued_at, time.monotonic() - started
+
+    async def _move_rendezvous_port(self, error: RendezvousError) -> None:
+        """Rank 0 could not host the store at its registered rendezvous port (another
+        process bound it since it was chosen free): registers a fresh one before the
+        failure is reported, so that the re-formed epoch meets there, not again at the
+        taken port. A port set with --rendezvous-port is kept."""
+        if not isinstance(error, StorePortError) or self.config.rendezvous_port:
+            return
+        port = _free_port(self.config.host)
+        log.warning("the rendezvous port is taken; registering port %d for the next epoch", port)
+        await self._cluster.update_info({"rendezvous_port": port})
 
     def _on_step_failure(self, reason: str) -> None:
         if self.config.is_cuda:  # see the module docstring: exit, the restarted process rejoins
