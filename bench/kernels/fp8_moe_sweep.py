@@ -5,7 +5,7 @@
     python -m bench.kernels.fp8_moe_sweep --tokens 1      # batch 1: the one-row GEMVs, plain and pipelined
 
 quant_fp8_moe.grouped_moe (FP8 tensor cores: activations quantized per token and 128-channel
-group) takes moe_gemm.default_config's tiles, which were swept for bf16; each line here is one
+group) takes quant_fp8_moe.default_config's tiles (this sweep's fastest); each line here is one
 MoEConfig: rows per block, then gate_up's and down's (columns, warps, stages) (the reduction
 steps one 128 block: the FP8 scales' block), its time per call (one CUDA graph over --copies
 weight copies, quant_kernels.time_us), its time over bf16's, and its largest error relative to
@@ -27,14 +27,19 @@ import torch
 
 from bench.kernels.quant_kernels import (DENSE, HIDDEN, TOP_K, _hits, _randn, dense_copies, moe_bf16, moe_copies,
                                          time_us)
-from services.model.kernels import gemv, moe_gemm, moe_grouped, quant_fp8, quant_fp8_moe, routing
+from services.model.kernels import gemv, moe_grouped, quant_fp8, quant_fp8_moe, routing
 from services.model.kernels.moe_gemm import GemmBlocks, MoEConfig
 
 # (block_m, gate_up (block_n, warps, stages), down (block_n, warps, stages))
 VARIANTS = [(16, (128, 4, 3), (128, 4, 4)), (32, (128, 4, 3), (64, 4, 4)), (32, (64, 4, 3), (64, 4, 3)),
             (64, (128, 4, 3), (128, 4, 3)), (64, (128, 8, 3), (128, 8, 3)), (32, (128, 8, 3), (128, 8, 3)),
             (128, (128, 8, 3), (128, 8, 3)), (128, (128, 8, 4), (256, 8, 4)), (64, (64, 4, 4), (64, 4, 4)),
-            (16, (64, 4, 4), (64, 4, 4))]
+            (16, (64, 4, 4), (64, 4, 4)),
+            # Prefill sizes: two warpgroups over 128 rows at 64 columns (each group's gate and up
+            # accumulators and their per-step products within the registers), deeper and shallower pipelines.
+            (128, (64, 8, 3), (64, 8, 3)), (128, (64, 8, 4), (64, 8, 4)), (128, (64, 8, 4), (128, 8, 3)),
+            (64, (64, 4, 3), (64, 4, 3)), (64, (64, 4, 5), (64, 4, 5)), (64, (64, 4, 4), (128, 4, 3)),
+            (64, (128, 8, 4), (128, 8, 4))]
 
 
 def _config(variant, tiles_first: bool) -> MoEConfig:
@@ -55,7 +60,7 @@ def sweep(num_tokens: int, copies: list[dict], reps: int) -> None:
         return moe_grouped.grouped_moe(x, c["gate"], *c["bf16"], TOP_K, True, _hits())
 
     bf16_us, y_bf16 = time_us(bf16, x, copies, reps), bf16(x, copies[0])
-    default = moe_gemm.default_config(num_tokens)
+    default = quant_fp8_moe.default_config(num_tokens)
     configs = [default] + [c for c in (_config(v, default.tiles_first) for v in VARIANTS) if c != default]
     rows = []
     for i, config in enumerate(configs):

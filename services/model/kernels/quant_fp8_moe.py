@@ -52,7 +52,8 @@ def _gate_up_kernel(x_ptr, xs_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_
                                          BLOCK_M, BLOCK_E, TILES_FIRST)
     if expert >= num_experts:
         return
-    f = (tl.program_id(0) if TILES_FIRST else tl.program_id(1)) * BLOCK_N + tl.arange(0, BLOCK_N)
+    f0 = (tl.program_id(0) if TILES_FIRST else tl.program_id(1)) * BLOCK_N
+    f = f0 + tl.arange(0, BLOCK_N)
     f_mask = f < width
     d_blocks = tl.cdiv(hidden, BLOCK)
     token = (r // TOP_K).to(tl.int64)
@@ -60,22 +61,26 @@ def _gate_up_kernel(x_ptr, xs_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_
     xs_rows = xs_ptr + token * d_blocks
     w_gate = w_ptr + expert.to(tl.int64) * 2 * width * hidden + f.to(tl.int64) * hidden
     w_up = w_gate + width * hidden
-    s_gate = s_ptr + expert.to(tl.int64) * 2 * up_scale_row * d_blocks + (f // BLOCK) * d_blocks
-    s_up = s_gate + up_scale_row * d_blocks
+    s_expert = s_ptr + expert.to(tl.int64) * 2 * up_scale_row * d_blocks
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for d0 in range(0, hidden, BLOCK):  # fp8_block_dot's step, for gate and up at once (x read once)
         d = d0 + tl.arange(0, BLOCK)
         wm = f_mask[:, None] & (d < hidden)[None, :]
         x = tl.load(x_rows[:, None] + d[None, :], mask=row_mask[:, None] & (d < hidden)[None, :], other=0.0)
-        sg = tl.load(s_gate + d0 // BLOCK, mask=f_mask, other=0.0)[None, :]
-        su = tl.load(s_up + d0 // BLOCK, mask=f_mask, other=0.0)[None, :]
+        if BLOCK_N <= BLOCK:  # the tile's columns lie in one 128-row block: one scale each for gate and up
+            sg = tl.load(s_expert + (f0 // BLOCK) * d_blocks + d0 // BLOCK)
+            su = tl.load(s_expert + (up_scale_row + f0 // BLOCK) * d_blocks + d0 // BLOCK)
+        else:
+            sg = tl.load(s_expert + (f // BLOCK) * d_blocks + d0 // BLOCK, mask=f_mask, other=0.0)[None, :]
+            su = tl.load(s_expert + (up_scale_row + f // BLOCK) * d_blocks + d0 // BLOCK, mask=f_mask,
+                         other=0.0)[None, :]
         if A_FP8:
             xs = tl.load(xs_rows + d0 // BLOCK, mask=row_mask, other=0.0)[:, None]
             wg = tl.load(w_gate[:, None] + d[None, :], mask=wm, other=0.0)
             wu = tl.load(w_up[:, None] + d[None, :], mask=wm, other=0.0)
-            acc_gate += tl.dot(x, tl.trans(wg)) * xs * sg
-            acc_up += tl.dot(x, tl.trans(wu)) * xs * su
+            acc_gate += tl.dot(x, tl.trans(wg)) * (xs * sg)
+            acc_up += tl.dot(x, tl.trans(wu)) * (xs * su)
         else:
             wg = load_fp8(w_gate[:, None] + d[None, :], wm, NATIVE).to(x.dtype)
             wu = load_fp8(w_up[:, None] + d[None, :], wm, NATIVE).to(x.dtype)
@@ -94,13 +99,28 @@ def _down_kernel(act_ptr, acts_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends
                                          BLOCK_M, BLOCK_E, TILES_FIRST)
     if expert >= num_experts:
         return
-    o = (tl.program_id(0) if TILES_FIRST else tl.program_id(1)) * BLOCK_N + tl.arange(0, BLOCK_N)
+    o0 = (tl.program_id(0) if TILES_FIRST else tl.program_id(1)) * BLOCK_N
+    o = o0 + tl.arange(0, BLOCK_N)
     o_mask = o < hidden
     f_blocks = tl.cdiv(width, BLOCK)
     s_expert = s_ptr + expert.to(tl.int64) * tl.cdiv(hidden, BLOCK) * f_blocks
-    acc = fp8_block_dot(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), act_ptr + p.to(tl.int64) * width, row_mask,
-                        acts_ptr + p.to(tl.int64) * f_blocks, w_ptr + expert.to(tl.int64) * hidden * width
-                        + o.to(tl.int64) * width, o_mask, s_expert + (o // BLOCK) * f_blocks, 0, width, A_FP8, NATIVE)
+    w_rows = w_ptr + expert.to(tl.int64) * hidden * width + o.to(tl.int64) * width
+    act_rows = act_ptr + p.to(tl.int64) * width
+    if A_FP8 and BLOCK_N <= BLOCK:  # the tile's rows lie in one 128-row block: one weight scale a step
+        acts_rows = acts_ptr + p.to(tl.int64) * f_blocks
+        s_tile = s_expert + (o0 // BLOCK) * f_blocks
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, width, BLOCK):
+            k = k0 + tl.arange(0, BLOCK)
+            k_mask = k < width
+            a = tl.load(act_rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_rows[:, None] + k[None, :], mask=o_mask[:, None] & k_mask[None, :], other=0.0)
+            scale = tl.load(acts_rows + k0 // BLOCK, mask=row_mask, other=0.0) * tl.load(s_tile + k0 // BLOCK)
+            acc += tl.dot(a, tl.trans(w)) * scale[:, None]
+    else:
+        acc = fp8_block_dot(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), act_rows, row_mask,
+                            acts_ptr + p.to(tl.int64) * f_blocks, w_rows, o_mask, s_expert + (o // BLOCK) * f_blocks,
+                            0, width, A_FP8, NATIVE)
     tl.store(y_ptr + r.to(tl.int64)[:, None] * hidden + o[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=row_mask[:, None] & o_mask[None, :])
 
@@ -170,15 +190,16 @@ def down(act_PF: Tensor, a: moe_align.Alignment, w_down_EDF: Tensor, s_down: Ten
 
 def default_config(num_tokens: int) -> MoEConfig:
     """The FP8 GEMMs' tiles for a step of num_tokens: moe_gemm.default_config's (swept for bf16)
-    except where bench/kernels/fp8_moe_sweep.py found FP8's own faster on an H200 (Qwen3-30B-A3B's
-    shape): 64 columns, 4 warps and 4 stages a tile, 16 rows a block around 256 tokens and 64 for
-    prefill-sized steps, where bf16's 128-row blocks ran the FP8 GEMMs at half bf16's speed."""
+    except where bench/kernels/fp8_moe_sweep.py found FP8's own faster (Qwen3-30B-A3B's shape,
+    H200 and H100): 64 columns, 4 warps and 4 stages a gate_up tile, 16 rows a block around 256
+    tokens and 64 for prefill-sized steps, there with down's tiles 128 columns wide in 3 stages;
+    bf16's 128-row blocks ran the FP8 GEMMs at half bf16's speed."""
     config = moe_gemm.default_config(num_tokens)
     narrow = GemmBlocks(64, FP8_BLOCK, 4, 4)
     if 128 < num_tokens <= 256:
         return MoEConfig(16, narrow, narrow, config.tiles_first)
     if num_tokens > 512:
-        return MoEConfig(64, narrow, narrow, config.tiles_first)
+        return MoEConfig(64, narrow, GemmBlocks(128, FP8_BLOCK, 4, 3), config.tiles_first)
     return config
 
 

@@ -194,6 +194,32 @@ def test_fp8_grouped_moe_weight_only(quant_fp8_moe, moe_gemm, fp8_experts):
     assert torch.equal(hits, layer.hit_counts_E)
 
 
+@pytest.mark.parametrize("block_n", [64, 256])
+def test_fp8_gate_up_scales_past_the_first_block(quant_fp8_moe, moe_gemm, block_n):
+    """An expert width of 200 (two 128-row scale blocks for gate and for up, the second partial):
+    tiles within one block (64 columns: one scale a tile and step) and across blocks (256) read
+    each column's block scales; SiLU(gate) * up against the dequantized weights."""
+    width, tokens = 200, 12
+    w_gate_up = _randn(E, 2 * width, D, seed=31, scale=D ** -0.5)
+    w_gate_up[1, width + 130:] *= 8  # the up half's second block: scales unlike the first's
+    (g8, gs), (u8, us) = ref.quant_fp8(w_gate_up[:, :width]), ref.quant_fp8(w_gate_up[:, width:])
+    w_ref = torch.cat([ref.dequant_fp8(g8, gs), ref.dequant_fp8(u8, us)], 1)
+    x = _randn(tokens, D, seed=32)
+    ids = torch.arange(tokens * TOP_K, dtype=torch.int32).reshape(tokens, TOP_K) % E
+    a = quant_fp8_moe.moe_align.align(ids, E, 16)
+    act = quant_fp8_moe.gate_up(x, a, torch.cat([g8, u8], 1), torch.cat([gs, us], 1).contiguous(), TOP_K,
+                                moe_gemm.GemmBlocks(block_n, 128, 4, 1), kernel="fp8")
+    positions = [p for start, count in zip(a.starts_E.tolist(), a.counts_E.tolist())
+                 for p in range(start, start + count)]  # the segments' rows, not their padding
+    assert len(positions) == tokens * TOP_K
+    for position in positions:
+        routed = int(a.sorted_ids_P[position])
+        t, e = routed // TOP_K, int(ids.flatten()[routed])
+        gate_up = _dequant_act(x[t:t + 1]) @ w_ref[e].T
+        expected = torch.nn.functional.silu(gate_up[:, :width]) * gate_up[:, width:]
+        torch.testing.assert_close(act[position], expected[0], atol=2e-3, rtol=1e-3)
+
+
 def test_fp8_grouped_moe_tensor_cores(quant_fp8_moe, moe_gemm, fp8_experts):
     """20 tokens (past WEIGHT_ONLY_MAX_ROWS): x and SiLU(gate) * up quantized per token and group."""
     (w_gate_up, s_gate_up, w_down, s_down), (w_gate_up_ref, w_down_ref), w_gate = fp8_experts
