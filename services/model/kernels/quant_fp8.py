@@ -115,25 +115,33 @@ def fp8_gemv_rows(x_ptr, w_rows, n_mask, w_scale_row, k_start, k_end, BLOCK_N: t
 
 @triton.jit
 def fp8_block_dot(acc, a_rows, a_mask, a_scale_rows, w_rows, w_mask, w_scale_rows, k_start, k_end,
-                  A_FP8: tl.constexpr, NATIVE: tl.constexpr):
+                  A_FP8: tl.constexpr, NATIVE: tl.constexpr, W_SCALE_TILE: tl.constexpr):
     """acc [BM, BN] + a[rows, k_start:k_end] @ W[rows, k_start:k_end]^T in steps of one 128-column
     block (k_start a multiple of 128): A_FP8, both float8 on the tensor cores, each step times
     a's row scales (a_scale_rows: each row's first) and the weight rows' block scales
-    (w_scale_rows: each row's block's first); else the weights widened to a's dtype. A float8 dot
+    (w_scale_rows: each row's block's first; W_SCALE_TILE: the tile's rows lie in one 128-row
+    block and w_scale_rows is that block's first, one scale a step, folded into a's row scales:
+    one multiply-add an element); else the weights widened to a's dtype. A float8 dot
     accumulates at the tensor cores' reduced precision (Triton's default on sm90), so each block's
     result is promoted into the fp32 acc: 128-column promotions keep that error small."""
     for k0 in range(k_start, k_end, BLOCK):
         k = k0 + tl.arange(0, BLOCK)
         k_mask = k < k_end
         a = tl.load(a_rows[:, None] + k[None, :], mask=a_mask[:, None] & k_mask[None, :], other=0.0)
-        w_scale = tl.load(w_scale_rows + k0 // BLOCK, mask=w_mask, other=0.0)
+        if W_SCALE_TILE:
+            w_scale = tl.load(w_scale_rows + k0 // BLOCK)
+        else:
+            w_scale = tl.load(w_scale_rows + k0 // BLOCK, mask=w_mask, other=0.0)[None, :]
         if A_FP8:
             w = tl.load(w_rows[:, None] + k[None, :], mask=w_mask[:, None] & k_mask[None, :], other=0.0)
-            a_scale = tl.load(a_scale_rows + k0 // BLOCK, mask=a_mask, other=0.0)
-            acc += tl.dot(a, tl.trans(w)) * a_scale[:, None] * w_scale[None, :]
+            a_scale = tl.load(a_scale_rows + k0 // BLOCK, mask=a_mask, other=0.0)[:, None]
+            if W_SCALE_TILE:
+                acc += tl.dot(a, tl.trans(w)) * (a_scale * w_scale)
+            else:
+                acc += tl.dot(a, tl.trans(w)) * a_scale * w_scale
         else:
             w = load_fp8(w_rows[:, None] + k[None, :], w_mask[:, None] & k_mask[None, :], NATIVE).to(a.dtype)
-            acc += tl.dot(a, tl.trans(w), input_precision="ieee") * w_scale[None, :]
+            acc += tl.dot(a, tl.trans(w), input_precision="ieee") * w_scale
     return acc
 
 
@@ -154,9 +162,12 @@ def _linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, num_rows, out_features, i
         acc = fp8_gemv_rows(x_ptr + tl.program_id(0).to(tl.int64) * x_stride, w_rows, n_mask, w_scale_row, k_start,
                             k_end, BLOCK_N, BLOCK_K, NATIVE, STAGES)[None, :]
     else:
+        # A tile of at most 128 features starts at a multiple of its width: one scale block.
+        w_scale_rows = (s_ptr + (tl.program_id(1) * BLOCK_N // BLOCK) * num_k_blocks if BLOCK_N <= BLOCK
+                        else s_ptr + (n // BLOCK) * num_k_blocks)
         acc = fp8_block_dot(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x_ptr + m.to(tl.int64) * x_stride, m_mask,
-                            xs_ptr + m * num_k_blocks, w_rows, n_mask, s_ptr + (n // BLOCK) * num_k_blocks,
-                            k_start, k_end, A_FP8, NATIVE)
+                            xs_ptr + m * num_k_blocks, w_rows, n_mask, w_scale_rows, k_start, k_end, A_FP8, NATIVE,
+                            BLOCK_N <= BLOCK)
     y_rows = y_ptr + (split * num_rows + m).to(tl.int64) * out_features  # split > 0: fp32 partials
     tl.store(y_rows[:, None] + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 

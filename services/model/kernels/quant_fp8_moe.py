@@ -105,22 +105,11 @@ def _down_kernel(act_ptr, acts_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends
     f_blocks = tl.cdiv(width, BLOCK)
     s_expert = s_ptr + expert.to(tl.int64) * tl.cdiv(hidden, BLOCK) * f_blocks
     w_rows = w_ptr + expert.to(tl.int64) * hidden * width + o.to(tl.int64) * width
-    act_rows = act_ptr + p.to(tl.int64) * width
-    if A_FP8 and BLOCK_N <= BLOCK:  # the tile's rows lie in one 128-row block: one weight scale a step
-        acts_rows = acts_ptr + p.to(tl.int64) * f_blocks
-        s_tile = s_expert + (o0 // BLOCK) * f_blocks
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, width, BLOCK):
-            k = k0 + tl.arange(0, BLOCK)
-            k_mask = k < width
-            a = tl.load(act_rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_rows[:, None] + k[None, :], mask=o_mask[:, None] & k_mask[None, :], other=0.0)
-            scale = tl.load(acts_rows + k0 // BLOCK, mask=row_mask, other=0.0) * tl.load(s_tile + k0 // BLOCK)
-            acc += tl.dot(a, tl.trans(w)) * scale[:, None]
-    else:
-        acc = fp8_block_dot(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), act_rows, row_mask,
-                            acts_ptr + p.to(tl.int64) * f_blocks, w_rows, o_mask, s_expert + (o // BLOCK) * f_blocks,
-                            0, width, A_FP8, NATIVE)
+    # A tile of at most 128 rows starts at a multiple of its height: one scale block.
+    s_rows = s_expert + (o0 // BLOCK) * f_blocks if BLOCK_N <= BLOCK else s_expert + (o // BLOCK) * f_blocks
+    acc = fp8_block_dot(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), act_ptr + p.to(tl.int64) * width, row_mask,
+                        acts_ptr + p.to(tl.int64) * f_blocks, w_rows, o_mask, s_rows, 0, width, A_FP8, NATIVE,
+                        BLOCK_N <= BLOCK)
     tl.store(y_ptr + r.to(tl.int64)[:, None] * hidden + o[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=row_mask[:, None] & o_mask[None, :])
 
@@ -193,11 +182,14 @@ def default_config(num_tokens: int) -> MoEConfig:
     except where bench/kernels/fp8_moe_sweep.py found FP8's own faster (Qwen3-30B-A3B's shape,
     H200 and H100): 64 columns, 4 warps and 4 stages a gate_up tile, 16 rows a block around 256
     tokens and 64 for prefill-sized steps, there with down's tiles 128 columns wide in 3 stages;
-    bf16's 128-row blocks ran the FP8 GEMMs at half bf16's speed."""
+    past 4,096 tokens 128-row blocks of two warpgroups with 128-column tiles."""
     config = moe_gemm.default_config(num_tokens)
     narrow = GemmBlocks(64, FP8_BLOCK, 4, 4)
     if 128 < num_tokens <= 256:
         return MoEConfig(16, narrow, narrow, config.tiles_first)
+    if num_tokens > 4096:
+        wide = GemmBlocks(128, FP8_BLOCK, 8, 3)
+        return MoEConfig(128, wide, wide, config.tiles_first)
     if num_tokens > 512:
         return MoEConfig(64, narrow, GemmBlocks(128, FP8_BLOCK, 4, 3), config.tiles_first)
     return config
