@@ -199,6 +199,11 @@ def quantize_act(x_MK: Tensor) -> tuple[Tensor, Tensor]:
     return xq_MK, xs_MKb
 
 
+# The tensor-core steps of at most this many rows take default_tiles' unsplit 64 x 64 tiles
+# (faster than the split square tiles from 32 to 512 rows on an H100; docs/performance.md).
+DECODE_TILE_MAX_ROWS = 512
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class LinearTiles:
     """Launch shape of the FP8 linear kernel."""
@@ -234,12 +239,16 @@ def sum_splits(y: Tensor, dtype: torch.dtype) -> Tensor:
 
 def default_tiles(num_rows: int, out_features: int, in_features: int, tensor_cores: bool) -> LinearTiles:
     """The tiles for a step: the GEMV for one row, skinny tl.dot tiles for up to
-    WEIGHT_ONLY_MAX_ROWS, square tiles above; each split along K while its grid is small."""
+    WEIGHT_ONLY_MAX_ROWS, square tiles above; each split along K while its grid is small. The
+    tensor cores take decode batches (up to DECODE_TILE_MAX_ROWS rows) in 64 x 64 tiles, never
+    split: the split's fp32 partials and their sum cost more than the idle SMs of a small grid."""
     if num_rows == 1:
         return LinearTiles(1, 8, 512, 1, 4, 3)
     if num_rows <= WEIGHT_ONLY_MAX_ROWS:
         splits = num_splits(triton.cdiv(out_features, 32), in_features, 4 * FP8_BLOCK)
         return LinearTiles(16, 32, FP8_BLOCK, splits, 4, 4)
+    if tensor_cores and num_rows <= DECODE_TILE_MAX_ROWS:
+        return LinearTiles(64, 64, FP8_BLOCK, 1, 4, 4)
     block_m = 64 if num_rows <= 64 else 128
     programs = triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, 128)
     return LinearTiles(block_m, 128, FP8_BLOCK, num_splits(programs, in_features, 4 * FP8_BLOCK),

@@ -120,13 +120,18 @@ def test_fp8_weight_only_from_raw_bytes(quant_fp8, num_rows):
     torch.testing.assert_close(y, x @ ref.dequant_fp8(w8, s).T, atol=1e-3, rtol=1e-5)
 
 
+@pytest.mark.parametrize("split_k", [None, 2])
 @pytest.mark.parametrize("num_rows", [20, 100])
-def test_fp8_tensor_core_linear(quant_fp8, fp8_weight, num_rows):
-    """The activations quantized per token and group, float8 products, fp32 sums."""
+def test_fp8_tensor_core_linear(quant_fp8, fp8_weight, num_rows, split_k):
+    """The activations quantized per token and group, float8 products, fp32 sums: the default
+    tiles (unsplit at these rows) and square tiles split along K (fp32 partials summed)."""
     w8, s, w_ref = fp8_weight
     x = _randn(num_rows, K, seed=7)
     expected = _dequant_act(x) @ w_ref.T
-    torch.testing.assert_close(quant_fp8.linear(x, w8, s, kernel="fp8"), expected, atol=1e-4, rtol=1e-5)
+    tiles = None if split_k is None else quant_fp8.LinearTiles(64, 128, 128, split_k, 4, 1)
+    if split_k is None:
+        assert quant_fp8.default_tiles(num_rows, N, K, True).split_k == 1
+    torch.testing.assert_close(quant_fp8.linear(x, w8, s, kernel="fp8", tiles=tiles), expected, atol=1e-4, rtol=1e-5)
 
 
 @pytest.fixture(scope="module")
