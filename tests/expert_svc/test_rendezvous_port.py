@@ -1,12 +1,17 @@
 """A rank 0 whose registered rendezvous port was taken by another process since it was picked:
 ProcessGroupLink.connect raises StorePortError (a RendezvousError, so the epoch fails as any
-rendezvous does), and the link joins the next epoch at another port. One gloo rank in a process
-of its own (the default process group is per process)."""
+rendezvous does), and the link joins the next epoch at another port (one gloo rank in a process
+of its own: the default process group is per process); the rank registers a fresh port unless
+the operator set one."""
 
+import asyncio
 import json
 import subprocess
 import sys
+import types
 
+from expert_svc.rendezvous import RendezvousError, StorePortError
+from expert_svc.server import ExpertRank
 from moemesh.etcd import free_port
 
 _RANK = r"""
@@ -44,3 +49,29 @@ def test_a_taken_store_port_is_a_port_error_and_the_next_epoch_meets_elsewhere()
     assert outcome["port_error"] is True
     assert f"127.0.0.1:{taken}" in outcome["error"] and "epoch 1" in outcome["error"]
     assert outcome["next_epoch_sum"] == [1.0, 1.0]
+
+
+def _rank(rendezvous_port: int):
+    """An ExpertRank with only what _move_rendezvous_port reads: its config and a cluster client."""
+    rank = ExpertRank.__new__(ExpertRank)
+    rank.config = types.SimpleNamespace(host="127.0.0.1", rendezvous_port=rendezvous_port)
+    updates = []
+
+    async def update_info(info):
+        updates.append(info)
+    rank._cluster = types.SimpleNamespace(update_info=update_info)
+    return rank, updates
+
+
+def test_a_taken_port_picked_by_the_rank_is_replaced_in_its_registration():
+    rank, updates = _rank(0)
+    asyncio.run(rank._move_rendezvous_port(RendezvousError("a peer did not come")))
+    assert updates == []  # only a taken store port moves it
+    asyncio.run(rank._move_rendezvous_port(StorePortError("address in use")))
+    assert len(updates) == 1 and set(updates[0]) == {"rendezvous_port"} and updates[0]["rendezvous_port"] > 0
+
+
+def test_a_port_set_by_the_operator_is_kept():
+    rank, updates = _rank(29500)
+    asyncio.run(rank._move_rendezvous_port(StorePortError("address in use")))
+    assert updates == []
