@@ -61,20 +61,22 @@ def _gate_up_kernel(x_ptr, xs_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_
     xs_rows = xs_ptr + token * d_blocks
     w_gate = w_ptr + expert.to(tl.int64) * 2 * width * hidden + f.to(tl.int64) * hidden
     w_up = w_gate + width * hidden
-    s_expert = s_ptr + expert.to(tl.int64) * 2 * up_scale_row * d_blocks
+    # Gate's block-scale rows, then up's (up_scale_row further): a tile of at most 128 columns starts
+    # at a multiple of its width, so it lies in one block and takes one scale each a step.
+    s_gate = s_ptr + expert.to(tl.int64) * 2 * up_scale_row * d_blocks + (
+        (f0 // BLOCK) * d_blocks if BLOCK_N <= BLOCK else (f // BLOCK) * d_blocks)
+    s_up = s_gate + up_scale_row * d_blocks
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for d0 in range(0, hidden, BLOCK):  # fp8_block_dot's step, for gate and up at once (x read once)
         d = d0 + tl.arange(0, BLOCK)
         wm = f_mask[:, None] & (d < hidden)[None, :]
         x = tl.load(x_rows[:, None] + d[None, :], mask=row_mask[:, None] & (d < hidden)[None, :], other=0.0)
-        if BLOCK_N <= BLOCK:  # the tile's columns lie in one 128-row block: one scale each for gate and up
-            sg = tl.load(s_expert + (f0 // BLOCK) * d_blocks + d0 // BLOCK)
-            su = tl.load(s_expert + (up_scale_row + f0 // BLOCK) * d_blocks + d0 // BLOCK)
+        if BLOCK_N <= BLOCK:
+            sg, su = tl.load(s_gate + d0 // BLOCK), tl.load(s_up + d0 // BLOCK)
         else:
-            sg = tl.load(s_expert + (f // BLOCK) * d_blocks + d0 // BLOCK, mask=f_mask, other=0.0)[None, :]
-            su = tl.load(s_expert + (up_scale_row + f // BLOCK) * d_blocks + d0 // BLOCK, mask=f_mask,
-                         other=0.0)[None, :]
+            sg = tl.load(s_gate + d0 // BLOCK, mask=f_mask, other=0.0)[None, :]
+            su = tl.load(s_up + d0 // BLOCK, mask=f_mask, other=0.0)[None, :]
         if A_FP8:
             xs = tl.load(xs_rows + d0 // BLOCK, mask=row_mask, other=0.0)[:, None]
             wg = tl.load(w_gate[:, None] + d[None, :], mask=wm, other=0.0)
