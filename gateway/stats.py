@@ -15,6 +15,9 @@ import pathlib
 
 # Step timings kept for the percentiles: the most recent ones.
 _NUM_TIMINGS = 20_000
+# Steps with prefill kept with their shapes (GatewayStats.recent_steps): about 12 s of a loaded
+# rank's prefill steps; the stats file carries them all (five numbers a step).
+RECENT_STEPS = 512
 
 
 def percentile(values, q: float) -> float:
@@ -65,8 +68,10 @@ class GatewayStats:
     recent_prefill_tokens: collections.deque = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=_NUM_TIMINGS))
     # The latest steps with prefill as [prefill tokens, decodes, the prefill tokens' mean context,
-    # the cost model's ms, the ranks' ms]: what a step of that shape costs, to check the model.
-    recent_steps: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=64))
+    # the cost model's ms, the ranks' ms]: what a step of that shape costs, to check the model (and
+    # to fit a device to: bench/serving/goodput.py).
+    recent_steps: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=RECENT_STEPS))
     # Host seconds per step: planning (schedule + protobuf) and applying results.
     plan_s: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=_NUM_TIMINGS))
     apply_s: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=_NUM_TIMINGS))

@@ -135,8 +135,9 @@ def schedule_row(before: dict, after: dict) -> dict:
         "fit": {"scale": after.get("step_cost_scale"), "floor_ms": after.get("step_floor_ms"),
                 "decode_scale": after.get("step_decode_scale")},
         "shed": delta("num_rejected_overload"),
-        # The last steps with prefill: [prefill tokens, decodes, their mean context, model ms, measured ms]
-        "last_steps": after.get("recent_steps", [])[-16:],
+        # This rate's steps with prefill, the latest the gateway keeps (gateway.stats.RECENT_STEPS):
+        # [prefill tokens, decodes, their mean context, model ms, measured ms], what fit_prefill_steps fits
+        "last_steps": after.get("recent_steps", [])[-prefill_steps:] if prefill_steps > 0 else [],
     }
 
 

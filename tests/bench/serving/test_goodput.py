@@ -76,8 +76,12 @@ def test_schedule_row_says_where_the_steps_of_a_rate_went():
     after = {"num_prefill_steps": 14, "num_decode_steps": 9, "prefill_step_ms": 760.0, "decode_step_ms": 72.0,
              "num_step_prefill_tokens": 36_000, "num_rejected_overload": 3, "step_cost_scale": 1.1,
              "step_floor_ms": 48.0, "step_decode_scale": 1.5,
-             "recent_prefill_tokens": [7] * 15 + [4000, 0, 4000, 0, 2000, 0, 6000, 0]}
+             "recent_prefill_tokens": [7] * 15 + [4000, 0, 4000, 0, 2000, 0, 6000, 0],
+             "recent_steps": [[1, 0, 1, 1.0, 1.0]] * 3 + [[4000, 8, 2000 + i, 60.0, 61.0] for i in range(4)]}
     row = schedule_row(before, after)
+    # The rate's own four steps with prefill, not the earlier rates' ones before them.
+    assert [s[2] for s in row["last_steps"]] == [2000, 2001, 2002, 2003]
+    assert schedule_row(after, after)["last_steps"] == []
     assert row["steps"] == 8 and row["prefill_step_share"] == 0.5 and row["prefill_tokens_per_prefill_step"] == 4000
     assert (row["prefill_tokens_p50"], row["prefill_tokens_p99"]) == (4000, 6000)
     assert row["prefill_step_ms"] == 65.0 and row["decode_step_ms"] == 8.0 and row["shed"] == 2
