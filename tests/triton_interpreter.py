@@ -29,8 +29,8 @@ def _needs_index_fix() -> bool:
 
 
 @contextlib.contextmanager
-def interpreted(module_name: str):
-    """Yields services.model.<module_name> (e.g. "kernels.moe_ep") imported under the (fixed) interpreter."""
+def index_fix():
+    """Within: the interpreter with the numpy >= 2.4 fix (see the module docstring)."""
     pytest.importorskip("triton")
     import triton.runtime.interpreter as interpreter
 
@@ -43,6 +43,13 @@ def interpreted(module_name: str):
                 scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
             patch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
+        yield
+
+
+@contextlib.contextmanager
+def interpreted(module_name: str):
+    """Yields services.model.<module_name> (e.g. "kernels.moe_ep") imported under the (fixed) interpreter."""
+    with index_fix():
         yield importlib.import_module(f"services.model.{module_name}")
 
 
