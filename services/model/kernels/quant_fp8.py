@@ -114,6 +114,18 @@ def fp8_gemv_rows(x_ptr, w_rows, n_mask, w_scale_row, k_start, k_end, BLOCK_N: t
 
 
 @triton.jit
+def tile_scale_rows(scale_ptr, first, rows, row_stride, BLOCK_N: tl.constexpr):
+    """The block-scale rows of a tile's weight rows (first: the tile's first, rows: each; row_stride
+    the scales of one 128-row block): a tile of at most 128 rows starts at a multiple of its height,
+    so it lies in one block and takes that block's row (fp8_block_dot's W_SCALE_TILE), else each row's."""
+    if BLOCK_N <= BLOCK:
+        scale_rows = scale_ptr + (first // BLOCK) * row_stride
+    else:
+        scale_rows = scale_ptr + (rows // BLOCK) * row_stride
+    return scale_rows
+
+
+@triton.jit
 def fp8_block_dot(acc, a_rows, a_mask, a_scale_rows, w_rows, w_mask, w_scale_rows, k_start, k_end,
                   A_FP8: tl.constexpr, NATIVE: tl.constexpr, W_SCALE_TILE: tl.constexpr):
     """acc [BM, BN] + a[rows, k_start:k_end] @ W[rows, k_start:k_end]^T in steps of one 128-column
@@ -162,12 +174,10 @@ def _linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, num_rows, out_features, i
         acc = fp8_gemv_rows(x_ptr + tl.program_id(0).to(tl.int64) * x_stride, w_rows, n_mask, w_scale_row, k_start,
                             k_end, BLOCK_N, BLOCK_K, NATIVE, STAGES)[None, :]
     else:
-        # A tile of at most 128 features starts at a multiple of its width: one scale block.
-        w_scale_rows = (s_ptr + (tl.program_id(1) * BLOCK_N // BLOCK) * num_k_blocks if BLOCK_N <= BLOCK
-                        else s_ptr + (n // BLOCK) * num_k_blocks)
         acc = fp8_block_dot(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x_ptr + m.to(tl.int64) * x_stride, m_mask,
-                            xs_ptr + m * num_k_blocks, w_rows, n_mask, w_scale_rows, k_start, k_end, A_FP8, NATIVE,
-                            BLOCK_N <= BLOCK)
+                            xs_ptr + m * num_k_blocks, w_rows, n_mask,
+                            tile_scale_rows(s_ptr, tl.program_id(1) * BLOCK_N, n, num_k_blocks, BLOCK_N),
+                            k_start, k_end, A_FP8, NATIVE, BLOCK_N <= BLOCK)
     y_rows = y_ptr + (split * num_rows + m).to(tl.int64) * out_features  # split > 0: fp32 partials
     tl.store(y_rows[:, None] + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 

@@ -31,7 +31,8 @@ from services.model.kernels.launch import uses_pdl, wait_for_previous_kernel
 from services.model.kernels.moe_gemm import GemmBlocks, MoEConfig, _block_rows, _grid
 from services.model.kernels.moe_small import MoeTiles
 from services.model.kernels.quant_fp8 import (BLOCK, FP8_BLOCK, WEIGHT_ONLY_MAX_ROWS, fp8_block_dot, fp8_gemv_rows,
-                                              gemv_stages, load_fp8, native_fp8, quantize_act, weight_arg)
+                                              gemv_stages, load_fp8, native_fp8, quantize_act, tile_scale_rows,
+                                              weight_arg)
 from services.model.layers import AddNorm
 
 
@@ -61,10 +62,8 @@ def _gate_up_kernel(x_ptr, xs_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_
     xs_rows = xs_ptr + token * d_blocks
     w_gate = w_ptr + expert.to(tl.int64) * 2 * width * hidden + f.to(tl.int64) * hidden
     w_up = w_gate + width * hidden
-    # Gate's block-scale rows, then up's (up_scale_row further): a tile of at most 128 columns starts
-    # at a multiple of its width, so it lies in one block and takes one scale each a step.
-    s_gate = s_ptr + expert.to(tl.int64) * 2 * up_scale_row * d_blocks + (
-        (f0 // BLOCK) * d_blocks if BLOCK_N <= BLOCK else (f // BLOCK) * d_blocks)
+    # Gate's block-scale rows, then up's (up_scale_row blocks further).
+    s_gate = tile_scale_rows(s_ptr + expert.to(tl.int64) * 2 * up_scale_row * d_blocks, f0, f, d_blocks, BLOCK_N)
     s_up = s_gate + up_scale_row * d_blocks
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -107,11 +106,9 @@ def _down_kernel(act_ptr, acts_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends
     f_blocks = tl.cdiv(width, BLOCK)
     s_expert = s_ptr + expert.to(tl.int64) * tl.cdiv(hidden, BLOCK) * f_blocks
     w_rows = w_ptr + expert.to(tl.int64) * hidden * width + o.to(tl.int64) * width
-    # A tile of at most 128 rows starts at a multiple of its height: one scale block.
-    s_rows = s_expert + (o0 // BLOCK) * f_blocks if BLOCK_N <= BLOCK else s_expert + (o // BLOCK) * f_blocks
     acc = fp8_block_dot(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), act_ptr + p.to(tl.int64) * width, row_mask,
-                        acts_ptr + p.to(tl.int64) * f_blocks, w_rows, o_mask, s_rows, 0, width, A_FP8, NATIVE,
-                        BLOCK_N <= BLOCK)
+                        acts_ptr + p.to(tl.int64) * f_blocks, w_rows, o_mask,
+                        tile_scale_rows(s_expert, o0, o, f_blocks, BLOCK_N), 0, width, A_FP8, NATIVE, BLOCK_N <= BLOCK)
     tl.store(y_ptr + r.to(tl.int64)[:, None] * hidden + o[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=row_mask[:, None] & o_mask[None, :])
 
