@@ -75,8 +75,7 @@
 #            limit 330 s (one GPU)
 #     fp8kern  bench/kernels/fp8_moe_sweep.py at ${FP8_TOKENS:-256,2048,4096,8192} tokens (the FP8 grouped MoE's tiles
 #            against bf16; printed to the log; limit 200 s), then bench/kernels/quant_decode_step.py: the 48-layer
-#            decode step at 64 and 256 rows, bf16 and FP8, each with its 14 costliest kernels (limit 150 s), then
-#            bench/kernels/fp8_ws_probe.py (the block-FP8 GEMM warp-specialized against the production one; 150 s);
+#            decode step at 64 and 256 rows, bf16 and FP8, each with its 14 costliest kernels (limit 150 s);
 #            one GPU
 #     quantacc tests/services/model/test_random_quant_cuda.py (the random quantized presets drawn on the GPU),
 #            then bench/accuracy/hf_parity.py --quant fp8 then --quant awq on the 30B shape cut to 8 layers
@@ -191,8 +190,7 @@ for step in $STEPS; do
                 part gemvvar_fp8 150 python3 -m bench.kernels.fp8_moe_sweep --tokens 1 ;;
         fp8kern) part fp8kern_sweep 200 python3 -m bench.kernels.fp8_moe_sweep --tokens "${FP8_TOKENS:-256,2048,4096,8192}"
                 part fp8kern_step 150 python3 -m bench.kernels.quant_decode_step --layers 48 --rows 64,256 \
-                --presets qwen3-30b-a3b,qwen3-30b-a3b-fp8 --profile 14
-                part fp8kern_ws 150 python3 -m bench.kernels.fp8_ws_probe ;;
+                --presets qwen3-30b-a3b,qwen3-30b-a3b-fp8 --profile 14 ;;
         quant) part quant 330 python3 -m bench.serving.quant_speed --kind "$KIND" \
                 --presets "${QUANT_PRESETS:-qwen3-30b-a3b,qwen3-30b-a3b-fp8,qwen3-30b-a3b-awq}" \
                 --cases "${QUANT_CASES:-b1,c256,mix}" ${QUANT_ARGS:---output-scale 0.25 --mix-requests 32} \
