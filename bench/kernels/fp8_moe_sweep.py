@@ -15,7 +15,9 @@ size is the default; the fastest is marked; a tile that does not fit says so.
 --tokens 1 instead times batch 1's weight-only GEMVs (quant_fp8.fp8_gemv_rows): q|k|v and o at one
 row and the one-token MoE (gate_route, then quant_fp8_moe.one_token_experts), each with today's
 plain loop (the default) and pipelined (quant_fp8.GEMV_PIPELINED: cp.async as deep as the tiles'
-stages), and the MoE with twice the rows a gate_up program; bf16 (gemv.linear, moe_small) beside.
+stages), and other tiles of the plain loop: fewer, longer steps (one step a row: every load of a
+program in flight at once, as bf16's one-token gate_up reads its rows), fewer or more rows a program;
+bf16 (gemv.linear, moe_small) beside.
 """
 
 import argparse
@@ -94,29 +96,49 @@ def _one_row_lines(case: str, bf16, variants: dict, x, copies: list, reps: int) 
         print(f"{case:<8} {label:<44} {us:8.1f} us  x{us / bf16_us:4.2f} of bf16  err vs bf16 {err:.2e}", flush=True)
 
 
+# Other plain-loop tiles at one row. Dense: (label, block_n, steps a row, warps); the step is K / steps.
+ONE_ROW_DENSE = [("8 rows, 2 steps", 8, 2, 4), ("8 rows, 4 steps", 8, 4, 4), ("4 rows, 2 steps", 4, 2, 4),
+                 ("8 rows, 1 step", 8, 1, 4), ("4 rows, 1 step", 4, 1, 4), ("8 rows, 1 step, 8 warps", 8, 1, 8),
+                 ("2 rows, 1 step", 2, 1, 4), ("16 rows, 4 steps", 16, 4, 4)]
+# The one-token MoE: (label, MoeTiles fields replaced in ONE_TOKEN_TILES).
+ONE_TOKEN_VARIANTS = [("gate_up 1 step", dict(gate_up_d=2048)),
+                      ("gate_up 1 step, 2 rows", dict(gate_up_d=2048, gate_up_f=2)),
+                      ("gate_up 1 step, 8 rows", dict(gate_up_d=2048, gate_up_f=8)),
+                      ("down 256 a step", dict(down_f=256)),
+                      ("down 512 a step", dict(down_f=512)),
+                      ("gate_up 1 step, down 256 a step", dict(gate_up_d=2048, down_f=256)),
+                      ("gate_up 1 step, down 256, 8 rows", dict(gate_up_d=2048, down_f=256, down_o=8)),
+                      ("gate_up 1 step, down 256, 2 rows", dict(gate_up_d=2048, down_f=256, down_o=2)),
+                      ("gate_up 1 step, 2 rows, down 256", dict(gate_up_d=2048, gate_up_f=2, down_f=256))]
+
+
 def one_row(copies: int, reps: int) -> None:
-    """Batch 1's FP8 GEMVs, plain (default) and pipelined (quant_fp8.GEMV_PIPELINED)."""
+    """Batch 1's FP8 GEMVs, plain (default) and pipelined (quant_fp8.GEMV_PIPELINED), and other tiles."""
     for name, (n, k) in DENSE.items():
         dense = dense_copies(n, k, 12)
         x = _randn(1, k, scale=1.0, seed=101).bfloat16()
 
-        def fp8(x, c):
-            return quant_fp8.linear(x, *c["fp8"], kernel="weight-only")
-        _one_row_lines(f"{name} M=1", lambda x, c: gemv.linear(x, c["bf16"]),
-                       {"default (plain loop)": (False, fp8), "pipelined": (True, fp8)}, x, dense, reps)
+        def fp8(tiles=None):
+            return lambda x, c: quant_fp8.linear(x, *c["fp8"], kernel="weight-only", tiles=tiles)
+        variants = {"default (plain loop)": (False, fp8()), "pipelined": (True, fp8())}
+        for label, block_n, steps, warps in ONE_ROW_DENSE:
+            variants[label] = (False, fp8(quant_fp8.LinearTiles(1, block_n, k // steps, 1, warps, 1)))
+        _one_row_lines(f"{name} M=1", lambda x, c: gemv.linear(x, c["bf16"]), variants, x, dense, reps)
         del dense
     moe = moe_copies(copies)
-    wide = dataclasses.replace(quant_fp8_moe.ONE_TOKEN_TILES, gate_up_f=8)
 
     def experts(tiles):
         def run(x, c):
             ids, weights = routing.gate_route(x, c["gate"], TOP_K, True, _hits())[:2]
             return quant_fp8_moe.one_token_experts(x, ids, weights, *c["fp8"], tiles)
         return run
-    _one_row_lines("moe M=1", moe_bf16, {"default (plain loop)": (False, experts(quant_fp8_moe.ONE_TOKEN_TILES)),
-                                         "pipelined": (True, experts(quant_fp8_moe.ONE_TOKEN_TILES)),
-                                         "pipelined, gate_up_f 8": (True, experts(wide))},
-                   _randn(1, HIDDEN, scale=1.0, seed=201).bfloat16(), moe, reps)
+    variants = {"default (plain loop)": (False, experts(quant_fp8_moe.ONE_TOKEN_TILES)),
+                "pipelined": (True, experts(quant_fp8_moe.ONE_TOKEN_TILES)),
+                "pipelined, gate_up_f 8": (True, experts(dataclasses.replace(quant_fp8_moe.ONE_TOKEN_TILES,
+                                                                               gate_up_f=8)))}
+    for label, fields in ONE_TOKEN_VARIANTS:
+        variants[label] = (False, experts(dataclasses.replace(quant_fp8_moe.ONE_TOKEN_TILES, **fields)))
+    _one_row_lines("moe M=1", moe_bf16, variants, _randn(1, HIDDEN, scale=1.0, seed=201).bfloat16(), moe, reps)
 
 
 def main(argv=None) -> int:
