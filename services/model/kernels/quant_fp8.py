@@ -41,6 +41,8 @@ _E4M3_MAX = tl.constexpr(E4M3_MAX)
 WEIGHT_ONLY_MAX_ROWS = 16
 # Rows per program of quantize_act.
 QUANT_ROWS = 16
+# The one-row GEMV's long rows (see default_tiles).
+LONG_ROW = 4096
 # The one-row GEMVs' loops (fp8_gemv_rows, here and in quant_fp8_moe's one-token gate_up): False, a plain loop
 # whose steps each wait for their loads; True, pipelined as deep as the launch's stages (static estimates only,
 # bench/kernels/sass_stats.py; not yet measured).
@@ -253,6 +255,11 @@ def default_tiles(num_rows: int, out_features: int, in_features: int, tensor_cor
     tensor cores take decode batches (up to DECODE_TILE_MAX_ROWS rows) in 64 x 64 tiles, never
     split: the split's fp32 partials and their sum cost more than the idle SMs of a small grid."""
     if num_rows == 1:
+        # Rows of 4,096 columns or more: 4 rows a program in steps of 2,048 columns (fewer, longer steps keep
+        # more of a program's loads in flight; o_proj 5.9 against 8.6 us on an H100); shorter rows 8 rows in
+        # steps of 512 (q|k|v: the longer steps tied).
+        if in_features >= LONG_ROW:
+            return LinearTiles(1, 4, LONG_ROW // 2, 1, 4, 1)
         return LinearTiles(1, 8, 512, 1, 4, 3)
     if num_rows <= WEIGHT_ONLY_MAX_ROWS:
         splits = num_splits(triton.cdiv(out_features, 32), in_features, 4 * FP8_BLOCK)

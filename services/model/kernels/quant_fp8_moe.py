@@ -304,8 +304,9 @@ def _one_token_down_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, out_ptr,
 
 
 # One token's tiles (MoeTiles' one-token fields): gate_up_f and down_o divide 128 (one scale row a
-# program); moe_small's bf16 tiles with twice the columns a step (a float8 weight is half the bytes).
-ONE_TOKEN_TILES = MoeTiles(gate_up_f=4, gate_up_d=1024, gate_up_stages=3, gate_up_warps=4, down_o=4, down_f=128,
+# program). gate_up reads a whole row of 2,048 in one step, as moe_small's bf16 tiles do, and down
+# 256 columns a step: the fastest plain-loop tiles of an H100 sweep (docs/performance.md).
+ONE_TOKEN_TILES = MoeTiles(gate_up_f=4, gate_up_d=2048, gate_up_stages=3, gate_up_warps=4, down_o=4, down_f=256,
                            down_warps=4, one_token=True, down_stages=4)
 
 

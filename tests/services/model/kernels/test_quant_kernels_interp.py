@@ -105,6 +105,19 @@ def test_fp8_weight_only_linear(quant_fp8, fp8_weight, num_rows):
     torch.testing.assert_close(quant_fp8.linear(x, w8, s, kernel="weight-only"), x @ w_ref.T, atol=1e-4, rtol=1e-5)
 
 
+def test_fp8_one_row_long_rows_take_their_own_tiles(quant_fp8):
+    """A row of LONG_ROW columns or more: the default GEMV reads it in steps of half LONG_ROW (a row of
+    1.5 LONG_ROW: a whole step, then a partial one) with its block scales, as the reference."""
+    k = 3 * quant_fp8.LONG_ROW // 2
+    tiles = quant_fp8.default_tiles(1, 12, k, tensor_cores=False)
+    assert (tiles.block_n, tiles.block_k) == (4, quant_fp8.LONG_ROW // 2)
+    assert quant_fp8.default_tiles(1, 12, quant_fp8.LONG_ROW - 128, tensor_cores=False).block_k == 512
+    w8, s = ref.quant_fp8(_randn(12, k, seed=8, scale=0.05))
+    x = _randn(1, k, seed=9)
+    torch.testing.assert_close(quant_fp8.linear(x, w8, s, kernel="weight-only"), x @ ref.dequant_fp8(w8, s).T,
+                               atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("num_rows", [1, 3])
 def test_fp8_weight_only_from_raw_bytes(quant_fp8, num_rows):
     """Below compute capability 8.9 the weights go in as bytes: every finite e4m3 code (subnormals,
