@@ -97,19 +97,15 @@ def _one_row_lines(case: str, bf16, variants: dict, x, copies: list, reps: int) 
 
 
 # Other plain-loop tiles at one row. Dense: (label, block_n, steps a row, warps); the step is K / steps.
-ONE_ROW_DENSE = [("8 rows, 2 steps", 8, 2, 4), ("8 rows, 4 steps", 8, 4, 4), ("4 rows, 2 steps", 4, 2, 4),
-                 ("8 rows, 1 step", 8, 1, 4), ("4 rows, 1 step", 4, 1, 4), ("8 rows, 1 step, 8 warps", 8, 1, 8),
-                 ("2 rows, 1 step", 2, 1, 4), ("16 rows, 4 steps", 16, 4, 4)]
+ONE_ROW_DENSE = [("8 rows, 4 steps", 8, 4, 4), ("8 rows, 4 steps, 8 warps", 8, 4, 8), ("4 rows, 4 steps", 4, 4, 4),
+                 ("8 rows, 8 steps", 8, 8, 4), ("16 rows, 2 steps", 16, 2, 4), ("4 rows, 2 steps", 4, 2, 4),
+                 ("4 rows, 2 steps, 8 warps", 4, 2, 8), ("2 rows, 2 steps", 2, 2, 4), ("8 rows, 2 steps", 8, 2, 4)]
 # The one-token MoE: (label, MoeTiles fields replaced in ONE_TOKEN_TILES).
-ONE_TOKEN_VARIANTS = [("gate_up 1 step", dict(gate_up_d=2048)),
-                      ("gate_up 1 step, 2 rows", dict(gate_up_d=2048, gate_up_f=2)),
-                      ("gate_up 1 step, 8 rows", dict(gate_up_d=2048, gate_up_f=8)),
-                      ("down 256 a step", dict(down_f=256)),
-                      ("down 512 a step", dict(down_f=512)),
-                      ("gate_up 1 step, down 256 a step", dict(gate_up_d=2048, down_f=256)),
-                      ("gate_up 1 step, down 256, 8 rows", dict(gate_up_d=2048, down_f=256, down_o=8)),
-                      ("gate_up 1 step, down 256, 2 rows", dict(gate_up_d=2048, down_f=256, down_o=2)),
-                      ("gate_up 1 step, 2 rows, down 256", dict(gate_up_d=2048, gate_up_f=2, down_f=256))]
+ONE_TOKEN_VARIANTS = [("gate_up 2 warps", dict(gate_up_warps=2)), ("gate_up 8 warps", dict(gate_up_warps=8)),
+                      ("down 2 warps", dict(down_warps=2)), ("down 8 warps", dict(down_warps=8)),
+                      ("down 128 a step", dict(down_f=128)), ("down 8 rows", dict(down_o=8)),
+                      ("gate_up 2 rows", dict(gate_up_f=2)), ("gate_up 8 rows, 8 warps", dict(gate_up_f=8, gate_up_warps=8)),
+                      ("gate_up 1,024 a step", dict(gate_up_d=1024))]
 
 
 def one_row(copies: int, reps: int) -> None:
