@@ -255,9 +255,9 @@ def default_tiles(num_rows: int, out_features: int, in_features: int, tensor_cor
     tensor cores take decode batches (up to DECODE_TILE_MAX_ROWS rows) in 64 x 64 tiles, never
     split: the split's fp32 partials and their sum cost more than the idle SMs of a small grid."""
     if num_rows == 1:
-        # Rows of 4,096 columns or more: 4 rows a program in steps of 2,048 columns (fewer, longer steps keep
-        # more of a program's loads in flight; o_proj 5.9 against 8.6 us on an H100); shorter rows 8 rows in
-        # steps of 512 (q|k|v: the longer steps tied).
+        # Rows of LONG_ROW columns or more: 4 rows a program in steps of half that (fewer, longer steps keep
+        # more of a program's loads in flight); shorter rows 8 rows in steps of 512, where the longer steps
+        # tied (the fastest of an H100 sweep: docs/performance.md).
         if in_features >= LONG_ROW:
             return LinearTiles(1, 4, LONG_ROW // 2, 1, 4, 1)
         return LinearTiles(1, 8, 512, 1, 4, 3)
