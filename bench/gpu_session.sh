@@ -73,6 +73,12 @@
 #     quant235 bench/serving/quant_speed.py on qwen3-235b-a22b-awq (124 GB of weights on one H200): b1, c16, c64,
 #            mix (${QUANT235_CASES}), the memory plan and the KV capacity in tokens; QUANT235_ARGS as QUANT_ARGS;
 #            limit 330 s (one GPU)
+#     c256prof the FP8 c256 case (1K/1K, float8 KV cache) with its rank's first ${C256PROF_STEPS:-40} steps with
+#            prompt tokens profiled (expert_svc/step_profile.py: drained, not pipelined; each line its launch,
+#            wall and kernel ms, tokens and sequences), to tell why that case's prefill steps take the host
+#            nearly as long as the device in serving (docs/performance.md); the warm-up's steps come first,
+#            the case's are those of 8 prompts beside the decodes; --name quant_c256prof (its throughput
+#            is the profiler's, not a result); c256prof/prof.jsonl; limit 300 s (one GPU)
 #     fp8kern  bench/kernels/fp8_moe_sweep.py at ${FP8_TOKENS:-256,2048,4096,8192} tokens (the FP8 grouped MoE's tiles
 #            against bf16; printed to the log; limit 200 s), then bench/kernels/quant_decode_step.py: the 48-layer
 #            decode step at 64 and 256 rows, bf16 and FP8, each with its 14 costliest kernels (limit 150 s);
@@ -202,6 +208,11 @@ for step in $STEPS; do
         quant235) part quant235 330 python3 -m bench.serving.quant_speed --kind "$KIND" --name quant235_speed \
                 --presets qwen3-235b-a22b-awq --cases "${QUANT235_CASES:-b1,c16,c64,mix}" \
                 ${QUANT235_ARGS:---output-scale 0.25 --mix-requests 32} --out "$RESULTS/quant235" ;;
+        c256prof) [ "$DRY" = 1 ] || mkdir -p "$RESULTS/c256prof"
+                part c256prof 300 python3 -m bench.serving.quant_speed --kind "$KIND" --name quant_c256prof \
+                --presets qwen3-30b-a3b-fp8 --cases c256 --expert-arg=--kv-cache-dtype=fp8_e4m3 \
+                --expert-arg=--profile-prefill-steps="${C256PROF_STEPS:-40}" --expert-arg=--profile-skip-steps=0 \
+                --expert-arg=--profile-file="$RESULTS/c256prof/prof.jsonl" --out "$RESULTS/c256prof" ;;
         quantacc) part quantacc_draw 60 python3 -m pytest -q -p no:cacheprovider tests/services/model/test_random_quant_cuda.py
                 part quantacc_fp8 240 python3 -m bench.accuracy.hf_parity --quant fp8 --layers "${QUANTACC_LAYERS:-8}" --batches 1,8,256 \
                 --mixed 16 --out "$RESULTS/quantacc_fp8"
