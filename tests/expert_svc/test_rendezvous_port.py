@@ -13,6 +13,7 @@ import types
 from expert_svc.rendezvous import RendezvousError, StorePortError
 from expert_svc.server import ExpertRank
 from moemesh.etcd import free_port
+from tests.expert_svc.link_scripts import NEXT_EPOCH_ALONE
 
 _RANK = r"""
 import json, socket, sys
@@ -20,7 +21,7 @@ import torch, torch.distributed as dist
 from expert_svc.rendezvous import ProcessGroupLink, RendezvousError, StorePortError
 from services.cluster import GroupAssignment, RankInfo
 
-taken, fresh = int(sys.argv[1]), int(sys.argv[2])
+taken, next_port = int(sys.argv[1]), int(sys.argv[2])
 squatter = socket.socket()
 squatter.bind(("127.0.0.1", taken))
 squatter.listen()
@@ -31,18 +32,12 @@ try:
     outcome["error"] = None
 except RendezvousError as error:
     outcome["error"], outcome["port_error"] = str(error), isinstance(error, StorePortError)
-link.connect(GroupAssignment("g0", 2, 1, 1, f"127.0.0.1:{fresh}", [RankInfo(0, "e0", "a")], None), 0)
-total = torch.ones(2)
-dist.all_reduce(total)
-outcome["next_epoch_sum"] = total.tolist()
-link.close()
-print(json.dumps(outcome), flush=True)
-"""
+""" + NEXT_EPOCH_ALONE
 
 
 def test_a_taken_store_port_is_a_port_error_and_the_next_epoch_meets_elsewhere():
-    taken, fresh = free_port(), free_port()
-    out = subprocess.run([sys.executable, "-c", _RANK, str(taken), str(fresh)], capture_output=True, text=True,
+    taken, next_port = free_port(), free_port()
+    out = subprocess.run([sys.executable, "-c", _RANK, str(taken), str(next_port)], capture_output=True, text=True,
                          timeout=90)
     assert out.returncode == 0, out.stderr[-3000:]
     outcome = json.loads(out.stdout.strip().splitlines()[-1])

@@ -128,6 +128,17 @@ def tile_scale_rows(scale_ptr, first, rows, row_stride, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def tile_scales(scale_rows, k0, w_mask, W_SCALE_TILE: tl.constexpr):
+    """The weight rows' block scales of the 128-column step at k0 (scale_rows: tile_scale_rows'): one
+    number where the tile lies in one 128-row block (W_SCALE_TILE), else a [1, BN] row, each row's."""
+    if W_SCALE_TILE:
+        scales = tl.load(scale_rows + k0 // BLOCK)
+    else:
+        scales = tl.load(scale_rows + k0 // BLOCK, mask=w_mask, other=0.0)[None, :]
+    return scales
+
+
+@triton.jit
 def fp8_block_dot(acc, a_rows, a_mask, a_scale_rows, w_rows, w_mask, w_scale_rows, k_start, k_end,
                   A_FP8: tl.constexpr, NATIVE: tl.constexpr, W_SCALE_TILE: tl.constexpr):
     """acc [BM, BN] + a[rows, k_start:k_end] @ W[rows, k_start:k_end]^T in steps of one 128-column
@@ -142,10 +153,7 @@ def fp8_block_dot(acc, a_rows, a_mask, a_scale_rows, w_rows, w_mask, w_scale_row
         k = k0 + tl.arange(0, BLOCK)
         k_mask = k < k_end
         a = tl.load(a_rows[:, None] + k[None, :], mask=a_mask[:, None] & k_mask[None, :], other=0.0)
-        if W_SCALE_TILE:
-            w_scale = tl.load(w_scale_rows + k0 // BLOCK)
-        else:
-            w_scale = tl.load(w_scale_rows + k0 // BLOCK, mask=w_mask, other=0.0)[None, :]
+        w_scale = tile_scales(w_scale_rows, k0, w_mask, W_SCALE_TILE)
         if A_FP8:
             w = tl.load(w_rows[:, None] + k[None, :], mask=w_mask[:, None] & k_mask[None, :], other=0.0)
             a_scale = tl.load(a_scale_rows + k0 // BLOCK, mask=a_mask, other=0.0)[:, None]

@@ -32,7 +32,7 @@ from services.model.kernels.moe_gemm import GemmBlocks, MoEConfig, _block_rows, 
 from services.model.kernels.moe_small import MoeTiles
 from services.model.kernels.quant_fp8 import (BLOCK, FP8_BLOCK, WEIGHT_ONLY_MAX_ROWS, fp8_block_dot, fp8_gemv_rows,
                                               gemv_stages, load_fp8, native_fp8, quantize_act, tile_scale_rows,
-                                              weight_arg)
+                                              tile_scales, weight_arg)
 from services.model.layers import AddNorm
 
 
@@ -71,11 +71,7 @@ def _gate_up_kernel(x_ptr, xs_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_
         d = d0 + tl.arange(0, BLOCK)
         wm = f_mask[:, None] & (d < hidden)[None, :]
         x = tl.load(x_rows[:, None] + d[None, :], mask=row_mask[:, None] & (d < hidden)[None, :], other=0.0)
-        if BLOCK_N <= BLOCK:
-            sg, su = tl.load(s_gate + d0 // BLOCK), tl.load(s_up + d0 // BLOCK)
-        else:
-            sg = tl.load(s_gate + d0 // BLOCK, mask=f_mask, other=0.0)[None, :]
-            su = tl.load(s_up + d0 // BLOCK, mask=f_mask, other=0.0)[None, :]
+        sg, su = tile_scales(s_gate, d0, f_mask, BLOCK_N <= BLOCK), tile_scales(s_up, d0, f_mask, BLOCK_N <= BLOCK)
         if A_FP8:
             xs = tl.load(xs_rows + d0 // BLOCK, mask=row_mask, other=0.0)[:, None]
             wg = tl.load(w_gate[:, None] + d[None, :], mask=wm, other=0.0)
