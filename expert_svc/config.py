@@ -64,6 +64,12 @@ class ExpertConfig(MemberConfig):
     # waits for one while serving. The gateway's max_batch_tokens is the longest
     # prompt chunk of a step. 0: prepared on first use.
     warm_prompt_tokens: int = 8192
+    # On CUDA, when the model loads: the LM head is run once at each row count
+    # up to this many (the rows a step samples), so that cuBLAS's kernel for
+    # each count is loaded then: CUDA loads a kernel on its first launch and
+    # that load waits for the device, so a step whose sample count is new would
+    # block the host for the whole of the step before it. 0: loaded on first use.
+    warm_logit_rows: int = 512
     # The kernels of a quantized checkpoint (FP8 or AWQ) on CUDA: "fp8" (FP8
     # tensor cores, FP8 checkpoints on compute capability >= 8.9),
     # "weight-only" (weights dequantized in the kernel: AWQ, or FP8 on older
@@ -219,8 +225,9 @@ class ExpertConfig(MemberConfig):
         if self.quantized_kernel not in _QUANTIZED_KERNELS:
             raise ValueError(f"quantized_kernel must be one of {_QUANTIZED_KERNELS}, got {self.quantized_kernel!r}")
         check_gemv_variants(self.quant_gemv_variants)
-        if self.warm_prompt_tokens < 0:
-            raise ValueError(f"warm_prompt_tokens must be >= 0, got {self.warm_prompt_tokens}")
+        if self.warm_prompt_tokens < 0 or self.warm_logit_rows < 0:
+            raise ValueError(f"warm_prompt_tokens and warm_logit_rows must be >= 0, got {self.warm_prompt_tokens} "
+                             f"and {self.warm_logit_rows}")
         if self.profile_prefill_steps < 0 or self.profile_skip_steps < 0:
             raise ValueError(f"profile_prefill_steps and profile_skip_steps must be >= 0, got "
                              f"{self.profile_prefill_steps} and {self.profile_skip_steps}")

@@ -85,6 +85,7 @@ class ModelBuilder:
         kv_pool = self.kv_pool()
         self.warm_prompt_attention(model, kv_pool)
         self.capture_prefill_graphs(model)
+        self.warm_logits(model)
         return model, kv_pool
 
     def warm_prompt_attention(self, model: Qwen3MoeModel, kv_pool: KVPool) -> None:
@@ -99,6 +100,16 @@ class ModelBuilder:
         if lengths:
             log.info("prompt attention prepared at %d lengths (%d..%d tokens) in %.1f s", len(lengths), lengths[0],
                      lengths[-1], time.perf_counter() - start)
+
+    def warm_logits(self, model: Qwen3MoeModel) -> None:
+        """Model thread, on CUDA: the LM head run at every row count up to warm_logit_rows, so
+        that no step waits, host and device, for CUDA to load the kernel of its sample count."""
+        cfg = self.config
+        if not cfg.is_cuda or not cfg.warm_logit_rows:
+            return
+        start = time.perf_counter()
+        model.warm_logits(cfg.warm_logit_rows)
+        log.info("LM head run at 1..%d rows in %.1f s", cfg.warm_logit_rows, time.perf_counter() - start)
 
     def plan_dispatch(self, comm) -> None:
         """Sets comm.plan, the group's exchange design per step size, and logs it: a collective

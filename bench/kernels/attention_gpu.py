@@ -46,6 +46,12 @@
    (the chunk over itself causal, over the prefix unmasked; cuDNN and flash),
    grouped or expanded K/V, and the gather of the K/V out of the pool.
 
+7. The decode kernel over a float8 cache (--sections fp8decode): 256, 64 and 8
+   sequences at a 1,536-token context (a 1K-in/1K-out run's mean), the
+   default launch against other stage counts, block sizes, register caps and
+   splits (FP8_DECODE_VARIANTS), each with its largest difference from the
+   default's output, and the bf16 cache's default beside them.
+
 Writes attention_gpu.md and attention_gpu.json under --out. Exit status 1 if
 an accuracy check fails. Needs CUDA, torch and triton only.
 """
@@ -288,6 +294,74 @@ def decode_speed(iters) -> tuple[list[dict], list[dict]]:
     return rows, sweep
 
 
+# The float8 cache's decode kernel under other launch settings (--sections fp8decode): backend knobs,
+# attention.DECODE_LAUNCH entries (num_stages) and its register cap (attention.FP8_DECODE_MAXNREG).
+FP8_DECODE_VARIANTS = {
+    "default": {},
+    "stages1": {"launch": {"num_stages": 1}},
+    "stages2": {"launch": {"num_stages": 2}},
+    "nocap": {"maxnreg": None},
+    "n128_nocap": {"backend": {"block_n": 128}, "maxnreg": None},
+    "splits2": {"backend": {"decode_splits": 2}},
+}
+
+
+def fp8_decode_sweep(iters) -> list[dict]:
+    """The decode kernel over a float8 cache at serving's big batches (contexts of a 1K-in/1K-out run),
+    each variant of FP8_DECODE_VARIANTS as a CUDA graph over L layers, with its largest difference from
+    the default's output; the bf16 cache's default beside it (its bandwidth counts its own bytes)."""
+    num_heads, num_kv_heads = SHAPES["30B-A3B"]
+    rows = []
+    saved = triton_attention.DECODE_LAUNCH, triton_attention.FP8_DECODE_MAXNREG
+    for batch_size, context in ((256, 1536), (64, 1536), (8, 1536)):
+        for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            num_blocks = batch_size * context // BLOCK_SIZE
+            elt = torch.empty((), dtype=cache_dtype).element_size()
+            layer_bytes = 2 * num_blocks * BLOCK_SIZE * num_kv_heads * HEAD_DIM * elt
+            num_layers = max(1, min(48, -(-4 * L2_BYTES // layer_bytes)))
+            pool = _pool(num_layers, num_blocks, num_kv_heads, cache_dtype)
+            blocks = list(range(num_blocks))
+            random.Random(2).shuffle(blocks)
+            per_seq = context // BLOCK_SIZE
+            seqs = [SeqInput(i, [1], context - 1, blocks[i * per_seq:(i + 1) * per_seq], True)
+                    for i in range(batch_size)]
+            batch = build_decode_batch(seqs, BLOCK_SIZE, DEVICE, num_rows=batch_size, max_blocks=per_seq)
+            q, k, v = _inputs(batch_size, num_heads, num_kv_heads, torch.bfloat16)
+            variants = FP8_DECODE_VARIANTS if elt == 1 else {"default": {}}
+            reference = None
+            for name, variant in variants.items():
+                triton_attention.DECODE_LAUNCH = variant.get("launch", {})
+                triton_attention.FP8_DECODE_MAXNREG = variant.get("maxnreg", saved[1])
+                backend = TritonPagedAttention(**variant.get("backend", {}))
+
+                def step():
+                    for layer in range(num_layers):
+                        out = backend.forward(layer, q, k, v, batch, pool, HEAD_DIM ** -0.5)
+                    return out
+
+                row = {"batch": batch_size, "context": context, "cache": str(cache_dtype).replace("torch.", ""),
+                       "variant": name}
+                try:
+                    graph, out = _capture(step)
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    per_layer = _time_ms(graph.replay, iters) / num_layers
+                except Exception as error:  # noqa: BLE001 - a variant that does not compile is a result
+                    rows.append(row | {"error": repr(error)[:200]})
+                    print(f"fp8decode {rows[-1]}", flush=True)
+                    continue
+                reference = out.clone() if reference is None else reference
+                row |= {"graph_us": 1e3 * per_layer, "graph_tbps": layer_bytes / per_layer / 1e9,
+                        "max_diff_vs_default": (out.float() - reference.float()).abs().max().item()}
+                rows.append(row)
+                print(f"fp8decode {row}", flush=True)
+                del graph
+            triton_attention.DECODE_LAUNCH, triton_attention.FP8_DECODE_MAXNREG = saved
+            pool = batch = None
+            torch.cuda.empty_cache()
+    return rows
+
+
 def prefill_speed(iters) -> list[dict]:
     num_heads, num_kv_heads = SHAPES["30B-A3B"]
     rows = []
@@ -495,7 +569,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"), help="directory of the result files")
     parser.add_argument("--iters", type=int, default=50, help="timed iterations per measurement")
     parser.add_argument("--sections", default="checks,decode,prefill",
-                        help="which of checks (accuracy), decode, prefill, lengths, sdpa, chunks to run")
+                        help="which of checks (accuracy), decode, prefill, lengths, sdpa, chunks, fp8decode to run")
     args = parser.parse_args()
     wanted = set(args.sections.split(","))
     if not torch.cuda.is_available():
@@ -506,7 +580,8 @@ def main() -> int:
               "triton": __import__("triton").__version__, "errors": []}
     sections = (("checks", accuracy), ("decode", lambda: decode_speed(args.iters)),
                 ("prefill", lambda: prefill_speed(args.iters)), ("lengths", prompt_lengths),
-                ("sdpa", lambda: prompt_backends(args.iters)), ("chunks", lambda: chunk_backends(args.iters)))
+                ("sdpa", lambda: prompt_backends(args.iters)), ("chunks", lambda: chunk_backends(args.iters)),
+                ("fp8decode", lambda: fp8_decode_sweep(args.iters)))
     for name, run in sections:
         if name not in wanted:
             result[name] = []
@@ -520,6 +595,7 @@ def main() -> int:
     result["decode"], result["split_sweep"] = result["decode"] or ([], [])
     checks, decode, sweep, prefill = result["checks"], result["decode"], result["split_sweep"], result["prefill"]
     lengths, backends, chunks = result["lengths"], result["sdpa"], result["chunks"]
+    fp8decode = result["fp8decode"]
     md = "\n\n".join([
         f"# Triton paged attention on {props.name} ({props.multi_processor_count} SMs), "
         f"torch {result['torch']}, triton {result['triton']}",
@@ -551,6 +627,10 @@ def main() -> int:
                         *(f"{c}_{unit}" for c in ("kernel", "flash_right_gqa", "flash_right_expanded", "cudnn_two_gqa",
                                                   "cudnn_two_expanded", "flash_two_gqa", "flash_two_expanded")
                           for unit in ("us", "tflops", "diff"))]),
+        "## Decode over a float8 cache: launch variants (CUDA graph, per layer; bandwidth of the cache's "
+        "own bytes; the bf16 cache's default beside it)",
+        _table(fp8decode, ["batch", "context", "cache", "variant", "graph_us", "graph_tbps", "max_diff_vs_default",
+                           "error"]),
         "Errors: " + ("; ".join(result["errors"]) or "none"),
     ]) + "\n"
     print(md, flush=True)

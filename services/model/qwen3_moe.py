@@ -271,6 +271,15 @@ class Qwen3MoeModel:
         """fp32 logits of final-normed rows (final_norm's), into logits_SV if given."""
         return _logits(x_SD, self.lm_head_VD, logits_SV)
 
+    def warm_logits(self, max_rows: int) -> None:
+        """Runs the LM head once at each row count 1..max_rows (on zeros): the library picks a
+        kernel per count, and CUDA loads a kernel lazily, on its first launch, waiting for the
+        device to finish its work; warmed at load time, no step waits for that."""
+        x_RD = torch.zeros(max_rows, self.config.hidden_size, dtype=self.lm_head_VD.dtype,
+                           device=self.lm_head_VD.device)
+        for rows in range(1, max_rows + 1):
+            self.logits(x_RD[:rows])
+
     def final_norm(self, x_TD: Tensor, sample_indices_S: Tensor) -> Tensor:
         """The sampled rows of the final residual stream, final-normed: the LM head's input."""
         return rms_norm(x_TD[sample_indices_S], self.norm_D, self.config.rms_norm_eps)

@@ -1,6 +1,9 @@
 """ModelBuilder.prepare_kv_pool: a standby allocates its KV pool before any assignment, and
 the join's build takes that pool (once) instead of allocating one on the recovery path; on CUDA
-the build also warms the prompt attention (warm_prompt_attention)."""
+the build also warms the prompt attention (warm_prompt_attention) and the LM head's row counts
+(warm_logits)."""
+
+import pytest
 
 from expert_svc.config import ExpertConfig
 from expert_svc.model_builder import ModelBuilder
@@ -36,6 +39,10 @@ class _Attention:
 class _Model:
     def __init__(self):
         self.attention = _Attention()
+        self.warmed_rows = []
+
+    def warm_logits(self, max_rows):
+        self.warmed_rows.append(max_rows)
 
 
 def test_prompt_attention_is_warmed_on_cuda_up_to_the_configured_tokens(monkeypatch):
@@ -51,3 +58,19 @@ def test_prompt_attention_is_warmed_on_cuda_up_to_the_configured_tokens(monkeypa
     builder = ModelBuilder(ExpertConfig(member_id="e", random_weights="tiny", warm_prompt_tokens=0))
     builder.warm_prompt_attention(model, pool)
     assert len(model.attention.calls) == 1
+
+
+def test_logits_are_warmed_on_cuda_up_to_the_configured_rows(monkeypatch):
+    """On CUDA the build runs the LM head at every row count up to --warm-logit-rows (512 by
+    default); not on the CPU, nor with 0; a negative count is refused."""
+    builder, model = ModelBuilder(ExpertConfig(member_id="e", random_weights="tiny")), _Model()
+    assert builder.config.warm_logit_rows == 512
+    builder.warm_logits(model)
+    assert model.warmed_rows == []  # the CPU: no lazily loaded kernels
+    monkeypatch.setattr(type(builder.config), "is_cuda", property(lambda self: True))
+    builder.warm_logits(model)
+    assert model.warmed_rows == [512]
+    ModelBuilder(ExpertConfig(member_id="e", random_weights="tiny", warm_logit_rows=0)).warm_logits(model)
+    assert model.warmed_rows == [512]
+    with pytest.raises(ValueError, match="warm_logit_rows must be >= 0"):
+        ExpertConfig(member_id="e", model="m", warm_logit_rows=-1)

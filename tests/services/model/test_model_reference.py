@@ -145,6 +145,25 @@ def test_empty_batch_runs_and_counts_routed_tokens(dense_mixed):
     assert added.sum(dim=1).tolist() == [5 * config.num_experts_per_tok] * len(config.moe_layers)
 
 
+def test_warm_logits_runs_the_lm_head_at_every_row_count(dense_mixed, monkeypatch):
+    """warm_logits(n) takes the LM head through 1..n rows of the model's dtype, once each, and
+    leaves the model's logits as they were."""
+    config, model = dense_mixed
+    tokens = _prompt(config, 7, seed=3)
+    before = _all_logits(model, config, tokens, [0, 1])
+    seen, real = [], model.logits
+
+    def logits(x_SD, logits_SV=None):
+        seen.append((x_SD.shape, x_SD.dtype))
+        return real(x_SD, logits_SV)
+
+    monkeypatch.setattr(model, "logits", logits)
+    model.warm_logits(5)
+    assert seen == [((rows, config.hidden_size), model.lm_head_VD.dtype) for rows in range(1, 6)]
+    monkeypatch.undo()
+    torch.testing.assert_close(_all_logits(model, config, tokens, [0, 1]), before, atol=0, rtol=0)
+
+
 def test_rejects_expert_ids_other_than_the_rank_slice(dense_mixed):
     config, _ = dense_mixed
     with pytest.raises(ValueError, match="expert_ids"):

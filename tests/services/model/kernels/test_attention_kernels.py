@@ -488,5 +488,5 @@ def test_expert_config_attention_backend():
     with pytest.raises(ValueError, match="needs a CUDA device"):
         ExpertConfig(member_id="e", model="m", attention_backend="triton")
     assert ExpertConfig(member_id="e", model="m").warm_prompt_tokens == 8192
-    with pytest.raises(ValueError, match="warm_prompt_tokens must be >= 0"):
+    with pytest.raises(ValueError, match="warm_prompt_tokens and warm_logit_rows must be >= 0"):
         ExpertConfig(member_id="e", model="m", warm_prompt_tokens=-1)
