@@ -9,6 +9,8 @@
 #            limit 240 s (the second compiles the Triton kernels again in fp32)
 #     acc    bench/kernels/attention_gpu.py --sections checks (the triton attention's bf16 accuracy)
 #     attn   bench/kernels/attention_gpu.py (accuracy and speed)
+#     fp8attn bench/kernels/attention_gpu.py --sections fp8decode: the float8 cache's decode kernel under other
+#            launch settings beside the bf16 cache's (limit 120 s; one GPU)
 #     lengths bench/kernels/attention_gpu.py --sections checks,lengths,sdpa: whole prompts at new lengths, the
 #            first call's host ms exact (cuDNN builds a graph per length) against the length buckets, the warm-up;
 #            then one prompt of 2-8K tokens through each of torch's fused kernels, grouped and expanded K/V
@@ -157,6 +159,7 @@ for step in $STEPS; do
                 --out "$RESULTS/parity_long" ;;
         acc) part acc 120 python3 -m bench.kernels.attention_gpu --sections checks --out "$RESULTS/acc" ;;
         attn) part attn 240 python3 -m bench.kernels.attention_gpu --out "$RESULTS/attn" ;;
+        fp8attn) part fp8attn 120 python3 -m bench.kernels.attention_gpu --sections fp8decode --out "$RESULTS/fp8attn" ;;
         lengths) part lengths 180 python3 -m bench.kernels.attention_gpu --sections checks,lengths,sdpa --out "$RESULTS/lengths" ;;
         mixed) part mixed 240 python3 -m bench.serving.mixed_step --out "$RESULTS/mixed" ;;
         n1) part n1 200 python3 -m bench.serving.gpu_speed --kind "$KIND" --ranks 1 --cases b1,c256 \
