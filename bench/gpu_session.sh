@@ -77,8 +77,9 @@
 #            limit 330 s (one GPU)
 #     c256prof the FP8 c256 case (1K/1K, float8 KV cache) with its rank's first ${C256PROF_STEPS:-40} steps with
 #            prompt tokens profiled (expert_svc/step_profile.py: drained, not pipelined; each line its launch,
-#            wall and kernel ms, tokens and sequences), to tell why that case's prefill steps take the host
-#            nearly as long as the device in serving (docs/performance.md); the warm-up's steps come first,
+#            wall and kernel ms, tokens and sequences, its costliest kernels and host ops), which told why that
+#            case's prefill steps held the host (lazily loaded LM head kernels: docs/performance.md); the
+#            warm-up's steps come first,
 #            the case's are those of 8 prompts beside the decodes; --name quant_c256prof (its throughput
 #            is the profiler's, not a result); c256prof/prof.jsonl; limit 300 s (one GPU)
 #     fp8kern  bench/kernels/fp8_moe_sweep.py at ${FP8_TOKENS:-256,2048,4096,8192} tokens (the FP8 grouped MoE's tiles
