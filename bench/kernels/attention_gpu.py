@@ -224,13 +224,14 @@ def _time_ms(fn, iters) -> float:
     return statistics.median(times)
 
 
-def _decode_setup(batch_size, context, num_kv_heads, table_tokens):
+def _decode_setup(batch_size, context, num_kv_heads, table_tokens, cache_dtype=torch.bfloat16):
+    """A pool of random K/V over more layers than the L2 cache holds, and a decode batch of batch_size
+    sequences of `context` tokens on scattered blocks; the bytes a layer's decode reads."""
     num_blocks = batch_size * context // BLOCK_SIZE
-    layer_bytes = 2 * num_blocks * BLOCK_SIZE * num_kv_heads * HEAD_DIM * 2
+    element_size = torch.empty((), dtype=cache_dtype).element_size()
+    layer_bytes = 2 * num_blocks * BLOCK_SIZE * num_kv_heads * HEAD_DIM * element_size
     num_layers = max(1, min(48, -(-4 * L2_BYTES // layer_bytes)))
-    pool = KVPool(num_layers, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, torch.bfloat16, DEVICE)
-    pool.k_cache.normal_()
-    pool.v_cache.normal_()
+    pool = _pool(num_layers, num_blocks, num_kv_heads, cache_dtype)
     blocks = list(range(num_blocks))
     random.Random(2).shuffle(blocks)
     per_seq = context // BLOCK_SIZE
@@ -315,19 +316,10 @@ def fp8_decode_sweep(iters) -> list[dict]:
     saved = triton_attention.DECODE_LAUNCH, triton_attention.FP8_DECODE_MAXNREG
     for batch_size, context in ((256, 1536), (64, 1536), (8, 1536)):
         for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-            num_blocks = batch_size * context // BLOCK_SIZE
-            elt = torch.empty((), dtype=cache_dtype).element_size()
-            layer_bytes = 2 * num_blocks * BLOCK_SIZE * num_kv_heads * HEAD_DIM * elt
-            num_layers = max(1, min(48, -(-4 * L2_BYTES // layer_bytes)))
-            pool = _pool(num_layers, num_blocks, num_kv_heads, cache_dtype)
-            blocks = list(range(num_blocks))
-            random.Random(2).shuffle(blocks)
-            per_seq = context // BLOCK_SIZE
-            seqs = [SeqInput(i, [1], context - 1, blocks[i * per_seq:(i + 1) * per_seq], True)
-                    for i in range(batch_size)]
-            batch = build_decode_batch(seqs, BLOCK_SIZE, DEVICE, num_rows=batch_size, max_blocks=per_seq)
+            pool, batch, layer_bytes = _decode_setup(batch_size, context, num_kv_heads, context, cache_dtype)
+            num_layers = pool.k_cache.shape[0]
             q, k, v = _inputs(batch_size, num_heads, num_kv_heads, torch.bfloat16)
-            variants = FP8_DECODE_VARIANTS if elt == 1 else {"default": {}}
+            variants = FP8_DECODE_VARIANTS if cache_dtype == torch.float8_e4m3fn else {"default": {}}
             reference = None
             for name, variant in variants.items():
                 triton_attention.DECODE_LAUNCH = variant.get("launch", {})
