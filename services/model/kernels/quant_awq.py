@@ -10,7 +10,11 @@ Each step of BLOCK_K rows (BLOCK_K divides G: one group a step) unpacks its
 group's zeros and leaves the scale out: q - z is a small integer, exact in
 bf16, so the step is tl.dot(x, q - z) on the tensor cores (or, for one row, FMAs
 on the CUDA cores) and its fp32 result times the group's scales; splits along K
-are summed after. The same kernels serve decode and prefill; there is no 4-bit
+are summed after. With 16-bit activations the tile is unpacked without an
+integer-to-float conversion (awq_biased_tile: each value put into the mantissa
+of a power of two, two columns an int32 op, then one packed 16-bit subtraction
+of the zeros unpacked the same way); fp32 activations (the interpreter's tests)
+take the plain shifts and conversion (awq_tile). The same kernels serve decode and prefill; there is no 4-bit
 tensor-core product to do better. (The one-token experts take quant_awq_gemv's
 GEMV instead, split and summed in the kernel: faster for them on an H200; at the
 dense linears' shapes the two were within a few percent, either way by shape:
@@ -58,6 +62,51 @@ def awq_tile(q_ptr, z_ptr, s_ptr, k, k_mask, group, j, j_mask, n, n_mask, num_pa
 
 
 @triton.jit
+def awq_bias(dtype: tl.constexpr):
+    """(BIAS, its bits twice in an int32) of awq_biased_tile for a 16-bit dtype: the power of two whose
+    mantissa's last bit is 1, so that BIAS + v (v < 16) is exact with v in the mantissa's low bits."""
+    if dtype == tl.float16:
+        return 1024.0, 0x64006400
+    return 128.0, 0x43004300
+
+
+@triton.jit
+def awq_biased_tile(q_ptrs, mask, dtype: tl.constexpr):
+    """[R, 8C] in dtype (bf16 or fp16): BIAS + the 4-bit values of the int32 tile at q_ptrs [R, C], columns in
+    order, exact. Columns 2i and 2i + 1 of each 8 sit in nibbles i and i + 4 (AWQ's order), 16 bits apart, so one
+    shift, a mask and an or put both into the mantissas of a pair of BIAS's: no integer-to-float conversion."""
+    q = tl.load(q_ptrs, mask=mask, other=0)
+    _, bias_bits = awq_bias(dtype)
+    # Pair i: columns 2i (low half) and 2i + 1 (high half), each thread all four of its int32s.
+    p0 = (q & 0x000F000F) | bias_bits
+    p1 = ((q >> 4) & 0x000F000F) | bias_bits
+    p2 = ((q >> 8) & 0x000F000F) | bias_bits
+    p3 = ((q >> 12) & 0x000F000F) | bias_bits
+    low = tl.join(tl.join(_half(p0, 0, dtype), _half(p2, 0, dtype)), tl.join(_half(p1, 0, dtype), _half(p3, 0, dtype)))
+    high = tl.join(tl.join(_half(p0, 1, dtype), _half(p2, 1, dtype)), tl.join(_half(p1, 1, dtype), _half(p3, 1, dtype)))
+    # [R, C, 2, 2, 2]: pair 2a + b's half h at [.., a, b, h], column 8c + 4a + 2b + h
+    return tl.reshape(tl.join(low, high), (q.shape[0], q.shape[1] * 8))
+
+
+@triton.jit
+def _half(pair, h: tl.constexpr, dtype: tl.constexpr):
+    """The low (h 0) or high 16 bits of int32 `pair`, as dtype."""
+    bits = pair & 0xFFFF if h == 0 else pair >> 16
+    return bits.to(tl.uint16).to(dtype, bitcast=True)
+
+
+@triton.jit
+def awq_biased_dot(acc, a, q_ptr, z_ptr, s_ptr, k, k_mask, group, j, j_mask, n, n_mask, num_packed, out_features):
+    """acc + a @ W[k, n] (rows k all in `group`) for 16-bit a: q - z as (BIAS + q) - (BIAS + z) from awq_biased_tile
+    (exact: small integers), tl.dot(a, q - z) times the group's scales."""
+    w = awq_biased_tile(q_ptr + k.to(tl.int64)[:, None] * num_packed + j[None, :], k_mask[:, None] & j_mask[None, :],
+                        a.dtype)
+    z = awq_biased_tile(z_ptr + group * num_packed + j[None, :], j_mask[None, :], a.dtype)
+    s = tl.load(s_ptr + group * out_features + n, mask=n_mask, other=0.0).to(tl.float32)
+    return acc + tl.dot(a, w - z, input_precision="ieee") * s[None, :]
+
+
+@triton.jit
 def awq_gemv_tile(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask, num_packed, out_features, k_start, k_end,
                   GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """fp32 [BLOCK_N]: x[k_start:k_end] @ W[k_start:k_end, n] on the CUDA cores (k_start a multiple of BLOCK_K)."""
@@ -79,8 +128,13 @@ def awq_block_dot(acc, a_rows, a_mask, q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < k_end
         a = tl.load(a_rows[:, None] + k[None, :], mask=a_mask[:, None] & k_mask[None, :], other=0.0)
-        w, s = awq_tile(q_ptr, z_ptr, s_ptr, k, k_mask, k0 // GROUP, j, j_mask, n, n_mask, num_packed, out_features)
-        acc += tl.dot(a, w.to(a.dtype), input_precision="ieee") * s[None, :]
+        if a.dtype == tl.float32:  # (the interpreter's tests) q - z converted
+            w, s = awq_tile(q_ptr, z_ptr, s_ptr, k, k_mask, k0 // GROUP, j, j_mask, n, n_mask, num_packed,
+                            out_features)
+            acc += tl.dot(a, w.to(a.dtype), input_precision="ieee") * s[None, :]
+        else:
+            acc = awq_biased_dot(acc, a, q_ptr, z_ptr, s_ptr, k, k_mask, k0 // GROUP, j, j_mask, n, n_mask,
+                                 num_packed, out_features)
     return acc
 
 
@@ -141,7 +195,8 @@ def default_tiles(num_rows: int, out_features: int, in_features: int) -> AwqTile
     block_m = 1 if num_rows == 1 else 16 if num_rows <= SKINNY_MAX_ROWS else 64 if num_rows <= 64 else 128
     block_n = 64 if block_m <= 16 else 128
     programs = triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n)
-    return AwqTiles(block_m, block_n, 128 if block_m == 1 else 64, num_splits(programs, in_features, 2 * AWQ_GROUP),
+    # A whole group a step: faster than half groups at 16-4,096 rows with the biased tiles (docs/performance.md)
+    return AwqTiles(block_m, block_n, AWQ_GROUP, num_splits(programs, in_features, 2 * AWQ_GROUP),
                     4 if block_m < 128 else 8, 3)
 
 

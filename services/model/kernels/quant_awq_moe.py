@@ -33,7 +33,7 @@ from torch import Tensor
 from services.model.kernels import moe_align, moe_gemm, moe_grouped
 from services.model.kernels.launch import uses_pdl, wait_for_previous_kernel
 from services.model.kernels.moe_gemm import GemmBlocks, MoEConfig, _block_rows, _grid
-from services.model.kernels.quant_awq import awq_block_dot, awq_columns, awq_tile, check_layout
+from services.model.kernels.quant_awq import awq_biased_dot, awq_block_dot, awq_columns, awq_tile, check_layout
 from services.model.kernels.quant_awq_gemv import (MAX_SPLIT_TILES, awq_finish_splits, awq_gemv_cols, awq_gemv_groups,
                                                    awq_last_split, awq_store_cols, awq_sum_splits, split_counters)
 from services.model.kernels.quant_fp8_moe import silu_mul
@@ -45,6 +45,10 @@ from services.model.layers import AddNorm
 # 128 tokens (moe_gemm.default_config's block_k 128 there unpacks twice the 4-bit tile a step).
 AWQ_MAX_STEP = 64
 AWQ_SMALL_BLOCKS = GemmBlocks(block_n=128, block_k=64, num_warps=4, num_stages=3)
+# Above 512 tokens (128-row blocks): a whole group a step, and down's tiles narrower than bf16's 256 columns
+# (which spill at 128 rows); the fastest of two sweeps on an H100 at Qwen3-30B-A3B's shape (docs/performance.md).
+AWQ_LARGE_GATE_UP = GemmBlocks(block_n=128, block_k=128, num_warps=8, num_stages=3)
+AWQ_LARGE_DOWN = GemmBlocks(block_n=128, block_k=128, num_warps=8, num_stages=3)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -88,11 +92,17 @@ def _gate_up_kernel(x_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, q_p
         d = d0 + tl.arange(0, BLOCK_K)
         d_mask = d < hidden
         x = tl.load(x_rows[:, None] + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-        wg, sg = awq_tile(q_e, z_e, s_e, d, d_mask, d0 // GROUP, j, j_mask, f, f_mask, num_packed, out_features)
-        wu, su = awq_tile(q_e, z_e, s_e, d, d_mask, d0 // GROUP, j + width // 8, j_mask, f + width, f_mask,
-                          num_packed, out_features)
-        acc_gate += tl.dot(x, wg.to(x.dtype), input_precision="ieee") * sg[None, :]
-        acc_up += tl.dot(x, wu.to(x.dtype), input_precision="ieee") * su[None, :]
+        if x.dtype == tl.float32:  # as awq_block_dot's
+            wg, sg = awq_tile(q_e, z_e, s_e, d, d_mask, d0 // GROUP, j, j_mask, f, f_mask, num_packed, out_features)
+            wu, su = awq_tile(q_e, z_e, s_e, d, d_mask, d0 // GROUP, j + width // 8, j_mask, f + width, f_mask,
+                              num_packed, out_features)
+            acc_gate += tl.dot(x, wg.to(x.dtype), input_precision="ieee") * sg[None, :]
+            acc_up += tl.dot(x, wu.to(x.dtype), input_precision="ieee") * su[None, :]
+        else:
+            acc_gate = awq_biased_dot(acc_gate, x, q_e, z_e, s_e, d, d_mask, d0 // GROUP, j, j_mask, f, f_mask,
+                                      num_packed, out_features)
+            acc_up = awq_biased_dot(acc_up, x, q_e, z_e, s_e, d, d_mask, d0 // GROUP, j + width // 8, j_mask, f + width,
+                                    f_mask, num_packed, out_features)
     act = silu_mul(acc_gate, acc_up, act_ptr.dtype.element_ty)
     tl.store(act_ptr + p.to(tl.int64)[:, None] * width + f[None, :], act.to(act_ptr.dtype.element_ty),
              mask=f_mask[None, :])
@@ -156,21 +166,24 @@ def down(act_PF: Tensor, a: moe_align.Alignment, w_down: AwqWeights, num_routed:
     return y_RD
 
 
-def fit_config(config: MoEConfig, group: int = AWQ_GROUP) -> MoEConfig:
-    """config with each GEMM's K step at most AWQ_MAX_STEP and one group (tiny test models have
-    groups below 128): each step unpacks a [block_k, block_n] tile of 4-bit values in registers,
-    which at block_k 128 costs more than the longer loop it saves."""
+def fit_config(config: MoEConfig, group: int = AWQ_GROUP, max_step: int = AWQ_MAX_STEP) -> MoEConfig:
+    """config with each GEMM's K step at most max_step and one group (tiny test models have
+    groups below 128). Each step unpacks a [block_k, block_n] tile of 4-bit values in registers;
+    up to 512 tokens block_k 128 was no faster (default_config)."""
     def fit(blocks: GemmBlocks) -> GemmBlocks:
-        return dataclasses.replace(blocks, block_k=min(blocks.block_k, AWQ_MAX_STEP, group))
+        return dataclasses.replace(blocks, block_k=min(blocks.block_k, max_step, group))
     return dataclasses.replace(config, gate_up=fit(config.gate_up), down=fit(config.down))
 
 
 def default_config(num_tokens: int, group: int = AWQ_GROUP) -> MoEConfig:
     """moe_gemm.default_config's blocks for a step of num_tokens, fitted to AWQ (fit_config); up to
-    128 tokens both GEMMs take AWQ_SMALL_BLOCKS."""
+    128 tokens both GEMMs take AWQ_SMALL_BLOCKS, at 128-row blocks (above 512) AWQ_LARGE_*."""
     config = moe_gemm.default_config(num_tokens)
     if num_tokens <= 128:
         config = dataclasses.replace(config, gate_up=AWQ_SMALL_BLOCKS, down=AWQ_SMALL_BLOCKS)
+    elif config.block_m == 128:
+        return fit_config(dataclasses.replace(config, gate_up=AWQ_LARGE_GATE_UP, down=AWQ_LARGE_DOWN), group,
+                          max_step=AWQ_GROUP)
     return fit_config(config, group)
 
 

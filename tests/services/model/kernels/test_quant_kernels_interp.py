@@ -165,6 +165,27 @@ def test_awq_linear(quant_awq, awq_weight, num_rows, split_k):
                                rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_rows", [3, 16, 100])
+def test_awq_linear_16bit_dots(quant_awq, awq_weight, num_rows):
+    """16-bit activations take the biased tiles (awq_biased_dot: 1024 + q exact in fp16, the zeros taken
+    off through the rows' sums); fp16 here, the interpreter's tl.dot reading bf16 as raw bits (the same code
+    with bf16's constants runs in test_quant_kernels_cuda.py). Within fp16's rounding of x and of y."""
+    qweight, qzeros, scales, w_ref = awq_weight
+    x = _randn(num_rows, K, seed=num_rows).half()
+    expected = x.float() @ w_ref
+    y = quant_awq.linear(x, qweight, qzeros, scales)
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(y.float(), expected, atol=2e-3 * expected.abs().max().item(), rtol=0)
+
+
+def test_awq_biased_dots_are_exact(quant_awq, awq_weight):
+    """x = I (fp16): each output row is a row of W, (1024 + q - (1024 + z)) x s computed in fp32, so exactly
+    the dequantized weight rounded once to fp16, every 4-bit value at every nibble of the packing."""
+    qweight, qzeros, scales, w_ref = awq_weight
+    y = quant_awq.linear(torch.eye(K, dtype=torch.float16), qweight, qzeros, scales)
+    assert torch.equal(y, w_ref.half())
+
+
 def test_awq_gemv_columns_past_the_last_multiple_of_8(quant_awq):
     """N = 203: qweight's last packed column holds 3 real columns (masked by column, not by packed
     column), K = 200 ends in a partial group, split along K (two splits of 128, the second partial)."""
@@ -323,6 +344,18 @@ def test_awq_grouped_moe(quant_awq_moe, moe_gemm, awq_experts):
     out = quant_awq_moe.grouped_moe(x, layer.w_gate_ED, w_gate_up, w_down, TOP_K, True,
                                     torch.zeros(E, dtype=torch.int64), _config(moe_gemm))
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_awq_grouped_moe_16bit_dots(quant_awq_moe, moe_gemm, awq_experts):
+    """fp16 activations: both GEMMs through the biased tiles (as test_awq_linear_16bit_dots), against the
+    fp32 path's output, within fp16's rounding."""
+    w_gate_up, w_down, layer = awq_experts
+    x = _randn(19, D, seed=14)
+    expected = layer(x.half().float())
+    out = quant_awq_moe.grouped_moe(x.half(), layer.w_gate_ED.half(), w_gate_up, w_down, TOP_K, True,
+                                    torch.zeros(E, dtype=torch.int64), _config(moe_gemm))
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), expected, atol=3e-3 * expected.abs().max().item(), rtol=0)
 
 
 def test_awq_one_token_experts(quant_awq_moe, routing, awq_experts):
