@@ -14,8 +14,8 @@ are summed after. With 16-bit activations the tile is unpacked without an
 integer-to-float conversion (awq_biased_tile: each value put into the mantissa
 of a power of two, two columns an int32 op, then one packed 16-bit subtraction
 of the zeros unpacked the same way); fp32 activations (the interpreter's tests)
-take the plain shifts and conversion (awq_tile). The same kernels serve decode and prefill; there is no 4-bit
-tensor-core product to do better. (The one-token experts take quant_awq_gemv's
+take the plain shifts and conversion (awq_tile). The same kernels serve decode
+and prefill; there is no 4-bit tensor-core product to do better. (The one-token experts take quant_awq_gemv's
 GEMV instead, split and summed in the kernel: faster for them on an H200; at the
 dense linears' shapes the two were within a few percent, either way by shape:
 docs/performance.md.)

@@ -41,8 +41,8 @@ from services.model.kernels.quant_ref import AWQ_GROUP, AWQ_PACK
 from services.model.layers import AddNorm
 
 
-# The grouped GEMMs' K step at most (one group of 128 in two steps), and both GEMMs' blocks up to
-# 128 tokens (moe_gemm.default_config's block_k 128 there unpacks twice the 4-bit tile a step).
+# The grouped GEMMs' K step at most up to 512 tokens (one group of 128 in two steps: block_k 128 was
+# slower there), and both GEMMs' blocks up to 128 tokens.
 AWQ_MAX_STEP = 64
 AWQ_SMALL_BLOCKS = GemmBlocks(block_n=128, block_k=64, num_warps=4, num_stages=3)
 # Above 512 tokens (128-row blocks): a whole group a step, and down's tiles narrower than bf16's 256 columns
