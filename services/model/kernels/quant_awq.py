@@ -96,14 +96,19 @@ def _half(pair, h: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
-def awq_biased_dot(acc, a, q_ptr, z_ptr, s_ptr, k, k_mask, group, j, j_mask, n, n_mask, num_packed, out_features):
-    """acc + a @ W[k, n] (rows k all in `group`) for 16-bit a: q - z as (BIAS + q) - (BIAS + z) from awq_biased_tile
-    (exact: small integers), tl.dot(a, q - z) times the group's scales."""
-    w = awq_biased_tile(q_ptr + k.to(tl.int64)[:, None] * num_packed + j[None, :], k_mask[:, None] & j_mask[None, :],
-                        a.dtype)
-    z = awq_biased_tile(z_ptr + group * num_packed + j[None, :], j_mask[None, :], a.dtype)
-    s = tl.load(s_ptr + group * out_features + n, mask=n_mask, other=0.0).to(tl.float32)
-    return acc + tl.dot(a, w - z, input_precision="ieee") * s[None, :]
+def awq_step_dot(acc, a, q_ptr, z_ptr, s_ptr, k, k_mask, group, j, j_mask, n, n_mask, num_packed, out_features):
+    """acc + a @ W[k, n] (rows k all in `group`): tl.dot(a, q - z) times the group's scales. For 16-bit a,
+    q - z is (BIAS + q) - (BIAS + z) of awq_biased_tile (exact: small integers); fp32 a (the interpreter's
+    tests) takes awq_tile's shifts and conversion."""
+    if a.dtype == tl.float32:
+        w, s = awq_tile(q_ptr, z_ptr, s_ptr, k, k_mask, group, j, j_mask, n, n_mask, num_packed, out_features)
+        w = w.to(a.dtype)
+    else:
+        w = awq_biased_tile(q_ptr + k.to(tl.int64)[:, None] * num_packed + j[None, :],
+                            k_mask[:, None] & j_mask[None, :], a.dtype)
+        w -= awq_biased_tile(z_ptr + group * num_packed + j[None, :], j_mask[None, :], a.dtype)
+        s = tl.load(s_ptr + group * out_features + n, mask=n_mask, other=0.0).to(tl.float32)
+    return acc + tl.dot(a, w, input_precision="ieee") * s[None, :]
 
 
 @triton.jit
@@ -128,13 +133,8 @@ def awq_block_dot(acc, a_rows, a_mask, q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < k_end
         a = tl.load(a_rows[:, None] + k[None, :], mask=a_mask[:, None] & k_mask[None, :], other=0.0)
-        if a.dtype == tl.float32:  # (the interpreter's tests) q - z converted
-            w, s = awq_tile(q_ptr, z_ptr, s_ptr, k, k_mask, k0 // GROUP, j, j_mask, n, n_mask, num_packed,
-                            out_features)
-            acc += tl.dot(a, w.to(a.dtype), input_precision="ieee") * s[None, :]
-        else:
-            acc = awq_biased_dot(acc, a, q_ptr, z_ptr, s_ptr, k, k_mask, k0 // GROUP, j, j_mask, n, n_mask,
-                                 num_packed, out_features)
+        acc = awq_step_dot(acc, a, q_ptr, z_ptr, s_ptr, k, k_mask, k0 // GROUP, j, j_mask, n, n_mask, num_packed,
+                           out_features)
     return acc
 
 

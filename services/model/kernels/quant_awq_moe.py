@@ -33,7 +33,7 @@ from torch import Tensor
 from services.model.kernels import moe_align, moe_gemm, moe_grouped
 from services.model.kernels.launch import uses_pdl, wait_for_previous_kernel
 from services.model.kernels.moe_gemm import GemmBlocks, MoEConfig, _block_rows, _grid
-from services.model.kernels.quant_awq import awq_biased_dot, awq_block_dot, awq_columns, awq_tile, check_layout
+from services.model.kernels.quant_awq import awq_block_dot, awq_columns, awq_step_dot, check_layout
 from services.model.kernels.quant_awq_gemv import (MAX_SPLIT_TILES, awq_finish_splits, awq_gemv_cols, awq_gemv_groups,
                                                    awq_last_split, awq_store_cols, awq_sum_splits, split_counters)
 from services.model.kernels.quant_fp8_moe import silu_mul
@@ -92,17 +92,10 @@ def _gate_up_kernel(x_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, q_p
         d = d0 + tl.arange(0, BLOCK_K)
         d_mask = d < hidden
         x = tl.load(x_rows[:, None] + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-        if x.dtype == tl.float32:  # as awq_block_dot's
-            wg, sg = awq_tile(q_e, z_e, s_e, d, d_mask, d0 // GROUP, j, j_mask, f, f_mask, num_packed, out_features)
-            wu, su = awq_tile(q_e, z_e, s_e, d, d_mask, d0 // GROUP, j + width // 8, j_mask, f + width, f_mask,
-                              num_packed, out_features)
-            acc_gate += tl.dot(x, wg.to(x.dtype), input_precision="ieee") * sg[None, :]
-            acc_up += tl.dot(x, wu.to(x.dtype), input_precision="ieee") * su[None, :]
-        else:
-            acc_gate = awq_biased_dot(acc_gate, x, q_e, z_e, s_e, d, d_mask, d0 // GROUP, j, j_mask, f, f_mask,
-                                      num_packed, out_features)
-            acc_up = awq_biased_dot(acc_up, x, q_e, z_e, s_e, d, d_mask, d0 // GROUP, j + width // 8, j_mask, f + width,
-                                    f_mask, num_packed, out_features)
+        acc_gate = awq_step_dot(acc_gate, x, q_e, z_e, s_e, d, d_mask, d0 // GROUP, j, j_mask, f, f_mask, num_packed,
+                                out_features)
+        acc_up = awq_step_dot(acc_up, x, q_e, z_e, s_e, d, d_mask, d0 // GROUP, j + width // 8, j_mask, f + width,
+                              f_mask, num_packed, out_features)
     act = silu_mul(acc_gate, acc_up, act_ptr.dtype.element_ty)
     tl.store(act_ptr + p.to(tl.int64)[:, None] * width + f[None, :], act.to(act_ptr.dtype.element_ty),
              mask=f_mask[None, :])

@@ -167,9 +167,9 @@ def test_awq_linear(quant_awq, awq_weight, num_rows, split_k):
 
 @pytest.mark.parametrize("num_rows", [3, 16, 100])
 def test_awq_linear_16bit_dots(quant_awq, awq_weight, num_rows):
-    """16-bit activations take the biased tiles (awq_biased_dot: 1024 + q exact in fp16, the zeros taken
-    off through the rows' sums); fp16 here, the interpreter's tl.dot reading bf16 as raw bits (the same code
-    with bf16's constants runs in test_quant_kernels_cuda.py). Within fp16's rounding of x and of y."""
+    """16-bit activations take the biased tiles (awq_step_dot: 1024 + q and 1024 + z exact in fp16, their
+    difference q - z); fp16 here, the interpreter's tl.dot reading bf16 as raw bits (the same code with
+    bf16's constants runs in test_quant_kernels_cuda.py). Within fp16's rounding of x and of y."""
     qweight, qzeros, scales, w_ref = awq_weight
     x = _randn(num_rows, K, seed=num_rows).half()
     expected = x.float() @ w_ref
