@@ -61,22 +61,21 @@ def awq_tile(q_ptr, z_ptr, s_ptr, k, k_mask, group, j, j_mask, n, n_mask, num_pa
     return q - z, s
 
 
-@triton.jit
-def awq_bias(dtype: tl.constexpr):
-    """(BIAS, its bits twice in an int32) of awq_biased_tile for a 16-bit dtype: the power of two whose
-    mantissa's last bit is 1, so that BIAS + v (v < 16) is exact with v in the mantissa's low bits."""
-    if dtype == tl.float16:
-        return 1024.0, 0x64006400
-    return 128.0, 0x43004300
+def bias_bits(dtype: torch.dtype) -> int:
+    """awq_biased_tile's BIAS twice in an int32 for activations of dtype (0 for fp32, which does not use it): the
+    power of two whose mantissa's last bit is 1 (bf16 128, fp16 1024), so that BIAS + v (v < 16) is exact with v
+    in the mantissa's low bits. The kernels take it as an argument, not a constant: in a register it lets the
+    compiler merge the mask and the or into one three-input logic op (two constants take two ops)."""
+    return {torch.bfloat16: 0x43004300, torch.float16: 0x64006400}.get(dtype, 0)
 
 
 @triton.jit
-def awq_biased_tile(q_ptrs, mask, dtype: tl.constexpr):
+def awq_biased_tile(q_ptrs, mask, dtype: tl.constexpr, bias_bits):
     """[R, 8C] in dtype (bf16 or fp16): BIAS + the 4-bit values of the int32 tile at q_ptrs [R, C], columns in
-    order, exact. Columns 2i and 2i + 1 of each 8 sit in nibbles i and i + 4 (AWQ's order), 16 bits apart, so one
-    shift, a mask and an or put both into the mantissas of a pair of BIAS's: no integer-to-float conversion."""
+    order, exact (bias_bits: bias_bits(dtype)). Columns 2i and 2i + 1 of each 8 sit in nibbles i and i + 4 (AWQ's
+    order), 16 bits apart, so one shift and one mask-and-or put both into the mantissas of a pair of BIAS's: no
+    integer-to-float conversion."""
     q = tl.load(q_ptrs, mask=mask, other=0)
-    _, bias_bits = awq_bias(dtype)
     # Pair i: columns 2i (low half) and 2i + 1 (high half), each thread all four of its int32s.
     p0 = (q & 0x000F000F) | bias_bits
     p1 = ((q >> 4) & 0x000F000F) | bias_bits
@@ -96,19 +95,26 @@ def _half(pair, h: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
-def awq_step_dot(acc, a, q_ptr, z_ptr, s_ptr, k, k_mask, group, j, j_mask, n, n_mask, num_packed, out_features):
-    """acc + a @ W[k, n] (rows k all in `group`): tl.dot(a, q - z) times the group's scales. For 16-bit a,
-    q - z is (BIAS + q) - (BIAS + z) of awq_biased_tile (exact: small integers); fp32 a (the interpreter's
-    tests) takes awq_tile's shifts and conversion."""
+def awq_step_dot(acc, a, q_ptr, z_ptr, s_ptr, k, k_mask, group, j, j_mask, n, n_mask, num_packed, out_features,
+                 bias_bits, WEIGHTS_FIRST: tl.constexpr):
+    """acc [BM, BN] + a @ W[k, n] (rows k all in `group`): tl.dot(a, q - z) times the group's scales; WEIGHTS_FIRST:
+    acc transposed, [BN, BM], + tl.dot((q - z)^T, a^T), so that the weights' BN columns are the tensor cores'
+    64-row side and a's few rows the narrow one (for 16-32 rows: no 16-row instructions with their operands
+    shuffled between registers). For 16-bit a, q - z is (BIAS + q) - (BIAS + z) of awq_biased_tile (exact: small
+    integers); fp32 a (the interpreter's tests) takes awq_tile's shifts and conversion."""
     if a.dtype == tl.float32:
         w, s = awq_tile(q_ptr, z_ptr, s_ptr, k, k_mask, group, j, j_mask, n, n_mask, num_packed, out_features)
         w = w.to(a.dtype)
     else:
         w = awq_biased_tile(q_ptr + k.to(tl.int64)[:, None] * num_packed + j[None, :],
-                            k_mask[:, None] & j_mask[None, :], a.dtype)
-        w -= awq_biased_tile(z_ptr + group * num_packed + j[None, :], j_mask[None, :], a.dtype)
+                            k_mask[:, None] & j_mask[None, :], a.dtype, bias_bits)
+        w -= awq_biased_tile(z_ptr + group * num_packed + j[None, :], j_mask[None, :], a.dtype, bias_bits)
         s = tl.load(s_ptr + group * out_features + n, mask=n_mask, other=0.0).to(tl.float32)
-    return acc + tl.dot(a, w, input_precision="ieee") * s[None, :]
+    if WEIGHTS_FIRST:
+        acc += tl.dot(tl.trans(w), tl.trans(a), input_precision="ieee") * s[:, None]
+    else:
+        acc += tl.dot(a, w, input_precision="ieee") * s[None, :]
+    return acc
 
 
 @triton.jit
@@ -126,15 +132,21 @@ def awq_gemv_tile(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask, num_packed, 
 
 
 @triton.jit
-def awq_block_dot(acc, a_rows, a_mask, q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask, num_packed, out_features, k_start,
-                  k_end, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc [BM, BN] + a[rows, k_start:k_end] @ W[k_start:k_end, n]: tl.dot(a, q - z) per step, times the scales."""
+def awq_block_dot(a_rows, a_mask, q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask, num_packed, out_features, k_start,
+                  k_end, bias_bits, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, WEIGHTS_FIRST: tl.constexpr):
+    """fp32 [BM, BN]: a[rows, k_start:k_end] @ W[k_start:k_end, n] in awq_step_dot's steps."""
+    if WEIGHTS_FIRST:
+        acc = tl.zeros([n.shape[0], a_rows.shape[0]], tl.float32)
+    else:
+        acc = tl.zeros([a_rows.shape[0], n.shape[0]], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < k_end
         a = tl.load(a_rows[:, None] + k[None, :], mask=a_mask[:, None] & k_mask[None, :], other=0.0)
         acc = awq_step_dot(acc, a, q_ptr, z_ptr, s_ptr, k, k_mask, k0 // GROUP, j, j_mask, n, n_mask, num_packed,
-                           out_features)
+                           out_features, bias_bits, WEIGHTS_FIRST)
+    if WEIGHTS_FIRST:
+        acc = tl.trans(acc)
     return acc
 
 
@@ -148,7 +160,8 @@ def awq_columns(n_block, num_packed, out_features, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _linear_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, num_rows, out_features, num_packed, in_features, x_stride,
-                   k_split, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   k_split, bias_bits, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, WEIGHTS_FIRST: tl.constexpr):
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < num_rows
     n, n_mask, j, j_mask = awq_columns(tl.program_id(1), num_packed, out_features, BLOCK_N)
@@ -159,9 +172,8 @@ def _linear_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, num_rows, out_features, nu
         acc = awq_gemv_tile(x_ptr + tl.program_id(0).to(tl.int64) * x_stride, q_ptr, z_ptr, s_ptr, j, j_mask, n,
                             n_mask, num_packed, out_features, k_start, k_end, GROUP, BLOCK_K, BLOCK_N)[None, :]
     else:
-        acc = awq_block_dot(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x_ptr + m.to(tl.int64) * x_stride, m_mask,
-                            q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask, num_packed, out_features, k_start, k_end,
-                            GROUP, BLOCK_K)
+        acc = awq_block_dot(x_ptr + m.to(tl.int64) * x_stride, m_mask, q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask,
+                            num_packed, out_features, k_start, k_end, bias_bits, GROUP, BLOCK_K, WEIGHTS_FIRST)
     y_rows = y_ptr + (split * num_rows + m).to(tl.int64) * out_features  # split > 0: fp32 partials
     tl.store(y_rows[:, None] + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -177,6 +189,7 @@ class AwqTiles:
     warps: int
     stages: int
     gemv: str = "nibbles"  # block_m 1: "groups" takes one_row_linear (block_k its rows a slice, split_k at most)
+    weights_first: bool = False  # block_m > 1: awq_step_dot's WEIGHTS_FIRST
 
     def __post_init__(self):
         if self.gemv not in ("nibbles", "groups") or (self.gemv == "groups" and self.block_m != 1):
@@ -195,9 +208,10 @@ def default_tiles(num_rows: int, out_features: int, in_features: int) -> AwqTile
     block_m = 1 if num_rows == 1 else 16 if num_rows <= SKINNY_MAX_ROWS else 64 if num_rows <= 64 else 128
     block_n = 64 if block_m <= 16 else 128
     programs = triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n)
-    # A whole group a step: faster than half groups at 16-4,096 rows with the biased tiles (docs/performance.md)
+    # A whole group a step: faster than half groups at 16-4,096 rows with the biased tiles; the weights first in
+    # the dot at 128-row tiles, where that was faster (and slower at 16-64 rows; docs/performance.md)
     return AwqTiles(block_m, block_n, AWQ_GROUP, num_splits(programs, in_features, 2 * AWQ_GROUP),
-                    4 if block_m < 128 else 8, 3)
+                    4 if block_m < 128 else 8, 3, weights_first=block_m == 128)
 
 
 def check_layout(qweight: Tensor, qzeros: Tensor, scales: Tensor, group: int) -> tuple[int, int]:
@@ -228,6 +242,7 @@ def linear(x_MK: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group:
     if num_rows:
         grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), y.shape[0])
         _linear_kernel[grid](x_MK, qweight, qzeros, scales, y, num_rows, out_features, qweight.shape[1], in_features,
-                             x_MK.stride(0), k_split, GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-                             BLOCK_K=tiles.block_k, num_warps=tiles.warps, num_stages=tiles.stages)
+                             x_MK.stride(0), k_split, bias_bits(x_MK.dtype), GROUP=group, BLOCK_M=tiles.block_m,
+                             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, WEIGHTS_FIRST=tiles.weights_first,
+                             num_warps=tiles.warps, num_stages=tiles.stages)
     return sum_splits(y, x_MK.dtype)

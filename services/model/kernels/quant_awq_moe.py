@@ -33,7 +33,7 @@ from torch import Tensor
 from services.model.kernels import moe_align, moe_gemm, moe_grouped
 from services.model.kernels.launch import uses_pdl, wait_for_previous_kernel
 from services.model.kernels.moe_gemm import GemmBlocks, MoEConfig, _block_rows, _grid
-from services.model.kernels.quant_awq import awq_block_dot, awq_columns, awq_step_dot, check_layout
+from services.model.kernels.quant_awq import awq_block_dot, awq_columns, awq_step_dot, bias_bits, check_layout
 from services.model.kernels.quant_awq_gemv import (MAX_SPLIT_TILES, awq_finish_splits, awq_gemv_cols, awq_gemv_groups,
                                                    awq_last_split, awq_store_cols, awq_sum_splits, split_counters)
 from services.model.kernels.quant_fp8_moe import silu_mul
@@ -49,6 +49,9 @@ AWQ_SMALL_BLOCKS = GemmBlocks(block_n=128, block_k=64, num_warps=4, num_stages=3
 # (which spill at 128 rows); the fastest of two sweeps on an H100 at Qwen3-30B-A3B's shape (docs/performance.md).
 AWQ_LARGE_GATE_UP = GemmBlocks(block_n=128, block_k=128, num_warps=8, num_stages=3)
 AWQ_LARGE_DOWN = GemmBlocks(block_n=128, block_k=128, num_warps=8, num_stages=3)
+# Blocks of at most this many rows put the weights first in their dots (quant_awq.awq_step_dot's WEIGHTS_FIRST):
+# faster at 16- and 32-row blocks, slower at 128 on an H100 (docs/performance.md).
+WEIGHTS_FIRST_MAX_ROWS = 32
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -72,9 +75,9 @@ class AwqWeights:
 
 @triton.jit
 def _gate_up_kernel(x_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, q_ptr, z_ptr, s_ptr, act_ptr,
-                    num_experts, hidden, width, x_stride, q_stride, z_stride, s_stride, TOP_K: tl.constexpr,
+                    num_experts, hidden, width, x_stride, q_stride, z_stride, s_stride, bias_bits, TOP_K: tl.constexpr,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BLOCK_E: tl.constexpr, TILES_FIRST: tl.constexpr):
+                    BLOCK_E: tl.constexpr, TILES_FIRST: tl.constexpr, WEIGHTS_FIRST: tl.constexpr):
     expert, p, row_mask, r = _block_rows(sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, num_experts,
                                          BLOCK_M, BLOCK_E, TILES_FIRST)
     if expert >= num_experts:
@@ -86,16 +89,21 @@ def _gate_up_kernel(x_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, q_p
     e = expert.to(tl.int64)
     q_e, z_e, s_e = q_ptr + e * q_stride, z_ptr + e * z_stride, s_ptr + e * s_stride
     x_rows = x_ptr + (r // TOP_K).to(tl.int64) * x_stride
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if WEIGHTS_FIRST:  # awq_step_dot's accumulators transposed
+        acc_gate = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros_like(acc_gate)
     for d0 in range(0, hidden, BLOCK_K):  # awq_block_dot's step, for gate and up at once (x read once)
         d = d0 + tl.arange(0, BLOCK_K)
         d_mask = d < hidden
         x = tl.load(x_rows[:, None] + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
         acc_gate = awq_step_dot(acc_gate, x, q_e, z_e, s_e, d, d_mask, d0 // GROUP, j, j_mask, f, f_mask, num_packed,
-                                out_features)
+                                out_features, bias_bits, WEIGHTS_FIRST)
         acc_up = awq_step_dot(acc_up, x, q_e, z_e, s_e, d, d_mask, d0 // GROUP, j + width // 8, j_mask, f + width,
-                              f_mask, num_packed, out_features)
+                              f_mask, num_packed, out_features, bias_bits, WEIGHTS_FIRST)
+    if WEIGHTS_FIRST:
+        acc_gate, acc_up = tl.trans(acc_gate), tl.trans(acc_up)
     act = silu_mul(acc_gate, acc_up, act_ptr.dtype.element_ty)
     tl.store(act_ptr + p.to(tl.int64)[:, None] * width + f[None, :], act.to(act_ptr.dtype.element_ty),
              mask=f_mask[None, :])
@@ -103,8 +111,9 @@ def _gate_up_kernel(x_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, q_p
 
 @triton.jit
 def _down_kernel(act_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, q_ptr, z_ptr, s_ptr, y_ptr, num_experts,
-                 hidden, width, q_stride, z_stride, s_stride, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, TILES_FIRST: tl.constexpr):
+                 hidden, width, q_stride, z_stride, s_stride, bias_bits, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, TILES_FIRST: tl.constexpr,
+                 WEIGHTS_FIRST: tl.constexpr):
     expert, p, row_mask, r = _block_rows(sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, num_experts,
                                          BLOCK_M, BLOCK_E, TILES_FIRST)
     if expert >= num_experts:
@@ -113,9 +122,9 @@ def _down_kernel(act_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, q_pt
     o, o_mask, j, j_mask = awq_columns(tl.program_id(0) if TILES_FIRST else tl.program_id(1), num_packed, hidden,
                                        BLOCK_N)
     e = expert.to(tl.int64)
-    acc = awq_block_dot(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), act_ptr + p.to(tl.int64) * width, row_mask,
-                        q_ptr + e * q_stride, z_ptr + e * z_stride, s_ptr + e * s_stride, j, j_mask, o, o_mask,
-                        num_packed, hidden, 0, width, GROUP, BLOCK_K)
+    acc = awq_block_dot(act_ptr + p.to(tl.int64) * width, row_mask, q_ptr + e * q_stride, z_ptr + e * z_stride,
+                        s_ptr + e * s_stride, j, j_mask, o, o_mask, num_packed, hidden, 0, width, bias_bits, GROUP,
+                        BLOCK_K, WEIGHTS_FIRST)
     tl.store(y_ptr + r.to(tl.int64)[:, None] * hidden + o[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=row_mask[:, None] & o_mask[None, :])
 
@@ -137,9 +146,10 @@ def gate_up(x_TD: Tensor, a: moe_align.Alignment, w_gate_up: AwqWeights, top_k: 
         _gate_up_kernel[_grid(num_blocks, triton.cdiv(width, tile.block_n), tiles_first)](
             x_TD, a.sorted_ids_P, a.starts_E, a.counts_E, a.ends_E, w_gate_up.qweight, w_gate_up.qzeros,
             w_gate_up.scales, act_PF, num_experts, hidden, width, x_TD.stride(0), *w_gate_up.expert_strides(),
+            bias_bits(x_TD.dtype),
             TOP_K=top_k, GROUP=w_gate_up.group, BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-            BLOCK_E=triton.next_power_of_2(num_experts), TILES_FIRST=tiles_first, num_warps=tile.num_warps,
-            num_stages=tile.num_stages)
+            BLOCK_E=triton.next_power_of_2(num_experts), TILES_FIRST=tiles_first,
+            WEIGHTS_FIRST=a.block_m <= WEIGHTS_FIRST_MAX_ROWS, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return act_PF
 
 
@@ -153,9 +163,10 @@ def down(act_PF: Tensor, a: moe_align.Alignment, w_down: AwqWeights, num_routed:
     if num_blocks:
         _down_kernel[_grid(num_blocks, triton.cdiv(hidden, tile.block_n), tiles_first)](
             act_PF, a.sorted_ids_P, a.starts_E, a.counts_E, a.ends_E, w_down.qweight, w_down.qzeros, w_down.scales,
-            y_RD, num_experts, hidden, width, *w_down.expert_strides(), GROUP=w_down.group, BLOCK_M=a.block_m,
-            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_E=triton.next_power_of_2(num_experts),
-            TILES_FIRST=tiles_first, num_warps=tile.num_warps, num_stages=tile.num_stages)
+            y_RD, num_experts, hidden, width, *w_down.expert_strides(), bias_bits(act_PF.dtype), GROUP=w_down.group,
+            BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_E=triton.next_power_of_2(num_experts),
+            TILES_FIRST=tiles_first, WEIGHTS_FIRST=a.block_m <= WEIGHTS_FIRST_MAX_ROWS, num_warps=tile.num_warps,
+            num_stages=tile.num_stages)
     return y_RD
 
 

@@ -217,8 +217,8 @@ def fp8_experts():
 
 
 # Small tiles, so that the GEMMs loop over several column tiles (F 72 in 32s, D 160 in 64s).
-def _config(moe_gemm):
-    return moe_gemm.MoEConfig(16, moe_gemm.GemmBlocks(32, 64, 4, 1), moe_gemm.GemmBlocks(64, 64, 4, 1))
+def _config(moe_gemm, block_m=16):
+    return moe_gemm.MoEConfig(block_m, moe_gemm.GemmBlocks(32, 64, 4, 1), moe_gemm.GemmBlocks(64, 64, 4, 1))
 
 
 def test_fp8_grouped_moe_weight_only(quant_fp8_moe, moe_gemm, fp8_experts):
@@ -337,23 +337,26 @@ def awq_experts(quant_awq_moe):
     return w_gate_up, w_down, _moe_layer(*dequant, w_gate)
 
 
-def test_awq_grouped_moe(quant_awq_moe, moe_gemm, awq_experts):
+# 16-row blocks put the weights first in the dots (quant_awq_moe.WEIGHTS_FIRST_MAX_ROWS), 64-row ones the rows.
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_awq_grouped_moe(quant_awq_moe, moe_gemm, awq_experts, block_m):
     w_gate_up, w_down, layer = awq_experts
     x = _randn(19, D, seed=14)
     expected = layer(x)
     out = quant_awq_moe.grouped_moe(x, layer.w_gate_ED, w_gate_up, w_down, TOP_K, True,
-                                    torch.zeros(E, dtype=torch.int64), _config(moe_gemm))
+                                    torch.zeros(E, dtype=torch.int64), _config(moe_gemm, block_m))
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_awq_grouped_moe_16bit_dots(quant_awq_moe, moe_gemm, awq_experts):
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_awq_grouped_moe_16bit_dots(quant_awq_moe, moe_gemm, awq_experts, block_m):
     """fp16 activations: both GEMMs through the biased tiles (as test_awq_linear_16bit_dots), against the
     fp32 path's output, within fp16's rounding."""
     w_gate_up, w_down, layer = awq_experts
     x = _randn(19, D, seed=14)
     expected = layer(x.half().float())
     out = quant_awq_moe.grouped_moe(x.half(), layer.w_gate_ED.half(), w_gate_up, w_down, TOP_K, True,
-                                    torch.zeros(E, dtype=torch.int64), _config(moe_gemm))
+                                    torch.zeros(E, dtype=torch.int64), _config(moe_gemm, block_m))
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.float(), expected, atol=3e-3 * expected.abs().max().item(), rtol=0)
 
