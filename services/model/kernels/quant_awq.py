@@ -61,18 +61,22 @@ def awq_tile(q_ptr, z_ptr, s_ptr, k, k_mask, group, j, j_mask, n, n_mask, num_pa
     return q - z, s
 
 
-def bias_bits(dtype: torch.dtype) -> int:
-    """awq_biased_tile's BIAS twice in an int32 for activations of dtype (0 for fp32, which does not use it): the
-    power of two whose mantissa's last bit is 1 (bf16 128, fp16 1024), so that BIAS + v (v < 16) is exact with v
-    in the mantissa's low bits. The kernels take it as an argument, not a constant: in a register it lets the
-    compiler merge the mask and the or into one three-input logic op (two constants take two ops)."""
-    return {torch.bfloat16: 0x43004300, torch.float16: 0x64006400}.get(dtype, 0)
+# awq_biased_tile's BIAS twice in an int32, by activation dtype: the power of two whose mantissa's last bit is 1
+# (bf16 128, fp16 1024), so that BIAS + v (v < 16) is exact with v in the mantissa's low bits.
+_BIAS_BITS = {torch.bfloat16: 0x43004300, torch.float16: 0x64006400}
+
+
+def bias_bits_for(dtype: torch.dtype) -> int:
+    """The kernels' bias_bits argument for activations of dtype (0 for fp32, which does not use it). An argument,
+    not a constant: in a register it lets the compiler merge the mask and the or into one three-input logic op
+    (two constants take two ops)."""
+    return _BIAS_BITS.get(dtype, 0)
 
 
 @triton.jit
 def awq_biased_tile(q_ptrs, mask, dtype: tl.constexpr, bias_bits):
     """[R, 8C] in dtype (bf16 or fp16): BIAS + the 4-bit values of the int32 tile at q_ptrs [R, C], columns in
-    order, exact (bias_bits: bias_bits(dtype)). Columns 2i and 2i + 1 of each 8 sit in nibbles i and i + 4 (AWQ's
+    order, exact (bias_bits: bias_bits_for(dtype)). Columns 2i and 2i + 1 of each 8 sit in nibbles i and i + 4 (AWQ's
     order), 16 bits apart, so one shift and one mask-and-or put both into the mantissas of a pair of BIAS's: no
     integer-to-float conversion."""
     q = tl.load(q_ptrs, mask=mask, other=0)
@@ -118,6 +122,24 @@ def awq_step_dot(acc, a, q_ptr, z_ptr, s_ptr, k, k_mask, group, j, j_mask, n, n_
 
 
 @triton.jit
+def awq_step_acc(BM: tl.constexpr, BN: tl.constexpr, WEIGHTS_FIRST: tl.constexpr):
+    """awq_step_dot's zero accumulator for [BM, BN] outputs (transposed where WEIGHTS_FIRST)."""
+    if WEIGHTS_FIRST:
+        acc = tl.zeros([BN, BM], tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], tl.float32)
+    return acc
+
+
+@triton.jit
+def awq_step_result(acc, WEIGHTS_FIRST: tl.constexpr):
+    """fp32 [BM, BN] of awq_step_dot's accumulator."""
+    if WEIGHTS_FIRST:
+        acc = tl.trans(acc)
+    return acc
+
+
+@triton.jit
 def awq_gemv_tile(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask, num_packed, out_features, k_start, k_end,
                   GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """fp32 [BLOCK_N]: x[k_start:k_end] @ W[k_start:k_end, n] on the CUDA cores (k_start a multiple of BLOCK_K)."""
@@ -135,19 +157,14 @@ def awq_gemv_tile(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask, num_packed, 
 def awq_block_dot(a_rows, a_mask, q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask, num_packed, out_features, k_start,
                   k_end, bias_bits, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, WEIGHTS_FIRST: tl.constexpr):
     """fp32 [BM, BN]: a[rows, k_start:k_end] @ W[k_start:k_end, n] in awq_step_dot's steps."""
-    if WEIGHTS_FIRST:
-        acc = tl.zeros([n.shape[0], a_rows.shape[0]], tl.float32)
-    else:
-        acc = tl.zeros([a_rows.shape[0], n.shape[0]], tl.float32)
+    acc = awq_step_acc(a_rows.shape[0], n.shape[0], WEIGHTS_FIRST)
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < k_end
         a = tl.load(a_rows[:, None] + k[None, :], mask=a_mask[:, None] & k_mask[None, :], other=0.0)
         acc = awq_step_dot(acc, a, q_ptr, z_ptr, s_ptr, k, k_mask, k0 // GROUP, j, j_mask, n, n_mask, num_packed,
                            out_features, bias_bits, WEIGHTS_FIRST)
-    if WEIGHTS_FIRST:
-        acc = tl.trans(acc)
-    return acc
+    return awq_step_result(acc, WEIGHTS_FIRST)
 
 
 @triton.jit
@@ -242,7 +259,7 @@ def linear(x_MK: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group:
     if num_rows:
         grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), y.shape[0])
         _linear_kernel[grid](x_MK, qweight, qzeros, scales, y, num_rows, out_features, qweight.shape[1], in_features,
-                             x_MK.stride(0), k_split, bias_bits(x_MK.dtype), GROUP=group, BLOCK_M=tiles.block_m,
+                             x_MK.stride(0), k_split, bias_bits_for(x_MK.dtype), GROUP=group, BLOCK_M=tiles.block_m,
                              BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, WEIGHTS_FIRST=tiles.weights_first,
                              num_warps=tiles.warps, num_stages=tiles.stages)
     return sum_splits(y, x_MK.dtype)

@@ -33,7 +33,8 @@ from torch import Tensor
 from services.model.kernels import moe_align, moe_gemm, moe_grouped
 from services.model.kernels.launch import uses_pdl, wait_for_previous_kernel
 from services.model.kernels.moe_gemm import GemmBlocks, MoEConfig, _block_rows, _grid
-from services.model.kernels.quant_awq import awq_block_dot, awq_columns, awq_step_dot, bias_bits, check_layout
+from services.model.kernels.quant_awq import (awq_block_dot, awq_columns, awq_step_acc, awq_step_dot, awq_step_result,
+                                              bias_bits_for, check_layout)
 from services.model.kernels.quant_awq_gemv import (MAX_SPLIT_TILES, awq_finish_splits, awq_gemv_cols, awq_gemv_groups,
                                                    awq_last_split, awq_store_cols, awq_sum_splits, split_counters)
 from services.model.kernels.quant_fp8_moe import silu_mul
@@ -89,11 +90,8 @@ def _gate_up_kernel(x_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, q_p
     e = expert.to(tl.int64)
     q_e, z_e, s_e = q_ptr + e * q_stride, z_ptr + e * z_stride, s_ptr + e * s_stride
     x_rows = x_ptr + (r // TOP_K).to(tl.int64) * x_stride
-    if WEIGHTS_FIRST:  # awq_step_dot's accumulators transposed
-        acc_gate = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    else:
-        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros_like(acc_gate)
+    acc_gate = awq_step_acc(BLOCK_M, BLOCK_N, WEIGHTS_FIRST)
+    acc_up = awq_step_acc(BLOCK_M, BLOCK_N, WEIGHTS_FIRST)
     for d0 in range(0, hidden, BLOCK_K):  # awq_block_dot's step, for gate and up at once (x read once)
         d = d0 + tl.arange(0, BLOCK_K)
         d_mask = d < hidden
@@ -102,9 +100,8 @@ def _gate_up_kernel(x_ptr, sorted_ids_ptr, starts_ptr, counts_ptr, ends_ptr, q_p
                                 out_features, bias_bits, WEIGHTS_FIRST)
         acc_up = awq_step_dot(acc_up, x, q_e, z_e, s_e, d, d_mask, d0 // GROUP, j + width // 8, j_mask, f + width,
                               f_mask, num_packed, out_features, bias_bits, WEIGHTS_FIRST)
-    if WEIGHTS_FIRST:
-        acc_gate, acc_up = tl.trans(acc_gate), tl.trans(acc_up)
-    act = silu_mul(acc_gate, acc_up, act_ptr.dtype.element_ty)
+    act = silu_mul(awq_step_result(acc_gate, WEIGHTS_FIRST), awq_step_result(acc_up, WEIGHTS_FIRST),
+                   act_ptr.dtype.element_ty)
     tl.store(act_ptr + p.to(tl.int64)[:, None] * width + f[None, :], act.to(act_ptr.dtype.element_ty),
              mask=f_mask[None, :])
 
@@ -146,7 +143,7 @@ def gate_up(x_TD: Tensor, a: moe_align.Alignment, w_gate_up: AwqWeights, top_k: 
         _gate_up_kernel[_grid(num_blocks, triton.cdiv(width, tile.block_n), tiles_first)](
             x_TD, a.sorted_ids_P, a.starts_E, a.counts_E, a.ends_E, w_gate_up.qweight, w_gate_up.qzeros,
             w_gate_up.scales, act_PF, num_experts, hidden, width, x_TD.stride(0), *w_gate_up.expert_strides(),
-            bias_bits(x_TD.dtype),
+            bias_bits_for(x_TD.dtype),
             TOP_K=top_k, GROUP=w_gate_up.group, BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             BLOCK_E=triton.next_power_of_2(num_experts), TILES_FIRST=tiles_first,
             WEIGHTS_FIRST=a.block_m <= WEIGHTS_FIRST_MAX_ROWS, num_warps=tile.num_warps, num_stages=tile.num_stages)
@@ -163,8 +160,9 @@ def down(act_PF: Tensor, a: moe_align.Alignment, w_down: AwqWeights, num_routed:
     if num_blocks:
         _down_kernel[_grid(num_blocks, triton.cdiv(hidden, tile.block_n), tiles_first)](
             act_PF, a.sorted_ids_P, a.starts_E, a.counts_E, a.ends_E, w_down.qweight, w_down.qzeros, w_down.scales,
-            y_RD, num_experts, hidden, width, *w_down.expert_strides(), bias_bits(act_PF.dtype), GROUP=w_down.group,
-            BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_E=triton.next_power_of_2(num_experts),
+            y_RD, num_experts, hidden, width, *w_down.expert_strides(), bias_bits_for(act_PF.dtype),
+            GROUP=w_down.group, BLOCK_M=a.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            BLOCK_E=triton.next_power_of_2(num_experts),
             TILES_FIRST=tiles_first, WEIGHTS_FIRST=a.block_m <= WEIGHTS_FIRST_MAX_ROWS, num_warps=tile.num_warps,
             num_stages=tile.num_stages)
     return y_RD
