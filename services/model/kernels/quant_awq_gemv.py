@@ -18,7 +18,9 @@ instructions per weight byte, and 16-byte loads of a whole group in flight per t
 
 Split along K (more programs in flight than the columns alone give), each split stores fp32
 partials and the last of a tile's splits to finish sums them in split order (the same bits
-every run) and writes the output: no second kernel (awq_last_split, split_counters).
+every run) and writes the output: no second kernel (awq_last_split, split_counters). The GEMVs
+return a tile's 8 BLOCK_C columns as one vector in column order (awq_stack), so the tile's sum over
+its rows is one reduction and its stores and the split sum's loads are contiguous.
 
 Legend: K input rows, N output columns, C packed columns of a program.
 """
@@ -28,13 +30,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from services.model.kernels.launch import wait_for_previous_kernel
+from services.model.kernels.launch import uses_pdl, wait_for_previous_kernel
 
 # awq_gemv_groups' x scale (2^100) and the scales' (2^149 / 2^100): products of x and a subnormal nibble stay normal.
 X_SCALE = tl.constexpr(2.0**100)
 S_SCALE = tl.constexpr(2.0**49)
 # Tiles a split GEMV may have at once (split_counters' slots).
 MAX_SPLIT_TILES = 1 << 16
+# The one-row GEMV's awq_gemv_groups PREFETCH (one_row_linear).
+ONE_ROW_PREFETCH = False
 _COUNTERS: dict[tuple[torch.device, str], Tensor] = {}
 
 
@@ -53,6 +57,24 @@ def awq_bits(lo, hi, I: tl.constexpr):
     else:
         v = lo & (0xF << (4 * I))
     return (v | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def awq_stack(t):
+    """The 8 nibble tiles t[I] [R, C] as one [R, 8 C] in column order: element (r, 8 c + o) is nibble
+    (o % 2) * 4 + o // 2 of packed column c (awq_column's inverse). One reduction and one contiguous
+    store of it replace eight of each: tl.join appends a dimension, so o's bits are joined from the
+    highest (o // 4) to the lowest (o % 2), and the reshape only merges dimensions held by one thread."""
+    q00, q01 = tl.join(t[0], t[2]), tl.join(t[4], t[6])  # o 0, 4 and 1, 5
+    q10, q11 = tl.join(t[1], t[3]), tl.join(t[5], t[7])  # o 2, 6 and 3, 7
+    stacked = tl.join(tl.join(q00, q10), tl.join(q01, q11))  # [R, C, o // 4, o // 2 % 2, o % 2]
+    return tl.reshape(stacked, [t[0].shape[0], 8 * t[0].shape[1]])
+
+
+@triton.jit
+def awq_tile_columns(tile, BLOCK_C: tl.constexpr):
+    """The 8 BLOCK_C output columns, in order, of packed columns tile * BLOCK_C + [0, BLOCK_C)."""
+    return tile * (8 * BLOCK_C) + tl.arange(0, 8 * BLOCK_C)
 
 
 @triton.jit
@@ -89,9 +111,9 @@ def _gemv_step_fmas(acc, x, q, z, s):
 @triton.jit
 def awq_gemv_cols(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, num_packed, out_features, k_start, k_end,
                   GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
-    """8 fp32 [BLOCK_C]: x[k_start:k_end] @ W[k_start:k_end, awq_column(j, I)] for nibble I = 0..7, on
-    the CUDA cores (k_start a multiple of BLOCK_K). Each nibble sums in its own [BLOCK_K, BLOCK_C]
-    accumulator in the layout qweight is loaded in: no unpacking reshape, so no layout conversion
+    """fp32 [8 BLOCK_C]: x[k_start:k_end] @ W[k_start:k_end, 8 j[0] + c] in column order (packed columns j
+    contiguous; awq_stack), on the CUDA cores (k_start a multiple of BLOCK_K). Each nibble sums in its
+    own [BLOCK_K, BLOCK_C] accumulator in the layout qweight is loaded in: no unpacking reshape, so no layout conversion
     through shared memory per step. The next step's weights are loaded before this step's FMAs
     (x is not: carried over the loop, it would be converted to qweight's layout every step). PDL: the
     first step's weights are loaded before waiting for the previous kernel (which writes x)."""
@@ -109,10 +131,7 @@ def awq_gemv_cols(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, num_packed, out_feature
         x = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)
         acc = _gemv_step_fmas(acc, x, q, z, s)
         q, z, s = q_next, z_next, s_next
-    out = ()
-    for i in tl.static_range(8):
-        out = out + (tl.sum(acc[i], 0),)
-    return out
+    return tl.sum(awq_stack(acc), 0)
 
 
 @triton.jit
@@ -127,16 +146,28 @@ def awq_subnormal(lo, hi, I: tl.constexpr):
 
 
 @triton.jit
-def _group_slices(acc, xsum, x_ptr, q_ptr, k0, k_end, j, j_mask, num_packed, GROUP: tl.constexpr,
-                  ROWS: tl.constexpr):
-    """acc (8 x [ROWS, C]) + x[k] X_SCALE q 16^(I % 4) 2^-149 over the group at k0, in GROUP / ROWS
-    slices of rows (each thread's rows summed in registers), and xsum [ROWS] + those x X_SCALE;
-    nothing past k_end."""
+def _group_weights(q_ptr, k0, k_end, j, j_mask, num_packed, GROUP: tl.constexpr, ROWS: tl.constexpr):
+    """qweight's rows of the group at k0 as GROUP / ROWS slices [ROWS, C] (a tuple); nothing past k_end."""
+    slices = ()
     for r in tl.static_range(GROUP // ROWS):
         k = k0 + r * ROWS + tl.arange(0, ROWS)
-        q = tl.load(q_ptr + k.to(tl.int64)[:, None] * num_packed + j[None, :],
-                    mask=(k < k_end)[:, None] & j_mask[None, :], other=0)
+        slices = slices + (tl.load(q_ptr + k.to(tl.int64)[:, None] * num_packed + j[None, :],
+                                   mask=(k < k_end)[:, None] & j_mask[None, :], other=0),)
+    return slices
+
+
+@triton.jit
+def _group_slices(slices, x_ptr, k0, k_end, GROUP: tl.constexpr, ROWS: tl.constexpr):
+    """(8 x [ROWS, C]: x[k] X_SCALE q 16^(I % 4) 2^-149 over the group at k0, its slices' rows summed by
+    each thread in registers; [ROWS]: those x X_SCALE summed the same way); nothing past k_end."""
+    acc = ()
+    for i in tl.static_range(8):
+        acc = acc + (tl.zeros(slices[0].shape, tl.float32),)
+    xsum = tl.zeros([ROWS], tl.float32)
+    for r in tl.static_range(GROUP // ROWS):
+        k = k0 + r * ROWS + tl.arange(0, ROWS)
         x = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32) * X_SCALE
+        q = slices[r]
         q_hi = q >> 16
         xsum += x
         out = ()
@@ -148,26 +179,33 @@ def _group_slices(acc, xsum, x_ptr, q_ptr, k0, k_end, j, j_mask, num_packed, GRO
 
 @triton.jit
 def awq_gemv_groups(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, num_packed, out_features, k_start, k_end,
-                    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
-    """awq_gemv_cols' 8 fp32 [BLOCK_C] (k_start a multiple of GROUP), the zeros and scales kept out of
+                    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False,
+                    PREFETCH: tl.constexpr = False):
+    """awq_gemv_cols' fp32 [8 BLOCK_C] (k_start a multiple of GROUP), the zeros and scales kept out of
     the inner product: per group, s (sum_k x q - z sum_k x). Each 4-bit value is made by one AND as
     a subnormal float (awq_subnormal) and taken by one FFMA against x X_SCALE (2^100: the products
     stay normal floats, exact, for |x| from 2^-77 to 2^28); per group, one zeros load, 8 scale
     loads (times 2^149 / X_SCALE / 16^(I % 4), exact) and two FFMAs per accumulator. A group's
     qweight is loaded as GROUP / ROWS slices of [ROWS, BLOCK_C] whose rows each thread sums in
     registers (no shuffles or shared memory until the end), every slice's loads issued before
-    the FMAs use them. PDL: waits for the previous kernel first."""
+    the FMAs use them, and the next group's before this group's zeros and scales are applied. PDL:
+    the first group's weights are loaded before waiting for the previous kernel (which writes x).
+    PREFETCH: the next group's weights are loaded before this group's FMAs instead (a group's loads
+    more registers; for programs of more than one group)."""
     total = ()
     for i in tl.static_range(8):
         total = total + (tl.zeros([ROWS, BLOCK_C], tl.float32),)
+    slices = _group_weights(q_ptr, k_start, k_end, j, j_mask, num_packed, GROUP, ROWS)
     if PDL:
         wait_for_previous_kernel()
     for k0 in range(k_start, k_end, GROUP):
-        acc = ()
-        for i in tl.static_range(8):
-            acc = acc + (tl.zeros([ROWS, BLOCK_C], tl.float32),)
-        acc, xsum = _group_slices(acc, tl.zeros([ROWS], tl.float32), x_ptr, q_ptr, k0, k_end, j, j_mask,
-                                  num_packed, GROUP, ROWS)
+        if PREFETCH:
+            next_slices = _group_weights(q_ptr, k0 + GROUP, k_end, j, j_mask, num_packed, GROUP, ROWS)
+        acc, xsum = _group_slices(slices, x_ptr, k0, k_end, GROUP, ROWS)
+        if PREFETCH:
+            slices = next_slices
+        else:
+            slices = _group_weights(q_ptr, k0 + GROUP, k_end, j, j_mask, num_packed, GROUP, ROWS)
         z = tl.load(z_ptr + (k0 // GROUP) * num_packed + j, mask=j_mask, other=0)
         z_hi = z >> 16
         out = ()
@@ -178,40 +216,16 @@ def awq_gemv_groups(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, num_packed, out_featu
             group_sum = acc[i] - awq_subnormal(z, z_hi, i)[None, :] * xsum[:, None]
             out = out + (total[i] + group_sum * s[None, :],)
         total = out
-    out = ()
-    for i in tl.static_range(8):
-        out = out + (tl.sum(total[i], 0),)
-    return out
+    return tl.sum(awq_stack(total), 0)
 
 
 @triton.jit
-def awq_store_cols(y_ptr, values, j, j_mask, out_features):
-    """Stores awq_gemv_cols' 8 vectors at their columns of row y_ptr, in y's dtype."""
-    for i in tl.static_range(8):
-        n = awq_column(j, i)
-        tl.store(y_ptr + n, values[i].to(y_ptr.dtype.element_ty), mask=j_mask & (n < out_features))
-
-
-@triton.jit
-def awq_load_cols(row_ptr, j, j_mask, out_features):
-    """awq_store_cols' 8 fp32 vectors read back, past the L1 (other programs wrote them)."""
-    out = ()
-    for i in tl.static_range(8):
-        n = awq_column(j, i)
-        out = out + (tl.load(row_ptr + n, mask=j_mask & (n < out_features), other=0.0, cache_modifier=".cg"),)
-    return out
-
-
-@triton.jit
-def awq_sum_splits(partials_ptr, split_stride, j, j_mask, out_features, SPLITS: tl.constexpr):
-    """The SPLITS partial rows at partials_ptr + s * split_stride, summed in split order."""
-    total = awq_load_cols(partials_ptr, j, j_mask, out_features)
+def awq_sum_splits(partials_ptr, split_stride, n, n_mask, SPLITS: tl.constexpr):
+    """The SPLITS fp32 partial rows at partials_ptr + s * split_stride, columns n, summed in split order
+    (read past the L1: other programs wrote them)."""
+    total = tl.load(partials_ptr + n, mask=n_mask, other=0.0, cache_modifier=".cg")
     for split in tl.static_range(1, SPLITS):
-        part = awq_load_cols(partials_ptr + split * split_stride, j, j_mask, out_features)
-        out = ()
-        for i in tl.static_range(8):
-            out = out + (total[i] + part[i],)
-        total = out
+        total += tl.load(partials_ptr + split * split_stride + n, mask=n_mask, other=0.0, cache_modifier=".cg")
     return total
 
 
@@ -229,38 +243,42 @@ def awq_last_split(counter_ptr, SPLITS: tl.constexpr):
 
 
 @triton.jit
-def awq_finish_splits(y_ptr, partials_ptr, split_stride, values, split, counter_ptr, j, j_mask, out_features,
+def awq_finish_splits(y_ptr, partials_ptr, split_stride, values, split, counter_ptr, n, n_mask,
                       SPLITS: tl.constexpr):
-    """Stores a split's values: at y_ptr unsplit; else as partials (split s at partials_ptr + s *
-    split_stride), and the last of the tile's splits to get here stores their sum at y_ptr."""
+    """Stores a split's values (columns n): at y_ptr in y's dtype unsplit; else as fp32 partials (split s
+    at partials_ptr + s * split_stride), and the last of the tile's splits to get here stores their sum
+    at y_ptr."""
     if SPLITS == 1:
-        awq_store_cols(y_ptr, values, j, j_mask, out_features)
+        tl.store(y_ptr + n, values.to(y_ptr.dtype.element_ty), mask=n_mask)
     else:
-        awq_store_cols(partials_ptr + split * split_stride, values, j, j_mask, out_features)
+        tl.store(partials_ptr + split * split_stride + n, values, mask=n_mask)
         if awq_last_split(counter_ptr, SPLITS):
-            awq_store_cols(y_ptr, awq_sum_splits(partials_ptr, split_stride, j, j_mask, out_features, SPLITS), j,
-                           j_mask, out_features)
+            total = awq_sum_splits(partials_ptr, split_stride, n, n_mask, SPLITS)
+            tl.store(y_ptr + n, total.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
 def _one_row_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, partials_ptr, counters_ptr, out_features, num_packed,
                     in_features, k_split, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
-                    SPLITS: tl.constexpr):
+                    SPLITS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     c_block, split = tl.program_id(0), tl.program_id(1)
     j = c_block * BLOCK_C + tl.arange(0, BLOCK_C)
     j_mask = j < num_packed
     k_start = split * k_split
     y = awq_gemv_groups(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, num_packed, out_features, k_start,
-                        tl.minimum(k_start + k_split, in_features), GROUP, ROWS, BLOCK_C)
-    awq_finish_splits(y_ptr, partials_ptr, out_features, y, split, counters_ptr + c_block, j, j_mask, out_features,
+                        tl.minimum(k_start + k_split, in_features), GROUP, ROWS, BLOCK_C, PDL, PREFETCH)
+    n = awq_tile_columns(c_block, BLOCK_C)
+    awq_finish_splits(y_ptr, partials_ptr, out_features, y, split, counters_ptr + c_block, n, n < out_features,
                       SPLITS)
 
 
 def one_row_linear(x_1K: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group: int, block_n: int, rows: int,
-                   splits: int, warps: int) -> Tensor:
+                   splits: int, warps: int, prefetch: bool | None = None) -> Tensor:
     """y_1N = x @ W for one row by awq_gemv_groups (quant_awq.linear's "groups" one-row GEMV): block_n
     columns a program (a multiple of 8), slices of `rows` rows, up to `splits` programs along K
-    (a whole number of groups each), the last of a tile's summing their fp32 partials in order."""
+    (a whole number of groups each), the last of a tile's summing their fp32 partials in order; a PDL
+    launch where the GPU has them (launch.uses_pdl). prefetch: awq_gemv_groups' PREFETCH (None:
+    ONE_ROW_PREFETCH)."""
     in_features, num_packed, out_features = qweight.shape[0], qweight.shape[1], scales.shape[1]
     if block_n % 8 or group % rows:
         raise ValueError(f"block_n ({block_n}) must be a multiple of 8 and rows ({rows}) divide the group ({group})")
@@ -269,9 +287,12 @@ def one_row_linear(x_1K: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor
     y = x_1K.new_empty(1, out_features)
     partials = torch.empty(num_splits if num_splits > 1 else 0, out_features, dtype=torch.float32, device=y.device)
     counters = split_counters(y.device, tiles, "one_row") if num_splits > 1 else partials
+    pdl = uses_pdl(x_1K)
     _one_row_kernel[(tiles, num_splits)](x_1K, qweight, qzeros, scales, y, partials, counters, out_features,
                                          num_packed, in_features, k_split, GROUP=group, ROWS=rows,
-                                         BLOCK_C=block_n // 8, SPLITS=num_splits, num_warps=warps, num_stages=1)
+                                         BLOCK_C=block_n // 8, SPLITS=num_splits, PDL=pdl,
+                                         PREFETCH=ONE_ROW_PREFETCH if prefetch is None else prefetch,
+                                         num_warps=warps, num_stages=1, launch_pdl=pdl)
     return y
 
 

@@ -36,7 +36,7 @@ from services.model.kernels.moe_gemm import GemmBlocks, MoEConfig, _block_rows, 
 from services.model.kernels.quant_awq import (awq_block_dot, awq_columns, awq_step_acc, awq_step_dot, awq_step_result,
                                               bias_bits_for, check_layout)
 from services.model.kernels.quant_awq_gemv import (MAX_SPLIT_TILES, awq_finish_splits, awq_gemv_cols, awq_gemv_groups,
-                                                   awq_last_split, awq_store_cols, awq_sum_splits, split_counters)
+                                                   awq_last_split, awq_sum_splits, awq_tile_columns, split_counters)
 from services.model.kernels.quant_fp8_moe import silu_mul
 from services.model.kernels.quant_ref import AWQ_GROUP, AWQ_PACK
 from services.model.layers import AddNorm
@@ -243,14 +243,14 @@ def _one_token_gate_up_kernel(x_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, act_ptr, part
                                GROUP, BLOCK_D, BLOCK_F // 8)
     part_stride = tl.num_programs(1) * WIDTH  # partials [2 SPLITS, K, F]: the gate's splits, then the up's
     partials = partials_ptr + k * WIDTH
-    awq_store_cols(partials + part * part_stride, values, j, j_mask, WIDTH)
+    f = awq_tile_columns(f_block, BLOCK_F // 8)
+    f_mask = f < WIDTH
+    tl.store(partials + part * part_stride + f, values, mask=f_mask)
     if awq_last_split(counters_ptr + k * tl.num_programs(0) + f_block, 2 * SPLITS):
-        gate = awq_sum_splits(partials, part_stride, j, j_mask, WIDTH, SPLITS)
-        up = awq_sum_splits(partials + SPLITS * part_stride, part_stride, j, j_mask, WIDTH, SPLITS)
-        act = ()
-        for i in tl.static_range(8):
-            act = act + (silu_mul(gate[i], up[i], act_ptr.dtype.element_ty),)
-        awq_store_cols(act_ptr + k * WIDTH, act, j, j_mask, WIDTH)
+        gate = awq_sum_splits(partials, part_stride, f, f_mask, SPLITS)
+        up = awq_sum_splits(partials + SPLITS * part_stride, part_stride, f, f_mask, SPLITS)
+        act = silu_mul(gate, up, act_ptr.dtype.element_ty)
+        tl.store(act_ptr + k * WIDTH + f, act.to(act_ptr.dtype.element_ty), mask=f_mask)
 
 
 @triton.jit
@@ -260,7 +260,7 @@ def _one_token_down_kernel(act_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, y_ptr, partial
                            PDL: tl.constexpr, GROUPS: tl.constexpr):
     """y[k, o]: the k-th expert's down projection of act[k], rounded to the model dtype, SPLITS
     programs along F. PDL: its first weights are loaded before it waits for gate_up's act (ids
-    are final once gate_up runs; awq_gemv_groups waits first). GROUPS: as the gate_up kernel's."""
+    are final once gate_up runs). GROUPS: as the gate_up kernel's."""
     o_block, k, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = tl.load(ids_ptr + k).to(tl.int64)
     j = o_block * (BLOCK_O // 8) + tl.arange(0, BLOCK_O // 8)
@@ -274,8 +274,9 @@ def _one_token_down_kernel(act_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, y_ptr, partial
     else:
         y = awq_gemv_cols(a_k, q_e, z_e, s_e, j, j_mask, (HIDDEN + 7) // 8, HIDDEN, f_start, f_end, GROUP, BLOCK_F,
                           BLOCK_O // 8, PDL)
+    o = awq_tile_columns(o_block, BLOCK_O // 8)
     awq_finish_splits(y_ptr + k * HIDDEN, partials_ptr + k * HIDDEN, tl.num_programs(1) * HIDDEN, y, split,
-                      counters_ptr + k * tl.num_programs(0) + o_block, j, j_mask, HIDDEN, SPLITS)
+                      counters_ptr + k * tl.num_programs(0) + o_block, o, o < HIDDEN, SPLITS)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from services.model.kernels.launch import uses_pdl, wait_for_previous_kernel
 from services.model.kernels.quant_ref import E4M3_MAX, FP8_BLOCK
 
 BLOCK = tl.constexpr(FP8_BLOCK)
@@ -89,28 +90,45 @@ def load_fp8(ptrs, mask, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def _scaled_x(x_ptr, w_scale_row, k, k_mask):
+    """fp32 x[k] times the scales of k's blocks."""
+    x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+    return x * tl.load(w_scale_row + k // BLOCK, mask=k_mask, other=0.0)
+
+
+@triton.jit
 def _fp8_gemv_step(acc, x_ptr, w_rows, n_mask, w_scale_row, k0, k_end, BLOCK_K: tl.constexpr, NATIVE: tl.constexpr):
     """acc [BLOCK_N, BLOCK_K] + the weights of columns k0 + [0, BLOCK_K) times x scaled by their blocks."""
     k = k0 + tl.arange(0, BLOCK_K)
     k_mask = k < k_end
-    x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-    x *= tl.load(w_scale_row + k // BLOCK, mask=k_mask, other=0.0)
+    x = _scaled_x(x_ptr, w_scale_row, k, k_mask)
     return acc + load_fp8(w_rows[:, None] + k[None, :], n_mask[:, None] & k_mask[None, :], NATIVE) * x[None, :]
 
 
 @triton.jit
 def fp8_gemv_rows(x_ptr, w_rows, n_mask, w_scale_row, k_start, k_end, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, NATIVE: tl.constexpr, STAGES: tl.constexpr = 0):
+                  BLOCK_K: tl.constexpr, NATIVE: tl.constexpr, STAGES: tl.constexpr = 0, PDL: tl.constexpr = False):
     """fp32 [BLOCK_N]: weight rows (w_rows: each row's start; all rows in the 128-row block whose
     scales start at w_scale_row) dotted with x[k_start:k_end], on the CUDA cores. STAGES > 0: the
     loop pipelined that deep (cp.async into shared memory, as gemv.gemv_rows), so a step's loads
-    do not wait out the memory latency; 0: a plain loop (GEMV_STAGES)."""
+    do not wait out the memory latency; 0: a plain loop (GEMV_STAGES). PDL: waits for the previous
+    kernel (which writes x), the plain loop's first weights loaded before."""
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     if STAGES > 0:
+        if PDL:
+            wait_for_previous_kernel()
         for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
             acc = _fp8_gemv_step(acc, x_ptr, w_rows, n_mask, w_scale_row, k0, k_end, BLOCK_K, NATIVE)
     else:
-        for k0 in range(k_start, k_end, BLOCK_K):
+        loop_start = k_start
+        if PDL:
+            k = k_start + tl.arange(0, BLOCK_K)
+            k_mask = k < k_end
+            w = load_fp8(w_rows[:, None] + k[None, :], n_mask[:, None] & k_mask[None, :], NATIVE)
+            wait_for_previous_kernel()
+            acc += w * _scaled_x(x_ptr, w_scale_row, k, k_mask)[None, :]
+            loop_start = k_start + BLOCK_K
+        for k0 in range(loop_start, k_end, BLOCK_K):
             acc = _fp8_gemv_step(acc, x_ptr, w_rows, n_mask, w_scale_row, k0, k_end, BLOCK_K, NATIVE)
     return tl.sum(acc, 1)
 
@@ -170,7 +188,7 @@ def fp8_block_dot(acc, a_rows, a_mask, a_scale_rows, w_rows, w_mask, w_scale_row
 @triton.jit
 def _linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, num_rows, out_features, in_features, x_stride, k_split,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_FP8: tl.constexpr,
-                   NATIVE: tl.constexpr, STAGES: tl.constexpr):
+                   NATIVE: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -182,7 +200,7 @@ def _linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, num_rows, out_features, i
     if BLOCK_M == 1:  # one row on the CUDA cores
         w_scale_row = s_ptr + (tl.program_id(1) * BLOCK_N // BLOCK) * num_k_blocks
         acc = fp8_gemv_rows(x_ptr + tl.program_id(0).to(tl.int64) * x_stride, w_rows, n_mask, w_scale_row, k_start,
-                            k_end, BLOCK_N, BLOCK_K, NATIVE, STAGES)[None, :]
+                            k_end, BLOCK_N, BLOCK_K, NATIVE, STAGES, PDL)[None, :]
     else:
         acc = fp8_block_dot(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x_ptr + m.to(tl.int64) * x_stride, m_mask,
                             xs_ptr + m * num_k_blocks, w_rows, n_mask,
@@ -308,9 +326,11 @@ def linear_tiled(x_MK: Tensor, xs_MKb: Tensor | None, w_NK: Tensor, s_NbKb: Tens
     y, k_split = split_output(num_rows, out_features, in_features, FP8_BLOCK, tiles.split_k, out_dtype, x_MK.device)
     if num_rows:
         grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), y.shape[0])
+        pdl = tiles.block_m == 1 and uses_pdl(x_MK)  # the one-row GEMV
         _linear_kernel[grid](x_MK, x_MK if xs_MKb is None else xs_MKb, w_NK if a_fp8 else weight_arg(w_NK, native),
                              s_NbKb, y, num_rows, out_features, in_features, x_MK.stride(0), k_split,
                              BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, A_FP8=a_fp8,
                              NATIVE=native_fp8(x_MK.device) if native is None else native,
-                             STAGES=gemv_stages(tiles.stages), num_warps=tiles.warps, num_stages=tiles.stages)
+                             STAGES=gemv_stages(tiles.stages), PDL=pdl, num_warps=tiles.warps,
+                             num_stages=tiles.stages, launch_pdl=pdl)
     return sum_splits(y, out_dtype)
