@@ -37,8 +37,6 @@ X_SCALE = tl.constexpr(2.0**100)
 S_SCALE = tl.constexpr(2.0**49)
 # Tiles a split GEMV may have at once (split_counters' slots).
 MAX_SPLIT_TILES = 1 << 16
-# The one-row GEMV's awq_gemv_groups PREFETCH (one_row_linear).
-ONE_ROW_PREFETCH = False
 _COUNTERS: dict[tuple[torch.device, str], Tensor] = {}
 
 
@@ -179,8 +177,7 @@ def _group_slices(slices, x_ptr, k0, k_end, GROUP: tl.constexpr, ROWS: tl.conste
 
 @triton.jit
 def awq_gemv_groups(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, num_packed, out_features, k_start, k_end,
-                    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False,
-                    PREFETCH: tl.constexpr = False):
+                    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
     """awq_gemv_cols' fp32 [8 BLOCK_C] (k_start a multiple of GROUP), the zeros and scales kept out of
     the inner product: per group, s (sum_k x q - z sum_k x). Each 4-bit value is made by one AND as
     a subnormal float (awq_subnormal) and taken by one FFMA against x X_SCALE (2^100: the products
@@ -189,9 +186,7 @@ def awq_gemv_groups(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, num_packed, out_featu
     qweight is loaded as GROUP / ROWS slices of [ROWS, BLOCK_C] whose rows each thread sums in
     registers (no shuffles or shared memory until the end), every slice's loads issued before
     the FMAs use them, and the next group's before this group's zeros and scales are applied. PDL:
-    the first group's weights are loaded before waiting for the previous kernel (which writes x).
-    PREFETCH: the next group's weights are loaded before this group's FMAs instead (a group's loads
-    more registers; for programs of more than one group)."""
+    the first group's weights are loaded before waiting for the previous kernel (which writes x)."""
     total = ()
     for i in tl.static_range(8):
         total = total + (tl.zeros([ROWS, BLOCK_C], tl.float32),)
@@ -199,13 +194,8 @@ def awq_gemv_groups(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, num_packed, out_featu
     if PDL:
         wait_for_previous_kernel()
     for k0 in range(k_start, k_end, GROUP):
-        if PREFETCH:
-            next_slices = _group_weights(q_ptr, k0 + GROUP, k_end, j, j_mask, num_packed, GROUP, ROWS)
         acc, xsum = _group_slices(slices, x_ptr, k0, k_end, GROUP, ROWS)
-        if PREFETCH:
-            slices = next_slices
-        else:
-            slices = _group_weights(q_ptr, k0 + GROUP, k_end, j, j_mask, num_packed, GROUP, ROWS)
+        slices = _group_weights(q_ptr, k0 + GROUP, k_end, j, j_mask, num_packed, GROUP, ROWS)
         z = tl.load(z_ptr + (k0 // GROUP) * num_packed + j, mask=j_mask, other=0)
         z_hi = z >> 16
         out = ()
@@ -260,25 +250,24 @@ def awq_finish_splits(y_ptr, partials_ptr, split_stride, values, split, counter_
 @triton.jit
 def _one_row_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, partials_ptr, counters_ptr, out_features, num_packed,
                     in_features, k_split, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
-                    SPLITS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                    SPLITS: tl.constexpr, PDL: tl.constexpr):
     c_block, split = tl.program_id(0), tl.program_id(1)
     j = c_block * BLOCK_C + tl.arange(0, BLOCK_C)
     j_mask = j < num_packed
     k_start = split * k_split
     y = awq_gemv_groups(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, num_packed, out_features, k_start,
-                        tl.minimum(k_start + k_split, in_features), GROUP, ROWS, BLOCK_C, PDL, PREFETCH)
+                        tl.minimum(k_start + k_split, in_features), GROUP, ROWS, BLOCK_C, PDL)
     n = awq_tile_columns(c_block, BLOCK_C)
     awq_finish_splits(y_ptr, partials_ptr, out_features, y, split, counters_ptr + c_block, n, n < out_features,
                       SPLITS)
 
 
 def one_row_linear(x_1K: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group: int, block_n: int, rows: int,
-                   splits: int, warps: int, prefetch: bool | None = None) -> Tensor:
+                   splits: int, warps: int) -> Tensor:
     """y_1N = x @ W for one row by awq_gemv_groups (quant_awq.linear's "groups" one-row GEMV): block_n
     columns a program (a multiple of 8), slices of `rows` rows, up to `splits` programs along K
     (a whole number of groups each), the last of a tile's summing their fp32 partials in order; a PDL
-    launch where the GPU has them (launch.uses_pdl). prefetch: awq_gemv_groups' PREFETCH (None:
-    ONE_ROW_PREFETCH)."""
+    launch where the GPU has them (launch.uses_pdl)."""
     in_features, num_packed, out_features = qweight.shape[0], qweight.shape[1], scales.shape[1]
     if block_n % 8 or group % rows:
         raise ValueError(f"block_n ({block_n}) must be a multiple of 8 and rows ({rows}) divide the group ({group})")
@@ -290,9 +279,8 @@ def one_row_linear(x_1K: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor
     pdl = uses_pdl(x_1K)
     _one_row_kernel[(tiles, num_splits)](x_1K, qweight, qzeros, scales, y, partials, counters, out_features,
                                          num_packed, in_features, k_split, GROUP=group, ROWS=rows,
-                                         BLOCK_C=block_n // 8, SPLITS=num_splits, PDL=pdl,
-                                         PREFETCH=ONE_ROW_PREFETCH if prefetch is None else prefetch,
-                                         num_warps=warps, num_stages=1, launch_pdl=pdl)
+                                         BLOCK_C=block_n // 8, SPLITS=num_splits, PDL=pdl, num_warps=warps,
+                                         num_stages=1, launch_pdl=pdl)
     return y
 
 

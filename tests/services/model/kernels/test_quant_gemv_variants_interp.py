@@ -20,7 +20,6 @@ from services.model.kernels import quant_ref as ref  # noqa: E402
 from tests.triton_interpreter import interpreted_fixture  # noqa: E402
 
 quant_awq = interpreted_fixture("kernels.quant_awq")
-quant_awq_gemv = interpreted_fixture("kernels.quant_awq_gemv")
 quant_awq_moe = interpreted_fixture("kernels.quant_awq_moe")
 quant_fp8 = interpreted_fixture("kernels.quant_fp8")
 quant_fp8_moe = interpreted_fixture("kernels.quant_fp8_moe")
@@ -54,18 +53,6 @@ def test_grouped_one_row_linear(quant_awq, awq_weight, split_k, x_scale):
                                atol=1e-5 * expected.abs().max().item(), rtol=1e-5)
     from services.model.kernels.quant_awq_gemv import split_counters
     assert not split_counters(torch.device("cpu"), 1, "one_row").any()
-
-
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_grouped_one_row_prefetch_is_the_same_bits(quant_awq_gemv, awq_weight, split_k):
-    """PREFETCH (the next group's weights loaded before this group's FMAs) changes when the loads issue,
-    not the sums: the same bits as without, over a split with three groups (the last partial) and two."""
-    qweight, qzeros, scales, w_ref = awq_weight
-    x = _randn(1, K, seed=6)
-    plain, prefetched = (quant_awq_gemv.one_row_linear(x, qweight, qzeros, scales, 128, 64, 32, split_k, 4,
-                                                       prefetch=prefetch) for prefetch in (False, True))
-    assert torch.equal(plain, prefetched)
-    torch.testing.assert_close(plain, x @ w_ref, atol=1e-5 * plain.abs().max().item(), rtol=1e-5)
 
 
 def test_grouped_one_row_is_the_same_bits_every_run(quant_awq, awq_weight):
