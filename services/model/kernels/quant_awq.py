@@ -40,6 +40,9 @@ SKINNY_MAX_ROWS = 16
 # bench/kernels/awq_sweep.py, docs/performance.md) or "nibbles" (awq_gemv_tile in _linear_kernel;
 # --quant-gemv-variants awq-nibbles).
 ONE_ROW_GEMV = "groups"
+# The grouped one-row GEMV takes one group a program (awq_gemv_one_group) while its grid (128-column tiles times
+# groups) has at most this many programs; bigger weights keep 256-column tiles and splits (default_tiles).
+ONE_GROUP_MAX_PROGRAMS = 1024
 
 
 @triton.jit
@@ -218,8 +221,12 @@ def default_tiles(num_rows: int, out_features: int, in_features: int) -> AwqTile
     """The tiles for a step: one row's GEMV (ONE_ROW_GEMV's), skinny tiles up to SKINNY_MAX_ROWS, square
     tiles above; each split along K while its grid is small (quant_fp8.num_splits)."""
     if num_rows == 1 and ONE_ROW_GEMV == "groups":
-        # 256 columns in slices of 16 rows, 4 warps, splits at least two groups deep: awq_sweep's fastest at q|k|v's
-        # and o's shapes (8 and 16 splits there)
+        # One group a program, 128 columns in slices of 16 rows, 2 warps: the fastest of an H100 A/B at
+        # Qwen3-30B-A3B's q|k|v and o (640 and 512 programs). Qwen3-235B-A22B's (2,304 and 2,048 programs that way)
+        # were slower so; they keep awq_sweep's tiles: 256 columns, 4 warps, splits at least two groups deep.
+        groups = triton.cdiv(in_features, AWQ_GROUP)
+        if triton.cdiv(out_features, 128) * groups <= ONE_GROUP_MAX_PROGRAMS:
+            return AwqTiles(1, 128, 16, groups, 2, 1, "groups")
         return AwqTiles(1, 256, 16, num_splits(triton.cdiv(out_features, 256), in_features, 2 * AWQ_GROUP), 4, 1,
                         "groups")
     block_m = 1 if num_rows == 1 else 16 if num_rows <= SKINNY_MAX_ROWS else 64 if num_rows <= 64 else 128

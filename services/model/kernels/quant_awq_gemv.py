@@ -210,6 +210,29 @@ def awq_gemv_groups(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, num_packed, out_featu
 
 
 @triton.jit
+def awq_gemv_one_group(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask, num_packed, out_features, k_start,
+                       k_end, GROUP: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):
+    """awq_gemv_groups' fp32 [8 BLOCK_C] for a split of one group (k_start a multiple of GROUP, k_end
+    at most GROUP on; n, n_mask: j's 8 BLOCK_C columns in order, awq_tile_columns). The program's
+    rows are summed first (one reduction), then the group's zero and scale are applied once a column:
+    no accumulators carried over groups and no per-row corrections, so a program holds a fraction
+    of awq_gemv_groups' registers. PDL: the weights, zeros and scales are loaded before waiting for
+    the previous kernel (which writes x)."""
+    group = k_start // GROUP
+    slices = _group_weights(q_ptr, k_start, k_end, j, j_mask, num_packed, GROUP, ROWS)
+    offset = n % 8
+    nibble = (offset % 2) * 4 + offset // 2  # awq_column's inverse
+    z_word = tl.load(z_ptr + group * num_packed + n // 8, mask=n_mask, other=0)
+    z = ((z_word >> (16 * (nibble // 4))) & (0xF << (4 * (nibble % 4)))).to(tl.float32, bitcast=True)
+    s = tl.load(s_ptr + group * out_features + n, mask=n_mask, other=0.0).to(tl.float32)
+    s = s * S_SCALE / (1 << (4 * (nibble % 4))).to(tl.float32)
+    if PDL:
+        wait_for_previous_kernel()
+    acc, xsum = _group_slices(slices, x_ptr, k_start, k_end, GROUP, ROWS)
+    return (tl.sum(awq_stack(acc), 0) - z * tl.sum(xsum, 0)) * s
+
+
+@triton.jit
 def awq_sum_splits(partials_ptr, split_stride, n, n_mask, SPLITS: tl.constexpr):
     """The SPLITS fp32 partial rows at partials_ptr + s * split_stride, columns n, summed in split order
     (read past the L1: other programs wrote them)."""
@@ -250,24 +273,29 @@ def awq_finish_splits(y_ptr, partials_ptr, split_stride, values, split, counter_
 @triton.jit
 def _one_row_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, partials_ptr, counters_ptr, out_features, num_packed,
                     in_features, k_split, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
-                    SPLITS: tl.constexpr, PDL: tl.constexpr):
+                    SPLITS: tl.constexpr, ONE_GROUP: tl.constexpr, PDL: tl.constexpr):
     c_block, split = tl.program_id(0), tl.program_id(1)
     j = c_block * BLOCK_C + tl.arange(0, BLOCK_C)
     j_mask = j < num_packed
-    k_start = split * k_split
-    y = awq_gemv_groups(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, num_packed, out_features, k_start,
-                        tl.minimum(k_start + k_split, in_features), GROUP, ROWS, BLOCK_C, PDL)
     n = awq_tile_columns(c_block, BLOCK_C)
-    awq_finish_splits(y_ptr, partials_ptr, out_features, y, split, counters_ptr + c_block, n, n < out_features,
-                      SPLITS)
+    n_mask = n < out_features
+    k_start = split * k_split
+    k_end = tl.minimum(k_start + k_split, in_features)
+    if ONE_GROUP:
+        y = awq_gemv_one_group(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, n, n_mask, num_packed, out_features, k_start,
+                               k_end, GROUP, ROWS, PDL)
+    else:
+        y = awq_gemv_groups(x_ptr, q_ptr, z_ptr, s_ptr, j, j_mask, num_packed, out_features, k_start, k_end, GROUP,
+                            ROWS, BLOCK_C, PDL)
+    awq_finish_splits(y_ptr, partials_ptr, out_features, y, split, counters_ptr + c_block, n, n_mask, SPLITS)
 
 
 def one_row_linear(x_1K: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group: int, block_n: int, rows: int,
                    splits: int, warps: int) -> Tensor:
     """y_1N = x @ W for one row by awq_gemv_groups (quant_awq.linear's "groups" one-row GEMV): block_n
     columns a program (a multiple of 8), slices of `rows` rows, up to `splits` programs along K
-    (a whole number of groups each), the last of a tile's summing their fp32 partials in order; a PDL
-    launch where the GPU has them (launch.uses_pdl)."""
+    (a whole number of groups each; one group each, awq_gemv_one_group), the last of a tile's summing
+    their fp32 partials in order; a PDL launch where the GPU has them (launch.uses_pdl)."""
     in_features, num_packed, out_features = qweight.shape[0], qweight.shape[1], scales.shape[1]
     if block_n % 8 or group % rows:
         raise ValueError(f"block_n ({block_n}) must be a multiple of 8 and rows ({rows}) divide the group ({group})")
@@ -279,8 +307,8 @@ def one_row_linear(x_1K: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor
     pdl = uses_pdl(x_1K)
     _one_row_kernel[(tiles, num_splits)](x_1K, qweight, qzeros, scales, y, partials, counters, out_features,
                                          num_packed, in_features, k_split, GROUP=group, ROWS=rows,
-                                         BLOCK_C=block_n // 8, SPLITS=num_splits, PDL=pdl, num_warps=warps,
-                                         num_stages=1, launch_pdl=pdl)
+                                         BLOCK_C=block_n // 8, SPLITS=num_splits, ONE_GROUP=k_split == group,
+                                         PDL=pdl, num_warps=warps, num_stages=1, launch_pdl=pdl)
     return y
 
 

@@ -36,7 +36,8 @@ from services.model.kernels.moe_gemm import GemmBlocks, MoEConfig, _block_rows, 
 from services.model.kernels.quant_awq import (awq_block_dot, awq_columns, awq_step_acc, awq_step_dot, awq_step_result,
                                               bias_bits_for, check_layout)
 from services.model.kernels.quant_awq_gemv import (MAX_SPLIT_TILES, awq_finish_splits, awq_gemv_cols, awq_gemv_groups,
-                                                   awq_last_split, awq_sum_splits, awq_tile_columns, split_counters)
+                                                   awq_gemv_one_group, awq_last_split, awq_sum_splits,
+                                                   awq_tile_columns, split_counters)
 from services.model.kernels.quant_fp8_moe import silu_mul
 from services.model.kernels.quant_ref import AWQ_GROUP, AWQ_PACK
 from services.model.layers import AddNorm
@@ -220,11 +221,13 @@ def sorted_experts(x_PD: Tensor, offsets_L: Tensor, w_gate_up: AwqWeights, w_dow
 def _one_token_gate_up_kernel(x_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, act_ptr, partials_ptr, counters_ptr, q_stride,
                               z_stride, s_stride, d_split, HIDDEN: tl.constexpr, WIDTH: tl.constexpr,
                               GROUP: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
-                              SPLITS: tl.constexpr, PDL: tl.constexpr, GROUPS: tl.constexpr):
+                              SPLITS: tl.constexpr, PDL: tl.constexpr, GROUPS: tl.constexpr,
+                              ONE_GROUP: tl.constexpr):
     """act[k, f] = SiLU(gate) * up of the token's k-th expert, on the CUDA cores: 2 SPLITS programs
     a tile, the gate's SPLITS along D then the up's (one GEMV's registers each), the last of them
     summing the partials. PDL: waits for gate_route's ids, then lets the down kernel start.
-    GROUPS: awq_gemv_groups (BLOCK_D its rows a slice), else awq_gemv_cols."""
+    GROUPS: awq_gemv_groups (BLOCK_D its rows a slice; ONE_GROUP: splits of one group each,
+    awq_gemv_one_group), else awq_gemv_cols."""
     f_block, k, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if PDL:
         wait_for_previous_kernel()
@@ -235,7 +238,12 @@ def _one_token_gate_up_kernel(x_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, act_ptr, part
     q_e, z_e, s_e, j_part = q_ptr + e * q_stride, z_ptr + e * z_stride, s_ptr + e * s_stride, j + (part // SPLITS) * (
         WIDTH // 8)
     d_end = tl.minimum(d_start + d_split, HIDDEN)
-    if GROUPS:
+    f = awq_tile_columns(f_block, BLOCK_F // 8)
+    f_mask = f < WIDTH
+    if ONE_GROUP:
+        values = awq_gemv_one_group(x_ptr, q_e, z_e, s_e, j_part, j_mask, f + (part // SPLITS) * WIDTH, f_mask,
+                                    2 * WIDTH // 8, 2 * WIDTH, d_start, d_end, GROUP, BLOCK_D)
+    elif GROUPS:
         values = awq_gemv_groups(x_ptr, q_e, z_e, s_e, j_part, j_mask, 2 * WIDTH // 8, 2 * WIDTH, d_start, d_end,
                                  GROUP, BLOCK_D, BLOCK_F // 8)
     else:
@@ -243,8 +251,6 @@ def _one_token_gate_up_kernel(x_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, act_ptr, part
                                GROUP, BLOCK_D, BLOCK_F // 8)
     part_stride = tl.num_programs(1) * WIDTH  # partials [2 SPLITS, K, F]: the gate's splits, then the up's
     partials = partials_ptr + k * WIDTH
-    f = awq_tile_columns(f_block, BLOCK_F // 8)
-    f_mask = f < WIDTH
     tl.store(partials + part * part_stride + f, values, mask=f_mask)
     if awq_last_split(counters_ptr + k * tl.num_programs(0) + f_block, 2 * SPLITS):
         gate = awq_sum_splits(partials, part_stride, f, f_mask, SPLITS)
@@ -257,7 +263,7 @@ def _one_token_gate_up_kernel(x_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, act_ptr, part
 def _one_token_down_kernel(act_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, y_ptr, partials_ptr, counters_ptr, q_stride,
                            z_stride, s_stride, f_split, HIDDEN: tl.constexpr, WIDTH: tl.constexpr,
                            GROUP: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_F: tl.constexpr, SPLITS: tl.constexpr,
-                           PDL: tl.constexpr, GROUPS: tl.constexpr):
+                           PDL: tl.constexpr, GROUPS: tl.constexpr, ONE_GROUP: tl.constexpr):
     """y[k, o]: the k-th expert's down projection of act[k], rounded to the model dtype, SPLITS
     programs along F. PDL: its first weights are loaded before it waits for gate_up's act (ids
     are final once gate_up runs). GROUPS: as the gate_up kernel's."""
@@ -268,13 +274,16 @@ def _one_token_down_kernel(act_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, y_ptr, partial
     f_start = split * f_split
     a_k, q_e, z_e, s_e = act_ptr + k * WIDTH, q_ptr + e * q_stride, z_ptr + e * z_stride, s_ptr + e * s_stride
     f_end = tl.minimum(f_start + f_split, WIDTH)
-    if GROUPS:
+    o = awq_tile_columns(o_block, BLOCK_O // 8)
+    if ONE_GROUP:
+        y = awq_gemv_one_group(a_k, q_e, z_e, s_e, j, j_mask, o, o < HIDDEN, (HIDDEN + 7) // 8, HIDDEN, f_start,
+                               f_end, GROUP, BLOCK_F, PDL)
+    elif GROUPS:
         y = awq_gemv_groups(a_k, q_e, z_e, s_e, j, j_mask, (HIDDEN + 7) // 8, HIDDEN, f_start, f_end, GROUP, BLOCK_F,
                             BLOCK_O // 8, PDL)
     else:
         y = awq_gemv_cols(a_k, q_e, z_e, s_e, j, j_mask, (HIDDEN + 7) // 8, HIDDEN, f_start, f_end, GROUP, BLOCK_F,
                           BLOCK_O // 8, PDL)
-    o = awq_tile_columns(o_block, BLOCK_O // 8)
     awq_finish_splits(y_ptr + k * HIDDEN, partials_ptr + k * HIDDEN, tl.num_programs(1) * HIDDEN, y, split,
                       counters_ptr + k * tl.num_programs(0) + o_block, o, o < HIDDEN, SPLITS)
 
@@ -310,13 +319,12 @@ class OneTokenTiles:
 # F 768, 8 experts) on an H200 (docs/performance.md): 384 and 512 programs, unsplit.
 NIBBLE_TILES = OneTokenTiles(gate_up_f=32, gate_up_d=64, gate_up_splits=1, gate_up_warps=4, down_o=32, down_f=64,
                              down_splits=1, down_warps=4)
-# awq_gemv_groups' tiles, the default: gate_up 256 columns a program in slices of 16 rows (a 16-byte load a thread
-# each) and 2 warps, down 512 in slices of 8 and 4 warps; 8 splits of gate_up's 2,048 rows and 6 of down's 768 (one
-# group each). The fastest of bench/kernels/awq_sweep.py's one-token tiles on an H200 (docs/performance.md; the
-# shapes from the static estimates of bench/kernels/sass_stats.py, the warps from the sweep). NIBBLE_TILES serve
+# awq_gemv_groups' tiles, the default: splits of one group each (awq_gemv_one_group: 16 of gate_up's 2,048 rows,
+# 6 of down's 768), gate_up 128 columns a program in slices of 16 rows, down 256 in slices of 8, 2 warps each. The
+# fastest of an H100 A/B of one-token tiles at Qwen3-30B-A3B's shapes (docs/performance.md). NIBBLE_TILES serve
 # with --quant-gemv-variants awq-nibbles (quant_variants.use_gemv_variants).
-GROUPED_TILES = OneTokenTiles(gate_up_f=256, gate_up_d=16, gate_up_splits=8, gate_up_warps=2, down_o=512, down_f=8,
-                              down_splits=6, down_warps=4, gemv="groups")
+GROUPED_TILES = OneTokenTiles(gate_up_f=128, gate_up_d=16, gate_up_splits=16, gate_up_warps=2, down_o=256, down_f=8,
+                              down_splits=6, down_warps=2, gemv="groups")
 ONE_TOKEN_TILES = GROUPED_TILES
 # down's split counters start here, apart from gate_up's (PDL starts down while gate_up runs).
 _DOWN_COUNTERS = MAX_SPLIT_TILES // 2
@@ -352,7 +360,7 @@ def one_token_gate_up(x_1D: Tensor, ids_1K: Tensor, w_gate_up: AwqWeights,
         x_1D, ids_1K, w_gate_up.qweight, w_gate_up.qzeros, w_gate_up.scales, act_KF, partials, counters,
         *w_gate_up.expert_strides(), d_split, HIDDEN=hidden, WIDTH=width, GROUP=w_gate_up.group,
         BLOCK_F=tiles.gate_up_f, BLOCK_D=tiles.gate_up_d, SPLITS=splits, PDL=uses_pdl(x_1D),
-        GROUPS=tiles.gemv == "groups",
+        GROUPS=tiles.gemv == "groups", ONE_GROUP=tiles.gemv == "groups" and d_split == w_gate_up.group,
         num_warps=tiles.gate_up_warps, num_stages=1, launch_pdl=uses_pdl(x_1D))
     return act_KF
 
@@ -372,6 +380,7 @@ def one_token_down(act_KF: Tensor, ids_1K: Tensor, weights_1K: Tensor, w_down: A
         act_KF, ids_1K, w_down.qweight, w_down.qzeros, w_down.scales, y_KD, partials, counters,
         *w_down.expert_strides(), f_split, HIDDEN=hidden, WIDTH=width, GROUP=w_down.group, BLOCK_O=tiles.down_o,
         BLOCK_F=tiles.down_f, SPLITS=splits, PDL=uses_pdl(ids_1K), GROUPS=tiles.gemv == "groups",
+        ONE_GROUP=tiles.gemv == "groups" and f_split == w_down.group,
         num_warps=tiles.down_warps, num_stages=1,
         launch_pdl=uses_pdl(ids_1K))
     return moe_grouped.combine(y_KD, None, weights_1K)

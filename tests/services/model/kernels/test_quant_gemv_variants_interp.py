@@ -43,8 +43,9 @@ def awq_weight():
 @pytest.mark.parametrize("x_scale", [1.0, 1e-6, 1e4])
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_grouped_one_row_linear(quant_awq, awq_weight, split_k, x_scale):
-    """4 column tiles of 64 (the last 11 columns wide), each split along K into whole groups;
-    the last split of a tile sums them and sets its counter back to zero."""
+    """4 column tiles of 64 (the last 11 columns wide), each split along K into whole groups (3 splits:
+    one group each, awq_gemv_one_group); the last split of a tile sums them and sets its counter back
+    to zero."""
     qweight, qzeros, scales, w_ref = awq_weight
     x = _randn(1, K, seed=4, scale=x_scale)
     tiles = quant_awq.AwqTiles(1, 64, 32, split_k, 4, 1, "groups")
@@ -66,9 +67,13 @@ def test_grouped_one_row_is_the_same_bits_every_run(quant_awq, awq_weight):
 def test_default_one_row_tiles_follow_the_knob(quant_awq, monkeypatch):
     tiles = quant_awq.default_tiles(1, 5120, 2048)
     assert tiles.gemv == "groups" and tiles.block_m == 1 and 128 % tiles.block_k == 0
-    # The H200 sweep's fastest splits at q|k|v's and o's shapes: each split two groups deep.
-    assert (tiles.block_n, tiles.block_k, tiles.split_k, tiles.warps) == (256, 16, 8, 4)
-    assert quant_awq.default_tiles(1, 2048, 4096).split_k == 16
+    # Qwen3-30B-A3B's q|k|v and o: one group a program (16 and 32 splits); Qwen3-235B-A22B's (2,304 and 2,048
+    # programs at one group each): 256 columns a program, splits at least two groups deep.
+    assert (tiles.block_n, tiles.block_k, tiles.split_k, tiles.warps) == (128, 16, 16, 2)
+    assert quant_awq.default_tiles(1, 2048, 4096).split_k == 32
+    big = quant_awq.default_tiles(1, 9216, 4096)
+    assert (big.block_n, big.split_k, big.warps) == (256, 7, 4)
+    assert quant_awq.default_tiles(1, 4096, 8192).split_k == 16
     assert quant_awq.default_tiles(16, 5120, 2048).gemv == "nibbles"
     monkeypatch.setattr(quant_awq, "ONE_ROW_GEMV", "nibbles")
     assert quant_awq.default_tiles(1, 5120, 2048).gemv == "nibbles"
@@ -98,7 +103,8 @@ def _one_token_reference(x, ids, weights, w_gate_up, w_down):
 @pytest.mark.parametrize("gate_up_splits", [1, 2])
 def test_grouped_one_token_experts(quant_awq_moe, gate_up_splits):
     """gate_up: 2 column tiles of 64 a half (the last 8 wide), D's two groups (128, 32) in one program
-    or two splits; down: 3 column tiles (the last 32 wide), F's one partial group."""
+    or two splits (one group each: awq_gemv_one_group); down: 3 column tiles (the last 32 wide), F's
+    one partial group."""
     w_gate_up = quant_awq_moe.AwqWeights(*ref.quant_awq(_randn(E, D, 2 * F, seed=6, scale=D ** -0.5)))
     w_down = quant_awq_moe.AwqWeights(*ref.quant_awq(_randn(E, F, D, seed=7, scale=F ** -0.5)))
     x = _randn(1, D, seed=8)
