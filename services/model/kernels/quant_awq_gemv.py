@@ -15,6 +15,8 @@ docs/performance.md) steps a whole group at a time and keeps the zeros and scale
 (the nibble read as a subnormal float) and one FFMA per value, a quarter of awq_gemv_cols'
 instructions per weight byte, and 16-byte loads of a whole group in flight per thread
 (bench/kernels/sass_stats.py: static figures). one_row_linear is the dense linear's one-row GEMV on it.
+A split one group deep takes awq_gemv_one_group instead: the program's rows summed first, then the
+group's zero and scale applied once a column (the default tiles' choice at Qwen3-30B-A3B's shapes).
 
 Split along K (more programs in flight than the columns alone give), each split stores fp32
 partials and the last of a tile's splits to finish sums them in split order (the same bits
