@@ -12,7 +12,7 @@ relative to the largest output, against bf16 (the quantization's error included)
 fp32 on the dequantized weights (the kernel's own error: ~1e-2 of bf16 rounding at most).
 The first AWQ line of each case is the default; the fastest is marked. Lines ending "groups" run
 quant_awq_gemv.awq_gemv_groups (the one-row and one-token GEMV with the zeros and scales out of the
-inner product; not the default until measured).
+inner product, the default), whose splits one group deep take awq_gemv_one_group.
 """
 
 import argparse
@@ -38,8 +38,10 @@ ONE_TOKEN = [(64, 64, 1, 4, 64, 64, 1, 4), (64, 64, 6, 4, 64, 64, 4, 4), (32, 64
 GROUPED = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 4), (128, 128, 4, 3)]
 # The grouped GEMV (quant_awq_gemv.awq_gemv_groups; "groups" in the label): (block_n, rows a slice, split_k, warps)
 # at one row besides its default tiles, and the one-token tiles besides quant_awq_moe.GROUPED_TILES.
-GROUPS_GEMV_TILES = [(256, 16, 16, 4), (512, 8, 8, 8), (256, 16, 8, 4)]
-GROUPS_ONE_TOKEN = [(256, 16, 8, 2, 512, 8, 6, 4), (256, 16, 4, 4, 512, 8, 3, 8), (128, 32, 8, 4, 128, 32, 6, 4)]
+GROUPS_GEMV_TILES = [(256, 16, 8, 4), (256, 16, 16, 4), (128, 16, 8, 2), (128, 16, 16, 4), (128, 16, 32, 2),
+                     (512, 8, 8, 8)]
+GROUPS_ONE_TOKEN = [(256, 16, 8, 2, 512, 8, 6, 4), (128, 16, 16, 2, 512, 8, 6, 4), (256, 16, 16, 2, 512, 8, 6, 4),
+                    (128, 16, 8, 2, 256, 8, 6, 2), (128, 32, 8, 4, 128, 32, 6, 4)]
 
 
 def _errors(y, bf16, dequant) -> str:
