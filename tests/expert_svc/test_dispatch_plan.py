@@ -15,6 +15,7 @@ from expert_svc.config import ExpertConfig
 from expert_svc.model_builder import ModelBuilder
 from expert_svc.rendezvous import RendezvousError
 from services.model.exchange.comm import ExpertComm
+from tests.gloo_ranks import leave_rank
 
 
 def _builder(**fields) -> ModelBuilder:
@@ -38,9 +39,10 @@ def _worker(rank: int, init_file: str, results) -> None:
         with pytest.raises(ValueError, match=rf"must be the same on every rank of a group: ranks \[{1 - rank}\] "
                                              rf"differ from rank {rank}'s"):
             _builder(ep_dispatch=("gather", "alltoall")[rank]).plan_dispatch(comm)
-        dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_rank()
 
 
 def test_ranks_agree_on_their_hosts_and_the_plan(tmp_path):

@@ -7,7 +7,6 @@ the captured work eagerly on the static tensors; the real capture runs on a GPU
 import dataclasses
 import datetime
 import json
-import os
 import pathlib
 import sys
 
@@ -25,6 +24,7 @@ from services.model.exchange.comm import ExpertComm
 from services.model.moe_dispatch import local_expert_ids
 from services.model.qwen3_moe import Qwen3MoeModel
 from tests.expert_svc.conftest import SMALL
+from tests.gloo_ranks import leave_rank
 from services.step import NewSequence, SamplingSpec, ScheduledSequence, StepPlan
 
 BLOCK_SIZE = 4
@@ -235,15 +235,10 @@ def _two_rank_worker(rank: int, init_file: str, model_dir: str, out_dir: str) ->
                 g = runner.graphs
                 result["counts"] = [g.num_eager, g.num_captures, g.num_replays]
         pathlib.Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-        # Both ranks past their last collective before either leaves: a rank that exits while its
-        # peer's gloo threads still talk to it made that peer abort (SIGABRT, 3 runs in 20).
-        dist.barrier()
     except BaseException:
         dist.destroy_process_group()
         raise
-    # Then out without gloo's teardown, whose threads still aborted a rank at exit now and then after the
-    # barrier ("terminate called without an active exception"; 1 full suite in 4): the results are on disk.
-    os._exit(0)
+    leave_rank()
 
 
 def test_two_ranks_capture_and_replay_at_different_steps_in_lockstep(small_model_dir, tmp_path):

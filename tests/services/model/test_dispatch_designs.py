@@ -23,6 +23,7 @@ from services.model.moe import MoELayer
 from services.model.moe_dispatch import combine, dispatch, gate, local_expert_ids
 from services.model.moe_experts import experts
 from services.model.qwen3_moe import Qwen3MoeModel
+from tests.gloo_ranks import leave_rank
 
 HIDDEN, WIDTH, NUM_EXPERTS, TOP_K = 16, 8, 8, 2
 CONFIG = ModelConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -132,9 +133,10 @@ def _worker(rank: int, world_size: int, init_file: str, model_dir: str) -> None:
         comm = ExpertComm(dist.group.WORLD)
         _check_layer(comm)
         _check_model(comm, model_dir)
-        dist.barrier()  # every rank past its last collective before any tears gloo down
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_rank()
 
 
 def test_gather_and_all_to_all_designs_give_the_same_bits_over_two_gloo_ranks(tmp_path):

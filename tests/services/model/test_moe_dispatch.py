@@ -19,6 +19,7 @@ from services.model.exchange.comm import ExpertComm
 from services.model.moe import MoELayer
 from services.model.moe_dispatch import combine, dispatch, gate, local_expert_ids, step_capacity
 from services.model.moe_experts import experts, grouped_mm
+from tests.gloo_ranks import leave_rank
 
 HIDDEN, WIDTH, NUM_EXPERTS, TOP_K = 16, 8, 8, 2
 
@@ -329,9 +330,10 @@ def _worker(rank: int, init_file: str) -> None:
                 assert comm.max_over_ranks(scenario[rank][0], "cpu") == max_tokens
                 _check_rank(comm, *scenario[rank], max_tokens=max_tokens)
                 _check_top4_against_one_rank(comm, scenario[rank][0], max_tokens)
-        dist.barrier()  # every rank past its last collective before any tears gloo down
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_rank()
 
 
 def test_gloo_ranks_match_per_token_loop(tmp_path):

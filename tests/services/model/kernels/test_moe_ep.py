@@ -18,6 +18,7 @@ from services.model.exchange.comm import ExpertComm  # noqa: E402
 from services.model.layers import AddNorm  # noqa: E402
 from services.model.moe import MoELayer  # noqa: E402
 from tests.triton_interpreter import interpreted  # noqa: E402
+from tests.gloo_ranks import leave_rank  # noqa: E402
 
 HIDDEN, WIDTH, NUM_EXPERTS = 48, 40, 8
 
@@ -274,9 +275,10 @@ def _gloo_worker(rank: int, init_file: str, cases: list[tuple[list[int], bool]],
             weights = _weights(torch.float32)
             for tokens_N, exchange in cases:
                 _gloo_case(rank, tep, sx, norm, weights, tokens_N, top_k, exchange)
-        dist.barrier()  # both ranks past their last collective before either tears gloo down
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_rank()
 
 
 def _gloo_case(rank: int, tep, sx, norm, weights, tokens_N: list[int], top_k: int, exchange: bool) -> None:
