@@ -11,8 +11,9 @@ expert's weights in AWQ's layout (quant_awq.py, K rows by N columns):
   dequantized in registers (tl.dot on q - z, times the group's scales).
 - one_token_gate_up / one_token_down: batch-1 decode's per-expert GEMVs on the CUDA
   cores (quant_awq_gemv.py, each split along its reduction and summed in the kernel;
-  PDL launches); down writes each expert's rounded output and moe_grouped.combine
-  sums them in expert order. OneTokenTiles.gemv picks quant_awq_gemv's GEMV (GROUPED_TILES,
+  PDL launches); the last of down's programs for a block of columns rounds each expert's
+  output and sums them weighted in expert order, as moe_grouped.combine does (a combine
+  kernel after it was a launch that PDL could not overlap). OneTokenTiles.gemv picks quant_awq_gemv's GEMV (GROUPED_TILES,
   the default: awq_gemv_groups; NIBBLE_TILES: awq_gemv_cols).
 - grouped_moe: moe_grouped.grouped_moe on these; sorted_experts: moe_gemm.sorted_experts
   on these (the dispatch path's rows).
@@ -35,7 +36,7 @@ from services.model.kernels.launch import uses_pdl, wait_for_previous_kernel
 from services.model.kernels.moe_gemm import GemmBlocks, MoEConfig, _block_rows, _grid
 from services.model.kernels.quant_awq import (awq_block_dot, awq_columns, awq_step_acc, awq_step_dot, awq_step_result,
                                               bias_bits_for, check_layout)
-from services.model.kernels.quant_awq_gemv import (MAX_SPLIT_TILES, awq_finish_splits, awq_gemv_cols, awq_gemv_groups,
+from services.model.kernels.quant_awq_gemv import (MAX_SPLIT_TILES, awq_gemv_cols, awq_gemv_groups,
                                                    awq_gemv_one_group, awq_last_split, awq_sum_splits,
                                                    awq_tile_columns, split_counters)
 from services.model.kernels.quant_fp8_moe import silu_mul
@@ -260,13 +261,17 @@ def _one_token_gate_up_kernel(x_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, act_ptr, part
 
 
 @triton.jit
-def _one_token_down_kernel(act_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, y_ptr, partials_ptr, counters_ptr, q_stride,
-                           z_stride, s_stride, f_split, HIDDEN: tl.constexpr, WIDTH: tl.constexpr,
-                           GROUP: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_F: tl.constexpr, SPLITS: tl.constexpr,
-                           PDL: tl.constexpr, GROUPS: tl.constexpr, ONE_GROUP: tl.constexpr):
-    """y[k, o]: the k-th expert's down projection of act[k], rounded to the model dtype, SPLITS
-    programs along F. PDL: its first weights are loaded before it waits for gate_up's act (ids
-    are final once gate_up runs). GROUPS: as the gate_up kernel's."""
+def _one_token_down_kernel(act_ptr, ids_ptr, weights_ptr, q_ptr, z_ptr, s_ptr, out_ptr, partials_ptr, counters_ptr,
+                           q_stride, z_stride, s_stride, f_split, HIDDEN: tl.constexpr, WIDTH: tl.constexpr,
+                           TOP_K: tl.constexpr, GROUP: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_F: tl.constexpr,
+                           SPLITS: tl.constexpr, PDL: tl.constexpr, GROUPS: tl.constexpr, ONE_GROUP: tl.constexpr):
+    """out[o] = sum over k of weight_k * (act[k] @ w_down[ids[k], o]) for a block of output columns:
+    TOP_K x SPLITS programs (the k-th expert's rows, SPLITS along F) store fp32 partials, and the
+    last of them to finish sums each expert's splits in order, rounds it to the model dtype as a
+    stored expert output, and adds the K weighted outputs as moe_grouped.combine does (each
+    product rounded, increasing expert order): no combine launch after it. PDL: its first
+    weights are loaded before it waits for gate_up's act (ids are final once gate_up runs).
+    GROUPS: as the gate_up kernel's."""
     o_block, k, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = tl.load(ids_ptr + k).to(tl.int64)
     j = o_block * (BLOCK_O // 8) + tl.arange(0, BLOCK_O // 8)
@@ -284,8 +289,16 @@ def _one_token_down_kernel(act_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, y_ptr, partial
     else:
         y = awq_gemv_cols(a_k, q_e, z_e, s_e, j, j_mask, (HIDDEN + 7) // 8, HIDDEN, f_start, f_end, GROUP, BLOCK_F,
                           BLOCK_O // 8, PDL)
-    awq_finish_splits(y_ptr + k * HIDDEN, partials_ptr + k * HIDDEN, tl.num_programs(1) * HIDDEN, y, split,
-                      counters_ptr + k * tl.num_programs(0) + o_block, o, o < HIDDEN, SPLITS)
+    o_mask = o < HIDDEN
+    split_stride = TOP_K * HIDDEN  # partials [SPLITS, K, D]
+    tl.store(partials_ptr + split * split_stride + k * HIDDEN + o, y, mask=o_mask)
+    if awq_last_split(counters_ptr + o_block, TOP_K * SPLITS):
+        dtype = out_ptr.dtype.element_ty
+        total = tl.zeros([BLOCK_O], tl.float32)
+        for kk in tl.static_range(TOP_K):
+            y_k = awq_sum_splits(partials_ptr + kk * HIDDEN, split_stride, o, o_mask, SPLITS).to(dtype)
+            total += (y_k.to(tl.float32) * tl.load(weights_ptr + kk).to(tl.float32)).to(dtype).to(tl.float32)
+        tl.store(out_ptr + o, total.to(dtype), mask=o_mask)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -367,23 +380,25 @@ def one_token_gate_up(x_1D: Tensor, ids_1K: Tensor, w_gate_up: AwqWeights,
 
 def one_token_down(act_KF: Tensor, ids_1K: Tensor, weights_1K: Tensor, w_down: AwqWeights,
                    tiles: OneTokenTiles = ONE_TOKEN_TILES) -> Tensor:
-    """out_1D: the K experts' down projections of act_KF, weighted and summed in expert order."""
+    """out_1D: the K experts' down projections of act_KF, weighted and summed in expert order (one kernel)."""
     _, width, hidden = w_down.shape()
     top_k = act_KF.shape[0]
-    assert act_KF.shape[1] == width and act_KF.is_contiguous()
+    assert act_KF.shape[1] == width and act_KF.is_contiguous() and weights_1K.is_contiguous()
     assert w_down.group % tiles.down_f == 0 and tiles.down_o % AWQ_PACK == 0
-    y_KD = act_KF.new_empty(top_k, hidden)
+    out_1D = act_KF.new_empty(1, hidden)
     f_split, splits = _splits(width, tiles.step(tiles.down_f, w_down.group), tiles.down_splits)
     grid = (triton.cdiv(hidden, tiles.down_o), top_k, splits)
-    partials, counters = _split_buffers(act_KF.device, splits, top_k, hidden, grid[0] * top_k, _DOWN_COUNTERS)
+    # Every program stores partials: the last of a column block's K x splits sums them.
+    partials = torch.empty(splits, top_k, hidden, dtype=torch.float32, device=act_KF.device)
+    assert grid[0] <= _DOWN_COUNTERS, grid[0]
+    counters = split_counters(act_KF.device, MAX_SPLIT_TILES)[_DOWN_COUNTERS:]
     _one_token_down_kernel[grid](
-        act_KF, ids_1K, w_down.qweight, w_down.qzeros, w_down.scales, y_KD, partials, counters,
-        *w_down.expert_strides(), f_split, HIDDEN=hidden, WIDTH=width, GROUP=w_down.group, BLOCK_O=tiles.down_o,
-        BLOCK_F=tiles.down_f, SPLITS=splits, PDL=uses_pdl(ids_1K), GROUPS=tiles.gemv == "groups",
-        ONE_GROUP=tiles.gemv == "groups" and f_split == w_down.group,
-        num_warps=tiles.down_warps, num_stages=1,
-        launch_pdl=uses_pdl(ids_1K))
-    return moe_grouped.combine(y_KD, None, weights_1K)
+        act_KF, ids_1K, weights_1K, w_down.qweight, w_down.qzeros, w_down.scales, out_1D, partials, counters,
+        *w_down.expert_strides(), f_split, HIDDEN=hidden, WIDTH=width, TOP_K=top_k, GROUP=w_down.group,
+        BLOCK_O=tiles.down_o, BLOCK_F=tiles.down_f, SPLITS=splits, PDL=uses_pdl(ids_1K),
+        GROUPS=tiles.gemv == "groups", ONE_GROUP=tiles.gemv == "groups" and f_split == w_down.group,
+        num_warps=tiles.down_warps, num_stages=1, launch_pdl=uses_pdl(ids_1K))
+    return out_1D
 
 
 def one_token_experts(x_1D: Tensor, ids_1K: Tensor, weights_1K: Tensor, w_gate_up: AwqWeights, w_down: AwqWeights,
