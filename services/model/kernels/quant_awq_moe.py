@@ -13,8 +13,9 @@ expert's weights in AWQ's layout (quant_awq.py, K rows by N columns):
   cores (quant_awq_gemv.py, each split along its reduction and summed in the kernel;
   PDL launches); the last of down's programs for a block of columns rounds each expert's
   output and sums them weighted in expert order, as moe_grouped.combine does (a combine
-  kernel after it was a launch that PDL could not overlap). OneTokenTiles.gemv picks quant_awq_gemv's GEMV (GROUPED_TILES,
-  the default: awq_gemv_groups; NIBBLE_TILES: awq_gemv_cols).
+  kernel after it was a launch that PDL could not overlap). OneTokenTiles.gemv picks
+  quant_awq_gemv's GEMV (GROUPED_TILES, the default: awq_gemv_groups; NIBBLE_TILES:
+  awq_gemv_cols).
 - grouped_moe: moe_grouped.grouped_moe on these; sorted_experts: moe_gemm.sorted_experts
   on these (the dispatch path's rows).
 
