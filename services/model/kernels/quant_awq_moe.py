@@ -281,8 +281,9 @@ def _one_token_down_kernel(act_ptr, ids_ptr, weights_ptr, q_ptr, z_ptr, s_ptr, o
     a_k, q_e, z_e, s_e = act_ptr + k * WIDTH, q_ptr + e * q_stride, z_ptr + e * z_stride, s_ptr + e * s_stride
     f_end = tl.minimum(f_start + f_split, WIDTH)
     o = awq_tile_columns(o_block, BLOCK_O // 8)
+    o_mask = o < HIDDEN
     if ONE_GROUP:
-        y = awq_gemv_one_group(a_k, q_e, z_e, s_e, j, j_mask, o, o < HIDDEN, (HIDDEN + 7) // 8, HIDDEN, f_start,
+        y = awq_gemv_one_group(a_k, q_e, z_e, s_e, j, j_mask, o, o_mask, (HIDDEN + 7) // 8, HIDDEN, f_start,
                                f_end, GROUP, BLOCK_F, PDL)
     elif GROUPS:
         y = awq_gemv_groups(a_k, q_e, z_e, s_e, j, j_mask, (HIDDEN + 7) // 8, HIDDEN, f_start, f_end, GROUP, BLOCK_F,
@@ -290,7 +291,6 @@ def _one_token_down_kernel(act_ptr, ids_ptr, weights_ptr, q_ptr, z_ptr, s_ptr, o
     else:
         y = awq_gemv_cols(a_k, q_e, z_e, s_e, j, j_mask, (HIDDEN + 7) // 8, HIDDEN, f_start, f_end, GROUP, BLOCK_F,
                           BLOCK_O // 8, PDL)
-    o_mask = o < HIDDEN
     split_stride = TOP_K * HIDDEN  # partials [SPLITS, K, D]
     tl.store(partials_ptr + split * split_stride + k * HIDDEN + o, y, mask=o_mask)
     if awq_last_split(counters_ptr + o_block, TOP_K * SPLITS):
@@ -351,11 +351,10 @@ def _splits(depth: int, step: int, splits: int) -> tuple[int, int]:
 
 
 def _split_buffers(device, splits: int, rows: int, cols: int, num_tiles: int, offset: int):
-    """(fp32 partials [splits, rows, cols], the kernel's split counters) of a launch (empty ones unsplit)."""
-    partials = torch.empty(splits if splits > 1 else 0, rows, cols, dtype=torch.float32, device=device)
-    if splits == 1:
-        return partials, partials
+    """(fp32 partials [splits, rows, cols], the kernel's split counters from offset on) of a launch whose
+    num_tiles tiles each count their programs."""
     assert num_tiles <= _DOWN_COUNTERS, num_tiles
+    partials = torch.empty(splits, rows, cols, dtype=torch.float32, device=device)
     return partials, split_counters(device, MAX_SPLIT_TILES)[offset:]
 
 
@@ -390,9 +389,7 @@ def one_token_down(act_KF: Tensor, ids_1K: Tensor, weights_1K: Tensor, w_down: A
     f_split, splits = _splits(width, tiles.step(tiles.down_f, w_down.group), tiles.down_splits)
     grid = (triton.cdiv(hidden, tiles.down_o), top_k, splits)
     # Every program stores partials: the last of a column block's K x splits sums them.
-    partials = torch.empty(splits, top_k, hidden, dtype=torch.float32, device=act_KF.device)
-    assert grid[0] <= _DOWN_COUNTERS, grid[0]
-    counters = split_counters(act_KF.device, MAX_SPLIT_TILES)[_DOWN_COUNTERS:]
+    partials, counters = _split_buffers(act_KF.device, splits, top_k, hidden, grid[0], _DOWN_COUNTERS)
     _one_token_down_kernel[grid](
         act_KF, ids_1K, weights_1K, w_down.qweight, w_down.qzeros, w_down.scales, out_1D, partials, counters,
         *w_down.expert_strides(), f_split, HIDDEN=hidden, WIDTH=width, TOP_K=top_k, GROUP=w_down.group,
