@@ -10,7 +10,8 @@ MoEConfig: rows per block, then gate_up's and down's (columns, warps, stages) (t
 steps one 128 block: the FP8 scales' block), its time per call (one CUDA graph over --copies
 weight copies, quant_kernels.time_us), its time over bf16's, and its largest error relative to
 the largest output against bf16 (the quantization's error included). The first line of each
-size is the default; the fastest is marked; a tile that does not fit says so.
+size is the default, the second the default in the other launch order (MoEConfig.tiles_first);
+the fastest is marked; a tile that does not fit says so.
 
 --tokens 1 instead times batch 1's weight-only GEMVs (quant_fp8.fp8_gemv_rows): q|k|v and o at one
 row and the one-token MoE (gate_route, then quant_fp8_moe.one_token_experts), each with today's
@@ -52,7 +53,7 @@ def _config(variant, tiles_first: bool) -> MoEConfig:
 def _label(config: MoEConfig) -> str:
     g, d = config.gate_up, config.down
     return f"bm{config.block_m} gu n{g.block_n} w{g.num_warps} st{g.num_stages} | down n{d.block_n} " \
-           f"w{d.num_warps} st{d.num_stages}"
+           f"w{d.num_warps} st{d.num_stages} | {'tiles' if config.tiles_first else 'blocks'} first"
 
 
 def sweep(num_tokens: int, copies: list[dict], reps: int) -> None:
@@ -63,7 +64,8 @@ def sweep(num_tokens: int, copies: list[dict], reps: int) -> None:
 
     bf16_us, y_bf16 = time_us(bf16, x, copies, reps), bf16(x, copies[0])
     default = quant_fp8_moe.default_config(num_tokens)
-    configs = [default] + [c for c in (_config(v, default.tiles_first) for v in VARIANTS) if c != default]
+    configs = [default, dataclasses.replace(default, tiles_first=not default.tiles_first)]
+    configs += [c for c in (_config(v, default.tiles_first) for v in VARIANTS) if c != default]
     rows = []
     for i, config in enumerate(configs):
         def run(x, c, config=config):
@@ -73,15 +75,15 @@ def sweep(num_tokens: int, copies: list[dict], reps: int) -> None:
             y = run(x, copies[0])
             us = time_us(run, x, copies, reps)
         except Exception as error:  # noqa: BLE001 - a tile that does not fit or compile is a result
-            print(f"M={num_tokens:<5} {label:<58} failed: {str(error).splitlines()[0][:100]}", flush=True)
+            print(f"M={num_tokens:<5} {label:<72} failed: {str(error).splitlines()[0][:100]}", flush=True)
             continue
         err = ((y.float() - y_bf16.float()).abs().max() / y_bf16.float().abs().max()).item()
         rows.append((label, us, err))
     best = min(rows, key=lambda r: r[1])
-    print(f"M={num_tokens:<5} {'bf16':<58} {bf16_us:9.1f} us", flush=True)
+    print(f"M={num_tokens:<5} {'bf16':<72} {bf16_us:9.1f} us", flush=True)
     for label, us, err in rows:
         mark = "  <- fastest" if (label, us) == best[:2] else ""
-        print(f"M={num_tokens:<5} {label:<58} {us:9.1f} us  x{us / bf16_us:4.2f} of bf16  err {err:.2e}{mark}",
+        print(f"M={num_tokens:<5} {label:<72} {us:9.1f} us  x{us / bf16_us:4.2f} of bf16  err {err:.2e}{mark}",
               flush=True)
 
 

@@ -10,7 +10,8 @@ random weights) on one GPU, per token count T:
 - grouped_mm: moe_grouped.grouped_moe(gemms="torch"): routing and align kernels,
   the expert GEMMs as torch._grouped_mm on gathered rows, the combine kernel;
 - triton: moe_grouped.grouped_moe with its default tiles (the path MoELayer takes);
-- with --sweep, the Triton GEMMs alone for each candidate tile, and the best.
+- with --sweep, the Triton GEMMs alone for each candidate tile, and the best, which is timed
+  again in the other launch order (each block's column tiles in turn).
 
 With --ep-ranks N (> 1) it times instead the expert step of rank 0 of N expert-parallel
 ranks (L = 128 / N local experts), the experts on the rows dispatch would give it when every
@@ -140,8 +141,15 @@ def sweep(layer: MoELayer, x_TD: torch.Tensor, reps: int) -> dict:
                                                     moe_gemm.GemmBlocks(*tile)), reps)
                 for tile in DOWN_TILES[block_m]}
         best_gu, best_dn = min(gate_up, key=gate_up.get), min(down, key=down.get)
+        # The tiles above launch each column tile over every block (blocks first); the best
+        # ones again with each block's column tiles in turn (MoEConfig.tiles_first).
+        tiles_first = {"gate_up": tile_ms(lambda: moe_gemm.gate_up(x_TD, a, layer.w_gate_up_LGD, TOP_K,
+                                                                     moe_gemm.GemmBlocks(*best_gu), True), reps),
+                       "down": tile_ms(lambda: moe_gemm.down(act_PF, a, layer.w_down_LDF, ids_TK.numel(),
+                                                             moe_gemm.GemmBlocks(*best_dn), True), reps)}
         best[block_m] = {"gate_up": {str(k): v for k, v in gate_up.items()}, "down": {str(k): v for k, v in down.items()},
-                         "best_gate_up": best_gu, "best_down": best_dn, "gemms_ms": gate_up[best_gu] + down[best_dn]}
+                         "best_gate_up": best_gu, "best_down": best_dn, "gemms_ms": gate_up[best_gu] + down[best_dn],
+                         "tiles_first": tiles_first}
     return best
 
 
@@ -282,6 +290,15 @@ def markdown(result: dict) -> str:
             for block_m, s in row.get("sweep", {}).items():
                 lines.append(f"| {row['tokens']} | {block_m} | {s['best_gate_up']} | {s['best_down']} | "
                              f"{s['gemms_ms']:.3f} |")
+        lines += ["", "### The best tiles in both launch orders (tiles first: each block's column tiles in turn), "
+                  "eager ms", "", "| T | block_m | gate_up blocks first | tiles first | down blocks first | tiles first |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        for row in result["rows"]:
+            for block_m, s in row.get("sweep", {}).items():
+                if "tiles_first" in s:
+                    lines.append(f"| {row['tokens']} | {block_m} | {s['gate_up'][str(tuple(s['best_gate_up']))]:.3f} | "
+                                 f"{s['tiles_first']['gate_up']:.3f} | {s['down'][str(tuple(s['best_down']))]:.3f} | "
+                                 f"{s['tiles_first']['down']:.3f} |")
         lines += ["", "### Every tile (n, k, warps, stages), eager ms", "",
                   "| T | block_m | GEMM | tile | ms |", "|---:|---:|---|---|---:|"]
         for row in result["rows"]:
