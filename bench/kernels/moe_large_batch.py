@@ -135,14 +135,14 @@ def sweep(layer: MoELayer, x_TD: torch.Tensor, reps: int) -> dict:
         a = moe_align.align(ids_TK, NUM_EXPERTS, block_m)
         act_PF = moe_gemm.gate_up(x_TD, a, layer.w_gate_up_LGD, TOP_K, moe_gemm.GemmBlocks(*GATE_UP_TILES[block_m][0]))
         gate_up = {tile: tile_ms(lambda: moe_gemm.gate_up(x_TD, a, layer.w_gate_up_LGD, TOP_K,
-                                                          moe_gemm.GemmBlocks(*tile)), reps)
+                                                          moe_gemm.GemmBlocks(*tile), False), reps)
                    for tile in GATE_UP_TILES[block_m]}
         down = {tile: tile_ms(lambda: moe_gemm.down(act_PF, a, layer.w_down_LDF, ids_TK.numel(),
-                                                    moe_gemm.GemmBlocks(*tile)), reps)
+                                                    moe_gemm.GemmBlocks(*tile), False), reps)
                 for tile in DOWN_TILES[block_m]}
         best_gu, best_dn = min(gate_up, key=gate_up.get), min(down, key=down.get)
         # The tiles above launch each column tile over every block (blocks first); the best
-        # ones again with each block's column tiles in turn (MoEConfig.tiles_first).
+        # ones again with each block's column tiles in turn (MoEConfig.tiles_first, the default).
         tiles_first = {"gate_up": tile_ms(lambda: moe_gemm.gate_up(x_TD, a, layer.w_gate_up_LGD, TOP_K,
                                                                      moe_gemm.GemmBlocks(*best_gu), True), reps),
                        "down": tile_ms(lambda: moe_gemm.down(act_PF, a, layer.w_down_LDF, ids_TK.numel(),

@@ -26,11 +26,6 @@ from services.model.kernels.moe_align import Alignment, segments
 # The switch the Triton MoE backend reads on CUDA (expert-parallel ranks): sorted_experts'
 # Triton GEMMs on dispatch's rows (False: torch._grouped_mm and SiLU * up in torch, e.g. to compare).
 EP_EXPERTS = True
-# The grouped GEMMs' launch order (MoEConfig.tiles_first) for steps of up to this many tokens:
-# each block of rows' column tiles in turn (neighbouring programs read one expert's weights).
-# Bigger steps launch each column tile over every block in turn. The faster order on an H200
-# up to this size (docs/performance.md).
-TILES_FIRST_MAX_TOKENS = 512
 # Shared memory a block may use on an H100/H200 (227 KB).
 SHARED_MEMORY_BYTES = 232448
 
@@ -49,25 +44,28 @@ class GemmBlocks:
 class MoEConfig:
     """Rows per block (both GEMMs: the segments are padded to it) and each GEMM's tile.
     gate_up's block_n counts columns of gate and of up each. tiles_first: the GEMMs launch
-    each block's column tiles in turn (else each tile over the blocks)."""
+    each block's column tiles in turn (else each column tile over every block): neighbouring
+    programs share a block's rows and an expert's weights, so each is read from HBM about once.
+    Over the blocks, a column tile's pass streams every block's rows, which fall out of L2
+    before the next tile's pass reads them again: down, whose rows are the routed pairs' act
+    (8 a token), then reads them once per column tile (docs/performance.md)."""
 
     block_m: int
     gate_up: GemmBlocks
     down: GemmBlocks
-    tiles_first: bool = False
+    tiles_first: bool = True
 
 
 def default_config(num_tokens: int) -> MoEConfig:
     """The tiles for a step of num_tokens: within 2% of the fastest of a sweep on an H200
     (Qwen3-30B-A3B's shape; docs/performance.md)."""
-    tiles_first = num_tokens <= TILES_FIRST_MAX_TOKENS
     if num_tokens <= 128:
-        return MoEConfig(16, GemmBlocks(128, 128, 4, 3), GemmBlocks(128, 128, 4, 4), tiles_first)
+        return MoEConfig(16, GemmBlocks(128, 128, 4, 3), GemmBlocks(128, 128, 4, 4))
     if num_tokens <= 256:
-        return MoEConfig(32, GemmBlocks(128, 128, 4, 3), GemmBlocks(64, 128, 4, 4), tiles_first)
+        return MoEConfig(32, GemmBlocks(128, 128, 4, 3), GemmBlocks(64, 128, 4, 4))
     if num_tokens <= 512:
-        return MoEConfig(64, GemmBlocks(128, 64, 4, 4), GemmBlocks(128, 64, 4, 4), tiles_first)
-    return MoEConfig(128, GemmBlocks(128, 64, 8, 4), GemmBlocks(256, 64, 8, 4), tiles_first)
+        return MoEConfig(64, GemmBlocks(128, 64, 4, 4), GemmBlocks(128, 64, 4, 4))
+    return MoEConfig(128, GemmBlocks(128, 64, 8, 4), GemmBlocks(256, 64, 8, 4))
 
 
 
@@ -166,7 +164,7 @@ def _stages(tile: GemmBlocks, block_m: int, element_size: int, num_weights: int)
 
 
 def gate_up(x_TD: Tensor, a: Alignment, w_gate_up_EGD: Tensor, top_k: int, tile: GemmBlocks,
-            tiles_first: bool = False) -> Tensor:
+            tiles_first: bool = True) -> Tensor:
     """act_PF = SiLU(x W_gate^T) * (x W_up^T) for each position's routed row, by expert
     (x_TD's rows may have any stride; its columns are contiguous)."""
     num_experts, double_width, hidden = w_gate_up_EGD.shape
@@ -185,7 +183,7 @@ def gate_up(x_TD: Tensor, a: Alignment, w_gate_up_EGD: Tensor, top_k: int, tile:
 
 
 def down(act_PF: Tensor, a: Alignment, w_down_EDF: Tensor, num_routed: int, tile: GemmBlocks,
-         tiles_first: bool = False) -> Tensor:
+         tiles_first: bool = True) -> Tensor:
     """y_RD: each position's act times its expert's W_down^T, stored at its routed row."""
     num_experts, hidden, width = w_down_EDF.shape
     y_RD = act_PF.new_empty(num_routed, hidden)

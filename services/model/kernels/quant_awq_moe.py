@@ -136,7 +136,7 @@ def _gate_up_shape(w: AwqWeights) -> tuple[int, int, int]:
 
 
 def gate_up(x_TD: Tensor, a: moe_align.Alignment, w_gate_up: AwqWeights, top_k: int, tile: GemmBlocks,
-            tiles_first: bool = False) -> Tensor:
+            tiles_first: bool = True) -> Tensor:
     """moe_gemm.gate_up on AWQ experts: act_PF in x's dtype (tile.block_k divides the group size)."""
     num_experts, hidden, width = _gate_up_shape(w_gate_up)
     assert x_TD.stride(1) == 1 and w_gate_up.group % tile.block_k == 0 and tile.block_n % AWQ_PACK == 0
@@ -154,7 +154,7 @@ def gate_up(x_TD: Tensor, a: moe_align.Alignment, w_gate_up: AwqWeights, top_k: 
 
 
 def down(act_PF: Tensor, a: moe_align.Alignment, w_down: AwqWeights, num_routed: int, tile: GemmBlocks,
-         tiles_first: bool = False) -> Tensor:
+         tiles_first: bool = True) -> Tensor:
     """moe_gemm.down on AWQ experts: y_RD, each position's output at its routed row."""
     num_experts, width, hidden = w_down.shape()
     assert act_PF.is_contiguous() and w_down.group % tile.block_k == 0 and tile.block_n % AWQ_PACK == 0

@@ -126,7 +126,7 @@ def _stages(tile: GemmBlocks, block_m: int, a_bytes: int, num_weights: int) -> i
 
 
 def gate_up(x_TD: Tensor, a: moe_align.Alignment, w_gate_up_EGD: Tensor, s_gate_up: Tensor, top_k: int,
-            tile: GemmBlocks, tiles_first: bool = False, kernel: str = "fp8", native: bool | None = None) -> Tensor:
+            tile: GemmBlocks, tiles_first: bool = True, kernel: str = "fp8", native: bool | None = None) -> Tensor:
     """moe_gemm.gate_up on block-FP8 experts: act_PF in x's dtype (tile.block_k unused: one 128 block a step).
     native: quant_fp8.weight_arg's (None: the device's)."""
     _check_kernel(kernel)
@@ -151,7 +151,7 @@ def gate_up(x_TD: Tensor, a: moe_align.Alignment, w_gate_up_EGD: Tensor, s_gate_
 
 
 def down(act_PF: Tensor, a: moe_align.Alignment, w_down_EDF: Tensor, s_down: Tensor, num_routed: int,
-         tile: GemmBlocks, tiles_first: bool = False, kernel: str = "fp8", native: bool | None = None) -> Tensor:
+         tile: GemmBlocks, tiles_first: bool = True, kernel: str = "fp8", native: bool | None = None) -> Tensor:
     """moe_gemm.down on block-FP8 experts: y_RD, each position's output at its routed row."""
     _check_kernel(kernel)
     num_experts, hidden, width = w_down_EDF.shape

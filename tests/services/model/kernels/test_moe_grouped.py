@@ -99,18 +99,17 @@ def test_grouped_moe_matches_moe_layer(moe_gemm, moe_grouped, num_tokens, shape,
     assert torch.equal(hits_E - 3, expected_hits_E) and int(expected_hits_E.sum()) == num_tokens * 3
 
 
-def test_tiles_first_grid(moe_gemm, moe_grouped, monkeypatch):
+def test_tiles_first_grid(moe_gemm, moe_grouped):
     """The GEMMs' grid with the column tiles as its first axis (tiles_first): the same bits;
-    default_config launches so up to TILES_FIRST_MAX_TOKENS tokens."""
+    default_config launches so at every step size, and so do the GEMMs called without a config."""
     layer = _moe_layer(48, 40)
     x_TD = torch.randn(33, 48, generator=torch.Generator().manual_seed(3))
     args = (x_TD, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True)
     outputs = [moe_grouped.grouped_moe(*args, torch.zeros(8, dtype=torch.int64), config=dataclasses.replace(
         _config(moe_gemm), tiles_first=tiles_first)) for tiles_first in (False, True)]
     assert torch.equal(outputs[0], outputs[1])
-    assert [moe_gemm.default_config(t).tiles_first for t in (1, 256, 512, 513)] == [True, True, True, False]
-    monkeypatch.setattr(moe_gemm, "TILES_FIRST_MAX_TOKENS", 0)
-    assert not moe_gemm.default_config(1).tiles_first
+    assert all(moe_gemm.default_config(t).tiles_first for t in (1, 256, 512, 513, 8192))
+    assert _config(moe_gemm).tiles_first
 
 
 def test_routed_ids_route_as_the_grouped_layer(moe_triton, monkeypatch):
