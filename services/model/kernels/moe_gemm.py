@@ -48,7 +48,7 @@ class MoEConfig:
     programs share a block's rows and an expert's weights, so each is read from HBM about once.
     Over the blocks, a column tile's pass streams every block's rows, which fall out of L2
     before the next tile's pass reads them again: down, whose rows are the routed pairs' act
-    (8 a token), then reads them once per column tile (docs/performance.md)."""
+    (top_k a token), then reads them once per column tile (docs/performance.md)."""
 
     block_m: int
     gate_up: GemmBlocks
