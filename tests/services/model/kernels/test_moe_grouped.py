@@ -101,7 +101,7 @@ def test_grouped_moe_matches_moe_layer(moe_gemm, moe_grouped, num_tokens, shape,
 
 def test_tiles_first_grid(moe_gemm, moe_grouped):
     """The GEMMs' grid with the column tiles as its first axis (tiles_first): the same bits;
-    default_config launches so at every step size, and so do the GEMMs called without a config."""
+    default_config launches so at every step size, and so does a MoEConfig built without the flag."""
     layer = _moe_layer(48, 40)
     x_TD = torch.randn(33, 48, generator=torch.Generator().manual_seed(3))
     args = (x_TD, layer.w_gate_ED, layer.w_gate_up_LGD, layer.w_down_LDF, 3, True)
