@@ -134,19 +134,21 @@ def sweep(layer: MoELayer, x_TD: torch.Tensor, reps: int) -> dict:
     for block_m in ((16, 32, 64) if num_tokens <= 512 else (64, 128)):
         a = moe_align.align(ids_TK, NUM_EXPERTS, block_m)
         act_PF = moe_gemm.gate_up(x_TD, a, layer.w_gate_up_LGD, TOP_K, moe_gemm.GemmBlocks(*GATE_UP_TILES[block_m][0]))
-        gate_up = {tile: tile_ms(lambda: moe_gemm.gate_up(x_TD, a, layer.w_gate_up_LGD, TOP_K,
-                                                          moe_gemm.GemmBlocks(*tile), False), reps)
-                   for tile in GATE_UP_TILES[block_m]}
-        down = {tile: tile_ms(lambda: moe_gemm.down(act_PF, a, layer.w_down_LDF, ids_TK.numel(),
-                                                    moe_gemm.GemmBlocks(*tile), False), reps)
-                for tile in DOWN_TILES[block_m]}
+
+        def time_gate_up(tile, tiles_first):
+            return tile_ms(lambda: moe_gemm.gate_up(x_TD, a, layer.w_gate_up_LGD, TOP_K, moe_gemm.GemmBlocks(*tile),
+                                                    tiles_first), reps)
+
+        def time_down(tile, tiles_first):
+            return tile_ms(lambda: moe_gemm.down(act_PF, a, layer.w_down_LDF, ids_TK.numel(),
+                                                 moe_gemm.GemmBlocks(*tile), tiles_first), reps)
+
+        # Every tile launched each column tile over every block (blocks first); the best ones again
+        # with each block's column tiles in turn (MoEConfig.tiles_first, the default).
+        gate_up = {tile: time_gate_up(tile, False) for tile in GATE_UP_TILES[block_m]}
+        down = {tile: time_down(tile, False) for tile in DOWN_TILES[block_m]}
         best_gu, best_dn = min(gate_up, key=gate_up.get), min(down, key=down.get)
-        # The tiles above launch each column tile over every block (blocks first); the best
-        # ones again with each block's column tiles in turn (MoEConfig.tiles_first, the default).
-        tiles_first = {"gate_up": tile_ms(lambda: moe_gemm.gate_up(x_TD, a, layer.w_gate_up_LGD, TOP_K,
-                                                                     moe_gemm.GemmBlocks(*best_gu), True), reps),
-                       "down": tile_ms(lambda: moe_gemm.down(act_PF, a, layer.w_down_LDF, ids_TK.numel(),
-                                                             moe_gemm.GemmBlocks(*best_dn), True), reps)}
+        tiles_first = {"gate_up": time_gate_up(best_gu, True), "down": time_down(best_dn, True)}
         best[block_m] = {"gate_up": {str(k): v for k, v in gate_up.items()}, "down": {str(k): v for k, v in down.items()},
                          "best_gate_up": best_gu, "best_down": best_dn, "gemms_ms": gate_up[best_gu] + down[best_dn],
                          "tiles_first": tiles_first}
